@@ -1,0 +1,1284 @@
+//! The agent core: every decision about sandbox networks lives here; the
+//! wire edges (D-Bus now, varlink/CNI/CLI later) only translate.
+//!
+//! Concurrency: each sandbox id has its own async mutex (its "slot"), so
+//! calls for one id are serialised while calls for different ids run in
+//! parallel. Shared state (allocators, the read-side view map, the pool
+//! queues) sits behind short synchronous locks that are never held across
+//! kernel or disk I/O.
+
+pub mod pool;
+pub mod recover;
+pub mod spec;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::Mutex as AsyncMutex;
+use tracing::{debug, info, warn};
+
+use crate::alloc::port::PortError;
+use crate::alloc::{IpAllocator, PortAllocator, PortSet};
+use crate::config::{format_mac, Config, Derived};
+use crate::datapath::{Check, Datapath, SandboxPath};
+use crate::netlink::{LinkChange, LinkInfo, Netlink};
+use crate::store::Store;
+use crate::tap::Tap;
+use pool::{create_tap, PoolTap, TapPool};
+use spec::{validate_sandbox_id, NetworkRecord, NetworkSpec, PortMapping, RECORD_VERSION};
+
+/// Errors as callers see them; the edges map each variant to their wire
+/// error in one place.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AgentError {
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("no network for sandbox '{0}'")]
+    NotFound(String),
+    #[error("{0}")]
+    AddressesExhausted(String),
+    #[error("{0}")]
+    PortsExhausted(String),
+    #[error("{0}")]
+    PortInUse(String),
+    #[error("{0}")]
+    Failed(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("invalid configuration")]
+    Config(#[from] crate::config::ConfigError),
+    #[error("creating {path}")]
+    Dir {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("opening the state store")]
+    Store(#[from] crate::store::StoreError),
+    #[error("netlink")]
+    Netlink(#[from] crate::netlink::NetlinkError),
+}
+
+fn failed(what: &str, e: &dyn std::error::Error) -> AgentError {
+    AgentError::Failed(format!("{what}: {}", crate::error_chain(e)))
+}
+
+/// A live sandbox network.
+struct Network {
+    rec: NetworkRecord,
+    /// The agent's own fd; `None` if the TAP could not be re-attached after
+    /// a restart (another process holds its only queue).
+    tap: Option<Tap>,
+    ifindex: u32,
+}
+
+impl Network {
+    fn path(&self) -> SandboxPath<'_> {
+        SandboxPath {
+            sandbox_id: &self.rec.sandbox_id,
+            tap_name: &self.rec.tap_name,
+            tap_ifindex: self.ifindex,
+            sandbox_ip: self.rec.sandbox_ip,
+            port_mappings: &self.rec.port_mappings,
+            allow_internet_access: self.rec.allow_internet_access,
+            allow_out: &self.rec.allow_out,
+            deny_out: &self.rec.deny_out,
+        }
+    }
+
+    fn view(&self) -> NetworkView {
+        NetworkView {
+            record: self.rec.clone(),
+            tap_ifindex: self.ifindex,
+            tap_fd_held: self.tap.is_some(),
+        }
+    }
+}
+
+/// What readers (Get/List) see; cloned out of the view map.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetworkView {
+    pub record: NetworkRecord,
+    pub tap_ifindex: u32,
+    pub tap_fd_held: bool,
+}
+
+/// Everything a runtime needs to configure the guest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetworkInfo {
+    pub view: NetworkView,
+    pub guest_ip: String,
+    pub gateway_ip: String,
+    pub guest_mac: String,
+    pub gateway_mac: String,
+    /// (destination CIDR, gateway, device) inside the guest.
+    pub routes: Vec<(String, String, String)>,
+    /// (ip, mac, device) permanent neighbours inside the guest.
+    pub arp_neighbors: Vec<(String, String, String)>,
+}
+
+/// Outcome of EnsureNetwork.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ensured {
+    Created,
+    Updated,
+    Unchanged,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReconcileReport {
+    pub checked: u32,
+    pub repaired: Vec<String>,
+    pub removed: Vec<String>,
+    pub errors: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct RecoveryReport {
+    pub adopted: u32,
+    pub repaired: u32,
+    pub fd_lost: Vec<String>,
+    pub pool_adopted: u32,
+    pub retired: u32,
+    pub stale_neighbours: u32,
+    pub quarantined: Vec<String>,
+    pub store_problems: Vec<String>,
+    pub errors: Vec<String>,
+    pub elapsed_ms: u64,
+}
+
+struct Allocs {
+    ips: IpAllocator,
+    ports: PortAllocator,
+}
+
+/// Node facts looked up at start.
+#[derive(Debug, Clone)]
+struct Gateway {
+    ifindex: u32,
+    kind: String,
+}
+
+#[derive(Debug, Clone)]
+enum Uplink {
+    Found { name: String, addr: Option<Ipv4Addr> },
+    Missing(String),
+}
+
+type Slot = Arc<AsyncMutex<Option<Network>>>;
+
+pub struct Agent {
+    cfg: Config,
+    d: Derived,
+    nl: Netlink,
+    store: Store,
+    allocs: Mutex<Allocs>,
+    slots: Mutex<HashMap<String, Slot>>,
+    views: RwLock<BTreeMap<String, NetworkView>>,
+    pool: Arc<TapPool>,
+    datapath: Arc<dyn Datapath>,
+    gateway: Gateway,
+    uplink: Uplink,
+    recovery: RecoveryReport,
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// 128 random bits from the kernel, hex encoded.
+fn new_handle() -> String {
+    let mut buf = [0u8; 16];
+    if getrandom(&mut buf).is_err() {
+        // Fall back to time + counter: unique enough for a handle.
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let t = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        buf = (t ^ (u128::from(n) << 64)).to_le_bytes();
+    }
+    buf.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
+    // SAFETY: the kernel writes at most buf.len() bytes into buf, which is a
+    // valid, exclusively borrowed buffer.
+    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if n == buf.len() as isize {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// The kernel's own `ip_local_reserved_ports`, if readable.
+fn kernel_reserved_ports() -> PortSet {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_reserved_ports")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or_default()
+}
+
+/// Resolves requested port mappings against the ones a network already has.
+/// Explicit host ports are claimed first, then `host_port = 0` requests
+/// reuse the existing mapping with the same (protocol, container port,
+/// host ip) or get a new port. Returns (mappings, newly claimed, no longer
+/// needed); on error everything claimed here is given back.
+fn resolve_ports(
+    ports: &mut PortAllocator,
+    requested: &[PortMapping],
+    existing: &[PortMapping],
+    range: (u16, u16),
+) -> Result<(Vec<PortMapping>, Vec<PortMapping>, Vec<PortMapping>), AgentError> {
+    let mut kept = vec![false; existing.len()];
+    let mut out: Vec<Option<PortMapping>> = vec![None; requested.len()];
+    let mut claimed: Vec<PortMapping> = vec![];
+    let undo = |ports: &mut PortAllocator, claimed: &[PortMapping]| {
+        for m in claimed {
+            ports.release(m.protocol, m.host_port);
+        }
+    };
+    for pass_explicit in [true, false] {
+        for (i, req) in requested.iter().enumerate() {
+            if (req.host_port != 0) != pass_explicit {
+                continue;
+            }
+            let reuse = existing.iter().enumerate().position(|(j, e)| {
+                !kept[j]
+                    && e.protocol == req.protocol
+                    && if pass_explicit {
+                        e.host_port == req.host_port
+                    } else {
+                        e.container_port == req.container_port && e.host_ip == req.host_ip
+                    }
+            });
+            let host_port = if let Some(j) = reuse {
+                kept[j] = true;
+                existing[j].host_port
+            } else if pass_explicit {
+                if let Err(e) = ports.reserve(req.protocol, req.host_port) {
+                    undo(ports, &claimed);
+                    return Err(match e {
+                        PortError::InUse(..) => AgentError::PortInUse(format!("port_mappings[{i}]: {e}")),
+                        _ => AgentError::InvalidArgument(format!("port_mappings[{i}]: {e}")),
+                    });
+                }
+                req.host_port
+            } else {
+                match ports.allocate(req.protocol) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        undo(ports, &claimed);
+                        return Err(AgentError::PortsExhausted(format!(
+                            "port_mappings[{i}]: {e} {}-{}",
+                            range.0, range.1
+                        )));
+                    }
+                }
+            };
+            let m = PortMapping {
+                host_port,
+                ..req.clone()
+            };
+            if reuse.is_none() {
+                claimed.push(m.clone());
+            }
+            out[i] = Some(m);
+        }
+    }
+    let stale = existing
+        .iter()
+        .zip(&kept)
+        .filter(|(_, k)| !**k)
+        .map(|(e, _)| e.clone())
+        .collect();
+    Ok((out.into_iter().flatten().collect(), claimed, stale))
+}
+
+impl Agent {
+    /// Validates the configuration, opens the store, sets up the gateway
+    /// device, recovers every recorded network and starts the pool task.
+    pub async fn start(cfg: Config, datapath: Arc<dyn Datapath>) -> Result<Arc<Agent>, StartError> {
+        let started = Instant::now();
+        let d = cfg.validate()?;
+        for path in [&cfg.state_dir, &cfg.runtime_dir] {
+            std::fs::create_dir_all(path).map_err(|source| StartError::Dir {
+                path: path.clone(),
+                source,
+            })?;
+        }
+        let (store, loaded) = Store::open(&cfg.state_dir)?;
+        let nl = Netlink::new()?;
+        let (gw_link, kind) = nl
+            .ensure_gateway_device_with_mtu(&cfg.gateway_device, d.pool.gateway(), d.pool.prefix_len(), None)
+            .await?;
+        info!(device = cfg.gateway_device, kind, ifindex = gw_link.index, pool = %d.pool, "gateway device ready");
+        let uplink = Self::find_uplink(&nl, &cfg.uplink).await;
+        match &uplink {
+            Uplink::Found { name, addr } => info!(uplink = name, address = ?addr, "uplink"),
+            Uplink::Missing(why) => warn!(reason = why.as_str(), "no uplink; egress and port mappings are unavailable"),
+        }
+        let mut excluded = d.reserved_ports.clone();
+        excluded.extend(&kernel_reserved_ports());
+        let allocs = Allocs {
+            ips: IpAllocator::new(d.pool).expect("validated pool"),
+            ports: PortAllocator::new(d.port_low, d.port_high, excluded),
+        };
+        let pool = Arc::new(TapPool::new(
+            nl.clone(),
+            Netlink::new()?,
+            cfg.tap_prefix.clone(),
+            cfg.mtu,
+            cfg.warm_pool as usize,
+            cfg.retire_group,
+        ));
+        let mut agent = Agent {
+            cfg,
+            d,
+            nl,
+            store,
+            allocs: Mutex::new(allocs),
+            slots: Mutex::new(HashMap::new()),
+            views: RwLock::new(BTreeMap::new()),
+            pool,
+            datapath,
+            gateway: Gateway {
+                ifindex: gw_link.index,
+                kind,
+            },
+            uplink,
+            recovery: RecoveryReport::default(),
+        };
+        let mut report = agent.recover(loaded.records).await?;
+        report.store_problems = loaded.problems;
+        report.elapsed_ms = started.elapsed().as_millis() as u64;
+        info!(
+            adopted = report.adopted,
+            repaired = report.repaired,
+            pool_adopted = report.pool_adopted,
+            retired = report.retired,
+            quarantined = report.quarantined.len(),
+            fd_lost = report.fd_lost.len(),
+            elapsed_ms = report.elapsed_ms,
+            "recovery finished"
+        );
+        agent.recovery = report;
+        let agent = Arc::new(agent);
+        // Fill the pool before serving so the first calls are warm, then
+        // keep it topped up in the background.
+        agent.pool.refill().await;
+        tokio::spawn(agent.pool.clone().run());
+        Ok(agent)
+    }
+
+    async fn find_uplink(nl: &Netlink, configured: &str) -> Uplink {
+        if configured.is_empty() {
+            return match nl.default_uplink().await {
+                Ok(Some((link, addr))) => Uplink::Found { name: link.name, addr },
+                Ok(None) => Uplink::Missing("no IPv4 default route".into()),
+                Err(e) => Uplink::Missing(crate::error_chain(&e)),
+            };
+        }
+        match nl.link_by_name(configured).await {
+            Ok(Some(link)) => {
+                let addr = nl
+                    .ipv4_addrs(link.index)
+                    .await
+                    .ok()
+                    .and_then(|a| a.first().map(|(ip, _)| *ip));
+                Uplink::Found { name: link.name, addr }
+            }
+            Ok(None) => Uplink::Missing(format!("configured uplink '{configured}' does not exist")),
+            Err(e) => Uplink::Missing(crate::error_chain(&e)),
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    fn allocs(&self) -> std::sync::MutexGuard<'_, Allocs> {
+        self.allocs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn slot(&self, id: &str) -> Slot {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots.entry(id.to_owned()).or_default().clone()
+    }
+
+    /// Drops an empty slot nobody else is waiting on. Clones of a slot are
+    /// only made under the map lock, so the count check is race-free.
+    fn forget_slot(&self, id: &str, slot: Slot) {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if Arc::strong_count(&slot) == 2
+            && slot.try_lock().map(|g| g.is_none()).unwrap_or(false)
+        {
+            slots.remove(id);
+        }
+    }
+
+    fn set_view(&self, net: &Network) {
+        let mut views = self.views.write().unwrap_or_else(|p| p.into_inner());
+        views.insert(net.rec.sandbox_id.clone(), net.view());
+    }
+
+    fn remove_view(&self, id: &str) {
+        let mut views = self.views.write().unwrap_or_else(|p| p.into_inner());
+        views.remove(id);
+    }
+
+    /// Resolves "" host IPs to the default bind address so stored records
+    /// and comparisons are explicit.
+    fn normalise(&self, mut spec: NetworkSpec) -> NetworkSpec {
+        for m in &mut spec.port_mappings {
+            if m.host_ip.is_empty() {
+                m.host_ip = self.d.default_host_ip.to_string();
+            }
+        }
+        spec
+    }
+
+    /// EnsureNetwork: creates the network, or converges an existing one to
+    /// `spec` without changing its address or TAP.
+    pub async fn ensure(&self, id: &str, spec: NetworkSpec) -> Result<(NetworkView, Ensured), AgentError> {
+        validate_sandbox_id(id)?;
+        let spec = self.normalise(spec.validated()?);
+        let slot = self.slot(id);
+        let result = {
+            let mut guard = slot.lock().await;
+            match guard.as_mut() {
+                Some(net) => self.converge(net, spec).await.map(|e| (net.view(), e)),
+                None => match self.create(id, spec).await {
+                    Ok(net) => {
+                        let view = net.view();
+                        *guard = Some(net);
+                        Ok((view, Ensured::Created))
+                    }
+                    Err(e) => Err(e),
+                },
+            }
+        };
+        if let Ok((view, change)) = &result {
+            if *change != Ensured::Unchanged {
+                let mut views = self.views.write().unwrap_or_else(|p| p.into_inner());
+                views.insert(id.to_owned(), view.clone());
+            }
+            info!(
+                sandbox_id = id,
+                tap = view.record.tap_name,
+                sandbox_ip = %view.record.sandbox_ip,
+                outcome = ?change,
+                "network ensured"
+            );
+        }
+        self.forget_slot(id, slot);
+        result
+    }
+
+    async fn create(&self, id: &str, spec: NetworkSpec) -> Result<Network, AgentError> {
+        let (ip, mappings) = {
+            let mut a = self.allocs();
+            let ip = a.ips.allocate().ok_or_else(|| {
+                AgentError::AddressesExhausted(format!(
+                    "no free sandbox address left in pool {} ({} in use)",
+                    self.d.pool,
+                    a.ips.capacity()
+                ))
+            })?;
+            match resolve_ports(&mut a.ports, &spec.port_mappings, &[], (self.d.port_low, self.d.port_high)) {
+                Ok((m, _, _)) => (ip, m),
+                Err(e) => {
+                    a.ips.release(ip);
+                    return Err(e);
+                }
+            }
+        };
+        let rec = NetworkRecord {
+            version: RECORD_VERSION,
+            sandbox_id: id.to_owned(),
+            network_handle: new_handle(),
+            sandbox_ip: IpAddr::V4(ip),
+            tap_name: spec::tap_name_for(&self.cfg.tap_prefix, IpAddr::V4(ip)),
+            mtu: spec.mtu.unwrap_or(self.cfg.mtu),
+            port_mappings: mappings,
+            allow_internet_access: spec.allow_internet_access.unwrap_or(true),
+            allow_out: spec.allow_out,
+            deny_out: spec.deny_out,
+            metadata: spec.metadata,
+            idempotency_key: spec.idempotency_key,
+            created_unix: now_unix(),
+        };
+        let net = match self.bring_up(rec).await {
+            Ok(net) => net,
+            Err((rec, e)) => {
+                self.release_allocs(&rec);
+                return Err(e);
+            }
+        };
+        if let Err(e) = self.store.put(id, net.rec.to_bytes()).await {
+            let err = failed("recording the network durably", &e);
+            self.tear_down(net).await;
+            return Err(err);
+        }
+        Ok(net)
+    }
+
+    fn release_allocs(&self, rec: &NetworkRecord) {
+        let mut a = self.allocs();
+        if let IpAddr::V4(ip) = rec.sandbox_ip {
+            a.ips.release(ip);
+        }
+        for m in &rec.port_mappings {
+            a.ports.release(m.protocol, m.host_port);
+        }
+    }
+
+    /// TAP (warm or cold) → name, MTU, up → neighbour → datapath. Undoes its
+    /// own partial work on failure.
+    async fn bring_up(&self, rec: NetworkRecord) -> Result<Network, (NetworkRecord, AgentError)> {
+        let pt = match self.pool.take() {
+            Some(pt) => {
+                let change = LinkChange {
+                    name: Some(rec.tap_name.clone()),
+                    mtu: Some(rec.mtu),
+                    up: Some(true),
+                    group: None,
+                };
+                if let Err(e) = self.nl.set_link(pt.ifindex, change).await {
+                    let err = failed(&format!("configuring pool TAP {}", pt.tap.name()), &e);
+                    self.pool.give_back(pt).await;
+                    return Err((rec, err));
+                }
+                let mut pt = pt;
+                pt.tap.set_name(rec.tap_name.clone());
+                debug!(sandbox_id = rec.sandbox_id, tap = rec.tap_name, "warm TAP taken from pool");
+                pt
+            }
+            None => match self.cold_tap(&rec.tap_name, rec.mtu).await {
+                Ok(pt) => pt,
+                Err(e) => return Err((rec, e)),
+            },
+        };
+        let mut net = Network {
+            rec,
+            ifindex: pt.ifindex,
+            tap: Some(pt.tap),
+        };
+        if let Err(e) = self
+            .nl
+            .neigh_replace_permanent(self.gateway.ifindex, net.rec.sandbox_ip, self.d.guest_mac)
+            .await
+        {
+            let err = failed("adding the neighbour entry", &e);
+            let rec = net.rec.clone();
+            self.recycle(&mut net).await;
+            return Err((rec, err));
+        }
+        if let Err(e) = self.datapath.attach(&net.path()) {
+            let err = failed("programming the datapath", &e);
+            let rec = net.rec.clone();
+            self.unwire(&net).await;
+            self.recycle(&mut net).await;
+            return Err((rec, err));
+        }
+        Ok(net)
+    }
+
+    /// Creates a TAP with its final name (pool empty, or recovery repair).
+    async fn cold_tap(&self, name: &str, mtu: u32) -> Result<PoolTap, AgentError> {
+        let pt = create_tap(name).map_err(|e| failed(&format!("creating TAP {name}"), &e))?;
+        let change = LinkChange {
+            mtu: Some(mtu),
+            up: Some(true),
+            ..Default::default()
+        };
+        if let Err(e) = self.nl.set_link(pt.ifindex, change).await {
+            let err = failed(&format!("configuring TAP {name}"), &e);
+            self.pool.retire(pt);
+            return Err(err);
+        }
+        debug!(tap = name, "cold TAP created");
+        Ok(pt)
+    }
+
+    /// Removes the neighbour entry and datapath state; best effort, errors
+    /// are returned for the caller to report.
+    async fn unwire(&self, net: &Network) -> Vec<String> {
+        let mut errors = vec![];
+        if let Err(e) = self.datapath.detach(&net.path()) {
+            errors.push(crate::error_chain(&e));
+        }
+        if let Err(e) = self.nl.neigh_del(self.gateway.ifindex, net.rec.sandbox_ip).await {
+            errors.push(crate::error_chain(&e));
+        }
+        errors
+    }
+
+    /// Returns the TAP to the pool (or deletes it if we hold no fd).
+    async fn recycle(&self, net: &mut Network) {
+        match net.tap.take() {
+            Some(tap) => {
+                self.pool
+                    .give_back(PoolTap {
+                        tap,
+                        ifindex: net.ifindex,
+                    })
+                    .await
+            }
+            None if net.ifindex != 0 => self.pool.retire_link(net.ifindex),
+            None => {}
+        }
+    }
+
+    /// Undoes a whole network: datapath, neighbour, TAP, address, ports.
+    async fn tear_down(&self, mut net: Network) {
+        let errors = self.unwire(&net).await;
+        self.recycle(&mut net).await;
+        self.release_allocs(&net.rec);
+        for error in errors {
+            warn!(sandbox_id = net.rec.sandbox_id, tap = net.rec.tap_name, error, "teardown step failed");
+        }
+    }
+
+    async fn converge(&self, net: &mut Network, spec: NetworkSpec) -> Result<Ensured, AgentError> {
+        if spec.idempotency_key.is_some() && spec.idempotency_key == net.rec.idempotency_key {
+            return Ok(Ensured::Unchanged);
+        }
+        let (mappings, claimed, stale) = {
+            let mut a = self.allocs();
+            resolve_ports(
+                &mut a.ports,
+                &spec.port_mappings,
+                &net.rec.port_mappings,
+                (self.d.port_low, self.d.port_high),
+            )?
+        };
+        let mut rec = net.rec.clone();
+        rec.port_mappings = mappings;
+        rec.allow_internet_access = spec.allow_internet_access.unwrap_or(true);
+        rec.allow_out = spec.allow_out;
+        rec.deny_out = spec.deny_out;
+        rec.metadata = spec.metadata;
+        rec.mtu = spec.mtu.unwrap_or(self.cfg.mtu);
+        rec.idempotency_key = spec.idempotency_key;
+        if rec == net.rec {
+            return Ok(Ensured::Unchanged);
+        }
+        let undo_claims = |this: &Self| {
+            let mut a = this.allocs();
+            for m in &claimed {
+                a.ports.release(m.protocol, m.host_port);
+            }
+        };
+        let old = std::mem::replace(&mut net.rec, rec);
+        let result = self.apply_change(net, &old).await;
+        if let Err(e) = result {
+            net.rec = old;
+            // Put the kernel side back the way it was (best effort).
+            let _ = self.apply_change_kernel(net, None).await;
+            undo_claims(self);
+            return Err(e);
+        }
+        let mut a = self.allocs();
+        for m in &stale {
+            a.ports.release(m.protocol, m.host_port);
+        }
+        Ok(Ensured::Updated)
+    }
+
+    async fn apply_change(&self, net: &Network, old: &NetworkRecord) -> Result<(), AgentError> {
+        self.apply_change_kernel(net, Some(old)).await?;
+        self.store
+            .put(&net.rec.sandbox_id, net.rec.to_bytes())
+            .await
+            .map_err(|e| failed("recording the network durably", &e))
+    }
+
+    async fn apply_change_kernel(&self, net: &Network, old: Option<&NetworkRecord>) -> Result<(), AgentError> {
+        if old.is_none_or(|o| o.mtu != net.rec.mtu) {
+            let change = LinkChange {
+                mtu: Some(net.rec.mtu),
+                ..Default::default()
+            };
+            self.nl
+                .set_link(net.ifindex, change)
+                .await
+                .map_err(|e| failed(&format!("setting the MTU of {}", net.rec.tap_name), &e))?;
+        }
+        self.datapath
+            .attach(&net.path())
+            .map_err(|e| failed("programming the datapath", &e))
+    }
+
+    /// ReleaseNetwork: `Ok(false)` if there was no such network.
+    pub async fn release(&self, id: &str) -> Result<bool, AgentError> {
+        validate_sandbox_id(id)?;
+        let slot = self.slot(id);
+        let result = {
+            let mut guard = slot.lock().await;
+            match guard.take() {
+                None => Ok(false),
+                Some(net) => match self.store.delete(id).await {
+                    Err(e) => {
+                        *guard = Some(net);
+                        Err(failed("removing the record", &e))
+                    }
+                    Ok(()) => {
+                        self.remove_view(id);
+                        info!(sandbox_id = id, tap = net.rec.tap_name, sandbox_ip = %net.rec.sandbox_ip, "network released");
+                        self.tear_down(net).await;
+                        Ok(true)
+                    }
+                },
+            }
+        };
+        self.forget_slot(id, slot);
+        result
+    }
+
+    pub fn get(&self, id: &str) -> Result<NetworkView, AgentError> {
+        validate_sandbox_id(id)?;
+        let views = self.views.read().unwrap_or_else(|p| p.into_inner());
+        views
+            .get(id)
+            .cloned()
+            .ok_or_else(|| AgentError::NotFound(id.to_owned()))
+    }
+
+    pub fn list(&self) -> Vec<NetworkView> {
+        let views = self.views.read().unwrap_or_else(|p| p.into_inner());
+        views.values().cloned().collect()
+    }
+
+    /// OpenTap: a fresh duplicate of the agent's TAP fd.
+    pub async fn open_tap(&self, id: &str) -> Result<OwnedFd, AgentError> {
+        validate_sandbox_id(id)?;
+        let slot = self.slot(id);
+        let result = {
+            let guard = slot.lock().await;
+            match guard.as_ref() {
+                None => Err(AgentError::NotFound(id.to_owned())),
+                Some(Network { tap: None, rec, .. }) => Err(AgentError::Failed(format!(
+                    "TAP {} is attached to another process and could not be re-opened after the agent restarted; \
+                     that process still holds it, or release and ensure the network again",
+                    rec.tap_name
+                ))),
+                Some(Network { tap: Some(tap), .. }) => {
+                    tap.dup().map_err(|e| failed("duplicating the TAP fd", &e))
+                }
+            }
+        };
+        self.forget_slot(id, slot);
+        result
+    }
+
+    /// Guest-side facts for a network (same for every sandbox).
+    pub fn describe(&self, view: NetworkView) -> NetworkInfo {
+        let dev = "eth0".to_string();
+        let gw = self.d.guest_gateway.to_string();
+        let gw_mac = format_mac(&self.d.gateway_mac);
+        NetworkInfo {
+            view,
+            guest_ip: format!("{}/{}", self.d.guest_ip, self.cfg.guest_prefix_len),
+            gateway_ip: gw.clone(),
+            guest_mac: format_mac(&self.d.guest_mac),
+            gateway_mac: gw_mac.clone(),
+            routes: vec![("0.0.0.0/0".into(), gw.clone(), dev.clone())],
+            arp_neighbors: vec![(gw, gw_mac, dev)],
+        }
+    }
+
+    pub fn active_networks(&self) -> u32 {
+        self.views.read().unwrap_or_else(|p| p.into_inner()).len() as u32
+    }
+
+    pub fn idle_taps(&self) -> u32 {
+        self.pool.idle() as u32
+    }
+
+    pub fn free_addresses(&self) -> u32 {
+        self.allocs().ips.free()
+    }
+
+    /// Health: (healthy, checks).
+    pub fn health(&self) -> (bool, Vec<Check>) {
+        let mut checks: Vec<Check> = vec![];
+        let st = self.store.stats();
+        checks.push((
+            "store".into(),
+            true,
+            format!(
+                "{}: {} records, {} commits for {} writes",
+                self.cfg.state_dir.display(),
+                self.active_networks(),
+                st.commits,
+                st.ops
+            ),
+        ));
+        checks.push((
+            "gateway_device".into(),
+            true,
+            format!(
+                "{} ({}) ifindex {} holds {}/{}",
+                self.cfg.gateway_device,
+                self.gateway.kind,
+                self.gateway.ifindex,
+                self.d.pool.gateway(),
+                self.d.pool.prefix_len()
+            ),
+        ));
+        checks.push(match &self.uplink {
+            Uplink::Found { name, addr: Some(a) } => ("uplink".into(), true, format!("{name} {a}")),
+            Uplink::Found { name, addr: None } => (
+                "uplink".into(),
+                false,
+                format!("{name} has no IPv4 address: SNAT egress is unavailable"),
+            ),
+            Uplink::Missing(why) => (
+                "uplink".into(),
+                false,
+                format!("{why}: egress and port mappings are unavailable"),
+            ),
+        });
+        let (free, cap) = {
+            let a = self.allocs();
+            (a.ips.free(), a.ips.capacity())
+        };
+        checks.push((
+            "addresses".into(),
+            free > 0,
+            format!("{free} of {cap} free in {}", self.d.pool),
+        ));
+        let ps = self.pool.stats();
+        let mut detail = format!(
+            "{} idle of {} wanted, {} abnormal, {} quarantined, {} retiring; {} created, {} deleted",
+            ps.idle,
+            ps.target,
+            ps.abnormal,
+            ps.quarantined.len(),
+            ps.retiring,
+            ps.created,
+            ps.deleted
+        );
+        for (name, why) in &ps.quarantined {
+            detail.push_str(&format!("; quarantined {name}: {why}"));
+        }
+        if let Some(e) = &ps.last_error {
+            detail.push_str(&format!("; last error: {e}"));
+        }
+        checks.push(("tap_pool".into(), ps.quarantined.is_empty(), detail));
+        let r = &self.recovery;
+        let mut detail = format!(
+            "adopted {}, repaired {}, pool TAPs adopted {}, retired {}, stale neighbours {}, quarantined records {}, in {} ms",
+            r.adopted, r.repaired, r.pool_adopted, r.retired, r.stale_neighbours, r.quarantined.len(), r.elapsed_ms
+        );
+        for q in r.quarantined.iter().chain(&r.store_problems).chain(&r.errors) {
+            detail.push_str("; ");
+            detail.push_str(q);
+        }
+        if !r.fd_lost.is_empty() {
+            detail.push_str(&format!("; TAP fd not re-opened for {}", r.fd_lost.join(", ")));
+        }
+        checks.push((
+            "recovery".into(),
+            r.quarantined.is_empty() && r.store_problems.is_empty() && r.errors.is_empty() && r.fd_lost.is_empty(),
+            detail,
+        ));
+        checks.extend(self.datapath.checks());
+        (checks.iter().all(|c| c.1), checks)
+    }
+
+    /// ReconcileNetwork: re-checks one network ("" = all, plus orphan
+    /// TAPs and stale neighbours) against the kernel and repairs drift.
+    pub async fn reconcile(&self, id: &str) -> Result<ReconcileReport, AgentError> {
+        let mut report = ReconcileReport::default();
+        let ids: Vec<String> = if id.is_empty() {
+            self.views
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .keys()
+                .cloned()
+                .collect()
+        } else {
+            validate_sandbox_id(id)?;
+            self.get(id)?;
+            vec![id.to_owned()]
+        };
+        let links = self
+            .nl
+            .list_links()
+            .await
+            .map_err(|e| failed("listing links", &e))?;
+        let by_name: HashMap<&str, &LinkInfo> = links.iter().map(|l| (l.name.as_str(), l)).collect();
+        let neighbours = self
+            .nl
+            .neigh_list(self.gateway.ifindex)
+            .await
+            .map_err(|e| failed("listing neighbours", &e))?;
+        for id in &ids {
+            let slot = self.slot(id);
+            {
+                let mut guard = slot.lock().await;
+                if let Some(net) = guard.as_mut() {
+                    report.checked += 1;
+                    self.reconcile_one(net, &by_name, &neighbours, &mut report).await;
+                    self.set_view(net);
+                }
+            }
+            self.forget_slot(id, slot);
+        }
+        if id.is_empty() {
+            self.collect_garbage(&links, &neighbours, &mut report).await;
+        }
+        info!(checked = report.checked, repaired = report.repaired.len(), removed = report.removed.len(), errors = report.errors.len(), "reconciled");
+        Ok(report)
+    }
+
+    async fn reconcile_one(
+        &self,
+        net: &mut Network,
+        links: &HashMap<&str, &LinkInfo>,
+        neighbours: &[(IpAddr, Option<[u8; 6]>, u16)],
+        report: &mut ReconcileReport,
+    ) {
+        let id = net.rec.sandbox_id.clone();
+        match links.get(net.rec.tap_name.as_str()) {
+            None => {
+                // The TAP vanished (deleted by hand): make a new one.
+                net.tap = None;
+                match self.cold_tap(&net.rec.tap_name, net.rec.mtu).await {
+                    Ok(pt) => {
+                        net.ifindex = pt.ifindex;
+                        net.tap = Some(pt.tap);
+                        report.repaired.push(format!("{id}: TAP {} was missing, recreated", net.rec.tap_name));
+                    }
+                    Err(e) => report.errors.push(format!("{id}: {e}")),
+                }
+            }
+            Some(link) => {
+                net.ifindex = link.index;
+                if !link.up || link.mtu != net.rec.mtu {
+                    let change = LinkChange {
+                        mtu: Some(net.rec.mtu),
+                        up: Some(true),
+                        ..Default::default()
+                    };
+                    match self.nl.set_link(link.index, change).await {
+                        Ok(()) => report.repaired.push(format!(
+                            "{id}: TAP {} was {} with MTU {}, set up with MTU {}",
+                            net.rec.tap_name,
+                            if link.up { "up" } else { "down" },
+                            link.mtu,
+                            net.rec.mtu
+                        )),
+                        Err(e) => report.errors.push(format!("{id}: {}", crate::error_chain(&e))),
+                    }
+                }
+            }
+        }
+        let has_neigh = neighbours
+            .iter()
+            .any(|(ip, mac, _)| *ip == net.rec.sandbox_ip && *mac == Some(self.d.guest_mac));
+        if !has_neigh {
+            match self
+                .nl
+                .neigh_replace_permanent(self.gateway.ifindex, net.rec.sandbox_ip, self.d.guest_mac)
+                .await
+            {
+                Ok(()) => report.repaired.push(format!("{id}: neighbour entry for {} restored", net.rec.sandbox_ip)),
+                Err(e) => report.errors.push(format!("{id}: {}", crate::error_chain(&e))),
+            }
+        }
+        if let Err(e) = self.datapath.attach(&net.path()) {
+            report.errors.push(format!("{id}: {e}"));
+        }
+    }
+
+    /// Our TAPs that neither a network nor the pool owns, and neighbour
+    /// entries for pool addresses nobody owns.
+    async fn collect_garbage(
+        &self,
+        links: &[LinkInfo],
+        neighbours: &[(IpAddr, Option<[u8; 6]>, u16)],
+        report: &mut ReconcileReport,
+    ) {
+        let owned: HashSet<String> = self
+            .views
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|v| v.record.tap_name.clone())
+            .collect();
+        for link in links.iter().filter(|l| l.kind.as_deref() == Some("tun")) {
+            if matches!(
+                spec::classify_tap_name(&self.cfg.tap_prefix, &link.name),
+                spec::TapNameKind::Sandbox(_)
+            ) && !owned.contains(&link.name)
+            {
+                // Re-check under the id lock is not possible (no id): only
+                // delete if it is still unowned after a fresh look.
+                let still_unowned = !self
+                    .views
+                    .read()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .values()
+                    .any(|v| v.record.tap_name == link.name);
+                if still_unowned {
+                    self.pool.retire_link(link.index);
+                    report.removed.push(format!("orphan TAP {}", link.name));
+                }
+            }
+        }
+        let owned_ips: HashSet<IpAddr> = self
+            .views
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|v| v.record.sandbox_ip)
+            .collect();
+        for (ip, _, _) in neighbours {
+            let IpAddr::V4(v4) = ip else { continue };
+            if self.d.pool.contains(*v4) && *v4 != self.d.pool.gateway() && !owned_ips.contains(ip) {
+                // A network being created right now adds its neighbour
+                // before its view exists; skip addresses still allocated.
+                if self.allocs().ips.is_allocated(*v4) {
+                    continue;
+                }
+                match self.nl.neigh_del(self.gateway.ifindex, *ip).await {
+                    Ok(()) => report.removed.push(format!("stale neighbour {ip}")),
+                    Err(e) => report.errors.push(crate::error_chain(&e)),
+                }
+            }
+        }
+    }
+
+    /// Start-up recovery: collect facts, classify, apply.
+    async fn recover(&mut self, records: BTreeMap<String, Vec<u8>>) -> Result<RecoveryReport, StartError> {
+        let mut report = RecoveryReport::default();
+        let links = self.nl.list_links().await?;
+        let neighbours = self.nl.neigh_list(self.gateway.ifindex).await?;
+        let neigh_ips: Vec<IpAddr> = neighbours.iter().map(|n| n.0).collect();
+        let plan = {
+            let a = self.allocs.get_mut().unwrap_or_else(|p| p.into_inner());
+            recover::classify(
+                &self.cfg.tap_prefix,
+                self.cfg.retire_group,
+                records,
+                &links,
+                &neigh_ips,
+                &mut a.ips,
+                &mut a.ports,
+            )
+        };
+        for (key, bytes, reason) in &plan.quarantine {
+            warn!(sandbox_id = key, reason, "record quarantined");
+            if let Err(e) = self.store.quarantine_record(key, bytes, reason).await {
+                report.errors.push(format!("quarantining {key}: {}", crate::error_chain(&e)));
+            }
+            report.quarantined.push(format!("record {key}: {reason}"));
+        }
+        let neigh_ok: HashSet<IpAddr> = neighbours
+            .iter()
+            .filter(|n| n.1 == Some(self.d.guest_mac))
+            .map(|n| n.0)
+            .collect();
+        let mut max_ip: Option<Ipv4Addr> = None;
+        for (rec, link) in plan.networks {
+            if let IpAddr::V4(v4) = rec.sandbox_ip {
+                max_ip = max_ip.max(Some(v4));
+            }
+            let net = self.adopt(rec, link, &neigh_ok, &mut report).await;
+            self.set_view(&net);
+            self.slots
+                .get_mut()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(net.rec.sandbox_id.clone(), Arc::new(AsyncMutex::new(Some(net))));
+        }
+        if let Some(ip) = max_ip {
+            self.allocs.get_mut().unwrap_or_else(|p| p.into_inner()).ips.set_cursor_after(ip);
+        }
+        if let Some(n) = plan.max_pool_name {
+            self.pool.continue_names_after(n);
+        }
+        for link in plan.pool {
+            match Tap::open_existing(&link.name) {
+                Ok(tap) if !link.up && link.mtu == self.cfg.mtu => {
+                    self.pool.adopt_idle(PoolTap { tap, ifindex: link.index });
+                    report.pool_adopted += 1;
+                }
+                _ => {
+                    self.pool.retire_link(link.index);
+                    report.retired += 1;
+                }
+            }
+        }
+        for link in plan.retire {
+            info!(tap = link.name, "retiring unowned TAP");
+            self.pool.retire_link(link.index);
+            report.retired += 1;
+        }
+        for ip in plan.stale_neighbours {
+            if let Err(e) = self.nl.neigh_del(self.gateway.ifindex, ip).await {
+                report.errors.push(crate::error_chain(&e));
+            } else {
+                report.stale_neighbours += 1;
+            }
+        }
+        self.pool.delete_retired().await;
+        Ok(report)
+    }
+
+    /// Re-attaches one recorded network to its TAP, repairing what is off.
+    async fn adopt(
+        &self,
+        rec: NetworkRecord,
+        link: Option<LinkInfo>,
+        neigh_ok: &HashSet<IpAddr>,
+        report: &mut RecoveryReport,
+    ) -> Network {
+        let id = rec.sandbox_id.clone();
+        let mut net = Network {
+            rec,
+            tap: None,
+            ifindex: 0,
+        };
+        let mut repaired = false;
+        match link {
+            Some(link) => {
+                net.ifindex = link.index;
+                match Tap::open_existing(&link.name) {
+                    Ok(tap) => net.tap = Some(tap),
+                    Err(e) if e.errno() == Some(libc::EBUSY) => {
+                        warn!(sandbox_id = id, tap = link.name, "TAP held by another process; adopted without an fd");
+                        report.fd_lost.push(id.clone());
+                    }
+                    Err(e) => report.errors.push(format!("{id}: {}", crate::error_chain(&e))),
+                }
+                if !link.up || link.mtu != net.rec.mtu {
+                    let change = LinkChange {
+                        mtu: Some(net.rec.mtu),
+                        up: Some(true),
+                        ..Default::default()
+                    };
+                    if let Err(e) = self.nl.set_link(link.index, change).await {
+                        report.errors.push(format!("{id}: {}", crate::error_chain(&e)));
+                    }
+                    repaired = true;
+                }
+            }
+            None => match self.cold_tap(&net.rec.tap_name, net.rec.mtu).await {
+                Ok(pt) => {
+                    net.ifindex = pt.ifindex;
+                    net.tap = Some(pt.tap);
+                    repaired = true;
+                }
+                Err(e) => report.errors.push(format!("{id}: {e}")),
+            },
+        }
+        if !neigh_ok.contains(&net.rec.sandbox_ip) {
+            if let Err(e) = self
+                .nl
+                .neigh_replace_permanent(self.gateway.ifindex, net.rec.sandbox_ip, self.d.guest_mac)
+                .await
+            {
+                report.errors.push(format!("{id}: {}", crate::error_chain(&e)));
+            }
+            repaired = true;
+        }
+        if let Err(e) = self.datapath.attach(&net.path()) {
+            report.errors.push(format!("{id}: {e}"));
+        }
+        if repaired {
+            report.repaired += 1;
+        } else {
+            report.adopted += 1;
+        }
+        net
+    }
+
+    /// Flushes the store; TAPs, neighbours and the datapath stay in place
+    /// for the next start to adopt.
+    pub fn shutdown(&self) {
+        info!(networks = self.active_networks(), "shutting down; networks stay in place");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::alloc::Protocol;
+
+    fn pm(p: Protocol, c: u16, h: u16) -> PortMapping {
+        PortMapping {
+            protocol: p,
+            container_port: c,
+            host_port: h,
+            host_ip: "0.0.0.0".into(),
+        }
+    }
+
+    #[test]
+    fn resolve_ports_allocates_and_reuses() {
+        let mut ports = PortAllocator::new(100, 103, PortSet::default());
+        let req = vec![pm(Protocol::Tcp, 80, 0), pm(Protocol::Tcp, 22, 9022)];
+        let (got, claimed, stale) = resolve_ports(&mut ports, &req, &[], (100, 103)).unwrap();
+        assert_eq!(got, vec![pm(Protocol::Tcp, 80, 100), pm(Protocol::Tcp, 22, 9022)]);
+        assert_eq!(claimed.len(), 2);
+        assert!(stale.is_empty());
+        // Same request again: same ports, nothing claimed or freed.
+        let (again, claimed, stale) = resolve_ports(&mut ports, &req, &got, (100, 103)).unwrap();
+        assert_eq!(again, got);
+        assert!(claimed.is_empty() && stale.is_empty());
+        // Change: drop 22, add udp 53 → 53 claimed, 9022 stale.
+        let req2 = vec![pm(Protocol::Tcp, 80, 0), pm(Protocol::Udp, 53, 0)];
+        let (conv, claimed, stale) = resolve_ports(&mut ports, &req2, &got, (100, 103)).unwrap();
+        assert_eq!(conv, vec![pm(Protocol::Tcp, 80, 100), pm(Protocol::Udp, 53, 100)]);
+        assert_eq!(claimed, vec![pm(Protocol::Udp, 53, 100)]);
+        assert_eq!(stale, vec![pm(Protocol::Tcp, 22, 9022)]);
+    }
+
+    #[test]
+    fn resolve_ports_conflict_rolls_back() {
+        let mut ports = PortAllocator::new(100, 101, PortSet::default());
+        ports.reserve(Protocol::Tcp, 8080).unwrap();
+        let req = vec![pm(Protocol::Tcp, 1, 0), pm(Protocol::Tcp, 2, 8080)];
+        let e = resolve_ports(&mut ports, &req, &[], (100, 101)).unwrap_err();
+        assert!(matches!(&e, AgentError::PortInUse(m) if m.contains("port_mappings[1]")), "{e:?}");
+        assert_eq!(ports.free(Protocol::Tcp), 2, "nothing stays claimed");
+        let req = vec![pm(Protocol::Tcp, 1, 0), pm(Protocol::Tcp, 2, 0), pm(Protocol::Tcp, 3, 0)];
+        let e = resolve_ports(&mut ports, &req, &[], (100, 101)).unwrap_err();
+        assert!(matches!(&e, AgentError::PortsExhausted(m) if m.contains("port_mappings[2]") && m.contains("100-101")), "{e:?}");
+        assert_eq!(ports.free(Protocol::Tcp), 2);
+    }
+
+    #[test]
+    fn explicit_port_takes_over_own_auto_port() {
+        let mut ports = PortAllocator::new(100, 103, PortSet::default());
+        let existing = vec![pm(Protocol::Tcp, 80, 100)];
+        ports.reserve(Protocol::Tcp, 100).unwrap();
+        // Now ask for container 81 explicitly on 100, and 80 automatically.
+        let req = vec![pm(Protocol::Tcp, 80, 0), pm(Protocol::Tcp, 81, 100)];
+        let (got, claimed, stale) = resolve_ports(&mut ports, &req, &existing, (100, 103)).unwrap();
+        assert_eq!(got[1], pm(Protocol::Tcp, 81, 100));
+        assert_ne!(got[0].host_port, 100);
+        assert_eq!(claimed.len(), 1);
+        assert!(stale.is_empty());
+    }
+
+    #[test]
+    fn handles_are_unique_hex() {
+        let a = new_handle();
+        assert_eq!(a.len(), 32);
+        assert_ne!(a, new_handle());
+    }
+}

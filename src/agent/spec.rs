@@ -1,0 +1,378 @@
+//! What a caller asks for (`NetworkSpec`), what is stored
+//! (`NetworkRecord`), and the rules both must follow. Pure code.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr};
+
+use serde::{Deserialize, Serialize};
+
+use super::AgentError;
+use crate::alloc::{Ipv4Cidr, Protocol};
+use crate::config::{MAX_MTU, MIN_MTU};
+
+pub const MAX_ID_LEN: usize = 128;
+pub const MAX_PORT_MAPPINGS: usize = 64;
+pub const MAX_CIDRS: usize = 256;
+pub const MAX_METADATA: usize = 64;
+pub const MAX_METADATA_KEY: usize = 64;
+pub const MAX_METADATA_VALUE: usize = 1024;
+pub const MAX_IDEMPOTENCY_KEY: usize = 128;
+pub const RECORD_VERSION: u32 = 1;
+
+/// `sandbox_id`: 1-128 chars of `[A-Za-z0-9_.:-]`, not starting with `.` or `-`.
+pub fn validate_sandbox_id(id: &str) -> Result<(), AgentError> {
+    let bad = |why: &str| Err(AgentError::InvalidArgument(format!("sandbox_id: {why}")));
+    if id.is_empty() {
+        return bad("must not be empty");
+    }
+    if id.len() > MAX_ID_LEN {
+        return bad(&format!("is {} bytes long, the limit is {MAX_ID_LEN}", id.len()));
+    }
+    if let Some(c) = id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-')))
+    {
+        return bad(&format!("character {c:?} is not allowed (use A-Z a-z 0-9 _ . : -)"));
+    }
+    if id.starts_with(['.', '-']) {
+        return bad("must not start with '.' or '-'");
+    }
+    Ok(())
+}
+
+/// One requested port mapping; `host_port` 0 asks the agent to pick one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PortMapping {
+    pub protocol: Protocol,
+    pub container_port: u16,
+    pub host_port: u16,
+    /// Bind address on the host; "" = the configured default.
+    pub host_ip: String,
+}
+
+/// A validated request (EnsureNetwork options), every field explicit:
+/// EnsureNetwork is declarative, so an omitted option means its default.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NetworkSpec {
+    pub port_mappings: Vec<PortMapping>,
+    pub allow_internet_access: Option<bool>,
+    pub allow_out: Vec<String>,
+    pub deny_out: Vec<String>,
+    pub metadata: BTreeMap<String, String>,
+    pub idempotency_key: Option<String>,
+    pub mtu: Option<u32>,
+}
+
+fn invalid(msg: String) -> AgentError {
+    AgentError::InvalidArgument(msg)
+}
+
+/// Normalises a policy CIDR list: plain addresses become /32, host bits are
+/// an error (with the corrected network), duplicates are removed.
+fn normalise_cidrs(key: &str, list: &[String]) -> Result<Vec<String>, AgentError> {
+    if list.len() > MAX_CIDRS {
+        return Err(invalid(format!(
+            "{key}: {} entries, the limit is {MAX_CIDRS}",
+            list.len()
+        )));
+    }
+    let mut out: Vec<String> = Vec::with_capacity(list.len());
+    for (i, item) in list.iter().enumerate() {
+        let cidr: Ipv4Cidr = if item.contains('/') {
+            item.parse()
+                .map_err(|e| invalid(format!("{key}[{i}]: {e}")))?
+        } else {
+            let ip: Ipv4Addr = item.parse().map_err(|_| {
+                invalid(format!("{key}[{i}]: '{item}' is not an IPv4 address or CIDR"))
+            })?;
+            Ipv4Cidr::new(ip, 32).expect("a /32 has no host bits")
+        };
+        let s = cidr.to_string();
+        if !out.contains(&s) {
+            out.push(s);
+        }
+    }
+    Ok(out)
+}
+
+impl NetworkSpec {
+    /// Checks every field; returns the spec in normal form.
+    pub fn validated(mut self) -> Result<Self, AgentError> {
+        if self.port_mappings.len() > MAX_PORT_MAPPINGS {
+            return Err(invalid(format!(
+                "port_mappings: {} entries, the limit is {MAX_PORT_MAPPINGS}",
+                self.port_mappings.len()
+            )));
+        }
+        for (i, m) in self.port_mappings.iter().enumerate() {
+            if m.container_port == 0 {
+                return Err(invalid(format!(
+                    "port_mappings[{i}]: container_port 0 is not a port (1-65535)"
+                )));
+            }
+            if !m.host_ip.is_empty() {
+                let ip: IpAddr = m.host_ip.parse().map_err(|_| {
+                    invalid(format!(
+                        "port_mappings[{i}]: host_ip '{}' is not an IP address",
+                        m.host_ip
+                    ))
+                })?;
+                if !ip.is_ipv4() {
+                    return Err(invalid(format!(
+                        "port_mappings[{i}]: host_ip {ip}: IPv6 is not supported yet"
+                    )));
+                }
+            }
+            if m.host_port != 0
+                && let Some(j) = self.port_mappings[..i]
+                    .iter()
+                    .position(|o| o.protocol == m.protocol && o.host_port == m.host_port)
+            {
+                return Err(invalid(format!(
+                    "port_mappings[{i}]: {} host port {} is also used by port_mappings[{j}]",
+                    m.protocol, m.host_port
+                )));
+            }
+        }
+        self.allow_out = normalise_cidrs("allow_out", &self.allow_out)?;
+        self.deny_out = normalise_cidrs("deny_out", &self.deny_out)?;
+        if self.metadata.len() > MAX_METADATA {
+            return Err(invalid(format!(
+                "metadata: {} entries, the limit is {MAX_METADATA}",
+                self.metadata.len()
+            )));
+        }
+        for (k, v) in &self.metadata {
+            if k.is_empty() || k.len() > MAX_METADATA_KEY {
+                return Err(invalid(format!(
+                    "metadata: key '{k}' must be 1-{MAX_METADATA_KEY} bytes"
+                )));
+            }
+            if v.len() > MAX_METADATA_VALUE {
+                return Err(invalid(format!(
+                    "metadata[{k}]: value is {} bytes, the limit is {MAX_METADATA_VALUE}",
+                    v.len()
+                )));
+            }
+        }
+        if let Some(key) = &self.idempotency_key
+            && (key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY)
+        {
+            return Err(invalid(format!(
+                "idempotency_key: must be 1-{MAX_IDEMPOTENCY_KEY} bytes"
+            )));
+        }
+        if let Some(mtu) = self.mtu
+            && !(MIN_MTU..=MAX_MTU).contains(&mtu)
+        {
+            return Err(invalid(format!(
+                "mtu: {mtu} is out of range {MIN_MTU}-{MAX_MTU}"
+            )));
+        }
+        Ok(self)
+    }
+}
+
+/// The durable record of one sandbox network (JSON in the store). Fields
+/// added later get `#[serde(default)]` so older records still load.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkRecord {
+    pub version: u32,
+    pub sandbox_id: String,
+    pub network_handle: String,
+    pub sandbox_ip: IpAddr,
+    pub tap_name: String,
+    pub mtu: u32,
+    pub port_mappings: Vec<PortMapping>,
+    pub allow_internet_access: bool,
+    pub allow_out: Vec<String>,
+    pub deny_out: Vec<String>,
+    pub metadata: BTreeMap<String, String>,
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+    pub created_unix: u64,
+}
+
+impl NetworkRecord {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("a record always serialises")
+    }
+
+    /// Parses and checks a stored record; the error says why it is unusable.
+    pub fn from_bytes(key: &str, bytes: &[u8]) -> Result<Self, String> {
+        let rec: NetworkRecord =
+            serde_json::from_slice(bytes).map_err(|e| format!("not a valid record: {e}"))?;
+        if rec.version != RECORD_VERSION {
+            return Err(format!("unsupported record version {}", rec.version));
+        }
+        if rec.sandbox_id != key {
+            return Err(format!(
+                "record for '{}' stored under key '{key}'",
+                rec.sandbox_id
+            ));
+        }
+        validate_sandbox_id(&rec.sandbox_id).map_err(|e| e.to_string())?;
+        Ok(rec)
+    }
+}
+
+/// TAP name of a sandbox: prefix + the address in hex (8 chars for IPv4,
+/// so a prefix of at most 7 keeps it within IFNAMSIZ for any pool CIDR).
+pub fn tap_name_for(prefix: &str, ip: IpAddr) -> String {
+    match ip {
+        IpAddr::V4(v4) => format!("{prefix}{:08x}", u32::from(v4)),
+        // Not used yet (IPv4 pools only); keeps the name within 15 bytes.
+        IpAddr::V6(v6) => format!("{prefix}{:08x}", u128::from(v6) as u32),
+    }
+}
+
+/// Idle pool TAPs: prefix + 'w' + 7 hex digits ('w' is never a hex digit,
+/// so pool and sandbox names cannot collide).
+pub fn pool_tap_name(prefix: &str, n: u32) -> String {
+    format!("{prefix}w{:07x}", n & 0x0fff_ffff)
+}
+
+/// What a TAP name of ours says about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TapNameKind {
+    Sandbox(Ipv4Addr),
+    Pool(u32),
+    Foreign,
+}
+
+pub fn classify_tap_name(prefix: &str, name: &str) -> TapNameKind {
+    let Some(rest) = name.strip_prefix(prefix) else {
+        return TapNameKind::Foreign;
+    };
+    if let Some(n) = rest.strip_prefix('w')
+        && n.len() == 7
+        && let Ok(n) = u32::from_str_radix(n, 16)
+    {
+        return TapNameKind::Pool(n);
+    }
+    if rest.len() == 8
+        && rest.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        && let Ok(v) = u32::from_str_radix(rest, 16)
+    {
+        return TapNameKind::Sandbox(Ipv4Addr::from(v));
+    }
+    TapNameKind::Foreign
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sandbox_ids() {
+        for ok in ["a", "sbx-1", "A.b:c_d-9", &"x".repeat(128), "0"] {
+            validate_sandbox_id(ok).unwrap();
+        }
+        for (bad, why) in [
+            ("", "empty"),
+            (&"x".repeat(129) as &str, "limit is 128"),
+            (".hidden", "start"),
+            ("-flag", "start"),
+            ("a/b", "'/'"),
+            ("a b", "' '"),
+            ("sbx\u{e9}", "not allowed"),
+            ("a\0b", "not allowed"),
+        ] {
+            let e = validate_sandbox_id(bad).unwrap_err().to_string();
+            assert!(e.starts_with("sandbox_id: "), "{e}");
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
+    }
+
+    fn pm(proto: Protocol, c: u16, h: u16, ip: &str) -> PortMapping {
+        PortMapping {
+            protocol: proto,
+            container_port: c,
+            host_port: h,
+            host_ip: ip.into(),
+        }
+    }
+
+    fn err(spec: NetworkSpec) -> String {
+        spec.validated().unwrap_err().to_string()
+    }
+
+    #[test]
+    fn spec_errors_name_the_field() {
+        let s = |m: Vec<PortMapping>| NetworkSpec {
+            port_mappings: m,
+            ..Default::default()
+        };
+        assert!(err(s(vec![pm(Protocol::Tcp, 0, 0, "")])).contains("port_mappings[0]: container_port"));
+        assert!(err(s(vec![pm(Protocol::Tcp, 80, 0, "nope")])).contains("host_ip 'nope'"));
+        assert!(err(s(vec![pm(Protocol::Tcp, 80, 0, "::1")])).contains("IPv6"));
+        let dup = err(s(vec![pm(Protocol::Tcp, 80, 8080, ""), pm(Protocol::Tcp, 81, 8080, "")]));
+        assert!(dup.contains("port_mappings[1]") && dup.contains("port_mappings[0]"), "{dup}");
+        // Same host port on different protocols is fine.
+        s(vec![pm(Protocol::Tcp, 80, 8080, ""), pm(Protocol::Udp, 80, 8080, "")])
+            .validated()
+            .unwrap();
+        assert!(err(s(vec![pm(Protocol::Tcp, 1, 0, ""); 65])).contains("limit is 64"));
+        let cidr = |deny: &[&str]| NetworkSpec {
+            deny_out: deny.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        };
+        assert!(err(cidr(&["10.0.0.1/8"])).contains("deny_out[0]") );
+        assert!(err(cidr(&["10.0.0.1/8"])).contains("10.0.0.0/8"));
+        assert!(err(cidr(&["1.1.1.1", "x"])).contains("deny_out[1]"));
+        let norm = cidr(&["1.1.1.1", "10.0.0.0/8", "1.1.1.1/32"]).validated().unwrap();
+        assert_eq!(norm.deny_out, vec!["1.1.1.1/32", "10.0.0.0/8"]);
+        let mtu = NetworkSpec { mtu: Some(50), ..Default::default() };
+        assert!(err(mtu).contains("mtu: 50"));
+        let md = NetworkSpec {
+            metadata: [("".to_string(), "v".to_string())].into(),
+            ..Default::default()
+        };
+        assert!(err(md).contains("metadata"));
+        let key = NetworkSpec { idempotency_key: Some(String::new()), ..Default::default() };
+        assert!(err(key).contains("idempotency_key"));
+    }
+
+    #[test]
+    fn record_roundtrip_and_rejects() {
+        let rec = NetworkRecord {
+            version: RECORD_VERSION,
+            sandbox_id: "sbx-1".into(),
+            network_handle: "00ff".into(),
+            sandbox_ip: "192.168.0.2".parse().unwrap(),
+            tap_name: "ctapc0a80002".into(),
+            mtu: 1300,
+            port_mappings: vec![pm(Protocol::Udp, 53, 20001, "")],
+            allow_internet_access: false,
+            allow_out: vec!["10.0.0.0/8".into()],
+            deny_out: vec![],
+            metadata: [("k".to_string(), "v".to_string())].into(),
+            idempotency_key: Some("req-1".into()),
+            created_unix: 1,
+        };
+        let bytes = rec.to_bytes();
+        assert_eq!(NetworkRecord::from_bytes("sbx-1", &bytes).unwrap(), rec);
+        assert!(NetworkRecord::from_bytes("other", &bytes).unwrap_err().contains("stored under"));
+        assert!(NetworkRecord::from_bytes("sbx-1", b"{garbage").unwrap_err().contains("not a valid record"));
+        let mut v2 = rec.clone();
+        v2.version = 2;
+        assert!(NetworkRecord::from_bytes("sbx-1", &v2.to_bytes()).unwrap_err().contains("version"));
+    }
+
+    #[test]
+    fn tap_names_fit_and_classify() {
+        let ip: IpAddr = "192.168.0.2".parse().unwrap();
+        let name = tap_name_for("ctapxyz", ip);
+        assert_eq!(name, "ctapxyzc0a80002");
+        assert!(name.len() < libc::IFNAMSIZ);
+        assert_eq!(
+            classify_tap_name("ctap", "ctapc0a80002"),
+            TapNameKind::Sandbox("192.168.0.2".parse().unwrap())
+        );
+        assert_eq!(classify_tap_name("ctap", &pool_tap_name("ctap", 42)), TapNameKind::Pool(42));
+        assert_eq!(pool_tap_name("ctapxyz", u32::MAX).len(), 15);
+        assert_eq!(classify_tap_name("ctap", "eth0"), TapNameKind::Foreign);
+        assert_eq!(classify_tap_name("ctap", "ctapC0A80002"), TapNameKind::Foreign);
+        assert_eq!(classify_tap_name("ctap", "ctap0"), TapNameKind::Foreign);
+    }
+}

@@ -1,0 +1,8 @@
+//! Pure allocators: sandbox addresses from the pool CIDR and host ports for
+//! port mappings. No syscalls here; the agent holds these behind a short lock.
+
+pub mod ip;
+pub mod port;
+
+pub use ip::{Ipv4Cidr, IpAllocator};
+pub use port::{PortAllocator, PortSet, Protocol};

@@ -1,0 +1,556 @@
+//! Configuration: `/etc/cube-network-agent/config.toml` (every key optional),
+//! overridden by command-line flags. All defaults live in [`Config::default`].
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::alloc::port::{parse_range, PortSet};
+use crate::alloc::{IpAllocator, Ipv4Cidr};
+
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/cube-network-agent/config.toml";
+/// Longest TAP prefix: the prefix plus 8 hex digits must fit IFNAMSIZ-1.
+pub const MAX_TAP_PREFIX: usize = 7;
+pub const MIN_MTU: u32 = 576;
+pub const MAX_MTU: u32 = 9000;
+
+/// Which bus to serve on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum BusChoice {
+    System,
+    Session,
+    Address(String),
+}
+
+impl From<BusChoice> for String {
+    fn from(b: BusChoice) -> String {
+        match b {
+            BusChoice::System => "system".into(),
+            BusChoice::Session => "session".into(),
+            BusChoice::Address(a) => a,
+        }
+    }
+}
+
+impl TryFrom<String> for BusChoice {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        match s.as_str() {
+            "system" => Ok(BusChoice::System),
+            "session" => Ok(BusChoice::Session),
+            a if a.contains(':') => Ok(BusChoice::Address(a.into())),
+            _ => Err(format!(
+                "'{s}' is not 'system', 'session' or a D-Bus address like unix:path=/run/bus"
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Bus to serve on: "system", "session" or a D-Bus address.
+    pub bus: BusChoice,
+    /// Pool of host-side sandbox addresses.
+    pub pool_cidr: String,
+    /// Gateway device holding the pool's first address.
+    pub gateway_device: String,
+    /// Node uplink (SNAT address owner); "" = interface of the default route.
+    pub uplink: String,
+    /// Prefix marking TAPs as ours (at most 7 characters).
+    pub tap_prefix: String,
+    /// Number of ready TAPs kept in the warm pool.
+    pub warm_pool: u32,
+    /// Default TAP / guest MTU.
+    pub mtu: u32,
+    /// What every guest sees.
+    pub guest_ip: String,
+    pub guest_prefix_len: u8,
+    pub guest_gateway: String,
+    pub guest_mac: String,
+    pub gateway_mac: String,
+    /// Automatic host ports for port mappings come from this range.
+    pub host_port_range: String,
+    /// Ports never chosen automatically (kernel `ip_local_reserved_ports`
+    /// syntax); the kernel's own list is added at start.
+    pub reserved_host_ports: String,
+    /// Default bind address for port mappings that give none.
+    pub default_host_ip: String,
+    /// Durable records; `$STATE_DIRECTORY` when set by systemd.
+    pub state_dir: PathBuf,
+    /// Runtime files; `$RUNTIME_DIRECTORY` when set by systemd.
+    pub runtime_dir: PathBuf,
+    /// Link group used to delete retired TAPs in one batch.
+    pub retire_group: u32,
+    /// `tracing` filter, e.g. "info" or "cube_network_agent=debug".
+    pub log_level: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            bus: BusChoice::System,
+            pool_cidr: "192.168.0.0/18".into(),
+            gateway_device: "cube-dev".into(),
+            uplink: String::new(),
+            tap_prefix: "ctap".into(),
+            warm_pool: 16,
+            mtu: 1300,
+            guest_ip: "169.254.68.6".into(),
+            guest_prefix_len: 30,
+            guest_gateway: "169.254.68.5".into(),
+            guest_mac: "20:90:6f:fc:fc:fc".into(),
+            gateway_mac: "20:90:6f:cf:cf:cf".into(),
+            host_port_range: "20000-29999".into(),
+            reserved_host_ports: String::new(),
+            default_host_ip: "0.0.0.0".into(),
+            state_dir: env_dir("STATE_DIRECTORY", "/var/lib/cube-network-agent"),
+            runtime_dir: env_dir("RUNTIME_DIRECTORY", "/run/cube-network-agent"),
+            retire_group: 0xc0be,
+            log_level: "info".into(),
+        }
+    }
+}
+
+/// systemd may pass several colon-separated directories; the first is ours.
+fn env_dir(var: &str, default: &str) -> PathBuf {
+    std::env::var_os(var)
+        .and_then(|v| v.to_str().and_then(|s| s.split(':').next()).map(PathBuf::from))
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or_else(|| PathBuf::from(default))
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{key}: {why}")]
+    Invalid { key: &'static str, why: String },
+    #[error("{0}")]
+    Usage(String),
+}
+
+fn invalid(key: &'static str, why: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key,
+        why: why.into(),
+    }
+}
+
+/// Settings derived from a validated [`Config`].
+#[derive(Debug, Clone)]
+pub struct Derived {
+    pub pool: Ipv4Cidr,
+    pub guest_ip: Ipv4Addr,
+    pub guest_gateway: Ipv4Addr,
+    pub guest_mac: [u8; 6],
+    pub gateway_mac: [u8; 6],
+    pub port_low: u16,
+    pub port_high: u16,
+    pub reserved_ports: PortSet,
+    pub default_host_ip: Ipv4Addr,
+}
+
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = s.split(':');
+    for b in &mut mac {
+        let p = parts.next()?;
+        if p.len() != 2 {
+            return None;
+        }
+        *b = u8::from_str_radix(p, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
+pub fn format_mac(mac: &[u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// Interface names: 1..=15 bytes, no '/', ':' or whitespace (dev_valid_name).
+pub fn valid_ifname(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() < libc::IFNAMSIZ
+        && name != "."
+        && name != ".."
+        && !name.bytes().any(|b| b == b'/' || b == b':' || b.is_ascii_whitespace())
+}
+
+impl Config {
+    pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| {
+            // Say which line and key, so "invalid type" is actionable.
+            let place = e.span().map(|span| {
+                let line_no = text[..span.start.min(text.len())].matches('\n').count() + 1;
+                let line = text.lines().nth(line_no - 1).unwrap_or("");
+                match line.split_once('=') {
+                    Some((key, _)) => format!("line {line_no}, key '{}': ", key.trim()),
+                    None => format!("line {line_no}: "),
+                }
+            });
+            ConfigError::Parse {
+                path: path.to_owned(),
+                message: place.unwrap_or_default() + e.message(),
+            }
+        })
+    }
+
+    /// Reads the file; a missing file at the default path means "all defaults".
+    pub fn load(path: &Path, explicit: bool) -> Result<Self, ConfigError> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Self::from_toml(&text, path),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => Ok(Self::default()),
+            Err(source) => Err(ConfigError::Read {
+                path: path.to_owned(),
+                source,
+            }),
+        }
+    }
+
+    /// Checks every value and derives the typed settings.
+    pub fn validate(&self) -> Result<Derived, ConfigError> {
+        let pool: Ipv4Cidr = self
+            .pool_cidr
+            .parse()
+            .map_err(|e| invalid("pool_cidr", format!("{e}")))?;
+        if IpAllocator::new(pool).is_none() {
+            return Err(invalid(
+                "pool_cidr",
+                format!(
+                    "{pool} is too small: need at least a /{} (network, gateway and broadcast are reserved)",
+                    IpAllocator::MAX_PREFIX_LEN
+                ),
+            ));
+        }
+        if !(MIN_MTU..=MAX_MTU).contains(&self.mtu) {
+            return Err(invalid(
+                "mtu",
+                format!("{} is out of range {MIN_MTU}-{MAX_MTU}", self.mtu),
+            ));
+        }
+        if !valid_ifname(&self.gateway_device) {
+            return Err(invalid(
+                "gateway_device",
+                format!("'{}' is not a valid interface name (1-15 chars, no '/', ':' or spaces)", self.gateway_device),
+            ));
+        }
+        if !self.uplink.is_empty() && !valid_ifname(&self.uplink) {
+            return Err(invalid("uplink", format!("'{}' is not a valid interface name", self.uplink)));
+        }
+        if self.tap_prefix.is_empty()
+            || self.tap_prefix.len() > MAX_TAP_PREFIX
+            || !self.tap_prefix.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(invalid(
+                "tap_prefix",
+                format!(
+                    "'{}' must be 1-{MAX_TAP_PREFIX} characters of [A-Za-z0-9_-] so that names fit IFNAMSIZ",
+                    self.tap_prefix
+                ),
+            ));
+        }
+        if self.gateway_device.starts_with(&self.tap_prefix) {
+            return Err(invalid(
+                "tap_prefix",
+                format!("'{}' would also match the gateway device '{}'", self.tap_prefix, self.gateway_device),
+            ));
+        }
+        if self.warm_pool > 4096 {
+            return Err(invalid("warm_pool", format!("{} is more than 4096", self.warm_pool)));
+        }
+        let guest_ip: Ipv4Addr = self
+            .guest_ip
+            .parse()
+            .map_err(|_| invalid("guest_ip", format!("'{}' is not an IPv4 address", self.guest_ip)))?;
+        let guest_gateway: Ipv4Addr = self.guest_gateway.parse().map_err(|_| {
+            invalid("guest_gateway", format!("'{}' is not an IPv4 address", self.guest_gateway))
+        })?;
+        if !(1..=30).contains(&self.guest_prefix_len) {
+            return Err(invalid("guest_prefix_len", format!("{} is not in 1-30", self.guest_prefix_len)));
+        }
+        let guest_net = Ipv4Cidr::new(
+            Ipv4Addr::from(u32::from(guest_ip) & (u32::MAX << (32 - u32::from(self.guest_prefix_len)))),
+            self.guest_prefix_len,
+        )
+        .expect("masked address has no host bits");
+        if !guest_net.contains(guest_gateway) || guest_gateway == guest_ip {
+            return Err(invalid(
+                "guest_gateway",
+                format!("{guest_gateway} must be another address inside {guest_net}"),
+            ));
+        }
+        let guest_mac = parse_mac(&self.guest_mac)
+            .ok_or_else(|| invalid("guest_mac", format!("'{}' is not a MAC like 20:90:6f:fc:fc:fc", self.guest_mac)))?;
+        let gateway_mac = parse_mac(&self.gateway_mac)
+            .ok_or_else(|| invalid("gateway_mac", format!("'{}' is not a MAC like 20:90:6f:cf:cf:cf", self.gateway_mac)))?;
+        for (key, mac) in [("guest_mac", guest_mac), ("gateway_mac", gateway_mac)] {
+            if mac[0] & 1 == 1 || mac == [0; 6] {
+                return Err(invalid(key, "must be a unicast, non-zero MAC"));
+            }
+        }
+        if guest_mac == gateway_mac {
+            return Err(invalid("gateway_mac", "must differ from guest_mac"));
+        }
+        let (port_low, port_high) =
+            parse_range(&self.host_port_range).map_err(|e| invalid("host_port_range", e.to_string()))?;
+        let reserved_ports: PortSet = self
+            .reserved_host_ports
+            .parse()
+            .map_err(|e: crate::alloc::port::PortListError| invalid("reserved_host_ports", e.to_string()))?;
+        if (port_low..=port_high).all(|p| reserved_ports.contains(p)) {
+            return Err(invalid("reserved_host_ports", "excludes every port of host_port_range"));
+        }
+        let default_host_ip: Ipv4Addr = self.default_host_ip.parse().map_err(|_| {
+            invalid("default_host_ip", format!("'{}' is not an IPv4 address", self.default_host_ip))
+        })?;
+        for (key, dir) in [("state_dir", &self.state_dir), ("runtime_dir", &self.runtime_dir)] {
+            if !dir.is_absolute() {
+                return Err(invalid(key, format!("'{}' must be an absolute path", dir.display())));
+            }
+        }
+        if self.retire_group == 0 {
+            return Err(invalid("retire_group", "0 is the default group of every link; pick another"));
+        }
+        Ok(Derived {
+            pool,
+            guest_ip,
+            guest_gateway,
+            guest_mac,
+            gateway_mac,
+            port_low,
+            port_high,
+            reserved_ports,
+            default_host_ip,
+        })
+    }
+}
+
+pub const USAGE: &str = "\
+Usage: cube-network-agent [OPTIONS]
+
+Node-local network agent for micro-VM sandboxes (D-Bus: org.cube.NetworkAgent).
+
+Options (each overrides the same key of the config file):
+  --config PATH              config file [default: /etc/cube-network-agent/config.toml]
+  --bus system|session|ADDR  bus to serve on [default: system]
+  --pool-cidr CIDR           sandbox address pool [default: 192.168.0.0/18]
+  --gateway-device NAME      gateway device [default: cube-dev]
+  --uplink NAME              node uplink [default: interface of the default route]
+  --tap-prefix PREFIX        TAP name prefix, at most 7 chars [default: ctap]
+  --warm-pool N              ready TAPs kept in the pool [default: 16]
+  --mtu N                    default TAP MTU [default: 1300]
+  --host-port-range LO-HI    automatic host ports [default: 20000-29999]
+  --reserved-host-ports LIST never chosen automatically, e.g. 22,8000-8100
+  --state-dir PATH           durable records [default: $STATE_DIRECTORY or /var/lib/cube-network-agent]
+  --runtime-dir PATH         runtime files [default: $RUNTIME_DIRECTORY or /run/cube-network-agent]
+  --log-level FILTER         tracing filter [default: info]
+  --print-config             print the effective configuration as TOML and exit
+  -h, --help                 this help
+  -V, --version              version
+";
+
+/// What the command line asks for.
+#[derive(Debug)]
+pub enum Command {
+    Run(Box<Config>),
+    PrintConfig(Box<Config>),
+    Help,
+    Version,
+}
+
+/// Parses the command line (without argv[0]): config file first, then flags.
+pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command, ConfigError> {
+    let args: Vec<String> = args.into_iter().collect();
+    let mut flags: Vec<(String, String)> = vec![];
+    let mut config_path: Option<PathBuf> = None;
+    let mut print = false;
+    let mut it = args.into_iter();
+    while let Some(arg) = it.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_owned(), Some(v.to_owned())),
+            _ => (arg.clone(), None),
+        };
+        match flag.as_str() {
+            "-h" | "--help" => return Ok(Command::Help),
+            "-V" | "--version" => return Ok(Command::Version),
+            "--print-config" => {
+                print = true;
+                continue;
+            }
+            _ => {}
+        }
+        if !flag.starts_with("--") {
+            return Err(ConfigError::Usage(format!("unexpected argument '{arg}' (see --help)")));
+        }
+        let value = match inline {
+            Some(v) => v,
+            None => it
+                .next()
+                .ok_or_else(|| ConfigError::Usage(format!("{flag} needs a value")))?,
+        };
+        if flag == "--config" {
+            config_path = Some(value.into());
+        } else {
+            flags.push((flag, value));
+        }
+    }
+    let explicit = config_path.is_some();
+    let path = config_path.unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH));
+    let mut cfg = Config::load(&path, explicit)?;
+    for (flag, value) in flags {
+        apply_flag(&mut cfg, &flag, value)?;
+    }
+    Ok(if print {
+        Command::PrintConfig(Box::new(cfg))
+    } else {
+        Command::Run(Box::new(cfg))
+    })
+}
+
+fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigError> {
+    let number = |key: &'static str, v: &str| -> Result<u32, ConfigError> {
+        v.parse().map_err(|_| invalid(key, format!("'{v}' is not a number")))
+    };
+    match flag {
+        "--bus" => cfg.bus = BusChoice::try_from(value).map_err(|why| invalid("bus", why))?,
+        "--pool-cidr" => cfg.pool_cidr = value,
+        "--gateway-device" => cfg.gateway_device = value,
+        "--uplink" => cfg.uplink = value,
+        "--tap-prefix" => cfg.tap_prefix = value,
+        "--warm-pool" => cfg.warm_pool = number("warm_pool", &value)?,
+        "--mtu" => cfg.mtu = number("mtu", &value)?,
+        "--host-port-range" => cfg.host_port_range = value,
+        "--reserved-host-ports" => cfg.reserved_host_ports = value,
+        "--state-dir" => cfg.state_dir = value.into(),
+        "--runtime-dir" => cfg.runtime_dir = value.into(),
+        "--log-level" => cfg.log_level = value,
+        _ => return Err(ConfigError::Usage(format!("unknown option {flag} (see --help)"))),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn err_of(cfg: Config) -> String {
+        cfg.validate().unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults_validate() {
+        let d = Config::default().validate().unwrap();
+        assert_eq!(d.pool.to_string(), "192.168.0.0/18");
+        assert_eq!(d.guest_mac, [0x20, 0x90, 0x6f, 0xfc, 0xfc, 0xfc]);
+        assert_eq!((d.port_low, d.port_high), (20000, 29999));
+    }
+
+    #[test]
+    fn empty_file_is_all_defaults() {
+        let c = Config::from_toml("", Path::new("x")).unwrap();
+        assert_eq!(c, Config::default());
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let e = Config::from_toml("pool_cidr = \"10.0.0.0/16\"\npool_size = 3\n", Path::new("c.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("pool_size"), "{e}");
+        assert!(e.contains("c.toml"), "{e}");
+    }
+
+    #[test]
+    fn wrong_type_is_reported() {
+        let e = Config::from_toml("mtu = \"big\"", Path::new("c.toml")).unwrap_err().to_string();
+        assert!(e.contains("line 1, key 'mtu'"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_name_the_key() {
+        let cases: Vec<(Config, &str)> = vec![
+            (Config { pool_cidr: "10.0.0.0/33".into(), ..Default::default() }, "pool_cidr"),
+            (Config { pool_cidr: "10.0.0.1/16".into(), ..Default::default() }, "10.0.0.0/16"),
+            (Config { pool_cidr: "10.0.0.0/31".into(), ..Default::default() }, "too small"),
+            (Config { mtu: 100, ..Default::default() }, "mtu"),
+            (Config { mtu: 65000, ..Default::default() }, "out of range"),
+            (Config { tap_prefix: "toolongprefix".into(), ..Default::default() }, "tap_prefix"),
+            (Config { tap_prefix: "a/b".into(), ..Default::default() }, "tap_prefix"),
+            (Config { tap_prefix: "cube".into(), ..Default::default() }, "gateway device"),
+            (Config { gateway_device: "way-too-long-name".into(), ..Default::default() }, "gateway_device"),
+            (Config { guest_mac: "zz:90:6f:fc:fc:fc".into(), ..Default::default() }, "guest_mac"),
+            (Config { gateway_mac: "21:90:6f:fc:fc:fc".into(), ..Default::default() }, "unicast"),
+            (Config { gateway_mac: "20:90:6f:fc:fc:fc".into(), ..Default::default() }, "differ"),
+            (Config { guest_gateway: "10.0.0.1".into(), ..Default::default() }, "guest_gateway"),
+            (Config { host_port_range: "30000-20000".into(), ..Default::default() }, "host_port_range"),
+            (Config { host_port_range: "100-101".into(), reserved_host_ports: "100-101".into(), ..Default::default() }, "excludes every port"),
+            (Config { reserved_host_ports: "80,x".into(), ..Default::default() }, "reserved_host_ports"),
+            (Config { state_dir: "relative".into(), ..Default::default() }, "state_dir"),
+            (Config { warm_pool: 100_000, ..Default::default() }, "warm_pool"),
+        ];
+        for (cfg, want) in cases {
+            let e = err_of(cfg);
+            assert!(e.contains(want), "error {e:?} should mention {want:?}");
+        }
+    }
+
+    #[test]
+    fn flags_override_file() {
+        let dir = std::env::temp_dir().join(format!("cna-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.toml");
+        std::fs::write(&path, "warm_pool = 4\nmtu = 1400\n").unwrap();
+        let cmd = parse_args(args(&[
+            "--config",
+            path.to_str().unwrap(),
+            "--mtu=1500",
+            "--bus",
+            "unix:path=/tmp/x",
+        ]))
+        .unwrap();
+        let Command::Run(cfg) = cmd else { panic!("expected run") };
+        assert_eq!(cfg.warm_pool, 4);
+        assert_eq!(cfg.mtu, 1500);
+        assert_eq!(cfg.bus, BusChoice::Address("unix:path=/tmp/x".into()));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn missing_explicit_config_is_an_error() {
+        let e = parse_args(args(&["--config", "/nonexistent/c.toml"])).unwrap_err();
+        assert!(e.to_string().contains("/nonexistent/c.toml"));
+    }
+
+    #[test]
+    fn usage_errors() {
+        assert!(parse_args(args(&["--bogus", "1"])).unwrap_err().to_string().contains("--bogus"));
+        assert!(parse_args(args(&["--mtu"])).unwrap_err().to_string().contains("needs a value"));
+        assert!(parse_args(args(&["--bus", "nope"])).unwrap_err().to_string().contains("bus"));
+        assert!(matches!(parse_args(args(&["--help"])), Ok(Command::Help)));
+    }
+
+    #[test]
+    fn mac_roundtrip() {
+        let m = parse_mac("20:90:6f:cf:cf:cf").unwrap();
+        assert_eq!(format_mac(&m), "20:90:6f:cf:cf:cf");
+        assert!(parse_mac("20:90:6f:cf:cf").is_none());
+        assert!(parse_mac("20:90:6f:cf:cf:cf:00").is_none());
+        assert!(parse_mac("2:90:6f:cf:cf:cf").is_none());
+    }
+}

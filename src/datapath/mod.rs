@@ -1,0 +1,69 @@
+//! The per-sandbox datapath behind each TAP.
+//!
+//! The agent core calls this seam at every state change: `attach` after a
+//! TAP is configured (ensure, convergence and recovery call it; it must be
+//! idempotent), `detach` before the TAP goes back to the pool, `checks` for
+//! Health. The eBPF implementation (proxy ARP, SNAT, port mappings, policy)
+//! plugs in here; [`NoopDatapath`] is the implementation used until it
+//! exists, and stays useful as the driver for hosts that route sandboxes by
+//! other means.
+
+use std::net::IpAddr;
+
+use crate::agent::spec::PortMapping;
+
+/// Everything the datapath needs to know about one sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxPath<'a> {
+    pub sandbox_id: &'a str,
+    pub tap_name: &'a str,
+    pub tap_ifindex: u32,
+    pub sandbox_ip: IpAddr,
+    pub port_mappings: &'a [PortMapping],
+    pub allow_internet_access: bool,
+    pub allow_out: &'a [String],
+    pub deny_out: &'a [String],
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {detail}")]
+pub struct DatapathError {
+    pub what: &'static str,
+    pub detail: String,
+}
+
+/// One line of Health: (name, ok, detail).
+pub type Check = (String, bool, String);
+
+pub trait Datapath: Send + Sync {
+    /// Installs or replaces the sandbox's datapath state (idempotent).
+    fn attach(&self, sandbox: &SandboxPath<'_>) -> Result<(), DatapathError>;
+    /// Removes every entry of the sandbox; missing entries are not an error.
+    fn detach(&self, sandbox: &SandboxPath<'_>) -> Result<(), DatapathError>;
+    /// Health checks of the datapath itself.
+    fn checks(&self) -> Vec<Check>;
+}
+
+/// A datapath that programs nothing: TAPs, addresses, neighbour entries and
+/// records are managed, packets are left to the host's own routing.
+#[derive(Debug, Default)]
+pub struct NoopDatapath;
+
+impl Datapath for NoopDatapath {
+    fn attach(&self, _sandbox: &SandboxPath<'_>) -> Result<(), DatapathError> {
+        Ok(())
+    }
+
+    fn detach(&self, _sandbox: &SandboxPath<'_>) -> Result<(), DatapathError> {
+        Ok(())
+    }
+
+    fn checks(&self) -> Vec<Check> {
+        vec![(
+            "datapath".into(),
+            true,
+            "none: no eBPF datapath in this build; sandboxes get TAP, address and neighbour only"
+                .into(),
+        )]
+    }
+}

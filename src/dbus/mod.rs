@@ -1,0 +1,545 @@
+//! The D-Bus wire edge: `org.cube.NetworkAgent` on `/org/cube/NetworkAgent`.
+//! It only translates between `a{sv}` dictionaries and the agent core;
+//! [`Error`]'s `From<AgentError>` is the one place where core errors become
+//! D-Bus errors.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::{info, warn};
+use zbus::object_server::SignalEmitter;
+use zbus::zvariant::{OwnedObjectPath, OwnedValue, Value};
+use zbus::{fdo, interface, Connection, ObjectServer};
+
+use crate::agent::spec::{NetworkSpec, PortMapping};
+use crate::agent::{Agent, AgentError, Ensured, NetworkInfo, ReconcileReport};
+use crate::config::BusChoice;
+
+pub const BUS_NAME: &str = "org.cube.NetworkAgent";
+pub const MANAGER_PATH: &str = "/org/cube/NetworkAgent";
+pub const NETWORK_PATH_PREFIX: &str = "/org/cube/NetworkAgent/network";
+
+/// Errors on the wire: `org.cube.NetworkAgent.Error.*`.
+#[derive(Debug, zbus::DBusError)]
+#[zbus(prefix = "org.cube.NetworkAgent.Error")]
+pub enum Error {
+    #[zbus(error)]
+    ZBus(zbus::Error),
+    InvalidArgument(String),
+    NotFound(String),
+    AddressesExhausted(String),
+    PortsExhausted(String),
+    PortInUse(String),
+    Failed(String),
+}
+
+impl From<AgentError> for Error {
+    fn from(e: AgentError) -> Self {
+        match e {
+            AgentError::InvalidArgument(m) => Error::InvalidArgument(m),
+            e @ AgentError::NotFound(_) => Error::NotFound(e.to_string()),
+            AgentError::AddressesExhausted(m) => Error::AddressesExhausted(m),
+            AgentError::PortsExhausted(m) => Error::PortsExhausted(m),
+            AgentError::PortInUse(m) => Error::PortInUse(m),
+            AgentError::Failed(m) => Error::Failed(m),
+        }
+    }
+}
+
+/// Object path of a sandbox's network object. Ids may contain `.:-`, which
+/// object paths do not allow: like systemd's `sd_bus_path_encode`, every
+/// byte outside `[A-Za-z0-9]` becomes `_xx` (hex).
+pub fn network_path(sandbox_id: &str) -> OwnedObjectPath {
+    let mut p = String::with_capacity(NETWORK_PATH_PREFIX.len() + 1 + sandbox_id.len() * 3);
+    p.push_str(NETWORK_PATH_PREFIX);
+    p.push('/');
+    for b in sandbox_id.bytes() {
+        if b.is_ascii_alphanumeric() {
+            p.push(b as char);
+        } else {
+            p.push_str(&format!("_{b:02x}"));
+        }
+    }
+    OwnedObjectPath::try_from(p).expect("escaped path is valid")
+}
+
+pub const OPTION_KEYS: &[&str] = &[
+    "port_mappings",
+    "allow_internet_access",
+    "allow_out",
+    "deny_out",
+    "metadata",
+    "idempotency_key",
+    "mtu",
+];
+
+fn bad(msg: String) -> AgentError {
+    AgentError::InvalidArgument(msg)
+}
+
+/// Converts one option after checking its D-Bus type.
+fn typed<T>(key: &str, v: &OwnedValue, sig: &str) -> Result<T, AgentError>
+where
+    T: TryFrom<Value<'static>>,
+{
+    let got = v.value_signature().to_string();
+    if got != sig {
+        return Err(bad(format!("option {key}: expected type '{sig}', got '{got}'")));
+    }
+    let owned = v
+        .try_clone()
+        .map_err(|e| bad(format!("option {key}: {e}")))?;
+    T::try_from(Value::from(owned)).map_err(|_| bad(format!("option {key}: malformed '{sig}' value")))
+}
+
+/// `a{sv}` options → a spec. Unknown keys and wrong types name the key.
+pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpec, AgentError> {
+    let mut spec = NetworkSpec::default();
+    let mut keys: Vec<&String> = options.keys().collect();
+    keys.sort();
+    for key in keys {
+        let v = &options[key];
+        match key.as_str() {
+            "port_mappings" => {
+                let raw: Vec<(String, u16, u16, String)> = typed(key, v, "a(sqqs)")?;
+                for (i, (proto, container_port, host_port, host_ip)) in raw.into_iter().enumerate() {
+                    let protocol = proto.parse().map_err(|()| {
+                        bad(format!("port_mappings[{i}]: protocol '{proto}' is not 'tcp' or 'udp'"))
+                    })?;
+                    spec.port_mappings.push(PortMapping {
+                        protocol,
+                        container_port,
+                        host_port,
+                        host_ip,
+                    });
+                }
+            }
+            "allow_internet_access" => spec.allow_internet_access = Some(typed(key, v, "b")?),
+            "allow_out" => spec.allow_out = typed(key, v, "as")?,
+            "deny_out" => spec.deny_out = typed(key, v, "as")?,
+            "metadata" => {
+                let m: HashMap<String, String> = typed(key, v, "a{ss}")?;
+                spec.metadata = m.into_iter().collect();
+            }
+            "idempotency_key" => spec.idempotency_key = Some(typed(key, v, "s")?),
+            "mtu" => spec.mtu = Some(typed(key, v, "u")?),
+            other => {
+                return Err(bad(format!(
+                    "unknown option '{other}' (known: {})",
+                    OPTION_KEYS.join(", ")
+                )));
+            }
+        }
+    }
+    Ok(spec)
+}
+
+fn mappings_value(m: &[PortMapping]) -> Vec<(String, u16, u16, String)> {
+    m.iter()
+        .map(|m| (m.protocol.to_string(), m.container_port, m.host_port, m.host_ip.clone()))
+        .collect()
+}
+
+/// A network as the `a{sv}` the SPEC describes.
+pub fn network_dict(info: NetworkInfo) -> HashMap<String, OwnedValue> {
+    let r = info.view.record;
+    let mut d: HashMap<String, OwnedValue> = HashMap::new();
+    let mut put = |k: &str, v: Value<'_>| {
+        d.insert(k.to_owned(), v.try_to_owned().expect("no fds in a network dict"));
+    };
+    put("sandbox_id", Value::from(r.sandbox_id));
+    put("network_handle", Value::from(r.network_handle));
+    put("tap_name", Value::from(r.tap_name));
+    put("tap_ifindex", Value::from(info.view.tap_ifindex as i32));
+    put("sandbox_ip", Value::from(r.sandbox_ip.to_string()));
+    put("guest_ip", Value::from(info.guest_ip));
+    put("gateway_ip", Value::from(info.gateway_ip));
+    put("guest_mac", Value::from(info.guest_mac));
+    put("gateway_mac", Value::from(info.gateway_mac));
+    put("mtu", Value::from(r.mtu));
+    put("port_mappings", Value::from(mappings_value(&r.port_mappings)));
+    put("allow_internet_access", Value::from(r.allow_internet_access));
+    put("allow_out", Value::from(r.allow_out));
+    put("deny_out", Value::from(r.deny_out));
+    put("metadata", Value::from(r.metadata.into_iter().collect::<HashMap<_, _>>()));
+    put("routes", Value::from(info.routes));
+    put("arp_neighbors", Value::from(info.arp_neighbors));
+    put("created_unix", Value::from(r.created_unix));
+    if let Some(k) = r.idempotency_key {
+        put("idempotency_key", Value::from(k));
+    }
+    d
+}
+
+fn report_dict(r: ReconcileReport) -> HashMap<String, OwnedValue> {
+    let mut d: HashMap<String, OwnedValue> = HashMap::new();
+    let mut put = |k: &str, v: Value<'_>| {
+        d.insert(k.to_owned(), v.try_to_owned().expect("no fds"));
+    };
+    put("checked", Value::from(r.checked));
+    put("repaired", Value::from(r.repaired));
+    put("removed", Value::from(r.removed));
+    put("errors", Value::from(r.errors));
+    d
+}
+
+/// The manager object.
+pub struct Manager {
+    agent: Arc<Agent>,
+}
+
+impl Manager {
+    fn info(&self, view: crate::agent::NetworkView) -> HashMap<String, OwnedValue> {
+        network_dict(self.agent.describe(view))
+    }
+}
+
+#[interface(name = "org.cube.NetworkAgent")]
+impl Manager {
+    /// Creates the sandbox's network, or converges it to `options`.
+    #[zbus(out_args("network"))]
+    async fn ensure_network(
+        &self,
+        sandbox_id: String,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(object_server)] server: &ObjectServer,
+        #[zbus(signal_emitter)] emitter: SignalEmitter<'_>,
+    ) -> Result<HashMap<String, OwnedValue>, Error> {
+        let spec = parse_options(&options)?;
+        let (view, change) = self.agent.ensure(&sandbox_id, spec).await?;
+        let dict = self.info(view);
+        match change {
+            Ensured::Created => {
+                let obj = NetworkObject {
+                    agent: self.agent.clone(),
+                    id: sandbox_id.clone(),
+                };
+                if let Err(e) = server.at(network_path(&sandbox_id), obj).await {
+                    warn!(sandbox_id, error = %e, "registering the network object failed");
+                }
+            }
+            Ensured::Updated => {
+                if let Ok(iface) = server
+                    .interface::<_, NetworkObject>(network_path(&sandbox_id))
+                    .await
+                {
+                    let obj = iface.get().await;
+                    let e = iface.signal_emitter();
+                    let _ = obj.port_mappings_changed(e).await;
+                    let _ = obj.mtu_changed(e).await;
+                    let _ = obj.allow_internet_access_changed(e).await;
+                    let _ = obj.allow_out_changed(e).await;
+                    let _ = obj.deny_out_changed(e).await;
+                }
+            }
+            Ensured::Unchanged => return Ok(dict),
+        }
+        let _ = Self::network_ensured(&emitter, &sandbox_id, dict.clone()).await;
+        Ok(dict)
+    }
+
+    /// Returns everything; false if there was no such network.
+    #[zbus(out_args("released"))]
+    async fn release_network(
+        &self,
+        sandbox_id: String,
+        #[zbus(object_server)] server: &ObjectServer,
+        #[zbus(signal_emitter)] emitter: SignalEmitter<'_>,
+    ) -> Result<bool, Error> {
+        let released = self.agent.release(&sandbox_id).await?;
+        if released {
+            let _ = server
+                .remove::<NetworkObject, _>(network_path(&sandbox_id))
+                .await;
+            let _ = Self::network_released(&emitter, &sandbox_id).await;
+        }
+        Ok(released)
+    }
+
+    /// Re-checks one network ("" = all) against the kernel and repairs it.
+    #[zbus(out_args("report"))]
+    async fn reconcile_network(&self, sandbox_id: String) -> Result<HashMap<String, OwnedValue>, Error> {
+        Ok(report_dict(self.agent.reconcile(&sandbox_id).await?))
+    }
+
+    #[zbus(out_args("network"))]
+    async fn get_network(&self, sandbox_id: String) -> Result<HashMap<String, OwnedValue>, Error> {
+        Ok(self.info(self.agent.get(&sandbox_id)?))
+    }
+
+    #[zbus(out_args("networks"))]
+    async fn list_networks(&self) -> Vec<HashMap<String, OwnedValue>> {
+        self.agent.list().into_iter().map(|v| self.info(v)).collect()
+    }
+
+    /// A fresh duplicate of the TAP fd for the VMM.
+    #[zbus(out_args("tap_fd"))]
+    async fn open_tap(&self, sandbox_id: String) -> Result<zbus::zvariant::OwnedFd, Error> {
+        Ok(self.agent.open_tap(&sandbox_id).await?.into())
+    }
+
+    #[zbus(out_args("healthy", "checks"))]
+    async fn health(&self) -> (bool, Vec<(String, bool, String)>) {
+        self.agent.health()
+    }
+
+    #[zbus(property)]
+    async fn version(&self) -> String {
+        env!("CARGO_PKG_VERSION").to_owned()
+    }
+
+    #[zbus(property)]
+    async fn active_networks(&self) -> u32 {
+        self.agent.active_networks()
+    }
+
+    #[zbus(property)]
+    async fn idle_taps(&self) -> u32 {
+        self.agent.idle_taps()
+    }
+
+    #[zbus(property)]
+    async fn free_addresses(&self) -> u32 {
+        self.agent.free_addresses()
+    }
+
+    #[zbus(property)]
+    async fn healthy(&self) -> bool {
+        self.agent.health().0
+    }
+
+    #[zbus(signal)]
+    async fn network_ensured(
+        emitter: &SignalEmitter<'_>,
+        sandbox_id: &str,
+        network: HashMap<String, OwnedValue>,
+    ) -> zbus::Result<()>;
+
+    #[zbus(signal)]
+    async fn network_released(emitter: &SignalEmitter<'_>, sandbox_id: &str) -> zbus::Result<()>;
+}
+
+/// One object per network, listed by the ObjectManager on the manager.
+pub struct NetworkObject {
+    agent: Arc<Agent>,
+    id: String,
+}
+
+impl NetworkObject {
+    fn view(&self) -> fdo::Result<crate::agent::NetworkView> {
+        self.agent
+            .get(&self.id)
+            .map_err(|e| fdo::Error::UnknownObject(e.to_string()))
+    }
+}
+
+#[interface(name = "org.cube.NetworkAgent.Network")]
+impl NetworkObject {
+    #[zbus(property)]
+    async fn sandbox_id(&self) -> String {
+        self.id.clone()
+    }
+
+    #[zbus(property)]
+    async fn network_handle(&self) -> fdo::Result<String> {
+        Ok(self.view()?.record.network_handle)
+    }
+
+    #[zbus(property)]
+    async fn sandbox_ip(&self) -> fdo::Result<String> {
+        Ok(self.view()?.record.sandbox_ip.to_string())
+    }
+
+    #[zbus(property)]
+    async fn tap_name(&self) -> fdo::Result<String> {
+        Ok(self.view()?.record.tap_name)
+    }
+
+    #[zbus(property)]
+    async fn tap_ifindex(&self) -> fdo::Result<i32> {
+        Ok(self.view()?.tap_ifindex as i32)
+    }
+
+    #[zbus(property)]
+    async fn mtu(&self) -> fdo::Result<u32> {
+        Ok(self.view()?.record.mtu)
+    }
+
+    #[zbus(property)]
+    async fn port_mappings(&self) -> fdo::Result<Vec<(String, u16, u16, String)>> {
+        Ok(mappings_value(&self.view()?.record.port_mappings))
+    }
+
+    #[zbus(property)]
+    async fn allow_internet_access(&self) -> fdo::Result<bool> {
+        Ok(self.view()?.record.allow_internet_access)
+    }
+
+    #[zbus(property)]
+    async fn allow_out(&self) -> fdo::Result<Vec<String>> {
+        Ok(self.view()?.record.allow_out)
+    }
+
+    #[zbus(property)]
+    async fn deny_out(&self) -> fdo::Result<Vec<String>> {
+        Ok(self.view()?.record.deny_out)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("connecting to the {bus} bus")]
+    Connect {
+        bus: String,
+        #[source]
+        source: zbus::Error,
+    },
+    #[error("registering objects")]
+    Register(#[source] zbus::Error),
+    #[error("the name {BUS_NAME} is already owned by another process on this bus")]
+    NameTaken,
+    #[error("requesting the name {BUS_NAME}")]
+    RequestName(#[source] zbus::Error),
+}
+
+/// Connects, registers the manager, the ObjectManager and one object per
+/// recovered network, then takes the well-known name (last, so no call
+/// arrives before everything is in place).
+pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, ServeError> {
+    let connect = |source| ServeError::Connect {
+        bus: String::from(bus.clone()),
+        source,
+    };
+    let builder = match bus {
+        BusChoice::System => zbus::connection::Builder::system().map_err(connect)?,
+        BusChoice::Session => zbus::connection::Builder::session().map_err(connect)?,
+        BusChoice::Address(a) => zbus::connection::Builder::address(a.as_str()).map_err(connect)?,
+    };
+    let conn = builder
+        .serve_at(MANAGER_PATH, Manager { agent: agent.clone() })
+        .map_err(ServeError::Register)?
+        .serve_at(MANAGER_PATH, fdo::ObjectManager)
+        .map_err(ServeError::Register)?
+        .build()
+        .await
+        .map_err(connect)?;
+    for view in agent.list() {
+        let id = view.record.sandbox_id;
+        let obj = NetworkObject {
+            agent: agent.clone(),
+            id: id.clone(),
+        };
+        conn.object_server()
+            .at(network_path(&id), obj)
+            .await
+            .map_err(ServeError::Register)?;
+    }
+    let reply = conn
+        .request_name_with_flags(BUS_NAME, zbus::fdo::RequestNameFlags::DoNotQueue.into())
+        .await;
+    match reply {
+        Ok(zbus::fdo::RequestNameReply::PrimaryOwner | zbus::fdo::RequestNameReply::AlreadyOwner) => {}
+        Ok(_) | Err(zbus::Error::NameTaken) => return Err(ServeError::NameTaken),
+        Err(e) => return Err(ServeError::RequestName(e)),
+    }
+    info!(name = BUS_NAME, "serving on the bus");
+    tokio::spawn(emit_property_changes(conn.clone(), agent));
+    Ok(conn)
+}
+
+/// Coalesces PropertiesChanged: checks the counters a few times a second
+/// and signals only what changed, so a burst of calls costs one signal.
+async fn emit_property_changes(conn: Connection, agent: Arc<Agent>) {
+    let Ok(iface) = conn
+        .object_server()
+        .interface::<_, Manager>(MANAGER_PATH)
+        .await
+    else {
+        return;
+    };
+    let snapshot = |a: &Agent| (a.active_networks(), a.idle_taps(), a.free_addresses(), a.health().0);
+    let mut last = snapshot(&agent);
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = snapshot(&agent);
+        if now == last {
+            continue;
+        }
+        let m = iface.get().await;
+        let e = iface.signal_emitter();
+        if now.0 != last.0 {
+            let _ = m.active_networks_changed(e).await;
+        }
+        if now.1 != last.1 {
+            let _ = m.idle_taps_changed(e).await;
+        }
+        if now.2 != last.2 {
+            let _ = m.free_addresses_changed(e).await;
+        }
+        if now.3 != last.3 {
+            let _ = m.healthy_changed(e).await;
+        }
+        last = now;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(pairs: Vec<(&str, Value<'_>)>) -> HashMap<String, OwnedValue> {
+        pairs
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.try_to_owned().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn parses_every_option() {
+        let o = opts(vec![
+            ("port_mappings", Value::from(vec![("tcp".to_string(), 80u16, 0u16, String::new())])),
+            ("allow_internet_access", Value::from(false)),
+            ("allow_out", Value::from(vec!["10.0.0.0/8".to_string()])),
+            ("deny_out", Value::from(vec!["1.1.1.1".to_string()])),
+            ("metadata", Value::from(HashMap::from([("k".to_string(), "v".to_string())]))),
+            ("idempotency_key", Value::from("req-1")),
+            ("mtu", Value::from(1400u32)),
+        ]);
+        let s = parse_options(&o).unwrap();
+        assert_eq!(s.port_mappings.len(), 1);
+        assert_eq!(s.allow_internet_access, Some(false));
+        assert_eq!(s.allow_out, vec!["10.0.0.0/8"]);
+        assert_eq!(s.deny_out, vec!["1.1.1.1"]);
+        assert_eq!(s.metadata.get("k").map(String::as_str), Some("v"));
+        assert_eq!(s.idempotency_key.as_deref(), Some("req-1"));
+        assert_eq!(s.mtu, Some(1400));
+    }
+
+    #[test]
+    fn rejects_unknown_keys_and_wrong_types_naming_the_key() {
+        let e = parse_options(&opts(vec![("bogus", Value::from(1u32))])).unwrap_err();
+        assert!(e.to_string().contains("unknown option 'bogus'"), "{e}");
+        let e = parse_options(&opts(vec![("mtu", Value::from("1400"))])).unwrap_err();
+        assert!(e.to_string().contains("option mtu: expected type 'u', got 's'"), "{e}");
+        let e = parse_options(&opts(vec![("port_mappings", Value::from(vec!["80".to_string()]))])).unwrap_err();
+        assert!(e.to_string().contains("port_mappings") && e.to_string().contains("a(sqqs)"), "{e}");
+        let e = parse_options(&opts(vec![(
+            "port_mappings",
+            Value::from(vec![("sctp".to_string(), 80u16, 0u16, String::new())]),
+        )]))
+        .unwrap_err();
+        assert!(e.to_string().contains("protocol 'sctp'"), "{e}");
+        let e = parse_options(&opts(vec![("allow_internet_access", Value::from(1i32))])).unwrap_err();
+        assert!(e.to_string().contains("allow_internet_access"), "{e}");
+    }
+
+    #[test]
+    fn paths_escape_ids() {
+        assert_eq!(network_path("sbx1").as_str(), "/org/cube/NetworkAgent/network/sbx1");
+        assert_eq!(
+            network_path("a.b:c-d_e").as_str(),
+            "/org/cube/NetworkAgent/network/a_2eb_3ac_2dd_5fe"
+        );
+    }
+}

@@ -1,0 +1,31 @@
+//! cube-network-agent: node-local network agent for micro-VM sandboxes.
+//!
+//! Layout: `agent/` decides (ensure, release, reconcile, recover, warm
+//! pool); `alloc/` is pure allocation; `tap.rs`, `netlink.rs` and
+//! `datapath/` own kernel objects; `store.rs` is durable state; `dbus/` is a
+//! thin wire edge; `config.rs` and `systemd.rs` connect to the host.
+
+pub mod agent;
+pub mod alloc;
+pub mod config;
+pub mod datapath;
+pub mod dbus;
+pub mod netlink;
+pub mod store;
+pub mod systemd;
+pub mod tap;
+
+/// An error and all its sources, joined with ": ".
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(src) = cur {
+        let msg = src.to_string();
+        if !s.ends_with(&msg) {
+            s.push_str(": ");
+            s.push_str(&msg);
+        }
+        cur = src.source();
+    }
+    s
+}

@@ -1,0 +1,1056 @@
+//! Thin, typed wrapper around `rtnetlink` (NETLINK_ROUTE) for the operations the
+//! network agent needs: listing / renaming / deleting links (including batch
+//! deletion by link group), creating the pool gateway device, permanent
+//! neighbour entries, and a few read-only queries (addresses, routes, the
+//! default uplink).
+//!
+//! Every kernel operation is logged with `tracing::debug!`. Errors carry the
+//! action that failed plus the underlying [`rtnetlink::Error`]; use
+//! [`NetlinkError::errno`] to inspect the kernel errno.
+//!
+//! [`Netlink::new`] must be called from inside a tokio runtime: it spawns the
+//! netlink connection task on the current runtime. The socket lives in the
+//! network namespace of the *thread* that calls `new`.
+
+use std::net::{IpAddr, Ipv4Addr};
+
+use futures::stream::TryStreamExt;
+use rtnetlink::packet_route::{
+    AddressFamily,
+    address::AddressAttribute,
+    link::{LinkAttribute, LinkFlags, LinkInfo as NlLinkInfo, LinkMessage},
+    neighbour::{NeighbourAddress, NeighbourAttribute, NeighbourMessage, NeighbourState},
+    route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteType},
+};
+use rtnetlink::{
+    Handle, LinkBridge, LinkDummy, LinkMessageBuilder, LinkUnspec, RouteMessageBuilder,
+};
+use tracing::debug;
+
+/// Errors from netlink operations. Each variant names the action that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NetlinkError {
+    #[error("failed to open NETLINK_ROUTE socket")]
+    Connect(#[source] std::io::Error),
+    #[error("Netlink::new called outside a tokio runtime")]
+    NoRuntime,
+    #[error("failed to dump {what}")]
+    Dump {
+        what: &'static str,
+        #[source]
+        source: rtnetlink::Error,
+    },
+    #[error("failed to get link {what}")]
+    LinkGet {
+        what: String,
+        #[source]
+        source: rtnetlink::Error,
+    },
+    #[error("failed to set link {index}")]
+    LinkSet {
+        index: u32,
+        #[source]
+        source: rtnetlink::Error,
+    },
+    #[error("failed to delete link {index}")]
+    LinkDel {
+        index: u32,
+        #[source]
+        source: rtnetlink::Error,
+    },
+    #[error("refusing to delete link group 0 (the default group of every link)")]
+    GroupZero,
+    #[error("failed to delete link group {group}")]
+    GroupDel {
+        group: u32,
+        #[source]
+        source: rtnetlink::Error,
+    },
+    #[error("failed to create gateway device {name}")]
+    GatewayCreate {
+        name: String,
+        #[source]
+        source: rtnetlink::Error,
+    },
+    #[error("gateway device {name} vanished right after creation")]
+    GatewayMissing { name: String },
+    #[error("failed to add address {addr}/{prefix_len} to link {index}")]
+    AddrAdd {
+        index: u32,
+        addr: IpAddr,
+        prefix_len: u8,
+        #[source]
+        source: rtnetlink::Error,
+    },
+    #[error("failed to add neighbour {ip} on link {ifindex}")]
+    NeighAdd {
+        ifindex: u32,
+        ip: IpAddr,
+        #[source]
+        source: rtnetlink::Error,
+    },
+    #[error("failed to delete neighbour {ip} on link {ifindex}")]
+    NeighDel {
+        ifindex: u32,
+        ip: IpAddr,
+        #[source]
+        source: rtnetlink::Error,
+    },
+}
+
+impl NetlinkError {
+    /// The kernel errno (positive, e.g. `libc::ENODEV`) if the kernel rejected the request.
+    pub fn errno(&self) -> Option<i32> {
+        use std::error::Error as _;
+        self.source()
+            .and_then(|s| s.downcast_ref::<rtnetlink::Error>())
+            .and_then(errno_of)
+    }
+}
+
+/// Positive errno carried by a netlink error reply, if any.
+fn errno_of(e: &rtnetlink::Error) -> Option<i32> {
+    match e {
+        rtnetlink::Error::NetlinkError(m) => m.code.map(|c| -c.get()),
+        _ => None,
+    }
+}
+
+fn is_errno(e: &rtnetlink::Error, errno: i32) -> bool {
+    errno_of(e) == Some(errno)
+}
+
+/// A network interface as reported by RTM_GETLINK.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkInfo {
+    pub index: u32,
+    pub name: String,
+    /// `IFLA_INFO_KIND` ("tun", "bridge", "dummy", "veth", ...); `None` for e.g. `lo`
+    /// or physical NICs.
+    pub kind: Option<String>,
+    pub group: u32,
+    /// `IFF_UP` (administrative state).
+    pub up: bool,
+    pub mtu: u32,
+}
+
+impl LinkInfo {
+    fn from_msg(msg: &LinkMessage) -> Self {
+        let mut info = LinkInfo {
+            index: msg.header.index,
+            name: String::new(),
+            kind: None,
+            group: 0,
+            up: msg.header.flags.contains(LinkFlags::Up),
+            mtu: 0,
+        };
+        for attr in &msg.attributes {
+            match attr {
+                LinkAttribute::IfName(n) => info.name.clone_from(n),
+                LinkAttribute::Mtu(m) => info.mtu = *m,
+                LinkAttribute::Group(g) => info.group = *g,
+                LinkAttribute::LinkInfo(infos) => {
+                    for i in infos {
+                        if let NlLinkInfo::Kind(k) = i {
+                            info.kind = Some(k.to_string());
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        info
+    }
+}
+
+/// Attributes to change in one [`Netlink::set_link`] call; `None` = leave as is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LinkChange {
+    pub name: Option<String>,
+    pub mtu: Option<u32>,
+    pub up: Option<bool>,
+    pub group: Option<u32>,
+}
+
+impl LinkChange {
+    fn is_empty(&self) -> bool {
+        self.name.is_none() && self.mtu.is_none() && self.up.is_none() && self.group.is_none()
+    }
+}
+
+/// Cheaply clonable handle to a NETLINK_ROUTE connection.
+#[derive(Clone)]
+pub struct Netlink {
+    handle: Handle,
+}
+
+impl Netlink {
+    /// Opens a NETLINK_ROUTE socket and spawns its connection task on the current tokio runtime.
+    pub fn new() -> Result<Self, NetlinkError> {
+        let rt = tokio::runtime::Handle::try_current().map_err(|_| NetlinkError::NoRuntime)?;
+        let (conn, handle, _messages) =
+            rtnetlink::new_connection().map_err(NetlinkError::Connect)?;
+        rt.spawn(conn);
+        debug!("netlink connection opened");
+        Ok(Self { handle })
+    }
+
+    /// All links in the namespace.
+    pub async fn list_links(&self) -> Result<Vec<LinkInfo>, NetlinkError> {
+        debug!("dump links");
+        self.handle
+            .link()
+            .get()
+            .execute()
+            .map_ok(|m| LinkInfo::from_msg(&m))
+            .try_collect()
+            .await
+            .map_err(|source| NetlinkError::Dump {
+                what: "links",
+                source,
+            })
+    }
+
+    /// The link named `name`, or `None` if there is none (ENODEV).
+    pub async fn link_by_name(&self, name: &str) -> Result<Option<LinkInfo>, NetlinkError> {
+        debug!(name, "get link by name");
+        let res = self
+            .handle
+            .link()
+            .get()
+            .match_name(name)
+            .execute()
+            .try_next()
+            .await;
+        match res {
+            Ok(m) => Ok(m.map(|m| LinkInfo::from_msg(&m))),
+            Err(e) if is_errno(&e, libc::ENODEV) => Ok(None),
+            Err(source) => Err(NetlinkError::LinkGet {
+                what: name.to_string(),
+                source,
+            }),
+        }
+    }
+
+    /// The link with ifindex `index`, or `None` if there is none (ENODEV).
+    pub async fn link_by_index(&self, index: u32) -> Result<Option<LinkInfo>, NetlinkError> {
+        debug!(index, "get link by index");
+        let res = self
+            .handle
+            .link()
+            .get()
+            .match_index(index)
+            .execute()
+            .try_next()
+            .await;
+        match res {
+            Ok(m) => Ok(m.map(|m| LinkInfo::from_msg(&m))),
+            Err(e) if is_errno(&e, libc::ENODEV) => Ok(None),
+            Err(source) => Err(NetlinkError::LinkGet {
+                what: index.to_string(),
+                source,
+            }),
+        }
+    }
+
+    /// One RTM_NEWLINK (set) carrying whichever attributes are Some: new name, mtu,
+    /// up/down, group. (Kernel applies name before flags, so rename+up in one message
+    /// works on a down link.) An empty change sends nothing.
+    pub async fn set_link(&self, index: u32, change: LinkChange) -> Result<(), NetlinkError> {
+        debug!(index, ?change, "set link");
+        if change.is_empty() {
+            return Ok(());
+        }
+        let mut b = LinkUnspec::new_with_index(index);
+        if let Some(name) = change.name {
+            b = b.name(name);
+        }
+        if let Some(mtu) = change.mtu {
+            b = b.mtu(mtu);
+        }
+        if let Some(group) = change.group {
+            b = b.link_group(group);
+        }
+        b = match change.up {
+            Some(true) => b.up(),
+            Some(false) => b.down(),
+            None => b,
+        };
+        // `change` = RTM_NEWLINK with NLM_F_REQUEST|NLM_F_ACK (no CREATE/EXCL):
+        // the kernel runs do_setlink() on the existing device.
+        self.handle
+            .link()
+            .change(b.build())
+            .execute()
+            .await
+            .map_err(|source| NetlinkError::LinkSet { index, source })
+    }
+
+    /// Deletes one link (RTM_DELLINK). ENODEV is reported as an error.
+    pub async fn delete_link(&self, index: u32) -> Result<(), NetlinkError> {
+        debug!(index, "delete link");
+        self.handle
+            .link()
+            .del(index)
+            .execute()
+            .await
+            .map_err(|source| NetlinkError::LinkDel { index, source })
+    }
+
+    /// RTM_DELLINK with ifindex 0 and IFLA_GROUP = group: deletes every link of that
+    /// group in one go (one RCU grace period for the whole batch). Returns Ok if none
+    /// existed (ENODEV). Group 0 (the default group) is refused. The kernel refuses
+    /// the whole batch (EOPNOTSUPP) if any member cannot be deleted via rtnetlink.
+    pub async fn delete_group(&self, group: u32) -> Result<(), NetlinkError> {
+        debug!(group, "delete link group");
+        if group == 0 {
+            return Err(NetlinkError::GroupZero);
+        }
+        let msg = LinkMessageBuilder::<LinkUnspec>::new()
+            .link_group(group)
+            .build();
+        match self.handle.link().del_with_message(msg).execute().await {
+            Ok(()) => Ok(()),
+            Err(e) if is_errno(&e, libc::ENODEV) => {
+                debug!(group, "link group was empty");
+                Ok(())
+            }
+            Err(source) => Err(NetlinkError::GroupDel { group, source }),
+        }
+    }
+
+    /// Creates (idempotently) the gateway device: kind "dummy" if the kernel supports
+    /// it, else a bridge with no ports. An existing link with that name is kept
+    /// (whatever its kind). Sets it up and adds `addr/prefix_len` if not already
+    /// present, which makes the kernel install the connected route for the pool
+    /// CIDR on this device. Returns the link and the kind in use.
+    pub async fn ensure_gateway_device(
+        &self,
+        name: &str,
+        addr: Ipv4Addr,
+        prefix_len: u8,
+    ) -> Result<(LinkInfo, String), NetlinkError> {
+        self.ensure_gateway_device_with_mtu(name, addr, prefix_len, None)
+            .await
+    }
+
+    /// [`Self::ensure_gateway_device`], additionally setting the MTU if `mtu` is Some.
+    pub async fn ensure_gateway_device_with_mtu(
+        &self,
+        name: &str,
+        addr: Ipv4Addr,
+        prefix_len: u8,
+        mtu: Option<u32>,
+    ) -> Result<(LinkInfo, String), NetlinkError> {
+        let link = match self.link_by_name(name).await? {
+            Some(l) => {
+                debug!(name, index = l.index, kind = ?l.kind, "gateway device exists");
+                l
+            }
+            None => {
+                self.create_gateway(name).await?;
+                self.link_by_name(name)
+                    .await?
+                    .ok_or_else(|| NetlinkError::GatewayMissing {
+                        name: name.to_string(),
+                    })?
+            }
+        };
+        let kind = link.kind.clone().unwrap_or_else(|| "unknown".to_string());
+
+        let change = LinkChange {
+            up: (!link.up).then_some(true),
+            mtu: mtu.filter(|m| *m != link.mtu),
+            ..Default::default()
+        };
+        self.set_link(link.index, change).await?;
+
+        if !self
+            .ipv4_addrs(link.index)
+            .await?
+            .contains(&(addr, prefix_len))
+        {
+            debug!(index = link.index, %addr, prefix_len, "add address");
+            let res = self
+                .handle
+                .address()
+                .add(link.index, IpAddr::V4(addr), prefix_len)
+                .execute()
+                .await;
+            match res {
+                Ok(()) => {}
+                Err(e) if is_errno(&e, libc::EEXIST) => {}
+                Err(source) => {
+                    return Err(NetlinkError::AddrAdd {
+                        index: link.index,
+                        addr: IpAddr::V4(addr),
+                        prefix_len,
+                        source,
+                    });
+                }
+            }
+        }
+
+        let link =
+            self.link_by_index(link.index)
+                .await?
+                .ok_or_else(|| NetlinkError::GatewayMissing {
+                    name: name.to_string(),
+                })?;
+        Ok((link, kind))
+    }
+
+    /// Creates `name` as a dummy, falling back to a port-less bridge when the kernel
+    /// has no dummy driver. EEXIST (lost a race) counts as success.
+    async fn create_gateway(&self, name: &str) -> Result<(), NetlinkError> {
+        debug!(name, kind = "dummy", "create gateway device");
+        let err = match self
+            .handle
+            .link()
+            .add(LinkDummy::new(name).build())
+            .execute()
+            .await
+        {
+            Ok(()) => return Ok(()),
+            Err(e) if is_errno(&e, libc::EEXIST) => return Ok(()),
+            Err(e) => e,
+        };
+        // Unknown IFLA_INFO_KIND -> EOPNOTSUPP ("Unknown device type"); module
+        // loading problems can surface as ENOENT / EPROTONOSUPPORT.
+        let unsupported = matches!(
+            errno_of(&err),
+            Some(libc::EOPNOTSUPP | libc::ENOENT | libc::EPROTONOSUPPORT | libc::ENODEV)
+        );
+        if !unsupported {
+            return Err(NetlinkError::GatewayCreate {
+                name: name.to_string(),
+                source: err,
+            });
+        }
+        debug!(name, error = %err, "dummy unsupported, falling back to bridge");
+        match self
+            .handle
+            .link()
+            .add(LinkBridge::new(name).build())
+            .execute()
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(e) if is_errno(&e, libc::EEXIST) => Ok(()),
+            Err(source) => Err(NetlinkError::GatewayCreate {
+                name: name.to_string(),
+                source,
+            }),
+        }
+    }
+
+    /// Permanent neighbour entry (NUD_PERMANENT), replace semantics
+    /// (NLM_F_REPLACE|NLM_F_CREATE), so repeating it is fine.
+    pub async fn neigh_replace_permanent(
+        &self,
+        ifindex: u32,
+        ip: IpAddr,
+        mac: [u8; 6],
+    ) -> Result<(), NetlinkError> {
+        debug!(ifindex, %ip, ?mac, "replace permanent neighbour");
+        self.handle
+            .neighbours()
+            .add(ifindex, ip)
+            .link_layer_address(&mac)
+            .state(NeighbourState::Permanent)
+            .replace()
+            .execute()
+            .await
+            .map_err(|source| NetlinkError::NeighAdd {
+                ifindex,
+                ip,
+                source,
+            })
+    }
+
+    /// Deletes the neighbour entry; Ok if absent (ENOENT) or the link is gone (ENODEV).
+    pub async fn neigh_del(&self, ifindex: u32, ip: IpAddr) -> Result<(), NetlinkError> {
+        debug!(ifindex, %ip, "delete neighbour");
+        let mut msg = NeighbourMessage::default();
+        msg.header.ifindex = ifindex;
+        let (family, addr) = match ip {
+            IpAddr::V4(v4) => (AddressFamily::Inet, NeighbourAddress::Inet(v4)),
+            IpAddr::V6(v6) => (AddressFamily::Inet6, NeighbourAddress::Inet6(v6)),
+        };
+        msg.header.family = family;
+        msg.attributes.push(NeighbourAttribute::Destination(addr));
+        match self.handle.neighbours().del(msg).execute().await {
+            Ok(()) => Ok(()),
+            Err(e) if is_errno(&e, libc::ENOENT) || is_errno(&e, libc::ENODEV) => Ok(()),
+            Err(source) => Err(NetlinkError::NeighDel {
+                ifindex,
+                ip,
+                source,
+            }),
+        }
+    }
+
+    /// IPv4/IPv6 neighbour entries on `ifindex`: (ip, lladdr, NUD_* state).
+    pub async fn neigh_list(
+        &self,
+        ifindex: u32,
+    ) -> Result<Vec<(IpAddr, Option<[u8; 6]>, u16)>, NetlinkError> {
+        debug!(ifindex, "dump neighbours");
+        let msgs: Vec<NeighbourMessage> = self
+            .handle
+            .neighbours()
+            .get()
+            .execute()
+            .try_collect()
+            .await
+            .map_err(|source| NetlinkError::Dump {
+                what: "neighbours",
+                source,
+            })?;
+        let mut out = Vec::new();
+        for m in msgs.iter().filter(|m| m.header.ifindex == ifindex) {
+            let mut ip = None;
+            let mut mac = None;
+            for a in &m.attributes {
+                match a {
+                    NeighbourAttribute::Destination(NeighbourAddress::Inet(v4)) => {
+                        ip = Some(IpAddr::V4(*v4));
+                    }
+                    NeighbourAttribute::Destination(NeighbourAddress::Inet6(v6)) => {
+                        ip = Some(IpAddr::V6(*v6));
+                    }
+                    NeighbourAttribute::LinkLayerAddress(l) => {
+                        mac = <[u8; 6]>::try_from(l.as_slice()).ok();
+                    }
+                    _ => {}
+                }
+            }
+            if let Some(ip) = ip {
+                out.push((ip, mac, u16::from(m.header.state)));
+            }
+        }
+        Ok(out)
+    }
+
+    async fn ipv4_routes(&self) -> Result<Vec<RouteMessage>, NetlinkError> {
+        debug!("dump ipv4 routes");
+        let req = RouteMessageBuilder::<Ipv4Addr>::new().build();
+        self.handle
+            .route()
+            .get(req)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(|source| NetlinkError::Dump {
+                what: "ipv4 routes",
+                source,
+            })
+    }
+
+    /// The IPv4 default route's output interface (lowest metric, main table) and that
+    /// interface's first IPv4 address; None if there is no default route.
+    pub async fn default_uplink(
+        &self,
+    ) -> Result<Option<(LinkInfo, Option<Ipv4Addr>)>, NetlinkError> {
+        let best = self
+            .ipv4_routes()
+            .await?
+            .iter()
+            .filter(|r| {
+                r.header.destination_prefix_length == 0
+                    && r.header.kind == RouteType::Unicast
+                    && route_table(r) == u32::from(RouteHeader::RT_TABLE_MAIN)
+            })
+            .filter_map(|r| route_oif(r).map(|oif| (route_metric(r), oif)))
+            .min();
+        let Some((metric, oif)) = best else {
+            debug!("no ipv4 default route");
+            return Ok(None);
+        };
+        debug!(oif, metric, "default route");
+        let Some(link) = self.link_by_index(oif).await? else {
+            return Ok(None);
+        };
+        let addr = self.ipv4_addrs(oif).await?.first().map(|(a, _)| *a);
+        Ok(Some((link, addr)))
+    }
+
+    /// IPv4 addresses (address, prefix length) on `ifindex`, in kernel order.
+    pub async fn ipv4_addrs(&self, ifindex: u32) -> Result<Vec<(Ipv4Addr, u8)>, NetlinkError> {
+        debug!(ifindex, "dump addresses");
+        let mut req = self.handle.address().get().set_link_index_filter(ifindex);
+        req.message_mut().header.family = AddressFamily::Inet;
+        let msgs: Vec<_> =
+            req.execute()
+                .try_collect()
+                .await
+                .map_err(|source| NetlinkError::Dump {
+                    what: "addresses",
+                    source,
+                })?;
+        let mut out = Vec::new();
+        for m in msgs
+            .iter()
+            .filter(|m| m.header.index == ifindex && m.header.family == AddressFamily::Inet)
+        {
+            // IFA_LOCAL is the interface's own address; IFA_ADDRESS differs from it
+            // only on point-to-point links (peer address).
+            let local = m.attributes.iter().find_map(|a| match a {
+                AddressAttribute::Local(IpAddr::V4(v4)) => Some(*v4),
+                _ => None,
+            });
+            let address = m.attributes.iter().find_map(|a| match a {
+                AddressAttribute::Address(IpAddr::V4(v4)) => Some(*v4),
+                _ => None,
+            });
+            if let Some(a) = local.or(address) {
+                out.push((a, m.header.prefix_len));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether an IPv4 route `dest/prefix_len` with output interface `oif` exists in
+    /// any table (`dest` is compared after masking to `prefix_len`).
+    pub async fn route_exists(
+        &self,
+        dest: Ipv4Addr,
+        prefix_len: u8,
+        oif: u32,
+    ) -> Result<bool, NetlinkError> {
+        let want = mask(dest, prefix_len);
+        let found = self.ipv4_routes().await?.iter().any(|r| {
+            r.header.destination_prefix_length == prefix_len
+                && route_oif(r) == Some(oif)
+                && mask(route_dst(r), prefix_len) == want
+        });
+        debug!(%dest, prefix_len, oif, found, "route exists");
+        Ok(found)
+    }
+}
+
+fn mask(a: Ipv4Addr, prefix_len: u8) -> Ipv4Addr {
+    let m = u32::MAX
+        .checked_shl(32 - u32::from(prefix_len.min(32)))
+        .unwrap_or(0);
+    Ipv4Addr::from(u32::from(a) & m)
+}
+
+fn route_table(r: &RouteMessage) -> u32 {
+    r.attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Table(t) => Some(*t),
+            _ => None,
+        })
+        .unwrap_or(u32::from(r.header.table))
+}
+
+fn route_metric(r: &RouteMessage) -> u32 {
+    r.attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Priority(p) => Some(*p),
+            _ => None,
+        })
+        .unwrap_or(0)
+}
+
+/// RTA_OIF, or the first multipath next hop's interface.
+fn route_oif(r: &RouteMessage) -> Option<u32> {
+    r.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Oif(i) => Some(*i),
+        RouteAttribute::MultiPath(hops) => hops.first().map(|h| h.interface_index),
+        _ => None,
+    })
+}
+
+fn route_dst(r: &RouteMessage) -> Ipv4Addr {
+    r.attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Destination(RouteAddress::Inet(v4)) => Some(*v4),
+            _ => None,
+        })
+        .unwrap_or(Ipv4Addr::UNSPECIFIED)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rtnetlink::LinkVeth;
+    use std::future::Future;
+    use std::time::Instant;
+
+    /// Runs `body` on a dedicated thread inside a fresh, empty network namespace
+    /// (unshare(CLONE_NEWNET) affects only that thread), with `lo` up and a
+    /// current-thread tokio runtime. The namespace dies with the thread, so cleanup
+    /// happens even if the body panics; the panic is propagated via `join`.
+    fn in_netns<F, Fut>(test: &str, body: F)
+    where
+        F: FnOnce(Netlink) -> Fut + Send + 'static,
+        Fut: Future<Output = ()>,
+    {
+        // (`nix::unistd::geteuid` needs nix's "user" feature, which we don't enable.)
+        // SAFETY: geteuid() has no preconditions, cannot fail and touches no memory.
+        let euid = unsafe { libc::geteuid() };
+        if euid != 0 {
+            eprintln!("SKIPPED {test}: needs root to unshare a network namespace");
+            return;
+        }
+        let res = std::thread::spawn(move || {
+            // Equivalent to `nix::sched::unshare(CloneFlags::CLONE_NEWNET)`, but via libc
+            // because the daemon's nix dependency does not enable the "sched" feature.
+            // SAFETY: unshare() only takes an integer flag set and affects just this thread.
+            let rc = unsafe { libc::unshare(libc::CLONE_NEWNET) };
+            assert_eq!(
+                rc,
+                0,
+                "unshare(CLONE_NEWNET): {}",
+                std::io::Error::last_os_error()
+            );
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("tokio runtime");
+            rt.block_on(async move {
+                let nl = Netlink::new().expect("netlink socket");
+                let links = nl.list_links().await.expect("list links");
+                // Guard: we must be in a brand-new namespace, never the host's.
+                assert_eq!(links.len(), 1, "fresh netns should only have lo: {links:?}");
+                assert_eq!(links[0].name, "lo");
+                nl.set_link(links[0].index, up(true)).await.expect("lo up");
+                body(nl).await;
+            });
+        })
+        .join();
+        if let Err(panic) = res {
+            std::panic::resume_unwind(panic);
+        }
+    }
+
+    fn up(on: bool) -> LinkChange {
+        LinkChange {
+            up: Some(on),
+            ..Default::default()
+        }
+    }
+
+    async fn add_bridge(nl: &Netlink, name: &str, group: u32) -> u32 {
+        nl.handle
+            .link()
+            .add(
+                LinkMessageBuilder::<LinkBridge>::new(name) // created down
+                    .link_group(group)
+                    .build(),
+            )
+            .execute()
+            .await
+            .expect("add bridge");
+        nl.link_by_name(name)
+            .await
+            .expect("get bridge")
+            .expect("bridge exists")
+            .index
+    }
+
+    async fn add_veth(nl: &Netlink, name: &str, peer: &str) -> u32 {
+        nl.handle
+            .link()
+            .add(LinkVeth::new(name, peer).build())
+            .execute()
+            .await
+            .expect("add veth");
+        for n in [name, peer] {
+            let l = nl.link_by_name(n).await.expect("get").expect("exists");
+            nl.set_link(l.index, up(true)).await.expect("veth up");
+        }
+        nl.link_by_name(name)
+            .await
+            .expect("get")
+            .expect("exists")
+            .index
+    }
+
+    async fn add_default_route(nl: &Netlink, gw: Ipv4Addr, oif: u32, metric: u32) {
+        let msg = RouteMessageBuilder::<Ipv4Addr>::new()
+            .gateway(gw)
+            .output_interface(oif)
+            .priority(metric)
+            .build();
+        nl.handle
+            .route()
+            .add(msg)
+            .execute()
+            .await
+            .expect("add default route");
+    }
+
+    #[test]
+    fn link_by_name_missing_is_none() {
+        in_netns("link_by_name_missing_is_none", |nl| async move {
+            assert_eq!(nl.link_by_name("nope0").await.expect("query"), None);
+            let lo = nl.link_by_name("lo").await.expect("query").expect("lo");
+            assert!(lo.up);
+            assert_eq!(lo.kind, None);
+            let err = nl.delete_link(9999).await.expect_err("no such link");
+            assert_eq!(err.errno(), Some(libc::ENODEV));
+        });
+    }
+
+    #[test]
+    fn gateway_device() {
+        in_netns("gateway_device", |nl| async move {
+            let gw = Ipv4Addr::new(10, 244, 0, 1);
+            let (link, kind) = nl
+                .ensure_gateway_device("cube-gw0", gw, 18)
+                .await
+                .expect("ensure gateway");
+            eprintln!("gateway device kind used by this kernel: {kind}");
+            assert!(kind == "dummy" || kind == "bridge", "kind {kind}");
+            assert_eq!(link.kind.as_deref(), Some(kind.as_str()));
+            assert_eq!(link.name, "cube-gw0");
+            assert!(link.up);
+            assert_eq!(
+                nl.ipv4_addrs(link.index).await.expect("addrs"),
+                vec![(gw, 18)]
+            );
+            assert!(
+                nl.route_exists(Ipv4Addr::new(10, 244, 0, 0), 18, link.index)
+                    .await
+                    .expect("routes"),
+                "connected route for the pool /18 missing"
+            );
+            assert!(
+                !nl.route_exists(Ipv4Addr::new(10, 244, 0, 0), 16, link.index)
+                    .await
+                    .expect("routes")
+            );
+
+            // Idempotent; also applies an MTU when asked.
+            let (again, kind2) = nl
+                .ensure_gateway_device_with_mtu("cube-gw0", gw, 18, Some(1400))
+                .await
+                .expect("ensure gateway again");
+            assert_eq!(kind2, kind);
+            assert_eq!(again.index, link.index);
+            assert_eq!(again.mtu, 1400);
+            assert_eq!(
+                nl.ipv4_addrs(link.index).await.expect("addrs"),
+                vec![(gw, 18)]
+            );
+
+            // An existing link of another kind is kept as is.
+            let idx = add_veth(&nl, "keep0", "keep1").await;
+            let (kept, kind3) = nl
+                .ensure_gateway_device("keep0", Ipv4Addr::new(10, 245, 0, 1), 24)
+                .await
+                .expect("ensure existing");
+            assert_eq!((kept.index, kind3.as_str()), (idx, "veth"));
+        });
+    }
+
+    #[test]
+    fn set_link_rename_mtu_up_then_down() {
+        in_netns("set_link_rename_mtu_up_then_down", |nl| async move {
+            let idx = add_bridge(&nl, "tb0", 0).await;
+            let before = nl.link_by_name("tb0").await.expect("get").expect("tb0");
+            assert!(!before.up);
+            nl.set_link(
+                idx,
+                LinkChange {
+                    name: Some("tb-renamed".into()),
+                    mtu: Some(1400),
+                    up: Some(true),
+                    group: Some(42),
+                },
+            )
+            .await
+            .expect("rename+mtu+up+group");
+            assert_eq!(nl.link_by_name("tb0").await.expect("get"), None);
+            let after = nl
+                .link_by_name("tb-renamed")
+                .await
+                .expect("get")
+                .expect("renamed");
+            assert_eq!(
+                (after.index, after.mtu, after.up, after.group),
+                (idx, 1400, true, 42)
+            );
+            assert_eq!(after.kind.as_deref(), Some("bridge"));
+            nl.set_link(idx, up(false)).await.expect("down");
+            let down = nl.link_by_index(idx).await.expect("get").expect("exists");
+            assert!(!down.up);
+            assert_eq!(down.mtu, 1400);
+            // Empty change is a no-op.
+            nl.set_link(idx, LinkChange::default()).await.expect("noop");
+            let err = nl.set_link(9999, up(true)).await.expect_err("missing link");
+            assert_eq!(err.errno(), Some(libc::ENODEV));
+        });
+    }
+
+    #[test]
+    fn delete_group_only_deletes_that_group() {
+        in_netns("delete_group_only_deletes_that_group", |nl| async move {
+            for i in 0..3 {
+                add_bridge(&nl, &format!("g7-{i}"), 7).await;
+            }
+            for i in 0..2 {
+                add_bridge(&nl, &format!("g8-{i}"), 8).await;
+            }
+            add_bridge(&nl, "g0", 0).await;
+            nl.delete_group(7).await.expect("delete group 7");
+            let mut names: Vec<String> = nl
+                .list_links()
+                .await
+                .expect("list")
+                .into_iter()
+                .map(|l| l.name)
+                .collect();
+            names.sort();
+            assert_eq!(names, ["g0", "g8-0", "g8-1", "lo"]);
+            nl.delete_group(7).await.expect("empty group is Ok");
+            assert!(matches!(
+                nl.delete_group(0).await,
+                Err(NetlinkError::GroupZero)
+            ));
+        });
+    }
+
+    #[test]
+    fn neighbour_replace_list_delete() {
+        in_netns("neighbour_replace_list_delete", |nl| async move {
+            let idx = add_bridge(&nl, "nb0", 0).await;
+            let other = add_bridge(&nl, "nb1", 0).await;
+            nl.set_link(idx, up(true)).await.expect("up");
+            nl.set_link(other, up(true)).await.expect("up");
+            let ip: IpAddr = Ipv4Addr::new(10, 244, 0, 7).into();
+            let mac1 = [0x02, 0, 0, 0, 0, 1];
+            let mac2 = [0x02, 0, 0, 0, 0, 2];
+            nl.neigh_replace_permanent(idx, ip, mac1)
+                .await
+                .expect("add");
+            nl.neigh_replace_permanent(idx, ip, mac2)
+                .await
+                .expect("replace");
+            nl.neigh_replace_permanent(other, Ipv4Addr::new(10, 244, 0, 8).into(), mac1)
+                .await
+                .expect("add on other link");
+            let list = nl.neigh_list(idx).await.expect("list");
+            assert_eq!(list, vec![(ip, Some(mac2), libc::NUD_PERMANENT)]);
+            nl.neigh_del(idx, ip).await.expect("delete");
+            assert!(
+                nl.neigh_list(idx)
+                    .await
+                    .expect("list")
+                    .iter()
+                    .all(|(i, _, _)| *i != ip)
+            );
+            nl.neigh_del(idx, ip).await.expect("delete absent is Ok");
+            assert_eq!(nl.neigh_list(other).await.expect("list").len(), 1);
+        });
+    }
+
+    #[test]
+    fn default_uplink_none_then_lowest_metric() {
+        in_netns("default_uplink_none_then_lowest_metric", |nl| async move {
+            assert_eq!(nl.default_uplink().await.expect("query"), None);
+
+            let up0 = add_veth(&nl, "up0", "up1").await;
+            let alt0 = add_veth(&nl, "alt0", "alt1").await;
+            let addr = |i, a, p| {
+                let nl = nl.clone();
+                async move {
+                    nl.handle
+                        .address()
+                        .add(i, IpAddr::V4(a), p)
+                        .execute()
+                        .await
+                        .expect("add addr")
+                }
+            };
+            addr(up0, Ipv4Addr::new(192, 0, 2, 10), 24).await;
+            addr(alt0, Ipv4Addr::new(198, 51, 100, 10), 24).await;
+            assert_eq!(nl.default_uplink().await.expect("query"), None);
+
+            add_default_route(&nl, Ipv4Addr::new(198, 51, 100, 1), alt0, 200).await;
+            add_default_route(&nl, Ipv4Addr::new(192, 0, 2, 1), up0, 100).await;
+            let (link, ip) = nl
+                .default_uplink()
+                .await
+                .expect("query")
+                .expect("default route");
+            assert_eq!((link.name.as_str(), link.index), ("up0", up0));
+            assert_eq!(ip, Some(Ipv4Addr::new(192, 0, 2, 10)));
+        });
+    }
+
+    /// Rough latency numbers; run with `cargo test -- --ignored --nocapture timings`.
+    #[test]
+    #[ignore]
+    fn timings() {
+        in_netns("timings", |nl| async move {
+            let idx = add_bridge(&nl, "t0", 0).await;
+            nl.set_link(idx, up(true)).await.expect("up");
+
+            let n = 200u32;
+            let t = Instant::now();
+            for i in 0..n {
+                let change = LinkChange {
+                    mtu: Some(1400 + i % 2),
+                    ..Default::default()
+                };
+                nl.set_link(idx, change).await.expect("set mtu");
+            }
+            eprintln!("set_link (mtu): {:?} avg over {n}", t.elapsed() / n);
+
+            let t = Instant::now();
+            for i in 0..n {
+                nl.set_link(idx, up(i % 2 == 0)).await.expect("set up/down");
+            }
+            eprintln!("set_link (up/down): {:?} avg over {n}", t.elapsed() / n);
+            nl.set_link(idx, up(true)).await.expect("up");
+
+            let t = Instant::now();
+            for i in 0..n {
+                let ip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 0, 0, 0)) + i);
+                nl.neigh_replace_permanent(idx, ip.into(), [2, 0, 0, 0, 0, 1])
+                    .await
+                    .expect("neigh");
+            }
+            eprintln!(
+                "neigh_replace_permanent (new): {:?} avg over {n}",
+                t.elapsed() / n
+            );
+            let t = Instant::now();
+            for i in 0..n {
+                let ip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 0, 0, 0)) + i);
+                nl.neigh_replace_permanent(idx, ip.into(), [2, 0, 0, 0, 0, 2])
+                    .await
+                    .expect("neigh");
+            }
+            eprintln!(
+                "neigh_replace_permanent (replace): {:?} avg over {n}",
+                t.elapsed() / n
+            );
+
+            let mut idxs = Vec::new();
+            for i in 0..50 {
+                idxs.push(add_bridge(&nl, &format!("s{i}"), 0).await);
+            }
+            let t = Instant::now();
+            for i in idxs {
+                nl.delete_link(i).await.expect("delete");
+            }
+            eprintln!("50 x delete_link: {:?}", t.elapsed());
+
+            for i in 0..50 {
+                add_bridge(&nl, &format!("g{i}"), 9).await;
+            }
+            let t = Instant::now();
+            nl.delete_group(9).await.expect("delete group");
+            eprintln!("delete_group of 50 links: {:?}", t.elapsed());
+            assert_eq!(nl.list_links().await.expect("list").len(), 2);
+        });
+    }
+}

@@ -1,0 +1,253 @@
+//! TAP devices created with the TUNSETIFF ioctl on `/dev/net/tun`.
+//!
+//! Every TAP is `IFF_TAP | IFF_NO_PI | IFF_VNET_HDR` with a 12-byte
+//! virtio-net header (what Firecracker, Cloud Hypervisor and QEMU expect)
+//! and persistent, so it outlives an agent crash together with its datapath
+//! state. The agent keeps one fd per TAP for its whole life and hands out
+//! duplicates of it; it never reopens a TAP by name while a VMM may hold it.
+
+use std::ffi::CStr;
+use std::fs::OpenOptions;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+
+const TUN_DEVICE: &str = "/dev/net/tun";
+/// Size of `struct virtio_net_hdr_v1` without the num_buffers field.
+pub const VNET_HDR_LEN: libc::c_int = 12;
+
+const IFF_TAP: libc::c_short = 0x0002;
+const IFF_NO_PI: libc::c_short = 0x1000;
+const IFF_VNET_HDR: libc::c_short = 0x4000;
+/// Fail instead of attaching when a device of that name already exists.
+const IFF_TUN_EXCL: libc::c_short = -0x8000; // 0x8000 as c_short
+pub const TAP_FLAGS: libc::c_short = IFF_TAP | IFF_NO_PI | IFF_VNET_HDR;
+
+const TUNSETIFF: libc::c_ulong = nix::request_code_write!(b'T', 202, size_of::<libc::c_int>()) as _;
+const TUNSETPERSIST: libc::c_ulong =
+    nix::request_code_write!(b'T', 203, size_of::<libc::c_int>()) as _;
+const TUNGETIFF: libc::c_ulong = nix::request_code_read!(b'T', 210, size_of::<libc::c_uint>()) as _;
+const TUNGETVNETHDRSZ: libc::c_ulong =
+    nix::request_code_read!(b'T', 215, size_of::<libc::c_int>()) as _;
+const TUNSETVNETHDRSZ: libc::c_ulong =
+    nix::request_code_write!(b'T', 216, size_of::<libc::c_int>()) as _;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TapError {
+    #[error("TAP name '{0}' is empty or longer than 15 bytes")]
+    Name(String),
+    #[error("cannot open {TUN_DEVICE}")]
+    OpenTun(#[source] io::Error),
+    #[error("TUNSETIFF {name}")]
+    SetIff {
+        name: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("TUNSETVNETHDRSZ {name}")]
+    SetVnetHdr {
+        name: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("TUNSETPERSIST {name}")]
+    SetPersist {
+        name: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("duplicating the fd of {name}")]
+    Dup {
+        name: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl TapError {
+    /// The errno behind the failure, if any.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            TapError::Name(_) => None,
+            TapError::OpenTun(e) => e.raw_os_error(),
+            TapError::SetIff { source, .. }
+            | TapError::SetVnetHdr { source, .. }
+            | TapError::SetPersist { source, .. }
+            | TapError::Dup { source, .. } => source.raw_os_error(),
+        }
+    }
+}
+
+/// An open TAP device. Dropping it closes the agent's fd; the device itself
+/// stays (it is persistent) until deleted over netlink.
+#[derive(Debug)]
+pub struct Tap {
+    fd: OwnedFd,
+    name: String,
+}
+
+fn ifreq_with(name: &str, flags: libc::c_short) -> Result<libc::ifreq, TapError> {
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains('\0') {
+        return Err(TapError::Name(name.into()));
+    }
+    // SAFETY: ifreq is a plain C struct for which all-zero bytes are valid.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(name.bytes()) {
+        *dst = src as libc::c_char;
+    }
+    req.ifr_ifru.ifru_flags = flags;
+    Ok(req)
+}
+
+fn ioctl_ifreq(fd: BorrowedFd<'_>, request: libc::c_ulong, req: &mut libc::ifreq) -> io::Result<()> {
+    // SAFETY: `req` is a valid, exclusively borrowed ifreq that outlives the
+    // call, and `request` is a TUN ioctl that takes a `struct ifreq *`.
+    let ret = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, req as *mut libc::ifreq) };
+    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+}
+
+fn ioctl_set_int(fd: BorrowedFd<'_>, request: libc::c_ulong, value: libc::c_int) -> io::Result<()> {
+    // SAFETY: the TUN ioctls used here read one `int` through the pointer,
+    // which points at a live local.
+    let ret = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, &value as *const libc::c_int) };
+    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+}
+
+fn ioctl_get_int(fd: BorrowedFd<'_>, request: libc::c_ulong) -> io::Result<libc::c_int> {
+    let mut value: libc::c_int = 0;
+    // SAFETY: the ioctl writes one `int` through the pointer to a live local.
+    let ret = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, &mut value as *mut libc::c_int) };
+    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(value) }
+}
+
+/// TUNSETPERSIST takes its argument by value, not by pointer.
+fn ioctl_set_persist(fd: BorrowedFd<'_>, on: bool) -> io::Result<()> {
+    // SAFETY: TUNSETPERSIST reads its integer argument directly; no memory
+    // is passed.
+    let ret = unsafe { libc::ioctl(fd.as_raw_fd(), TUNSETPERSIST as _, libc::c_ulong::from(on)) };
+    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+}
+
+fn open_tun() -> Result<OwnedFd, TapError> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(TUN_DEVICE)
+        .map(OwnedFd::from)
+        .map_err(TapError::OpenTun)
+}
+
+impl Tap {
+    /// Creates a new persistent TAP named `name`; fails with EBUSY/EEXIST
+    /// if a device of that name exists (it is never silently adopted).
+    pub fn create(name: &str) -> Result<Tap, TapError> {
+        let tap = Self::attach(name, TAP_FLAGS | IFF_TUN_EXCL)?;
+        ioctl_set_persist(tap.fd.as_fd(), true).map_err(|source| TapError::SetPersist {
+            name: name.into(),
+            source,
+        })?;
+        Ok(tap)
+    }
+
+    /// Re-attaches to an existing persistent TAP of ours (after a restart).
+    /// Fails with EBUSY if another process holds its single queue.
+    pub fn open_existing(name: &str) -> Result<Tap, TapError> {
+        Self::attach(name, TAP_FLAGS)
+    }
+
+    fn attach(name: &str, flags: libc::c_short) -> Result<Tap, TapError> {
+        let mut req = ifreq_with(name, flags)?;
+        let fd = open_tun()?;
+        ioctl_ifreq(fd.as_fd(), TUNSETIFF, &mut req).map_err(|source| TapError::SetIff {
+            name: name.into(),
+            source,
+        })?;
+        ioctl_set_int(fd.as_fd(), TUNSETVNETHDRSZ, VNET_HDR_LEN).map_err(|source| {
+            TapError::SetVnetHdr {
+                name: name.into(),
+                source,
+            }
+        })?;
+        Ok(Tap {
+            fd,
+            name: name.into(),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Records a rename done over netlink (the fd follows the device).
+    pub fn set_name(&mut self, name: String) {
+        self.name = name;
+    }
+
+    /// A fresh duplicate of the agent's fd, close-on-exec.
+    pub fn dup(&self) -> Result<OwnedFd, TapError> {
+        self.fd.try_clone().map_err(|source| TapError::Dup {
+            name: self.name.clone(),
+            source,
+        })
+    }
+
+    pub fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+/// What TUNGETIFF / TUNGETVNETHDRSZ report for an fd: used by callers and
+/// tests to check that an fd really is the TAP they asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TapFdInfo {
+    pub name: String,
+    pub flags: i32,
+    pub vnet_hdr_len: i32,
+}
+
+impl TapFdInfo {
+    pub fn is_tap_with_vnet_hdr(&self) -> bool {
+        let want = i32::from(TAP_FLAGS) & 0xffff;
+        self.flags & want == want
+    }
+}
+
+pub fn query_fd(fd: BorrowedFd<'_>) -> io::Result<TapFdInfo> {
+    let mut req = ifreq_with("x", 0).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    ioctl_ifreq(fd, TUNGETIFF, &mut req)?;
+    // SAFETY: ifr_name is a NUL-terminated array filled by the kernel (the
+    // kernel always terminates it within IFNAMSIZ).
+    let name = unsafe { CStr::from_ptr(req.ifr_name.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: TUNGETIFF fills ifru_flags; reading a c_short from the union is
+    // valid for any bit pattern.
+    let flags = i32::from(unsafe { req.ifr_ifru.ifru_flags }) & 0xffff;
+    let vnet_hdr_len = ioctl_get_int(fd, TUNGETVNETHDRSZ)?;
+    Ok(TapFdInfo {
+        name,
+        flags,
+        vnet_hdr_len,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_names_beyond_ifnamsiz() {
+        assert!(matches!(Tap::create(""), Err(TapError::Name(_))));
+        assert!(matches!(Tap::create("sixteen-chars-xx"), Err(TapError::Name(_))));
+    }
+
+    #[test]
+    fn ioctl_numbers_match_linux_uapi() {
+        assert_eq!(TUNSETIFF, 0x4004_54ca);
+        assert_eq!(TUNSETPERSIST, 0x4004_54cb);
+        assert_eq!(TUNGETIFF, 0x8004_54d2);
+        assert_eq!(TUNGETVNETHDRSZ, 0x8004_54d7);
+        assert_eq!(TUNSETVNETHDRSZ, 0x4004_54d8);
+    }
+}
