@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::alloc::port::{parse_range, PortSet};
+use crate::alloc::port::{PortSet, parse_range};
 use crate::alloc::{IpAllocator, Ipv4Cidr};
 
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/cube-network-agent/config.toml";
@@ -117,7 +117,11 @@ impl Default for Config {
 /// systemd may pass several colon-separated directories; the first is ours.
 fn env_dir(var: &str, default: &str) -> PathBuf {
     std::env::var_os(var)
-        .and_then(|v| v.to_str().and_then(|s| s.split(':').next()).map(PathBuf::from))
+        .and_then(|v| {
+            v.to_str()
+                .and_then(|s| s.split(':').next())
+                .map(PathBuf::from)
+        })
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or_else(|| PathBuf::from(default))
 }
@@ -185,7 +189,9 @@ pub fn valid_ifname(name: &str) -> bool {
         && name.len() < libc::IFNAMSIZ
         && name != "."
         && name != ".."
-        && !name.bytes().any(|b| b == b'/' || b == b':' || b.is_ascii_whitespace())
+        && !name
+            .bytes()
+            .any(|b| b == b'/' || b == b':' || b.is_ascii_whitespace())
 }
 
 impl Config {
@@ -243,15 +249,24 @@ impl Config {
         if !valid_ifname(&self.gateway_device) {
             return Err(invalid(
                 "gateway_device",
-                format!("'{}' is not a valid interface name (1-15 chars, no '/', ':' or spaces)", self.gateway_device),
+                format!(
+                    "'{}' is not a valid interface name (1-15 chars, no '/', ':' or spaces)",
+                    self.gateway_device
+                ),
             ));
         }
         if !self.uplink.is_empty() && !valid_ifname(&self.uplink) {
-            return Err(invalid("uplink", format!("'{}' is not a valid interface name", self.uplink)));
+            return Err(invalid(
+                "uplink",
+                format!("'{}' is not a valid interface name", self.uplink),
+            ));
         }
         if self.tap_prefix.is_empty()
             || self.tap_prefix.len() > MAX_TAP_PREFIX
-            || !self.tap_prefix.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            || !self
+                .tap_prefix
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
         {
             return Err(invalid(
                 "tap_prefix",
@@ -264,24 +279,40 @@ impl Config {
         if self.gateway_device.starts_with(&self.tap_prefix) {
             return Err(invalid(
                 "tap_prefix",
-                format!("'{}' would also match the gateway device '{}'", self.tap_prefix, self.gateway_device),
+                format!(
+                    "'{}' would also match the gateway device '{}'",
+                    self.tap_prefix, self.gateway_device
+                ),
             ));
         }
         if self.warm_pool > 4096 {
-            return Err(invalid("warm_pool", format!("{} is more than 4096", self.warm_pool)));
+            return Err(invalid(
+                "warm_pool",
+                format!("{} is more than 4096", self.warm_pool),
+            ));
         }
-        let guest_ip: Ipv4Addr = self
-            .guest_ip
-            .parse()
-            .map_err(|_| invalid("guest_ip", format!("'{}' is not an IPv4 address", self.guest_ip)))?;
+        let guest_ip: Ipv4Addr = self.guest_ip.parse().map_err(|_| {
+            invalid(
+                "guest_ip",
+                format!("'{}' is not an IPv4 address", self.guest_ip),
+            )
+        })?;
         let guest_gateway: Ipv4Addr = self.guest_gateway.parse().map_err(|_| {
-            invalid("guest_gateway", format!("'{}' is not an IPv4 address", self.guest_gateway))
+            invalid(
+                "guest_gateway",
+                format!("'{}' is not an IPv4 address", self.guest_gateway),
+            )
         })?;
         if !(1..=30).contains(&self.guest_prefix_len) {
-            return Err(invalid("guest_prefix_len", format!("{} is not in 1-30", self.guest_prefix_len)));
+            return Err(invalid(
+                "guest_prefix_len",
+                format!("{} is not in 1-30", self.guest_prefix_len),
+            ));
         }
         let guest_net = Ipv4Cidr::new(
-            Ipv4Addr::from(u32::from(guest_ip) & (u32::MAX << (32 - u32::from(self.guest_prefix_len)))),
+            Ipv4Addr::from(
+                u32::from(guest_ip) & (u32::MAX << (32 - u32::from(self.guest_prefix_len))),
+            ),
             self.guest_prefix_len,
         )
         .expect("masked address has no host bits");
@@ -291,10 +322,18 @@ impl Config {
                 format!("{guest_gateway} must be another address inside {guest_net}"),
             ));
         }
-        let guest_mac = parse_mac(&self.guest_mac)
-            .ok_or_else(|| invalid("guest_mac", format!("'{}' is not a MAC like 20:90:6f:fc:fc:fc", self.guest_mac)))?;
-        let gateway_mac = parse_mac(&self.gateway_mac)
-            .ok_or_else(|| invalid("gateway_mac", format!("'{}' is not a MAC like 20:90:6f:cf:cf:cf", self.gateway_mac)))?;
+        let guest_mac = parse_mac(&self.guest_mac).ok_or_else(|| {
+            invalid(
+                "guest_mac",
+                format!("'{}' is not a MAC like 20:90:6f:fc:fc:fc", self.guest_mac),
+            )
+        })?;
+        let gateway_mac = parse_mac(&self.gateway_mac).ok_or_else(|| {
+            invalid(
+                "gateway_mac",
+                format!("'{}' is not a MAC like 20:90:6f:cf:cf:cf", self.gateway_mac),
+            )
+        })?;
         for (key, mac) in [("guest_mac", guest_mac), ("gateway_mac", gateway_mac)] {
             if mac[0] & 1 == 1 || mac == [0; 6] {
                 return Err(invalid(key, "must be a unicast, non-zero MAC"));
@@ -303,25 +342,42 @@ impl Config {
         if guest_mac == gateway_mac {
             return Err(invalid("gateway_mac", "must differ from guest_mac"));
         }
-        let (port_low, port_high) =
-            parse_range(&self.host_port_range).map_err(|e| invalid("host_port_range", e.to_string()))?;
-        let reserved_ports: PortSet = self
-            .reserved_host_ports
-            .parse()
-            .map_err(|e: crate::alloc::port::PortListError| invalid("reserved_host_ports", e.to_string()))?;
+        let (port_low, port_high) = parse_range(&self.host_port_range)
+            .map_err(|e| invalid("host_port_range", e.to_string()))?;
+        let reserved_ports: PortSet =
+            self.reserved_host_ports
+                .parse()
+                .map_err(|e: crate::alloc::port::PortListError| {
+                    invalid("reserved_host_ports", e.to_string())
+                })?;
         if (port_low..=port_high).all(|p| reserved_ports.contains(p)) {
-            return Err(invalid("reserved_host_ports", "excludes every port of host_port_range"));
+            return Err(invalid(
+                "reserved_host_ports",
+                "excludes every port of host_port_range",
+            ));
         }
         let default_host_ip: Ipv4Addr = self.default_host_ip.parse().map_err(|_| {
-            invalid("default_host_ip", format!("'{}' is not an IPv4 address", self.default_host_ip))
+            invalid(
+                "default_host_ip",
+                format!("'{}' is not an IPv4 address", self.default_host_ip),
+            )
         })?;
-        for (key, dir) in [("state_dir", &self.state_dir), ("runtime_dir", &self.runtime_dir)] {
+        for (key, dir) in [
+            ("state_dir", &self.state_dir),
+            ("runtime_dir", &self.runtime_dir),
+        ] {
             if !dir.is_absolute() {
-                return Err(invalid(key, format!("'{}' must be an absolute path", dir.display())));
+                return Err(invalid(
+                    key,
+                    format!("'{}' must be an absolute path", dir.display()),
+                ));
             }
         }
         if self.retire_group == 0 {
-            return Err(invalid("retire_group", "0 is the default group of every link; pick another"));
+            return Err(invalid(
+                "retire_group",
+                "0 is the default group of every link; pick another",
+            ));
         }
         Ok(Derived {
             pool,
@@ -392,7 +448,9 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command, Con
             _ => {}
         }
         if !flag.starts_with("--") {
-            return Err(ConfigError::Usage(format!("unexpected argument '{arg}' (see --help)")));
+            return Err(ConfigError::Usage(format!(
+                "unexpected argument '{arg}' (see --help)"
+            )));
         }
         let value = match inline {
             Some(v) => v,
@@ -421,7 +479,8 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command, Con
 
 fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigError> {
     let number = |key: &'static str, v: &str| -> Result<u32, ConfigError> {
-        v.parse().map_err(|_| invalid(key, format!("'{v}' is not a number")))
+        v.parse()
+            .map_err(|_| invalid(key, format!("'{v}' is not a number")))
     };
     match flag {
         "--bus" => cfg.bus = BusChoice::try_from(value).map_err(|why| invalid("bus", why))?,
@@ -436,7 +495,11 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
         "--state-dir" => cfg.state_dir = value.into(),
         "--runtime-dir" => cfg.runtime_dir = value.into(),
         "--log-level" => cfg.log_level = value,
-        _ => return Err(ConfigError::Usage(format!("unknown option {flag} (see --help)"))),
+        _ => {
+            return Err(ConfigError::Usage(format!(
+                "unknown option {flag} (see --help)"
+            )));
+        }
     }
     Ok(())
 }
@@ -469,40 +532,154 @@ mod tests {
 
     #[test]
     fn unknown_key_is_named() {
-        let e = Config::from_toml("pool_cidr = \"10.0.0.0/16\"\npool_size = 3\n", Path::new("c.toml"))
-            .unwrap_err()
-            .to_string();
+        let e = Config::from_toml(
+            "pool_cidr = \"10.0.0.0/16\"\npool_size = 3\n",
+            Path::new("c.toml"),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("pool_size"), "{e}");
         assert!(e.contains("c.toml"), "{e}");
     }
 
     #[test]
     fn wrong_type_is_reported() {
-        let e = Config::from_toml("mtu = \"big\"", Path::new("c.toml")).unwrap_err().to_string();
+        let e = Config::from_toml("mtu = \"big\"", Path::new("c.toml"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("line 1, key 'mtu'"), "{e}");
     }
 
     #[test]
     fn bad_values_name_the_key() {
         let cases: Vec<(Config, &str)> = vec![
-            (Config { pool_cidr: "10.0.0.0/33".into(), ..Default::default() }, "pool_cidr"),
-            (Config { pool_cidr: "10.0.0.1/16".into(), ..Default::default() }, "10.0.0.0/16"),
-            (Config { pool_cidr: "10.0.0.0/31".into(), ..Default::default() }, "too small"),
-            (Config { mtu: 100, ..Default::default() }, "mtu"),
-            (Config { mtu: 65000, ..Default::default() }, "out of range"),
-            (Config { tap_prefix: "toolongprefix".into(), ..Default::default() }, "tap_prefix"),
-            (Config { tap_prefix: "a/b".into(), ..Default::default() }, "tap_prefix"),
-            (Config { tap_prefix: "cube".into(), ..Default::default() }, "gateway device"),
-            (Config { gateway_device: "way-too-long-name".into(), ..Default::default() }, "gateway_device"),
-            (Config { guest_mac: "zz:90:6f:fc:fc:fc".into(), ..Default::default() }, "guest_mac"),
-            (Config { gateway_mac: "21:90:6f:fc:fc:fc".into(), ..Default::default() }, "unicast"),
-            (Config { gateway_mac: "20:90:6f:fc:fc:fc".into(), ..Default::default() }, "differ"),
-            (Config { guest_gateway: "10.0.0.1".into(), ..Default::default() }, "guest_gateway"),
-            (Config { host_port_range: "30000-20000".into(), ..Default::default() }, "host_port_range"),
-            (Config { host_port_range: "100-101".into(), reserved_host_ports: "100-101".into(), ..Default::default() }, "excludes every port"),
-            (Config { reserved_host_ports: "80,x".into(), ..Default::default() }, "reserved_host_ports"),
-            (Config { state_dir: "relative".into(), ..Default::default() }, "state_dir"),
-            (Config { warm_pool: 100_000, ..Default::default() }, "warm_pool"),
+            (
+                Config {
+                    pool_cidr: "10.0.0.0/33".into(),
+                    ..Default::default()
+                },
+                "pool_cidr",
+            ),
+            (
+                Config {
+                    pool_cidr: "10.0.0.1/16".into(),
+                    ..Default::default()
+                },
+                "10.0.0.0/16",
+            ),
+            (
+                Config {
+                    pool_cidr: "10.0.0.0/31".into(),
+                    ..Default::default()
+                },
+                "too small",
+            ),
+            (
+                Config {
+                    mtu: 100,
+                    ..Default::default()
+                },
+                "mtu",
+            ),
+            (
+                Config {
+                    mtu: 65000,
+                    ..Default::default()
+                },
+                "out of range",
+            ),
+            (
+                Config {
+                    tap_prefix: "toolongprefix".into(),
+                    ..Default::default()
+                },
+                "tap_prefix",
+            ),
+            (
+                Config {
+                    tap_prefix: "a/b".into(),
+                    ..Default::default()
+                },
+                "tap_prefix",
+            ),
+            (
+                Config {
+                    tap_prefix: "cube".into(),
+                    ..Default::default()
+                },
+                "gateway device",
+            ),
+            (
+                Config {
+                    gateway_device: "way-too-long-name".into(),
+                    ..Default::default()
+                },
+                "gateway_device",
+            ),
+            (
+                Config {
+                    guest_mac: "zz:90:6f:fc:fc:fc".into(),
+                    ..Default::default()
+                },
+                "guest_mac",
+            ),
+            (
+                Config {
+                    gateway_mac: "21:90:6f:fc:fc:fc".into(),
+                    ..Default::default()
+                },
+                "unicast",
+            ),
+            (
+                Config {
+                    gateway_mac: "20:90:6f:fc:fc:fc".into(),
+                    ..Default::default()
+                },
+                "differ",
+            ),
+            (
+                Config {
+                    guest_gateway: "10.0.0.1".into(),
+                    ..Default::default()
+                },
+                "guest_gateway",
+            ),
+            (
+                Config {
+                    host_port_range: "30000-20000".into(),
+                    ..Default::default()
+                },
+                "host_port_range",
+            ),
+            (
+                Config {
+                    host_port_range: "100-101".into(),
+                    reserved_host_ports: "100-101".into(),
+                    ..Default::default()
+                },
+                "excludes every port",
+            ),
+            (
+                Config {
+                    reserved_host_ports: "80,x".into(),
+                    ..Default::default()
+                },
+                "reserved_host_ports",
+            ),
+            (
+                Config {
+                    state_dir: "relative".into(),
+                    ..Default::default()
+                },
+                "state_dir",
+            ),
+            (
+                Config {
+                    warm_pool: 100_000,
+                    ..Default::default()
+                },
+                "warm_pool",
+            ),
         ];
         for (cfg, want) in cases {
             let e = err_of(cfg);
@@ -524,7 +701,9 @@ mod tests {
             "unix:path=/tmp/x",
         ]))
         .unwrap();
-        let Command::Run(cfg) = cmd else { panic!("expected run") };
+        let Command::Run(cfg) = cmd else {
+            panic!("expected run")
+        };
         assert_eq!(cfg.warm_pool, 4);
         assert_eq!(cfg.mtu, 1500);
         assert_eq!(cfg.bus, BusChoice::Address("unix:path=/tmp/x".into()));
@@ -539,9 +718,24 @@ mod tests {
 
     #[test]
     fn usage_errors() {
-        assert!(parse_args(args(&["--bogus", "1"])).unwrap_err().to_string().contains("--bogus"));
-        assert!(parse_args(args(&["--mtu"])).unwrap_err().to_string().contains("needs a value"));
-        assert!(parse_args(args(&["--bus", "nope"])).unwrap_err().to_string().contains("bus"));
+        assert!(
+            parse_args(args(&["--bogus", "1"]))
+                .unwrap_err()
+                .to_string()
+                .contains("--bogus")
+        );
+        assert!(
+            parse_args(args(&["--mtu"]))
+                .unwrap_err()
+                .to_string()
+                .contains("needs a value")
+        );
+        assert!(
+            parse_args(args(&["--bus", "nope"]))
+                .unwrap_err()
+                .to_string()
+                .contains("bus")
+        );
         assert!(matches!(parse_args(args(&["--help"])), Ok(Command::Help)));
     }
 

@@ -40,11 +40,17 @@ fn main() -> ExitCode {
         }
     };
     if let Err(e) = cfg.validate() {
-        eprintln!("cube-network-agent: invalid configuration: {}", error_chain(&e));
+        eprintln!(
+            "cube-network-agent: invalid configuration: {}",
+            error_chain(&e)
+        );
         return ExitCode::from(2);
     }
     init_logging(&cfg.log_level);
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("cube-network-agent: starting the runtime: {e}");

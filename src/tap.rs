@@ -99,25 +99,41 @@ fn ifreq_with(name: &str, flags: libc::c_short) -> Result<libc::ifreq, TapError>
     Ok(req)
 }
 
-fn ioctl_ifreq(fd: BorrowedFd<'_>, request: libc::c_ulong, req: &mut libc::ifreq) -> io::Result<()> {
+fn ioctl_ifreq(
+    fd: BorrowedFd<'_>,
+    request: libc::c_ulong,
+    req: &mut libc::ifreq,
+) -> io::Result<()> {
     // SAFETY: `req` is a valid, exclusively borrowed ifreq that outlives the
     // call, and `request` is a TUN ioctl that takes a `struct ifreq *`.
     let ret = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, req as *mut libc::ifreq) };
-    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
 }
 
 fn ioctl_set_int(fd: BorrowedFd<'_>, request: libc::c_ulong, value: libc::c_int) -> io::Result<()> {
     // SAFETY: the TUN ioctls used here read one `int` through the pointer,
     // which points at a live local.
     let ret = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, &value as *const libc::c_int) };
-    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
 }
 
 fn ioctl_get_int(fd: BorrowedFd<'_>, request: libc::c_ulong) -> io::Result<libc::c_int> {
     let mut value: libc::c_int = 0;
     // SAFETY: the ioctl writes one `int` through the pointer to a live local.
     let ret = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, &mut value as *mut libc::c_int) };
-    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(value) }
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(value)
+    }
 }
 
 /// TUNSETPERSIST takes its argument by value, not by pointer.
@@ -125,7 +141,11 @@ fn ioctl_set_persist(fd: BorrowedFd<'_>, on: bool) -> io::Result<()> {
     // SAFETY: TUNSETPERSIST reads its integer argument directly; no memory
     // is passed.
     let ret = unsafe { libc::ioctl(fd.as_raw_fd(), TUNSETPERSIST as _, libc::c_ulong::from(on)) };
-    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
 }
 
 fn open_tun() -> Result<OwnedFd, TapError> {
@@ -239,7 +259,10 @@ mod tests {
     #[test]
     fn rejects_names_beyond_ifnamsiz() {
         assert!(matches!(Tap::create(""), Err(TapError::Name(_))));
-        assert!(matches!(Tap::create("sixteen-chars-xx"), Err(TapError::Name(_))));
+        assert!(matches!(
+            Tap::create("sixteen-chars-xx"),
+            Err(TapError::Name(_))
+        ));
     }
 
     #[test]

@@ -22,13 +22,13 @@ use tracing::{debug, info, warn};
 
 use crate::alloc::port::PortError;
 use crate::alloc::{IpAllocator, PortAllocator, PortSet};
-use crate::config::{format_mac, Config, Derived};
+use crate::config::{Config, Derived, format_mac};
 use crate::datapath::{Check, Datapath, SandboxPath};
 use crate::netlink::{LinkChange, LinkInfo, Netlink};
 use crate::store::Store;
 use crate::tap::Tap;
-use pool::{create_tap, PoolTap, TapPool};
-use spec::{validate_sandbox_id, NetworkRecord, NetworkSpec, PortMapping, RECORD_VERSION};
+use pool::{PoolTap, TapPool, create_tap};
+use spec::{NetworkRecord, NetworkSpec, PortMapping, RECORD_VERSION, validate_sandbox_id};
 
 /// Errors as callers see them; the edges map each variant to their wire
 /// error in one place.
@@ -166,7 +166,10 @@ struct Gateway {
 
 #[derive(Debug, Clone)]
 enum Uplink {
-    Found { name: String, addr: Option<Ipv4Addr> },
+    Found {
+        name: String,
+        addr: Option<Ipv4Addr>,
+    },
     Missing(String),
 }
 
@@ -269,7 +272,9 @@ fn resolve_ports(
                 if let Err(e) = ports.reserve(req.protocol, req.host_port) {
                     undo(ports, &claimed);
                     return Err(match e {
-                        PortError::InUse(..) => AgentError::PortInUse(format!("port_mappings[{i}]: {e}")),
+                        PortError::InUse(..) => {
+                            AgentError::PortInUse(format!("port_mappings[{i}]: {e}"))
+                        }
                         _ => AgentError::InvalidArgument(format!("port_mappings[{i}]: {e}")),
                     });
                 }
@@ -320,13 +325,21 @@ impl Agent {
         let (store, loaded) = Store::open(&cfg.state_dir)?;
         let nl = Netlink::new()?;
         let (gw_link, kind) = nl
-            .ensure_gateway_device_with_mtu(&cfg.gateway_device, d.pool.gateway(), d.pool.prefix_len(), None)
+            .ensure_gateway_device_with_mtu(
+                &cfg.gateway_device,
+                d.pool.gateway(),
+                d.pool.prefix_len(),
+                None,
+            )
             .await?;
         info!(device = cfg.gateway_device, kind, ifindex = gw_link.index, pool = %d.pool, "gateway device ready");
         let uplink = Self::find_uplink(&nl, &cfg.uplink).await;
         match &uplink {
             Uplink::Found { name, addr } => info!(uplink = name, address = ?addr, "uplink"),
-            Uplink::Missing(why) => warn!(reason = why.as_str(), "no uplink; egress and port mappings are unavailable"),
+            Uplink::Missing(why) => warn!(
+                reason = why.as_str(),
+                "no uplink; egress and port mappings are unavailable"
+            ),
         }
         let mut excluded = d.reserved_ports.clone();
         excluded.extend(&kernel_reserved_ports());
@@ -384,7 +397,10 @@ impl Agent {
     async fn find_uplink(nl: &Netlink, configured: &str) -> Uplink {
         if configured.is_empty() {
             return match nl.default_uplink().await {
-                Ok(Some((link, addr))) => Uplink::Found { name: link.name, addr },
+                Ok(Some((link, addr))) => Uplink::Found {
+                    name: link.name,
+                    addr,
+                },
                 Ok(None) => Uplink::Missing("no IPv4 default route".into()),
                 Err(e) => Uplink::Missing(crate::error_chain(&e)),
             };
@@ -396,7 +412,10 @@ impl Agent {
                     .await
                     .ok()
                     .and_then(|a| a.first().map(|(ip, _)| *ip));
-                Uplink::Found { name: link.name, addr }
+                Uplink::Found {
+                    name: link.name,
+                    addr,
+                }
             }
             Ok(None) => Uplink::Missing(format!("configured uplink '{configured}' does not exist")),
             Err(e) => Uplink::Missing(crate::error_chain(&e)),
@@ -420,9 +439,7 @@ impl Agent {
     /// only made under the map lock, so the count check is race-free.
     fn forget_slot(&self, id: &str, slot: Slot) {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        if Arc::strong_count(&slot) == 2
-            && slot.try_lock().map(|g| g.is_none()).unwrap_or(false)
-        {
+        if Arc::strong_count(&slot) == 2 && slot.try_lock().map(|g| g.is_none()).unwrap_or(false) {
             slots.remove(id);
         }
     }
@@ -450,7 +467,11 @@ impl Agent {
 
     /// EnsureNetwork: creates the network, or converges an existing one to
     /// `spec` without changing its address or TAP.
-    pub async fn ensure(&self, id: &str, spec: NetworkSpec) -> Result<(NetworkView, Ensured), AgentError> {
+    pub async fn ensure(
+        &self,
+        id: &str,
+        spec: NetworkSpec,
+    ) -> Result<(NetworkView, Ensured), AgentError> {
         validate_sandbox_id(id)?;
         let spec = self.normalise(spec.validated()?);
         let slot = self.slot(id);
@@ -495,7 +516,12 @@ impl Agent {
                     a.ips.capacity()
                 ))
             })?;
-            match resolve_ports(&mut a.ports, &spec.port_mappings, &[], (self.d.port_low, self.d.port_high)) {
+            match resolve_ports(
+                &mut a.ports,
+                &spec.port_mappings,
+                &[],
+                (self.d.port_low, self.d.port_high),
+            ) {
                 Ok((m, _, _)) => (ip, m),
                 Err(e) => {
                     a.ips.release(ip);
@@ -561,7 +587,11 @@ impl Agent {
                 }
                 let mut pt = pt;
                 pt.tap.set_name(rec.tap_name.clone());
-                debug!(sandbox_id = rec.sandbox_id, tap = rec.tap_name, "warm TAP taken from pool");
+                debug!(
+                    sandbox_id = rec.sandbox_id,
+                    tap = rec.tap_name,
+                    "warm TAP taken from pool"
+                );
                 pt
             }
             None => match self.cold_tap(&rec.tap_name, rec.mtu).await {
@@ -618,7 +648,11 @@ impl Agent {
         if let Err(e) = self.datapath.detach(&net.path()) {
             errors.push(crate::error_chain(&e));
         }
-        if let Err(e) = self.nl.neigh_del(self.gateway.ifindex, net.rec.sandbox_ip).await {
+        if let Err(e) = self
+            .nl
+            .neigh_del(self.gateway.ifindex, net.rec.sandbox_ip)
+            .await
+        {
             errors.push(crate::error_chain(&e));
         }
         errors
@@ -646,7 +680,12 @@ impl Agent {
         self.recycle(&mut net).await;
         self.release_allocs(&net.rec);
         for error in errors {
-            warn!(sandbox_id = net.rec.sandbox_id, tap = net.rec.tap_name, error, "teardown step failed");
+            warn!(
+                sandbox_id = net.rec.sandbox_id,
+                tap = net.rec.tap_name,
+                error,
+                "teardown step failed"
+            );
         }
     }
 
@@ -704,7 +743,11 @@ impl Agent {
             .map_err(|e| failed("recording the network durably", &e))
     }
 
-    async fn apply_change_kernel(&self, net: &Network, old: Option<&NetworkRecord>) -> Result<(), AgentError> {
+    async fn apply_change_kernel(
+        &self,
+        net: &Network,
+        old: Option<&NetworkRecord>,
+    ) -> Result<(), AgentError> {
         if old.is_none_or(|o| o.mtu != net.rec.mtu) {
             let change = LinkChange {
                 mtu: Some(net.rec.mtu),
@@ -838,7 +881,10 @@ impl Agent {
             ),
         ));
         checks.push(match &self.uplink {
-            Uplink::Found { name, addr: Some(a) } => ("uplink".into(), true, format!("{name} {a}")),
+            Uplink::Found {
+                name,
+                addr: Some(a),
+            } => ("uplink".into(), true, format!("{name} {a}")),
             Uplink::Found { name, addr: None } => (
                 "uplink".into(),
                 false,
@@ -880,18 +926,35 @@ impl Agent {
         let r = &self.recovery;
         let mut detail = format!(
             "adopted {}, repaired {}, pool TAPs adopted {}, retired {}, stale neighbours {}, quarantined records {}, in {} ms",
-            r.adopted, r.repaired, r.pool_adopted, r.retired, r.stale_neighbours, r.quarantined.len(), r.elapsed_ms
+            r.adopted,
+            r.repaired,
+            r.pool_adopted,
+            r.retired,
+            r.stale_neighbours,
+            r.quarantined.len(),
+            r.elapsed_ms
         );
-        for q in r.quarantined.iter().chain(&r.store_problems).chain(&r.errors) {
+        for q in r
+            .quarantined
+            .iter()
+            .chain(&r.store_problems)
+            .chain(&r.errors)
+        {
             detail.push_str("; ");
             detail.push_str(q);
         }
         if !r.fd_lost.is_empty() {
-            detail.push_str(&format!("; TAP fd not re-opened for {}", r.fd_lost.join(", ")));
+            detail.push_str(&format!(
+                "; TAP fd not re-opened for {}",
+                r.fd_lost.join(", ")
+            ));
         }
         checks.push((
             "recovery".into(),
-            r.quarantined.is_empty() && r.store_problems.is_empty() && r.errors.is_empty() && r.fd_lost.is_empty(),
+            r.quarantined.is_empty()
+                && r.store_problems.is_empty()
+                && r.errors.is_empty()
+                && r.fd_lost.is_empty(),
             detail,
         ));
         checks.extend(self.datapath.checks());
@@ -919,7 +982,8 @@ impl Agent {
             .list_links()
             .await
             .map_err(|e| failed("listing links", &e))?;
-        let by_name: HashMap<&str, &LinkInfo> = links.iter().map(|l| (l.name.as_str(), l)).collect();
+        let by_name: HashMap<&str, &LinkInfo> =
+            links.iter().map(|l| (l.name.as_str(), l)).collect();
         let neighbours = self
             .nl
             .neigh_list(self.gateway.ifindex)
@@ -931,7 +995,8 @@ impl Agent {
                 let mut guard = slot.lock().await;
                 if let Some(net) = guard.as_mut() {
                     report.checked += 1;
-                    self.reconcile_one(net, &by_name, &neighbours, &mut report).await;
+                    self.reconcile_one(net, &by_name, &neighbours, &mut report)
+                        .await;
                     self.set_view(net);
                 }
             }
@@ -940,7 +1005,13 @@ impl Agent {
         if id.is_empty() {
             self.collect_garbage(&links, &neighbours, &mut report).await;
         }
-        info!(checked = report.checked, repaired = report.repaired.len(), removed = report.removed.len(), errors = report.errors.len(), "reconciled");
+        info!(
+            checked = report.checked,
+            repaired = report.repaired.len(),
+            removed = report.removed.len(),
+            errors = report.errors.len(),
+            "reconciled"
+        );
         Ok(report)
     }
 
@@ -960,7 +1031,10 @@ impl Agent {
                     Ok(pt) => {
                         net.ifindex = pt.ifindex;
                         net.tap = Some(pt.tap);
-                        report.repaired.push(format!("{id}: TAP {} was missing, recreated", net.rec.tap_name));
+                        report.repaired.push(format!(
+                            "{id}: TAP {} was missing, recreated",
+                            net.rec.tap_name
+                        ));
                     }
                     Err(e) => report.errors.push(format!("{id}: {e}")),
                 }
@@ -981,7 +1055,9 @@ impl Agent {
                             link.mtu,
                             net.rec.mtu
                         )),
-                        Err(e) => report.errors.push(format!("{id}: {}", crate::error_chain(&e))),
+                        Err(e) => report
+                            .errors
+                            .push(format!("{id}: {}", crate::error_chain(&e))),
                     }
                 }
             }
@@ -995,8 +1071,13 @@ impl Agent {
                 .neigh_replace_permanent(self.gateway.ifindex, net.rec.sandbox_ip, self.d.guest_mac)
                 .await
             {
-                Ok(()) => report.repaired.push(format!("{id}: neighbour entry for {} restored", net.rec.sandbox_ip)),
-                Err(e) => report.errors.push(format!("{id}: {}", crate::error_chain(&e))),
+                Ok(()) => report.repaired.push(format!(
+                    "{id}: neighbour entry for {} restored",
+                    net.rec.sandbox_ip
+                )),
+                Err(e) => report
+                    .errors
+                    .push(format!("{id}: {}", crate::error_chain(&e))),
             }
         }
         if let Err(e) = self.datapath.attach(&net.path()) {
@@ -1048,7 +1129,8 @@ impl Agent {
             .collect();
         for (ip, _, _) in neighbours {
             let IpAddr::V4(v4) = ip else { continue };
-            if self.d.pool.contains(*v4) && *v4 != self.d.pool.gateway() && !owned_ips.contains(ip) {
+            if self.d.pool.contains(*v4) && *v4 != self.d.pool.gateway() && !owned_ips.contains(ip)
+            {
                 // A network being created right now adds its neighbour
                 // before its view exists; skip addresses still allocated.
                 if self.allocs().ips.is_allocated(*v4) {
@@ -1063,7 +1145,10 @@ impl Agent {
     }
 
     /// Start-up recovery: collect facts, classify, apply.
-    async fn recover(&mut self, records: BTreeMap<String, Vec<u8>>) -> Result<RecoveryReport, StartError> {
+    async fn recover(
+        &mut self,
+        records: BTreeMap<String, Vec<u8>>,
+    ) -> Result<RecoveryReport, StartError> {
         let mut report = RecoveryReport::default();
         let links = self.nl.list_links().await?;
         let neighbours = self.nl.neigh_list(self.gateway.ifindex).await?;
@@ -1083,7 +1168,9 @@ impl Agent {
         for (key, bytes, reason) in &plan.quarantine {
             warn!(sandbox_id = key, reason, "record quarantined");
             if let Err(e) = self.store.quarantine_record(key, bytes, reason).await {
-                report.errors.push(format!("quarantining {key}: {}", crate::error_chain(&e)));
+                report
+                    .errors
+                    .push(format!("quarantining {key}: {}", crate::error_chain(&e)));
             }
             report.quarantined.push(format!("record {key}: {reason}"));
         }
@@ -1102,10 +1189,17 @@ impl Agent {
             self.slots
                 .get_mut()
                 .unwrap_or_else(|p| p.into_inner())
-                .insert(net.rec.sandbox_id.clone(), Arc::new(AsyncMutex::new(Some(net))));
+                .insert(
+                    net.rec.sandbox_id.clone(),
+                    Arc::new(AsyncMutex::new(Some(net))),
+                );
         }
         if let Some(ip) = max_ip {
-            self.allocs.get_mut().unwrap_or_else(|p| p.into_inner()).ips.set_cursor_after(ip);
+            self.allocs
+                .get_mut()
+                .unwrap_or_else(|p| p.into_inner())
+                .ips
+                .set_cursor_after(ip);
         }
         if let Some(n) = plan.max_pool_name {
             self.pool.continue_names_after(n);
@@ -1113,7 +1207,10 @@ impl Agent {
         for link in plan.pool {
             match Tap::open_existing(&link.name) {
                 Ok(tap) if !link.up && link.mtu == self.cfg.mtu => {
-                    self.pool.adopt_idle(PoolTap { tap, ifindex: link.index });
+                    self.pool.adopt_idle(PoolTap {
+                        tap,
+                        ifindex: link.index,
+                    });
                     report.pool_adopted += 1;
                 }
                 _ => {
@@ -1159,10 +1256,16 @@ impl Agent {
                 match Tap::open_existing(&link.name) {
                     Ok(tap) => net.tap = Some(tap),
                     Err(e) if e.errno() == Some(libc::EBUSY) => {
-                        warn!(sandbox_id = id, tap = link.name, "TAP held by another process; adopted without an fd");
+                        warn!(
+                            sandbox_id = id,
+                            tap = link.name,
+                            "TAP held by another process; adopted without an fd"
+                        );
                         report.fd_lost.push(id.clone());
                     }
-                    Err(e) => report.errors.push(format!("{id}: {}", crate::error_chain(&e))),
+                    Err(e) => report
+                        .errors
+                        .push(format!("{id}: {}", crate::error_chain(&e))),
                 }
                 if !link.up || link.mtu != net.rec.mtu {
                     let change = LinkChange {
@@ -1171,7 +1274,9 @@ impl Agent {
                         ..Default::default()
                     };
                     if let Err(e) = self.nl.set_link(link.index, change).await {
-                        report.errors.push(format!("{id}: {}", crate::error_chain(&e)));
+                        report
+                            .errors
+                            .push(format!("{id}: {}", crate::error_chain(&e)));
                     }
                     repaired = true;
                 }
@@ -1191,7 +1296,9 @@ impl Agent {
                 .neigh_replace_permanent(self.gateway.ifindex, net.rec.sandbox_ip, self.d.guest_mac)
                 .await
             {
-                report.errors.push(format!("{id}: {}", crate::error_chain(&e)));
+                report
+                    .errors
+                    .push(format!("{id}: {}", crate::error_chain(&e)));
             }
             repaired = true;
         }
@@ -1209,7 +1316,10 @@ impl Agent {
     /// Flushes the store; TAPs, neighbours and the datapath stay in place
     /// for the next start to adopt.
     pub fn shutdown(&self) {
-        info!(networks = self.active_networks(), "shutting down; networks stay in place");
+        info!(
+            networks = self.active_networks(),
+            "shutting down; networks stay in place"
+        );
     }
 }
 
@@ -1232,7 +1342,10 @@ mod tests {
         let mut ports = PortAllocator::new(100, 103, PortSet::default());
         let req = vec![pm(Protocol::Tcp, 80, 0), pm(Protocol::Tcp, 22, 9022)];
         let (got, claimed, stale) = resolve_ports(&mut ports, &req, &[], (100, 103)).unwrap();
-        assert_eq!(got, vec![pm(Protocol::Tcp, 80, 100), pm(Protocol::Tcp, 22, 9022)]);
+        assert_eq!(
+            got,
+            vec![pm(Protocol::Tcp, 80, 100), pm(Protocol::Tcp, 22, 9022)]
+        );
         assert_eq!(claimed.len(), 2);
         assert!(stale.is_empty());
         // Same request again: same ports, nothing claimed or freed.
@@ -1242,7 +1355,10 @@ mod tests {
         // Change: drop 22, add udp 53 → 53 claimed, 9022 stale.
         let req2 = vec![pm(Protocol::Tcp, 80, 0), pm(Protocol::Udp, 53, 0)];
         let (conv, claimed, stale) = resolve_ports(&mut ports, &req2, &got, (100, 103)).unwrap();
-        assert_eq!(conv, vec![pm(Protocol::Tcp, 80, 100), pm(Protocol::Udp, 53, 100)]);
+        assert_eq!(
+            conv,
+            vec![pm(Protocol::Tcp, 80, 100), pm(Protocol::Udp, 53, 100)]
+        );
         assert_eq!(claimed, vec![pm(Protocol::Udp, 53, 100)]);
         assert_eq!(stale, vec![pm(Protocol::Tcp, 22, 9022)]);
     }
@@ -1253,11 +1369,21 @@ mod tests {
         ports.reserve(Protocol::Tcp, 8080).unwrap();
         let req = vec![pm(Protocol::Tcp, 1, 0), pm(Protocol::Tcp, 2, 8080)];
         let e = resolve_ports(&mut ports, &req, &[], (100, 101)).unwrap_err();
-        assert!(matches!(&e, AgentError::PortInUse(m) if m.contains("port_mappings[1]")), "{e:?}");
+        assert!(
+            matches!(&e, AgentError::PortInUse(m) if m.contains("port_mappings[1]")),
+            "{e:?}"
+        );
         assert_eq!(ports.free(Protocol::Tcp), 2, "nothing stays claimed");
-        let req = vec![pm(Protocol::Tcp, 1, 0), pm(Protocol::Tcp, 2, 0), pm(Protocol::Tcp, 3, 0)];
+        let req = vec![
+            pm(Protocol::Tcp, 1, 0),
+            pm(Protocol::Tcp, 2, 0),
+            pm(Protocol::Tcp, 3, 0),
+        ];
         let e = resolve_ports(&mut ports, &req, &[], (100, 101)).unwrap_err();
-        assert!(matches!(&e, AgentError::PortsExhausted(m) if m.contains("port_mappings[2]") && m.contains("100-101")), "{e:?}");
+        assert!(
+            matches!(&e, AgentError::PortsExhausted(m) if m.contains("port_mappings[2]") && m.contains("100-101")),
+            "{e:?}"
+        );
         assert_eq!(ports.free(Protocol::Tcp), 2);
     }
 

@@ -129,7 +129,8 @@ impl TapPool {
 
     /// Pool names continue after the highest one seen at recovery.
     pub fn continue_names_after(&self, n: u32) {
-        self.next_name.fetch_max(n.wrapping_add(1), Ordering::Relaxed);
+        self.next_name
+            .fetch_max(n.wrapping_add(1), Ordering::Relaxed);
     }
 
     /// An idle TAP, if any (the refill task is woken to replace it).
@@ -161,18 +162,26 @@ impl TapPool {
         self.wake.notify_one();
     }
 
-    /// Resets a released TAP and returns it to the pool (or retires it when
-    /// the pool is already full). A failed reset goes to the abnormal queue.
+    /// Resets a released TAP (pool name, down, default MTU) and returns it
+    /// to the pool. When the pool is already full the same netlink message
+    /// also moves it into the retire group for batched deletion, so a TAP
+    /// never waits for deletion under a sandbox's name (which the next
+    /// sandbox on that address would need). A failed reset goes to the
+    /// abnormal queue.
     pub async fn give_back(&self, mut pt: PoolTap) {
-        if self.lock().idle.len() >= self.target {
-            self.retire(pt);
-            return;
-        }
+        let surplus = self.lock().idle.len() >= self.target;
         let name = self.next_pool_name();
-        match self.reset(&pt, &name).await {
+        match self.reset(&pt, &name, surplus).await {
             Ok(()) => {
                 pt.tap.set_name(name);
-                self.lock().idle.push_back(pt);
+                let mut inner = self.lock();
+                if surplus {
+                    inner.retiring.push(pt);
+                    drop(inner);
+                    self.wake.notify_one();
+                } else {
+                    inner.idle.push_back(pt);
+                }
             }
             Err(error) => {
                 warn!(tap = pt.tap.name(), %error, "TAP reset failed; will retry");
@@ -187,7 +196,7 @@ impl TapPool {
         }
     }
 
-    async fn reset(&self, pt: &PoolTap, name: &str) -> Result<(), String> {
+    async fn reset(&self, pt: &PoolTap, name: &str, retire: bool) -> Result<(), String> {
         self.nl
             .set_link(
                 pt.ifindex,
@@ -195,7 +204,7 @@ impl TapPool {
                     name: Some(name.to_owned()),
                     mtu: Some(self.mtu),
                     up: Some(false),
-                    group: None,
+                    group: retire.then_some(self.retire_group),
                 },
             )
             .await
@@ -286,9 +295,13 @@ impl TapPool {
         };
         for mut a in due {
             let name = self.next_pool_name();
-            match self.reset(&a.tap, &name).await {
+            match self.reset(&a.tap, &name, false).await {
                 Ok(()) => {
-                    info!(tap = name, attempts = a.attempts + 1, "TAP reset succeeded on retry");
+                    info!(
+                        tap = name,
+                        attempts = a.attempts + 1,
+                        "TAP reset succeeded on retry"
+                    );
                     a.tap.tap.set_name(name);
                     self.adopt_idle(a.tap);
                 }
@@ -301,9 +314,15 @@ impl TapPool {
                             self.lock().abnormal.push(a);
                         }
                         ResetVerdict::Quarantine => {
-                            warn!(tap = a.tap.tap.name(), error = a.error, "TAP quarantined after repeated reset failures; deleting it");
+                            warn!(
+                                tap = a.tap.tap.name(),
+                                error = a.error,
+                                "TAP quarantined after repeated reset failures; deleting it"
+                            );
                             let mut inner = self.lock();
-                            inner.quarantined.push((a.tap.tap.name().to_owned(), a.error));
+                            inner
+                                .quarantined
+                                .push((a.tap.tap.name().to_owned(), a.error));
                             inner.retiring.push(a.tap);
                         }
                     }
@@ -351,7 +370,12 @@ impl TapPool {
             }
         }
         let deleted = indexes.len() - errors.len();
-        info!(deleted, failed = errors.len(), elapsed_us = started.elapsed().as_micros() as u64, "retired TAPs deleted");
+        info!(
+            deleted,
+            failed = errors.len(),
+            elapsed_us = started.elapsed().as_micros() as u64,
+            "retired TAPs deleted"
+        );
         let mut inner = self.lock();
         inner.deleted += deleted as u64;
         if let Some(e) = errors.pop() {
@@ -363,10 +387,11 @@ impl TapPool {
 /// Creates a persistent TAP and looks up its ifindex.
 pub fn create_tap(name: &str) -> Result<PoolTap, crate::tap::TapError> {
     let tap = Tap::create(name)?;
-    let ifindex = nix::net::if_::if_nametoindex(name).map_err(|e| crate::tap::TapError::SetIff {
-        name: name.into(),
-        source: e.into(),
-    })?;
+    let ifindex =
+        nix::net::if_::if_nametoindex(name).map_err(|e| crate::tap::TapError::SetIff {
+            name: name.into(),
+            source: e.into(),
+        })?;
     Ok(PoolTap { tap, ifindex })
 }
 
@@ -376,9 +401,18 @@ mod tests {
 
     #[test]
     fn reset_failures_back_off_then_quarantine() {
-        assert_eq!(after_reset_failure(1), ResetVerdict::RetryAfter(RESET_BACKOFF));
-        assert_eq!(after_reset_failure(2), ResetVerdict::RetryAfter(RESET_BACKOFF * 2));
-        assert_eq!(after_reset_failure(MAX_RESET_ATTEMPTS), ResetVerdict::Quarantine);
+        assert_eq!(
+            after_reset_failure(1),
+            ResetVerdict::RetryAfter(RESET_BACKOFF)
+        );
+        assert_eq!(
+            after_reset_failure(2),
+            ResetVerdict::RetryAfter(RESET_BACKOFF * 2)
+        );
+        assert_eq!(
+            after_reset_failure(MAX_RESET_ATTEMPTS),
+            ResetVerdict::Quarantine
+        );
         assert_eq!(after_reset_failure(100), ResetVerdict::Quarantine);
     }
 }

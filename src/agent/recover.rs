@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::IpAddr;
 
-use super::spec::{classify_tap_name, NetworkRecord, TapNameKind};
+use super::spec::{NetworkRecord, TapNameKind, classify_tap_name};
 use crate::alloc::{IpAllocator, PortAllocator};
 use crate::netlink::LinkInfo;
 
@@ -61,7 +61,9 @@ pub fn classify(
                 by_tap.insert(rec.tap_name.clone(), accepted.len());
                 accepted.push(rec);
             }
-            Err(reason) => plan.quarantine.push((rec.sandbox_id.clone(), bytes, reason)),
+            Err(reason) => plan
+                .quarantine
+                .push((rec.sandbox_id.clone(), bytes, reason)),
         }
     }
 
@@ -110,7 +112,10 @@ fn admit(
         .map_err(|e| format!("sandbox_ip {ip} (pool {}): {e}", ips.cidr()))?;
     if by_tap.contains_key(&rec.tap_name) {
         ips.release(ip);
-        return Err(format!("TAP {} already belongs to another record", rec.tap_name));
+        return Err(format!(
+            "TAP {} already belongs to another record",
+            rec.tap_name
+        ));
     }
     for (i, m) in rec.port_mappings.iter().enumerate() {
         if let Err(e) = ports.reserve(m.protocol, m.host_port) {
@@ -127,7 +132,7 @@ fn admit(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent::spec::{pool_tap_name, tap_name_for, PortMapping, RECORD_VERSION};
+    use crate::agent::spec::{PortMapping, RECORD_VERSION, pool_tap_name, tap_name_for};
     use crate::alloc::{PortSet, Protocol};
 
     fn rec(id: &str, ip: &str, ports: &[u16], created: u64) -> NetworkRecord {
@@ -176,7 +181,9 @@ mod tests {
     }
 
     fn records(recs: &[NetworkRecord]) -> BTreeMap<String, Vec<u8>> {
-        recs.iter().map(|r| (r.sandbox_id.clone(), r.to_bytes())).collect()
+        recs.iter()
+            .map(|r| (r.sandbox_id.clone(), r.to_bytes()))
+            .collect()
     }
 
     #[test]
@@ -186,29 +193,43 @@ mod tests {
         let links = vec![
             link(10, &a.tap_name, "tun", 0),
             // b's TAP is gone: repairable.
-            link(11, "ctapc0a80009", "tun", 0),  // orphan sandbox TAP
+            link(11, "ctapc0a80009", "tun", 0), // orphan sandbox TAP
             link(12, &pool_tap_name("ctap", 7), "tun", 0),
             link(13, &pool_tap_name("ctap", 3), "tun", 0xc0be), // being retired
             link(14, "eth0", "veth", 0),
             link(15, "ctapc0a8000a", "bridge", 0), // not a TAP: not ours
-            link(16, "othertap", "tun", 0),         // foreign TAP
+            link(16, "othertap", "tun", 0),        // foreign TAP
         ];
         let neigh: Vec<IpAddr> = ["192.168.0.2", "192.168.0.9", "192.168.0.1", "10.0.0.1"]
             .iter()
             .map(|s| s.parse().unwrap())
             .collect();
         let (mut ips, mut ports) = allocs();
-        let plan = classify("ctap", 0xc0be, records(&[a.clone(), b.clone()]), &links, &neigh, &mut ips, &mut ports);
+        let plan = classify(
+            "ctap",
+            0xc0be,
+            records(&[a.clone(), b.clone()]),
+            &links,
+            &neigh,
+            &mut ips,
+            &mut ports,
+        );
         assert_eq!(plan.networks.len(), 2);
         assert_eq!(plan.networks[0].0, a);
         assert_eq!(plan.networks[0].1.as_ref().map(|l| l.index), Some(10));
         assert_eq!(plan.networks[1].0, b);
         assert!(plan.networks[1].1.is_none());
-        assert_eq!(plan.pool.iter().map(|l| l.index).collect::<Vec<_>>(), vec![12]);
+        assert_eq!(
+            plan.pool.iter().map(|l| l.index).collect::<Vec<_>>(),
+            vec![12]
+        );
         let mut retired: Vec<u32> = plan.retire.iter().map(|l| l.index).collect();
         retired.sort();
         assert_eq!(retired, vec![11, 13]);
-        assert_eq!(plan.stale_neighbours, vec!["192.168.0.9".parse::<IpAddr>().unwrap()]);
+        assert_eq!(
+            plan.stale_neighbours,
+            vec!["192.168.0.9".parse::<IpAddr>().unwrap()]
+        );
         assert_eq!(plan.max_pool_name, Some(7));
         assert!(plan.quarantine.is_empty());
         assert!(ips.is_allocated("192.168.0.2".parse().unwrap()));

@@ -26,13 +26,18 @@ pub fn validate_sandbox_id(id: &str) -> Result<(), AgentError> {
         return bad("must not be empty");
     }
     if id.len() > MAX_ID_LEN {
-        return bad(&format!("is {} bytes long, the limit is {MAX_ID_LEN}", id.len()));
+        return bad(&format!(
+            "is {} bytes long, the limit is {MAX_ID_LEN}",
+            id.len()
+        ));
     }
     if let Some(c) = id
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-')))
     {
-        return bad(&format!("character {c:?} is not allowed (use A-Z a-z 0-9 _ . : -)"));
+        return bad(&format!(
+            "character {c:?} is not allowed (use A-Z a-z 0-9 _ . : -)"
+        ));
     }
     if id.starts_with(['.', '-']) {
         return bad("must not start with '.' or '-'");
@@ -83,7 +88,9 @@ fn normalise_cidrs(key: &str, list: &[String]) -> Result<Vec<String>, AgentError
                 .map_err(|e| invalid(format!("{key}[{i}]: {e}")))?
         } else {
             let ip: Ipv4Addr = item.parse().map_err(|_| {
-                invalid(format!("{key}[{i}]: '{item}' is not an IPv4 address or CIDR"))
+                invalid(format!(
+                    "{key}[{i}]: '{item}' is not an IPv4 address or CIDR"
+                ))
             })?;
             Ipv4Cidr::new(ip, 32).expect("a /32 has no host bits")
         };
@@ -251,7 +258,9 @@ pub fn classify_tap_name(prefix: &str, name: &str) -> TapNameKind {
         return TapNameKind::Pool(n);
     }
     if rest.len() == 8
-        && rest.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        && rest
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
         && let Ok(v) = u32::from_str_radix(rest, 16)
     {
         return TapNameKind::Sandbox(Ipv4Addr::from(v));
@@ -303,33 +312,52 @@ mod tests {
             port_mappings: m,
             ..Default::default()
         };
-        assert!(err(s(vec![pm(Protocol::Tcp, 0, 0, "")])).contains("port_mappings[0]: container_port"));
+        assert!(
+            err(s(vec![pm(Protocol::Tcp, 0, 0, "")])).contains("port_mappings[0]: container_port")
+        );
         assert!(err(s(vec![pm(Protocol::Tcp, 80, 0, "nope")])).contains("host_ip 'nope'"));
         assert!(err(s(vec![pm(Protocol::Tcp, 80, 0, "::1")])).contains("IPv6"));
-        let dup = err(s(vec![pm(Protocol::Tcp, 80, 8080, ""), pm(Protocol::Tcp, 81, 8080, "")]));
-        assert!(dup.contains("port_mappings[1]") && dup.contains("port_mappings[0]"), "{dup}");
+        let dup = err(s(vec![
+            pm(Protocol::Tcp, 80, 8080, ""),
+            pm(Protocol::Tcp, 81, 8080, ""),
+        ]));
+        assert!(
+            dup.contains("port_mappings[1]") && dup.contains("port_mappings[0]"),
+            "{dup}"
+        );
         // Same host port on different protocols is fine.
-        s(vec![pm(Protocol::Tcp, 80, 8080, ""), pm(Protocol::Udp, 80, 8080, "")])
-            .validated()
-            .unwrap();
+        s(vec![
+            pm(Protocol::Tcp, 80, 8080, ""),
+            pm(Protocol::Udp, 80, 8080, ""),
+        ])
+        .validated()
+        .unwrap();
         assert!(err(s(vec![pm(Protocol::Tcp, 1, 0, ""); 65])).contains("limit is 64"));
         let cidr = |deny: &[&str]| NetworkSpec {
             deny_out: deny.iter().map(|s| s.to_string()).collect(),
             ..Default::default()
         };
-        assert!(err(cidr(&["10.0.0.1/8"])).contains("deny_out[0]") );
+        assert!(err(cidr(&["10.0.0.1/8"])).contains("deny_out[0]"));
         assert!(err(cidr(&["10.0.0.1/8"])).contains("10.0.0.0/8"));
         assert!(err(cidr(&["1.1.1.1", "x"])).contains("deny_out[1]"));
-        let norm = cidr(&["1.1.1.1", "10.0.0.0/8", "1.1.1.1/32"]).validated().unwrap();
+        let norm = cidr(&["1.1.1.1", "10.0.0.0/8", "1.1.1.1/32"])
+            .validated()
+            .unwrap();
         assert_eq!(norm.deny_out, vec!["1.1.1.1/32", "10.0.0.0/8"]);
-        let mtu = NetworkSpec { mtu: Some(50), ..Default::default() };
+        let mtu = NetworkSpec {
+            mtu: Some(50),
+            ..Default::default()
+        };
         assert!(err(mtu).contains("mtu: 50"));
         let md = NetworkSpec {
             metadata: [("".to_string(), "v".to_string())].into(),
             ..Default::default()
         };
         assert!(err(md).contains("metadata"));
-        let key = NetworkSpec { idempotency_key: Some(String::new()), ..Default::default() };
+        let key = NetworkSpec {
+            idempotency_key: Some(String::new()),
+            ..Default::default()
+        };
         assert!(err(key).contains("idempotency_key"));
     }
 
@@ -352,11 +380,23 @@ mod tests {
         };
         let bytes = rec.to_bytes();
         assert_eq!(NetworkRecord::from_bytes("sbx-1", &bytes).unwrap(), rec);
-        assert!(NetworkRecord::from_bytes("other", &bytes).unwrap_err().contains("stored under"));
-        assert!(NetworkRecord::from_bytes("sbx-1", b"{garbage").unwrap_err().contains("not a valid record"));
+        assert!(
+            NetworkRecord::from_bytes("other", &bytes)
+                .unwrap_err()
+                .contains("stored under")
+        );
+        assert!(
+            NetworkRecord::from_bytes("sbx-1", b"{garbage")
+                .unwrap_err()
+                .contains("not a valid record")
+        );
         let mut v2 = rec.clone();
         v2.version = 2;
-        assert!(NetworkRecord::from_bytes("sbx-1", &v2.to_bytes()).unwrap_err().contains("version"));
+        assert!(
+            NetworkRecord::from_bytes("sbx-1", &v2.to_bytes())
+                .unwrap_err()
+                .contains("version")
+        );
     }
 
     #[test]
@@ -369,10 +409,16 @@ mod tests {
             classify_tap_name("ctap", "ctapc0a80002"),
             TapNameKind::Sandbox("192.168.0.2".parse().unwrap())
         );
-        assert_eq!(classify_tap_name("ctap", &pool_tap_name("ctap", 42)), TapNameKind::Pool(42));
+        assert_eq!(
+            classify_tap_name("ctap", &pool_tap_name("ctap", 42)),
+            TapNameKind::Pool(42)
+        );
         assert_eq!(pool_tap_name("ctapxyz", u32::MAX).len(), 15);
         assert_eq!(classify_tap_name("ctap", "eth0"), TapNameKind::Foreign);
-        assert_eq!(classify_tap_name("ctap", "ctapC0A80002"), TapNameKind::Foreign);
+        assert_eq!(
+            classify_tap_name("ctap", "ctapC0A80002"),
+            TapNameKind::Foreign
+        );
         assert_eq!(classify_tap_name("ctap", "ctap0"), TapNameKind::Foreign);
     }
 }

@@ -280,11 +280,26 @@ mod tests {
                 suggested: "192.168.0.0/18".into()
             })
         );
-        assert!(matches!("10.0.0.0".parse::<Ipv4Cidr>(), Err(CidrError::Form(_))));
-        assert!(matches!("10.0.0/8".parse::<Ipv4Cidr>(), Err(CidrError::Address(_))));
-        assert!(matches!("10.0.0.0/33".parse::<Ipv4Cidr>(), Err(CidrError::Prefix(_))));
-        assert!(matches!("10.0.0.0/x".parse::<Ipv4Cidr>(), Err(CidrError::Prefix(_))));
-        let msg = "192.168.0.1/18".parse::<Ipv4Cidr>().unwrap_err().to_string();
+        assert!(matches!(
+            "10.0.0.0".parse::<Ipv4Cidr>(),
+            Err(CidrError::Form(_))
+        ));
+        assert!(matches!(
+            "10.0.0/8".parse::<Ipv4Cidr>(),
+            Err(CidrError::Address(_))
+        ));
+        assert!(matches!(
+            "10.0.0.0/33".parse::<Ipv4Cidr>(),
+            Err(CidrError::Prefix(_))
+        ));
+        assert!(matches!(
+            "10.0.0.0/x".parse::<Ipv4Cidr>(),
+            Err(CidrError::Prefix(_))
+        ));
+        let msg = "192.168.0.1/18"
+            .parse::<Ipv4Cidr>()
+            .unwrap_err()
+            .to_string();
         assert!(msg.contains("192.168.0.0/18"), "{msg}");
     }
 
@@ -297,10 +312,22 @@ mod tests {
         assert_eq!(got, want);
         assert_eq!(a.free(), 0);
         assert_eq!(a.allocate(), None);
-        assert_eq!(a.reserve(Ipv4Addr::new(10, 0, 0, 0)), Err(ReserveError::Reserved));
-        assert_eq!(a.reserve(Ipv4Addr::new(10, 0, 0, 1)), Err(ReserveError::Reserved));
-        assert_eq!(a.reserve(Ipv4Addr::new(10, 0, 0, 7)), Err(ReserveError::Reserved));
-        assert_eq!(a.reserve(Ipv4Addr::new(10, 0, 0, 8)), Err(ReserveError::OutOfPool));
+        assert_eq!(
+            a.reserve(Ipv4Addr::new(10, 0, 0, 0)),
+            Err(ReserveError::Reserved)
+        );
+        assert_eq!(
+            a.reserve(Ipv4Addr::new(10, 0, 0, 1)),
+            Err(ReserveError::Reserved)
+        );
+        assert_eq!(
+            a.reserve(Ipv4Addr::new(10, 0, 0, 7)),
+            Err(ReserveError::Reserved)
+        );
+        assert_eq!(
+            a.reserve(Ipv4Addr::new(10, 0, 0, 8)),
+            Err(ReserveError::OutOfPool)
+        );
         assert!(!a.release(Ipv4Addr::new(10, 0, 0, 1)));
     }
 

@@ -4,5 +4,5 @@
 pub mod ip;
 pub mod port;
 
-pub use ip::{Ipv4Cidr, IpAllocator};
+pub use ip::{IpAllocator, Ipv4Cidr};
 pub use port::{PortAllocator, PortSet, Protocol};

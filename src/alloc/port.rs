@@ -218,7 +218,11 @@ impl PortAllocator {
             if self.allocatable(port) && !self.used[i].contains(port) {
                 self.used[i].insert(port);
                 self.free[i] -= 1;
-                self.cursor[i] = if port == self.high { self.low } else { port + 1 };
+                self.cursor[i] = if port == self.high {
+                    self.low
+                } else {
+                    port + 1
+                };
                 return Ok(port);
             }
         }
@@ -299,7 +303,10 @@ mod tests {
         assert!(a.release(Protocol::Tcp, 100));
         assert_eq!(a.allocate(Protocol::Tcp), Ok(105));
         assert_eq!(a.allocate(Protocol::Tcp), Ok(100));
-        assert_eq!(a.allocate(Protocol::Tcp), Err(PortError::Exhausted(Protocol::Tcp)));
+        assert_eq!(
+            a.allocate(Protocol::Tcp),
+            Err(PortError::Exhausted(Protocol::Tcp))
+        );
         // UDP is an independent space.
         assert_eq!(a.allocate(Protocol::Udp), Ok(100));
     }
@@ -317,7 +324,10 @@ mod tests {
         a.reserve(Protocol::Tcp, 100).unwrap();
         assert_eq!(a.free(Protocol::Tcp), 1);
         assert_eq!(a.allocate(Protocol::Tcp), Ok(101));
-        assert_eq!(a.allocate(Protocol::Tcp), Err(PortError::Exhausted(Protocol::Tcp)));
+        assert_eq!(
+            a.allocate(Protocol::Tcp),
+            Err(PortError::Exhausted(Protocol::Tcp))
+        );
         assert!(a.release(Protocol::Tcp, 8080));
         assert!(!a.release(Protocol::Tcp, 8080));
         assert_eq!(a.free(Protocol::Tcp), 0);

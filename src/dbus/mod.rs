@@ -10,7 +10,7 @@ use std::time::Duration;
 use tracing::{info, warn};
 use zbus::object_server::SignalEmitter;
 use zbus::zvariant::{OwnedObjectPath, OwnedValue, Value};
-use zbus::{fdo, interface, Connection, ObjectServer};
+use zbus::{Connection, ObjectServer, fdo, interface};
 
 use crate::agent::spec::{NetworkSpec, PortMapping};
 use crate::agent::{Agent, AgentError, Ensured, NetworkInfo, ReconcileReport};
@@ -85,12 +85,15 @@ where
 {
     let got = v.value_signature().to_string();
     if got != sig {
-        return Err(bad(format!("option {key}: expected type '{sig}', got '{got}'")));
+        return Err(bad(format!(
+            "option {key}: expected type '{sig}', got '{got}'"
+        )));
     }
     let owned = v
         .try_clone()
         .map_err(|e| bad(format!("option {key}: {e}")))?;
-    T::try_from(Value::from(owned)).map_err(|_| bad(format!("option {key}: malformed '{sig}' value")))
+    T::try_from(Value::from(owned))
+        .map_err(|_| bad(format!("option {key}: malformed '{sig}' value")))
 }
 
 /// `a{sv}` options → a spec. Unknown keys and wrong types name the key.
@@ -103,9 +106,12 @@ pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpe
         match key.as_str() {
             "port_mappings" => {
                 let raw: Vec<(String, u16, u16, String)> = typed(key, v, "a(sqqs)")?;
-                for (i, (proto, container_port, host_port, host_ip)) in raw.into_iter().enumerate() {
+                for (i, (proto, container_port, host_port, host_ip)) in raw.into_iter().enumerate()
+                {
                     let protocol = proto.parse().map_err(|()| {
-                        bad(format!("port_mappings[{i}]: protocol '{proto}' is not 'tcp' or 'udp'"))
+                        bad(format!(
+                            "port_mappings[{i}]: protocol '{proto}' is not 'tcp' or 'udp'"
+                        ))
                     })?;
                     spec.port_mappings.push(PortMapping {
                         protocol,
@@ -137,7 +143,14 @@ pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpe
 
 fn mappings_value(m: &[PortMapping]) -> Vec<(String, u16, u16, String)> {
     m.iter()
-        .map(|m| (m.protocol.to_string(), m.container_port, m.host_port, m.host_ip.clone()))
+        .map(|m| {
+            (
+                m.protocol.to_string(),
+                m.container_port,
+                m.host_port,
+                m.host_ip.clone(),
+            )
+        })
         .collect()
 }
 
@@ -146,7 +159,10 @@ pub fn network_dict(info: NetworkInfo) -> HashMap<String, OwnedValue> {
     let r = info.view.record;
     let mut d: HashMap<String, OwnedValue> = HashMap::new();
     let mut put = |k: &str, v: Value<'_>| {
-        d.insert(k.to_owned(), v.try_to_owned().expect("no fds in a network dict"));
+        d.insert(
+            k.to_owned(),
+            v.try_to_owned().expect("no fds in a network dict"),
+        );
     };
     put("sandbox_id", Value::from(r.sandbox_id));
     put("network_handle", Value::from(r.network_handle));
@@ -158,11 +174,20 @@ pub fn network_dict(info: NetworkInfo) -> HashMap<String, OwnedValue> {
     put("guest_mac", Value::from(info.guest_mac));
     put("gateway_mac", Value::from(info.gateway_mac));
     put("mtu", Value::from(r.mtu));
-    put("port_mappings", Value::from(mappings_value(&r.port_mappings)));
-    put("allow_internet_access", Value::from(r.allow_internet_access));
+    put(
+        "port_mappings",
+        Value::from(mappings_value(&r.port_mappings)),
+    );
+    put(
+        "allow_internet_access",
+        Value::from(r.allow_internet_access),
+    );
     put("allow_out", Value::from(r.allow_out));
     put("deny_out", Value::from(r.deny_out));
-    put("metadata", Value::from(r.metadata.into_iter().collect::<HashMap<_, _>>()));
+    put(
+        "metadata",
+        Value::from(r.metadata.into_iter().collect::<HashMap<_, _>>()),
+    );
     put("routes", Value::from(info.routes));
     put("arp_neighbors", Value::from(info.arp_neighbors));
     put("created_unix", Value::from(r.created_unix));
@@ -259,7 +284,10 @@ impl Manager {
 
     /// Re-checks one network ("" = all) against the kernel and repairs it.
     #[zbus(out_args("report"))]
-    async fn reconcile_network(&self, sandbox_id: String) -> Result<HashMap<String, OwnedValue>, Error> {
+    async fn reconcile_network(
+        &self,
+        sandbox_id: String,
+    ) -> Result<HashMap<String, OwnedValue>, Error> {
         Ok(report_dict(self.agent.reconcile(&sandbox_id).await?))
     }
 
@@ -270,7 +298,11 @@ impl Manager {
 
     #[zbus(out_args("networks"))]
     async fn list_networks(&self) -> Vec<HashMap<String, OwnedValue>> {
-        self.agent.list().into_iter().map(|v| self.info(v)).collect()
+        self.agent
+            .list()
+            .into_iter()
+            .map(|v| self.info(v))
+            .collect()
     }
 
     /// A fresh duplicate of the TAP fd for the VMM.
@@ -417,7 +449,12 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
         BusChoice::Address(a) => zbus::connection::Builder::address(a.as_str()).map_err(connect)?,
     };
     let conn = builder
-        .serve_at(MANAGER_PATH, Manager { agent: agent.clone() })
+        .serve_at(
+            MANAGER_PATH,
+            Manager {
+                agent: agent.clone(),
+            },
+        )
         .map_err(ServeError::Register)?
         .serve_at(MANAGER_PATH, fdo::ObjectManager)
         .map_err(ServeError::Register)?
@@ -439,7 +476,9 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
         .request_name_with_flags(BUS_NAME, zbus::fdo::RequestNameFlags::DoNotQueue.into())
         .await;
     match reply {
-        Ok(zbus::fdo::RequestNameReply::PrimaryOwner | zbus::fdo::RequestNameReply::AlreadyOwner) => {}
+        Ok(
+            zbus::fdo::RequestNameReply::PrimaryOwner | zbus::fdo::RequestNameReply::AlreadyOwner,
+        ) => {}
         Ok(_) | Err(zbus::Error::NameTaken) => return Err(ServeError::NameTaken),
         Err(e) => return Err(ServeError::RequestName(e)),
     }
@@ -458,7 +497,14 @@ async fn emit_property_changes(conn: Connection, agent: Arc<Agent>) {
     else {
         return;
     };
-    let snapshot = |a: &Agent| (a.active_networks(), a.idle_taps(), a.free_addresses(), a.health().0);
+    let snapshot = |a: &Agent| {
+        (
+            a.active_networks(),
+            a.idle_taps(),
+            a.free_addresses(),
+            a.health().0,
+        )
+    };
     let mut last = snapshot(&agent);
     loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -498,11 +544,17 @@ mod tests {
     #[test]
     fn parses_every_option() {
         let o = opts(vec![
-            ("port_mappings", Value::from(vec![("tcp".to_string(), 80u16, 0u16, String::new())])),
+            (
+                "port_mappings",
+                Value::from(vec![("tcp".to_string(), 80u16, 0u16, String::new())]),
+            ),
             ("allow_internet_access", Value::from(false)),
             ("allow_out", Value::from(vec!["10.0.0.0/8".to_string()])),
             ("deny_out", Value::from(vec!["1.1.1.1".to_string()])),
-            ("metadata", Value::from(HashMap::from([("k".to_string(), "v".to_string())]))),
+            (
+                "metadata",
+                Value::from(HashMap::from([("k".to_string(), "v".to_string())])),
+            ),
             ("idempotency_key", Value::from("req-1")),
             ("mtu", Value::from(1400u32)),
         ]);
@@ -521,22 +573,37 @@ mod tests {
         let e = parse_options(&opts(vec![("bogus", Value::from(1u32))])).unwrap_err();
         assert!(e.to_string().contains("unknown option 'bogus'"), "{e}");
         let e = parse_options(&opts(vec![("mtu", Value::from("1400"))])).unwrap_err();
-        assert!(e.to_string().contains("option mtu: expected type 'u', got 's'"), "{e}");
-        let e = parse_options(&opts(vec![("port_mappings", Value::from(vec!["80".to_string()]))])).unwrap_err();
-        assert!(e.to_string().contains("port_mappings") && e.to_string().contains("a(sqqs)"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("option mtu: expected type 'u', got 's'"),
+            "{e}"
+        );
+        let e = parse_options(&opts(vec![(
+            "port_mappings",
+            Value::from(vec!["80".to_string()]),
+        )]))
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("port_mappings") && e.to_string().contains("a(sqqs)"),
+            "{e}"
+        );
         let e = parse_options(&opts(vec![(
             "port_mappings",
             Value::from(vec![("sctp".to_string(), 80u16, 0u16, String::new())]),
         )]))
         .unwrap_err();
         assert!(e.to_string().contains("protocol 'sctp'"), "{e}");
-        let e = parse_options(&opts(vec![("allow_internet_access", Value::from(1i32))])).unwrap_err();
+        let e =
+            parse_options(&opts(vec![("allow_internet_access", Value::from(1i32))])).unwrap_err();
         assert!(e.to_string().contains("allow_internet_access"), "{e}");
     }
 
     #[test]
     fn paths_escape_ids() {
-        assert_eq!(network_path("sbx1").as_str(), "/org/cube/NetworkAgent/network/sbx1");
+        assert_eq!(
+            network_path("sbx1").as_str(),
+            "/org/cube/NetworkAgent/network/sbx1"
+        );
         assert_eq!(
             network_path("a.b:c-d_e").as_str(),
             "/org/cube/NetworkAgent/network/a_2eb_3ac_2dd_5fe"

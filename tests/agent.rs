@@ -1,0 +1,621 @@
+//! End-to-end tests: the real agent binary in its own network namespace,
+//! driven over a real (private) dbus-daemon. Root only.
+
+mod common;
+
+use std::collections::{BTreeSet, HashMap};
+
+use common::{Env, mappings, opts, ports, s, tap_info, u};
+use zbus::zvariant::Value;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_ensure_open_tap_release() {
+    require_root!();
+    let env = Env::new(&[]);
+    let c = env.client().await;
+    let net = c
+        .ensure(
+            "sbx-1",
+            opts(vec![("port_mappings", ports(&[("tcp", 80, 0, "")]))]),
+        )
+        .await
+        .unwrap();
+    let tap = s(&net, "tap_name");
+    let ip = s(&net, "sandbox_ip");
+    assert!(ip.starts_with("192.168."), "{ip}");
+    assert_eq!(s(&net, "guest_ip"), "169.254.68.6/30");
+    assert_eq!(s(&net, "gateway_ip"), "169.254.68.5");
+    assert_eq!(s(&net, "guest_mac"), "20:90:6f:fc:fc:fc");
+    assert_eq!(s(&net, "gateway_mac"), "20:90:6f:cf:cf:cf");
+    assert_eq!(u(&net, "mtu"), 1300);
+    let m = mappings(&net);
+    assert_eq!(m.len(), 1);
+    assert!((20000..=29999).contains(&m[0].2), "{m:?}");
+
+    // The kernel agrees: TAP up with the MTU, neighbour entry permanent.
+    let links = env.links();
+    let link = &links[&tap];
+    assert_eq!((link.kind.as_str(), link.up, link.mtu), ("tun", true, 1300));
+    assert!(
+        env.neighbours()
+            .contains(&(ip.clone(), "20:90:6f:fc:fc:fc".to_string()))
+    );
+    assert!(
+        env.ns_cmd(&["ip", "route", "show", "192.168.0.0/18"])
+            .contains("dev cube-dev")
+    );
+
+    assert_eq!(c.get("sbx-1").await.unwrap(), net);
+    assert_eq!(c.list().await, vec![net.clone()]);
+
+    // OpenTap: a TAP fd of the right device with a 12-byte vnet header,
+    // a fresh duplicate each call.
+    let fd1 = c.open_tap("sbx-1").await.unwrap();
+    let fd2 = c.open_tap("sbx-1").await.unwrap();
+    let info = tap_info(&fd1);
+    assert_eq!(info.name, tap);
+    assert!(info.is_tap_with_vnet_hdr(), "{info:?}");
+    assert_eq!(info.vnet_hdr_len, 12);
+    assert_eq!(tap_info(&fd2).name, tap);
+    use std::os::fd::AsRawFd;
+    assert_ne!(fd1.as_raw_fd(), fd2.as_raw_fd());
+
+    assert!(c.release("sbx-1").await.unwrap());
+    assert!(
+        !env.links().contains_key(&tap),
+        "TAP went back to the pool under a pool name"
+    );
+    assert!(env.neighbours().is_empty());
+    let e = c.get("sbx-1").await.unwrap_err();
+    assert_eq!(e.name, "org.cube.NetworkAgent.Error.NotFound");
+    assert!(e.message.contains("sbx-1"));
+    assert_eq!(
+        c.open_tap("sbx-1").await.unwrap_err().name,
+        "org.cube.NetworkAgent.Error.NotFound"
+    );
+    assert!(
+        !c.release("sbx-1").await.unwrap(),
+        "second release reports false"
+    );
+    assert!(c.list().await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ensure_is_idempotent_and_converges() {
+    require_root!();
+    let env = Env::new(&[]);
+    let c = env.client().await;
+    let spec = || {
+        opts(vec![
+            (
+                "port_mappings",
+                ports(&[("tcp", 80, 0, ""), ("udp", 53, 25053, "")]),
+            ),
+            (
+                "metadata",
+                Value::from(HashMap::from([("owner".to_string(), "t".to_string())])),
+            ),
+        ])
+    };
+    let a = c.ensure("sbx-c", spec()).await.unwrap();
+    let b = c.ensure("sbx-c", spec()).await.unwrap();
+    assert_eq!(a, b, "same request, same network");
+    let tcp80 = mappings(&a)[0].2;
+
+    // Change: keep tcp/80 (auto), drop udp/53, add tcp/443, new MTU.
+    let c2 = c
+        .ensure(
+            "sbx-c",
+            opts(vec![
+                (
+                    "port_mappings",
+                    ports(&[("tcp", 80, 0, ""), ("tcp", 443, 0, "")]),
+                ),
+                ("mtu", Value::from(1400u32)),
+                ("deny_out", Value::from(vec!["10.0.0.0/8".to_string()])),
+            ]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s(&c2, "sandbox_ip"), s(&a, "sandbox_ip"));
+    assert_eq!(s(&c2, "tap_name"), s(&a, "tap_name"));
+    assert_eq!(s(&c2, "network_handle"), s(&a, "network_handle"));
+    let m = mappings(&c2);
+    assert_eq!(m.len(), 2);
+    assert_eq!(m[0].2, tcp80, "unchanged mapping keeps its host port");
+    assert_ne!(m[1].2, tcp80);
+    assert_eq!(u(&c2, "mtu"), 1400);
+    assert_eq!(
+        env.links()[&s(&a, "tap_name")].mtu,
+        1400,
+        "MTU converged in the kernel"
+    );
+
+    // The dropped udp/25053 is free again for another sandbox.
+    c.ensure(
+        "sbx-d",
+        opts(vec![("port_mappings", ports(&[("udp", 53, 25053, "")]))]),
+    )
+    .await
+    .unwrap();
+    // And tcp 443's port is not.
+    let e = c
+        .ensure(
+            "sbx-e",
+            opts(vec![("port_mappings", ports(&[("tcp", 1, m[1].2, "")]))]),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.name, "org.cube.NetworkAgent.Error.PortInUse");
+
+    // idempotency_key: a retry of the same request returns the stored
+    // network without re-applying anything.
+    let k = c
+        .ensure(
+            "sbx-k",
+            opts(vec![("idempotency_key", Value::from("req-1"))]),
+        )
+        .await
+        .unwrap();
+    let retry = c
+        .ensure(
+            "sbx-k",
+            opts(vec![
+                ("idempotency_key", Value::from("req-1")),
+                ("mtu", Value::from(1500u32)),
+            ]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(u(&retry, "mtu"), u(&k, "mtu"));
+}
+
+/// Everything observable that a failed call must not change.
+async fn snapshot(
+    env: &Env,
+    c: &common::Client,
+) -> (
+    Vec<common::Dict>,
+    BTreeSet<String>,
+    BTreeSet<(String, String)>,
+    u32,
+) {
+    let mut list = c.list().await;
+    list.sort_by_key(|d| s(d, "sandbox_id"));
+    (
+        list,
+        env.sandbox_taps(),
+        env.neighbours(),
+        c.property_u32("FreeAddresses").await,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_named_errors_and_changes_nothing() {
+    require_root!();
+    let env = Env::new(&["--host-port-range", "20000-20002"]);
+    let c = env.client().await;
+    c.ensure(
+        "holder",
+        opts(vec![("port_mappings", ports(&[("tcp", 80, 8080, "")]))]),
+    )
+    .await
+    .unwrap();
+    let before = snapshot(&env, &c).await;
+    let long = "x".repeat(129);
+    let cases: Vec<(&str, common::Dict, &str, &str)> = vec![
+        (
+            "",
+            opts(vec![]),
+            "InvalidArgument",
+            "sandbox_id: must not be empty",
+        ),
+        (".hidden", opts(vec![]), "InvalidArgument", "must not start"),
+        ("-x", opts(vec![]), "InvalidArgument", "must not start"),
+        ("a/b", opts(vec![]), "InvalidArgument", "'/'"),
+        (&long, opts(vec![]), "InvalidArgument", "limit is 128"),
+        (
+            "ok-1",
+            opts(vec![("bogus", Value::from(1u32))]),
+            "InvalidArgument",
+            "unknown option 'bogus'",
+        ),
+        (
+            "ok-1",
+            opts(vec![("mtu", Value::from("1400"))]),
+            "InvalidArgument",
+            "option mtu: expected type 'u'",
+        ),
+        (
+            "ok-1",
+            opts(vec![("mtu", Value::from(70000u32))]),
+            "InvalidArgument",
+            "mtu: 70000",
+        ),
+        (
+            "ok-1",
+            opts(vec![("port_mappings", Value::from(vec![1u32]))]),
+            "InvalidArgument",
+            "option port_mappings",
+        ),
+        (
+            "ok-1",
+            opts(vec![("port_mappings", ports(&[("sctp", 80, 0, "")]))]),
+            "InvalidArgument",
+            "protocol 'sctp'",
+        ),
+        (
+            "ok-1",
+            opts(vec![("port_mappings", ports(&[("tcp", 0, 0, "")]))]),
+            "InvalidArgument",
+            "container_port 0",
+        ),
+        (
+            "ok-1",
+            opts(vec![("port_mappings", ports(&[("tcp", 80, 0, "1.2.3")]))]),
+            "InvalidArgument",
+            "host_ip '1.2.3'",
+        ),
+        (
+            "ok-1",
+            opts(vec![(
+                "deny_out",
+                Value::from(vec!["10.0.0.1/8".to_string()]),
+            )]),
+            "InvalidArgument",
+            "deny_out[0]",
+        ),
+        (
+            "ok-1",
+            opts(vec![("allow_out", Value::from(vec!["nope".to_string()]))]),
+            "InvalidArgument",
+            "allow_out[0]",
+        ),
+        (
+            "ok-1",
+            opts(vec![("allow_internet_access", Value::from("yes"))]),
+            "InvalidArgument",
+            "allow_internet_access",
+        ),
+        (
+            "ok-1",
+            opts(vec![("port_mappings", ports(&[("tcp", 81, 8080, "")]))]),
+            "PortInUse",
+            "8080",
+        ),
+        (
+            "ok-1",
+            opts(vec![(
+                "port_mappings",
+                ports(&[
+                    ("tcp", 1, 0, ""),
+                    ("tcp", 2, 0, ""),
+                    ("tcp", 3, 0, ""),
+                    ("tcp", 4, 0, ""),
+                ]),
+            )]),
+            "PortsExhausted",
+            "port_mappings[3]",
+        ),
+    ];
+    for (id, o, name, fragment) in cases {
+        let e = c.ensure(id, o).await.unwrap_err();
+        assert_eq!(
+            e.name,
+            format!("org.cube.NetworkAgent.Error.{name}"),
+            "{id}: {e:?}"
+        );
+        assert!(
+            e.message.contains(fragment),
+            "{id}: {:?} should contain {fragment:?}",
+            e.message
+        );
+        assert_eq!(
+            snapshot(&env, &c).await,
+            before,
+            "a failed call changed state ({fragment})"
+        );
+    }
+    for id in ["", "a b"] {
+        assert_eq!(
+            c.get(id).await.unwrap_err().name,
+            "org.cube.NetworkAgent.Error.InvalidArgument"
+        );
+        assert_eq!(
+            c.release(id).await.unwrap_err().name,
+            "org.cube.NetworkAgent.Error.InvalidArgument"
+        );
+        assert_eq!(
+            c.open_tap(id).await.unwrap_err().name,
+            "org.cube.NetworkAgent.Error.InvalidArgument"
+        );
+    }
+    assert_eq!(
+        c.reconcile("nope").await.unwrap_err().name,
+        "org.cube.NetworkAgent.Error.NotFound"
+    );
+    assert!(env.log().contains("network ensured"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn address_exhaustion_is_reported_and_recoverable() {
+    require_root!();
+    // A /29 has 5 usable addresses.
+    let env = Env::new(&["--pool-cidr", "10.77.0.0/29", "--warm-pool", "2"]);
+    let c = env.client().await;
+    for i in 0..5 {
+        c.ensure(&format!("s{i}"), opts(vec![])).await.unwrap();
+    }
+    let before = snapshot(&env, &c).await;
+    let e = c.ensure("s5", opts(vec![])).await.unwrap_err();
+    assert_eq!(e.name, "org.cube.NetworkAgent.Error.AddressesExhausted");
+    assert!(e.message.contains("10.77.0.0/29"), "{}", e.message);
+    assert_eq!(snapshot(&env, &c).await, before);
+    assert!(c.release("s2").await.unwrap());
+    let again = c.ensure("s5", opts(vec![])).await.unwrap();
+    assert_eq!(
+        s(&again, "sandbox_ip"),
+        "10.77.0.4",
+        "the only free address"
+    );
+    let (healthy, checks) = c.health().await;
+    assert!(!healthy, "no uplink and no free address in this namespace");
+    assert!(checks.iter().any(|(n, ok, _)| n == "addresses" && !ok));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_networks_with_16_callers_then_nothing_left() {
+    require_root!();
+    let env = Env::new(&[]);
+    let c = env.client().await;
+    let capacity = c.property_u32("FreeAddresses").await;
+    let mut tasks = vec![];
+    for t in 0..16 {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut out = vec![];
+            for i in (t..200).step_by(16) {
+                let id = format!("many-{i}");
+                let d = c
+                    .ensure(
+                        &id,
+                        opts(vec![("port_mappings", ports(&[("tcp", 80, 0, "")]))]),
+                    )
+                    .await
+                    .unwrap();
+                out.push(d);
+            }
+            out
+        }));
+    }
+    let mut nets = vec![];
+    for t in tasks {
+        nets.extend(t.await.unwrap());
+    }
+    assert_eq!(nets.len(), 200);
+    let ips: BTreeSet<String> = nets.iter().map(|d| s(d, "sandbox_ip")).collect();
+    let taps: BTreeSet<String> = nets.iter().map(|d| s(d, "tap_name")).collect();
+    let hports: BTreeSet<u16> = nets.iter().map(|d| mappings(d)[0].2).collect();
+    assert_eq!((ips.len(), taps.len(), hports.len()), (200, 200, 200));
+    assert_eq!(env.sandbox_taps(), taps);
+    assert_eq!(env.neighbours().len(), 200);
+    assert_eq!(c.property_u32("ActiveNetworks").await, 200);
+    assert_eq!(c.property_u32("FreeAddresses").await, capacity - 200);
+
+    let mut tasks = vec![];
+    for t in 0..16 {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in (t..200).step_by(16) {
+                assert!(c.release(&format!("many-{i}")).await.unwrap());
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(
+        env.sandbox_taps().is_empty(),
+        "released TAPs are renamed at once, even surplus ones"
+    );
+    assert!(env.neighbours().is_empty());
+    assert!(c.list().await.is_empty());
+    assert_eq!(c.property_u32("FreeAddresses").await, capacity);
+    // Surplus TAPs are deleted in the background: the pool settles at its size.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while env.pool_taps().len() > 16 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pool never shrank: {}",
+            env.pool_taps().len()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_id_calls_are_serialised() {
+    require_root!();
+    let env = Env::new(&[]);
+    let c = env.client().await;
+    // 16 concurrent ensures of one id: one network, all replies identical.
+    let mut tasks = vec![];
+    for _ in 0..16 {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            c.ensure("same", opts(vec![])).await.unwrap()
+        }));
+    }
+    let mut replies = vec![];
+    for t in tasks {
+        replies.push(t.await.unwrap());
+    }
+    assert!(replies.windows(2).all(|w| w[0] == w[1]));
+    assert_eq!(env.sandbox_taps().len(), 1);
+    // Concurrent release + ensure storms on one id end consistent.
+    let mut tasks = vec![];
+    for i in 0..16 {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            if i % 2 == 0 {
+                c.release("same").await.map(|_| ())
+            } else {
+                c.ensure("same", opts(vec![])).await.map(|_| ())
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let present = c.get("same").await.is_ok();
+    assert_eq!(env.sandbox_taps().len(), usize::from(present));
+    assert_eq!(env.neighbours().len(), usize::from(present));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_keeps_networks_and_reconcile_repairs_drift() {
+    require_root!();
+    let mut env = Env::new(&[]);
+    let c = env.client().await;
+    let mut nets = vec![];
+    for i in 0..5 {
+        nets.push(
+            c.ensure(
+                &format!("r{i}"),
+                opts(vec![("port_mappings", ports(&[("tcp", 80, 0, "")]))]),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    env.kill_agent();
+    env.start_agent();
+    let c = env.client().await;
+    for n in &nets {
+        let id = s(n, "sandbox_id");
+        let got = c.get(&id).await.unwrap();
+        for k in ["sandbox_ip", "tap_name", "network_handle"] {
+            assert_eq!(s(&got, k), s(n, k));
+        }
+        assert_eq!(mappings(&got), mappings(n));
+        assert_eq!(
+            tap_info(&c.open_tap(&id).await.unwrap()).name,
+            s(n, "tap_name")
+        );
+    }
+    assert_eq!(env.sandbox_taps().len(), 5);
+    let (_, checks) = c.health().await;
+    let rec = checks.iter().find(|c| c.0 == "recovery").unwrap();
+    assert!(rec.1 && rec.2.contains("adopted 5"), "{rec:?}");
+
+    // Drift: a TAP set down, a neighbour deleted, a TAP deleted, an orphan.
+    let t0 = s(&nets[0], "tap_name");
+    let t1 = s(&nets[1], "tap_name");
+    env.ns_cmd(&["ip", "link", "set", &t0, "down"]);
+    env.ns_cmd(&[
+        "ip",
+        "neigh",
+        "del",
+        &s(&nets[2], "sandbox_ip"),
+        "dev",
+        "cube-dev",
+    ]);
+    env.ns_cmd(&["ip", "link", "del", &t1]);
+    env.ns_cmd(&["ip", "tuntap", "add", "ctapc0a83f00", "mode", "tap"]);
+    let report = c.reconcile("").await.unwrap();
+    let repaired: Vec<String> = Vec::try_from(report["repaired"].try_clone().unwrap()).unwrap();
+    let removed: Vec<String> = Vec::try_from(report["removed"].try_clone().unwrap()).unwrap();
+    assert_eq!(u(&report, "checked"), 5);
+    assert!(
+        repaired
+            .iter()
+            .any(|r| r.contains(&t0) && r.contains("down")),
+        "{repaired:?}"
+    );
+    assert!(
+        repaired
+            .iter()
+            .any(|r| r.contains(&t1) && r.contains("recreated")),
+        "{repaired:?}"
+    );
+    assert!(
+        repaired.iter().any(|r| r.contains("neighbour")),
+        "{repaired:?}"
+    );
+    assert!(
+        removed.iter().any(|r| r.contains("ctapc0a83f00")),
+        "{removed:?}"
+    );
+    let links = env.links();
+    assert!(links[&t0].up && links[&t1].up);
+    assert_eq!(env.neighbours().len(), 5);
+    assert_eq!(tap_info(&c.open_tap("r1").await.unwrap()).name, t1);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while env.links().contains_key("ctapc0a83f00") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "orphan TAP not deleted"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // A second reconcile finds nothing to do.
+    let again = c.reconcile("").await.unwrap();
+    let repaired: Vec<String> = Vec::try_from(again["repaired"].try_clone().unwrap()).unwrap();
+    assert!(repaired.is_empty(), "{repaired:?}");
+
+    // A clean stop exits 0 and leaves the networks for the next start.
+    assert!(env.stop_agent().success());
+    env.start_agent();
+    assert_eq!(env.client().await.list().await.len(), 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn introspection_matches_committed_xml() {
+    require_root!();
+    let env = Env::new(&[]);
+    let c = env.client().await;
+    c.ensure("intro", opts(vec![])).await.unwrap();
+    let committed = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/dbus/org.cube.NetworkAgent.xml"
+    ))
+    .unwrap();
+    let live_manager = c.introspect("/org/cube/NetworkAgent").await;
+    let live_network = c.introspect("/org/cube/NetworkAgent/network/intro").await;
+    for (iface, live) in [
+        ("org.cube.NetworkAgent", &live_manager),
+        ("org.cube.NetworkAgent.Network", &live_network),
+    ] {
+        let want = interface_block(&committed, iface)
+            .unwrap_or_else(|| panic!("{iface} missing from dbus/org.cube.NetworkAgent.xml"));
+        let got = interface_block(live, iface)
+            .unwrap_or_else(|| panic!("{iface} missing from live introspection"));
+        assert_eq!(
+            normalise(&got),
+            normalise(&want),
+            "{iface} differs from the committed XML; live:\n{got}"
+        );
+    }
+    assert!(live_manager.contains("org.freedesktop.DBus.ObjectManager"));
+}
+
+fn interface_block(xml: &str, name: &str) -> Option<String> {
+    let start = xml.find(&format!("<interface name=\"{name}\">"))?;
+    let end = start + xml[start..].find("</interface>")? + "</interface>".len();
+    Some(xml[start..end].to_owned())
+}
+
+fn normalise(xml: &str) -> String {
+    let mut text = xml.to_owned();
+    while let Some(start) = text.find("<!--") {
+        let end = text[start..]
+            .find("-->")
+            .map_or(text.len(), |e| start + e + 3);
+        text.replace_range(start..end, "");
+    }
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("<!--"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}

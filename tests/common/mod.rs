@@ -1,0 +1,411 @@
+//! Test harness: each `Env` is its own network namespace, private
+//! dbus-daemon (config in tests/data/bus.conf) and temporary state, with the
+//! real agent binary running inside the namespace. Everything is torn down
+//! in `Drop`, so a failing test cleans up too.
+
+#![allow(dead_code)]
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::{BufRead, BufReader};
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use zbus::zvariant::{OwnedValue, Value};
+
+pub const NAME: &str = "org.cube.NetworkAgent";
+pub const PATH: &str = "/org/cube/NetworkAgent";
+pub const IFACE: &str = "org.cube.NetworkAgent";
+
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Returns from the test early with a message when not root.
+#[macro_export]
+macro_rules! require_root {
+    () => {
+        if !common::is_root() {
+            eprintln!("skipping: this test creates network namespaces and TAPs and needs root");
+            return;
+        }
+    };
+}
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+pub struct Env {
+    pub ns: String,
+    pub dir: PathBuf,
+    pub address: String,
+    bus: Child,
+    agent: Option<Child>,
+    args: Vec<String>,
+    starts: u32,
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("running a command");
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+impl Env {
+    /// A namespace, a bus and a started agent with extra `args`.
+    pub fn new(args: &[&str]) -> Env {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let ns = format!("cnat-{}-{n}", std::process::id());
+        let dir = std::env::temp_dir().join(&ns);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        run(Command::new("ip").args(["netns", "add", &ns]));
+        run(Command::new("ip").args(["-n", &ns, "link", "set", "lo", "up"]));
+        let sock = dir.join("bus.sock");
+        let address = format!("unix:path={}", sock.display());
+        let conf = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/bus.conf");
+        let mut bus = Command::new("dbus-daemon")
+            .arg(format!("--config-file={}", conf.display()))
+            .arg(format!("--address={address}"))
+            .args(["--nofork", "--nopidfile", "--print-address"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting dbus-daemon (apt-get install dbus-daemon)");
+        let mut line = String::new();
+        BufReader::new(bus.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            line.starts_with("unix:"),
+            "dbus-daemon did not start: {line:?}"
+        );
+        let mut env = Env {
+            ns,
+            dir,
+            address,
+            bus,
+            agent: None,
+            args: args.iter().map(|s| s.to_string()).collect(),
+            starts: 0,
+        };
+        env.start_agent();
+        env
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.join(format!("agent-{}.log", self.starts))
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// Starts the agent and waits until it owns its name.
+    pub fn start_agent(&mut self) {
+        assert!(self.agent.is_none());
+        self.starts += 1;
+        let log = std::fs::File::create(self.log_path()).unwrap();
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.ns])
+            .arg(env!("CARGO_BIN_EXE_cube-network-agent"))
+            .args(["--bus", &self.address])
+            .arg("--state-dir")
+            .arg(self.dir.join("state"))
+            .arg("--runtime-dir")
+            .arg(self.dir.join("run"))
+            .args(["--config", "/dev/null", "--log-level", "debug"])
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.agent = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.agent.as_mut().unwrap().try_wait().unwrap() {
+                panic!("agent exited with {status} during start:\n{}", self.log());
+            }
+            let out = Command::new("busctl")
+                .args(["--address", &self.address, "status", NAME])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .unwrap();
+            if out.success() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "agent not ready:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn agent_pid(&self) -> u32 {
+        self.agent.as_ref().unwrap().id()
+    }
+
+    /// kill -9 the agent.
+    pub fn kill_agent(&mut self) {
+        if let Some(mut child) = self.agent.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM and wait for a clean exit.
+    pub fn stop_agent(&mut self) -> std::process::ExitStatus {
+        let mut child = self.agent.take().unwrap();
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        child.wait().unwrap()
+    }
+
+    pub fn agent_running(&mut self) -> bool {
+        matches!(self.agent.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    pub async fn client(&self) -> Client {
+        let conn = zbus::connection::Builder::address(self.address.as_str())
+            .unwrap()
+            .build()
+            .await
+            .unwrap();
+        Client { conn }
+    }
+
+    /// `ip -j -d link` inside the namespace: name → (kind, up, mtu, ifindex).
+    pub fn links(&self) -> HashMap<String, Link> {
+        let out = run(Command::new("ip").args(["-n", &self.ns, "-j", "-d", "link", "show"]));
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|l| {
+                let name = l["ifname"].as_str().unwrap().to_owned();
+                let link = Link {
+                    ifindex: l["ifindex"].as_u64().unwrap() as u32,
+                    kind: l["linkinfo"]["info_kind"].as_str().unwrap_or("").to_owned(),
+                    up: l["flags"]
+                        .as_array()
+                        .is_some_and(|f| f.iter().any(|x| x == "UP")),
+                    mtu: l["mtu"].as_u64().unwrap_or(0) as u32,
+                };
+                (name, link)
+            })
+            .collect()
+    }
+
+    /// TAPs whose name says they belong to a sandbox (prefix + 8 hex).
+    pub fn sandbox_taps(&self) -> BTreeSet<String> {
+        self.links()
+            .into_iter()
+            .filter(|(n, l)| l.kind == "tun" && n.starts_with("ctap") && !n.starts_with("ctapw"))
+            .map(|(n, _)| n)
+            .collect()
+    }
+
+    pub fn pool_taps(&self) -> BTreeSet<String> {
+        self.links()
+            .into_iter()
+            .filter(|(n, l)| l.kind == "tun" && n.starts_with("ctapw"))
+            .map(|(n, _)| n)
+            .collect()
+    }
+
+    /// Permanent neighbour entries on cube-dev: ip → mac.
+    pub fn neighbours(&self) -> BTreeSet<(String, String)> {
+        let out = run(
+            Command::new("ip").args(["-n", &self.ns, "-j", "neigh", "show", "dev", "cube-dev"])
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(if out.trim().is_empty() { "[]" } else { &out }).unwrap();
+        v.as_array()
+            .unwrap()
+            .iter()
+            .filter(|n| {
+                n["state"]
+                    .as_array()
+                    .is_some_and(|s| s.iter().any(|x| x == "PERMANENT"))
+            })
+            .map(|n| {
+                (
+                    n["dst"].as_str().unwrap().to_owned(),
+                    n["lladdr"].as_str().unwrap_or("").to_owned(),
+                )
+            })
+            .collect()
+    }
+
+    /// Runs a command inside the namespace.
+    pub fn ns_cmd(&self, args: &[&str]) -> String {
+        run(Command::new("ip")
+            .args(["netns", "exec", &self.ns])
+            .args(args))
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        self.kill_agent();
+        let _ = self.bus.kill();
+        let _ = self.bus.wait();
+        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        } else {
+            eprintln!("kept {} for inspection", self.dir.display());
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Link {
+    pub ifindex: u32,
+    pub kind: String,
+    pub up: bool,
+    pub mtu: u32,
+}
+
+pub type Dict = HashMap<String, OwnedValue>;
+
+/// A D-Bus error as (name, message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallError {
+    pub name: String,
+    pub message: String,
+}
+
+fn call_error(e: zbus::Error) -> CallError {
+    match e {
+        zbus::Error::MethodError(name, msg, _) => CallError {
+            name: name.to_string(),
+            message: msg.unwrap_or_default(),
+        },
+        other => CallError {
+            name: "transport".into(),
+            message: other.to_string(),
+        },
+    }
+}
+
+pub fn opts(pairs: Vec<(&str, Value<'_>)>) -> Dict {
+    pairs
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.try_to_owned().unwrap()))
+        .collect()
+}
+
+pub fn ports(list: &[(&str, u16, u16, &str)]) -> Value<'static> {
+    Value::from(
+        list.iter()
+            .map(|(p, c, h, ip)| (p.to_string(), *c, *h, ip.to_string()))
+            .collect::<Vec<_>>(),
+    )
+}
+
+pub fn s(d: &Dict, k: &str) -> String {
+    String::try_from(d[k].try_clone().unwrap()).unwrap()
+}
+
+pub fn u(d: &Dict, k: &str) -> u32 {
+    u32::try_from(d[k].try_clone().unwrap()).unwrap()
+}
+
+pub fn mappings(d: &Dict) -> Vec<(String, u16, u16, String)> {
+    Vec::try_from(d["port_mappings"].try_clone().unwrap()).unwrap()
+}
+
+#[derive(Clone)]
+pub struct Client {
+    pub conn: zbus::Connection,
+}
+
+impl Client {
+    async fn call<B, R>(&self, method: &str, body: &B) -> Result<R, CallError>
+    where
+        B: serde::Serialize + zbus::zvariant::DynamicType,
+        R: for<'d> zbus::zvariant::DynamicDeserialize<'d>,
+    {
+        let reply = self
+            .conn
+            .call_method(Some(NAME), PATH, Some(IFACE), method, body)
+            .await
+            .map_err(call_error)?;
+        Ok(reply.body().deserialize().unwrap())
+    }
+
+    pub async fn ensure(&self, id: &str, o: Dict) -> Result<Dict, CallError> {
+        self.call("EnsureNetwork", &(id, o)).await
+    }
+
+    pub async fn release(&self, id: &str) -> Result<bool, CallError> {
+        self.call("ReleaseNetwork", &(id,)).await
+    }
+
+    pub async fn get(&self, id: &str) -> Result<Dict, CallError> {
+        self.call("GetNetwork", &(id,)).await
+    }
+
+    pub async fn list(&self) -> Vec<Dict> {
+        self.call("ListNetworks", &()).await.unwrap()
+    }
+
+    pub async fn reconcile(&self, id: &str) -> Result<Dict, CallError> {
+        self.call("ReconcileNetwork", &(id,)).await
+    }
+
+    pub async fn health(&self) -> (bool, Vec<(String, bool, String)>) {
+        self.call("Health", &()).await.unwrap()
+    }
+
+    pub async fn open_tap(&self, id: &str) -> Result<std::os::fd::OwnedFd, CallError> {
+        let fd: zbus::zvariant::OwnedFd = self.call("OpenTap", &(id,)).await?;
+        Ok(std::os::fd::OwnedFd::from(fd))
+    }
+
+    pub async fn property_u32(&self, name: &str) -> u32 {
+        let reply = self
+            .conn
+            .call_method(
+                Some(NAME),
+                PATH,
+                Some("org.freedesktop.DBus.Properties"),
+                "Get",
+                &(IFACE, name),
+            )
+            .await
+            .unwrap();
+        let v: OwnedValue = reply.body().deserialize().unwrap();
+        u32::try_from(v).unwrap()
+    }
+
+    pub async fn introspect(&self, path: &str) -> String {
+        let reply = self
+            .conn
+            .call_method(
+                Some(NAME),
+                path,
+                Some("org.freedesktop.DBus.Introspectable"),
+                "Introspect",
+                &(),
+            )
+            .await
+            .unwrap();
+        reply.body().deserialize().unwrap()
+    }
+}
+
+/// TUNGETIFF on a received fd.
+pub fn tap_info(fd: &std::os::fd::OwnedFd) -> cube_network_agent::tap::TapFdInfo {
+    cube_network_agent::tap::query_fd(fd.as_fd()).unwrap()
+}
