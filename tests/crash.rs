@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{mappings, opts, ports, s, tap_info, Env};
+use common::{Env, mappings, opts, ports, s, tap_info};
 
 /// What a network looks like from outside: (ip, tap, mappings).
 type Shape = (String, String, Vec<(String, u16, u16, String)>);
@@ -92,7 +92,9 @@ async fn kill_9_during_storm_loses_nothing_acknowledged() {
                     let id = format!("crash-{idx}");
                     let ensure = trng.below(3) != 0;
                     let result = if ensure {
-                        c.ensure(&id, spec_for(&mut trng, idx)).await.map(|d| Some(shape(&d)))
+                        c.ensure(&id, spec_for(&mut trng, idx))
+                            .await
+                            .map(|d| Some(shape(&d)))
                     } else {
                         c.release(&id).await.map(|_| None)
                     };
@@ -127,23 +129,31 @@ async fn kill_9_during_storm_loses_nothing_acknowledged() {
 
         // Every acknowledged state is there exactly; uncertain ones are
         // whatever the agent says, and become known.
-        let mut m = model.lock().unwrap();
+        let mut m = model.lock().unwrap().clone();
         for (id, known) in m.iter_mut() {
             let actual = match c.get(id).await {
                 Ok(d) => Some(shape(&d)),
                 Err(e) => {
-                    assert_eq!(e.name, "org.cube.NetworkAgent.Error.NotFound", "{id}: {e:?}");
+                    assert_eq!(
+                        e.name, "org.cube.NetworkAgent.Error.NotFound",
+                        "{id}: {e:?}"
+                    );
                     None
                 }
             };
             if let Known::Acked(expected) = known {
-                assert_eq!(&actual, expected, "iteration {iter}: {id} lost an acknowledged change (seed {seed})");
+                assert_eq!(
+                    &actual, expected,
+                    "iteration {iter}: {id} lost an acknowledged change (seed {seed})"
+                );
             }
             *known = Known::Acked(actual);
         }
-        drop(m);
+        *model.lock().unwrap() = m;
         check_invariants(&env, &c, capacity, iter).await;
-        eprintln!("iteration {iter}: killed after {delay:?} and {calls} acknowledged calls; ready again in {restart_ms} ms");
+        eprintln!(
+            "iteration {iter}: killed after {delay:?} and {calls} acknowledged calls; ready again in {restart_ms} ms"
+        );
     }
     // Release everything: the namespace ends with no sandbox TAP and no
     // neighbour, the pool back to its size.
@@ -156,7 +166,11 @@ async fn kill_9_during_storm_loses_nothing_acknowledged() {
     assert_eq!(c.property_u32("FreeAddresses").await, capacity);
     let deadline = Instant::now() + Duration::from_secs(30);
     while env.pool_taps().len() > 4 {
-        assert!(Instant::now() < deadline, "pool TAPs leaked: {:?}", env.pool_taps());
+        assert!(
+            Instant::now() < deadline,
+            "pool TAPs leaked: {:?}",
+            env.pool_taps()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -168,13 +182,25 @@ async fn check_invariants(env: &Env, c: &common::Client, capacity: u32, iter: u3
         .iter()
         .map(|d| (s(d, "sandbox_ip"), "20:90:6f:fc:fc:fc".to_string()))
         .collect();
-    assert_eq!(taps.len(), list.len(), "iteration {iter}: two networks share a TAP");
-    assert_eq!(env.sandbox_taps(), taps, "iteration {iter}: TAPs in the kernel vs networks");
+    assert_eq!(
+        taps.len(),
+        list.len(),
+        "iteration {iter}: two networks share a TAP"
+    );
+    assert_eq!(
+        env.sandbox_taps(),
+        taps,
+        "iteration {iter}: TAPs in the kernel vs networks"
+    );
     let links = env.links();
     for t in &taps {
         assert!(links[t].up, "iteration {iter}: {t} is down");
     }
-    assert_eq!(env.neighbours(), ips, "iteration {iter}: neighbour entries vs networks");
+    assert_eq!(
+        env.neighbours(),
+        ips,
+        "iteration {iter}: neighbour entries vs networks"
+    );
     assert_eq!(
         c.property_u32("FreeAddresses").await,
         capacity - list.len() as u32,
@@ -184,7 +210,12 @@ async fn check_invariants(env: &Env, c: &common::Client, capacity: u32, iter: u3
     for d in &list {
         for m in mappings(d) {
             if let Some(other) = host_ports.insert((m.0.clone(), m.2), s(d, "sandbox_id")) {
-                panic!("iteration {iter}: {} port {} held by {other} and {}", m.0, m.2, s(d, "sandbox_id"));
+                panic!(
+                    "iteration {iter}: {} port {} held by {other} and {}",
+                    m.0,
+                    m.2,
+                    s(d, "sandbox_id")
+                );
             }
         }
         let fd = c.open_tap(&s(d, "sandbox_id")).await.unwrap();
@@ -195,5 +226,9 @@ async fn check_invariants(env: &Env, c: &common::Client, capacity: u32, iter: u3
     // quarantined records (nothing was corrupt).
     let (_, checks) = c.health().await;
     let rec = checks.iter().find(|c| c.0 == "recovery").unwrap();
-    assert!(rec.1, "iteration {iter}: recovery reported problems: {}", rec.2);
+    assert!(
+        rec.1,
+        "iteration {iter}: recovery reported problems: {}",
+        rec.2
+    );
 }

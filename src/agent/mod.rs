@@ -232,6 +232,17 @@ fn kernel_reserved_ports() -> PortSet {
         .unwrap_or_default()
 }
 
+/// Outcome of [`resolve_ports`].
+#[derive(Debug)]
+struct Resolved {
+    /// The mappings to record, in request order.
+    mappings: Vec<PortMapping>,
+    /// Host ports claimed by this call (to give back if a later step fails).
+    claimed: Vec<PortMapping>,
+    /// Existing mappings no longer wanted (to give back on success).
+    stale: Vec<PortMapping>,
+}
+
 /// Resolves requested port mappings against the ones a network already has.
 /// Explicit host ports are claimed first, then `host_port = 0` requests
 /// reuse the existing mapping with the same (protocol, container port,
@@ -242,7 +253,7 @@ fn resolve_ports(
     requested: &[PortMapping],
     existing: &[PortMapping],
     range: (u16, u16),
-) -> Result<(Vec<PortMapping>, Vec<PortMapping>, Vec<PortMapping>), AgentError> {
+) -> Result<Resolved, AgentError> {
     let mut kept = vec![false; existing.len()];
     let mut out: Vec<Option<PortMapping>> = vec![None; requested.len()];
     let mut claimed: Vec<PortMapping> = vec![];
@@ -307,7 +318,11 @@ fn resolve_ports(
         .filter(|(_, k)| !**k)
         .map(|(e, _)| e.clone())
         .collect();
-    Ok((out.into_iter().flatten().collect(), claimed, stale))
+    Ok(Resolved {
+        mappings: out.into_iter().flatten().collect(),
+        claimed,
+        stale,
+    })
 }
 
 impl Agent {
@@ -522,7 +537,7 @@ impl Agent {
                 &[],
                 (self.d.port_low, self.d.port_high),
             ) {
-                Ok((m, _, _)) => (ip, m),
+                Ok(r) => (ip, r.mappings),
                 Err(e) => {
                     a.ips.release(ip);
                     return Err(e);
@@ -693,7 +708,11 @@ impl Agent {
         if spec.idempotency_key.is_some() && spec.idempotency_key == net.rec.idempotency_key {
             return Ok(Ensured::Unchanged);
         }
-        let (mappings, claimed, stale) = {
+        let Resolved {
+            mappings,
+            claimed,
+            stale,
+        } = {
             let mut a = self.allocs();
             resolve_ports(
                 &mut a.ports,
@@ -1341,7 +1360,8 @@ mod tests {
     fn resolve_ports_allocates_and_reuses() {
         let mut ports = PortAllocator::new(100, 103, PortSet::default());
         let req = vec![pm(Protocol::Tcp, 80, 0), pm(Protocol::Tcp, 22, 9022)];
-        let (got, claimed, stale) = resolve_ports(&mut ports, &req, &[], (100, 103)).unwrap();
+        let r = resolve_ports(&mut ports, &req, &[], (100, 103)).unwrap();
+        let (got, claimed, stale) = (r.mappings, r.claimed, r.stale);
         assert_eq!(
             got,
             vec![pm(Protocol::Tcp, 80, 100), pm(Protocol::Tcp, 22, 9022)]
@@ -1349,12 +1369,14 @@ mod tests {
         assert_eq!(claimed.len(), 2);
         assert!(stale.is_empty());
         // Same request again: same ports, nothing claimed or freed.
-        let (again, claimed, stale) = resolve_ports(&mut ports, &req, &got, (100, 103)).unwrap();
+        let r = resolve_ports(&mut ports, &req, &got, (100, 103)).unwrap();
+        let (again, claimed, stale) = (r.mappings, r.claimed, r.stale);
         assert_eq!(again, got);
         assert!(claimed.is_empty() && stale.is_empty());
         // Change: drop 22, add udp 53 → 53 claimed, 9022 stale.
         let req2 = vec![pm(Protocol::Tcp, 80, 0), pm(Protocol::Udp, 53, 0)];
-        let (conv, claimed, stale) = resolve_ports(&mut ports, &req2, &got, (100, 103)).unwrap();
+        let r = resolve_ports(&mut ports, &req2, &got, (100, 103)).unwrap();
+        let (conv, claimed, stale) = (r.mappings, r.claimed, r.stale);
         assert_eq!(
             conv,
             vec![pm(Protocol::Tcp, 80, 100), pm(Protocol::Udp, 53, 100)]
@@ -1394,7 +1416,8 @@ mod tests {
         ports.reserve(Protocol::Tcp, 100).unwrap();
         // Now ask for container 81 explicitly on 100, and 80 automatically.
         let req = vec![pm(Protocol::Tcp, 80, 0), pm(Protocol::Tcp, 81, 100)];
-        let (got, claimed, stale) = resolve_ports(&mut ports, &req, &existing, (100, 103)).unwrap();
+        let r = resolve_ports(&mut ports, &req, &existing, (100, 103)).unwrap();
+        let (got, claimed, stale) = (r.mappings, r.claimed, r.stale);
         assert_eq!(got[1], pm(Protocol::Tcp, 81, 100));
         assert_ne!(got[0].host_port, 100);
         assert_eq!(claimed.len(), 1);
