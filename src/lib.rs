@@ -7,6 +7,7 @@
 
 pub mod agent;
 pub mod alloc;
+pub mod auth;
 pub mod config;
 pub mod datapath;
 pub mod dbus;
@@ -14,6 +15,7 @@ pub mod netlink;
 pub mod store;
 pub mod systemd;
 pub mod tap;
+pub mod varlink;
 
 /// An error and all its sources, joined with ": ".
 pub fn error_chain(e: &dyn std::error::Error) -> String {

@@ -1,17 +1,38 @@
-//! `cube-network-agent`: parse configuration, recover, serve on D-Bus.
+//! `cube-network-agent`: parse configuration, recover, serve on D-Bus and
+//! varlink, keep systemd informed.
 
+use std::os::fd::OwnedFd;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use cube_network_agent::agent::Agent;
 use cube_network_agent::config::{self, Command};
 use cube_network_agent::datapath::NoopDatapath;
-use cube_network_agent::{dbus, error_chain, systemd};
-use tracing::{error, info};
+use cube_network_agent::{dbus, error_chain, systemd, varlink};
+use tracing::{error, info, warn};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 
+/// journald when stderr is connected to it (`$JOURNAL_STREAM`), with every
+/// event field as a journal field (`SANDBOX_ID=`, `TAP=`, ...); plain
+/// readable stderr otherwise.
 fn init_logging(filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if std::env::var_os("JOURNAL_STREAM").is_some()
+        && let Ok(journald) = tracing_journald::layer()
+    {
+        tracing_subscriber::registry()
+            .with(filter)
+            .with(
+                journald
+                    .with_field_prefix(None)
+                    .with_syslog_identifier("cube-network-agent".into()),
+            )
+            .init();
+        return;
+    }
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -44,8 +65,15 @@ fn main() -> ExitCode {
             "cube-network-agent: invalid configuration: {}",
             error_chain(&e)
         );
+        systemd::notify(&format!(
+            "STATUS=invalid configuration: {}",
+            error_chain(&e)
+        ));
         return ExitCode::from(2);
     }
+    // Before any thread exists: the fds systemd passed (activation socket,
+    // fd store content) and the environment that describes them.
+    let passed = systemd::take_listen_fds();
     init_logging(&cfg.log_level);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -57,7 +85,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(run(*cfg)) {
+    match rt.block_on(run(*cfg, passed)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             error!(error = e, "exiting");
@@ -67,34 +95,96 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(cfg: config::Config) -> Result<(), String> {
+/// Splits what systemd passed: the varlink listening socket, and TAP fds
+/// from the fd store (named `tap-<ifindex>`).
+fn split_passed(
+    passed: Vec<systemd::ListenFd>,
+) -> (Option<std::os::unix::net::UnixListener>, Vec<OwnedFd>) {
+    let mut listener = None;
+    let mut taps = vec![];
+    for p in passed {
+        if p.name.starts_with("tap-") {
+            taps.push(p.fd);
+            continue;
+        }
+        if listener.is_none() {
+            match varlink::activation::listener_from(p.fd) {
+                Ok(l) => listener = Some(l),
+                Err(fd) => taps.push(fd),
+            }
+        } else {
+            warn!(name = p.name, "ignoring an extra passed fd");
+        }
+    }
+    (listener, taps)
+}
+
+fn status_line(agent: &Agent) -> String {
+    format!(
+        "{} networks, {} idle taps, {} free addresses",
+        agent.active_networks(),
+        agent.idle_taps(),
+        agent.free_addresses()
+    )
+}
+
+async fn run(cfg: config::Config, passed: Vec<systemd::ListenFd>) -> Result<(), String> {
     let bus = cfg.bus.clone();
-    let agent = Agent::start(cfg, Arc::new(NoopDatapath))
+    let (listener, taps) = split_passed(passed);
+    if !taps.is_empty() {
+        info!(fds = taps.len(), "TAP fds handed back by the fd store");
+    }
+    let agent = Agent::start(cfg, Arc::new(NoopDatapath), taps)
         .await
         .map_err(|e| error_chain(&e))?;
     let _conn = dbus::serve(agent.clone(), &bus)
         .await
         .map_err(|e| error_chain(&e))?;
-    let status = format!(
-        "STATUS={} networks, {} idle taps, {} free addresses",
-        agent.active_networks(),
-        agent.idle_taps(),
-        agent.free_addresses()
-    );
-    systemd::notify(&format!("READY=1\n{status}"));
+    varlink::serve(agent.clone(), listener).map_err(|e| error_chain(&e))?;
+    systemd::notify(&format!("READY=1\nSTATUS={}", status_line(&agent)));
     info!(
         networks = agent.active_networks(),
         idle_taps = agent.idle_taps(),
         free_addresses = agent.free_addresses(),
         "ready"
     );
+    if systemd::under_service_manager() {
+        tokio::spawn(keep_systemd_informed(agent.clone()));
+    }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| e.to_string())?;
     tokio::select! {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
     }
-    systemd::notify("STOPPING=1");
+    systemd::notify("STOPPING=1\nSTATUS=stopping; networks stay in place");
     agent.shutdown();
     Ok(())
+}
+
+/// STATUS= when it changes, and WATCHDOG=1 at half the watchdog interval
+/// — but only while the agent core answers: the ping goes through the same
+/// locks and runtime the calls use, so a wedged agent stops pinging and
+/// systemd restarts it.
+async fn keep_systemd_informed(agent: Arc<Agent>) {
+    let watchdog = systemd::watchdog_interval();
+    let tick = watchdog
+        .map(|w| (w / 2).min(Duration::from_secs(2)))
+        .unwrap_or(Duration::from_secs(2));
+    let mut last = String::new();
+    loop {
+        tokio::time::sleep(tick).await;
+        let status = status_line(&agent);
+        let mut msg = String::new();
+        if watchdog.is_some() && agent.alive().await {
+            msg.push_str("WATCHDOG=1\n");
+        }
+        if status != last {
+            msg.push_str(&format!("STATUS={status}\n"));
+            last = status;
+        }
+        if !msg.is_empty() {
+            systemd::notify(msg.trim_end());
+        }
+    }
 }

@@ -178,6 +178,8 @@ struct Shared {
     ops: AtomicU64,
     journal_bytes: AtomicU64,
     compactions: AtomicU64,
+    /// Set when the writer refuses further writes (failed fsync).
+    poisoned: std::sync::atomic::AtomicBool,
 }
 
 enum Op {
@@ -424,6 +426,13 @@ impl Store {
         }
     }
 
+    /// Whether writes can still succeed: the writer thread runs and no
+    /// failed fsync has poisoned the journal.
+    pub fn is_alive(&self) -> bool {
+        !self.shared.poisoned.load(Ordering::Relaxed)
+            && self.handle.as_ref().is_some_and(|h| !h.is_finished())
+    }
+
     /// The store's directory.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -573,6 +582,7 @@ impl Writer {
             if let Err(te) = self.journal.set_len(self.journal_len) {
                 tracing::error!(error = %te, "cannot undo partial journal write; refusing further writes");
                 self.poisoned = true;
+                self.shared.poisoned.store(true, Ordering::Relaxed);
             }
             tracing::error!(error = %e, ops = pending.len(), "journal write failed");
             for (done, _) in pending {
@@ -583,6 +593,7 @@ impl Writer {
         if let Err(e) = self.journal.sync_data() {
             // After a failed fsync the page cache state is unknown: never retry.
             self.poisoned = true;
+            self.shared.poisoned.store(true, Ordering::Relaxed);
             tracing::error!(error = %e, ops = pending.len(), "journal fsync failed; refusing further writes");
             for (done, _) in pending {
                 let _ = done.send(Err(StoreError::Sync { source: dup_io(&e) }));
@@ -631,6 +642,7 @@ impl Writer {
             .map_err(|source| StoreError::Write { source })?;
         if let Err(source) = self.journal.sync_data() {
             self.poisoned = true;
+            self.shared.poisoned.store(true, Ordering::Relaxed);
             return Err(StoreError::Sync { source });
         }
         self.journal_len = 0;

@@ -195,6 +195,29 @@ impl Tap {
         })
     }
 
+    /// Adopts an fd handed back by the service manager's fd store: it must
+    /// be a TAP with a 12-byte vnet header; the device's current name is
+    /// read from the kernel.
+    pub fn from_fd(fd: OwnedFd) -> Result<Tap, TapError> {
+        let info = query_fd(fd.as_fd()).map_err(|source| TapError::SetIff {
+            name: "<inherited fd>".into(),
+            source,
+        })?;
+        if !info.is_tap_with_vnet_hdr() || info.vnet_hdr_len != VNET_HDR_LEN {
+            return Err(TapError::SetIff {
+                name: info.name,
+                source: io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "inherited fd is not a TAP with a 12-byte vnet header",
+                ),
+            });
+        }
+        Ok(Tap {
+            fd,
+            name: info.name,
+        })
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }

@@ -328,7 +328,14 @@ fn resolve_ports(
 impl Agent {
     /// Validates the configuration, opens the store, sets up the gateway
     /// device, recovers every recorded network and starts the pool task.
-    pub async fn start(cfg: Config, datapath: Arc<dyn Datapath>) -> Result<Arc<Agent>, StartError> {
+    /// `inherited` are TAP fds handed back by the service manager's fd
+    /// store; they are matched to devices by TUNGETIFF, so recovery never
+    /// reopens a TAP it already has an fd for.
+    pub async fn start(
+        cfg: Config,
+        datapath: Arc<dyn Datapath>,
+        inherited: Vec<OwnedFd>,
+    ) -> Result<Arc<Agent>, StartError> {
         let started = Instant::now();
         let d = cfg.validate()?;
         for path in [&cfg.state_dir, &cfg.runtime_dir] {
@@ -387,7 +394,16 @@ impl Agent {
             uplink,
             recovery: RecoveryReport::default(),
         };
-        let mut report = agent.recover(loaded.records).await?;
+        let mut inherited_taps: HashMap<String, Tap> = HashMap::new();
+        for fd in inherited {
+            match Tap::from_fd(fd) {
+                Ok(tap) => {
+                    inherited_taps.insert(tap.name().to_owned(), tap);
+                }
+                Err(e) => warn!(error = crate::error_chain(&e), "ignoring an inherited fd"),
+            }
+        }
+        let mut report = agent.recover(loaded.records, inherited_taps).await?;
         report.store_problems = loaded.problems;
         report.elapsed_ms = started.elapsed().as_millis() as u64;
         info!(
@@ -1046,6 +1062,7 @@ impl Agent {
             None => {
                 // The TAP vanished (deleted by hand): make a new one.
                 net.tap = None;
+                crate::systemd::remove_tap_fd(net.ifindex);
                 match self.cold_tap(&net.rec.tap_name, net.rec.mtu).await {
                     Ok(pt) => {
                         net.ifindex = pt.ifindex;
@@ -1167,6 +1184,7 @@ impl Agent {
     async fn recover(
         &mut self,
         records: BTreeMap<String, Vec<u8>>,
+        mut inherited: HashMap<String, Tap>,
     ) -> Result<RecoveryReport, StartError> {
         let mut report = RecoveryReport::default();
         let links = self.nl.list_links().await?;
@@ -1199,11 +1217,17 @@ impl Agent {
             .map(|n| n.0)
             .collect();
         let mut max_ip: Option<Ipv4Addr> = None;
-        for (rec, link) in plan.networks {
+        let total = plan.networks.len();
+        for (done, (rec, link)) in plan.networks.into_iter().enumerate() {
             if let IpAddr::V4(v4) = rec.sandbox_ip {
                 max_ip = max_ip.max(Some(v4));
             }
-            let net = self.adopt(rec, link, &neigh_ok, &mut report).await;
+            let fd = link.as_ref().and_then(|l| inherited.remove(&l.name));
+            let net = self.adopt(rec, link, fd, &neigh_ok, &mut report).await;
+            if total > 1024 && done % 1024 == 0 {
+                // Long recovery: ask systemd for more start-up time.
+                crate::systemd::notify("EXTEND_TIMEOUT_USEC=10000000");
+            }
             self.set_view(&net);
             self.slots
                 .get_mut()
@@ -1224,7 +1248,13 @@ impl Agent {
             self.pool.continue_names_after(n);
         }
         for link in plan.pool {
-            match Tap::open_existing(&link.name) {
+            let tap = match inherited.remove(&link.name) {
+                Some(tap) => Ok(tap),
+                None => {
+                    Tap::open_existing(&link.name).inspect(|tap| pool::store_fd(link.index, tap))
+                }
+            };
+            match tap {
                 Ok(tap) if !link.up && link.mtu == self.cfg.mtu => {
                     self.pool.adopt_idle(PoolTap {
                         tap,
@@ -1236,6 +1266,15 @@ impl Agent {
                     self.pool.retire_link(link.index);
                     report.retired += 1;
                 }
+            }
+        }
+        // Inherited fds whose device is gone or no longer ours.
+        for (name, tap) in inherited {
+            let index = nix::net::if_::if_nametoindex(name.as_str()).unwrap_or(0);
+            debug!(tap = name, "dropping an inherited fd nobody owns");
+            drop(tap);
+            if index != 0 {
+                crate::systemd::remove_tap_fd(index);
             }
         }
         for link in plan.retire {
@@ -1259,6 +1298,7 @@ impl Agent {
         &self,
         rec: NetworkRecord,
         link: Option<LinkInfo>,
+        inherited: Option<Tap>,
         neigh_ok: &HashSet<IpAddr>,
         report: &mut RecoveryReport,
     ) -> Network {
@@ -1272,7 +1312,12 @@ impl Agent {
         match link {
             Some(link) => {
                 net.ifindex = link.index;
-                match Tap::open_existing(&link.name) {
+                let opened = match inherited {
+                    Some(tap) => Ok(tap),
+                    None => Tap::open_existing(&link.name)
+                        .inspect(|tap| pool::store_fd(link.index, tap)),
+                };
+                match opened {
                     Ok(tap) => net.tap = Some(tap),
                     Err(e) if e.errno() == Some(libc::EBUSY) => {
                         warn!(
@@ -1330,6 +1375,16 @@ impl Agent {
             report.adopted += 1;
         }
         net
+    }
+
+    /// Liveness for the watchdog: the core's locks can be taken and the
+    /// store's writer still accepts work.
+    pub async fn alive(&self) -> bool {
+        let _a = self.allocs();
+        drop(_a);
+        let _v = self.views.read().unwrap_or_else(|p| p.into_inner());
+        drop(_v);
+        self.store.is_alive()
     }
 
     /// Flushes the store; TAPs, neighbours and the datapath stay in place

@@ -346,7 +346,10 @@ impl TapPool {
         }
         let mut indexes: Vec<u32> = taps.iter().map(|t| t.ifindex).collect();
         indexes.extend(links);
-        drop(taps); // close our fds first
+        drop(taps); // close our fds first, and the fd store's copies
+        for &index in &indexes {
+            crate::systemd::remove_tap_fd(index);
+        }
         let mut grouped = vec![];
         for &index in &indexes {
             let change = LinkChange {
@@ -384,7 +387,9 @@ impl TapPool {
     }
 }
 
-/// Creates a persistent TAP and looks up its ifindex.
+/// Creates a persistent TAP, looks up its ifindex and pushes its fd into
+/// the service manager's fd store (when there is one), so a restart gets
+/// the very same fd back instead of reopening the TAP.
 pub fn create_tap(name: &str) -> Result<PoolTap, crate::tap::TapError> {
     let tap = Tap::create(name)?;
     let ifindex =
@@ -392,7 +397,16 @@ pub fn create_tap(name: &str) -> Result<PoolTap, crate::tap::TapError> {
             name: name.into(),
             source: e.into(),
         })?;
+    store_fd(ifindex, &tap);
     Ok(PoolTap { tap, ifindex })
+}
+
+/// Pushes a TAP fd to the fd store; failure only costs a reopen after a
+/// restart, so it is logged, not fatal.
+pub fn store_fd(ifindex: u32, tap: &Tap) {
+    if let Err(error) = crate::systemd::store_tap_fd(ifindex, tap.as_fd()) {
+        warn!(tap = tap.name(), %error, "could not push the TAP fd to the fd store");
+    }
 }
 
 #[cfg(test)]

@@ -1,30 +1,36 @@
 //! The D-Bus wire edge: `org.cube.NetworkAgent` on `/org/cube/NetworkAgent`.
 //! It only translates between `a{sv}` dictionaries and the agent core;
-//! [`Error`]'s `From<AgentError>` is the one place where core errors become
-//! D-Bus errors.
+//! [`Error`]'s `From<AgentError>` and `From<AuthError>` are the one place
+//! where core and authorization errors become D-Bus errors. Every method
+//! asks [`Authority`] first (SPEC §5); properties stay readable by anyone.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::{info, warn};
+use zbus::message::{Flags, Header};
+use zbus::names::ErrorName;
 use zbus::object_server::SignalEmitter;
 use zbus::zvariant::{OwnedObjectPath, OwnedValue, Value};
-use zbus::{Connection, ObjectServer, fdo, interface};
+use zbus::{Connection, DBusError, ObjectServer, fdo, interface};
 
 use crate::agent::spec::{NetworkSpec, PortMapping};
 use crate::agent::{Agent, AgentError, Ensured, NetworkInfo, ReconcileReport};
+use crate::auth::{Action, AuthError, Authority};
 use crate::config::BusChoice;
 
 pub const BUS_NAME: &str = "org.cube.NetworkAgent";
 pub const MANAGER_PATH: &str = "/org/cube/NetworkAgent";
 pub const NETWORK_PATH_PREFIX: &str = "/org/cube/NetworkAgent/network";
 
-/// Errors on the wire: `org.cube.NetworkAgent.Error.*`.
-#[derive(Debug, zbus::DBusError)]
-#[zbus(prefix = "org.cube.NetworkAgent.Error")]
+/// Errors on the wire: `org.cube.NetworkAgent.Error.*`, plus the two
+/// standard authorization errors `org.freedesktop.DBus.Error.AccessDenied`
+/// and `org.freedesktop.DBus.Error.InteractiveAuthorizationRequired`.
+/// (`#[derive(zbus::DBusError)]` puts one prefix on every variant, so the
+/// names are spelled out here.)
+#[derive(Debug)]
 pub enum Error {
-    #[zbus(error)]
     ZBus(zbus::Error),
     InvalidArgument(String),
     NotFound(String),
@@ -32,6 +38,81 @@ pub enum Error {
     PortsExhausted(String),
     PortInUse(String),
     Failed(String),
+    AccessDenied(String),
+    InteractiveAuthorizationRequired(String),
+}
+
+impl DBusError for Error {
+    fn name(&self) -> ErrorName<'_> {
+        ErrorName::from_static_str_unchecked(match self {
+            Error::ZBus(_) => "org.freedesktop.zbus.Error",
+            Error::InvalidArgument(_) => "org.cube.NetworkAgent.Error.InvalidArgument",
+            Error::NotFound(_) => "org.cube.NetworkAgent.Error.NotFound",
+            Error::AddressesExhausted(_) => "org.cube.NetworkAgent.Error.AddressesExhausted",
+            Error::PortsExhausted(_) => "org.cube.NetworkAgent.Error.PortsExhausted",
+            Error::PortInUse(_) => "org.cube.NetworkAgent.Error.PortInUse",
+            Error::Failed(_) => "org.cube.NetworkAgent.Error.Failed",
+            Error::AccessDenied(_) => "org.freedesktop.DBus.Error.AccessDenied",
+            Error::InteractiveAuthorizationRequired(_) => {
+                "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired"
+            }
+        })
+    }
+
+    fn description(&self) -> Option<&str> {
+        match self {
+            Error::ZBus(_) => None,
+            Error::InvalidArgument(m)
+            | Error::NotFound(m)
+            | Error::AddressesExhausted(m)
+            | Error::PortsExhausted(m)
+            | Error::PortInUse(m)
+            | Error::Failed(m)
+            | Error::AccessDenied(m)
+            | Error::InteractiveAuthorizationRequired(m) => Some(m),
+        }
+    }
+
+    fn create_reply(&self, call: &Header<'_>) -> zbus::Result<zbus::message::Message> {
+        let msg = match self {
+            Error::ZBus(e) => e.to_string(),
+            _ => self.description().unwrap_or_default().to_owned(),
+        };
+        zbus::message::Message::error(call, self.name())?.build(&(msg,))
+    }
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Error::ZBus(e) => write!(f, "{}: {e}", self.name()),
+            _ => write!(f, "{}: {}", self.name(), self.description().unwrap_or("")),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+impl From<zbus::Error> for Error {
+    fn from(e: zbus::Error) -> Self {
+        Error::ZBus(e)
+    }
+}
+
+/// Every authorization failure is a denial; only a polkit challenge maps
+/// to `InteractiveAuthorizationRequired`.
+impl From<AuthError> for Error {
+    fn from(e: AuthError) -> Self {
+        match e {
+            e @ AuthError::InteractionRequired { .. } => {
+                Error::InteractiveAuthorizationRequired(e.to_string())
+            }
+            e @ (AuthError::Denied { .. }
+            | AuthError::PolkitUnreachable { .. }
+            | AuthError::PolkitFailed { .. }
+            | AuthError::UnknownCaller { .. }) => Error::AccessDenied(e.to_string()),
+        }
+    }
 }
 
 impl From<AgentError> for Error {
@@ -212,9 +293,32 @@ fn report_dict(r: ReconcileReport) -> HashMap<String, OwnedValue> {
 /// The manager object.
 pub struct Manager {
     agent: Arc<Agent>,
+    authority: Authority,
 }
 
 impl Manager {
+    /// Authorizes the caller of the message with `header` for `action`.
+    async fn authorize(&self, header: &Header<'_>, action: Action) -> Result<(), Error> {
+        let Some(sender) = header.sender() else {
+            return Err(Error::AccessDenied(format!(
+                "not authorized for {action}: the call has no sender"
+            )));
+        };
+        let interactive = header
+            .primary()
+            .flags()
+            .contains(Flags::AllowInteractiveAuth);
+        if let Err(e) = self
+            .authority
+            .check_bus_caller(sender, action, interactive)
+            .await
+        {
+            info!(sender = %sender, action = action.id(), error = %e, "call denied");
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
     fn info(&self, view: crate::agent::NetworkView) -> HashMap<String, OwnedValue> {
         network_dict(self.agent.describe(view))
     }
@@ -228,9 +332,11 @@ impl Manager {
         &self,
         sandbox_id: String,
         options: HashMap<String, OwnedValue>,
+        #[zbus(header)] header: Header<'_>,
         #[zbus(object_server)] server: &ObjectServer,
         #[zbus(signal_emitter)] emitter: SignalEmitter<'_>,
     ) -> Result<HashMap<String, OwnedValue>, Error> {
+        self.authorize(&header, Action::Manage).await?;
         let spec = parse_options(&options)?;
         let (view, change) = self.agent.ensure(&sandbox_id, spec).await?;
         let dict = self.info(view);
@@ -269,9 +375,11 @@ impl Manager {
     async fn release_network(
         &self,
         sandbox_id: String,
+        #[zbus(header)] header: Header<'_>,
         #[zbus(object_server)] server: &ObjectServer,
         #[zbus(signal_emitter)] emitter: SignalEmitter<'_>,
     ) -> Result<bool, Error> {
+        self.authorize(&header, Action::Manage).await?;
         let released = self.agent.release(&sandbox_id).await?;
         if released {
             let _ = server
@@ -287,33 +395,54 @@ impl Manager {
     async fn reconcile_network(
         &self,
         sandbox_id: String,
+        #[zbus(header)] header: Header<'_>,
     ) -> Result<HashMap<String, OwnedValue>, Error> {
+        self.authorize(&header, Action::Manage).await?;
         Ok(report_dict(self.agent.reconcile(&sandbox_id).await?))
     }
 
     #[zbus(out_args("network"))]
-    async fn get_network(&self, sandbox_id: String) -> Result<HashMap<String, OwnedValue>, Error> {
+    async fn get_network(
+        &self,
+        sandbox_id: String,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<HashMap<String, OwnedValue>, Error> {
+        self.authorize(&header, Action::Read).await?;
         Ok(self.info(self.agent.get(&sandbox_id)?))
     }
 
     #[zbus(out_args("networks"))]
-    async fn list_networks(&self) -> Vec<HashMap<String, OwnedValue>> {
-        self.agent
+    async fn list_networks(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<Vec<HashMap<String, OwnedValue>>, Error> {
+        self.authorize(&header, Action::Read).await?;
+        Ok(self
+            .agent
             .list()
             .into_iter()
             .map(|v| self.info(v))
-            .collect()
+            .collect())
     }
 
     /// A fresh duplicate of the TAP fd for the VMM.
     #[zbus(out_args("tap_fd"))]
-    async fn open_tap(&self, sandbox_id: String) -> Result<zbus::zvariant::OwnedFd, Error> {
+    async fn open_tap(
+        &self,
+        sandbox_id: String,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<zbus::zvariant::OwnedFd, Error> {
+        self.authorize(&header, Action::Manage).await?;
         Ok(self.agent.open_tap(&sandbox_id).await?.into())
     }
 
     #[zbus(out_args("healthy", "checks"))]
-    async fn health(&self) -> (bool, Vec<(String, bool, String)>) {
-        self.agent.health()
+    async fn health(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(bool, Vec<(String, bool, String)>), Error> {
+        self.authorize(&header, Action::Read).await?;
+        Ok(self.agent.health())
     }
 
     #[zbus(property)]
@@ -448,19 +577,22 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
         BusChoice::Session => zbus::connection::Builder::session().map_err(connect)?,
         BusChoice::Address(a) => zbus::connection::Builder::address(a.as_str()).map_err(connect)?,
     };
-    let conn = builder
-        .serve_at(
-            MANAGER_PATH,
-            Manager {
-                agent: agent.clone(),
-            },
-        )
-        .map_err(ServeError::Register)?
-        .serve_at(MANAGER_PATH, fdo::ObjectManager)
-        .map_err(ServeError::Register)?
-        .build()
+    let conn = builder.build().await.map_err(connect)?;
+    // Registered after build because the authority asks polkit over this
+    // very connection; nobody can address us by name before
+    // `request_name` below.
+    let manager = Manager {
+        agent: agent.clone(),
+        authority: Authority::new(conn.clone()),
+    };
+    conn.object_server()
+        .at(MANAGER_PATH, manager)
         .await
-        .map_err(connect)?;
+        .map_err(ServeError::Register)?;
+    conn.object_server()
+        .at(MANAGER_PATH, fdo::ObjectManager)
+        .await
+        .map_err(ServeError::Register)?;
     for view in agent.list() {
         let id = view.record.sandbox_id;
         let obj = NetworkObject {

@@ -1,0 +1,93 @@
+# cube-network-agent: build, install and check the systemd/D-Bus integration.
+#
+#   make install                      build (cargo build --release --bins) and install into /
+#   make install NO_BUILD=1 DESTDIR=/some/root   install already-built binaries under a root
+#   make uninstall                    remove exactly what install put there
+#   make check-units                  systemd-analyze verify + security exposure score
+#   make test-systemd                 tests/systemd/run.sh (throw-away systemd container)
+#
+# The daemon goes to $(LIBEXECDIR) (it is started by systemd, D-Bus or the
+# varlink socket, not by hand); the CLI to $(BINDIR). Units, the bus policy,
+# the activation file and polkit files go to the fixed directories systemd,
+# dbus-daemon and polkitd read, whatever PREFIX is.
+
+PREFIX        ?= /usr
+BINDIR        ?= $(PREFIX)/bin
+LIBEXECDIR    ?= $(PREFIX)/libexec
+UNITDIR       ?= /usr/lib/systemd/system
+DBUSPOLICYDIR ?= /usr/share/dbus-1/system.d
+DBUSSERVICEDIR ?= /usr/share/dbus-1/system-services
+POLKITACTIONDIR ?= /usr/share/polkit-1/actions
+DOCDIR        ?= /usr/share/doc/cube-network-agent
+CARGO         ?= cargo
+TARGETDIR     ?= target/release
+NO_BUILD      ?=
+DESTDIR       ?=
+
+# The path written into the units (ExecStart=); the repository's unit says
+# /usr/libexec/cube-network-agent and is rewritten when LIBEXECDIR differs.
+DAEMON        := $(LIBEXECDIR)/cube-network-agent
+
+UNITS         := systemd/cube-network-agent.service systemd/cube-network-agent.socket
+POLKIT_POLICIES = $(wildcard polkit/*.policy)
+POLKIT_EXAMPLES = $(wildcard polkit/*.rules.example)
+
+.PHONY: all build install uninstall check-units test-systemd
+
+all: build
+
+build:
+	$(CARGO) build --release --bins
+
+install: $(if $(NO_BUILD),,build)
+	@test -x $(TARGETDIR)/cube-network-agent || { echo "$(TARGETDIR)/cube-network-agent is not built (drop NO_BUILD=1 or run cargo build --release --bins)" >&2; exit 1; }
+	install -D -m 0755 $(TARGETDIR)/cube-network-agent $(DESTDIR)$(DAEMON)
+	if [ -x $(TARGETDIR)/cubenetctl ]; then install -D -m 0755 $(TARGETDIR)/cubenetctl $(DESTDIR)$(BINDIR)/cubenetctl; fi
+	install -d -m 0755 $(DESTDIR)$(UNITDIR)
+	for u in $(UNITS); do \
+	    sed 's|/usr/libexec/cube-network-agent|$(DAEMON)|g' $$u > $(DESTDIR)$(UNITDIR)/$${u##*/} && \
+	    chmod 0644 $(DESTDIR)$(UNITDIR)/$${u##*/} || exit 1; \
+	done
+	install -D -m 0644 dbus/org.cube.NetworkAgent.conf $(DESTDIR)$(DBUSPOLICYDIR)/org.cube.NetworkAgent.conf
+	install -D -m 0644 dbus/org.cube.NetworkAgent.service $(DESTDIR)$(DBUSSERVICEDIR)/org.cube.NetworkAgent.service
+	for p in $(POLKIT_POLICIES); do install -D -m 0644 $$p $(DESTDIR)$(POLKITACTIONDIR)/$${p##*/} || exit 1; done
+	for r in $(POLKIT_EXAMPLES); do install -D -m 0644 $$r $(DESTDIR)$(DOCDIR)/$${r##*/} || exit 1; done
+	install -D -m 0644 docs/systemd.md $(DESTDIR)$(DOCDIR)/systemd.md
+	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then \
+	    echo "systemctl daemon-reload"; systemctl daemon-reload; \
+	else \
+	    echo "(not reloading systemd: DESTDIR is set or systemd is not PID 1)"; \
+	fi
+
+uninstall:
+	rm -f $(DESTDIR)$(DAEMON)
+	rm -f $(DESTDIR)$(BINDIR)/cubenetctl
+	rm -f $(addprefix $(DESTDIR)$(UNITDIR)/,$(notdir $(UNITS)))
+	rm -f $(DESTDIR)$(DBUSPOLICYDIR)/org.cube.NetworkAgent.conf
+	rm -f $(DESTDIR)$(DBUSSERVICEDIR)/org.cube.NetworkAgent.service
+	rm -f $(addprefix $(DESTDIR)$(POLKITACTIONDIR)/,$(notdir $(POLKIT_POLICIES)))
+	rm -f $(addprefix $(DESTDIR)$(DOCDIR)/,$(notdir $(POLKIT_EXAMPLES)) systemd.md)
+	-rmdir $(DESTDIR)$(DOCDIR) 2>/dev/null || true
+	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then \
+	    echo "systemctl daemon-reload"; systemctl daemon-reload; \
+	fi
+
+# systemd-analyze verify needs ExecStart= to exist: verify a copy of the
+# units whose ExecStart= points at the installed daemon if there is one,
+# else at the built one in $(TARGETDIR).
+check-units:
+	@set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	if [ -x "$(DAEMON)" ]; then exe="$(DAEMON)"; \
+	elif [ -x "$(TARGETDIR)/cube-network-agent" ]; then exe="$(CURDIR)/$(TARGETDIR)/cube-network-agent"; \
+	else exe="$(DAEMON)"; echo "note: no daemon built or installed; verify will say ExecStart= is missing" >&2; fi; \
+	for u in $(UNITS); do sed "s|/usr/libexec/cube-network-agent|$$exe|g" $$u > $$tmp/$${u##*/}; done; \
+	echo "== systemd-analyze verify (ExecStart=$$exe)"; \
+	out=$$(systemd-analyze verify $$tmp/cube-network-agent.socket $$tmp/cube-network-agent.service 2>&1) || rc=$$?; \
+	if [ -n "$$out" ]; then echo "$$out"; fi; \
+	if [ -n "$$out" ] || [ "$${rc:-0}" != 0 ]; then echo "verify: FAILED" >&2; exit 1; fi; \
+	echo "verify: clean"; \
+	echo "== systemd-analyze security --offline=yes systemd/cube-network-agent.service"; \
+	systemd-analyze security --offline=yes --no-pager systemd/cube-network-agent.service | grep -v '^✓'
+
+test-systemd:
+	tests/systemd/run.sh

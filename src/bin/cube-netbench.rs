@@ -1,0 +1,1035 @@
+//! `cube-netbench`: measures the agent against SPEC §10 in a throw-away
+//! environment (private network namespaces, private dbus-daemon, temp state)
+//! and prints one table with the raw floors measured in the same run.
+//!
+//! Usage: `cube-netbench [--agent PATH] [--networks N] [--samples S]
+//! [--bus-config PATH] [--quick]`. Needs root (network namespaces, TAPs).
+//! Nothing here asserts on timing; it exits non-zero only when the
+//! environment or a call fails.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use cube_network_agent::dbus::{BUS_NAME, MANAGER_PATH};
+use cube_network_agent::tap::Tap;
+use tokio::net::UnixDatagram;
+use zbus::Connection;
+use zbus::zvariant::{OwnedFd, OwnedValue};
+
+const IFACE: &str = "org.cube.NetworkAgent";
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
+/// A call slower than this counts as a failure (the agent is wedged).
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+const CONCURRENT_CALLERS: usize = 16;
+
+type Error = String;
+type Result<T> = std::result::Result<T, Error>;
+
+// ---------------------------------------------------------------- arguments
+
+#[derive(Debug)]
+struct Args {
+    agent: PathBuf,
+    networks: usize,
+    samples: usize,
+    bus_config: PathBuf,
+    throughput_secs: f64,
+}
+
+const USAGE: &str = "\
+Usage: cube-netbench [--agent PATH] [--networks N] [--samples S] [--bus-config PATH] [--quick]
+  --agent PATH       agent binary [default: cube-network-agent next to this binary]
+  --networks N       networks for the fill / restart phase [default: 10000]
+  --samples S        latency samples per metric [default: 2000]
+  --bus-config PATH  dbus-daemon config [default: tests/data/bus.conf]
+  --quick            CI smoke run: N=300, S=200, 1 s throughput windows
+Must run as root.";
+
+fn default_agent() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(|d| d.join("cube-network-agent")))
+        .filter(|p| p.exists())
+        .unwrap_or_else(|| PathBuf::from("target/release/cube-network-agent"))
+}
+
+fn default_bus_config() -> PathBuf {
+    let rel = PathBuf::from("tests/data/bus.conf");
+    if rel.exists() {
+        rel
+    } else {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/bus.conf")
+    }
+}
+
+fn parse_args() -> Result<Args> {
+    let mut args = Args {
+        agent: default_agent(),
+        networks: 10_000,
+        samples: 2_000,
+        bus_config: default_bus_config(),
+        throughput_secs: 3.0,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))
+        };
+        let number = |v: String| {
+            v.parse::<usize>()
+                .map_err(|_| format!("'{v}' is not a number"))
+        };
+        match flag.as_str() {
+            "--agent" => args.agent = value()?.into(),
+            "--networks" => args.networks = number(value()?)?,
+            "--samples" => args.samples = number(value()?)?,
+            "--bus-config" => args.bus_config = value()?.into(),
+            "--quick" => {
+                args.networks = 300;
+                args.samples = 200;
+                args.throughput_secs = 1.0;
+            }
+            "-h" | "--help" => return Err(USAGE.into()),
+            _ => return Err(format!("unknown argument '{flag}'\n{USAGE}")),
+        }
+    }
+    if args.samples < 4 || args.networks == 0 {
+        return Err("--samples must be >= 4 and --networks >= 1".into());
+    }
+    Ok(args)
+}
+
+// -------------------------------------------------------------- environment
+
+/// One running agent: `ip netns exec NS AGENT ...`. `ip netns exec` execs
+/// the agent, so the child's pid is the agent's pid.
+struct AgentProc {
+    child: Child,
+    log: PathBuf,
+}
+
+impl AgentProc {
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+/// Owns everything the bench creates; `Drop` removes all of it.
+struct Env {
+    pid: u32,
+    tmp: PathBuf,
+    netns: Vec<String>,
+    bus: Option<Child>,
+    bus_addr: String,
+    agent: Option<AgentProc>,
+    agent_bin: PathBuf,
+    notify_path: PathBuf,
+    notify: UnixDatagram,
+    runs: usize,
+    /// Set on failure: the temp dir (with the agent logs) is left in place.
+    keep_tmp: bool,
+}
+
+fn run_cmd(cmd: &mut Command) -> Result<()> {
+    let out = cmd.output().map_err(|e| format!("running {cmd:?}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{cmd:?} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Asks the kernel to SIGKILL the child when the bench dies, so a crashed
+/// bench leaves no agent or bus behind.
+fn die_with_parent(cmd: &mut Command) -> &mut Command {
+    // SAFETY: the closure runs between fork and exec and only calls prctl,
+    // which is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
+impl Env {
+    async fn new(args: &Args) -> Result<Env> {
+        let pid = std::process::id();
+        let tmp = std::env::temp_dir().join(format!("cnb-{pid}"));
+        fs::create_dir_all(&tmp).map_err(|e| format!("creating {}: {e}", tmp.display()))?;
+        let notify_path = tmp.join("notify.sock");
+        let notify = UnixDatagram::bind(&notify_path)
+            .map_err(|e| format!("binding {}: {e}", notify_path.display()))?;
+        let mut env = Env {
+            pid,
+            tmp,
+            netns: vec![],
+            bus: None,
+            bus_addr: String::new(),
+            agent: None,
+            agent_bin: args.agent.clone(),
+            notify_path,
+            notify,
+            runs: 0,
+            keep_tmp: false,
+        };
+        env.start_bus(&args.bus_config)?;
+        Ok(env)
+    }
+
+    fn start_bus(&mut self, config: &Path) -> Result<()> {
+        if !config.exists() {
+            return Err(format!(
+                "bus config {} not found (use --bus-config)",
+                config.display()
+            ));
+        }
+        let sock = self.tmp.join("bus.sock");
+        let mut child = die_with_parent(
+            Command::new("dbus-daemon")
+                .arg(format!("--config-file={}", config.display()))
+                .arg(format!("--address=unix:path={}", sock.display()))
+                .args(["--nofork", "--nopidfile", "--print-address"])
+                .stdout(Stdio::piped())
+                .stderr(File::create(self.tmp.join("bus.log")).map_err(|e| e.to_string())?),
+        )
+        .spawn()
+        .map_err(|e| format!("starting dbus-daemon: {e}"))?;
+        let stdout = child.stdout.take().expect("piped stdout");
+        self.bus = Some(child);
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .map_err(|e| format!("reading the bus address: {e}"))?;
+        if line.trim().is_empty() {
+            return Err("dbus-daemon exited without printing its address".into());
+        }
+        self.bus_addr = line.trim().to_owned();
+        Ok(())
+    }
+
+    async fn connect(&self) -> Result<Connection> {
+        zbus::connection::Builder::address(self.bus_addr.as_str())
+            .map_err(|e| format!("bus address {}: {e}", self.bus_addr))?
+            .method_timeout(CALL_TIMEOUT)
+            .build()
+            .await
+            .map_err(|e| format!("connecting to {}: {e}", self.bus_addr))
+    }
+
+    /// A fresh namespace + state dir for a new agent instance.
+    fn new_instance(&mut self) -> Result<(String, PathBuf)> {
+        self.runs += 1;
+        let ns = format!("cnb-{}-{}", self.pid, self.runs);
+        run_cmd(Command::new("ip").args(["netns", "add", &ns]))?;
+        self.netns.push(ns.clone());
+        let dir = self.tmp.join(format!("agent{}", self.runs));
+        fs::create_dir_all(dir.join("state")).map_err(|e| e.to_string())?;
+        fs::create_dir_all(dir.join("run")).map_err(|e| e.to_string())?;
+        fs::write(dir.join("config.toml"), "").map_err(|e| e.to_string())?;
+        Ok((ns, dir))
+    }
+
+    /// Spawns the agent and returns the time from spawn to READY=1.
+    async fn start_agent(
+        &mut self,
+        ns: &str,
+        dir: &Path,
+        warm_pool: usize,
+        networks: usize,
+    ) -> Result<Duration> {
+        assert!(self.agent.is_none(), "one agent at a time");
+        self.drain_notify();
+        let log = dir.join(format!("agent-{}.log", self.runs_of(dir)));
+        let log_file = File::create(&log).map_err(|e| e.to_string())?;
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns])
+            .arg(&self.agent_bin)
+            .arg("--config")
+            .arg(dir.join("config.toml"))
+            .args(["--bus", &self.bus_addr])
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .arg("--runtime-dir")
+            .arg(dir.join("run"))
+            .args(["--warm-pool", &warm_pool.to_string()])
+            .env("NOTIFY_SOCKET", &self.notify_path)
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().map_err(|e| e.to_string())?)
+            .stderr(log_file);
+        if networks > 16_000 {
+            cmd.args(["--pool-cidr", "10.96.0.0/14"]);
+        }
+        let start = Instant::now();
+        let child = die_with_parent(&mut cmd)
+            .spawn()
+            .map_err(|e| format!("starting {}: {e}", self.agent_bin.display()))?;
+        self.agent = Some(AgentProc { child, log });
+        self.wait_ready().await?;
+        Ok(start.elapsed())
+    }
+
+    fn runs_of(&self, dir: &Path) -> usize {
+        fs::read_dir(dir)
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .filter(|e| e.path().extension().is_some_and(|x| x == "log"))
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
+    fn drain_notify(&self) {
+        let mut buf = [0u8; 4096];
+        while self.notify.try_recv(&mut buf).is_ok() {}
+    }
+
+    /// Waits for READY=1 on the notify socket while watching the child.
+    async fn wait_ready(&mut self) -> Result<()> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let mut buf = vec![0u8; 4096];
+        loop {
+            match tokio::time::timeout(Duration::from_millis(50), self.notify.recv(&mut buf)).await
+            {
+                Ok(Ok(n)) => {
+                    let msg = String::from_utf8_lossy(&buf[..n]);
+                    if msg.lines().any(|l| l == "READY=1") {
+                        return Ok(());
+                    }
+                }
+                Ok(Err(e)) => return Err(format!("notify socket: {e}")),
+                Err(_) => {}
+            }
+            let agent = self.agent.as_mut().expect("agent running");
+            if let Ok(Some(status)) = agent.child.try_wait() {
+                let log = agent.log.display().to_string();
+                self.agent = None;
+                return Err(format!(
+                    "agent exited ({status}) before READY=1; log: {log}"
+                ));
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "agent not READY after {READY_TIMEOUT:?}; log: {}",
+                    self.log_path()
+                ));
+            }
+        }
+    }
+
+    fn log_path(&self) -> String {
+        self.agent
+            .as_ref()
+            .map_or_else(|| "(no agent)".into(), |a| a.log.display().to_string())
+    }
+
+    fn agent_pid(&self) -> Result<u32> {
+        self.agent
+            .as_ref()
+            .map(AgentProc::pid)
+            .ok_or_else(|| "no agent running".into())
+    }
+
+    /// Sends `sig` and waits for the agent to exit; returns how long it took.
+    async fn stop_agent(&mut self, sig: nix::sys::signal::Signal) -> Result<Duration> {
+        let Some(mut agent) = self.agent.take() else {
+            return Ok(Duration::ZERO);
+        };
+        let pid = nix::unistd::Pid::from_raw(agent.pid() as i32);
+        let start = Instant::now();
+        nix::sys::signal::kill(pid, sig).map_err(|e| format!("kill {pid} {sig}: {e}"))?;
+        loop {
+            match agent.child.try_wait() {
+                Ok(Some(_)) => return Ok(start.elapsed()),
+                Ok(None) if start.elapsed() > Duration::from_secs(30) => {
+                    let _ = agent.child.kill();
+                    let _ = agent.child.wait();
+                    return Err(format!(
+                        "agent ignored {sig} for 30 s; log: {}",
+                        agent.log.display()
+                    ));
+                }
+                Ok(None) => tokio::time::sleep(Duration::from_micros(500)).await,
+                Err(e) => return Err(format!("waiting for the agent: {e}")),
+            }
+        }
+    }
+
+    fn agent_rss_kb(&self) -> Result<u64> {
+        let pid = self.agent_pid()?;
+        let status =
+            fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| e.to_string())?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .ok_or_else(|| "no VmRSS in /proc/PID/status".into())
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            let _ = a.child.kill();
+            let _ = a.child.wait();
+        }
+        if let Some(mut bus) = self.bus.take() {
+            let _ = bus.kill();
+            let _ = bus.wait();
+        }
+        // Deleting the namespace deletes all its TAPs in one go.
+        for ns in self.netns.drain(..) {
+            let _ = Command::new("ip")
+                .args(["netns", "del", &ns])
+                .stderr(Stdio::null())
+                .status();
+        }
+        if !self.keep_tmp {
+            let _ = fs::remove_dir_all(&self.tmp);
+        }
+    }
+}
+
+// ------------------------------------------------------------------ calls
+
+fn empty_options() -> HashMap<String, OwnedValue> {
+    HashMap::new()
+}
+
+async fn ping(conn: &Connection) -> Result<()> {
+    conn.call_method(
+        Some(BUS_NAME),
+        MANAGER_PATH,
+        Some("org.freedesktop.DBus.Peer"),
+        "Ping",
+        &(),
+    )
+    .await
+    .map(drop)
+    .map_err(|e| format!("Ping: {e}"))
+}
+
+async fn ensure(conn: &Connection, id: &str) -> Result<()> {
+    conn.call_method(
+        Some(BUS_NAME),
+        MANAGER_PATH,
+        Some(IFACE),
+        "EnsureNetwork",
+        &(id, empty_options()),
+    )
+    .await
+    .map_err(|e| format!("EnsureNetwork({id}): {e}"))?
+    .body()
+    .deserialize::<HashMap<String, OwnedValue>>()
+    .map(drop)
+    .map_err(|e| format!("EnsureNetwork({id}) reply: {e}"))
+}
+
+async fn release(conn: &Connection, id: &str) -> Result<()> {
+    let released: bool = conn
+        .call_method(
+            Some(BUS_NAME),
+            MANAGER_PATH,
+            Some(IFACE),
+            "ReleaseNetwork",
+            &(id,),
+        )
+        .await
+        .map_err(|e| format!("ReleaseNetwork({id}): {e}"))?
+        .body()
+        .deserialize()
+        .map_err(|e| format!("ReleaseNetwork({id}) reply: {e}"))?;
+    if released {
+        Ok(())
+    } else {
+        Err(format!("ReleaseNetwork({id}) returned false"))
+    }
+}
+
+async fn open_tap(conn: &Connection, id: &str) -> Result<()> {
+    conn.call_method(Some(BUS_NAME), MANAGER_PATH, Some(IFACE), "OpenTap", &(id,))
+        .await
+        .map_err(|e| format!("OpenTap({id}): {e}"))?
+        .body()
+        .deserialize::<OwnedFd>()
+        .map(drop)
+        .map_err(|e| format!("OpenTap({id}) reply: {e}"))
+}
+
+async fn timed<F: Future<Output = Result<()>>>(f: F) -> Result<Duration> {
+    let t = Instant::now();
+    f.await?;
+    Ok(t.elapsed())
+}
+
+// ------------------------------------------------------------------ stats
+
+/// Sorted latency samples.
+struct Lat(Vec<Duration>);
+
+impl Lat {
+    fn new(mut v: Vec<Duration>) -> Lat {
+        v.sort();
+        Lat(v)
+    }
+    fn pct(&self, p: usize) -> f64 {
+        let i = (self.0.len() * p / 100).min(self.0.len() - 1);
+        self.0[i].as_secs_f64() * 1e6
+    }
+    fn p50(&self) -> f64 {
+        self.pct(50)
+    }
+    fn p99(&self) -> f64 {
+        self.pct(99)
+    }
+    fn show(&self) -> String {
+        format!("{:.0} / {:.0} µs", self.p50(), self.p99())
+    }
+}
+
+// ------------------------------------------------------------------ floors
+
+async fn floor_ping(conn: &Connection, samples: usize) -> Result<Lat> {
+    for _ in 0..50 {
+        ping(conn).await?;
+    }
+    let mut v = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        v.push(timed(ping(conn)).await?);
+    }
+    Ok(Lat::new(v))
+}
+
+async fn floor_open_tap(conn: &Connection, samples: usize) -> Result<Lat> {
+    ensure(conn, "bench-fd-0").await?;
+    let mut v = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        v.push(timed(open_tap(conn, "bench-fd-0")).await?);
+    }
+    release(conn, "bench-fd-0").await?;
+    Ok(Lat::new(v))
+}
+
+/// Ping calls/s with `callers` concurrent tasks on one connection.
+async fn ping_rate(conn: &Connection, callers: usize, secs: f64) -> Result<f64> {
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let start = Instant::now();
+    let tasks = (0..callers).map(|_| {
+        let conn = conn.clone();
+        async move {
+            let mut n = 0usize;
+            while Instant::now() < deadline {
+                ping(&conn).await?;
+                n += 1;
+            }
+            Ok::<usize, Error>(n)
+        }
+    });
+    let total: usize = futures::future::try_join_all(tasks)
+        .await?
+        .into_iter()
+        .sum();
+    Ok(total as f64 / start.elapsed().as_secs_f64())
+}
+
+/// write tmp, fsync, rename, fsync dir — what one durable record costs.
+fn floor_durable_write(dir: &Path, samples: usize) -> Result<Lat> {
+    let data = [0x5au8; 1024];
+    let d = File::open(dir).map_err(|e| e.to_string())?;
+    let mut v = Vec::with_capacity(samples);
+    for i in 0..samples {
+        let tmp = dir.join(format!("rec-{i}.tmp"));
+        let dst = dir.join(format!("rec-{}", i % 16));
+        let t = Instant::now();
+        let mut f = File::create(&tmp).map_err(|e| e.to_string())?;
+        f.write_all(&data).map_err(|e| e.to_string())?;
+        f.sync_all().map_err(|e| e.to_string())?;
+        fs::rename(&tmp, &dst).map_err(|e| e.to_string())?;
+        d.sync_all().map_err(|e| e.to_string())?;
+        v.push(t.elapsed());
+    }
+    Ok(Lat::new(v))
+}
+
+/// 1 KB append + fdatasync to one journal file — what the agent's store
+/// pays per commit (SPEC: "append + fdatasync journal").
+fn floor_journal_append(dir: &Path, samples: usize) -> Result<Lat> {
+    let data = [0xa5u8; 1024];
+    let mut f = File::create(dir.join("journal")).map_err(|e| e.to_string())?;
+    let mut v = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        let t = Instant::now();
+        f.write_all(&data).map_err(|e| e.to_string())?;
+        f.sync_data().map_err(|e| e.to_string())?;
+        v.push(t.elapsed());
+    }
+    Ok(Lat::new(v))
+}
+
+/// TUNSETIFF in a private namespace owned by a dedicated thread; the
+/// namespace (and its TAPs) goes away when the thread exits.
+fn floor_tap_create(samples: usize) -> Result<Lat> {
+    std::thread::spawn(move || {
+        // SAFETY: unshare only changes this thread's namespace membership
+        // (CLONE_NEWNET is per thread); no memory is involved.
+        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+            return Err(format!(
+                "unshare(CLONE_NEWNET): {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        let mut taps = Vec::with_capacity(samples);
+        let mut v = Vec::with_capacity(samples);
+        for i in 0..samples {
+            let name = format!("cnbt{i}");
+            let t = Instant::now();
+            let tap = Tap::create(&name).map_err(|e| cube_network_agent::error_chain(&e))?;
+            v.push(t.elapsed());
+            taps.push(tap);
+        }
+        Ok(Lat::new(v))
+    })
+    .join()
+    .map_err(|_| "TAP floor thread panicked".to_string())?
+}
+
+// ------------------------------------------------------------------ agent phases
+
+struct Warm {
+    ensure: Lat,
+    release: Lat,
+}
+
+async fn warm_ensure_release(conn: &Connection, samples: usize) -> Result<Warm> {
+    let (mut e, mut r) = (Vec::with_capacity(samples), Vec::with_capacity(samples));
+    for i in 0..samples {
+        let id = format!("bench-warm-{i}");
+        e.push(timed(ensure(conn, &id)).await?);
+        r.push(timed(release(conn, &id)).await?);
+    }
+    Ok(Warm {
+        ensure: Lat::new(e),
+        release: Lat::new(r),
+    })
+}
+
+/// Times only the ensure; releases each network untimed so the count stays flat.
+async fn cold_ensures(conn: &Connection, phase: &str, samples: usize) -> Result<Lat> {
+    let mut v = Vec::with_capacity(samples);
+    for i in 0..samples {
+        let id = format!("bench-{phase}-{i}");
+        v.push(timed(ensure(conn, &id)).await?);
+        release(conn, &id).await?;
+    }
+    Ok(Lat::new(v))
+}
+
+/// Ensure+release pairs per second over `secs` with `callers` tasks.
+async fn pair_rate(conn: &Connection, callers: usize, secs: f64) -> Result<f64> {
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let start = Instant::now();
+    let tasks = (0..callers).map(|c| {
+        let conn = conn.clone();
+        async move {
+            let mut n = 0usize;
+            while Instant::now() < deadline {
+                let id = format!("bench-tput{callers}-{c}-{n}");
+                ensure(&conn, &id).await?;
+                release(&conn, &id).await?;
+                n += 1;
+            }
+            Ok::<usize, Error>(n)
+        }
+    });
+    let total: usize = futures::future::try_join_all(tasks)
+        .await?
+        .into_iter()
+        .sum();
+    Ok(total as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Ensures `n` networks with concurrent callers; returns the wall time.
+async fn fill(conn: &Connection, n: usize) -> Result<Duration> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let tasks = (0..CONCURRENT_CALLERS).map(|_| {
+        let (conn, next) = (conn.clone(), next.clone());
+        async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    return Ok::<(), Error>(());
+                }
+                ensure(&conn, &format!("bench-fill-{i}")).await?;
+            }
+        }
+    });
+    futures::future::try_join_all(tasks).await?;
+    Ok(start.elapsed())
+}
+
+// ------------------------------------------------------------------ report
+
+struct Row {
+    metric: String,
+    value: String,
+    floor: String,
+    ratio: String,
+    target: String,
+}
+
+fn row(
+    metric: impl Into<String>,
+    value: impl Into<String>,
+    floor: impl Into<String>,
+    ratio: impl Into<String>,
+    target: impl Into<String>,
+) -> Row {
+    Row {
+        metric: metric.into(),
+        value: value.into(),
+        floor: floor.into(),
+        ratio: ratio.into(),
+        target: target.into(),
+    }
+}
+
+fn ratio(value: f64, floor: f64) -> String {
+    format!("{:.1}x", value / floor)
+}
+
+fn print_table(rows: &[Row]) {
+    let w = |f: fn(&Row) -> &String, h: &str| {
+        rows.iter()
+            .map(|r| f(r).chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(h.len())
+    };
+    let (w0, w1, w2, w3) = (
+        w(|r| &r.metric, "metric"),
+        w(|r| &r.value, "value"),
+        w(|r| &r.floor, "floor"),
+        w(|r| &r.ratio, "ratio"),
+    );
+    let line = |a: &str, b: &str, c: &str, d: &str, e: &str| {
+        let pad =
+            |s: &str, n: usize| format!("{s}{}", " ".repeat(n.saturating_sub(s.chars().count())));
+        println!(
+            "{}  {}  {}  {}  {e}",
+            pad(a, w0),
+            pad(b, w1),
+            pad(c, w2),
+            pad(d, w3)
+        );
+    };
+    line("metric", "value", "floor", "ratio", "target (SPEC §10)");
+    for r in rows {
+        line(&r.metric, &r.value, &r.floor, &r.ratio, &r.target);
+    }
+}
+
+fn machine_facts() {
+    let kernel = fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let load = fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let model = fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|m| m.trim_start_matches([' ', '\t', ':']).to_owned())
+        })
+        .unwrap_or_default();
+    println!(
+        "machine: nproc {cpus}, kernel {}, cpu {model}",
+        kernel.trim()
+    );
+    println!(
+        "load average at start: {}",
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+}
+
+// ------------------------------------------------------------------ main
+
+async fn run(args: Args) -> Result<Vec<Row>> {
+    let mut env = Env::new(&args).await?;
+    let result = phases(&mut env, &args).await;
+    if result.is_err() {
+        env.keep_tmp = true;
+    }
+    result.map_err(|e| format!("{e}\n(agent logs and state kept in {})", env.tmp.display()))
+}
+
+async fn phases(env: &mut Env, args: &Args) -> Result<Vec<Row>> {
+    let s = args.samples;
+    let n = args.networks;
+    let conn = env.connect().await?;
+    let mut rows = vec![];
+
+    eprintln!("[1/7] floors: durable write, TAP create");
+    let disk = floor_durable_write(&env.tmp, (s / 4).max(10))?;
+    let journal = floor_journal_append(&env.tmp, (s / 4).max(10))?;
+    let tap = floor_tap_create(200.min(s))?;
+
+    eprintln!("[2/7] agent --warm-pool 64: start");
+    let (ns, dir) = env.new_instance()?;
+    let start_empty = env.start_agent(&ns, &dir, 64, n).await?;
+    let zbus = floor_ping(&conn, s).await?;
+    let fd = floor_open_tap(&conn, (s / 4).max(10)).await?;
+    let ping16 = ping_rate(&conn, CONCURRENT_CALLERS, 1.0).await?;
+    // The agent's store commits with append + fdatasync, so that (not the
+    // rename dance) is the durable part of the floor for ensure/release.
+    // Disk latency drifts on a shared machine, so it is re-measured right
+    // before each latency phase.
+    let disk_now =
+        |env: &Env| -> Result<f64> { Ok(floor_journal_append(&env.tmp, (s / 8).max(10))?.p50()) };
+
+    rows.push(row(
+        "zbus Ping p50 / p99",
+        zbus.show(),
+        "-",
+        "-",
+        "floor: 60 / 110 µs",
+    ));
+    rows.push(row(
+        "OpenTap (fd in reply) p50 / p99",
+        fd.show(),
+        format!("zbus {:.0} µs", zbus.p50()),
+        ratio(fd.p50(), zbus.p50()),
+        "floor: 68 µs",
+    ));
+    rows.push(row(
+        format!("zbus Ping calls/s, {CONCURRENT_CALLERS} callers"),
+        format!("{ping16:.0}/s"),
+        "-",
+        "-",
+        "floor: ~32k/s",
+    ));
+    rows.push(row(
+        "durable 1 KB write+fsync+rename p50 / p99",
+        disk.show(),
+        "-",
+        "-",
+        "floor: 344 µs",
+    ));
+    rows.push(row(
+        "journal 1 KB append+fdatasync p50 / p99",
+        journal.show(),
+        "-",
+        "-",
+        "floor: 168 µs / commit",
+    ));
+    rows.push(row(
+        "TAP create (TUNSETIFF) p50 / p99",
+        tap.show(),
+        "-",
+        "-",
+        "floor: 160 µs",
+    ));
+    rows.push(row(
+        "start -> READY=1 (empty, pool 64)",
+        format!("{:.1} ms", start_empty.as_secs_f64() * 1e3),
+        "-",
+        "-",
+        "-",
+    ));
+
+    eprintln!("[3/7] warm EnsureNetwork / ReleaseNetwork x{s}");
+    for i in 0..20 {
+        let id = format!("bench-warmup-{i}");
+        ensure(&conn, &id).await?;
+        release(&conn, &id).await?;
+    }
+    let floor_warm = zbus.p50() + disk_now(env)?;
+    let warm = warm_ensure_release(&conn, s).await?;
+    let fw = format!("zbus+fdatasync {floor_warm:.0} µs");
+    rows.push(row(
+        "warm EnsureNetwork p50 / p99",
+        warm.ensure.show(),
+        fw.clone(),
+        ratio(warm.ensure.p50(), floor_warm),
+        "<= 800 / 2000 µs",
+    ));
+    rows.push(row(
+        "ReleaseNetwork p50 / p99",
+        warm.release.show(),
+        fw,
+        ratio(warm.release.p50(), floor_warm),
+        "p50 <= 1000 µs",
+    ));
+
+    eprintln!(
+        "[4/7] throughput, 1 and {CONCURRENT_CALLERS} callers, {:.0} s each",
+        args.throughput_secs
+    );
+    let t1 = pair_rate(&conn, 1, args.throughput_secs).await?;
+    let t16 = pair_rate(&conn, CONCURRENT_CALLERS, args.throughput_secs).await?;
+    let serial_cap = 1e6 / (2.0 * floor_warm);
+    rows.push(row(
+        "ensure+release pairs/s, 1 caller",
+        format!("{t1:.0}/s"),
+        format!("serial zbus+fdatasync {serial_cap:.0}/s"),
+        ratio(serial_cap, t1),
+        "-",
+    ));
+    rows.push(row(
+        format!("ensure+release pairs/s, {CONCURRENT_CALLERS} callers"),
+        format!("{t16:.0}/s"),
+        format!("bus only {:.0}/s", ping16 / 2.0),
+        ratio(ping16 / 2.0, t16),
+        ">= 10000/s",
+    ));
+    env.stop_agent(nix::sys::signal::Signal::SIGTERM).await?;
+
+    eprintln!("[5/7] agent --warm-pool 0: cold EnsureNetwork x{s} with 0 networks");
+    let (ns, dir) = env.new_instance()?;
+    env.start_agent(&ns, &dir, 0, n).await?;
+    let floor_cold = zbus.p50() + disk_now(env)? + tap.p50();
+    let fc = format!("zbus+fdatasync+TAP {floor_cold:.0} µs");
+    let cold0 = cold_ensures(&conn, "cold0", s).await?;
+    rows.push(row(
+        "cold EnsureNetwork, 0 nets, p50 / p99",
+        cold0.show(),
+        fc,
+        ratio(cold0.p50(), floor_cold),
+        "p50 <= 1500 µs",
+    ));
+
+    eprintln!("[6/7] fill to {n} networks with {CONCURRENT_CALLERS} callers");
+    let fill_time = fill(&conn, n).await?;
+    rows.push(row(
+        format!("fill to {n} networks ({CONCURRENT_CALLERS} callers)"),
+        format!(
+            "{:.2} s ({:.0}/s)",
+            fill_time.as_secs_f64(),
+            n as f64 / fill_time.as_secs_f64()
+        ),
+        "-",
+        "-",
+        "-",
+    ));
+    let floor_cold = zbus.p50() + disk_now(env)? + tap.p50();
+    let fc = format!("zbus+fdatasync+TAP {floor_cold:.0} µs");
+    let coldn = cold_ensures(&conn, "coldn", (s / 4).max(10)).await?;
+    rows.push(row(
+        format!("cold EnsureNetwork, {n} nets, p50 / p99"),
+        coldn.show(),
+        fc,
+        ratio(coldn.p50(), floor_cold),
+        "p50 <= 2000 µs (10k)",
+    ));
+    let rss = env.agent_rss_kb()?;
+    rows.push(row(
+        format!("agent RSS with {n} networks"),
+        format!("{:.1} MB", rss as f64 / 1024.0),
+        "-",
+        "-",
+        "<= 50 MB (10k)",
+    ));
+
+    eprintln!("[7/7] restart with {n} networks");
+    env.stop_agent(nix::sys::signal::Signal::SIGKILL).await?;
+    let after_kill = env.start_agent(&ns, &dir, 0, n).await?;
+    ping(&conn).await?;
+    rows.push(row(
+        format!("SIGKILL -> restart -> READY, {n} nets"),
+        format!("{:.0} ms", after_kill.as_secs_f64() * 1e3),
+        "-",
+        "-",
+        "<= 1000 ms (10k)",
+    ));
+    let stop = env.stop_agent(nix::sys::signal::Signal::SIGTERM).await?;
+    let after_term = env.start_agent(&ns, &dir, 0, n).await?;
+    rows.push(row(
+        format!("SIGTERM -> exit, {n} nets"),
+        format!("{:.0} ms", stop.as_secs_f64() * 1e3),
+        "-",
+        "-",
+        "-",
+    ));
+    rows.push(row(
+        format!("clean restart -> READY, {n} nets"),
+        format!("{:.0} ms", after_term.as_secs_f64() * 1e3),
+        "-",
+        "-",
+        "<= 1000 ms (10k)",
+    ));
+    // Still serving after both restarts.
+    timed(ensure(&conn, "bench-final-0")).await?;
+    env.stop_agent(nix::sys::signal::Signal::SIGTERM).await?;
+    Ok(rows)
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("cube-netbench: must run as root (network namespaces, TAPs)");
+        return ExitCode::from(2);
+    }
+    machine_facts();
+    println!(
+        "agent: {}; N={} networks, S={} samples; bench, agent and dbus-daemon share the machine",
+        args.agent.display(),
+        args.networks,
+        args.samples
+    );
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cube-netbench: tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(async {
+        tokio::select! {
+            r = run(args) => r,
+            _ = tokio::signal::ctrl_c() => Err("interrupted".to_string()),
+        }
+    });
+    match result {
+        Ok(rows) => {
+            println!();
+            print_table(&rows);
+            println!(
+                "\nratio = value / floor for latencies, floor / value for rates; floors measured in this run."
+            );
+            println!(
+                "the fdatasync part of each ensure/release floor is re-measured right before that phase."
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("cube-netbench: FAILED: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,522 @@
+//! The varlink wire edge: interface `org.cube.NetworkAgent` on the unix
+//! socket `<runtime_dir>/org.cube.NetworkAgent` (or the socket systemd
+//! passed). A small hand-rolled server: each message is a JSON object
+//! terminated by a NUL byte; each connection is served by its own task and
+//! handles its calls in order. Like the D-Bus edge it only translates:
+//! [`Failure::reply`] is the one place where core errors become varlink
+//! errors, and [`authorize`] the one place where access is decided.
+
+pub mod activation;
+pub mod convert;
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Map, Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::{UnixListener, UnixStream};
+use tracing::{debug, info, warn};
+
+use crate::agent::{Agent, AgentError};
+use convert::Object;
+
+/// The interface this service implements (and the socket's file name).
+pub const INTERFACE: &str = "org.cube.NetworkAgent";
+/// The standard service interface every varlink service implements.
+pub const SERVICE_INTERFACE: &str = "org.varlink.service";
+/// The committed IDL of [`INTERFACE`].
+pub const IDL: &str = include_str!("../../varlink/org.cube.NetworkAgent.varlink");
+/// Messages (without the NUL) larger than this close the connection.
+pub const MAX_MESSAGE: usize = 1 << 20;
+
+const SERVICE_IDL: &str = "\
+# The Varlink Service Interface is provided by every varlink service. It
+# describes the service and the interfaces it implements.
+interface org.varlink.service
+
+# Get a list of all the interfaces a service provides and information
+# about the implementation.
+method GetInfo() -> (
+  vendor: string,
+  product: string,
+  version: string,
+  url: string,
+  interfaces: []string
+)
+
+# Get the description of an interface that is implemented by this service.
+method GetInterfaceDescription(interface: string) -> (description: string)
+
+# The requested interface was not found.
+error InterfaceNotFound (interface: string)
+
+# The requested method was not found
+error MethodNotFound (method: string)
+
+# The interface defines the requested method, but the service does not
+# implement it.
+error MethodNotImplemented (method: string)
+
+# One of the passed parameters is invalid.
+error InvalidParameter (parameter: string)
+
+# Client is denied access
+error PermissionDenied ()
+
+# Method is expected to be called with 'more' set to true, but wasn't
+error ExpectedMore ()
+";
+
+/// The caller, from `SO_PEERCRED` at connect time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    /// `None` if the kernel could not tell (peer in another pid namespace).
+    pub pid: Option<i32>,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// What a call wants to do, for [`authorize`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operation {
+    /// Ensure, Release, Reconcile, OpenTap (`org.cube.NetworkAgent.manage`).
+    Manage,
+    /// Get, List, Health (`org.cube.NetworkAgent.read`).
+    Read,
+}
+
+/// A refusal; becomes `org.cube.NetworkAgent.AccessDenied`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Denied(pub String);
+
+/// The access-control hook every agent call passes through. Allows
+/// everything for now; polkit (SPEC §5: root always, others by action,
+/// fail closed) goes here.
+pub async fn authorize(peer: &Peer, op: Operation) -> Result<(), Denied> {
+    let _ = (peer, op);
+    Ok(())
+}
+
+/// Why a call failed, before it becomes a wire error.
+#[derive(Debug)]
+pub enum Failure {
+    Agent(AgentError),
+    AccessDenied(String),
+    /// The parameter (or option) name.
+    InvalidParameter(String),
+    /// The fully qualified method name.
+    MethodNotFound(String),
+    InterfaceNotFound(String),
+}
+
+impl From<AgentError> for Failure {
+    fn from(e: AgentError) -> Self {
+        Failure::Agent(e)
+    }
+}
+
+impl From<Denied> for Failure {
+    fn from(d: Denied) -> Self {
+        Failure::AccessDenied(d.0)
+    }
+}
+
+impl Failure {
+    /// The error reply: the one mapping from failures to varlink errors.
+    pub fn reply(self) -> Value {
+        let (name, parameters) = match self {
+            Failure::Agent(e) => {
+                let name = match &e {
+                    AgentError::InvalidArgument(_) => "InvalidArgument",
+                    AgentError::NotFound(_) => "NotFound",
+                    AgentError::AddressesExhausted(_) => "AddressesExhausted",
+                    AgentError::PortsExhausted(_) => "PortsExhausted",
+                    AgentError::PortInUse(_) => "PortInUse",
+                    AgentError::Failed(_) => "Failed",
+                };
+                (
+                    format!("{INTERFACE}.{name}"),
+                    json!({"message": e.to_string()}),
+                )
+            }
+            Failure::AccessDenied(m) => {
+                (format!("{INTERFACE}.AccessDenied"), json!({"message": m}))
+            }
+            Failure::InvalidParameter(p) => (
+                format!("{SERVICE_INTERFACE}.InvalidParameter"),
+                json!({"parameter": p}),
+            ),
+            Failure::MethodNotFound(m) => (
+                format!("{SERVICE_INTERFACE}.MethodNotFound"),
+                json!({"method": m}),
+            ),
+            Failure::InterfaceNotFound(i) => (
+                format!("{SERVICE_INTERFACE}.InterfaceNotFound"),
+                json!({"interface": i}),
+            ),
+        };
+        json!({"error": name, "parameters": parameters})
+    }
+}
+
+/// A successful reply: its parameters and, for OpenTap, the fd to pass.
+struct Reply {
+    parameters: Value,
+    fd: Option<OwnedFd>,
+}
+
+impl Reply {
+    fn new(parameters: Value) -> Self {
+        Reply {
+            parameters,
+            fd: None,
+        }
+    }
+}
+
+/// Every method this service answers, fully qualified.
+pub const METHODS: &[&str] = &[
+    "org.varlink.service.GetInfo",
+    "org.varlink.service.GetInterfaceDescription",
+    "org.cube.NetworkAgent.EnsureNetwork",
+    "org.cube.NetworkAgent.ReleaseNetwork",
+    "org.cube.NetworkAgent.ReconcileNetwork",
+    "org.cube.NetworkAgent.GetNetwork",
+    "org.cube.NetworkAgent.ListNetworks",
+    "org.cube.NetworkAgent.OpenTap",
+    "org.cube.NetworkAgent.Health",
+];
+
+/// Runs one call. Access is checked before parameters are looked at.
+async fn call(agent: &Agent, peer: &Peer, method: &str, p: Object) -> Result<Reply, Failure> {
+    let op = match method.strip_prefix("org.cube.NetworkAgent.") {
+        Some("EnsureNetwork" | "ReleaseNetwork" | "ReconcileNetwork" | "OpenTap") => {
+            Some(Operation::Manage)
+        }
+        Some("GetNetwork" | "ListNetworks" | "Health") => Some(Operation::Read),
+        _ => None,
+    };
+    if let Some(op) = op {
+        authorize(peer, op).await?;
+    }
+    let id = |p: &Object| -> Result<String, Failure> {
+        convert::only(p, &["sandbox_id"])?;
+        convert::string(p, "sandbox_id")
+    };
+    Ok(match method {
+        "org.varlink.service.GetInfo" => {
+            convert::only(&p, &[])?;
+            Reply::new(json!({
+                "vendor": "Cube",
+                "product": env!("CARGO_PKG_NAME"),
+                "version": env!("CARGO_PKG_VERSION"),
+                "url": "https://github.com/TencentCloud/CubeSandbox",
+                "interfaces": [SERVICE_INTERFACE, INTERFACE],
+            }))
+        }
+        "org.varlink.service.GetInterfaceDescription" => {
+            convert::only(&p, &["interface"])?;
+            let description = match convert::string(&p, "interface")?.as_str() {
+                INTERFACE => IDL,
+                SERVICE_INTERFACE => SERVICE_IDL,
+                other => return Err(Failure::InterfaceNotFound(other.to_owned())),
+            };
+            Reply::new(json!({ "description": description }))
+        }
+        "org.cube.NetworkAgent.EnsureNetwork" => {
+            convert::only(&p, &["sandbox_id", "options"])?;
+            let sandbox_id = convert::string(&p, "sandbox_id")?;
+            let spec = convert::options(p.get("options"))?;
+            let (view, _) = agent.ensure(&sandbox_id, spec).await?;
+            Reply::new(json!({ "network": convert::network(agent.describe(view)) }))
+        }
+        "org.cube.NetworkAgent.ReleaseNetwork" => {
+            let released = agent.release(&id(&p)?).await?;
+            Reply::new(json!({ "released": released }))
+        }
+        "org.cube.NetworkAgent.ReconcileNetwork" => {
+            let report = agent.reconcile(&id(&p)?).await?;
+            Reply::new(json!({ "report": convert::report(report) }))
+        }
+        "org.cube.NetworkAgent.GetNetwork" => {
+            let view = agent.get(&id(&p)?)?;
+            Reply::new(json!({ "network": convert::network(agent.describe(view)) }))
+        }
+        "org.cube.NetworkAgent.ListNetworks" => {
+            convert::only(&p, &[])?;
+            let networks: Vec<Value> = agent
+                .list()
+                .into_iter()
+                .map(|v| convert::network(agent.describe(v)))
+                .collect();
+            Reply::new(json!({ "networks": networks }))
+        }
+        "org.cube.NetworkAgent.OpenTap" => {
+            let fd = agent.open_tap(&id(&p)?).await?;
+            Reply {
+                parameters: json!({ "tap_fd": 0 }),
+                fd: Some(fd),
+            }
+        }
+        "org.cube.NetworkAgent.Health" => {
+            convert::only(&p, &[])?;
+            let (healthy, checks) = agent.health();
+            Reply::new(json!({ "healthy": healthy, "checks": convert::checks(checks) }))
+        }
+        other => {
+            return Err(match other.rsplit_once('.') {
+                Some((iface, _)) if iface == INTERFACE || iface == SERVICE_INTERFACE => {
+                    Failure::MethodNotFound(other.to_owned())
+                }
+                Some((iface, _)) => Failure::InterfaceNotFound(iface.to_owned()),
+                None => Failure::MethodNotFound(other.to_owned()),
+            });
+        }
+    })
+}
+
+/// What to do after a message.
+enum Next {
+    Continue,
+    Close(&'static str),
+}
+
+/// One NUL-terminated message (without the NUL): parse, run, reply.
+async fn message(agent: &Agent, peer: &Peer, stream: &mut UnixStream, msg: &[u8]) -> Next {
+    let Ok(Value::Object(mut m)) = serde_json::from_slice::<Value>(msg) else {
+        return Next::Close("message is not a JSON object");
+    };
+    let Some(Value::String(method)) = m.remove("method") else {
+        return Next::Close("message has no method");
+    };
+    let oneway = m.get("oneway").and_then(Value::as_bool).unwrap_or(false);
+    // "more" needs no handling: no method streams, so the single reply
+    // (without "continues") is the whole answer.
+    let result = match m.remove("parameters") {
+        None | Some(Value::Null) => call(agent, peer, &method, Map::new()).await,
+        Some(Value::Object(p)) => call(agent, peer, &method, p).await,
+        Some(_) => Err(Failure::InvalidParameter("parameters".into())),
+    };
+    debug!(
+        method,
+        uid = peer.uid,
+        pid = peer.pid,
+        ok = result.is_ok(),
+        "varlink call"
+    );
+    if oneway {
+        return Next::Continue;
+    }
+    let (reply, fd) = match result {
+        Ok(r) => (json!({ "parameters": r.parameters }), r.fd),
+        Err(f) => (f.reply(), None),
+    };
+    let mut bytes = serde_json::to_vec(&reply).expect("a reply always serialises");
+    bytes.push(0);
+    let sent = match fd {
+        None => stream.write_all(&bytes).await,
+        Some(fd) => send_with_fd(stream, &bytes, &fd).await,
+    };
+    match sent {
+        Ok(()) => Next::Continue,
+        Err(_) => Next::Close("writing the reply failed"),
+    }
+}
+
+/// Writes `data` with `fd` attached (SCM_RIGHTS) to its first bytes.
+async fn send_with_fd(stream: &mut UnixStream, data: &[u8], fd: &OwnedFd) -> io::Result<()> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    let fds = [fd.as_raw_fd()];
+    let sent = loop {
+        stream.writable().await?;
+        let r = stream.try_io(Interest::WRITABLE, || {
+            let iov = [io::IoSlice::new(data)];
+            let cmsg = [ControlMessage::ScmRights(&fds)];
+            sendmsg::<()>(
+                stream.as_raw_fd(),
+                &iov,
+                &cmsg,
+                MsgFlags::MSG_NOSIGNAL,
+                None,
+            )
+            .map_err(io::Error::from)
+        });
+        match r {
+            Ok(n) => break n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    stream.write_all(&data[sent..]).await
+}
+
+/// Serves one connection until EOF, an I/O error or malformed input.
+async fn connection(agent: Arc<Agent>, mut stream: UnixStream) {
+    let peer = match stream.peer_cred() {
+        Ok(c) => Peer {
+            pid: c.pid(),
+            uid: c.uid(),
+            gid: c.gid(),
+        },
+        Err(e) => {
+            warn!(error = %e, "varlink: no peer credentials; closing");
+            return;
+        }
+    };
+    let mut buf: Vec<u8> = Vec::with_capacity(4096);
+    let mut chunk = vec![0u8; 64 * 1024];
+    // Bytes of `buf` already known to hold no NUL.
+    let mut scanned = 0;
+    loop {
+        while let Some(pos) = buf[scanned..].iter().position(|&b| b == 0) {
+            let end = scanned + pos;
+            if end > MAX_MESSAGE {
+                break;
+            }
+            let next = message(&agent, &peer, &mut stream, &buf[..end]).await;
+            if let Next::Close(why) = next {
+                debug!(
+                    uid = peer.uid,
+                    pid = peer.pid,
+                    why,
+                    "varlink: closing connection"
+                );
+                return;
+            }
+            buf.drain(..=end);
+            scanned = 0;
+        }
+        scanned = buf.len();
+        if buf.len() > MAX_MESSAGE {
+            debug!(
+                uid = peer.uid,
+                pid = peer.pid,
+                "varlink: message over {MAX_MESSAGE} bytes; closing connection"
+            );
+            return;
+        }
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+async fn accept_loop(agent: Arc<Agent>, listener: UnixListener) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                tokio::spawn(connection(agent.clone(), stream));
+            }
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                warn!(error = %e, "varlink: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("{path} exists and is not a socket")]
+    NotASocket { path: PathBuf },
+    #[error("binding the varlink socket {path}")]
+    Bind {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("using the varlink socket")]
+    Listener(#[source] io::Error),
+}
+
+/// `passed` (the socket systemd passed), or a fresh socket at
+/// `<runtime_dir>/org.cube.NetworkAgent` (a stale socket file is replaced;
+/// mode 0666, since access is decided per call).
+fn listener(
+    runtime_dir: &Path,
+    passed: Option<std::os::unix::net::UnixListener>,
+) -> Result<UnixListener, ServeError> {
+    if let Some(l) = passed {
+        info!("varlink: using the socket passed by systemd");
+        l.set_nonblocking(true).map_err(ServeError::Listener)?;
+        return UnixListener::from_std(l).map_err(ServeError::Listener);
+    }
+    let path = runtime_dir.join(INTERFACE);
+    let bind = |source| ServeError::Bind {
+        path: path.clone(),
+        source,
+    };
+    match std::fs::symlink_metadata(&path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(&path).map_err(bind)?,
+        Ok(_) => return Err(ServeError::NotASocket { path }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(bind(e)),
+    }
+    let l = UnixListener::bind(&path).map_err(bind)?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).map_err(bind)?;
+    info!(path = %path.display(), "varlink: listening");
+    Ok(l)
+}
+
+/// Serves varlink in the background on `passed` (from
+/// [`activation::listen_fds`] or [`activation::listener_from`]), else on a
+/// socket of our own in the runtime directory.
+pub fn serve(
+    agent: Arc<Agent>,
+    passed: Option<std::os::unix::net::UnixListener>,
+) -> Result<(), ServeError> {
+    let l = listener(&agent.config().runtime_dir, passed)?;
+    tokio::spawn(accept_loop(agent, l));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idl_declares_every_method_served() {
+        let declared: Vec<String> = IDL
+            .lines()
+            .filter_map(|l| l.strip_prefix("method "))
+            .filter_map(|l| l.split('(').next())
+            .map(|m| format!("{INTERFACE}.{}", m.trim()))
+            .collect();
+        let served: Vec<&str> = METHODS
+            .iter()
+            .copied()
+            .filter(|m| m.starts_with("org.cube."))
+            .collect();
+        assert_eq!(declared, served);
+        assert!(IDL.contains("interface org.cube.NetworkAgent\n"));
+        for e in [
+            "InvalidArgument",
+            "NotFound",
+            "AddressesExhausted",
+            "PortsExhausted",
+            "PortInUse",
+            "Failed",
+            "AccessDenied",
+        ] {
+            assert!(IDL.contains(&format!("error {e} (message: string)")), "{e}");
+        }
+    }
+
+    #[test]
+    fn errors_map_one_to_one() {
+        let r = Failure::Agent(AgentError::NotFound("x".into())).reply();
+        assert_eq!(r["error"], "org.cube.NetworkAgent.NotFound");
+        assert_eq!(r["parameters"]["message"], "no network for sandbox 'x'");
+        let r = Failure::InvalidParameter("mtu".into()).reply();
+        assert_eq!(r["error"], "org.varlink.service.InvalidParameter");
+        assert_eq!(r["parameters"]["parameter"], "mtu");
+        let r = Failure::from(Denied("no".into())).reply();
+        assert_eq!(r["error"], "org.cube.NetworkAgent.AccessDenied");
+    }
+}

@@ -1,0 +1,451 @@
+//! End-to-end tests of the varlink front end: the real agent in its own
+//! network namespace, driven over its varlink socket by a tiny blocking
+//! client (and over D-Bus, to show both edges share one core). Root only.
+
+mod common;
+
+use std::io::{IoSliceMut, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::{Env, mappings, opts, ports, s};
+use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+use serde_json::{Value, json};
+
+fn socket_path(env: &Env) -> PathBuf {
+    env.dir.join("run").join("org.cube.NetworkAgent")
+}
+
+/// A blocking varlink client: NUL-terminated JSON, fds via SCM_RIGHTS.
+struct Varlink {
+    sock: UnixStream,
+    buf: Vec<u8>,
+}
+
+impl Varlink {
+    /// Connects, waiting a little for the socket (it is bound right after
+    /// the D-Bus name is taken, which is what `Env::new` waits for).
+    fn connect(env: &Env) -> Varlink {
+        let path = socket_path(env);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match UnixStream::connect(&path) {
+                Ok(sock) => {
+                    sock.set_read_timeout(Some(Duration::from_secs(30)))
+                        .unwrap();
+                    return Varlink { sock, buf: vec![] };
+                }
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "connecting {path:?}: {e}");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+    }
+
+    fn send_raw(&mut self, bytes: &[u8]) {
+        self.sock.write_all(bytes).unwrap();
+    }
+
+    fn send(&mut self, msg: &Value) {
+        let mut bytes = serde_json::to_vec(msg).unwrap();
+        bytes.push(0);
+        self.send_raw(&bytes);
+    }
+
+    /// The next message and the fds that came with it; `None` on EOF.
+    fn recv(&mut self) -> Option<(Value, Vec<OwnedFd>)> {
+        let mut fds = vec![];
+        loop {
+            if let Some(pos) = self.buf.iter().position(|&b| b == 0) {
+                let msg: Vec<u8> = self.buf.drain(..=pos).collect();
+                let v = serde_json::from_slice(&msg[..pos]).expect("reply is JSON");
+                return Some((v, fds));
+            }
+            let mut chunk = vec![0u8; 64 * 1024];
+            let mut cmsg = nix::cmsg_space!([RawFd; 4]);
+            let mut iov = [IoSliceMut::new(&mut chunk)];
+            let (n, got) = {
+                // A reset (the agent closed with unread data) counts as EOF.
+                let Ok(msg) = recvmsg::<()>(
+                    self.sock.as_raw_fd(),
+                    &mut iov,
+                    Some(&mut cmsg),
+                    MsgFlags::MSG_CMSG_CLOEXEC,
+                ) else {
+                    return None;
+                };
+                let mut got = vec![];
+                for c in msg.cmsgs().unwrap() {
+                    if let ControlMessageOwned::ScmRights(raw) = c {
+                        got.extend(raw);
+                    }
+                }
+                (msg.bytes, got)
+            };
+            for raw in got {
+                // SAFETY: the kernel just installed this fd for us with
+                // SCM_RIGHTS; nothing else owns it.
+                fds.push(unsafe { OwnedFd::from_raw_fd(raw) });
+            }
+            if n == 0 {
+                return None;
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// Calls `method`; `Ok(parameters)` or `Err((error, parameters))`.
+    fn call_fds(
+        &mut self,
+        method: &str,
+        params: Value,
+    ) -> (Result<Value, (String, Value)>, Vec<OwnedFd>) {
+        self.send(&json!({"method": method, "parameters": params}));
+        let (reply, fds) = self.recv().expect("connection closed instead of a reply");
+        let result = match reply.get("error") {
+            Some(e) => Err((e.as_str().unwrap().to_owned(), reply["parameters"].clone())),
+            None => Ok(reply["parameters"].clone()),
+        };
+        (result, fds)
+    }
+
+    fn call(&mut self, method: &str, params: Value) -> Result<Value, (String, Value)> {
+        let (r, fds) = self.call_fds(method, params);
+        assert!(fds.is_empty(), "{method} passed fds");
+        r
+    }
+
+    fn agent(&mut self, method: &str, params: Value) -> Result<Value, (String, Value)> {
+        self.call(&format!("org.cube.NetworkAgent.{method}"), params)
+    }
+
+    /// The error name and the parameters of a failing agent call.
+    fn error(&mut self, method: &str, params: Value) -> (String, Value) {
+        self.agent(method, params)
+            .expect_err("the call should have failed")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_over_varlink_shared_with_dbus() {
+    require_root!();
+    let env = Env::new(&[]);
+    let mut v = Varlink::connect(&env);
+
+    // The service interface.
+    let info = v.call("org.varlink.service.GetInfo", json!({})).unwrap();
+    assert_eq!(info["product"], "cube-network-agent");
+    assert_eq!(
+        info["interfaces"],
+        json!(["org.varlink.service", "org.cube.NetworkAgent"])
+    );
+    let desc = v
+        .call(
+            "org.varlink.service.GetInterfaceDescription",
+            json!({"interface": "org.cube.NetworkAgent"}),
+        )
+        .unwrap();
+    let text = desc["description"].as_str().unwrap();
+    assert!(text.contains("interface org.cube.NetworkAgent"), "{text}");
+    assert!(text.contains("method OpenTap(sandbox_id: string) -> (tap_fd: int)"));
+    let desc = v
+        .call(
+            "org.varlink.service.GetInterfaceDescription",
+            json!({"interface": "org.varlink.service"}),
+        )
+        .unwrap();
+    assert!(
+        desc["description"]
+            .as_str()
+            .unwrap()
+            .contains("interface org.varlink.service")
+    );
+
+    // Ensure with a port mapping.
+    let net = v
+        .agent(
+            "EnsureNetwork",
+            json!({"sandbox_id": "sbx-1", "options": {
+                "port_mappings": [{"protocol": "tcp", "container_port": 80, "host_port": 0, "host_ip": ""}],
+                "metadata": {"owner": "test"},
+            }}),
+        )
+        .unwrap()["network"]
+        .clone();
+    assert_eq!(net["sandbox_id"], "sbx-1");
+    let tap = net["tap_name"].as_str().unwrap().to_owned();
+    assert!(tap.starts_with("ctap"), "{tap}");
+    assert!(
+        net["sandbox_ip"].as_str().unwrap().starts_with("192.168."),
+        "{net}"
+    );
+    assert_eq!(net["guest_ip"], "169.254.68.6/30");
+    assert_eq!(net["gateway_ip"], "169.254.68.5");
+    assert_eq!(net["guest_mac"], "20:90:6f:fc:fc:fc");
+    assert_eq!(net["gateway_mac"], "20:90:6f:cf:cf:cf");
+    assert_eq!(net["mtu"], 1300);
+    assert_eq!(net["metadata"], json!({"owner": "test"}));
+    assert_eq!(
+        net["tap_ifindex"].as_u64().unwrap(),
+        u64::from(env.links()[&tap].ifindex)
+    );
+    let m = net["port_mappings"].as_array().unwrap();
+    assert_eq!(m.len(), 1);
+    assert_eq!(
+        (&m[0]["protocol"], &m[0]["container_port"]),
+        (&json!("tcp"), &json!(80))
+    );
+    assert!(
+        (20000..=29999).contains(&m[0]["host_port"].as_u64().unwrap()),
+        "{m:?}"
+    );
+    assert_eq!(
+        net["routes"],
+        json!([{"destination": "0.0.0.0/0", "gateway": "169.254.68.5", "device": "eth0"}])
+    );
+    assert_eq!(net["arp_neighbors"][0]["mac"], "20:90:6f:cf:cf:cf");
+    assert!(net["created_unix"].as_u64().unwrap() > 0);
+    assert!(net.get("idempotency_key").is_none());
+
+    // Idempotent; Get and List agree.
+    let again = v
+        .agent(
+            "EnsureNetwork",
+            json!({"sandbox_id": "sbx-1", "options": {
+                "port_mappings": [{"protocol": "tcp", "container_port": 80, "host_port": 0, "host_ip": ""}],
+                "metadata": {"owner": "test"},
+            }}),
+        )
+        .unwrap();
+    assert_eq!(again["network"], net);
+    assert_eq!(
+        v.agent("GetNetwork", json!({"sandbox_id": "sbx-1"}))
+            .unwrap()["network"],
+        net
+    );
+    assert_eq!(
+        v.agent("ListNetworks", json!({})).unwrap()["networks"],
+        json!([net.clone()])
+    );
+
+    // OpenTap: the fd rides on the reply, tap_fd is its index.
+    let (r, fds) = v.call_fds(
+        "org.cube.NetworkAgent.OpenTap",
+        json!({"sandbox_id": "sbx-1"}),
+    );
+    assert_eq!(r.unwrap(), json!({"tap_fd": 0}));
+    assert_eq!(fds.len(), 1);
+    let info = cube_network_agent::tap::query_fd(std::os::fd::AsFd::as_fd(&fds[0])).unwrap();
+    assert_eq!(info.name, tap);
+    assert_eq!(info.vnet_hdr_len, 12);
+
+    // Health and Reconcile.
+    let h = v.agent("Health", json!({})).unwrap();
+    assert!(h["healthy"].is_boolean());
+    assert!(
+        h["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["name"].is_string())
+    );
+    let rep = v
+        .agent("ReconcileNetwork", json!({"sandbox_id": ""}))
+        .unwrap();
+    assert!(rep["report"]["checked"].as_u64().unwrap() >= 1, "{rep}");
+
+    // Same core behind both edges: varlink's network is on D-Bus…
+    let c = env.client().await;
+    let d = c.get("sbx-1").await.unwrap();
+    assert_eq!(s(&d, "tap_name"), tap);
+    assert_eq!(
+        s(&d, "network_handle"),
+        net["network_handle"].as_str().unwrap()
+    );
+    // …and D-Bus's network is on varlink.
+    let d2 = c
+        .ensure(
+            "sbx-2",
+            opts(vec![("port_mappings", ports(&[("udp", 53, 0, "")]))]),
+        )
+        .await
+        .unwrap();
+    let n2 = v
+        .agent("GetNetwork", json!({"sandbox_id": "sbx-2"}))
+        .unwrap()["network"]
+        .clone();
+    assert_eq!(n2["tap_name"], s(&d2, "tap_name"));
+    assert_eq!(n2["sandbox_ip"], s(&d2, "sandbox_ip"));
+    assert_eq!(
+        n2["port_mappings"][0]["host_port"].as_u64().unwrap(),
+        u64::from(mappings(&d2)[0].2)
+    );
+    assert_eq!(
+        v.agent("ListNetworks", json!({})).unwrap()["networks"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+
+    // Release: true, then false; gone on both edges.
+    assert_eq!(
+        v.agent("ReleaseNetwork", json!({"sandbox_id": "sbx-1"}))
+            .unwrap(),
+        json!({"released": true})
+    );
+    assert_eq!(
+        v.agent("ReleaseNetwork", json!({"sandbox_id": "sbx-1"}))
+            .unwrap(),
+        json!({"released": false})
+    );
+    assert_eq!(
+        c.get("sbx-1").await.unwrap_err().name,
+        "org.cube.NetworkAgent.Error.NotFound"
+    );
+    assert!(c.release("sbx-2").await.unwrap());
+    assert_eq!(
+        v.agent("ListNetworks", json!({})).unwrap(),
+        json!({"networks": []})
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_and_malformed_input() {
+    require_root!();
+    let mut env = Env::new(&[]);
+    let mut v = Varlink::connect(&env);
+
+    // Unknown method / interface.
+    let (e, p) = v.error("Frobnicate", json!({}));
+    assert_eq!(e, "org.varlink.service.MethodNotFound");
+    assert_eq!(p["method"], "org.cube.NetworkAgent.Frobnicate");
+    let (e, p) = v.call("org.example.Nope.Do", json!({})).unwrap_err();
+    assert_eq!(e, "org.varlink.service.InterfaceNotFound");
+    assert_eq!(p["interface"], "org.example.Nope");
+    let (e, p) = v
+        .call(
+            "org.varlink.service.GetInterfaceDescription",
+            json!({"interface": "org.example.Nope"}),
+        )
+        .unwrap_err();
+    assert_eq!(
+        (e.as_str(), &p["interface"]),
+        (
+            "org.varlink.service.InterfaceNotFound",
+            &json!("org.example.Nope")
+        )
+    );
+
+    // Unknown option key, wrong types, missing and unknown parameters.
+    let (e, p) = v.error(
+        "EnsureNetwork",
+        json!({"sandbox_id": "sbx-1", "options": {"bogus": 1}}),
+    );
+    assert_eq!(
+        (e.as_str(), &p["parameter"]),
+        ("org.varlink.service.InvalidParameter", &json!("bogus"))
+    );
+    let (e, p) = v.error(
+        "EnsureNetwork",
+        json!({"sandbox_id": "sbx-1", "options": {"mtu": "1400"}}),
+    );
+    assert_eq!(
+        (e.as_str(), &p["parameter"]),
+        ("org.varlink.service.InvalidParameter", &json!("mtu"))
+    );
+    let (e, p) = v.error(
+        "EnsureNetwork",
+        json!({"sandbox_id": "sbx-1", "options": {"port_mappings": [{"protocol": "tcp", "container_port": "80", "host_port": 0, "host_ip": ""}]}}),
+    );
+    assert_eq!(
+        (e.as_str(), &p["parameter"]),
+        (
+            "org.varlink.service.InvalidParameter",
+            &json!("port_mappings")
+        )
+    );
+    let (e, p) = v.error("EnsureNetwork", json!({"sandbox_id": 7}));
+    assert_eq!(
+        (e.as_str(), &p["parameter"]),
+        ("org.varlink.service.InvalidParameter", &json!("sandbox_id"))
+    );
+    let (e, p) = v.error("GetNetwork", json!({}));
+    assert_eq!(
+        (e.as_str(), &p["parameter"]),
+        ("org.varlink.service.InvalidParameter", &json!("sandbox_id"))
+    );
+    let (e, p) = v.error("GetNetwork", json!({"sandbox_id": "a", "extra": true}));
+    assert_eq!(
+        (e.as_str(), &p["parameter"]),
+        ("org.varlink.service.InvalidParameter", &json!("extra"))
+    );
+
+    // Value errors come from the core, mapped 1:1.
+    let (e, p) = v.error("EnsureNetwork", json!({"sandbox_id": "-bad"}));
+    assert_eq!(e, "org.cube.NetworkAgent.InvalidArgument");
+    assert!(p["message"].as_str().unwrap().contains("sandbox_id"), "{p}");
+    let (e, p) = v.error(
+        "EnsureNetwork",
+        json!({"sandbox_id": "sbx-1", "options": {"port_mappings": [{"protocol": "sctp", "container_port": 80, "host_port": 0, "host_ip": ""}]}}),
+    );
+    assert_eq!(e, "org.cube.NetworkAgent.InvalidArgument");
+    assert!(p["message"].as_str().unwrap().contains("sctp"), "{p}");
+    let (e, p) = v.error("GetNetwork", json!({"sandbox_id": "nope"}));
+    assert_eq!(e, "org.cube.NetworkAgent.NotFound");
+    assert_eq!(p["message"], "no network for sandbox 'nope'");
+    let (e, _) = v.error("OpenTap", json!({"sandbox_id": "nope"}));
+    assert_eq!(e, "org.cube.NetworkAgent.NotFound");
+    assert!(
+        env.sandbox_taps().is_empty(),
+        "failed calls created nothing"
+    );
+
+    // oneway: no reply; pipelined calls: replies in order.
+    v.send(&json!({"method": "org.cube.NetworkAgent.Health", "oneway": true}));
+    v.send(
+        &json!({"method": "org.cube.NetworkAgent.GetNetwork", "parameters": {"sandbox_id": "p1"}}),
+    );
+    v.send(&json!({"method": "org.cube.NetworkAgent.ListNetworks"}));
+    assert_eq!(
+        v.recv().unwrap().0["error"],
+        "org.cube.NetworkAgent.NotFound"
+    );
+    assert_eq!(v.recv().unwrap().0, json!({"parameters": {"networks": []}}));
+
+    // Garbage closes that connection only; a parallel one is unaffected.
+    let mut other = Varlink::connect(&env);
+    v.send_raw(b"\x01\x02 this is not json\0");
+    assert!(v.recv().is_none(), "garbage should close the connection");
+    let mut v = Varlink::connect(&env);
+    v.send_raw(b"[1,2,3]\0");
+    assert!(v.recv().is_none());
+    // Over 1 MiB without a NUL: closed, not buffered forever.
+    let mut big = Varlink::connect(&env);
+    let blob = vec![b' '; 2 << 20];
+    let _ = big.sock.write_all(&blob);
+    assert!(big.recv().is_none());
+    // A connection that sends half a message and stalls blocks nobody.
+    let mut stalled = Varlink::connect(&env);
+    stalled.send_raw(b"{\"method\": \"org.cube.Netw");
+    assert_eq!(
+        other.agent("ListNetworks", json!({})).unwrap(),
+        json!({"networks": []})
+    );
+    let mut fresh = Varlink::connect(&env);
+    let net = fresh
+        .agent("EnsureNetwork", json!({"sandbox_id": "sbx-ok"}))
+        .unwrap();
+    assert_eq!(net["network"]["sandbox_id"], "sbx-ok");
+    assert_eq!(
+        fresh
+            .agent("ReleaseNetwork", json!({"sandbox_id": "sbx-ok"}))
+            .unwrap()["released"],
+        true
+    );
+    drop(stalled);
+    assert!(env.agent_running(), "the agent survived:\n{}", env.log());
+}
