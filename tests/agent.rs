@@ -619,3 +619,134 @@ fn normalise(xml: &str) -> String {
         .collect::<Vec<_>>()
         .join("\n")
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signals_properties_and_object_manager() {
+    use futures::StreamExt;
+    require_root!();
+    let env = Env::new(&[]);
+    let c = env.client().await;
+    let rule = zbus::MatchRule::builder()
+        .msg_type(zbus::message::Type::Signal)
+        .sender("org.cube.NetworkAgent")
+        .unwrap()
+        .build();
+    let mut signals = zbus::MessageStream::for_match_rule(rule, &c.conn, Some(64))
+        .await
+        .unwrap();
+    let net = c.ensure("sig-1", opts(vec![])).await.unwrap();
+    let mut seen: Vec<String> = vec![];
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    // PropertiesChanged is coalesced (one per 200 ms tick at most): wait
+    // for it, with ActiveNetworks = 1, before releasing.
+    for (wanted, release_after) in [
+        (
+            &["NetworkEnsured", "InterfacesAdded", "PropertiesChanged"][..],
+            true,
+        ),
+        (&["NetworkReleased", "InterfacesRemoved"][..], false),
+    ] {
+        while !wanted.iter().all(|w| seen.iter().any(|s| s == w)) {
+            let msg = tokio::time::timeout_at(deadline, signals.next())
+                .await
+                .unwrap_or_else(|_| panic!("signals seen so far: {seen:?}"))
+                .unwrap()
+                .unwrap();
+            let h = msg.header();
+            let member = h.member().unwrap().to_string();
+            match member.as_str() {
+                "NetworkEnsured" => {
+                    let (id, dict): (String, common::Dict) = msg.body().deserialize().unwrap();
+                    assert_eq!(id, "sig-1");
+                    assert_eq!(s(&dict, "tap_name"), s(&net, "tap_name"));
+                }
+                "NetworkReleased" => {
+                    let (id,): (String,) = msg.body().deserialize().unwrap();
+                    assert_eq!(id, "sig-1");
+                }
+                "PropertiesChanged" => {
+                    let (iface, changed, _): (
+                        String,
+                        HashMap<String, zbus::zvariant::OwnedValue>,
+                        Vec<String>,
+                    ) = msg.body().deserialize().unwrap();
+                    if h.path().unwrap().as_str() != "/org/cube/NetworkAgent" {
+                        continue;
+                    }
+                    assert_eq!(iface, "org.cube.NetworkAgent");
+                    let Some(active) = changed.get("ActiveNetworks") else {
+                        continue;
+                    };
+                    assert_eq!(u32::try_from(active.try_clone().unwrap()).unwrap(), 1);
+                }
+                _ => {}
+            }
+            seen.push(member);
+        }
+        if release_after {
+            assert!(c.release("sig-1").await.unwrap());
+        }
+    }
+
+    // The ObjectManager lists one object per network with its properties.
+    c.ensure("sig.2", opts(vec![])).await.unwrap();
+    let reply = c
+        .conn
+        .call_method(
+            Some("org.cube.NetworkAgent"),
+            "/org/cube/NetworkAgent",
+            Some("org.freedesktop.DBus.ObjectManager"),
+            "GetManagedObjects",
+            &(),
+        )
+        .await
+        .unwrap();
+    type Managed = HashMap<
+        zbus::zvariant::OwnedObjectPath,
+        HashMap<String, HashMap<String, zbus::zvariant::OwnedValue>>,
+    >;
+    let objects: Managed = reply.body().deserialize().unwrap();
+    let networks: Vec<(&str, &HashMap<String, zbus::zvariant::OwnedValue>)> = objects
+        .iter()
+        .filter_map(|(p, ifaces)| {
+            ifaces
+                .get("org.cube.NetworkAgent.Network")
+                .map(|i| (p.as_str(), i))
+        })
+        .collect();
+    assert_eq!(
+        networks.len(),
+        1,
+        "{:?}",
+        objects.keys().collect::<Vec<_>>()
+    );
+    let (path, props) = networks[0];
+    assert_eq!(path, "/org/cube/NetworkAgent/network/sig_2e2");
+    assert_eq!(
+        String::try_from(props["SandboxId"].try_clone().unwrap()).unwrap(),
+        "sig.2"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cold_path_without_a_warm_pool() {
+    require_root!();
+    let env = Env::new(&["--warm-pool", "0"]);
+    let c = env.client().await;
+    assert_eq!(c.property_u32("IdleTaps").await, 0);
+    let net = c.ensure("cold-1", opts(vec![])).await.unwrap();
+    let tap = s(&net, "tap_name");
+    assert!(env.links()[&tap].up);
+    assert_eq!(tap_info(&c.open_tap("cold-1").await.unwrap()).name, tap);
+    assert!(c.release("cold-1").await.unwrap());
+    // With no pool to return to, the TAP is deleted in the background.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !env.pool_taps().is_empty() || !env.sandbox_taps().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "TAP not deleted: {:?}",
+            env.links().keys()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
