@@ -137,10 +137,12 @@ async fn run(cfg: config::Config, passed: Vec<systemd::ListenFd>) -> Result<(), 
     let agent = Agent::start(cfg, Arc::new(NoopDatapath), taps)
         .await
         .map_err(|e| error_chain(&e))?;
+    // The varlink socket first, then the bus name: once a client can see
+    // the name, both front ends answer.
+    varlink::serve(agent.clone(), listener).map_err(|e| error_chain(&e))?;
     let _conn = dbus::serve(agent.clone(), &bus)
         .await
         .map_err(|e| error_chain(&e))?;
-    varlink::serve(agent.clone(), listener).map_err(|e| error_chain(&e))?;
     systemd::notify(&format!("READY=1\nSTATUS={}", status_line(&agent)));
     info!(
         networks = agent.active_networks(),

@@ -134,6 +134,16 @@ async fn lifecycle_over_varlink_shared_with_dbus() {
     require_root!();
     let env = Env::new(&[]);
     let mut v = Varlink::connect(&env);
+    {
+        use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+        let meta = std::fs::metadata(socket_path(&env)).unwrap();
+        assert!(meta.file_type().is_socket());
+        assert_eq!(
+            meta.permissions().mode() & 0o777,
+            0o666,
+            "access is per call"
+        );
+    }
 
     // The service interface.
     let info = v.call("org.varlink.service.GetInfo", json!({})).unwrap();
