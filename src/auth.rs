@@ -69,6 +69,21 @@ pub enum AuthError {
     UnknownCaller { action: Action, reason: String },
 }
 
+/// The agent's authority, once its bus connection exists (set by
+/// `dbus::serve`). Edges without a connection of their own (varlink) use
+/// it; until it is set they deny every non-root caller.
+static GLOBAL: std::sync::OnceLock<Authority> = std::sync::OnceLock::new();
+
+/// Makes `authority` the process-wide one; the first call wins.
+pub fn set_global(authority: Authority) {
+    let _ = GLOBAL.set(authority);
+}
+
+/// The process-wide authority, if the bus connection is up.
+pub fn global() -> Option<&'static Authority> {
+    GLOBAL.get()
+}
+
 /// Asks polkit on the agent's own bus connection. polkit lives on the
 /// system bus; when the agent runs on a private (test) bus, polkit is looked
 /// up there too, and, if absent, non-root callers are denied.

@@ -585,6 +585,7 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
         agent: agent.clone(),
         authority: Authority::new(conn.clone()),
     };
+    crate::auth::set_global(manager.authority.clone());
     conn.object_server()
         .at(MANAGER_PATH, manager)
         .await

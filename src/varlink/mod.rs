@@ -93,12 +93,42 @@ pub enum Operation {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Denied(pub String);
 
-/// The access-control hook every agent call passes through. Allows
-/// everything for now; polkit (SPEC §5: root always, others by action,
-/// fail closed) goes here.
+/// The access-control hook every agent call passes through (SPEC §5):
+/// root always; everyone else by polkit action, subject = the peer process
+/// (pid + start time + uid); fail closed when polkit cannot be asked (also
+/// before the bus connection is up). Varlink has no interactive flag.
 pub async fn authorize(peer: &Peer, op: Operation) -> Result<(), Denied> {
-    let _ = (peer, op);
-    Ok(())
+    use crate::auth::{self, Action};
+    let action = match op {
+        Operation::Manage => Action::Manage,
+        Operation::Read => Action::Read,
+    };
+    if peer.uid == 0 {
+        return Ok(());
+    }
+    let Some(authority) = auth::global() else {
+        return Err(Denied(format!(
+            "not authorized for {action}: polkit was unreachable (no bus connection yet)"
+        )));
+    };
+    let Some(pid) = peer
+        .pid
+        .and_then(|p| u32::try_from(p).ok())
+        .filter(|&p| p > 0)
+    else {
+        return Err(Denied(format!(
+            "not authorized for {action}: the caller's pid is unknown"
+        )));
+    };
+    let start_time = auth::process_start_time(pid).map_err(|e| {
+        Denied(format!(
+            "not authorized for {action}: cannot identify the caller ({e})"
+        ))
+    })?;
+    authority
+        .check_process(pid, start_time, peer.uid, action, false)
+        .await
+        .map_err(|e| Denied(e.to_string()))
 }
 
 /// Why a call failed, before it becomes a wire error.

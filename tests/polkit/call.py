@@ -1,0 +1,86 @@
+#!/usr/bin/python3
+# Calls the agent on the system bus as whoever runs it (Debian's python3-dbus).
+# Prints "OK <summary>" (exit 0) or "ERR <error name> <message>" (exit 1).
+#   call.py EnsureNetwork ID | ReleaseNetwork ID | ReconcileNetwork ID |
+#           GetNetwork ID | ListNetworks | Health | OpenTap ID | Property NAME
+#   call.py --interactive EnsureNetwork ID
+#           the same through GDBus with ALLOW_INTERACTIVE_AUTHORIZATION set
+#           (python3-dbus cannot set that header flag)
+#   call.py --varlink SOCKET METHOD [ID]
+#           the same method over the agent's varlink socket
+import os
+import sys
+
+import dbus
+
+I = "org.cube.NetworkAgent"
+m, args = sys.argv[1], sys.argv[2:]
+if m == "--varlink":
+    import json
+    import socket
+
+    path, method = args[0], args[1]
+    params = {"sandbox_id": args[2]} if len(args) > 2 else {}
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.sendall(json.dumps({"method": I + "." + method, "parameters": params}).encode() + b"\0")
+    buf = b""
+    while not buf.endswith(b"\0"):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    r = json.loads(buf.rstrip(b"\0"))
+    if "error" in r:
+        print("ERR", r["error"], r.get("parameters", {}).get("message", ""))
+        sys.exit(1)
+    p = r.get("parameters", {})
+    if "network" in p:
+        print("OK", p["network"]["sandbox_id"], p["network"]["sandbox_ip"])
+    elif "networks" in p:
+        print("OK", ",".join(sorted(n["sandbox_id"] for n in p["networks"])) or "-")
+    else:
+        print("OK", json.dumps(p, sort_keys=True))
+    sys.exit(0)
+if m == "--interactive":
+    from gi.repository import Gio, GLib
+
+    bus = Gio.bus_get_sync(Gio.BusType.SYSTEM, None)
+    try:
+        r = bus.call_sync(I, "/org/cube/NetworkAgent", I, args[0],
+                          GLib.Variant("(sa{sv})", (args[1], {})), None,
+                          Gio.DBusCallFlags.ALLOW_INTERACTIVE_AUTHORIZATION, -1, None)
+        print("OK", r.unpack()[0]["sandbox_id"])
+    except GLib.Error as e:
+        name = Gio.DBusError.get_remote_error(e)
+        Gio.DBusError.strip_remote_error(e)
+        print("ERR", name, e.message)
+        sys.exit(1)
+    sys.exit(0)
+try:
+    o = dbus.SystemBus().get_object(I, "/org/cube/NetworkAgent", introspect=False)
+    if m == "EnsureNetwork":
+        r = o.EnsureNetwork(args[0], dbus.Dictionary({}, signature="sv"), dbus_interface=I)
+        print("OK", r["sandbox_id"], r["sandbox_ip"], r["tap_name"])
+    elif m == "ReleaseNetwork":
+        print("OK", bool(o.ReleaseNetwork(args[0], dbus_interface=I)))
+    elif m == "ReconcileNetwork":
+        print("OK checked", int(o.ReconcileNetwork(args[0], dbus_interface=I)["checked"]))
+    elif m == "GetNetwork":
+        print("OK", o.GetNetwork(args[0], dbus_interface=I)["sandbox_ip"])
+    elif m == "ListNetworks":
+        ids = sorted(str(n["sandbox_id"]) for n in o.ListNetworks(dbus_interface=I))
+        print("OK", ",".join(ids) or "-")
+    elif m == "Health":
+        print("OK", bool(o.Health(dbus_interface=I)[0]))
+    elif m == "OpenTap":
+        fd = o.OpenTap(args[0], dbus_interface=I).take()
+        print("OK fd", fd, os.readlink("/proc/self/fd/%d" % fd))
+        os.close(fd)
+    elif m == "Property":
+        print("OK", o.Get(I, args[0], dbus_interface="org.freedesktop.DBus.Properties"))
+    else:
+        sys.exit("unknown method " + m)
+except dbus.DBusException as e:
+    print("ERR", e.get_dbus_name(), e.get_dbus_message())
+    sys.exit(1)
