@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the agent and its tests need, if missing:
 # dbus-daemon (private and system buses), iproute2 (namespaces, links),
-# systemd (busctl). Idempotent; needs root.
+# systemd (busctl), clang-19 + libbpf-dev (eBPF build, checked
+# reproducible in CI). Idempotent; needs root.
 set -euo pipefail
-want=(dbus-daemon iproute2 systemd)
+want=(dbus-daemon iproute2 systemd clang-19 libbpf-dev)
 missing=()
 for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -84,6 +84,18 @@ pub struct Config {
     pub runtime_dir: PathBuf,
     /// Link group used to delete retired TAPs in one batch.
     pub retire_group: u32,
+    /// "ebpf" (proxy ARP, SNAT, port mappings, policy) or "none".
+    pub datapath: String,
+    /// bpffs directory for this instance's pinned maps.
+    pub bpf_pin_dir: PathBuf,
+    /// SNAT source ports for guest flows (keep it outside
+    /// `ip_local_port_range` and `host_port_range`).
+    pub snat_port_range: String,
+    /// Idle timeouts of datapath flows, seconds.
+    pub flow_timeout_tcp: u32,
+    pub flow_timeout_tcp_closing: u32,
+    pub flow_timeout_udp: u32,
+    pub flow_timeout_icmp: u32,
     /// `tracing` filter, e.g. "info" or "cube_network_agent=debug".
     pub log_level: String,
 }
@@ -109,6 +121,13 @@ impl Default for Config {
             state_dir: env_dir("STATE_DIRECTORY", "/var/lib/cube-network-agent"),
             runtime_dir: env_dir("RUNTIME_DIRECTORY", "/run/cube-network-agent"),
             retire_group: 0xc0be,
+            datapath: "ebpf".into(),
+            bpf_pin_dir: "/sys/fs/bpf/cube-network-agent".into(),
+            snat_port_range: "61000-65535".into(),
+            flow_timeout_tcp: 600,
+            flow_timeout_tcp_closing: 10,
+            flow_timeout_udp: 60,
+            flow_timeout_icmp: 30,
             log_level: "info".into(),
         }
     }
@@ -161,6 +180,7 @@ pub struct Derived {
     pub port_high: u16,
     pub reserved_ports: PortSet,
     pub default_host_ip: Ipv4Addr,
+    pub snat_ports: (u16, u16),
 }
 
 pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
@@ -373,6 +393,39 @@ impl Config {
                 ));
             }
         }
+        if !matches!(self.datapath.as_str(), "ebpf" | "none") {
+            return Err(invalid(
+                "datapath",
+                format!("'{}' is not 'ebpf' or 'none'", self.datapath),
+            ));
+        }
+        if !self.bpf_pin_dir.is_absolute() {
+            return Err(invalid(
+                "bpf_pin_dir",
+                format!("'{}' must be an absolute path", self.bpf_pin_dir.display()),
+            ));
+        }
+        let snat_ports = parse_range(&self.snat_port_range)
+            .map_err(|e| invalid("snat_port_range", e.to_string()))?;
+        if snat_ports.0 <= port_high && port_low <= snat_ports.1 {
+            return Err(invalid(
+                "snat_port_range",
+                format!(
+                    "{} overlaps host_port_range {}",
+                    self.snat_port_range, self.host_port_range
+                ),
+            ));
+        }
+        for (key, v) in [
+            ("flow_timeout_tcp", self.flow_timeout_tcp),
+            ("flow_timeout_tcp_closing", self.flow_timeout_tcp_closing),
+            ("flow_timeout_udp", self.flow_timeout_udp),
+            ("flow_timeout_icmp", self.flow_timeout_icmp),
+        ] {
+            if v == 0 {
+                return Err(invalid(key, "must be at least 1 second"));
+            }
+        }
         if self.retire_group == 0 {
             return Err(invalid(
                 "retire_group",
@@ -389,6 +442,7 @@ impl Config {
             port_high,
             reserved_ports,
             default_host_ip,
+            snat_ports,
         })
     }
 }
@@ -411,6 +465,10 @@ Options (each overrides the same key of the config file):
   --reserved-host-ports LIST never chosen automatically, e.g. 22,8000-8100
   --state-dir PATH           durable records [default: $STATE_DIRECTORY or /var/lib/cube-network-agent]
   --runtime-dir PATH         runtime files [default: $RUNTIME_DIRECTORY or /run/cube-network-agent]
+  --datapath ebpf|none       packet datapath [default: ebpf]
+  --bpf-pin-dir PATH         bpffs directory for pinned maps [default: /sys/fs/bpf/cube-network-agent]
+  --snat-port-range LO-HI    SNAT source ports [default: 61000-65535]
+  --flow-timeout-udp SECS    idle timeout of UDP flows [default: 60] (also -tcp, -tcp-closing, -icmp)
   --log-level FILTER         tracing filter [default: info]
   --print-config             print the effective configuration as TOML and exit
   -h, --help                 this help
@@ -495,6 +553,15 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
         "--state-dir" => cfg.state_dir = value.into(),
         "--runtime-dir" => cfg.runtime_dir = value.into(),
         "--log-level" => cfg.log_level = value,
+        "--datapath" => cfg.datapath = value,
+        "--bpf-pin-dir" => cfg.bpf_pin_dir = value.into(),
+        "--snat-port-range" => cfg.snat_port_range = value,
+        "--flow-timeout-tcp" => cfg.flow_timeout_tcp = number("flow_timeout_tcp", &value)?,
+        "--flow-timeout-tcp-closing" => {
+            cfg.flow_timeout_tcp_closing = number("flow_timeout_tcp_closing", &value)?
+        }
+        "--flow-timeout-udp" => cfg.flow_timeout_udp = number("flow_timeout_udp", &value)?,
+        "--flow-timeout-icmp" => cfg.flow_timeout_icmp = number("flow_timeout_icmp", &value)?,
         _ => {
             return Err(ConfigError::Usage(format!(
                 "unknown option {flag} (see --help)"
@@ -679,6 +746,27 @@ mod tests {
                     ..Default::default()
                 },
                 "warm_pool",
+            ),
+            (
+                Config {
+                    datapath: "xdp".into(),
+                    ..Default::default()
+                },
+                "datapath",
+            ),
+            (
+                Config {
+                    snat_port_range: "25000-26000".into(),
+                    ..Default::default()
+                },
+                "overlaps",
+            ),
+            (
+                Config {
+                    flow_timeout_udp: 0,
+                    ..Default::default()
+                },
+                "flow_timeout_udp",
             ),
         ];
         for (cfg, want) in cases {

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use cube_network_agent::agent::Agent;
 use cube_network_agent::config::{self, Command};
-use cube_network_agent::datapath::NoopDatapath;
 use cube_network_agent::{dbus, error_chain, systemd, varlink};
 use tracing::{error, info, warn};
 use tracing_subscriber::layer::SubscriberExt;
@@ -134,9 +133,7 @@ async fn run(cfg: config::Config, passed: Vec<systemd::ListenFd>) -> Result<(), 
     if !taps.is_empty() {
         info!(fds = taps.len(), "TAP fds handed back by the fd store");
     }
-    let agent = Agent::start(cfg, Arc::new(NoopDatapath), taps)
-        .await
-        .map_err(|e| error_chain(&e))?;
+    let agent = Agent::start(cfg, taps).await.map_err(|e| error_chain(&e))?;
     // The varlink socket first, then the bus name: once a client can see
     // the name, both front ends answer.
     varlink::serve(agent.clone(), listener).map_err(|e| error_chain(&e))?;

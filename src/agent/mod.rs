@@ -168,6 +168,7 @@ struct Gateway {
 enum Uplink {
     Found {
         name: String,
+        ifindex: u32,
         addr: Option<Ipv4Addr>,
     },
     Missing(String),
@@ -331,11 +332,7 @@ impl Agent {
     /// `inherited` are TAP fds handed back by the service manager's fd
     /// store; they are matched to devices by TUNGETIFF, so recovery never
     /// reopens a TAP it already has an fd for.
-    pub async fn start(
-        cfg: Config,
-        datapath: Arc<dyn Datapath>,
-        inherited: Vec<OwnedFd>,
-    ) -> Result<Arc<Agent>, StartError> {
+    pub async fn start(cfg: Config, inherited: Vec<OwnedFd>) -> Result<Arc<Agent>, StartError> {
         let started = Instant::now();
         let d = cfg.validate()?;
         for path in [&cfg.state_dir, &cfg.runtime_dir] {
@@ -357,12 +354,13 @@ impl Agent {
         info!(device = cfg.gateway_device, kind, ifindex = gw_link.index, pool = %d.pool, "gateway device ready");
         let uplink = Self::find_uplink(&nl, &cfg.uplink).await;
         match &uplink {
-            Uplink::Found { name, addr } => info!(uplink = name, address = ?addr, "uplink"),
+            Uplink::Found { name, addr, .. } => info!(uplink = name, address = ?addr, "uplink"),
             Uplink::Missing(why) => warn!(
                 reason = why.as_str(),
                 "no uplink; egress and port mappings are unavailable"
             ),
         }
+        let datapath = Self::build_datapath(&cfg, &d, &cfg.gateway_device, gw_link.index, &uplink);
         let mut excluded = d.reserved_ports.clone();
         excluded.extend(&kernel_reserved_ports());
         let allocs = Allocs {
@@ -422,7 +420,67 @@ impl Agent {
         // keep it topped up in the background.
         agent.pool.refill().await;
         tokio::spawn(agent.pool.clone().run());
+        let dp = agent.datapath.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                let dp = dp.clone();
+                let _ = tokio::task::spawn_blocking(move || dp.maintain()).await;
+            }
+        });
         Ok(agent)
+    }
+
+    /// The configured datapath; if the eBPF one cannot load, networks still
+    /// get TAPs and addresses and Health says why packets do not flow.
+    fn build_datapath(
+        cfg: &Config,
+        d: &Derived,
+        gwdev: &str,
+        gwdev_ifindex: u32,
+        uplink: &Uplink,
+    ) -> Arc<dyn Datapath> {
+        if cfg.datapath == "none" {
+            return Arc::new(crate::datapath::NoopDatapath);
+        }
+        let gwdev_mac = std::fs::read_to_string(format!("/sys/class/net/{gwdev}/address"))
+            .ok()
+            .and_then(|s| crate::config::parse_mac(s.trim()))
+            .unwrap_or([0; 6]);
+        let secs = |s: u32| std::time::Duration::from_secs(s.into());
+        let node = crate::datapath::ebpf::NodeInfo {
+            guest_ip: d.guest_ip,
+            gateway_ip: d.guest_gateway,
+            host_ip: d.pool.gateway(),
+            guest_mac: d.guest_mac,
+            gateway_mac: d.gateway_mac,
+            gwdev_name: gwdev.to_owned(),
+            gwdev_ifindex,
+            gwdev_mac,
+            uplink: match uplink {
+                Uplink::Found {
+                    name,
+                    ifindex,
+                    addr: Some(a),
+                } => Some((name.clone(), *ifindex, *a)),
+                _ => None,
+            },
+            snat_ports: d.snat_ports,
+            pin_dir: cfg.bpf_pin_dir.clone(),
+            timeouts: crate::datapath::ebpf::FlowTimeouts {
+                tcp: secs(cfg.flow_timeout_tcp),
+                tcp_closing: secs(cfg.flow_timeout_tcp_closing),
+                udp: secs(cfg.flow_timeout_udp),
+                icmp: secs(cfg.flow_timeout_icmp),
+            },
+        };
+        match crate::datapath::ebpf::EbpfDatapath::load(node) {
+            Ok(dp) => Arc::new(dp),
+            Err(e) => {
+                warn!(error = %e, "the eBPF datapath could not be loaded");
+                Arc::new(crate::datapath::FailedDatapath(e.to_string()))
+            }
+        }
     }
 
     async fn find_uplink(nl: &Netlink, configured: &str) -> Uplink {
@@ -430,6 +488,7 @@ impl Agent {
             return match nl.default_uplink().await {
                 Ok(Some((link, addr))) => Uplink::Found {
                     name: link.name,
+                    ifindex: link.index,
                     addr,
                 },
                 Ok(None) => Uplink::Missing("no IPv4 default route".into()),
@@ -445,6 +504,7 @@ impl Agent {
                     .and_then(|a| a.first().map(|(ip, _)| *ip));
                 Uplink::Found {
                     name: link.name,
+                    ifindex: link.index,
                     addr,
                 }
             }
@@ -919,8 +979,11 @@ impl Agent {
             Uplink::Found {
                 name,
                 addr: Some(a),
+                ..
             } => ("uplink".into(), true, format!("{name} {a}")),
-            Uplink::Found { name, addr: None } => (
+            Uplink::Found {
+                name, addr: None, ..
+            } => (
                 "uplink".into(),
                 false,
                 format!("{name} has no IPv4 address: SNAT egress is unavailable"),

@@ -8,6 +8,9 @@
 //! exists, and stays useful as the driver for hosts that route sandboxes by
 //! other means.
 
+pub mod ebpf;
+pub mod maps;
+
 use std::net::IpAddr;
 
 use crate::agent::spec::PortMapping;
@@ -42,6 +45,8 @@ pub trait Datapath: Send + Sync {
     fn detach(&self, sandbox: &SandboxPath<'_>) -> Result<(), DatapathError>;
     /// Health checks of the datapath itself.
     fn checks(&self) -> Vec<Check>;
+    /// Periodic housekeeping (expired flows); called every few seconds.
+    fn maintain(&self) {}
 }
 
 /// A datapath that programs nothing: TAPs, addresses, neighbour entries and
@@ -64,6 +69,32 @@ impl Datapath for NoopDatapath {
             true,
             "none: no eBPF datapath in this build; sandboxes get TAP, address and neighbour only"
                 .into(),
+        )]
+    }
+}
+
+/// The eBPF datapath was configured but could not be loaded: networks get
+/// TAPs, addresses and records, and Health reports the reason.
+#[derive(Debug)]
+pub struct FailedDatapath(pub String);
+
+impl Datapath for FailedDatapath {
+    fn attach(&self, _sandbox: &SandboxPath<'_>) -> Result<(), DatapathError> {
+        Ok(())
+    }
+
+    fn detach(&self, _sandbox: &SandboxPath<'_>) -> Result<(), DatapathError> {
+        Ok(())
+    }
+
+    fn checks(&self) -> Vec<Check> {
+        vec![(
+            "datapath".into(),
+            false,
+            format!(
+                "eBPF datapath not loaded, sandboxes have no connectivity: {}",
+                self.0
+            ),
         )]
     }
 }

@@ -5,6 +5,9 @@
 
 #![allow(dead_code)]
 
+pub mod guest;
+pub mod world;
+
 use std::collections::{BTreeSet, HashMap};
 use std::io::{BufRead, BufReader};
 use std::os::fd::AsFd;
@@ -66,6 +69,12 @@ impl Env {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         run(Command::new("ip").args(["netns", "add", &ns]));
+        // A bpffs of its own for the agent's pinned maps: `ip netns exec`
+        // remounts /sys, so /sys/fs/bpf would be a different (or no) bpffs
+        // on every start and pins would not survive a restart.
+        let bpf = dir.join("bpf");
+        std::fs::create_dir_all(&bpf).unwrap();
+        run(Command::new("mount").args(["-t", "bpf", "bpf"]).arg(&bpf));
         run(Command::new("ip").args(["-n", &ns, "link", "set", "lo", "up"]));
         let sock = dir.join("bus.sock");
         let address = format!("unix:path={}", sock.display());
@@ -121,6 +130,8 @@ impl Env {
             .arg("--runtime-dir")
             .arg(self.dir.join("run"))
             .args(["--config", "/dev/null", "--log-level", "debug"])
+            .arg("--bpf-pin-dir")
+            .arg(self.dir.join("bpf"))
             .args(&self.args)
             .stdout(Stdio::null())
             .stderr(log)
@@ -260,6 +271,7 @@ impl Drop for Env {
         let _ = self.bus.kill();
         let _ = self.bus.wait();
         let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
+        let _ = Command::new("umount").arg(self.dir.join("bpf")).status();
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.dir);
         } else {

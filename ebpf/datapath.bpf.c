@@ -1,0 +1,594 @@
+// SPDX-License-Identifier: GPL-2.0
+/* cube-network-agent datapath: tc (clsact, direct-action) programs.
+ *
+ *  from_guest     ingress of every sandbox TAP: anti-spoofing, proxy ARP,
+ *                 guest -> gateway (host), guest -> world (policy + SNAT,
+ *                 or the reply side of a port mapping).
+ *  from_uplink    ingress of the node uplink: SNAT replies and port-mapped
+ *                 connections are rewritten to the guest and redirected
+ *                 to its TAP; everything else goes on to the host stack.
+ *  to_sandbox_ip  egress of the gateway device (cube-dev): host -> sandbox
+ *                 IP is rewritten to the guest address (source: the
+ *                 gateway) and redirected to the TAP.
+ *
+ * State lives in maps pinned by name, keyed by things that survive an agent
+ * restart: TAP ifindex (a persistent TAP keeps it), sandbox IP, ports.
+ * Headers are read with bpf_skb_load_bytes and rewritten with the
+ * store/csum helpers, which also handle CHECKSUM_PARTIAL and GSO packets
+ * from VMMs that enable TAP offloads.
+ */
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/in.h>
+#include <linux/ip.h>
+#include <linux/tcp.h>
+#include <linux/udp.h>
+#include <linux/pkt_cls.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+#include "datapath.h"
+
+#ifndef AF_INET
+#define AF_INET 2
+#endif
+/* From linux/if_arp.h and linux/icmp.h, which drag in libc headers. */
+#define ICMP_ECHOREPLY 0
+#define ICMP_ECHO 8
+struct icmphdr {
+	__u8 type;
+	__u8 code;
+	__sum16 checksum;
+	__be16 id;
+	__be16 sequence;
+};
+#define ARPHRD_ETHER 1
+#define ARPOP_REQUEST 1
+#define ARPOP_REPLY 2
+struct arphdr {
+	__be16 ar_hrd;
+	__be16 ar_pro;
+	__u8 ar_hln;
+	__u8 ar_pln;
+	__be16 ar_op;
+};
+#define IP_CSUM_OFF (ETH_HLEN + __builtin_offsetof(struct iphdr, check))
+#define IP_SRC_OFF (ETH_HLEN + __builtin_offsetof(struct iphdr, saddr))
+#define IP_DST_OFF (ETH_HLEN + __builtin_offsetof(struct iphdr, daddr))
+#define IP_MF 0x2000
+#define IP_OFFSET 0x1fff
+
+char LICENSE[] SEC("license") = "GPL";
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct dp_config);
+	__uint(max_entries, 1);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} config SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, DP_C_MAX);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} counters SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, struct dp_sandbox);
+	__uint(max_entries, 65536);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} sandboxes SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, struct dp_tap);
+	__uint(max_entries, 65536);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} by_ip SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct dp_policy_key);
+	__type(value, __u8);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} policy_allow SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct dp_policy_key);
+	__type(value, __u8);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} policy_deny SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct dp_portmap_key);
+	__type(value, struct dp_portmap_val);
+	__uint(max_entries, 65536);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} portmap SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct dp_ct_key);
+	__type(value, struct dp_ct_val);
+	__uint(max_entries, 262144);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ct SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct dp_rev_key);
+	__type(value, struct dp_rev_val);
+	__uint(max_entries, 262144);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ct_rev SEC(".maps");
+
+/* Bookkeeping for the agent: TAP ifindex -> 1 once the from_guest filter
+ * is attached (filters outlive the agent, so a restart skips them). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, __u32);
+	__uint(max_entries, 65536);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} tap_attached SEC(".maps");
+
+struct l4info {
+	__u32 off;      /* offset of the L4 header */
+	__u32 csum_off; /* offset of its checksum */
+	__u16 sport;    /* TCP/UDP ports; ICMP echo id in both */
+	__u16 dport;
+	__u8 proto;
+	__u8 icmp_type;
+	__u8 tcp_flags;
+	__u8 frag;      /* 1 = a fragment (no usable L4 header) */
+};
+
+static __always_inline void count(__u32 which)
+{
+	__u64 *v = bpf_map_lookup_elem(&counters, &which);
+	if (v)
+		*v += 1;
+}
+
+static __always_inline struct dp_config *get_config(void)
+{
+	__u32 zero = 0;
+	return bpf_map_lookup_elem(&config, &zero);
+}
+
+static __always_inline int mac_eq(const __u8 *a, const __u8 *b)
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3] &&
+	       a[4] == b[4] && a[5] == b[5];
+}
+
+/* Reads the IPv4 header and what NAT needs of L4. <0: malformed. */
+static __always_inline int parse_ipv4(struct __sk_buff *skb, struct iphdr *ip,
+				      struct l4info *l4)
+{
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, ip, sizeof(*ip)))
+		return -1;
+	if (ip->version != 4 || ip->ihl < 5)
+		return -1;
+	__builtin_memset(l4, 0, sizeof(*l4));
+	l4->proto = ip->protocol;
+	l4->off = ETH_HLEN + ip->ihl * 4;
+	if (ip->frag_off & bpf_htons(IP_MF | IP_OFFSET)) {
+		l4->frag = 1;
+		return 0;
+	}
+	if (ip->protocol == IPPROTO_TCP) {
+		struct tcphdr th;
+		if (bpf_skb_load_bytes(skb, l4->off, &th, sizeof(th)))
+			return -1;
+		l4->sport = th.source;
+		l4->dport = th.dest;
+		l4->csum_off = l4->off + __builtin_offsetof(struct tcphdr, check);
+		l4->tcp_flags = (th.fin ? 1 : 0) | (th.rst ? 4 : 0) | (th.syn ? 2 : 0);
+	} else if (ip->protocol == IPPROTO_UDP) {
+		struct udphdr uh;
+		if (bpf_skb_load_bytes(skb, l4->off, &uh, sizeof(uh)))
+			return -1;
+		l4->sport = uh.source;
+		l4->dport = uh.dest;
+		l4->csum_off = l4->off + __builtin_offsetof(struct udphdr, check);
+	} else if (ip->protocol == IPPROTO_ICMP) {
+		struct icmphdr ih;
+		if (bpf_skb_load_bytes(skb, l4->off, &ih, sizeof(ih)))
+			return -1;
+		l4->icmp_type = ih.type;
+		l4->sport = ih.id;
+		l4->dport = ih.id;
+		l4->csum_off = l4->off + __builtin_offsetof(struct icmphdr, checksum);
+	}
+	return 0;
+}
+
+static __always_inline __u64 l4_csum_flags(const struct l4info *l4)
+{
+	return l4->proto == IPPROTO_UDP ? BPF_F_MARK_MANGLED_0 : 0;
+}
+
+/* Replaces an IPv4 address (at `off`), fixing the IP checksum and the
+ * TCP/UDP pseudo-header checksum. */
+static __always_inline int set_addr(struct __sk_buff *skb, __u32 off, __u32 old,
+				    __u32 new, const struct l4info *l4)
+{
+	if (old == new)
+		return 0;
+	if (!l4->frag && (l4->proto == IPPROTO_TCP || l4->proto == IPPROTO_UDP)) {
+		if (bpf_l4_csum_replace(skb, l4->csum_off, old, new,
+					BPF_F_PSEUDO_HDR | sizeof(new) | l4_csum_flags(l4)))
+			return -1;
+	}
+	if (bpf_l3_csum_replace(skb, IP_CSUM_OFF, old, new, sizeof(new)))
+		return -1;
+	return bpf_skb_store_bytes(skb, off, &new, sizeof(new), 0);
+}
+
+/* Replaces a port (or ICMP echo id) at `off`, fixing the L4 checksum. */
+static __always_inline int set_port(struct __sk_buff *skb, __u32 off, __u16 old,
+				    __u16 new, const struct l4info *l4)
+{
+	if (old == new)
+		return 0;
+	if (bpf_l4_csum_replace(skb, l4->csum_off, old, new,
+				sizeof(new) | l4_csum_flags(l4)))
+		return -1;
+	return bpf_skb_store_bytes(skb, off, &new, sizeof(new), 0);
+}
+
+static __always_inline __u32 src_port_off(const struct l4info *l4)
+{
+	/* TCP and UDP source ports are the first field; the ICMP echo id is at 4. */
+	return l4->proto == IPPROTO_ICMP ? l4->off + 4 : l4->off;
+}
+
+static __always_inline __u32 dst_port_off(const struct l4info *l4)
+{
+	return l4->proto == IPPROTO_ICMP ? l4->off + 4 : l4->off + 2;
+}
+
+static __always_inline int set_macs(struct __sk_buff *skb, const __u8 *dst, const __u8 *src)
+{
+	__u8 macs[12];
+	__builtin_memcpy(macs, dst, 6);
+	__builtin_memcpy(macs + 6, src, 6);
+	return bpf_skb_store_bytes(skb, 0, macs, sizeof(macs), 0);
+}
+
+static __always_inline void touch(struct dp_ct_val *v, const struct l4info *l4)
+{
+	v->last_seen_ns = bpf_ktime_get_ns();
+	if (l4->proto == IPPROTO_TCP && (l4->tcp_flags & (1 | 4)))
+		v->state = DP_TCP_CLOSING;
+	else if (l4->proto == IPPROTO_TCP && (l4->tcp_flags & 2))
+		v->state = DP_TCP_OPEN;
+}
+
+/* Proxy ARP: every request from the guest (except for its own address:
+ * duplicate address detection) is answered with the gateway MAC. */
+static __always_inline int proxy_arp(struct __sk_buff *skb, const struct dp_config *c)
+{
+	struct {
+		struct arphdr h;
+		__u8 sha[6];
+		__u8 spa[4];
+		__u8 tha[6];
+		__u8 tpa[4];
+	} __attribute__((packed)) arp;
+
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &arp, sizeof(arp))) {
+		count(DP_C_MALFORMED);
+		return TC_ACT_SHOT;
+	}
+	if (arp.h.ar_hrd != bpf_htons(ARPHRD_ETHER) || arp.h.ar_pro != bpf_htons(ETH_P_IP) ||
+	    arp.h.ar_hln != 6 || arp.h.ar_pln != 4 || arp.h.ar_op != bpf_htons(ARPOP_REQUEST))
+		return TC_ACT_SHOT;
+	if (!mac_eq(arp.sha, c->guest_mac)) {
+		count(DP_C_SPOOF_DROP);
+		return TC_ACT_SHOT;
+	}
+	__u32 spa, tpa;
+	__builtin_memcpy(&spa, arp.spa, 4);
+	__builtin_memcpy(&tpa, arp.tpa, 4);
+	if ((spa != c->guest_ip && spa != 0) || tpa == c->guest_ip || tpa == 0)
+		return TC_ACT_SHOT;
+
+	arp.h.ar_op = bpf_htons(ARPOP_REPLY);
+	__builtin_memcpy(arp.tha, arp.sha, 6);
+	__builtin_memcpy(arp.sha, c->gateway_mac, 6);
+	__builtin_memcpy(arp.tpa, arp.spa, 4);
+	__builtin_memcpy(arp.spa, &tpa, 4);
+	if (bpf_skb_store_bytes(skb, ETH_HLEN, &arp, sizeof(arp), 0) ||
+	    set_macs(skb, c->guest_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	count(DP_C_ARP_REPLY);
+	return bpf_redirect(skb->ifindex, 0);
+}
+
+/* guest -> 169.254.68.5: delivered to the host as sandbox IP -> host IP. */
+static __always_inline int guest_to_host(struct __sk_buff *skb, const struct dp_config *c,
+					 const struct dp_sandbox *sb, const struct iphdr *ip,
+					 const struct l4info *l4)
+{
+	if (set_addr(skb, IP_SRC_OFF, ip->saddr, sb->sandbox_ip, l4) ||
+	    set_addr(skb, IP_DST_OFF, ip->daddr, c->host_ip, l4) ||
+	    set_macs(skb, c->gwdev_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	count(DP_C_HOST);
+	return bpf_redirect(c->gwdev_ifindex, BPF_F_INGRESS);
+}
+
+/* Picks a free SNAT port for the flow (a few probes from a hash of it). */
+static __always_inline int snat_alloc(const struct dp_config *c, const struct dp_ct_key *key,
+				      __u16 *nat_port)
+{
+	__u32 range = (__u32)c->snat_port_max - c->snat_port_min + 1;
+	if (c->snat_port_max < c->snat_port_min || range == 0)
+		return -1;
+	__u32 h = key->sandbox_ip * 2654435761u ^ key->remote_ip * 40503u ^
+		  ((__u32)key->guest_port << 16 | key->remote_port) ^ bpf_get_prandom_u32();
+	struct dp_rev_key rk = {
+		.remote_ip = key->remote_ip,
+		.remote_port = key->remote_port,
+		.proto = key->proto,
+	};
+	struct dp_rev_val rv = {
+		.sandbox_ip = key->sandbox_ip,
+		.guest_port = key->guest_port,
+	};
+	for (int i = 0; i < 16; i++) {
+		__u16 p = c->snat_port_min + (h + i * 7919u) % range;
+		rk.nat_port = bpf_htons(p);
+		if (bpf_map_update_elem(&ct_rev, &rk, &rv, BPF_NOEXIST) == 0) {
+			*nat_port = rk.nat_port;
+			return 0;
+		}
+	}
+	return -1;
+}
+
+static __always_inline int forward_out(struct __sk_buff *skb, const struct dp_config *c,
+				       const struct iphdr *ip)
+{
+	struct bpf_fib_lookup fib = {};
+	fib.family = AF_INET;
+	fib.tos = ip->tos;
+	fib.l4_protocol = ip->protocol;
+	fib.tot_len = bpf_ntohs(ip->tot_len);
+	fib.ipv4_src = c->uplink_ip;
+	fib.ipv4_dst = ip->daddr;
+	fib.ifindex = c->uplink_ifindex;
+	int rc = bpf_fib_lookup(skb, &fib, sizeof(fib), BPF_FIB_LOOKUP_OUTPUT);
+	if (rc == BPF_FIB_LKUP_RET_SUCCESS) {
+		if (set_macs(skb, fib.dmac, fib.smac))
+			return TC_ACT_SHOT;
+		return bpf_redirect(fib.ifindex, 0);
+	}
+	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH) {
+		/* No neighbour entry yet: let the kernel resolve it. */
+		struct bpf_redir_neigh nh = {
+			.nh_family = AF_INET,
+			.ipv4_nh = fib.ipv4_dst,
+		};
+		return bpf_redirect_neigh(fib.ifindex, &nh, sizeof(nh), 0);
+	}
+	count(DP_C_NO_ROUTE);
+	return TC_ACT_SHOT;
+}
+
+/* guest -> world: policy, then SNAT (or the reply of a port mapping). */
+static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp_config *c,
+					  const struct dp_sandbox *sb, const struct iphdr *ip,
+					  const struct l4info *l4)
+{
+	if (!(sb->flags & DP_F_INTERNET)) {
+		count(DP_C_POLICY_DROP);
+		return TC_ACT_SHOT;
+	}
+	struct dp_policy_key pk = {.prefixlen = 64, .sandbox_ip = sb->sandbox_ip, .dst = ip->daddr};
+	if (!bpf_map_lookup_elem(&policy_allow, &pk) && bpf_map_lookup_elem(&policy_deny, &pk)) {
+		count(DP_C_POLICY_DROP);
+		return TC_ACT_SHOT;
+	}
+	if (!c->uplink_ip || l4->frag) {
+		count(DP_C_NO_ROUTE);
+		return TC_ACT_SHOT;
+	}
+	if (l4->proto != IPPROTO_TCP && l4->proto != IPPROTO_UDP &&
+	    !(l4->proto == IPPROTO_ICMP && l4->icmp_type == ICMP_ECHO))
+		return TC_ACT_SHOT;
+
+	struct dp_ct_key key = {
+		.sandbox_ip = sb->sandbox_ip,
+		.remote_ip = ip->daddr,
+		.guest_port = l4->sport,
+		.remote_port = l4->proto == IPPROTO_ICMP ? 0 : l4->dport,
+		.proto = l4->proto,
+	};
+	__u16 nat_port;
+	struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
+	if (v) {
+		touch(v, l4);
+		nat_port = v->nat_port;
+	} else {
+		if (snat_alloc(c, &key, &nat_port)) {
+			count(DP_C_NO_PORT);
+			return TC_ACT_SHOT;
+		}
+		struct dp_ct_val nv = {.nat_port = nat_port, .kind = DP_CT_SNAT};
+		touch(&nv, l4);
+		bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
+	}
+	if (set_addr(skb, IP_SRC_OFF, ip->saddr, c->uplink_ip, l4) ||
+	    set_port(skb, src_port_off(l4), l4->sport, nat_port, l4))
+		return TC_ACT_SHOT;
+	count(DP_C_SNAT);
+	return forward_out(skb, c, ip);
+}
+
+SEC("classifier")
+int from_guest(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!c)
+		return TC_ACT_SHOT;
+	__u32 ifindex = skb->ifindex;
+	struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
+	if (!sb)
+		return TC_ACT_SHOT; /* an idle pool TAP: nothing leaves it */
+
+	struct ethhdr eth;
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth))) {
+		count(DP_C_MALFORMED);
+		return TC_ACT_SHOT;
+	}
+	if (!mac_eq(eth.h_source, c->guest_mac)) {
+		count(DP_C_SPOOF_DROP);
+		return TC_ACT_SHOT;
+	}
+	if (eth.h_proto == bpf_htons(ETH_P_ARP))
+		return proxy_arp(skb, c);
+	if (eth.h_proto != bpf_htons(ETH_P_IP))
+		return TC_ACT_SHOT;
+	/* Only the gateway is on the guest's link: no frame goes straight to
+	 * another guest. */
+	if (!mac_eq(eth.h_dest, c->gateway_mac)) {
+		count(DP_C_SPOOF_DROP);
+		return TC_ACT_SHOT;
+	}
+	struct iphdr ip;
+	struct l4info l4;
+	if (parse_ipv4(skb, &ip, &l4)) {
+		count(DP_C_MALFORMED);
+		return TC_ACT_SHOT;
+	}
+	if (ip.saddr != c->guest_ip) {
+		count(DP_C_SPOOF_DROP);
+		return TC_ACT_SHOT;
+	}
+	if (ip.daddr == c->gateway_ip)
+		return guest_to_host(skb, c, sb, &ip, &l4);
+	return guest_to_world(skb, c, sb, &ip, &l4);
+}
+
+SEC("classifier")
+int from_uplink(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!c || !c->uplink_ip)
+		return TC_ACT_OK;
+	struct ethhdr eth;
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) || eth.h_proto != bpf_htons(ETH_P_IP))
+		return TC_ACT_OK;
+	struct iphdr ip;
+	struct l4info l4;
+	if (parse_ipv4(skb, &ip, &l4) || l4.frag || ip.daddr != c->uplink_ip)
+		return TC_ACT_OK;
+	if (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP &&
+	    !(l4.proto == IPPROTO_ICMP && l4.icmp_type == ICMP_ECHOREPLY))
+		return TC_ACT_OK;
+
+	__u32 sandbox_ip;
+	__u16 guest_port;
+	struct dp_rev_key rk = {
+		.remote_ip = ip.saddr,
+		.remote_port = l4.proto == IPPROTO_ICMP ? 0 : l4.sport,
+		.nat_port = l4.dport,
+		.proto = l4.proto,
+	};
+	struct dp_rev_val *rv = bpf_map_lookup_elem(&ct_rev, &rk);
+	if (rv) {
+		sandbox_ip = rv->sandbox_ip;
+		guest_port = rv->guest_port;
+		struct dp_ct_key key = {
+			.sandbox_ip = sandbox_ip,
+			.remote_ip = ip.saddr,
+			.guest_port = guest_port,
+			.remote_port = rk.remote_port,
+			.proto = l4.proto,
+		};
+		struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
+		if (!v) {
+			/* The forward entry was reaped: the flow is over. */
+			bpf_map_delete_elem(&ct_rev, &rk);
+			return TC_ACT_OK;
+		}
+		touch(v, &l4);
+		count(DP_C_SNAT_REPLY);
+	} else {
+		if (l4.proto == IPPROTO_ICMP)
+			return TC_ACT_OK;
+		struct dp_portmap_key pk = {.host_port = l4.dport, .proto = l4.proto};
+		struct dp_portmap_val *pm = bpf_map_lookup_elem(&portmap, &pk);
+		if (!pm)
+			return TC_ACT_OK; /* the host's own traffic */
+		sandbox_ip = pm->sandbox_ip;
+		guest_port = pm->container_port;
+		struct dp_ct_key key = {
+			.sandbox_ip = sandbox_ip,
+			.remote_ip = ip.saddr,
+			.guest_port = guest_port,
+			.remote_port = l4.sport,
+			.proto = l4.proto,
+		};
+		struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
+		if (v) {
+			touch(v, &l4);
+		} else {
+			struct dp_ct_val nv = {.nat_port = l4.dport, .kind = DP_CT_PORTMAP};
+			touch(&nv, &l4);
+			bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
+		}
+		count(DP_C_PORTMAP);
+	}
+	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
+	if (!tap)
+		return TC_ACT_SHOT;
+	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
+	    set_port(skb, dst_port_off(&l4), l4.dport, guest_port, &l4) ||
+	    set_macs(skb, c->guest_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	return bpf_redirect(tap->ifindex, 0);
+}
+
+/* The reply side of a port-mapped flow leaves with the mapped host port. */
+SEC("classifier")
+int to_sandbox_ip(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!c)
+		return TC_ACT_OK;
+	struct ethhdr eth;
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) || eth.h_proto != bpf_htons(ETH_P_IP))
+		return TC_ACT_OK;
+	struct iphdr ip;
+	struct l4info l4;
+	if (parse_ipv4(skb, &ip, &l4))
+		return TC_ACT_OK;
+	__u32 dst = ip.daddr;
+	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &dst);
+	if (!tap)
+		return TC_ACT_OK;
+	if (l4.frag) /* addresses cannot be rewritten without the L4 header */
+		return TC_ACT_SHOT;
+	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
+	    set_addr(skb, IP_SRC_OFF, ip.saddr, c->gateway_ip, &l4) ||
+	    set_macs(skb, c->guest_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	count(DP_C_TO_SANDBOX_IP);
+	return bpf_redirect(tap->ifindex, 0);
+}

@@ -1,0 +1,652 @@
+//! The eBPF datapath: `ebpf/datapath.bpf.c` loaded once per agent with
+//! aya, programs shared by every TAP, maps pinned in a per-instance bpffs
+//! directory so they — and the filters, which outlive the agent — carry
+//! running flows across agent restarts.
+//!
+//! Restart continuity: tc filters are attached with a fixed priority and
+//! handle and never detached (not even when a TAP goes back to the pool:
+//! `from_guest` drops everything from a TAP with no `sandboxes` entry). On
+//! restart the maps are re-opened from their pins and an attach that finds
+//! the filter already there (EEXIST) keeps it; `tap_attached` remembers
+//! which TAPs have one so recovery does not even ask. Limitation: a new
+//! agent version keeps running the previous version's programs on existing
+//! TAPs until they are recycled (aya 0.14's netlink attach cannot replace a
+//! filter in place).
+
+use std::collections::{HashMap as StdHashMap, HashSet};
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use aya::maps::lpm_trie::{Key, LpmTrie};
+use aya::maps::{Array, HashMap, MapData, PerCpuArray};
+use aya::programs::tc::{NlOptions, TcAttachOptions, TcHandle};
+use aya::programs::{ProgramError, SchedClassifier, TcAttachType};
+use aya::{Ebpf, EbpfLoader};
+use tracing::{debug, info, warn};
+
+use super::maps::*;
+use super::{Check, Datapath, DatapathError, SandboxPath};
+use crate::alloc::Protocol;
+
+/// The compiled object (built by build.rs, committed in ebpf/).
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/datapath.bpf.o"));
+
+const FILTER_PRIORITY: u16 = 1;
+const FILTER_HANDLE: TcHandle = TcHandle::new(0, 1);
+
+/// Idle timeouts of flows (the reaper frees them; LRU maps also evict
+/// under pressure).
+#[derive(Debug, Clone, Copy)]
+pub struct FlowTimeouts {
+    pub tcp: Duration,
+    pub tcp_closing: Duration,
+    pub udp: Duration,
+    pub icmp: Duration,
+}
+
+/// Node facts the datapath needs.
+#[derive(Debug, Clone)]
+pub struct NodeInfo {
+    pub guest_ip: Ipv4Addr,
+    pub gateway_ip: Ipv4Addr,
+    pub host_ip: Ipv4Addr,
+    pub guest_mac: [u8; 6],
+    pub gateway_mac: [u8; 6],
+    pub gwdev_name: String,
+    pub gwdev_ifindex: u32,
+    pub gwdev_mac: [u8; 6],
+    /// (name, ifindex, IPv4 address) of the uplink, if there is one.
+    pub uplink: Option<(String, u32, Ipv4Addr)>,
+    pub snat_ports: (u16, u16),
+    pub pin_dir: PathBuf,
+    pub timeouts: FlowTimeouts,
+}
+
+fn ip_be(ip: Ipv4Addr) -> u32 {
+    u32::from_ne_bytes(ip.octets())
+}
+
+fn err(what: &'static str, e: impl std::fmt::Display) -> DatapathError {
+    DatapathError {
+        what,
+        detail: e.to_string(),
+    }
+}
+
+fn errno_of(e: &ProgramError) -> Option<i32> {
+    match e {
+        ProgramError::TcError(aya::programs::tc::TcError::NetlinkError(n)) => n.raw_os_error(),
+        ProgramError::TcError(aya::programs::tc::TcError::IoError(io)) => io.raw_os_error(),
+        ProgramError::SyscallError(s) => s.io_error.raw_os_error(),
+        _ => None,
+    }
+}
+
+/// Attaches `prog` to `ifname`; Ok(false) if our filter is already there.
+fn attach(
+    bpf: &mut Ebpf,
+    prog: &str,
+    ifname: &str,
+    kind: TcAttachType,
+) -> Result<bool, DatapathError> {
+    match aya::programs::tc::qdisc_add_clsact(ifname) {
+        Ok(()) => {}
+        Err(aya::programs::tc::TcError::NetlinkError(e))
+            if e.raw_os_error() == Some(libc::EEXIST) => {}
+        Err(aya::programs::tc::TcError::AlreadyAttached) => {}
+        Err(e) => return Err(err("adding the clsact qdisc", format!("{ifname}: {e}"))),
+    }
+    let p: &mut SchedClassifier = bpf
+        .program_mut(prog)
+        .ok_or_else(|| err("finding the program", prog))?
+        .try_into()
+        .map_err(|e| err("program type", e))?;
+    let opts = TcAttachOptions::Netlink(NlOptions {
+        priority: FILTER_PRIORITY,
+        handle: FILTER_HANDLE,
+        ..Default::default()
+    });
+    match p.attach_with_options(ifname, kind, opts) {
+        Ok(id) => {
+            // Filters must outlive this process: never let aya detach them.
+            let link = p.take_link(id).map_err(|e| err("taking the tc link", e))?;
+            std::mem::forget(link);
+            Ok(true)
+        }
+        Err(e) if errno_of(&e) == Some(libc::EEXIST) => Ok(false),
+        Err(e) => Err(err(
+            "attaching the tc filter",
+            format!("{prog} on {ifname}: {e}"),
+        )),
+    }
+}
+
+/// Removes pins whose key/value sizes differ from what this build expects
+/// (an older layout): aya would silently reuse them.
+fn check_pins(dir: &Path) -> Vec<String> {
+    let mut removed = vec![];
+    for (name, key, value) in EXPECTED {
+        let path = dir.join(name);
+        if !path.exists() {
+            continue;
+        }
+        let ok = MapData::from_pin(&path)
+            .and_then(|m| m.info())
+            .map(|i| i.key_size() as usize == *key && i.value_size() as usize == *value)
+            .unwrap_or(false);
+        if !ok {
+            warn!(map = name, "pinned map has another layout; recreating it");
+            let _ = std::fs::remove_file(&path);
+            removed.push((*name).to_owned());
+        }
+    }
+    removed
+}
+
+fn is_bpffs(dir: &Path) -> bool {
+    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+    nix::sys::statfs::statfs(dir).is_ok_and(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+}
+
+struct Maps {
+    config: Array<MapData, DpConfig>,
+    counters: PerCpuArray<MapData, u64>,
+    sandboxes: HashMap<MapData, u32, DpSandbox>,
+    by_ip: HashMap<MapData, u32, DpTap>,
+    allow: LpmTrie<MapData, DpPolicyData, u8>,
+    deny: LpmTrie<MapData, DpPolicyData, u8>,
+    portmap: HashMap<MapData, DpPortmapKey, DpPortmapVal>,
+    ct: HashMap<MapData, DpCtKey, DpCtVal>,
+    ct_rev: HashMap<MapData, DpRevKey, DpRevVal>,
+    attached: HashMap<MapData, u32, u32>,
+}
+
+fn take<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
+    bpf: &mut Ebpf,
+    name: &'static str,
+) -> Result<T, DatapathError> {
+    let map = bpf
+        .take_map(name)
+        .ok_or_else(|| err("finding a map", name))?;
+    T::try_from(map).map_err(|e| err("opening a map", format!("{name}: {e}")))
+}
+
+struct Inner {
+    bpf: Ebpf,
+    maps: Maps,
+    /// sandbox ip -> policy keys installed for it (allow, deny).
+    policies: StdHashMap<u32, (Vec<Key<DpPolicyData>>, Vec<Key<DpPolicyData>>)>,
+    /// sandbox ip -> port-map keys installed for it.
+    portmaps: StdHashMap<u32, Vec<DpPortmapKey>>,
+    reaped: u64,
+}
+
+pub struct EbpfDatapath {
+    inner: Mutex<Inner>,
+    node: NodeInfo,
+    attached_node: Vec<String>,
+    pinned: bool,
+    recreated: Vec<String>,
+}
+
+impl EbpfDatapath {
+    /// Loads the object (re-using pinned maps), writes the config and
+    /// attaches the node programs (uplink ingress, gateway-device egress).
+    pub fn load(node: NodeInfo) -> Result<Self, DatapathError> {
+        let pinned = std::fs::create_dir_all(&node.pin_dir).is_ok() && is_bpffs(&node.pin_dir);
+        let recreated = if pinned {
+            check_pins(&node.pin_dir)
+        } else {
+            vec![]
+        };
+        let mut loader = EbpfLoader::new();
+        if pinned {
+            loader.default_map_pin_directory(&node.pin_dir);
+        } else {
+            warn!(dir = %node.pin_dir.display(), "not a bpffs directory: maps are not pinned and will not survive a restart");
+        }
+        let mut bpf = loader
+            .load(OBJECT)
+            .map_err(|e| err("loading the eBPF object", crate::error_chain(&e)))?;
+        for prog in ["from_guest", "from_uplink", "to_sandbox_ip"] {
+            let p: &mut SchedClassifier = bpf
+                .program_mut(prog)
+                .ok_or_else(|| err("finding the program", prog))?
+                .try_into()
+                .map_err(|e| err("program type", e))?;
+            p.load().map_err(|e| {
+                err(
+                    "loading a program",
+                    format!("{prog}: {}", crate::error_chain(&e)),
+                )
+            })?;
+        }
+        let mut maps = Maps {
+            config: take(&mut bpf, "config")?,
+            counters: take(&mut bpf, "counters")?,
+            sandboxes: take(&mut bpf, "sandboxes")?,
+            by_ip: take(&mut bpf, "by_ip")?,
+            allow: take(&mut bpf, "policy_allow")?,
+            deny: take(&mut bpf, "policy_deny")?,
+            portmap: take(&mut bpf, "portmap")?,
+            ct: take(&mut bpf, "ct")?,
+            ct_rev: take(&mut bpf, "ct_rev")?,
+            attached: take(&mut bpf, "tap_attached")?,
+        };
+        let (uplink_ip, uplink_ifindex) = node
+            .uplink
+            .as_ref()
+            .map(|(_, i, a)| (ip_be(*a), *i))
+            .unwrap_or((0, 0));
+        let cfg = DpConfig {
+            guest_ip: ip_be(node.guest_ip),
+            gateway_ip: ip_be(node.gateway_ip),
+            host_ip: ip_be(node.host_ip),
+            uplink_ip,
+            uplink_ifindex,
+            gwdev_ifindex: node.gwdev_ifindex,
+            snat_port_min: node.snat_ports.0,
+            snat_port_max: node.snat_ports.1,
+            guest_mac: node.guest_mac,
+            gateway_mac: node.gateway_mac,
+            gwdev_mac: node.gwdev_mac,
+            pad: 0,
+        };
+        maps.config
+            .set(0, cfg, 0)
+            .map_err(|e| err("writing the config map", e))?;
+        let mut attached_node = vec![];
+        attach(
+            &mut bpf,
+            "to_sandbox_ip",
+            &node.gwdev_name,
+            TcAttachType::Egress,
+        )?;
+        attached_node.push(format!("to_sandbox_ip on {} egress", node.gwdev_name));
+        if let Some((name, _, _)) = &node.uplink {
+            attach(&mut bpf, "from_uplink", name, TcAttachType::Ingress)?;
+            attached_node.push(format!("from_uplink on {name} ingress"));
+        }
+        // Rebuild the per-sandbox indexes from the (possibly pinned) maps.
+        let mut policies: StdHashMap<u32, (Vec<Key<DpPolicyData>>, Vec<Key<DpPolicyData>>)> =
+            StdHashMap::new();
+        for k in maps.allow.keys().flatten() {
+            policies.entry(k.data().sandbox_ip).or_default().0.push(k);
+        }
+        for k in maps.deny.keys().flatten() {
+            policies.entry(k.data().sandbox_ip).or_default().1.push(k);
+        }
+        let mut portmaps: StdHashMap<u32, Vec<DpPortmapKey>> = StdHashMap::new();
+        for (k, v) in maps.portmap.iter().flatten() {
+            portmaps.entry(v.sandbox_ip).or_default().push(k);
+        }
+        info!(pin_dir = %node.pin_dir.display(), pinned, node_programs = ?attached_node, "eBPF datapath loaded");
+        Ok(Self {
+            inner: Mutex::new(Inner {
+                bpf,
+                maps,
+                policies,
+                portmaps,
+                reaped: 0,
+            }),
+            node,
+            attached_node,
+            pinned,
+            recreated,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn policy_keys(ip: u32, list: &[String]) -> Vec<Key<DpPolicyData>> {
+        list.iter()
+            .filter_map(|c| c.parse::<crate::alloc::Ipv4Cidr>().ok())
+            .map(|c| {
+                Key::new(
+                    32 + u32::from(c.prefix_len()),
+                    DpPolicyData {
+                        sandbox_ip: ip,
+                        dst: ip_be(c.network()),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// Removes every flow of a sandbox (both directions).
+    fn drop_flows(inner: &mut Inner, sandbox_ip: u32) -> usize {
+        let doomed: Vec<(DpCtKey, DpCtVal)> = inner
+            .maps
+            .ct
+            .iter()
+            .flatten()
+            .filter(|(k, _)| k.sandbox_ip == sandbox_ip)
+            .collect();
+        for (k, v) in &doomed {
+            Self::remove_flow(inner, k, v);
+        }
+        doomed.len()
+    }
+
+    fn remove_flow(inner: &mut Inner, k: &DpCtKey, v: &DpCtVal) {
+        let _ = inner.maps.ct.remove(k);
+        if v.kind == DP_CT_SNAT {
+            let rk = DpRevKey {
+                remote_ip: k.remote_ip,
+                remote_port: k.remote_port,
+                nat_port: v.nat_port,
+                proto: k.proto,
+                pad: [0; 3],
+            };
+            let _ = inner.maps.ct_rev.remove(&rk);
+        }
+    }
+
+    fn counters(inner: &Inner) -> Vec<(&'static str, u64)> {
+        COUNTER_NAMES
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let sum = inner
+                    .maps
+                    .counters
+                    .get(&(i as u32), 0)
+                    .map(|v| v.iter().sum())
+                    .unwrap_or(0);
+                (*name, sum)
+            })
+            .collect()
+    }
+
+    /// Number of live flows (for Health and tests).
+    pub fn flows(&self) -> usize {
+        self.lock().maps.ct.keys().count()
+    }
+}
+
+fn proto_num(p: Protocol) -> u8 {
+    match p {
+        Protocol::Tcp => libc::IPPROTO_TCP as u8,
+        Protocol::Udp => libc::IPPROTO_UDP as u8,
+    }
+}
+
+fn monotonic_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
+        .unwrap_or(0)
+}
+
+impl Datapath for EbpfDatapath {
+    fn attach(&self, sb: &SandboxPath<'_>) -> Result<(), DatapathError> {
+        let IpAddr::V4(v4) = sb.sandbox_ip else {
+            return Err(err(
+                "sandbox address",
+                "IPv6 is not supported by the datapath yet",
+            ));
+        };
+        let ip = ip_be(v4);
+        let ifindex = sb.tap_ifindex;
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        if inner.maps.attached.get(&ifindex, 0).is_err() {
+            attach(
+                &mut inner.bpf,
+                "from_guest",
+                sb.tap_name,
+                TcAttachType::Ingress,
+            )?;
+            inner
+                .maps
+                .attached
+                .insert(ifindex, 1, 0)
+                .map_err(|e| err("recording the attachment", e))?;
+        }
+        // A TAP recreated under a new ifindex leaves an old entry behind.
+        if let Ok(old) = inner.maps.by_ip.get(&ip, 0)
+            && old.ifindex != ifindex
+        {
+            let _ = inner.maps.sandboxes.remove(&old.ifindex);
+        }
+        let flags = if sb.allow_internet_access {
+            DP_F_INTERNET
+        } else {
+            0
+        };
+        inner
+            .maps
+            .sandboxes
+            .insert(
+                ifindex,
+                DpSandbox {
+                    sandbox_ip: ip,
+                    flags,
+                },
+                0,
+            )
+            .map_err(|e| err("writing the sandboxes map", e))?;
+        inner
+            .maps
+            .by_ip
+            .insert(ip, DpTap { ifindex }, 0)
+            .map_err(|e| err("writing the by_ip map", e))?;
+
+        // Policy: install the wanted keys, then remove the stale ones.
+        let want_allow = Self::policy_keys(ip, sb.allow_out);
+        let want_deny = Self::policy_keys(ip, sb.deny_out);
+        for k in &want_allow {
+            inner
+                .maps
+                .allow
+                .insert(k, 1, 0)
+                .map_err(|e| err("writing policy_allow", e))?;
+        }
+        for k in &want_deny {
+            inner
+                .maps
+                .deny
+                .insert(k, 1, 0)
+                .map_err(|e| err("writing policy_deny", e))?;
+        }
+        let same = |a: &Key<DpPolicyData>, b: &Key<DpPolicyData>| {
+            a.prefix_len() == b.prefix_len() && a.data() == b.data()
+        };
+        let (old_allow, old_deny) = inner.policies.remove(&ip).unwrap_or_default();
+        for k in old_allow
+            .iter()
+            .filter(|k| !want_allow.iter().any(|w| same(w, k)))
+        {
+            let _ = inner.maps.allow.remove(k);
+        }
+        for k in old_deny
+            .iter()
+            .filter(|k| !want_deny.iter().any(|w| same(w, k)))
+        {
+            let _ = inner.maps.deny.remove(k);
+        }
+        inner.policies.insert(ip, (want_allow, want_deny));
+
+        // Port mappings.
+        let want: Vec<(DpPortmapKey, DpPortmapVal)> = sb
+            .port_mappings
+            .iter()
+            .map(|m| {
+                (
+                    DpPortmapKey {
+                        host_port: m.host_port.to_be(),
+                        proto: proto_num(m.protocol),
+                        pad: 0,
+                    },
+                    DpPortmapVal {
+                        sandbox_ip: ip,
+                        container_port: m.container_port.to_be(),
+                        pad: 0,
+                    },
+                )
+            })
+            .collect();
+        for (k, v) in &want {
+            inner
+                .maps
+                .portmap
+                .insert(k, v, 0)
+                .map_err(|e| err("writing the portmap map", e))?;
+        }
+        let wanted: HashSet<DpPortmapKey> = want.iter().map(|(k, _)| *k).collect();
+        for k in inner.portmaps.remove(&ip).unwrap_or_default() {
+            if !wanted.contains(&k) {
+                let _ = inner.maps.portmap.remove(&k);
+            }
+        }
+        inner.portmaps.insert(ip, wanted.into_iter().collect());
+        debug!(
+            sandbox_id = sb.sandbox_id,
+            tap = sb.tap_name,
+            ifindex,
+            "datapath entries written"
+        );
+        Ok(())
+    }
+
+    fn detach(&self, sb: &SandboxPath<'_>) -> Result<(), DatapathError> {
+        let IpAddr::V4(v4) = sb.sandbox_ip else {
+            return Ok(());
+        };
+        let ip = ip_be(v4);
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        let _ = inner.maps.sandboxes.remove(&sb.tap_ifindex);
+        if inner
+            .maps
+            .by_ip
+            .get(&ip, 0)
+            .is_ok_and(|t| t.ifindex == sb.tap_ifindex)
+        {
+            let _ = inner.maps.by_ip.remove(&ip);
+        }
+        let (allow, deny) = inner.policies.remove(&ip).unwrap_or_default();
+        for k in &allow {
+            let _ = inner.maps.allow.remove(k);
+        }
+        for k in &deny {
+            let _ = inner.maps.deny.remove(k);
+        }
+        for k in inner.portmaps.remove(&ip).unwrap_or_default() {
+            // Only if still ours (a port may already be mapped again).
+            if inner
+                .maps
+                .portmap
+                .get(&k, 0)
+                .is_ok_and(|v| v.sandbox_ip == ip)
+            {
+                let _ = inner.maps.portmap.remove(&k);
+            }
+        }
+        let flows = Self::drop_flows(inner, ip);
+        debug!(
+            sandbox_id = sb.sandbox_id,
+            flows, "datapath entries removed"
+        );
+        Ok(())
+    }
+
+    fn maintain(&self) {
+        let now = monotonic_ns();
+        let t = self.node.timeouts;
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        let expired: Vec<(DpCtKey, DpCtVal)> = inner
+            .maps
+            .ct
+            .iter()
+            .flatten()
+            .filter(|(k, v)| {
+                let limit = match (k.proto as i32, v.state) {
+                    (libc::IPPROTO_TCP, DP_TCP_CLOSING) => t.tcp_closing,
+                    (libc::IPPROTO_TCP, _) => t.tcp,
+                    (libc::IPPROTO_UDP, _) => t.udp,
+                    _ => t.icmp,
+                };
+                now.saturating_sub(v.last_seen_ns) > limit.as_nanos() as u64
+            })
+            .collect();
+        for (k, v) in &expired {
+            Self::remove_flow(inner, k, v);
+        }
+        inner.reaped += expired.len() as u64;
+        // Attachment records of TAPs that no longer exist.
+        let gone: Vec<u32> = inner
+            .maps
+            .attached
+            .keys()
+            .flatten()
+            .filter(|i| nix::net::if_::if_indextoname(*i).is_err())
+            .collect();
+        for i in gone {
+            let _ = inner.maps.attached.remove(&i);
+        }
+        if !expired.is_empty() {
+            debug!(flows = expired.len(), "expired flows reaped");
+        }
+    }
+
+    fn checks(&self) -> Vec<Check> {
+        let inner = self.lock();
+        let taps = inner.maps.attached.keys().count();
+        let flows = inner.maps.ct.keys().count();
+        let counters: Vec<String> = Self::counters(&inner)
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(k, n)| format!("{k}={n}"))
+            .collect();
+        let mut checks = vec![(
+            "datapath".to_string(),
+            true,
+            format!(
+                "eBPF: from_guest on {taps} TAPs, {}; {flows} flows, {} reaped; counters: {}",
+                self.attached_node.join(", "),
+                inner.reaped,
+                if counters.is_empty() {
+                    "none".into()
+                } else {
+                    counters.join(" ")
+                }
+            ),
+        )];
+        checks.push((
+            "datapath_pins".to_string(),
+            self.pinned,
+            if self.pinned {
+                let mut s = format!("maps pinned in {}", self.node.pin_dir.display());
+                if !self.recreated.is_empty() {
+                    s.push_str(&format!(
+                        "; recreated (layout changed): {}",
+                        self.recreated.join(", ")
+                    ));
+                }
+                s
+            } else {
+                format!(
+                    "{} is not on bpffs: datapath state will not survive a restart",
+                    self.node.pin_dir.display()
+                )
+            },
+        ));
+        checks.push((
+            "datapath_uplink".to_string(),
+            self.node.uplink.is_some(),
+            match &self.node.uplink {
+                Some((n, _, a)) => format!(
+                    "SNAT to {a} on {n}, ports {}-{}",
+                    self.node.snat_ports.0, self.node.snat_ports.1
+                ),
+                None => "no uplink: egress and port mappings are dropped".into(),
+            },
+        ));
+        checks
+    }
+}

@@ -1,0 +1,171 @@
+//! Map key/value types shared with `ebpf/datapath.h`. Each is `#[repr(C)]`
+//! with explicit padding; sizes are asserted here at compile time and the
+//! pinned maps' key/value sizes are checked against them at load time
+//! (aya does not check a reused pin).
+
+/// Config (array map `config`, one entry).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DpConfig {
+    pub guest_ip: u32,
+    pub gateway_ip: u32,
+    pub host_ip: u32,
+    pub uplink_ip: u32,
+    pub uplink_ifindex: u32,
+    pub gwdev_ifindex: u32,
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+    pub guest_mac: [u8; 6],
+    pub gateway_mac: [u8; 6],
+    pub gwdev_mac: [u8; 6],
+    pub pad: u16,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpSandbox {
+    pub sandbox_ip: u32,
+    pub flags: u32,
+}
+pub const DP_F_INTERNET: u32 = 1;
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpTap {
+    pub ifindex: u32,
+}
+
+/// The data part of an LPM key (aya adds the 4-byte prefix length).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DpPolicyData {
+    pub sandbox_ip: u32,
+    pub dst: u32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DpPortmapKey {
+    pub host_port: u16,
+    pub proto: u8,
+    pub pad: u8,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpPortmapVal {
+    pub sandbox_ip: u32,
+    pub container_port: u16,
+    pub pad: u16,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DpCtKey {
+    pub sandbox_ip: u32,
+    pub remote_ip: u32,
+    pub guest_port: u16,
+    pub remote_port: u16,
+    pub proto: u8,
+    pub pad: [u8; 3],
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpCtVal {
+    pub last_seen_ns: u64,
+    pub nat_port: u16,
+    pub kind: u8,
+    pub state: u8,
+    pub pad: u32,
+}
+pub const DP_CT_SNAT: u8 = 0;
+pub const DP_TCP_CLOSING: u8 = 1;
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DpRevKey {
+    pub remote_ip: u32,
+    pub remote_port: u16,
+    pub nat_port: u16,
+    pub proto: u8,
+    pub pad: [u8; 3],
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpRevVal {
+    pub sandbox_ip: u32,
+    pub guest_port: u16,
+    pub pad: u16,
+}
+
+// SAFETY (for every impl below): each type is #[repr(C)], Copy, made only
+// of integers and byte arrays with explicit padding fields, so every bit
+// pattern is valid and there are no implicit padding bytes.
+unsafe impl aya::Pod for DpConfig {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpSandbox {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpTap {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpPolicyData {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpPortmapKey {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpPortmapVal {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpCtKey {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpCtVal {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpRevKey {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpRevVal {}
+
+// The C side's sizes (ebpf/datapath.h comments); a mismatch fails the build.
+const _: () = {
+    assert!(size_of::<DpConfig>() == 48);
+    assert!(size_of::<DpSandbox>() == 8);
+    assert!(size_of::<DpTap>() == 4);
+    assert!(size_of::<DpPolicyData>() + 4 == 12);
+    assert!(size_of::<DpPortmapKey>() == 4);
+    assert!(size_of::<DpPortmapVal>() == 8);
+    assert!(size_of::<DpCtKey>() == 16);
+    assert!(size_of::<DpCtVal>() == 16);
+    assert!(size_of::<DpRevKey>() == 12);
+    assert!(size_of::<DpRevVal>() == 8);
+};
+
+/// (map name, key size, value size) the loader checks pinned maps against.
+pub const EXPECTED: &[(&str, usize, usize)] = &[
+    ("config", 4, size_of::<DpConfig>()),
+    ("counters", 4, 8),
+    ("sandboxes", 4, size_of::<DpSandbox>()),
+    ("by_ip", 4, size_of::<DpTap>()),
+    ("policy_allow", size_of::<DpPolicyData>() + 4, 1),
+    ("policy_deny", size_of::<DpPolicyData>() + 4, 1),
+    (
+        "portmap",
+        size_of::<DpPortmapKey>(),
+        size_of::<DpPortmapVal>(),
+    ),
+    ("ct", size_of::<DpCtKey>(), size_of::<DpCtVal>()),
+    ("ct_rev", size_of::<DpRevKey>(), size_of::<DpRevVal>()),
+    ("tap_attached", 4, 4),
+];
+
+/// Counter indexes (enum dp_counter).
+pub const COUNTER_NAMES: &[&str] = &[
+    "arp_reply",
+    "spoof_drop",
+    "policy_drop",
+    "snat",
+    "snat_reply",
+    "portmap",
+    "host",
+    "to_sandbox_ip",
+    "no_port",
+    "no_route",
+    "malformed",
+];
