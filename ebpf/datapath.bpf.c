@@ -386,6 +386,12 @@ static __always_inline int forward_out(struct __sk_buff *skb, const struct dp_co
 		};
 		return bpf_redirect_neigh(fib.ifindex, &nh, sizeof(nh), 0);
 	}
+	if (rc == BPF_FIB_LKUP_RET_FWD_DISABLED) {
+		/* IPv4 forwarding is off on the uplink (the agent does not
+		 * change host sysctls): the kernel routes and resolves the
+		 * next hop itself, out of the uplink. */
+		return bpf_redirect_neigh(c->uplink_ifindex, NULL, 0, 0);
+	}
 	count(DP_C_NO_ROUTE);
 	return TC_ACT_SHOT;
 }

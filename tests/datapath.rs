@@ -1,0 +1,393 @@
+//! The eBPF datapath with real packets: smoltcp guests on the far side of
+//! the agent's TAPs (fd from OpenTap), a "world" namespace behind the
+//! node's uplink, the node namespace itself as "the host". Root only.
+
+mod common;
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::time::Duration;
+
+use common::guest::{self, GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_MAC, Guest, RawGuest};
+use common::world::{self, World};
+use common::{Env, mappings, opts, ports, s};
+use zbus::zvariant::Value;
+
+const T: Duration = Duration::from_secs(5);
+
+/// An agent whose uplink is up0 (198.51.100.1) facing the world.
+fn node(args: &[&str]) -> (Env, World) {
+    let mut env = Env::new(args);
+    let world = World::attach_and_restart(&mut env);
+    (env, world)
+}
+
+async fn guest_for(c: &common::Client, id: &str, o: common::Dict) -> (common::Dict, Guest) {
+    let net = c.ensure(id, o).await.unwrap();
+    let fd = c.open_tap(id).await.unwrap();
+    (net, Guest::start_default(fd))
+}
+
+fn counter(checks: &[(String, bool, String)], name: &str) -> u64 {
+    let detail = &checks.iter().find(|c| c.0 == "datapath").unwrap().2;
+    detail
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{name}=")))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_snat_tcp_udp_icmp_for_two_sandboxes_with_the_same_guest_address() {
+    require_root!();
+    let (env, world) = node(&[]);
+    let c = env.client().await;
+    let (_, a) = guest_for(&c, "sbx-a", opts(vec![])).await;
+    let (_, b) = guest_for(&c, "sbx-b", opts(vec![])).await;
+    let tcp = world.tcp_server(8080);
+    let udp = world.udp_echo(5353);
+
+    let (ra, rb) = std::thread::scope(|sc| {
+        let ha = sc.spawn(|| a.tcp_connect_send_recv(tcp, b"from-a", T));
+        let hb = sc.spawn(|| b.tcp_connect_send_recv(tcp, b"from-b", T));
+        (ha.join().unwrap(), hb.join().unwrap())
+    });
+    assert_eq!(ra.unwrap(), b"world:from-a");
+    assert_eq!(rb.unwrap(), b"world:from-b");
+    assert_eq!(a.udp_send_recv(udp, b"ua", T).unwrap(), b"world:ua");
+    assert_eq!(b.udp_send_recv(udp, b"ub", T).unwrap(), b"world:ub");
+    a.ping(world::WORLD_IP, T).unwrap();
+    b.ping(world::WORLD_IP, T).unwrap();
+
+    // The world sees the node's uplink address with ports from the SNAT range.
+    let peers = world.peers(8080);
+    assert_eq!(peers.len(), 2, "{peers:?}");
+    for p in peers.iter().chain(world.peers(5353).iter()) {
+        assert_eq!(p.ip(), std::net::IpAddr::V4(world::NODE_IP), "{p}");
+        assert!((61000..=65535).contains(&p.port()), "{p}");
+    }
+    let (_, checks) = c.health().await;
+    assert!(counter(&checks, "snat") >= 4, "{checks:?}");
+    assert!(counter(&checks, "snat_reply") >= 4, "{checks:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn port_mappings_host_access_and_gateway_traffic() {
+    require_root!();
+    let (env, _world) = node(&[]);
+    let c = env.client().await;
+    let (net_a, a) = guest_for(
+        &c,
+        "pm-a",
+        opts(vec![("port_mappings", ports(&[("tcp", 80, 0, "")]))]),
+    )
+    .await;
+    let (net_b, b) = guest_for(
+        &c,
+        "pm-b",
+        opts(vec![(
+            "port_mappings",
+            ports(&[("tcp", 80, 0, ""), ("udp", 53, 0, "")]),
+        )]),
+    )
+    .await;
+    a.tcp_listen(80).unwrap();
+    b.tcp_listen(80).unwrap();
+    b.udp_echo(53).unwrap();
+    let ha = mappings(&net_a)[0].2;
+    let hb = mappings(&net_b)[0].2;
+    let hb_udp = mappings(&net_b)[1].2;
+
+    // world -> uplink_ip:host_port -> guest:container_port
+    let ns = format!("{}-w", env.ns);
+    let got = world::tcp_exchange_in(&ns, World::node_addr(ha), b"x", T).unwrap();
+    assert_eq!(got, b"guest:80");
+    let got = world::tcp_exchange_in(&ns, World::node_addr(hb), b"x", T).unwrap();
+    assert_eq!(got, b"guest:80");
+    let got = world::udp_exchange_in(&ns, World::node_addr(hb_udp), b"dns?", T).unwrap();
+    assert_eq!(got, b"dns?");
+
+    // host -> sandbox IP reaches the guest (source rewritten to the gateway).
+    let ip_a: Ipv4Addr = s(&net_a, "sandbox_ip").parse().unwrap();
+    let got = world::tcp_exchange_in(&env.ns, SocketAddrV4::new(ip_a, 80), b"x", T).unwrap();
+    assert_eq!(got, b"guest:80");
+
+    // guest -> gateway (169.254.68.5) reaches the host's own services.
+    let host = world::Server::tcp(
+        &env.ns,
+        SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 7070),
+        b"host:",
+    );
+    let got = a
+        .tcp_connect_send_recv(SocketAddrV4::new(GATEWAY_IP, 7070), b"hi", T)
+        .unwrap();
+    assert_eq!(got, b"host:hi");
+    let peers = host.peers();
+    assert_eq!(
+        peers[0].ip(),
+        std::net::IpAddr::V4(ip_a),
+        "the host sees the sandbox IP"
+    );
+
+    // A changed mapping takes effect: a's port moves to an explicit one.
+    c.ensure(
+        "pm-a",
+        opts(vec![("port_mappings", ports(&[("tcp", 80, 28080, "")]))]),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        world::tcp_exchange_in(&ns, World::node_addr(28080), b"x", T).unwrap(),
+        b"guest:80"
+    );
+    assert!(
+        world::tcp_exchange_in(&ns, World::node_addr(ha), b"x", Duration::from_secs(1)).is_err()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_policy_and_changes_apply_to_new_flows() {
+    require_root!();
+    let (env, world) = node(&[]);
+    let c = env.client().await;
+    let tcp = world.tcp_server(9090);
+    let host = world::Server::tcp(
+        &env.ns,
+        SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 7071),
+        b"host:",
+    );
+    let gw = SocketAddrV4::new(GATEWAY_IP, 7071);
+    let short = Duration::from_millis(1500);
+
+    // No internet: only the gateway.
+    let (_, g) = guest_for(
+        &c,
+        "pol",
+        opts(vec![("allow_internet_access", Value::from(false))]),
+    )
+    .await;
+    assert!(
+        g.tcp_connect_send_recv(tcp, b"x", short).is_err(),
+        "internet blocked"
+    );
+    assert_eq!(g.tcp_connect_send_recv(gw, b"g", T).unwrap(), b"host:g");
+
+    // deny_out the world's /24: blocked; the gateway still works.
+    let deny = || Value::from(vec!["198.51.100.0/24".to_string()]);
+    c.ensure("pol", opts(vec![("deny_out", deny())]))
+        .await
+        .unwrap();
+    assert!(g.tcp_connect_send_recv(tcp, b"x", short).is_err(), "denied");
+    // allow beats deny.
+    c.ensure(
+        "pol",
+        opts(vec![
+            ("deny_out", deny()),
+            ("allow_out", Value::from(vec!["198.51.100.2".to_string()])),
+        ]),
+    )
+    .await
+    .unwrap();
+    assert_eq!(g.tcp_connect_send_recv(tcp, b"ok", T).unwrap(), b"world:ok");
+    // Back to defaults: open again.
+    c.ensure("pol", opts(vec![])).await.unwrap();
+    assert_eq!(
+        g.tcp_connect_send_recv(tcp, b"ok2", T).unwrap(),
+        b"world:ok2"
+    );
+    drop(host);
+    let (_, checks) = c.health().await;
+    assert!(counter(&checks, "policy_drop") >= 2, "{checks:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_arp_and_hostile_guest_traffic() {
+    require_root!();
+    let (env, world) = node(&[]);
+    let c = env.client().await;
+    c.ensure("evil", opts(vec![])).await.unwrap();
+    let raw = RawGuest::new(c.open_tap("evil").await.unwrap());
+    std::thread::sleep(Duration::from_millis(30));
+
+    // Proxy ARP: the gateway and any other address answer with the gateway MAC.
+    for target in [GATEWAY_IP, Ipv4Addr::new(10, 1, 2, 3)] {
+        let arp = raw
+            .arp(target, T)
+            .unwrap_or_else(|| panic!("no ARP reply for {target}"));
+        assert_eq!(arp.op, guest::ARP_REPLY);
+        assert_eq!(arp.sender_mac, GATEWAY_MAC);
+        assert_eq!(arp.sender_ip, target);
+        assert_eq!(arp.target_mac, GUEST_MAC);
+        assert_eq!(arp.eth_dst, GUEST_MAC);
+    }
+    // No answer for the guest's own address (duplicate address detection).
+    assert!(raw.arp(GUEST_IP, Duration::from_millis(300)).is_none());
+
+    let udp = world.udp_echo(5454);
+    let good_src = SocketAddrV4::new(GUEST_IP, 40000);
+    // Control: a well-formed datagram reaches the world.
+    raw.send(&guest::udp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        good_src,
+        udp,
+        b"ok",
+    ))
+    .unwrap();
+    // Spoofed source MAC, spoofed source IP, a frame addressed to another
+    // MAC (a guest trying to reach another guest directly).
+    let evil_mac = [0x02, 0, 0, 0, 0, 0x66];
+    raw.send(&guest::udp_frame(
+        evil_mac,
+        GATEWAY_MAC,
+        good_src,
+        udp,
+        b"spoof-mac",
+    ))
+    .unwrap();
+    raw.send(&guest::udp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        SocketAddrV4::new(Ipv4Addr::new(169, 254, 68, 9), 40001),
+        udp,
+        b"spoof-ip",
+    ))
+    .unwrap();
+    raw.send(&guest::udp_frame(
+        GUEST_MAC,
+        GUEST_MAC,
+        good_src,
+        udp,
+        b"to-other-guest",
+    ))
+    .unwrap();
+    // Malformed: truncated IP header, bad IHL, a fragment, garbage ethertype, runt.
+    let mut trunc = guest::udp_frame(GUEST_MAC, GATEWAY_MAC, good_src, udp, b"t");
+    trunc.truncate(20);
+    raw.send(&trunc).unwrap();
+    let mut bad_ihl = guest::udp_frame(GUEST_MAC, GATEWAY_MAC, good_src, udp, b"ihl");
+    bad_ihl[14] = 0x42;
+    raw.send(&bad_ihl).unwrap();
+    let mut frag = guest::udp_frame(GUEST_MAC, GATEWAY_MAC, good_src, udp, b"frag");
+    frag[20] = 0x20; // MF
+    raw.send(&frag).unwrap();
+    let mut weird = guest::udp_frame(GUEST_MAC, GATEWAY_MAC, good_src, udp, b"w");
+    weird[12] = 0x88;
+    weird[13] = 0xb5;
+    raw.send(&weird).unwrap();
+    let _ = raw.send(&[0u8; 10]);
+    std::thread::sleep(Duration::from_millis(500));
+
+    let peers = world.peers(5454);
+    assert_eq!(
+        peers.len(),
+        1,
+        "only the well-formed datagram arrives: {peers:?}"
+    );
+    let (_, checks) = c.health().await;
+    assert!(counter(&checks, "spoof_drop") >= 3, "{checks:?}");
+    assert!(counter(&checks, "malformed") >= 1, "{checks:?}");
+    // Nothing crashed: the agent answers and a real guest still works.
+    drop(raw);
+    let g = Guest::start_default(c.open_tap("evil").await.unwrap());
+    let tcp = world.tcp_server(9191);
+    assert_eq!(
+        g.tcp_connect_send_recv(tcp, b"still", T).unwrap(),
+        b"world:still"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn datapath_works_while_the_agent_is_down_and_after_restart() {
+    require_root!();
+    let (mut env, world) = node(&[]);
+    let c = env.client().await;
+    let (net, g) = guest_for(
+        &c,
+        "cont",
+        opts(vec![("port_mappings", ports(&[("tcp", 80, 0, "")]))]),
+    )
+    .await;
+    g.tcp_listen(80).unwrap();
+    let host_port = mappings(&net)[0].2;
+    let tcp = world.tcp_server(9292);
+    let ns_w = world.ns.clone();
+    assert_eq!(
+        g.tcp_connect_send_recv(tcp, b"before", T).unwrap(),
+        b"world:before"
+    );
+
+    env.kill_agent();
+    // Agent dead: existing state keeps forwarding, new flows included.
+    assert_eq!(
+        g.tcp_connect_send_recv(tcp, b"down", T).unwrap(),
+        b"world:down"
+    );
+    assert_eq!(
+        world::tcp_exchange_in(&ns_w, World::node_addr(host_port), b"x", T).unwrap(),
+        b"guest:80"
+    );
+
+    env.start_agent();
+    let c = env.client().await;
+    assert_eq!(
+        g.tcp_connect_send_recv(tcp, b"after", T).unwrap(),
+        b"world:after"
+    );
+    assert_eq!(
+        world::tcp_exchange_in(&ns_w, World::node_addr(host_port), b"y", T).unwrap(),
+        b"guest:80"
+    );
+    // The same guest fd kept working: the TAP was never reopened.
+    let (_, checks) = c.health().await;
+    let dp = checks.iter().find(|c| c.0 == "datapath_pins").unwrap();
+    assert!(dp.1, "{dp:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_clears_the_datapath_before_the_tap_is_reused() {
+    require_root!();
+    // One pool TAP, so the released TAP is the next sandbox's TAP.
+    let (env, world) = node(&["--warm-pool", "1"]);
+    let c = env.client().await;
+    let tcp = world.tcp_server(9393);
+    let (net, g) = guest_for(
+        &c,
+        "old",
+        opts(vec![("port_mappings", ports(&[("tcp", 80, 27777, "")]))]),
+    )
+    .await;
+    g.tcp_listen(80).unwrap();
+    assert_eq!(g.tcp_connect_send_recv(tcp, b"o", T).unwrap(), b"world:o");
+    let old_ifindex = u32::try_from(net["tap_ifindex"].try_clone().unwrap())
+        .map(|i: u32| i)
+        .unwrap_or(0);
+    drop(g);
+    assert!(c.release("old").await.unwrap());
+    // The old mapping is gone at once.
+    let ns_w = world.ns.clone();
+    assert!(
+        world::tcp_exchange_in(&ns_w, World::node_addr(27777), b"x", Duration::from_secs(1))
+            .is_err()
+    );
+
+    // The next sandbox gets a TAP from the pool, with its own (strict) policy.
+    let (net2, g2) = guest_for(
+        &c,
+        "new",
+        opts(vec![("allow_internet_access", Value::from(false))]),
+    )
+    .await;
+    let _ = old_ifindex;
+    assert!(
+        g2.tcp_connect_send_recv(tcp, b"n", Duration::from_millis(1500))
+            .is_err(),
+        "new policy, not the old one"
+    );
+    assert!(!mappings(&net2).iter().any(|m| m.2 == 27777));
+    let (_, checks) = c.health().await;
+    let dp = &checks.iter().find(|c| c.0 == "datapath").unwrap().2;
+    assert!(
+        dp.contains(" 0 flows") || !dp.contains("flows"),
+        "flows of the released sandbox remain: {dp}"
+    );
+}
