@@ -10,6 +10,10 @@
  *  to_sandbox_ip  egress of the gateway device (cube-dev): host -> sandbox
  *                 IP is rewritten to the guest address (source: the
  *                 gateway) and redirected to the TAP.
+ *  from_host      egress of lo: the host's own connections to
+ *                 127.x.y.z:host_port or uplink_ip:host_port of a port
+ *                 mapping are rewritten to the guest (source: the gateway)
+ *                 and redirected to its TAP; replies go back into lo.
  *
  * State lives in maps pinned by name, keyed by things that survive an agent
  * restart: TAP ifindex (a persistent TAP keeps it), sandbox IP, ports.
@@ -55,6 +59,7 @@ struct arphdr {
 #define IP_CSUM_OFF (ETH_HLEN + __builtin_offsetof(struct iphdr, check))
 #define IP_SRC_OFF (ETH_HLEN + __builtin_offsetof(struct iphdr, saddr))
 #define IP_DST_OFF (ETH_HLEN + __builtin_offsetof(struct iphdr, daddr))
+#define LOOPBACK_IFINDEX 1 /* lo is ifindex 1 in every network namespace */
 #define IP_MF 0x2000
 #define IP_OFFSET 0x1fff
 
@@ -332,6 +337,36 @@ static __always_inline int guest_to_host(struct __sk_buff *skb, const struct dp_
 	return bpf_redirect(c->gwdev_ifindex, BPF_F_INGRESS);
 }
 
+/* The guest answering a connection the host made through lo (see
+ * from_host): back to the address and port the host dialled, into lo.
+ * Returns -1 when the packet is not such a reply. */
+static __always_inline int local_reply(struct __sk_buff *skb, const struct dp_config *c,
+				       const struct dp_sandbox *sb, const struct iphdr *ip,
+				       const struct l4info *l4)
+{
+	if (l4->frag || (l4->proto != IPPROTO_TCP && l4->proto != IPPROTO_UDP))
+		return -1;
+	struct dp_ct_key key = {
+		.sandbox_ip = sb->sandbox_ip,
+		.remote_ip = c->gateway_ip,
+		.guest_port = l4->sport,
+		.remote_port = l4->dport,
+		.proto = l4->proto,
+	};
+	struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
+	if (!v || v->kind != DP_CT_LOCAL)
+		return -1;
+	touch(v, l4);
+	__u32 addr = v->local_addr;
+	__u16 port = v->nat_port;
+	__u8 zero[6] = {};
+	if (set_addr(skb, IP_SRC_OFF, ip->saddr, addr, l4) ||
+	    set_addr(skb, IP_DST_OFF, ip->daddr, addr, l4) ||
+	    set_port(skb, src_port_off(l4), l4->sport, port, l4) || set_macs(skb, zero, zero))
+		return TC_ACT_SHOT;
+	return bpf_redirect(LOOPBACK_IFINDEX, BPF_F_INGRESS);
+}
+
 /* Picks a free SNAT port for the flow (a few probes from a hash of it). */
 static __always_inline int snat_alloc(const struct dp_config *c, const struct dp_ct_key *key,
 				      __u16 *nat_port)
@@ -486,8 +521,12 @@ int from_guest(struct __sk_buff *skb)
 		count(DP_C_SPOOF_DROP);
 		return TC_ACT_SHOT;
 	}
-	if (ip.daddr == c->gateway_ip)
+	if (ip.daddr == c->gateway_ip) {
+		int rc = local_reply(skb, c, sb, &ip, &l4);
+		if (rc >= 0)
+			return rc;
 		return guest_to_host(skb, c, sb, &ip, &l4);
+	}
 	return guest_to_world(skb, c, sb, &ip, &l4);
 }
 
@@ -596,5 +635,56 @@ int to_sandbox_ip(struct __sk_buff *skb)
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
 	count(DP_C_TO_SANDBOX_IP);
+	return bpf_redirect(tap->ifindex, 0);
+}
+
+SEC("classifier")
+int from_host(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!c)
+		return TC_ACT_OK;
+	struct ethhdr eth;
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) || eth.h_proto != bpf_htons(ETH_P_IP))
+		return TC_ACT_OK;
+	struct iphdr ip;
+	struct l4info l4;
+	if (parse_ipv4(skb, &ip, &l4) || l4.frag ||
+	    (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP))
+		return TC_ACT_OK;
+	/* 127.0.0.0/8 (first byte in network order) or the uplink address. */
+	if ((ip.daddr & 0xff) != 127 && !(c->uplink_ip && ip.daddr == c->uplink_ip))
+		return TC_ACT_OK;
+	struct dp_portmap_key pk = {.host_port = l4.dport, .proto = l4.proto};
+	struct dp_portmap_val *pm = bpf_map_lookup_elem(&portmap, &pk);
+	if (!pm)
+		return TC_ACT_OK;
+	__u32 sandbox_ip = pm->sandbox_ip;
+	__u16 container_port = pm->container_port;
+	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
+	if (!tap)
+		return TC_ACT_OK;
+	struct dp_ct_key key = {
+		.sandbox_ip = sandbox_ip,
+		.remote_ip = c->gateway_ip,
+		.guest_port = container_port,
+		.remote_port = l4.sport,
+		.proto = l4.proto,
+	};
+	struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
+	if (v) {
+		touch(v, &l4);
+	} else {
+		struct dp_ct_val nv = {.nat_port = l4.dport, .kind = DP_CT_LOCAL,
+				       .local_addr = ip.daddr};
+		touch(&nv, &l4);
+		bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
+	}
+	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
+	    set_addr(skb, IP_SRC_OFF, ip.saddr, c->gateway_ip, &l4) ||
+	    set_port(skb, dst_port_off(&l4), l4.dport, container_port, &l4) ||
+	    set_macs(skb, c->guest_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	count(DP_C_LOCAL);
 	return bpf_redirect(tap->ifindex, 0);
 }

@@ -65,12 +65,13 @@ struct dp_ct_key {
 struct dp_ct_val {
 	__u64 last_seen_ns;    /* bpf_ktime_get_ns */
 	__u16 nat_port;        /* SNAT port / echo id, or the mapped host port */
-	__u8 kind;             /* DP_CT_SNAT or DP_CT_PORTMAP */
+	__u8 kind;             /* DP_CT_* */
 	__u8 state;            /* DP_TCP_* */
-	__u32 pad;
+	__u32 local_addr;      /* DP_CT_LOCAL: the address the host dialled */
 }; /* 16 bytes */
 #define DP_CT_SNAT 0
 #define DP_CT_PORTMAP 1
+#define DP_CT_LOCAL 2     /* host -> 127.x / uplink IP : host port, via lo */
 #define DP_TCP_OPEN 0
 #define DP_TCP_CLOSING 1  /* FIN or RST seen */
 
@@ -101,6 +102,7 @@ enum dp_counter {
 	DP_C_NO_PORT,
 	DP_C_NO_ROUTE,
 	DP_C_MALFORMED,
+	DP_C_LOCAL,
 	DP_C_MAX,
 };
 

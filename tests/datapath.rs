@@ -106,6 +106,22 @@ async fn port_mappings_host_access_and_gateway_traffic() {
     let got = world::udp_exchange_in(&ns, World::node_addr(hb_udp), b"dns?", T).unwrap();
     assert_eq!(got, b"dns?");
 
+    // The host itself, through loopback or its own uplink address, reaches
+    // the mapped port too (TCP and UDP).
+    let got = world::tcp_exchange_in(&env.ns, SocketAddrV4::new(Ipv4Addr::LOCALHOST, ha), b"x", T)
+        .unwrap();
+    assert_eq!(got, b"guest:80");
+    let got = world::tcp_exchange_in(&env.ns, World::node_addr(hb), b"x", T).unwrap();
+    assert_eq!(got, b"guest:80");
+    let got = world::udp_exchange_in(
+        &env.ns,
+        SocketAddrV4::new(Ipv4Addr::LOCALHOST, hb_udp),
+        b"q",
+        T,
+    )
+    .unwrap();
+    assert_eq!(got, b"q");
+
     // host -> sandbox IP reaches the guest (source rewritten to the gateway).
     let ip_a: Ipv4Addr = s(&net_a, "sandbox_ip").parse().unwrap();
     let got = world::tcp_exchange_in(&env.ns, SocketAddrV4::new(ip_a, 80), b"x", T).unwrap();

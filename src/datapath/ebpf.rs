@@ -34,6 +34,10 @@ use crate::alloc::Protocol;
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/datapath.bpf.o"));
 
 const FILTER_PRIORITY: u16 = 1;
+const LO_SYSCTLS: [&str; 2] = [
+    "/proc/sys/net/ipv4/conf/lo/route_localnet",
+    "/proc/sys/net/ipv4/conf/lo/accept_local",
+];
 const FILTER_HANDLE: TcHandle = TcHandle::new(0, 1);
 
 /// Idle timeouts of flows (the reaper frees them; LRU maps also evict
@@ -189,6 +193,8 @@ pub struct EbpfDatapath {
     attached_node: Vec<String>,
     pinned: bool,
     recreated: Vec<String>,
+    /// Whether host -> 127.x:host_port mappings can work.
+    localnet: Result<(), String>,
 }
 
 impl EbpfDatapath {
@@ -210,7 +216,7 @@ impl EbpfDatapath {
         let mut bpf = loader
             .load(OBJECT)
             .map_err(|e| err("loading the eBPF object", crate::error_chain(&e)))?;
-        for prog in ["from_guest", "from_uplink", "to_sandbox_ip"] {
+        for prog in ["from_guest", "from_uplink", "to_sandbox_ip", "from_host"] {
             let p: &mut SchedClassifier = bpf
                 .program_mut(prog)
                 .ok_or_else(|| err("finding the program", prog))?
@@ -265,6 +271,17 @@ impl EbpfDatapath {
             TcAttachType::Egress,
         )?;
         attached_node.push(format!("to_sandbox_ip on {} egress", node.gwdev_name));
+        attach(&mut bpf, "from_host", "lo", TcAttachType::Egress)?;
+        attached_node.push("from_host on lo egress".into());
+        // Replies to the host's own connections to 127.x:host_port are
+        // redirected into lo as fresh packets that need a route lookup:
+        // the kernel treats a 127/8 destination (route_localnet) and a
+        // local source address (accept_local) as martian unless allowed.
+        // Only lo is changed: packets arriving on lo are local by
+        // construction.
+        let localnet = LO_SYSCTLS.iter().try_for_each(|path| {
+            std::fs::write(path, "1").map_err(|e| format!("cannot set {path}: {e}"))
+        });
         if let Some((name, _, _)) = &node.uplink {
             attach(&mut bpf, "from_uplink", name, TcAttachType::Ingress)?;
             attached_node.push(format!("from_uplink on {name} ingress"));
@@ -295,6 +312,7 @@ impl EbpfDatapath {
             attached_node,
             pinned,
             recreated,
+            localnet,
         })
     }
 
@@ -634,6 +652,14 @@ impl Datapath for EbpfDatapath {
                     "{} is not on bpffs: datapath state will not survive a restart",
                     self.node.pin_dir.display()
                 )
+            },
+        ));
+        checks.push((
+            "datapath_loopback".to_string(),
+            self.localnet.is_ok(),
+            match &self.localnet {
+                Ok(()) => "host -> 127.0.0.1:host_port mappings enabled (lo: route_localnet=1 accept_local=1)".into(),
+                Err(e) => format!("host -> 127.0.0.1:host_port mappings unavailable: {e}"),
             },
         ));
         checks.push((

@@ -77,7 +77,7 @@ pub struct DpCtVal {
     pub nat_port: u16,
     pub kind: u8,
     pub state: u8,
-    pub pad: u32,
+    pub local_addr: u32,
 }
 pub const DP_CT_SNAT: u8 = 0;
 pub const DP_TCP_CLOSING: u8 = 1;
@@ -168,4 +168,5 @@ pub const COUNTER_NAMES: &[&str] = &[
     "no_port",
     "no_route",
     "malformed",
+    "local",
 ];

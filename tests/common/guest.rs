@@ -692,9 +692,8 @@ impl Worker {
             ) {
                 c.peer_closed = true;
             }
-            let result = if c.opts.max_bytes.is_some_and(|n| c.rx.len() >= n) {
-                Some(Ok(()))
-            } else if c.peer_closed && !s.can_recv() {
+            let enough = c.opts.max_bytes.is_some_and(|n| c.rx.len() >= n);
+            let result = if enough || (c.peer_closed && !s.can_recv()) {
                 Some(Ok(()))
             } else if state == tcp::State::Closed {
                 Some(Err(if c.established {

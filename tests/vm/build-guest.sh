@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# Builds the guest for tests/vm/run.sh: a stock Debian kernel and a
+# busybox-static initramfs, cached under $CNA_VM_CACHE
+# (default /var/cache/cube-network-agent-test-vm). Prints the cache
+# directory on its last line of stdout.
+#
+# Debian packages (installed here if missing; needs root):
+#   qemu-system-x86 busybox-static
+# plus python3 and curl, which run.sh uses on the host side.
+#
+# Outputs in the cache directory:
+#   vmlinux            uncompressed ELF kernel with the PVH entry note:
+#                      `qemu -kernel vmlinux` boots it directly, skipping
+#                      the real-mode setup and the xz decompression
+#                      (about 2 s faster under TCG than the bzImage)
+#   initramfs.cpio.gz  busybox + virtio-net modules + /init (below)
+#   kernel-version     the kernel release the modules belong to
+#
+# The kernel (a ~70 MB .deb, `apt-get download`ed, never installed) is
+# fetched once; the initramfs is rebuilt whenever this script is newer
+# than it (about a second).
+#
+# The guest's /init: mounts proc/sys/dev, loads virtio-net, configures
+# eth0 as 169.254.68.6/30 (MTU 1300, default route via 169.254.68.5),
+# writes /www/index.html (a marker) and /www/big.bin (2 MiB of random
+# bytes, CNA_BIG bytes if cna.big=N is on the command line), starts
+# `httpd -p 80 -h /www` (with /cgi-bin/sum: md5sum + size of a POST body)
+# and prints marker lines on the serial console:
+#   GUEST-KERNEL-UP, GUEST-NET-UP, GUEST-BIG size=N md5=M,
+#   GUEST-CHECK <name> rc=<exit code> <facts...>  (one per guest-side check)
+#   GUEST-DONE
+# The guest-side checks need cna.world=HOST:PORT on the kernel command
+# line (a web server with /index.html, /big.bin and POST /upload answering
+# "<size> <md5>"): small GET, large GET (GSO towards the guest), large
+# POST (TSO from the guest), ICMP echo. Without it the guest only serves.
+# After GUEST-DONE it keeps serving until QEMU is killed.
+set -euo pipefail
+
+CACHE=${CNA_VM_CACHE:-/var/cache/cube-network-agent-test-vm}
+SELF=$(readlink -f "${BASH_SOURCE[0]}")
+MODULES="virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci failover net_failover virtio_net"
+
+need=()
+command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
+[ -x /bin/busybox ] && /bin/busybox --list >/dev/null 2>&1 || need+=(busybox-static)
+if [ ${#need[@]} -gt 0 ]; then
+    echo "build-guest: installing ${need[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends "${need[@]}" >&2 ||
+        { apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends "${need[@]}" >&2; }
+fi
+# busybox must be static: it runs in a guest with no libc.
+if ldd /bin/busybox >/dev/null 2>&1; then
+    echo "build-guest: /bin/busybox is dynamically linked; install busybox-static" >&2
+    exit 1
+fi
+
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.lock"
+flock 9
+
+# --- kernel ---------------------------------------------------------------
+if [ ! -s "$CACHE/vmlinux" ] || [ ! -d "$CACHE/kernel/lib/modules" ]; then
+    echo "build-guest: fetching the Debian kernel" >&2
+    PKG=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+    [ -n "$PKG" ] || { echo "build-guest: no linux-image-amd64 dependency found (apt-get update?)" >&2; exit 1; }
+    D=$(mktemp -d "$CACHE/dl.XXXXXX")
+    chmod 777 "$D"   # apt-get download runs as _apt
+    (cd "$D" && apt-get download "$PKG" >&2) ||
+        { apt-get update -qq >&2 && (cd "$D" && apt-get download "$PKG" >&2); }
+    rm -rf "$CACHE/kernel"
+    mkdir -p "$CACHE/kernel"
+    # Only what we need: the bzImage and the virtio modules.
+    dpkg-deb --fsys-tarfile "$D"/"$PKG"_*.deb |
+        tar -x -C "$CACHE/kernel" --wildcards './boot/vmlinuz-*' './lib/modules/*/kernel/drivers/virtio/*' \
+            './lib/modules/*/kernel/drivers/net/virtio_net.ko' './lib/modules/*/kernel/drivers/net/net_failover.ko' \
+            './lib/modules/*/kernel/net/core/failover.ko' 2>/dev/null ||
+        dpkg-deb -x "$D"/"$PKG"_*.deb "$CACHE/kernel"
+    rm -rf "$D"
+    python3 - "$CACHE/kernel"/boot/vmlinuz-* "$CACHE/vmlinux.tmp" <<'PY'
+import lzma, sys
+d = open(sys.argv[1], 'rb').read()
+i = d.find(b'\xfd7zXZ\x00')
+if i < 0:
+    sys.exit("no xz payload in " + sys.argv[1])
+open(sys.argv[2], 'wb').write(lzma.LZMADecompressor(format=lzma.FORMAT_XZ).decompress(d[i:]))
+PY
+    mv "$CACHE/vmlinux.tmp" "$CACHE/vmlinux"
+    ls "$CACHE/kernel/lib/modules" >"$CACHE/kernel-version"
+fi
+KVER=$(cat "$CACHE/kernel-version")
+
+# --- initramfs --------------------------------------------------------------
+if [ ! -s "$CACHE/initramfs.cpio.gz" ] || [ "$SELF" -nt "$CACHE/initramfs.cpio.gz" ]; then
+    R=$(mktemp -d)
+    trap 'rm -rf "$R"' EXIT
+    mkdir -p "$R"/{bin,sbin,proc,sys,dev,tmp,www/cgi-bin,lib/modules,etc}
+    cp /bin/busybox "$R/bin/busybox"
+    for m in $MODULES; do
+        f=$(find "$CACHE/kernel/lib/modules/$KVER" -name "$m.ko" | head -1)
+        # Built in on some kernels; /init ignores a missing module.
+        [ -n "$f" ] && cp "$f" "$R/lib/modules/"
+    done
+    cat >"$R/www/cgi-bin/sum" <<'CGI'
+#!/bin/sh
+# POST body -> "<size> <md5>"
+printf 'Content-Type: text/plain\r\n\r\n'
+head -c "${CONTENT_LENGTH:-0}" >/tmp/upload
+echo "$(wc -c </tmp/upload) $(md5sum </tmp/upload | cut -d' ' -f1)"
+rm -f /tmp/upload
+CGI
+    chmod +x "$R/www/cgi-bin/sum"
+    cat >"$R/init" <<INIT
+#!/bin/busybox sh
+MODULES="$MODULES"
+INIT
+    cat >>"$R/init" <<'INIT'
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+for m in $MODULES; do [ -e /lib/modules/$m.ko ] && insmod /lib/modules/$m.ko 2>/dev/null; done
+echo "GUEST-KERNEL-UP uptime=$(cut -d' ' -f1 /proc/uptime)"
+WORLD= BIG=2097152
+for a in $(cat /proc/cmdline); do
+    case $a in
+    cna.world=*) WORLD=${a#cna.world=} ;;
+    cna.big=*) BIG=${a#cna.big=} ;;
+    esac
+done
+i=0
+while [ ! -e /sys/class/net/eth0 ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
+ip link set lo up
+ip link set eth0 mtu 1300
+ip addr add 169.254.68.6/30 dev eth0
+ip link set eth0 up
+ip route add default via 169.254.68.5
+echo "cna-vm-guest-marker" >/www/index.html
+head -c "$BIG" /dev/urandom >/www/big.bin
+httpd -p 80 -h /www
+echo "GUEST-NET-UP uptime=$(cut -d' ' -f1 /proc/uptime)"
+echo "GUEST-BIG size=$(wc -c </www/big.bin) md5=$(md5sum </www/big.bin | cut -d' ' -f1)"
+echo "GUEST-OFFLOAD $(cat /sys/class/net/eth0/features 2>/dev/null) mtu=$(cat /sys/class/net/eth0/mtu)"
+if [ -n "$WORLD" ]; then
+    H=${WORLD%:*}
+    # small GET (also the first packets: ARP for the gateway, SNAT setup)
+    r=1; for t in 1 2 3; do
+        timeout 10 wget -q -O /tmp/small "http://$WORLD/index.html" && { r=0; break; }; sleep 0.5
+    done
+    echo "GUEST-CHECK egress-get-small rc=$r body=$(head -c 64 /tmp/small 2>/dev/null | tr -c 'a-zA-Z0-9.:-' _)"
+    # large GET: the world sends bulk data, TCP segments towards the guest
+    timeout 30 wget -q -O /tmp/big "http://$WORLD/big.bin"; r=$?
+    echo "GUEST-CHECK egress-get-large rc=$r size=$(wc -c </tmp/big) md5=$(md5sum </tmp/big | cut -d' ' -f1)"
+    rm -f /tmp/big
+    # large POST: the guest sends bulk data (TSO / partial checksums on the TAP)
+    timeout 30 wget -q -O /tmp/up --post-file /www/big.bin "http://$WORLD/upload"; r=$?
+    echo "GUEST-CHECK egress-post-large rc=$r got=$(tr ' ' / </tmp/up 2>/dev/null)"
+    ping -c 1 -W 3 "$H" >/tmp/ping 2>&1; r=$?
+    echo "GUEST-CHECK egress-ping rc=$r"
+fi
+echo "GUEST-DONE uptime=$(cut -d' ' -f1 /proc/uptime)"
+while :; do sleep 3600; done
+INIT
+    chmod +x "$R/init"
+    (cd "$R" && find . | /bin/busybox cpio -o -H newc 2>/dev/null | gzip -1) >"$CACHE/initramfs.cpio.gz.tmp"
+    mv "$CACHE/initramfs.cpio.gz.tmp" "$CACHE/initramfs.cpio.gz"
+fi
+echo "$CACHE"
