@@ -151,7 +151,7 @@ fn check_pins(dir: &Path) -> Vec<String> {
 
 fn is_bpffs(dir: &Path) -> bool {
     const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
-    nix::sys::statfs::statfs(dir).is_ok_and(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+    nix::sys::statfs::statfs(dir).is_ok_and(|s| s.filesystem_type().0 == BPF_FS_MAGIC)
 }
 
 struct Maps {
@@ -177,11 +177,14 @@ fn take<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
     T::try_from(map).map_err(|e| err("opening a map", format!("{name}: {e}")))
 }
 
+/// (allow, deny) LPM keys installed for one sandbox.
+type PolicyKeys = (Vec<Key<DpPolicyData>>, Vec<Key<DpPolicyData>>);
+
 struct Inner {
     bpf: Ebpf,
     maps: Maps,
     /// sandbox ip -> policy keys installed for it (allow, deny).
-    policies: StdHashMap<u32, (Vec<Key<DpPolicyData>>, Vec<Key<DpPolicyData>>)>,
+    policies: StdHashMap<u32, PolicyKeys>,
     /// sandbox ip -> port-map keys installed for it.
     portmaps: StdHashMap<u32, Vec<DpPortmapKey>>,
     reaped: u64,
@@ -287,8 +290,7 @@ impl EbpfDatapath {
             attached_node.push(format!("from_uplink on {name} ingress"));
         }
         // Rebuild the per-sandbox indexes from the (possibly pinned) maps.
-        let mut policies: StdHashMap<u32, (Vec<Key<DpPolicyData>>, Vec<Key<DpPolicyData>>)> =
-            StdHashMap::new();
+        let mut policies: StdHashMap<u32, PolicyKeys> = StdHashMap::new();
         for k in maps.allow.keys().flatten() {
             policies.entry(k.data().sandbox_ip).or_default().0.push(k);
         }

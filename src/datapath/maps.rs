@@ -100,9 +100,10 @@ pub struct DpRevVal {
     pub pad: u16,
 }
 
-// SAFETY (for every impl below): each type is #[repr(C)], Copy, made only
-// of integers and byte arrays with explicit padding fields, so every bit
-// pattern is valid and there are no implicit padding bytes.
+// Each type below is #[repr(C)], Copy, made only of integers and byte
+// arrays with explicit padding fields, so every bit pattern is valid and
+// there are no implicit padding bytes (the sizes are asserted below).
+// SAFETY: see above.
 unsafe impl aya::Pod for DpConfig {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpSandbox {}
