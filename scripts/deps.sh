@@ -2,9 +2,10 @@
 # Installs the Debian packages the agent and its tests need, if missing:
 # dbus-daemon (private and system buses), iproute2 (namespaces, links),
 # systemd (busctl), clang-19 + libbpf-dev (eBPF build, checked
-# reproducible in CI). Idempotent; needs root.
+# reproducible in CI), qemu-system-x86 + busybox-static + tcpdump (the
+# real-kernel guest test in tests/vm). Idempotent; needs root.
 set -euo pipefail
-want=(dbus-daemon iproute2 systemd clang-19 libbpf-dev)
+want=(dbus-daemon iproute2 systemd clang-19 libbpf-dev qemu-system-x86 busybox-static tcpdump)
 missing=()
 for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

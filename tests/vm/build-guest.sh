@@ -24,7 +24,8 @@
 # eth0 as 169.254.68.6/30 (MTU 1300, default route via 169.254.68.5),
 # writes /www/index.html (a marker) and /www/big.bin (2 MiB of random
 # bytes, CNA_BIG bytes if cna.big=N is on the command line), starts
-# `httpd -p 80 -h /www` (with /cgi-bin/sum: md5sum + size of a POST body)
+# `httpd -p 80 -h /www` (with /cgi-bin/sum: md5sum + size of a POST body;
+# /cgi-bin/snmp: /proc/net/snmp)
 # and prints marker lines on the serial console:
 #   GUEST-KERNEL-UP, GUEST-NET-UP, GUEST-BIG size=N md5=M,
 #   GUEST-CHECK <name> rc=<exit code> <facts...>  (one per guest-side check)
@@ -109,7 +110,13 @@ head -c "${CONTENT_LENGTH:-0}" >/tmp/upload
 echo "$(wc -c </tmp/upload) $(md5sum </tmp/upload | cut -d' ' -f1)"
 rm -f /tmp/upload
 CGI
-    chmod +x "$R/www/cgi-bin/sum"
+    cat >"$R/www/cgi-bin/snmp" <<'CGI'
+#!/bin/sh
+# the guest's protocol counters (checksum errors, retransmissions)
+printf 'Content-Type: text/plain\r\n\r\n'
+cat /proc/net/snmp
+CGI
+    chmod +x "$R/www/cgi-bin/sum" "$R/www/cgi-bin/snmp"
     cat >"$R/init" <<INIT
 #!/bin/busybox sh
 MODULES="$MODULES"
@@ -140,21 +147,24 @@ head -c "$BIG" /dev/urandom >/www/big.bin
 httpd -p 80 -h /www
 echo "GUEST-NET-UP uptime=$(cut -d' ' -f1 /proc/uptime)"
 echo "GUEST-BIG size=$(wc -c </www/big.bin) md5=$(md5sum </www/big.bin | cut -d' ' -f1)"
-echo "GUEST-OFFLOAD $(cat /sys/class/net/eth0/features 2>/dev/null) mtu=$(cat /sys/class/net/eth0/mtu)"
 if [ -n "$WORLD" ]; then
     H=${WORLD%:*}
     # small GET (also the first packets: ARP for the gateway, SNAT setup)
     r=1; for t in 1 2 3; do
         timeout 10 wget -q -O /tmp/small "http://$WORLD/index.html" && { r=0; break; }; sleep 0.5
     done
-    echo "GUEST-CHECK egress-get-small rc=$r body=$(head -c 64 /tmp/small 2>/dev/null | tr -c 'a-zA-Z0-9.:-' _)"
+    echo "GUEST-CHECK egress-get-small rc=$r body=$(head -n 1 /tmp/small 2>/dev/null | head -c 64 | tr -dc 'a-zA-Z0-9.:-')"
     # large GET: the world sends bulk data, TCP segments towards the guest
     timeout 30 wget -q -O /tmp/big "http://$WORLD/big.bin"; r=$?
     echo "GUEST-CHECK egress-get-large rc=$r size=$(wc -c </tmp/big) md5=$(md5sum </tmp/big | cut -d' ' -f1)"
     rm -f /tmp/big
-    # large POST: the guest sends bulk data (TSO / partial checksums on the TAP)
-    timeout 30 wget -q -O /tmp/up --post-file /www/big.bin "http://$WORLD/upload"; r=$?
-    echo "GUEST-CHECK egress-post-large rc=$r got=$(tr ' ' / </tmp/up 2>/dev/null)"
+    # large POST: the guest sends bulk data (TSO / partial checksums on the
+    # TAP). busybox wget sends --post-file as a C string (stops at the first
+    # NUL byte), so post the base64 text of the random file.
+    base64 /www/big.bin >/tmp/up.b64
+    timeout 30 wget -q -O /tmp/up --post-file /tmp/up.b64 "http://$WORLD/upload"; r=$?
+    echo "GUEST-CHECK egress-post-large rc=$r sent=$(wc -c </tmp/up.b64)/$(md5sum </tmp/up.b64 | cut -d' ' -f1) got=$(tr ' ' / </tmp/up 2>/dev/null)"
+    rm -f /tmp/up.b64
     ping -c 1 -W 3 "$H" >/tmp/ping 2>&1; r=$?
     echo "GUEST-CHECK egress-ping rc=$r"
 fi
