@@ -367,9 +367,37 @@ static __always_inline int local_reply(struct __sk_buff *skb, const struct dp_co
 	return bpf_redirect(LOOPBACK_IFINDEX, BPF_F_INGRESS);
 }
 
-/* Picks a free SNAT port for the flow (a few probes from a hash of it). */
-static __always_inline int snat_alloc(const struct dp_config *c, const struct dp_ct_key *key,
-				      __u16 *nat_port)
+/* Whether a host socket owns the reply tuple remote:rport -> uplink:port
+ * (then that port must not be used for a sandbox flow to that remote). */
+static __always_inline int host_owns(struct __sk_buff *skb, const struct dp_config *c,
+				     const struct dp_ct_key *key, __u16 port)
+{
+	if (key->proto == IPPROTO_ICMP)
+		return 0;
+	struct bpf_sock_tuple t = {};
+	t.ipv4.saddr = key->remote_ip;
+	t.ipv4.daddr = c->uplink_ip;
+	t.ipv4.sport = key->remote_port;
+	t.ipv4.dport = port;
+	struct bpf_sock *sk;
+	if (key->proto == IPPROTO_TCP)
+		sk = bpf_skc_lookup_tcp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+	else
+		sk = bpf_sk_lookup_udp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+	if (!sk)
+		return 0;
+	bpf_sk_release(sk);
+	return 1;
+}
+
+/* Picks the SNAT port of a new flow. Like the kernel's masquerade, the
+ * guest's own source port (or echo id) is kept when it is free for this
+ * remote endpoint; otherwise up to 32 probes in the SNAT range, from a hash
+ * of the flow. A port is free when no other sandbox flow to the same
+ * remote endpoint holds it (ct_rev, claimed atomically with BPF_NOEXIST)
+ * and no host socket owns the reply tuple. */
+static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_config *c,
+				      const struct dp_ct_key *key, __u16 *nat_port)
 {
 	__u32 range = (__u32)c->snat_port_max - c->snat_port_min + 1;
 	if (c->snat_port_max < c->snat_port_min || range == 0)
@@ -385,11 +413,14 @@ static __always_inline int snat_alloc(const struct dp_config *c, const struct dp
 		.sandbox_ip = key->sandbox_ip,
 		.guest_port = key->guest_port,
 	};
-	for (int i = 0; i < 16; i++) {
-		__u16 p = c->snat_port_min + (h + i * 7919u) % range;
-		rk.nat_port = bpf_htons(p);
+	for (int i = 0; i < 33; i++) {
+		__u16 p = i == 0 ? key->guest_port
+				 : bpf_htons(c->snat_port_min + (h + i * 7919u) % range);
+		if (p == 0 || host_owns(skb, c, key, p))
+			continue;
+		rk.nat_port = p;
 		if (bpf_map_update_elem(&ct_rev, &rk, &rv, BPF_NOEXIST) == 0) {
-			*nat_port = rk.nat_port;
+			*nat_port = p;
 			return 0;
 		}
 	}
@@ -403,7 +434,9 @@ static __always_inline int forward_out(struct __sk_buff *skb, const struct dp_co
 	fib.family = AF_INET;
 	fib.tos = ip->tos;
 	fib.l4_protocol = ip->protocol;
-	fib.tot_len = bpf_ntohs(ip->tot_len);
+	/* tot_len 0: the kernel checks the MTU with is_skb_forwardable(),
+	 * which knows GSO packets (their tot_len is the whole super-packet). */
+	fib.tot_len = 0;
 	fib.ipv4_src = c->uplink_ip;
 	fib.ipv4_dst = ip->daddr;
 	fib.ifindex = c->uplink_ifindex;
@@ -466,7 +499,7 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 		touch(v, l4);
 		nat_port = v->nat_port;
 	} else {
-		if (snat_alloc(c, &key, &nat_port)) {
+		if (snat_alloc(skb, c, &key, &nat_port)) {
 			count(DP_C_NO_PORT);
 			return TC_ACT_SHOT;
 		}

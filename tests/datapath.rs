@@ -58,13 +58,69 @@ async fn egress_snat_tcp_udp_icmp_for_two_sandboxes_with_the_same_guest_address(
     a.ping(world::WORLD_IP, T).unwrap();
     b.ping(world::WORLD_IP, T).unwrap();
 
-    // The world sees the node's uplink address with ports from the SNAT range.
+    // The world sees the node's uplink address, one distinct port per flow.
     let peers = world.peers(8080);
     assert_eq!(peers.len(), 2, "{peers:?}");
+    assert_ne!(peers[0].port(), peers[1].port());
     for p in peers.iter().chain(world.peers(5353).iter()) {
         assert_eq!(p.ip(), std::net::IpAddr::V4(world::NODE_IP), "{p}");
-        assert!((61000..=65535).contains(&p.port()), "{p}");
     }
+    drop((a, b));
+
+    // Both sandboxes use the very same guest address *and* source port to
+    // the same remote: the first keeps its port, the second gets one from
+    // the SNAT range, and each reply reaches the right sandbox.
+    let echo = world.udp_echo(5355);
+    let src = SocketAddrV4::new(GUEST_IP, 40000);
+    let ra = RawGuest::new(c.open_tap("sbx-a").await.unwrap());
+    let rb = RawGuest::new(c.open_tap("sbx-b").await.unwrap());
+    std::thread::sleep(Duration::from_millis(30));
+    ra.send(&guest::udp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        src,
+        echo,
+        b"same-a",
+    ))
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    rb.send(&guest::udp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        src,
+        echo,
+        b"same-b",
+    ))
+    .unwrap();
+    let is_reply = |want: &'static [u8]| {
+        move |f: &[u8]| {
+            guest::parse_ipv4(f).is_some_and(|(s, d, p, pl)| {
+                s == world::WORLD_IP && d == GUEST_IP && p == 17 && pl.ends_with(want)
+            })
+        }
+    };
+    let got_a = ra
+        .recv_match(T, is_reply(b"world:same-a"))
+        .expect("reply for sandbox a");
+    let got_b = rb
+        .recv_match(T, is_reply(b"world:same-b"))
+        .expect("reply for sandbox b");
+    for f in [&got_a, &got_b] {
+        let (_, _, _, udp) = guest::parse_ipv4(f).unwrap();
+        assert_eq!(
+            u16::from_be_bytes([udp[2], udp[3]]),
+            40000,
+            "reply to the guest's own port"
+        );
+    }
+    let mut ports: Vec<u16> = world.peers(5355).iter().map(|p| p.port()).collect();
+    ports.sort();
+    assert_eq!(ports.len(), 2, "{ports:?}");
+    assert_eq!(ports[0], 40000, "the first flow keeps the guest's port");
+    assert!(
+        (61000..=65535).contains(&ports[1]),
+        "the second gets a SNAT port: {ports:?}"
+    );
     let (_, checks) = c.health().await;
     assert!(counter(&checks, "snat") >= 4, "{checks:?}");
     assert!(counter(&checks, "snat_reply") >= 4, "{checks:?}");

@@ -24,7 +24,8 @@ use zbus::Connection;
 use zbus::zvariant::{OwnedFd, OwnedValue};
 
 const IFACE: &str = "org.cube.NetworkAgent";
-const READY_TIMEOUT: Duration = Duration::from_secs(120);
+/// Recovery of 10k networks can be slow; a run waits this long for READY=1.
+const READY_TIMEOUT: Duration = Duration::from_secs(600);
 /// A call slower than this counts as a failure (the agent is wedged).
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a signalled agent may take to exit.
@@ -781,20 +782,20 @@ fn machine_facts() {
 
 // ------------------------------------------------------------------ main
 
-async fn run(args: Args) -> Result<Vec<Row>> {
+/// Rows are pushed as phases finish, so a failure still shows what was measured.
+async fn run(args: Args, rows: &mut Vec<Row>) -> Result<()> {
     let mut env = Env::new(&args).await?;
-    let result = phases(&mut env, &args).await;
+    let result = phases(&mut env, &args, rows).await;
     if result.is_err() {
         env.keep_tmp = true;
     }
     result.map_err(|e| format!("{e}\n(agent logs and state kept in {})", env.tmp.display()))
 }
 
-async fn phases(env: &mut Env, args: &Args) -> Result<Vec<Row>> {
+async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
     let s = args.samples;
     let n = args.networks;
     let conn = env.connect().await?;
-    let mut rows = vec![];
 
     eprintln!("[1/7] floors: durable write, TAP create");
     let disk = floor_durable_write(&env.tmp, (s / 4).max(10))?;
@@ -1004,7 +1005,7 @@ async fn phases(env: &mut Env, args: &Args) -> Result<Vec<Row>> {
     // Still serving after the restarts. The agent is killed by Env's Drop
     // without waiting: with 10k TAPs its exit takes long and needs no timing.
     timed(ensure(&conn, "bench-final-0")).await?;
-    Ok(rows)
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -1037,16 +1038,22 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let mut rows = vec![];
     let result = rt.block_on(async {
         tokio::select! {
-            r = run(args) => r,
+            r = run(args, &mut rows) => r,
             _ = tokio::signal::ctrl_c() => Err("interrupted".to_string()),
         }
     });
+    if !rows.is_empty() {
+        println!();
+        if result.is_err() {
+            println!("PARTIAL RESULTS (the run failed; see below)");
+        }
+        print_table(&rows);
+    }
     match result {
-        Ok(rows) => {
-            println!();
-            print_table(&rows);
+        Ok(()) => {
             println!(
                 "\nratio = value / floor for latencies, floor / value for rates; floors measured in this run."
             );

@@ -1,0 +1,953 @@
+//! `cube-dpbench`: the eBPF datapath against the kernel's own NAT (SPEC §10:
+//! "datapath throughput ≥ 0.9× the kernel's nft MASQUERADE/DNAT path on the
+//! same veth topology"), measured in the same run, alternating.
+//!
+//! Two identical veth topologies are built in private network namespaces
+//! (deleted again on exit, on error and on SIGINT/SIGTERM/SIGHUP):
+//!
+//! ```text
+//!   guest ns                 node ns                               world ns
+//!   g0 169.254.68.6/30 <-> n0 (plays the TAP) | n1 198.18.0.1/24 <-> w0 198.18.0.2/24
+//!   MAC 20:90:6f:fc:fc:fc                                            (no route back to 169.254/16)
+//!   default via 169.254.68.5
+//! ```
+//!
+//! * nft baseline: node forwards (`ip_forward=1`), n0 has 169.254.68.5/30,
+//!   nft masquerade out of n1 and dnat n1:15201 -> 169.254.68.6:5201.
+//! * eBPF: no address on n0, no nft; the crate's `EbpfDatapath` is loaded in
+//!   the node namespace (bpffs mounted in a temp dir) and the sandbox is
+//!   attached to n0 with the port mapping tcp 15201 -> 5201. The guest's ARP
+//!   is answered by the proxy ARP; packets that the programs do not redirect
+//!   are dropped, so every byte measured went through the datapath.
+//!
+//! Metrics (iperf3 and a small connect loop; medians of the rounds):
+//! egress guest -> world (iperf3 client in the guest), ingress world ->
+//! 198.18.0.1:15201 -> guest, and sequential TCP connections/s guest ->
+//! world (connect, read the server's close, close), once to a single
+//! destination port and once rotating over 16 (SNAT ports are allocated per
+//! destination, so the first also shows exhaustion of the SNAT range). A
+//! direction that carries (almost) no data fails the run. With bpftool present, a
+//! separate run with `kernel.bpf_stats_enabled=1` gives the programs' cost
+//! per invocation (per skb: GSO packets count once).
+//!
+//! Usage: `cube-dpbench [--secs N] [--rounds N] [--quick]
+//! [--ebpf-no-forward] [--guest-no-gso] [--hold]`. Needs root, iperf3 and nft (Debian: `iperf3
+//! nftables`; `bpftool` optional). Exits non-zero only when something
+//! fails (a direction that does not connect is named).
+
+use std::io::Read;
+use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use cube_network_agent::agent::spec::PortMapping;
+use cube_network_agent::alloc::Protocol;
+use cube_network_agent::config::{Config, parse_mac};
+use cube_network_agent::datapath::ebpf::{EbpfDatapath, FlowTimeouts, NodeInfo};
+use cube_network_agent::datapath::{Datapath, SandboxPath};
+
+type Result<T> = std::result::Result<T, String>;
+
+const USAGE: &str = "\
+Usage: cube-dpbench [--secs N] [--rounds N] [--quick] [--ebpf-no-forward] [--guest-no-gso] [--hold]
+  --secs N           seconds per iperf3 / connect-rate run [default: 3]
+  --rounds N         alternating rounds of (nft, eBPF) [default: 3]
+  --quick            CI smoke run: 1 round of 1 s
+  --ebpf-no-forward  leave net.ipv4.ip_forward=0 in the eBPF node namespace
+                     (the programs then hand packets to bpf_redirect_neigh)
+  --guest-no-gso     turn TSO/GSO off on the guest's g0 in both topologies
+                     (MTU-sized frames, like a VM without offloads; needs ethtool)
+  --hold             debugging: build both topologies, print their names, measure
+                     nothing and wait for Ctrl-C (which removes everything)
+Must run as root; needs iperf3 and nft (bpftool optional).";
+
+const GUEST_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 68, 6);
+const GATEWAY_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 68, 5);
+const UPLINK_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
+const WORLD_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 2);
+const SANDBOX_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 2);
+const GWDEV: &str = "cube-dev";
+const GWDEV_ADDR: &str = "192.168.0.1/18";
+const IPERF_PORT: u16 = 5201;
+const HOST_PORT: u16 = 15201;
+/// The world's accept-and-close servers for the connection-rate tests:
+/// one destination port, then `CONN_PORTS` of them in rotation (SNAT
+/// ports are a per-destination resource, so the two tell a per-flow cost
+/// from exhaustion of the SNAT range).
+const CONN_PORT: u16 = 5202;
+const CONN_PORTS: u16 = 16;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// An iperf3 run below this counts as a broken direction.
+const BROKEN_GBPS: f64 = 0.01;
+
+const NFT_RULES: &str = "\
+table ip dpbench {
+  chain pre  { type nat hook prerouting priority dstnat; iifname \"n1\" tcp dport 15201 dnat to 169.254.68.6:5201; }
+  chain post { type nat hook postrouting priority srcnat; oifname \"n1\" masquerade; }
+}
+";
+
+// ---------------------------------------------------------------- arguments
+
+#[derive(Debug)]
+struct Args {
+    secs: u64,
+    rounds: usize,
+    ebpf_forward: bool,
+    guest_no_gso: bool,
+    hold: bool,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut a = Args {
+        secs: 3,
+        rounds: 3,
+        ebpf_forward: true,
+        guest_no_gso: false,
+        hold: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut num = |name: &str| -> Result<u64> {
+            it.next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .filter(|n| *n > 0)
+                .ok_or_else(|| format!("{name} needs a positive number\n{USAGE}"))
+        };
+        match arg.as_str() {
+            "--secs" => a.secs = num("--secs")?,
+            "--rounds" => a.rounds = num("--rounds")? as usize,
+            "--quick" => {
+                a.secs = 1;
+                a.rounds = 1;
+            }
+            "--ebpf-no-forward" => a.ebpf_forward = false,
+            "--guest-no-gso" => a.guest_no_gso = true,
+            "--hold" => a.hold = true,
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other}\n{USAGE}")),
+        }
+    }
+    Ok(a)
+}
+
+// ---------------------------------------------------------------- cleanup
+
+/// Everything this process created outside its own memory; undone by
+/// [`cleanup`] (the Drop guard in `main`, or the signal thread).
+struct Cleanup {
+    children: Vec<Child>,
+    listeners: Vec<TcpListener>,
+    namespaces: Vec<String>,
+    mount: Option<PathBuf>,
+    tmp: Option<PathBuf>,
+    /// The value of kernel.bpf_stats_enabled to restore.
+    bpf_stats: Option<String>,
+}
+
+static CLEANUP: Mutex<Cleanup> = Mutex::new(Cleanup {
+    children: Vec::new(),
+    listeners: Vec::new(),
+    namespaces: Vec::new(),
+    mount: None,
+    tmp: None,
+    bpf_stats: None,
+});
+
+fn registry() -> std::sync::MutexGuard<'static, Cleanup> {
+    CLEANUP.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
+
+fn cleanup() {
+    let mut c = registry();
+    if let Some(old) = c.bpf_stats.take() {
+        let _ = std::fs::write(BPF_STATS, old);
+    }
+    for mut child in c.children.drain(..) {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    for l in c.listeners.drain(..) {
+        // Wakes the accept thread (accept fails with EINVAL).
+        let _ = nix::sys::socket::shutdown(l.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+    }
+    for ns in c.namespaces.drain(..) {
+        let _ = cmd("ip")
+            .args(["netns", "del", &ns])
+            .stderr(Stdio::null())
+            .status();
+    }
+    if let Some(m) = c.mount.take() {
+        let ok = cmd("umount")
+            .arg(&m)
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            let _ = cmd("umount").arg("-l").arg(&m).status();
+        }
+    }
+    if let Some(t) = c.tmp.take() {
+        let _ = std::fs::remove_dir_all(t);
+    }
+}
+
+struct Guard;
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        cleanup();
+    }
+}
+
+/// A command whose child does not inherit our blocked signals (the signal
+/// thread owns SIGINT/SIGTERM/SIGHUP in this process, not in children).
+fn cmd(program: &str) -> Command {
+    let mut c = Command::new(program);
+    // SAFETY: the closure runs between fork and exec and only calls
+    // sigemptyset and sigprocmask, which are async-signal-safe, on a
+    // sigset_t on its own stack.
+    unsafe {
+        c.pre_exec(|| {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
+            Ok(())
+        });
+    }
+    c
+}
+
+fn run(program: &str, args: &[&str]) -> Result<String> {
+    let out = cmd(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("running {program}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{program} {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn run_stdin(program: &str, args: &[&str], input: &str) -> Result<()> {
+    use std::io::Write;
+    let mut child = cmd(program)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("running {program}: {e}"))?;
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(input.as_bytes())
+        .map_err(|e| format!("writing to {program}: {e}"))?;
+    let out = child
+        .wait_with_output()
+        .map_err(|e| format!("waiting for {program}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{program} {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}
+
+/// Runs `f` on a fresh thread that entered the named network namespace
+/// (namespaces are per thread; sockets keep the namespace they were made in).
+fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
+    let path = format!("/run/netns/{ns}");
+    let handle = std::thread::spawn(move || -> Result<T> {
+        enter_netns(&path)?;
+        Ok(f())
+    });
+    match handle.join() {
+        Ok(v) => v,
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+}
+
+fn enter_netns(path: &str) -> Result<()> {
+    let file = std::fs::File::open(path).map_err(|e| format!("open {path}: {e}"))?;
+    // SAFETY: setns(2) on a netns fd we hold open; it changes only the
+    // calling thread's network namespace, and every caller is a thread
+    // spawned for that purpose.
+    let r = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+    if r != 0 {
+        return Err(format!("setns {path}: {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- topology
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Nft,
+    Ebpf,
+}
+
+impl Kind {
+    fn label(self) -> &'static str {
+        match self {
+            Kind::Nft => "nft",
+            Kind::Ebpf => "eBPF",
+        }
+    }
+}
+
+struct Topo {
+    kind: Kind,
+    guest: String,
+    node: String,
+    world: String,
+}
+
+impl Topo {
+    fn new(kind: Kind) -> Self {
+        let tag = match kind {
+            Kind::Nft => "nft",
+            Kind::Ebpf => "bpf",
+        };
+        let pid = std::process::id();
+        let name = |role: &str| format!("cdpb{pid}-{tag}-{role}");
+        Self {
+            kind,
+            guest: name("g"),
+            node: name("n"),
+            world: name("w"),
+        }
+    }
+
+    fn build(&self, forward: bool, no_gso: bool) -> Result<()> {
+        let (g, n, w) = (self.guest.as_str(), self.node.as_str(), self.world.as_str());
+        for ns in [g, n, w] {
+            registry().namespaces.push(ns.to_owned());
+            run("ip", &["netns", "add", ns])?;
+            run("ip", &["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        let ip = |args: &[&str]| run("ip", args);
+        ip(&[
+            "-n", n, "link", "add", "n0", "type", "veth", "peer", "name", "g0", "netns", g,
+        ])?;
+        ip(&[
+            "-n", n, "link", "add", "n1", "type", "veth", "peer", "name", "w0", "netns", w,
+        ])?;
+        ip(&["-n", g, "link", "set", "g0", "address", "20:90:6f:fc:fc:fc"])?;
+        ip(&["-n", g, "addr", "add", "169.254.68.6/30", "dev", "g0"])?;
+        ip(&["-n", g, "link", "set", "g0", "up"])?;
+        ip(&["-n", g, "route", "add", "default", "via", "169.254.68.5"])?;
+        if no_gso {
+            run(
+                "ip",
+                &[
+                    "netns", "exec", g, "ethtool", "-K", "g0", "tso", "off", "gso", "off",
+                ],
+            )?;
+        }
+        ip(&["-n", n, "link", "set", "n0", "up"])?;
+        ip(&["-n", n, "addr", "add", "198.18.0.1/24", "dev", "n1"])?;
+        ip(&["-n", n, "link", "set", "n1", "up"])?;
+        ip(&["-n", w, "addr", "add", "198.18.0.2/24", "dev", "w0"])?;
+        ip(&["-n", w, "link", "set", "w0", "up"])?;
+        if forward {
+            run(
+                "ip",
+                &["netns", "exec", n, "sysctl", "-qw", "net.ipv4.ip_forward=1"],
+            )?;
+        }
+        match self.kind {
+            Kind::Nft => {
+                ip(&["-n", n, "addr", "add", "169.254.68.5/30", "dev", "n0"])?;
+                run_stdin("ip", &["netns", "exec", n, "nft", "-f", "-"], NFT_RULES)?;
+            }
+            Kind::Ebpf => {
+                ip(&["-n", n, "link", "add", GWDEV, "type", "bridge"])?;
+                ip(&["-n", n, "addr", "add", GWDEV_ADDR, "dev", GWDEV])?;
+                ip(&["-n", n, "link", "set", GWDEV, "up"])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// iperf3 servers in the world and the guest, and the world's
+    /// accept-and-close server.
+    fn start_servers(&self) -> Result<()> {
+        for ns in [&self.world, &self.guest] {
+            let child = cmd("ip")
+                .args(["netns", "exec", ns, "iperf3", "-s", "-p"])
+                .arg(IPERF_PORT.to_string())
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| format!("starting iperf3 -s in {ns}: {e}"))?;
+            registry().children.push(child);
+        }
+        for port in CONN_PORT..CONN_PORT + CONN_PORTS {
+            let listener = in_netns(&self.world, move || {
+                TcpListener::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port))
+            })?
+            .map_err(|e| format!("listening on :{port} in {}: {e}", self.world))?;
+            let clone = listener
+                .try_clone()
+                .map_err(|e| format!("dup of the listener: {e}"))?;
+            registry().listeners.push(clone);
+            std::thread::spawn(move || {
+                // Accept and close at once; ends when cleanup shuts it down.
+                while let Ok((s, _)) = listener.accept() {
+                    drop(s);
+                }
+            });
+        }
+        Ok(())
+    }
+}
+
+fn link_info(ns: &str, dev: &str) -> Result<(u32, [u8; 6])> {
+    let out = run("ip", &["-n", ns, "-j", "link", "show", "dev", dev])?;
+    let v: serde_json::Value =
+        serde_json::from_str(&out).map_err(|e| format!("ip -j link show {dev}: {e}"))?;
+    let l = &v[0];
+    let ifindex = l["ifindex"]
+        .as_u64()
+        .ok_or_else(|| format!("no ifindex for {dev} in {ns}"))? as u32;
+    let mac = l["address"]
+        .as_str()
+        .and_then(parse_mac)
+        .ok_or_else(|| format!("no MAC for {dev} in {ns}"))?;
+    Ok((ifindex, mac))
+}
+
+// ---------------------------------------------------------------- eBPF
+
+struct Loaded {
+    dp: Arc<EbpfDatapath>,
+    stop: Arc<AtomicBool>,
+    maintainer: Option<JoinHandle<()>>,
+}
+
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.maintainer.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn load_ebpf(topo: &Topo) -> Result<Loaded> {
+    let tmp = std::env::temp_dir().join(format!("cube-dpbench-{}", std::process::id()));
+    let bpffs = tmp.join("bpffs");
+    std::fs::create_dir_all(&bpffs).map_err(|e| format!("mkdir {}: {e}", bpffs.display()))?;
+    registry().tmp = Some(tmp.clone());
+    let bpffs_s = bpffs.to_string_lossy().into_owned();
+    run("mount", &["-t", "bpf", "bpf", &bpffs_s])?;
+    registry().mount = Some(bpffs.clone());
+
+    let cfg = Config::default();
+    let (lo, hi) = cfg
+        .snat_port_range
+        .split_once('-')
+        .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+        .ok_or("the default snat_port_range does not parse")?;
+    let mac = |s: &str| parse_mac(s).ok_or_else(|| format!("bad default MAC {s}"));
+    let (gw_ifindex, gw_mac) = link_info(&topo.node, GWDEV)?;
+    let (n0_ifindex, _) = link_info(&topo.node, "n0")?;
+    let (n1_ifindex, _) = link_info(&topo.node, "n1")?;
+    let secs = |s: u32| Duration::from_secs(s.into());
+    let node = NodeInfo {
+        guest_ip: GUEST_IP,
+        gateway_ip: GATEWAY_IP,
+        host_ip: Ipv4Addr::new(192, 168, 0, 1),
+        guest_mac: mac(&cfg.guest_mac)?,
+        gateway_mac: mac(&cfg.gateway_mac)?,
+        gwdev_name: GWDEV.into(),
+        gwdev_ifindex: gw_ifindex,
+        gwdev_mac: gw_mac,
+        uplink: Some(("n1".into(), n1_ifindex, UPLINK_IP)),
+        snat_ports: (lo, hi),
+        pin_dir: bpffs.join("cube-network-agent"),
+        timeouts: FlowTimeouts {
+            tcp: secs(cfg.flow_timeout_tcp),
+            tcp_closing: secs(cfg.flow_timeout_tcp_closing),
+            udp: secs(cfg.flow_timeout_udp),
+            icmp: secs(cfg.flow_timeout_icmp),
+        },
+    };
+    let dp = Arc::new(
+        in_netns(&topo.node, move || EbpfDatapath::load(node))?
+            .map_err(|e| format!("loading the eBPF datapath: {e}"))?,
+    );
+    let d = dp.clone();
+    in_netns(&topo.node, move || {
+        let pm = [PortMapping {
+            protocol: Protocol::Tcp,
+            container_port: IPERF_PORT,
+            host_port: HOST_PORT,
+            host_ip: "0.0.0.0".into(),
+        }];
+        d.attach(&SandboxPath {
+            sandbox_id: "bench",
+            tap_name: "n0",
+            tap_ifindex: n0_ifindex,
+            sandbox_ip: SANDBOX_IP.into(),
+            port_mappings: &pm,
+            allow_internet_access: true,
+            allow_out: &[],
+            deny_out: &[],
+        })
+    })?
+    .map_err(|e| format!("attaching the sandbox to n0: {e}"))?;
+
+    // The agent reaps flows every 2 s; so does the bench (in the node
+    // namespace: maintain() looks TAPs up by ifindex).
+    let stop = Arc::new(AtomicBool::new(false));
+    let (d, s) = (dp.clone(), stop.clone());
+    let path = format!("/run/netns/{}", topo.node);
+    let maintainer = std::thread::spawn(move || {
+        if enter_netns(&path).is_err() {
+            return;
+        }
+        let mut last = Instant::now();
+        while !s.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(100));
+            if last.elapsed() >= Duration::from_secs(2) {
+                d.maintain();
+                last = Instant::now();
+            }
+        }
+    });
+    Ok(Loaded {
+        dp,
+        stop,
+        maintainer: Some(maintainer),
+    })
+}
+
+// ---------------------------------------------------------------- measurements
+
+/// One iperf3 run from `ns` to `target:port`; Gbit/s received.
+fn iperf(ns: &str, target: Ipv4Addr, port: u16, secs: u64) -> Result<f64> {
+    let limit = (secs + 15).to_string();
+    let (t, p, s) = (target.to_string(), port.to_string(), secs.to_string());
+    let out = cmd("timeout")
+        .args(["-k", "5", &limit, "ip", "netns", "exec", ns, "iperf3", "-c"])
+        .args([&t, "-p", &p, "-t", &s, "-J", "--connect-timeout", "3000"])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("running iperf3: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|_| {
+        format!(
+            "iperf3 -c {t}:{p} gave no result (exit {:?}): {}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+    })?;
+    if let Some(e) = v["error"].as_str() {
+        return Err(format!("iperf3 -c {t}:{p}: {e}"));
+    }
+    v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .map(|b| b / 1e9)
+        .ok_or_else(|| format!("iperf3 -c {t}:{p}: no end.sum_received in its JSON"))
+}
+
+/// Sequential TCP connections from `ns` to the world's servers on `ports`
+/// ports (in rotation) for `secs`: connect, wait for the server's close,
+/// close. (connections/s, failed attempts)
+fn conn_rate(ns: &str, ports: u16, secs: u64) -> Result<(f64, u64)> {
+    let dur = Duration::from_secs(secs);
+    in_netns(ns, move || {
+        let (mut ok, mut failed) = (0u64, 0u64);
+        let start = Instant::now();
+        let mut buf = [0u8; 64];
+        let mut n = 0u16;
+        while start.elapsed() < dur {
+            let addr = SocketAddrV4::new(WORLD_IP, CONN_PORT + n % ports);
+            n = n.wrapping_add(1);
+            match TcpStream::connect_timeout(&addr.into(), CONNECT_TIMEOUT) {
+                Ok(mut s) => {
+                    let _ = s.set_read_timeout(Some(CONNECT_TIMEOUT));
+                    match s.read(&mut buf) {
+                        Ok(0) => ok += 1,
+                        _ => failed += 1,
+                    }
+                }
+                Err(_) => failed += 1,
+            }
+        }
+        (ok as f64 / start.elapsed().as_secs_f64(), failed)
+    })
+}
+
+#[derive(Default)]
+struct Samples {
+    egress: Vec<f64>,
+    ingress: Vec<f64>,
+    conns: Vec<f64>,
+    conns_multi: Vec<f64>,
+    conn_failures: u64,
+}
+
+fn measure(topo: &Topo, secs: u64, s: &mut Samples) -> Result<()> {
+    let k = topo.kind.label();
+    let e = iperf(&topo.guest, WORLD_IP, IPERF_PORT, secs)
+        .map_err(|e| format!("{k}: egress guest -> world {WORLD_IP}:{IPERF_PORT} failed: {e}"))?;
+    let i = iperf(&topo.world, UPLINK_IP, HOST_PORT, secs).map_err(|e| {
+        format!("{k}: ingress world -> {UPLINK_IP}:{HOST_PORT} -> guest:{IPERF_PORT} failed: {e}")
+    })?;
+    let (c, failed) = conn_rate(&topo.guest, 1, secs)?;
+    let (cm, failed_m) = conn_rate(&topo.guest, CONN_PORTS, secs)?;
+    if c == 0.0 || cm == 0.0 {
+        return Err(format!(
+            "{k}: no TCP connection guest -> world {WORLD_IP}:{CONN_PORT}.. succeeded ({} attempts failed)",
+            failed + failed_m
+        ));
+    }
+    println!(
+        "  {k:<4}  egress {e:6.2} Gbit/s   ingress {i:6.2} Gbit/s   connects {c:7.0}/s (1 port) {cm:7.0}/s ({CONN_PORTS} ports){}",
+        if failed + failed_m > 0 {
+            format!("  ({failed} + {failed_m} connects failed/timed out)")
+        } else {
+            String::new()
+        }
+    );
+    s.egress.push(e);
+    s.ingress.push(i);
+    s.conns.push(c);
+    s.conns_multi.push(cm);
+    s.conn_failures += failed + failed_m;
+    Ok(())
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+// ---------------------------------------------------------------- program cost
+
+/// (run_time_ns, run_cnt) of the tc programs on n0 ingress (from_guest) and
+/// n1 ingress (from_uplink), read with bpftool in the node namespace.
+fn prog_stats(node: &str) -> Result<[(u64, u64); 2]> {
+    let net = run(
+        "ip",
+        &["netns", "exec", node, "bpftool", "-j", "net", "show"],
+    )?;
+    let v: serde_json::Value =
+        serde_json::from_str(&net).map_err(|e| format!("bpftool net show: {e}"))?;
+    let mut ids = [None, None];
+    for entry in v.as_array().into_iter().flatten() {
+        for f in entry["tc"].as_array().into_iter().flatten() {
+            let slot = match (f["devname"].as_str(), f["name"].as_str()) {
+                (Some("n0"), Some("from_guest")) => 0,
+                (Some("n1"), Some("from_uplink")) => 1,
+                _ => continue,
+            };
+            ids[slot] = f["prog_id"].as_u64().or_else(|| f["id"].as_u64());
+        }
+    }
+    let mut out = [(0, 0); 2];
+    for (slot, id) in ids.iter().enumerate() {
+        let id = id.ok_or("bpftool net show: from_guest/from_uplink not found")?;
+        let p = run("bpftool", &["-j", "prog", "show", "id", &id.to_string()])?;
+        let p: serde_json::Value =
+            serde_json::from_str(&p).map_err(|e| format!("bpftool prog show: {e}"))?;
+        out[slot] = (
+            p["run_time_ns"].as_u64().unwrap_or(0),
+            p["run_cnt"].as_u64().unwrap_or(0),
+        );
+    }
+    Ok(out)
+}
+
+/// One egress and one ingress iperf3 run with bpf stats on; prints ns per
+/// program run and bytes per run (GSO aggregation).
+fn program_cost(topo: &Topo, secs: u64) -> Result<()> {
+    let old = std::fs::read_to_string(BPF_STATS)
+        .map_err(|e| format!("{BPF_STATS}: {e}"))?
+        .trim()
+        .to_owned();
+    registry().bpf_stats = Some(old.clone());
+    std::fs::write(BPF_STATS, "1").map_err(|e| format!("enabling {BPF_STATS}: {e}"))?;
+    let result = (|| -> Result<()> {
+        println!(
+            "\nProgram cost (separate runs with kernel.bpf_stats_enabled=1; one run = one skb, GSO skbs count once):"
+        );
+        println!(
+            "  {:<8} {:>8} | {:<12} {:>10} {:>9} {:>12} | {:<12} {:>10} {:>9}",
+            "run", "Gbit/s", "program", "runs", "ns/run", "bytes/run", "program", "runs", "ns/run"
+        );
+        for (dir, ns, target, port) in [
+            ("egress", &topo.guest, WORLD_IP, IPERF_PORT),
+            ("ingress", &topo.world, UPLINK_IP, HOST_PORT),
+        ] {
+            let before = prog_stats(&topo.node)?;
+            let gbps = iperf(ns, target, port, secs).map_err(|e| format!("{dir}: {e}"))?;
+            let after = prog_stats(&topo.node)?;
+            let d = |i: usize| {
+                let (t, c) = (after[i].0 - before[i].0, after[i].1 - before[i].1);
+                (c, if c > 0 { t as f64 / c as f64 } else { f64::NAN })
+            };
+            let (g, u) = (d(0), d(1));
+            // The data direction's program carries the payload bytes.
+            let (data, data_name, other, other_name) = if dir == "egress" {
+                (g, "from_guest", u, "from_uplink")
+            } else {
+                (u, "from_uplink", g, "from_guest")
+            };
+            let bytes = gbps * 1e9 / 8.0 * secs as f64;
+            println!(
+                "  {dir:<8} {gbps:>8.2} | {data_name:<12} {:>10} {:>9.0} {:>12.0} | {other_name:<12} {:>10} {:>9.0}",
+                data.0,
+                data.1,
+                bytes / data.0.max(1) as f64,
+                other.0,
+                other.1
+            );
+        }
+        Ok(())
+    })();
+    let _ = std::fs::write(BPF_STATS, &old);
+    registry().bpf_stats = None;
+    result
+}
+
+// ---------------------------------------------------------------- main
+
+fn bench(args: &Args) -> Result<()> {
+    // SAFETY: geteuid(2) has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err("must run as root (network namespaces, bpffs, eBPF)".into());
+    }
+    for tool in ["ip", "iperf3", "nft", "timeout", "mount"] {
+        if cmd(tool)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_err()
+        {
+            return Err(format!(
+                "{tool} not found (Debian: apt-get install -y iperf3 nftables iproute2)"
+            ));
+        }
+    }
+    let nft = Topo::new(Kind::Nft);
+    let bpf = Topo::new(Kind::Ebpf);
+    nft.build(true, args.guest_no_gso)?;
+    bpf.build(args.ebpf_forward, args.guest_no_gso)?;
+    let loaded = load_ebpf(&bpf)?;
+    nft.start_servers()?;
+    bpf.start_servers()?;
+    std::thread::sleep(Duration::from_millis(500));
+    if args.hold {
+        println!(
+            "holding (Ctrl-C removes everything): namespaces {} {} {} / {} {} {}; world server :{CONN_PORT}, iperf3 -s :{IPERF_PORT} in world and guest",
+            nft.guest, nft.node, nft.world, bpf.guest, bpf.node, bpf.world
+        );
+        loop {
+            std::thread::park();
+        }
+    }
+
+    // Warm-up (neighbours, first flows) and a quick sanity check.
+    for t in [&nft, &bpf] {
+        let addr = SocketAddrV4::new(WORLD_IP, CONN_PORT);
+        let ok = in_netns(&t.guest, move || {
+            (0..3).any(|_| TcpStream::connect_timeout(&addr.into(), CONNECT_TIMEOUT).is_ok())
+        })?;
+        if !ok {
+            return Err(format!(
+                "{}: TCP guest -> world {addr} does not connect",
+                t.kind.label()
+            ));
+        }
+    }
+
+    println!(
+        "cube-dpbench: veth guest <-> node <-> world, iperf3 -t {}, {} round(s) alternating nft / eBPF{}{}",
+        args.secs,
+        args.rounds,
+        if args.ebpf_forward {
+            ""
+        } else {
+            " (eBPF node: ip_forward=0)"
+        },
+        if args.guest_no_gso {
+            " (guest g0: tso/gso off)"
+        } else {
+            ""
+        }
+    );
+    let (mut sn, mut sb) = (Samples::default(), Samples::default());
+    for r in 0..args.rounds {
+        println!("round {}:", r + 1);
+        let order = if r % 2 == 0 {
+            [(&nft, &mut sn), (&bpf, &mut sb)]
+        } else {
+            [(&bpf, &mut sb), (&nft, &mut sn)]
+        };
+        for (t, s) in order {
+            measure(t, args.secs, s)?;
+        }
+    }
+
+    let rows = [
+        (
+            "egress guest->world (Gbit/s)",
+            median(&sn.egress),
+            median(&sb.egress),
+            2,
+        ),
+        (
+            "ingress world->:15201->guest (Gbit/s)",
+            median(&sn.ingress),
+            median(&sb.ingress),
+            2,
+        ),
+        (
+            "TCP connects/s guest->world, 1 dst port",
+            median(&sn.conns),
+            median(&sb.conns),
+            0,
+        ),
+        (
+            "TCP connects/s guest->world, 16 ports",
+            median(&sn.conns_multi),
+            median(&sb.conns_multi),
+            0,
+        ),
+    ];
+    println!();
+    println!(
+        "| {:<40} | {:>12} | {:>12} | {:>8} | {:<15} |",
+        "metric", "nft (median)", "eBPF (median)", "eBPF/nft", "SPEC §10 target"
+    );
+    println!(
+        "|{:-<42}|{:->14}|{:->15}|{:->10}|{:-<17}|",
+        "", "", "", "", ""
+    );
+    for (name, n, b, prec) in rows {
+        let ratio = b / n;
+        println!(
+            "| {name:<40} | {n:>12.prec$} | {b:>13.prec$} | {ratio:>7.2}× | ≥ 0.9× {:<8} |",
+            if ratio >= 0.9 { "(met)" } else { "(MISSED)" }
+        );
+    }
+    if sn.conn_failures + sb.conn_failures > 0 {
+        println!(
+            "connect attempts that failed or timed out ({}s timeout): nft {}, eBPF {}",
+            CONNECT_TIMEOUT.as_secs(),
+            sn.conn_failures,
+            sb.conn_failures
+        );
+    }
+    if let Some((_, _, detail)) = loaded.dp.checks().into_iter().next() {
+        println!("eBPF datapath after the runs: {detail}");
+    }
+
+    let have_bpftool = cmd("bpftool")
+        .arg("version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if have_bpftool {
+        if let Err(e) = program_cost(&bpf, args.secs) {
+            println!("program cost: not measured: {e}");
+        }
+    } else {
+        println!("\nProgram cost: not measured (bpftool not installed)");
+    }
+    drop(loaded);
+
+    // A direction that moved (almost) nothing is a broken datapath, not a
+    // slow one: fail, after the table was printed.
+    let mut broken = vec![];
+    for (kind, s) in [("nft", &sn), ("eBPF", &sb)] {
+        for (dir, v) in [
+            ("egress guest -> world", &s.egress),
+            ("ingress world -> guest", &s.ingress),
+        ] {
+            if v.iter().any(|g| *g < BROKEN_GBPS) {
+                broken.push(format!("{kind} {dir}: {v:.3?} Gbit/s"));
+            }
+        }
+    }
+    if !broken.is_empty() {
+        return Err(format!(
+            "a direction carried (almost) no data (< {BROKEN_GBPS} Gbit/s): {}",
+            broken.join("; ")
+        ));
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    // Signals go to one thread, which cleans up; every other thread
+    // (spawned later) inherits the block.
+    let mut sigs = nix::sys::signal::SigSet::empty();
+    for s in [
+        nix::sys::signal::Signal::SIGINT,
+        nix::sys::signal::Signal::SIGTERM,
+        nix::sys::signal::Signal::SIGHUP,
+    ] {
+        sigs.add(s);
+    }
+    if let Err(e) = sigs.thread_block() {
+        eprintln!("blocking signals: {e}");
+        return ExitCode::FAILURE;
+    }
+    std::thread::spawn(move || {
+        if let Ok(sig) = sigs.wait() {
+            eprintln!("cube-dpbench: {sig:?}: cleaning up");
+            cleanup();
+            std::process::exit(130);
+        }
+    });
+    let guard = Guard;
+    let result = bench(&args);
+    drop(guard);
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cube-dpbench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
