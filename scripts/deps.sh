@@ -3,9 +3,10 @@
 # dbus-daemon (private and system buses), iproute2 (namespaces, links),
 # systemd (busctl), clang-19 + libbpf-dev (eBPF build, checked
 # reproducible in CI), qemu-system-x86 + busybox-static + tcpdump (the
-# real-kernel guest test in tests/vm). Idempotent; needs root.
+# real-kernel guest test in tests/vm), iperf3 + nftables (cube-dpbench and
+# its nft baseline). Idempotent; needs root.
 set -euo pipefail
-want=(dbus-daemon iproute2 systemd clang-19 libbpf-dev qemu-system-x86 busybox-static tcpdump)
+want=(dbus-daemon iproute2 systemd clang-19 libbpf-dev qemu-system-x86 busybox-static tcpdump iperf3 nftables)
 missing=()
 for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -204,18 +204,23 @@ impl EbpfDatapath {
     /// Loads the object (re-using pinned maps), writes the config and
     /// attaches the node programs (uplink ingress, gateway-device egress).
     pub fn load(node: NodeInfo) -> Result<Self, DatapathError> {
-        let pinned = std::fs::create_dir_all(&node.pin_dir).is_ok() && is_bpffs(&node.pin_dir);
-        let recreated = if pinned {
-            check_pins(&node.pin_dir)
-        } else {
-            vec![]
-        };
-        let mut loader = EbpfLoader::new();
-        if pinned {
-            loader.default_map_pin_directory(&node.pin_dir);
-        } else {
-            warn!(dir = %node.pin_dir.display(), "not a bpffs directory: maps are not pinned and will not survive a restart");
+        // Every map is pinned by name (that is what carries flows across
+        // restarts), so a bpffs is required: say so instead of letting aya
+        // fail on a default path.
+        let _ = std::fs::create_dir_all(&node.pin_dir);
+        if !is_bpffs(&node.pin_dir) {
+            return Err(err(
+                "bpf_pin_dir",
+                format!(
+                    "{} is not on a bpffs (mount -t bpf bpf /sys/fs/bpf, or set bpf_pin_dir)",
+                    node.pin_dir.display()
+                ),
+            ));
         }
+        let pinned = true;
+        let recreated = check_pins(&node.pin_dir);
+        let mut loader = EbpfLoader::new();
+        loader.default_map_pin_directory(&node.pin_dir);
         let mut bpf = loader
             .load(OBJECT)
             .map_err(|e| err("loading the eBPF object", crate::error_chain(&e)))?;

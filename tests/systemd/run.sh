@@ -218,8 +218,11 @@ echo "#   recovery: $(cx 'journalctl -u cube-network-agent --no-pager -o cat -n 
 wd=$(prop WatchdogUSec)
 pid1=$(prop MainPID); nr1=$(prop NRestarts)
 since=$(prop ExecMainStartTimestampMonotonic)
-now=$(cx 'cat /proc/uptime' | awk '{printf "%d", $1 * 1000000}')
+# Same clock as ExecMainStartTimestampMonotonic (CLOCK_MONOTONIC; /proc/uptime
+# is CLOCK_BOOTTIME, which differs on VMs that were suspended or snapshotted).
+now=$(cx "python3 -c 'import time; print(int(time.monotonic() * 1000000))'")
 left=$(( (12000000 - (now - since)) / 1000000 + 1 ))
+[ $left -gt 13 ] && left=13
 [ $left -gt 0 ] && sleep $left
 if [ "$(prop MainPID)" = "$pid1" ] && [ "$(prop NRestarts)" = "$nr1" ] &&
    ! cx "journalctl -u cube-network-agent --no-pager -o cat | grep -q 'Watchdog timeout'"; then
