@@ -456,10 +456,18 @@ async fn release_clears_the_datapath_before_the_tap_is_reused() {
         "new policy, not the old one"
     );
     assert!(!mappings(&net2).iter().any(|m| m.2 == 27777));
-    let (_, checks) = c.health().await;
-    let dp = &checks.iter().find(|c| c.0 == "datapath").unwrap().2;
-    assert!(
-        dp.contains(" 0 flows") || !dp.contains("flows"),
-        "flows of the released sandbox remain: {dp}"
-    );
+    // Flow counts are refreshed by the reaper every 2 s.
+    let deadline = std::time::Instant::now() + Duration::from_secs(6);
+    loop {
+        let (_, checks) = c.health().await;
+        let dp = checks.iter().find(|c| c.0 == "datapath").unwrap().2.clone();
+        if dp.contains(" 0 flows") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "flows of the released sandbox remain: {dp}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }

@@ -17,6 +17,7 @@ use std::collections::{HashMap as StdHashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
@@ -187,11 +188,29 @@ struct Inner {
     policies: StdHashMap<u32, PolicyKeys>,
     /// sandbox ip -> port-map keys installed for it.
     portmaps: StdHashMap<u32, Vec<DpPortmapKey>>,
-    reaped: u64,
+}
+
+/// The reaper's own handles on the pinned maps, so walking tens of
+/// thousands of flows never holds the lock `attach` needs on the ensure
+/// path (map operations are safe to run concurrently in the kernel).
+struct Reaper {
+    ct: HashMap<MapData, DpCtKey, DpCtVal>,
+    ct_rev: HashMap<MapData, DpRevKey, DpRevVal>,
+    attached: HashMap<MapData, u32, u32>,
+}
+
+/// Counts refreshed by `maintain`, read by `checks` without touching maps.
+#[derive(Default)]
+struct Stats {
+    flows: AtomicUsize,
+    taps: AtomicUsize,
+    reaped: AtomicU64,
 }
 
 pub struct EbpfDatapath {
     inner: Mutex<Inner>,
+    reaper: Mutex<Reaper>,
+    stats: Stats,
     node: NodeInfo,
     attached_node: Vec<String>,
     pinned: bool,
@@ -306,21 +325,36 @@ impl EbpfDatapath {
         for (k, v) in maps.portmap.iter().flatten() {
             portmaps.entry(v.sandbox_ip).or_default().push(k);
         }
+        let reopen = |name: &str| {
+            MapData::from_pin(node.pin_dir.join(name))
+                .map_err(|e| err("re-opening a pinned map", format!("{name}: {e}")))
+        };
+        let reaper = Reaper {
+            ct: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("ct")?))
+                .map_err(|e| err("opening ct", e))?,
+            ct_rev: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("ct_rev")?))
+                .map_err(|e| err("opening ct_rev", e))?,
+            attached: HashMap::try_from(aya::maps::Map::HashMap(reopen("tap_attached")?))
+                .map_err(|e| err("opening tap_attached", e))?,
+        };
         info!(pin_dir = %node.pin_dir.display(), pinned, node_programs = ?attached_node, "eBPF datapath loaded");
-        Ok(Self {
+        let dp = Self {
             inner: Mutex::new(Inner {
                 bpf,
                 maps,
                 policies,
                 portmaps,
-                reaped: 0,
             }),
+            reaper: Mutex::new(reaper),
+            stats: Stats::default(),
             node,
             attached_node,
             pinned,
             recreated,
             localnet,
-        })
+        };
+        dp.maintain();
+        Ok(dp)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -352,13 +386,18 @@ impl EbpfDatapath {
             .filter(|(k, _)| k.sandbox_ip == sandbox_ip)
             .collect();
         for (k, v) in &doomed {
-            Self::remove_flow(inner, k, v);
+            Self::remove_flow(&mut inner.maps.ct, &mut inner.maps.ct_rev, k, v);
         }
         doomed.len()
     }
 
-    fn remove_flow(inner: &mut Inner, k: &DpCtKey, v: &DpCtVal) {
-        let _ = inner.maps.ct.remove(k);
+    fn remove_flow(
+        ct: &mut HashMap<MapData, DpCtKey, DpCtVal>,
+        ct_rev: &mut HashMap<MapData, DpRevKey, DpRevVal>,
+        k: &DpCtKey,
+        v: &DpCtVal,
+    ) {
+        let _ = ct.remove(k);
         if v.kind == DP_CT_SNAT {
             let rk = DpRevKey {
                 remote_ip: k.remote_ip,
@@ -367,7 +406,7 @@ impl EbpfDatapath {
                 proto: k.proto,
                 pad: [0; 3],
             };
-            let _ = inner.maps.ct_rev.remove(&rk);
+            let _ = ct_rev.remove(&rk);
         }
     }
 
@@ -387,9 +426,9 @@ impl EbpfDatapath {
             .collect()
     }
 
-    /// Number of live flows (for Health and tests).
+    /// Live flows as of the last `maintain` pass.
     pub fn flows(&self) -> usize {
-        self.lock().maps.ct.keys().count()
+        self.stats.flows.load(Ordering::Relaxed)
     }
 }
 
@@ -582,38 +621,45 @@ impl Datapath for EbpfDatapath {
     fn maintain(&self) {
         let now = monotonic_ns();
         let t = self.node.timeouts;
-        let mut guard = self.lock();
-        let inner = &mut *guard;
-        let expired: Vec<(DpCtKey, DpCtVal)> = inner
-            .maps
-            .ct
-            .iter()
-            .flatten()
-            .filter(|(k, v)| {
-                let limit = match (k.proto as i32, v.state) {
-                    (libc::IPPROTO_TCP, DP_TCP_CLOSING) => t.tcp_closing,
-                    (libc::IPPROTO_TCP, _) => t.tcp,
-                    (libc::IPPROTO_UDP, _) => t.udp,
-                    _ => t.icmp,
-                };
-                now.saturating_sub(v.last_seen_ns) > limit.as_nanos() as u64
-            })
-            .collect();
+        let mut guard = self.reaper.lock().unwrap_or_else(|p| p.into_inner());
+        let r = &mut *guard;
+        let mut flows = 0usize;
+        let expired: Vec<(DpCtKey, DpCtVal)> =
+            r.ct.iter()
+                .flatten()
+                .inspect(|_| flows += 1)
+                .filter(|(k, v)| {
+                    let limit = match (k.proto as i32, v.state) {
+                        (libc::IPPROTO_TCP, DP_TCP_CLOSING) => t.tcp_closing,
+                        (libc::IPPROTO_TCP, _) => t.tcp,
+                        (libc::IPPROTO_UDP, _) => t.udp,
+                        _ => t.icmp,
+                    };
+                    now.saturating_sub(v.last_seen_ns) > limit.as_nanos() as u64
+                })
+                .collect();
         for (k, v) in &expired {
-            Self::remove_flow(inner, k, v);
+            Self::remove_flow(&mut r.ct, &mut r.ct_rev, k, v);
         }
-        inner.reaped += expired.len() as u64;
         // Attachment records of TAPs that no longer exist.
-        let gone: Vec<u32> = inner
-            .maps
+        let mut taps = 0usize;
+        let gone: Vec<u32> = r
             .attached
             .keys()
             .flatten()
+            .inspect(|_| taps += 1)
             .filter(|i| nix::net::if_::if_indextoname(*i).is_err())
             .collect();
-        for i in gone {
-            let _ = inner.maps.attached.remove(&i);
+        for i in &gone {
+            let _ = r.attached.remove(i);
         }
+        self.stats
+            .flows
+            .store(flows - expired.len(), Ordering::Relaxed);
+        self.stats.taps.store(taps - gone.len(), Ordering::Relaxed);
+        self.stats
+            .reaped
+            .fetch_add(expired.len() as u64, Ordering::Relaxed);
         if !expired.is_empty() {
             debug!(flows = expired.len(), "expired flows reaped");
         }
@@ -621,8 +667,8 @@ impl Datapath for EbpfDatapath {
 
     fn checks(&self) -> Vec<Check> {
         let inner = self.lock();
-        let taps = inner.maps.attached.keys().count();
-        let flows = inner.maps.ct.keys().count();
+        let taps = self.stats.taps.load(Ordering::Relaxed);
+        let flows = self.stats.flows.load(Ordering::Relaxed);
         let counters: Vec<String> = Self::counters(&inner)
             .into_iter()
             .filter(|(_, n)| *n > 0)
@@ -634,7 +680,7 @@ impl Datapath for EbpfDatapath {
             format!(
                 "eBPF: from_guest on {taps} TAPs, {}; {flows} flows, {} reaped; counters: {}",
                 self.attached_node.join(", "),
-                inner.reaped,
+                self.stats.reaped.load(Ordering::Relaxed),
                 if counters.is_empty() {
                     "none".into()
                 } else {

@@ -572,18 +572,25 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
         bus: String::from(bus.clone()),
         source,
     };
-    let builder = match bus {
-        BusChoice::System => zbus::connection::Builder::system().map_err(connect)?,
-        BusChoice::Session => zbus::connection::Builder::session().map_err(connect)?,
-        BusChoice::Address(a) => zbus::connection::Builder::address(a.as_str()).map_err(connect)?,
+    let builder = || -> Result<zbus::connection::Builder<'_>, ServeError> {
+        Ok(match bus {
+            BusChoice::System => zbus::connection::Builder::system().map_err(connect)?,
+            BusChoice::Session => zbus::connection::Builder::session().map_err(connect)?,
+            BusChoice::Address(a) => {
+                zbus::connection::Builder::address(a.as_str()).map_err(connect)?
+            }
+        })
     };
-    let conn = builder.build().await.map_err(connect)?;
-    // Registered after build because the authority asks polkit over this
-    // very connection; nobody can address us by name before
-    // `request_name` below.
+    // Authorization asks the bus daemon and polkit from inside method
+    // handlers. On the serving connection those replies would queue behind
+    // the very method calls waiting for them (a deadlock under load), so
+    // the authority has a connection of its own.
+    let auth_conn = builder()?.build().await.map_err(connect)?;
+    let conn = builder()?.build().await.map_err(connect)?;
+    // Nobody can address us by name before `request_name` below.
     let manager = Manager {
         agent: agent.clone(),
-        authority: Authority::new(conn.clone()),
+        authority: Authority::new(auth_conn),
     };
     crate::auth::set_global(manager.authority.clone());
     conn.object_server()
