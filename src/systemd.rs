@@ -28,8 +28,13 @@ pub fn under_service_manager() -> bool {
 }
 
 /// Sends one notification, with `fds` attached; Ok(false) when there is
-/// no `$NOTIFY_SOCKET`.
-pub fn notify_with_fds(state: &str, fds: &[BorrowedFd<'_>]) -> io::Result<bool> {
+/// no `$NOTIFY_SOCKET`. The send never blocks: while the manager's queue is
+/// full (EAGAIN) it is retried for up to `budget`, then given up.
+pub fn notify_with_fds_within(
+    state: &str,
+    fds: &[BorrowedFd<'_>],
+    budget: Duration,
+) -> io::Result<bool> {
     let Some(addr) = notify_addr() else {
         return Ok(false);
     };
@@ -38,20 +43,33 @@ pub fn notify_with_fds(state: &str, fds: &[BorrowedFd<'_>]) -> io::Result<bool> 
     let iov = [io::IoSlice::new(state.as_bytes())];
     let cmsgs = [ControlMessage::ScmRights(&raw)];
     let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsgs };
-    sendmsg(
-        sock.as_raw_fd(),
-        &iov,
-        cmsgs,
-        MsgFlags::empty(),
-        Some(&addr),
-    )
-    .map_err(io::Error::from)?;
-    Ok(true)
+    let deadline = std::time::Instant::now() + budget;
+    loop {
+        match sendmsg(
+            sock.as_raw_fd(),
+            &iov,
+            cmsgs,
+            MsgFlags::MSG_DONTWAIT,
+            Some(&addr),
+        ) {
+            Ok(_) => return Ok(true),
+            Err(nix::errno::Errno::EAGAIN) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
-/// Sends one notification; returns whether it was sent.
+/// [`notify_with_fds_within`] with a short budget (fd store traffic).
+pub fn notify_with_fds(state: &str, fds: &[BorrowedFd<'_>]) -> io::Result<bool> {
+    notify_with_fds_within(state, fds, Duration::from_millis(100))
+}
+
+/// Sends one state notification (READY=1, STATUS=, ...), waiting up to 5 s
+/// for room in the manager's queue; returns whether it was sent.
 pub fn notify(state: &str) -> bool {
-    notify_with_fds(state, &[]).unwrap_or(false)
+    notify_with_fds_within(state, &[], Duration::from_secs(5)).unwrap_or(false)
 }
 
 /// The fd-store name of a TAP. Names must be unique per TAP so that one
@@ -71,7 +89,11 @@ pub fn store_tap_fd(ifindex: u32, fd: BorrowedFd<'_>) -> io::Result<bool> {
 
 /// Drops a TAP fd from the fd store (the TAP is being deleted).
 pub fn remove_tap_fd(ifindex: u32) -> bool {
-    notify(&format!("FDSTOREREMOVE=1\nFDNAME={}", tap_fd_name(ifindex)))
+    notify_with_fds(
+        &format!("FDSTOREREMOVE=1\nFDNAME={}", tap_fd_name(ifindex)),
+        &[],
+    )
+    .unwrap_or(false)
 }
 
 /// One fd passed by systemd, with its name ("unknown" when unnamed).

@@ -374,6 +374,7 @@ impl Agent {
             cfg.mtu,
             cfg.warm_pool as usize,
             cfg.retire_group,
+            datapath.clone(),
         ));
         let mut agent = Agent {
             cfg,

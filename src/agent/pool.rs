@@ -95,6 +95,7 @@ pub struct TapPool {
     next_name: AtomicU32,
     inner: Mutex<Inner>,
     wake: Notify,
+    datapath: std::sync::Arc<dyn crate::datapath::Datapath>,
 }
 
 impl TapPool {
@@ -105,6 +106,7 @@ impl TapPool {
         mtu: u32,
         target: usize,
         retire_group: u32,
+        datapath: std::sync::Arc<dyn crate::datapath::Datapath>,
     ) -> Self {
         Self {
             nl,
@@ -116,6 +118,7 @@ impl TapPool {
             next_name: AtomicU32::new(0),
             inner: Mutex::new(Inner::default()),
             wake: Notify::new(),
+            datapath,
         }
     }
 
@@ -140,10 +143,17 @@ impl TapPool {
         tap
     }
 
+    /// Idle TAPs kept before released ones are retired: twice the target,
+    /// so a steady stream of ensure/release pairs recycles TAPs instead of
+    /// creating one (refill) and deleting one (release) per pair.
+    fn keep_limit(&self) -> usize {
+        self.target * 2
+    }
+
     /// Adds a ready TAP found at recovery; surplus ones are retired.
     pub fn adopt_idle(&self, tap: PoolTap) {
         let mut inner = self.lock();
-        if inner.idle.len() < self.target {
+        if inner.idle.len() < self.keep_limit() {
             inner.idle.push_back(tap);
         } else {
             inner.retiring.push(tap);
@@ -169,7 +179,7 @@ impl TapPool {
     /// sandbox on that address would need). A failed reset goes to the
     /// abnormal queue.
     pub async fn give_back(&self, mut pt: PoolTap) {
-        let surplus = self.lock().idle.len() >= self.target;
+        let surplus = self.lock().idle.len() >= self.keep_limit();
         let name = self.next_pool_name();
         match self.reset(&pt, &name, surplus).await {
             Ok(()) => {
@@ -273,6 +283,9 @@ impl TapPool {
             .await;
         match res {
             Ok(()) => {
+                if let Err(e) = self.datapath.prepare_tap(name, pt.ifindex) {
+                    warn!(tap = name, error = %e, "preparing the TAP's datapath failed; ensure will retry");
+                }
                 debug!(tap = name, ifindex = pt.ifindex, "pool TAP created");
                 Ok(pt)
             }

@@ -14,12 +14,11 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use cube_network_agent::dbus::{BUS_NAME, MANAGER_PATH};
 use cube_network_agent::tap::Tap;
-use tokio::net::UnixDatagram;
 use zbus::Connection;
 use zbus::zvariant::{OwnedFd, OwnedValue};
 
@@ -137,7 +136,14 @@ struct Env {
     agent: Option<AgentProc>,
     agent_bin: PathBuf,
     notify_path: PathBuf,
-    notify: UnixDatagram,
+    /// READY=1 messages seen so far. A thread drains the notify socket all
+    /// the time, as a service manager does: the agent pushes every TAP fd
+    /// to the fd store (FDSTORE=1), and an undrained socket would make
+    /// those sends wait.
+    ready_count: Arc<AtomicU64>,
+    ready_seen: u64,
+    /// bpffs mounts to remove at the end.
+    mounts: Vec<PathBuf>,
     runs: usize,
     /// Set on failure: the temp dir (with the agent logs) is left in place.
     keep_tmp: bool,
@@ -177,8 +183,21 @@ impl Env {
         let tmp = std::env::temp_dir().join(format!("cnb-{pid}"));
         fs::create_dir_all(&tmp).map_err(|e| format!("creating {}: {e}", tmp.display()))?;
         let notify_path = tmp.join("notify.sock");
-        let notify = UnixDatagram::bind(&notify_path)
+        let notify = std::os::unix::net::UnixDatagram::bind(&notify_path)
             .map_err(|e| format!("binding {}: {e}", notify_path.display()))?;
+        let ready_count = Arc::new(AtomicU64::new(0));
+        let counter = ready_count.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = notify.recv(&mut buf) {
+                if String::from_utf8_lossy(&buf[..n])
+                    .lines()
+                    .any(|l| l == "READY=1")
+                {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        });
         let mut env = Env {
             pid,
             tmp,
@@ -188,7 +207,9 @@ impl Env {
             agent: None,
             agent_bin: args.agent.clone(),
             notify_path,
-            notify,
+            ready_count,
+            ready_seen: 0,
+            mounts: vec![],
             runs: 0,
             keep_tmp: false,
         };
@@ -245,7 +266,17 @@ impl Env {
         let dir = self.tmp.join(format!("agent{}", self.runs));
         fs::create_dir_all(dir.join("state")).map_err(|e| e.to_string())?;
         fs::create_dir_all(dir.join("run")).map_err(|e| e.to_string())?;
-        fs::write(dir.join("config.toml"), "").map_err(|e| e.to_string())?;
+        // Each instance pins its eBPF maps in a bpffs of its own (`ip netns
+        // exec` remounts /sys, so /sys/fs/bpf is no bpffs inside it).
+        let bpf = dir.join("bpf");
+        fs::create_dir_all(&bpf).map_err(|e| e.to_string())?;
+        run_cmd(Command::new("mount").args(["-t", "bpf", "bpf"]).arg(&bpf))?;
+        self.mounts.push(bpf.clone());
+        fs::write(
+            dir.join("config.toml"),
+            format!("bpf_pin_dir = \"{}\"\n", bpf.display()),
+        )
+        .map_err(|e| e.to_string())?;
         Ok((ns, dir))
     }
 
@@ -298,27 +329,21 @@ impl Env {
             .unwrap_or(0)
     }
 
-    fn drain_notify(&self) {
-        let mut buf = [0u8; 4096];
-        while self.notify.try_recv(&mut buf).is_ok() {}
+    /// Remembers how many READY=1 were seen, so `wait_ready` waits for the
+    /// next one.
+    fn drain_notify(&mut self) {
+        self.ready_seen = self.ready_count.load(Ordering::SeqCst);
     }
 
     /// Waits for READY=1 on the notify socket while watching the child.
     async fn wait_ready(&mut self) -> Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
-        let mut buf = vec![0u8; 4096];
         loop {
-            match tokio::time::timeout(Duration::from_millis(50), self.notify.recv(&mut buf)).await
-            {
-                Ok(Ok(n)) => {
-                    let msg = String::from_utf8_lossy(&buf[..n]);
-                    if msg.lines().any(|l| l == "READY=1") {
-                        return Ok(());
-                    }
-                }
-                Ok(Err(e)) => return Err(format!("notify socket: {e}")),
-                Err(_) => {}
+            if self.ready_count.load(Ordering::SeqCst) > self.ready_seen {
+                self.ready_seen = self.ready_count.load(Ordering::SeqCst);
+                return Ok(());
             }
+            tokio::time::sleep(Duration::from_millis(1)).await;
             let agent = self.agent.as_mut().expect("agent running");
             if let Ok(Some(status)) = agent.child.try_wait() {
                 let log = agent.log.display().to_string();
@@ -405,6 +430,9 @@ impl Drop for Env {
                 .args(["netns", "del", &ns])
                 .stderr(Stdio::null())
                 .status();
+        }
+        for m in self.mounts.drain(..) {
+            let _ = Command::new("umount").arg("-l").arg(&m).status();
         }
         if !self.keep_tmp {
             let _ = fs::remove_dir_all(&self.tmp);

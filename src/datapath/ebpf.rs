@@ -426,6 +426,24 @@ impl EbpfDatapath {
             .collect()
     }
 
+    /// Attaches `from_guest` to a TAP unless it already carries it.
+    fn ensure_filter(inner: &mut Inner, tap_name: &str, ifindex: u32) -> Result<(), DatapathError> {
+        if inner.maps.attached.get(&ifindex, 0).is_err() {
+            attach(
+                &mut inner.bpf,
+                "from_guest",
+                tap_name,
+                TcAttachType::Ingress,
+            )?;
+            inner
+                .maps
+                .attached
+                .insert(ifindex, 1, 0)
+                .map_err(|e| err("recording the attachment", e))?;
+        }
+        Ok(())
+    }
+
     /// Live flows as of the last `maintain` pass.
     pub fn flows(&self) -> usize {
         self.stats.flows.load(Ordering::Relaxed)
@@ -457,19 +475,7 @@ impl Datapath for EbpfDatapath {
         let ifindex = sb.tap_ifindex;
         let mut guard = self.lock();
         let inner = &mut *guard;
-        if inner.maps.attached.get(&ifindex, 0).is_err() {
-            attach(
-                &mut inner.bpf,
-                "from_guest",
-                sb.tap_name,
-                TcAttachType::Ingress,
-            )?;
-            inner
-                .maps
-                .attached
-                .insert(ifindex, 1, 0)
-                .map_err(|e| err("recording the attachment", e))?;
-        }
+        Self::ensure_filter(inner, sb.tap_name, ifindex)?;
         // A TAP recreated under a new ifindex leaves an old entry behind.
         if let Ok(old) = inner.maps.by_ip.get(&ip, 0)
             && old.ifindex != ifindex
@@ -574,6 +580,11 @@ impl Datapath for EbpfDatapath {
             "datapath entries written"
         );
         Ok(())
+    }
+
+    fn prepare_tap(&self, tap_name: &str, tap_ifindex: u32) -> Result<(), DatapathError> {
+        let mut guard = self.lock();
+        Self::ensure_filter(&mut guard, tap_name, tap_ifindex)
     }
 
     fn detach(&self, sb: &SandboxPath<'_>) -> Result<(), DatapathError> {

@@ -47,6 +47,11 @@ pub trait Datapath: Send + Sync {
     fn checks(&self) -> Vec<Check>;
     /// Periodic housekeeping (expired flows); called every few seconds.
     fn maintain(&self) {}
+    /// Prepares a freshly created (idle) TAP off the caller's path, e.g.
+    /// attaches the per-TAP program, so EnsureNetwork does not pay for it.
+    fn prepare_tap(&self, _tap_name: &str, _tap_ifindex: u32) -> Result<(), DatapathError> {
+        Ok(())
+    }
 }
 
 /// A datapath that programs nothing: TAPs, addresses, neighbour entries and
