@@ -572,21 +572,19 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
         bus: String::from(bus.clone()),
         source,
     };
-    let builder = || -> Result<zbus::connection::Builder<'_>, ServeError> {
-        Ok(match bus {
-            BusChoice::System => zbus::connection::Builder::system().map_err(connect)?,
-            BusChoice::Session => zbus::connection::Builder::session().map_err(connect)?,
-            BusChoice::Address(a) => {
-                zbus::connection::Builder::address(a.as_str()).map_err(connect)?
-            }
-        })
+    let builder = || -> zbus::Result<zbus::connection::Builder<'_>> {
+        match bus {
+            BusChoice::System => zbus::connection::Builder::system(),
+            BusChoice::Session => zbus::connection::Builder::session(),
+            BusChoice::Address(a) => zbus::connection::Builder::address(a.as_str()),
+        }
     };
     // Authorization asks the bus daemon and polkit from inside method
     // handlers. On the serving connection those replies would queue behind
     // the very method calls waiting for them (a deadlock under load), so
     // the authority has a connection of its own.
-    let auth_conn = builder()?.build().await.map_err(connect)?;
-    let conn = builder()?.build().await.map_err(connect)?;
+    let auth_conn = builder().map_err(connect)?.build().await.map_err(connect)?;
+    let conn = builder().map_err(connect)?.build().await.map_err(connect)?;
     // Nobody can address us by name before `request_name` below.
     let manager = Manager {
         agent: agent.clone(),
