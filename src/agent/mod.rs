@@ -442,7 +442,7 @@ impl Agent {
         uplink: &Uplink,
     ) -> Arc<dyn Datapath> {
         if cfg.datapath == "none" {
-            return Arc::new(crate::datapath::NoopDatapath);
+            return Arc::new(crate::datapath::NoopDatapath::configured());
         }
         let gwdev_mac = std::fs::read_to_string(format!("/sys/class/net/{gwdev}/address"))
             .ok()
@@ -479,7 +479,7 @@ impl Agent {
             Ok(dp) => Arc::new(dp),
             Err(e) => {
                 warn!(error = %e, "the eBPF datapath could not be loaded");
-                Arc::new(crate::datapath::FailedDatapath(e.to_string()))
+                Arc::new(crate::datapath::NoopDatapath::failed(&e.to_string()))
             }
         }
     }

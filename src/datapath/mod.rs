@@ -55,9 +55,33 @@ pub trait Datapath: Send + Sync {
 }
 
 /// A datapath that programs nothing: TAPs, addresses, neighbour entries and
-/// records are managed, packets are left to the host's own routing.
-#[derive(Debug, Default)]
-pub struct NoopDatapath;
+/// records are managed, packets are left to the host's own routing. Used
+/// for `datapath = "none"`, and when the eBPF datapath could not be loaded
+/// (then Health is not ok and says why).
+#[derive(Debug)]
+pub struct NoopDatapath {
+    ok: bool,
+    detail: String,
+}
+
+impl NoopDatapath {
+    /// `datapath = "none"`, chosen by the operator.
+    pub fn configured() -> Self {
+        Self {
+            ok: true,
+            detail: "none (datapath = \"none\"): sandboxes get TAP, address and neighbour only"
+                .into(),
+        }
+    }
+
+    /// The eBPF datapath was configured but failed to load.
+    pub fn failed(reason: &str) -> Self {
+        Self {
+            ok: false,
+            detail: format!("eBPF datapath not loaded, sandboxes have no connectivity: {reason}"),
+        }
+    }
+}
 
 impl Datapath for NoopDatapath {
     fn attach(&self, _sandbox: &SandboxPath<'_>) -> Result<(), DatapathError> {
@@ -69,37 +93,6 @@ impl Datapath for NoopDatapath {
     }
 
     fn checks(&self) -> Vec<Check> {
-        vec![(
-            "datapath".into(),
-            true,
-            "none: no eBPF datapath in this build; sandboxes get TAP, address and neighbour only"
-                .into(),
-        )]
-    }
-}
-
-/// The eBPF datapath was configured but could not be loaded: networks get
-/// TAPs, addresses and records, and Health reports the reason.
-#[derive(Debug)]
-pub struct FailedDatapath(pub String);
-
-impl Datapath for FailedDatapath {
-    fn attach(&self, _sandbox: &SandboxPath<'_>) -> Result<(), DatapathError> {
-        Ok(())
-    }
-
-    fn detach(&self, _sandbox: &SandboxPath<'_>) -> Result<(), DatapathError> {
-        Ok(())
-    }
-
-    fn checks(&self) -> Vec<Check> {
-        vec![(
-            "datapath".into(),
-            false,
-            format!(
-                "eBPF datapath not loaded, sandboxes have no connectivity: {}",
-                self.0
-            ),
-        )]
+        vec![("datapath".into(), self.ok, self.detail.clone())]
     }
 }
