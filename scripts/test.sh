@@ -13,7 +13,7 @@ if [ "$(id -u)" != 0 ]; then
 else
     scripts/deps.sh
 fi
-cargo test --all-targets "$@"
+cargo test --all-targets --no-fail-fast "$@"
 if [ "$(id -u)" = 0 ]; then
     # Real system bus + real polkitd (private namespaces), then real systemd
     # as PID 1 in a throw-away nspawn container. Both need the release build.

@@ -1,8 +1,9 @@
 //! Authorization (SPEC §5): uid 0 is allowed outright; everyone else needs
 //! a polkit action, `org.cube.NetworkAgent.manage` for mutating calls and
-//! `org.cube.NetworkAgent.read` for reads. Nothing is cached: polkit's
-//! answer can change at any time (rules, group membership, `auth_admin_keep`
-//! expiring). If polkit cannot be asked, non-root callers are denied.
+//! `org.cube.NetworkAgent.read` for reads. polkit's answers are never
+//! cached: they can change at any time (rules, group membership,
+//! `auth_admin_keep` expiring). Only a bus name's uid is remembered, which
+//! cannot change. If polkit cannot be asked, non-root callers are denied.
 //!
 //! Transport edges call [`Authority::check_bus_caller`] (D-Bus: subject =
 //! the caller's unique bus name) or [`Authority::check_process`] (varlink:
@@ -90,11 +91,22 @@ pub fn global() -> Option<&'static Authority> {
 #[derive(Clone, Debug)]
 pub struct Authority {
     conn: Connection,
+    /// Unique bus name → uid. A unique name is never reused during the
+    /// bus's life and a connection's uid never changes, so an entry can
+    /// never be wrong; the cache only saves the bus round trip that every
+    /// call (root's included) would otherwise pay. Bounded: cleared when
+    /// full.
+    uids: std::sync::Arc<std::sync::Mutex<HashMap<String, u32>>>,
 }
+
+const UID_CACHE_MAX: usize = 4096;
 
 impl Authority {
     pub fn new(conn: Connection) -> Self {
-        Authority { conn }
+        Authority {
+            conn,
+            uids: Default::default(),
+        }
     }
 
     /// Authorizes the D-Bus caller `sender` for `action`. `interactive` is
@@ -144,6 +156,14 @@ impl Authority {
         sender: &UniqueName<'_>,
         action: Action,
     ) -> Result<u32, AuthError> {
+        if let Some(uid) = self
+            .uids
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(sender.as_str())
+        {
+            return Ok(*uid);
+        }
         let unknown = |reason: String| AuthError::UnknownCaller { action, reason };
         let reply = self
             .conn
@@ -156,10 +176,16 @@ impl Authority {
             )
             .await
             .map_err(|e| unknown(e.to_string()))?;
-        reply
+        let uid = reply
             .body()
             .deserialize::<u32>()
-            .map_err(|e| unknown(e.to_string()))
+            .map_err(|e| unknown(e.to_string()))?;
+        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
+        if uids.len() >= UID_CACHE_MAX {
+            uids.clear();
+        }
+        uids.insert(sender.as_str().to_owned(), uid);
+        Ok(uid)
     }
 
     async fn check(

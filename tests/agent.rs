@@ -421,9 +421,10 @@ async fn two_hundred_networks_with_16_callers_then_nothing_left() {
     assert!(env.neighbours().is_empty());
     assert!(c.list().await.is_empty());
     assert_eq!(c.property_u32("FreeAddresses").await, capacity);
-    // Surplus TAPs are deleted in the background: the pool settles at its size.
+    // Surplus TAPs are deleted in the background: the pool keeps at most
+    // twice its size (16) idle, so ensure/release churn recycles TAPs.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while env.pool_taps().len() > 16 {
+    while env.pool_taps().len() > 32 {
         assert!(
             std::time::Instant::now() < deadline,
             "pool never shrank: {}",

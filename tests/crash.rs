@@ -165,7 +165,7 @@ async fn kill_9_during_storm_loses_nothing_acknowledged() {
     assert!(env.neighbours().is_empty());
     assert_eq!(c.property_u32("FreeAddresses").await, capacity);
     let deadline = Instant::now() + Duration::from_secs(30);
-    while env.pool_taps().len() > 4 {
+    while env.pool_taps().len() > 8 {
         assert!(
             Instant::now() < deadline,
             "pool TAPs leaked: {:?}",
