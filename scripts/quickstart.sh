@@ -5,15 +5,22 @@
 # (ctapw*), and keeps its records in /var/lib/cube-network-agent.
 # If no system bus is running (machines without systemd as PID 1), it
 # starts one. The bus policy file is installed so root may own the name.
-# Stop with Ctrl-C: networks stay for the next start. To remove everything:
+# The eBPF datapath attaches tc programs to the uplink (ingress), to lo and
+# cube-dev (egress) and to each TAP, pins its maps under
+# /sys/fs/bpf/cube-network-agent (a bpffs is mounted there if none is), and
+# sets route_localnet/accept_local on lo. Pass --datapath none to skip it.
+# Stop with Ctrl-C: networks and the datapath stay for the next start. To
+# remove everything:
 #   ip link del cube-dev; for t in $(ip -o link | grep -o 'ctap[0-9a-fw]*'); do ip link del $t; done
-#   rm -rf /var/lib/cube-network-agent
+#   tc qdisc del dev lo clsact; tc qdisc del dev "$(ip -o route show default | awk '{print $5; exit}')" clsact
+#   rm -rf /var/lib/cube-network-agent /sys/fs/bpf/cube-network-agent
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "quickstart: run as root (the agent creates TAPs and a gateway device)" >&2; exit 1; }
 scripts/deps.sh
 cargo build --release --bins
 install -D -m 0644 dbus/org.cube.NetworkAgent.conf /etc/dbus-1/system.d/org.cube.NetworkAgent.conf
+mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf
 if busctl --system status >/dev/null 2>&1; then
     busctl --system call org.freedesktop.DBus /org/freedesktop/DBus org.freedesktop.DBus ReloadConfig >/dev/null
 else

@@ -185,7 +185,9 @@ impl TapPool {
             Ok(()) => {
                 pt.tap.set_name(name);
                 let mut inner = self.lock();
-                if surplus {
+                // Checked again here: concurrent releases all passed the
+                // first check while their resets were in flight.
+                if surplus || inner.idle.len() >= self.keep_limit() {
                     inner.retiring.push(pt);
                     drop(inner);
                     self.wake.notify_one();
@@ -242,10 +244,22 @@ impl TapPool {
     /// Background work: refill, retry abnormal TAPs, delete retired ones.
     pub async fn run(self: std::sync::Arc<Self>) {
         loop {
+            self.trim();
             self.refill().await;
             self.retry_abnormal().await;
             self.delete_retired().await;
             let _ = tokio::time::timeout(IDLE_TICK, self.wake.notified()).await;
+        }
+    }
+
+    /// Moves idle TAPs beyond the keep limit to the retire queue.
+    fn trim(&self) {
+        let limit = self.keep_limit();
+        let mut inner = self.lock();
+        while inner.idle.len() > limit {
+            if let Some(pt) = inner.idle.pop_back() {
+                inner.retiring.push(pt);
+            }
         }
     }
 
