@@ -564,6 +564,7 @@ impl Agent {
         id: &str,
         spec: NetworkSpec,
     ) -> Result<(NetworkView, Ensured), AgentError> {
+        let started = Instant::now();
         validate_sandbox_id(id)?;
         let spec = self.normalise(spec.validated()?);
         let slot = self.slot(id);
@@ -591,6 +592,7 @@ impl Agent {
                 tap = view.record.tap_name,
                 sandbox_ip = %view.record.sandbox_ip,
                 outcome = ?change,
+                elapsed_us = started.elapsed().as_micros() as u64,
                 "network ensured"
             );
         }
@@ -861,6 +863,7 @@ impl Agent {
 
     /// ReleaseNetwork: `Ok(false)` if there was no such network.
     pub async fn release(&self, id: &str) -> Result<bool, AgentError> {
+        let started = Instant::now();
         validate_sandbox_id(id)?;
         let slot = self.slot(id);
         let result = {
@@ -874,8 +877,15 @@ impl Agent {
                     }
                     Ok(()) => {
                         self.remove_view(id);
-                        info!(sandbox_id = id, tap = net.rec.tap_name, sandbox_ip = %net.rec.sandbox_ip, "network released");
+                        let (tap, ip) = (net.rec.tap_name.clone(), net.rec.sandbox_ip);
                         self.tear_down(net).await;
+                        info!(
+                            sandbox_id = id,
+                            tap,
+                            sandbox_ip = %ip,
+                            elapsed_us = started.elapsed().as_micros() as u64,
+                            "network released"
+                        );
                         Ok(true)
                     }
                 },

@@ -25,6 +25,11 @@ use crate::tap::Tap;
 pub const MAX_RESET_ATTEMPTS: u32 = 3;
 const RESET_BACKOFF: Duration = Duration::from_millis(200);
 const IDLE_TICK: Duration = Duration::from_millis(500);
+/// A deletion holds RTNL for an RCU grace period (~20 ms) whatever the batch
+/// size, stalling every netlink request behind it: delete in batches of
+/// this many, or once the oldest has waited `DELETE_AFTER`.
+const DELETE_BATCH: usize = 32;
+const DELETE_AFTER: Duration = Duration::from_secs(1);
 
 /// A TAP with its interface index.
 #[derive(Debug)]
@@ -63,6 +68,8 @@ struct Inner {
     retiring: Vec<PoolTap>,
     /// Links to delete that we hold no fd for (found at recovery).
     retiring_links: Vec<u32>,
+    /// When the oldest TAP now waiting for deletion was first seen.
+    retiring_since: Option<Instant>,
     abnormal: Vec<Abnormal>,
     /// (name, last error) of TAPs given up on.
     quarantined: Vec<(String, String)>,
@@ -247,9 +254,22 @@ impl TapPool {
             self.trim();
             self.refill().await;
             self.retry_abnormal().await;
-            self.delete_retired().await;
+            if self.deletion_due() {
+                self.delete_retired().await;
+            }
             let _ = tokio::time::timeout(IDLE_TICK, self.wake.notified()).await;
         }
+    }
+
+    fn deletion_due(&self) -> bool {
+        let mut inner = self.lock();
+        let waiting = inner.retiring.len() + inner.retiring_links.len();
+        if waiting == 0 {
+            inner.retiring_since = None;
+            return false;
+        }
+        let since = *inner.retiring_since.get_or_insert_with(Instant::now);
+        waiting >= DELETE_BATCH || since.elapsed() >= DELETE_AFTER
     }
 
     /// Moves idle TAPs beyond the keep limit to the retire queue.
@@ -363,6 +383,7 @@ impl TapPool {
     pub async fn delete_retired(&self) {
         let (taps, links) = {
             let mut inner = self.lock();
+            inner.retiring_since = None;
             (
                 std::mem::take(&mut inner.retiring),
                 std::mem::take(&mut inner.retiring_links),
