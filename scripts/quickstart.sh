@@ -13,6 +13,7 @@
 # remove everything:
 #   ip link del cube-dev; for t in $(ip -o link | grep -o 'ctap[0-9a-fw]*'); do ip link del $t; done
 #   tc qdisc del dev lo clsact; tc qdisc del dev "$(ip -o route show default | awk '{print $5; exit}')" clsact
+#   sysctl -w net.ipv4.conf.lo.route_localnet=0 net.ipv4.conf.lo.accept_local=0
 #   rm -rf /var/lib/cube-network-agent /sys/fs/bpf/cube-network-agent
 set -euo pipefail
 cd "$(dirname "$0")/.."
