@@ -440,6 +440,7 @@ impl TapPool {
 /// the very same fd back instead of reopening the TAP.
 pub fn create_tap(name: &str) -> Result<PoolTap, crate::tap::TapError> {
     let tap = Tap::create(name)?;
+    disable_ipv6(name);
     let ifindex =
         nix::net::if_::if_nametoindex(name).map_err(|e| crate::tap::TapError::SetIff {
             name: name.into(),
@@ -447,6 +448,19 @@ pub fn create_tap(name: &str) -> Result<PoolTap, crate::tap::TapError> {
         })?;
     store_fd(ifindex, &tap);
     Ok(PoolTap { tap, ifindex })
+}
+
+/// Turns IPv6 off on a new (still down) TAP. Guests are IPv4-only and the
+/// datapath drops their IPv6; left on, every TAP brought up gets its own
+/// fe80::/64 and ff00::/8 routes, which share one FIB node across all
+/// devices, so each link-up costs O(number of TAPs) under RTNL (measured:
+/// cold EnsureNetwork core time 1.66 ms with it vs 0.87 ms without, at
+/// 3,000 networks). The setting follows the device across renames.
+fn disable_ipv6(name: &str) {
+    let path = format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6");
+    if let Err(error) = std::fs::write(&path, "1") {
+        debug!(tap = name, %error, "could not disable IPv6 on the TAP");
+    }
 }
 
 /// Pushes a TAP fd to the fd store; failure only costs a reopen after a
