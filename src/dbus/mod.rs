@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 use zbus::message::{Flags, Header};
 use zbus::names::ErrorName;
 use zbus::object_server::SignalEmitter;
@@ -595,21 +595,31 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
         .at(MANAGER_PATH, manager)
         .await
         .map_err(ServeError::Register)?;
-    conn.object_server()
-        .at(MANAGER_PATH, fdo::ObjectManager)
-        .await
-        .map_err(ServeError::Register)?;
-    for view in agent.list() {
-        let id = view.record.sandbox_id;
+    // Recovered networks first, the ObjectManager after them: nobody can
+    // listen yet (the name is not ours), and registering under an existing
+    // ObjectManager would emit one InterfacesAdded per network at start.
+    let started = std::time::Instant::now();
+    let views = agent.list();
+    for view in &views {
+        let id = &view.record.sandbox_id;
         let obj = NetworkObject {
             agent: agent.clone(),
             id: id.clone(),
         };
         conn.object_server()
-            .at(network_path(&id), obj)
+            .at(network_path(id), obj)
             .await
             .map_err(ServeError::Register)?;
     }
+    conn.object_server()
+        .at(MANAGER_PATH, fdo::ObjectManager)
+        .await
+        .map_err(ServeError::Register)?;
+    debug!(
+        objects = views.len(),
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "network objects registered"
+    );
     let reply = conn
         .request_name_with_flags(BUS_NAME, zbus::fdo::RequestNameFlags::DoNotQueue.into())
         .await;
