@@ -353,7 +353,8 @@ impl EbpfDatapath {
             recreated,
             localnet,
         };
-        dp.maintain();
+        // Counts for Health come from the first reaper pass (2 s after start);
+        // walking every flow and TAP here would delay READY.
         Ok(dp)
     }
 
