@@ -562,14 +562,28 @@ async fn floor_open_tap(conn: &Connection, samples: usize) -> Result<Lat> {
 
 /// Ping calls/s with `callers` concurrent tasks on one connection.
 async fn ping_rate(conn: &Connection, callers: usize, secs: f64) -> Result<f64> {
+    rate(conn, callers, secs, |conn, _, _| async move {
+        ping(&conn).await
+    })
+    .await
+}
+
+/// Operations per second over `secs`: `callers` tasks on one connection each
+/// run `op(conn, caller, iteration)` in a loop until the deadline.
+async fn rate<F, Fut>(conn: &Connection, callers: usize, secs: f64, op: F) -> Result<f64>
+where
+    F: Fn(Connection, usize, usize) -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
     let deadline = Instant::now() + Duration::from_secs_f64(secs);
     let start = Instant::now();
-    let tasks = (0..callers).map(|_| {
+    let op = &op;
+    let tasks = (0..callers).map(|c| {
         let conn = conn.clone();
         async move {
             let mut n = 0usize;
             while Instant::now() < deadline {
-                ping(&conn).await?;
+                op(conn.clone(), c, n).await?;
                 n += 1;
             }
             Ok::<usize, Error>(n)
@@ -676,26 +690,12 @@ async fn cold_ensures(conn: &Connection, phase: &str, samples: usize) -> Result<
 
 /// Ensure+release pairs per second over `secs` with `callers` tasks.
 async fn pair_rate(conn: &Connection, callers: usize, secs: f64) -> Result<f64> {
-    let deadline = Instant::now() + Duration::from_secs_f64(secs);
-    let start = Instant::now();
-    let tasks = (0..callers).map(|c| {
-        let conn = conn.clone();
-        async move {
-            let mut n = 0usize;
-            while Instant::now() < deadline {
-                let id = format!("bench-tput{callers}-{c}-{n}");
-                ensure(&conn, &id).await?;
-                release(&conn, &id).await?;
-                n += 1;
-            }
-            Ok::<usize, Error>(n)
-        }
-    });
-    let total: usize = futures::future::try_join_all(tasks)
-        .await?
-        .into_iter()
-        .sum();
-    Ok(total as f64 / start.elapsed().as_secs_f64())
+    rate(conn, callers, secs, |conn, c, n| async move {
+        let id = format!("bench-tput{callers}-{c}-{n}");
+        ensure(&conn, &id).await?;
+        release(&conn, &id).await
+    })
+    .await
 }
 
 /// Ensures `n` networks with concurrent callers; returns the wall time.
