@@ -213,7 +213,6 @@ pub struct EbpfDatapath {
     stats: Stats,
     node: NodeInfo,
     attached_node: Vec<String>,
-    pinned: bool,
     recreated: Vec<String>,
     /// Whether host -> 127.x:host_port mappings can work.
     localnet: Result<(), String>,
@@ -236,7 +235,6 @@ impl EbpfDatapath {
                 ),
             ));
         }
-        let pinned = true;
         let recreated = check_pins(&node.pin_dir);
         let mut loader = EbpfLoader::new();
         loader.default_map_pin_directory(&node.pin_dir);
@@ -337,7 +335,7 @@ impl EbpfDatapath {
             attached: HashMap::try_from(aya::maps::Map::HashMap(reopen("tap_attached")?))
                 .map_err(|e| err("opening tap_attached", e))?,
         };
-        info!(pin_dir = %node.pin_dir.display(), pinned, node_programs = ?attached_node, "eBPF datapath loaded");
+        info!(pin_dir = %node.pin_dir.display(), node_programs = ?attached_node, "eBPF datapath loaded");
         let dp = Self {
             inner: Mutex::new(Inner {
                 bpf,
@@ -349,7 +347,6 @@ impl EbpfDatapath {
             stats: Stats::default(),
             node,
             attached_node,
-            pinned,
             recreated,
             localnet,
         };
@@ -443,11 +440,6 @@ impl EbpfDatapath {
                 .map_err(|e| err("recording the attachment", e))?;
         }
         Ok(())
-    }
-
-    /// Live flows as of the last `maintain` pass.
-    pub fn flows(&self) -> usize {
-        self.stats.flows.load(Ordering::Relaxed)
     }
 }
 
@@ -700,25 +692,17 @@ impl Datapath for EbpfDatapath {
                 }
             ),
         )];
-        checks.push((
-            "datapath_pins".to_string(),
-            self.pinned,
-            if self.pinned {
-                let mut s = format!("maps pinned in {}", self.node.pin_dir.display());
-                if !self.recreated.is_empty() {
-                    s.push_str(&format!(
-                        "; recreated (layout changed): {}",
-                        self.recreated.join(", ")
-                    ));
-                }
-                s
-            } else {
-                format!(
-                    "{} is not on bpffs: datapath state will not survive a restart",
-                    self.node.pin_dir.display()
-                )
-            },
-        ));
+        checks.push(("datapath_pins".to_string(), true, {
+            // load() refuses a pin directory that is not on bpffs.
+            let mut s = format!("maps pinned in {}", self.node.pin_dir.display());
+            if !self.recreated.is_empty() {
+                s.push_str(&format!(
+                    "; recreated (layout changed): {}",
+                    self.recreated.join(", ")
+                ));
+            }
+            s
+        }));
         checks.push((
             "datapath_loopback".to_string(),
             self.localnet.is_ok(),
