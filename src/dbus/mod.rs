@@ -645,33 +645,34 @@ async fn emit_property_changes(conn: Connection, agent: Arc<Agent>) {
     else {
         return;
     };
-    let snapshot = |a: &Agent| {
-        (
-            a.active_networks(),
-            a.idle_taps(),
-            a.free_addresses(),
-            a.health().0,
-        )
-    };
-    let mut last = snapshot(&agent);
-    loop {
+    // Counters are cheap and polled every tick; Health formats every check
+    // and reads the datapath counters under the lock EnsureNetwork needs,
+    // so it is evaluated only every 10th tick (2 s).
+    let counters = |a: &Agent| (a.active_networks(), a.idle_taps(), a.free_addresses());
+    let mut last = (counters(&agent), agent.health().0);
+    for tick in 1u64.. {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let now = snapshot(&agent);
+        let healthy = if tick % 10 == 0 {
+            agent.health().0
+        } else {
+            last.1
+        };
+        let now = (counters(&agent), healthy);
         if now == last {
             continue;
         }
         let m = iface.get().await;
         let e = iface.signal_emitter();
-        if now.0 != last.0 {
+        if now.0.0 != last.0.0 {
             let _ = m.active_networks_changed(e).await;
         }
-        if now.1 != last.1 {
+        if now.0.1 != last.0.1 {
             let _ = m.idle_taps_changed(e).await;
         }
-        if now.2 != last.2 {
+        if now.0.2 != last.0.2 {
             let _ = m.free_addresses_changed(e).await;
         }
-        if now.3 != last.3 {
+        if now.1 != last.1 {
             let _ = m.healthy_changed(e).await;
         }
         last = now;
