@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the agent and its tests need, if missing:
-# dbus-daemon (private and system buses), iproute2 (namespaces, links),
-# systemd (busctl), clang-19 + libbpf-dev (eBPF build, checked
-# reproducible in CI), qemu-system-x86 + busybox-static + tcpdump (the
-# real-kernel guest test in tests/vm), iperf3 + nftables (cube-dpbench and
-# its nft baseline). Idempotent; needs root.
+# dbus-daemon (private and system buses), iproute2 (ip: namespaces, links),
+# systemd (busctl, systemd-analyze), clang-19 + libbpf-dev (eBPF build,
+# checked reproducible in CI), make (ebpf/Makefile, make check-units),
+# qemu-system-x86 + busybox-static + tcpdump + curl + python3 (the
+# real-kernel guest test in tests/vm: qemu-system-x86_64, the guest's
+# busybox, the GSO capture, host-side HTTP, the world web server),
+# polkitd + python3 (tests/polkit), iperf3 + nftables (cube-dpbench and its
+# nft baseline); coreutils (md5sum, timeout), mount + util-linux (mount,
+# umount, mountpoint, unshare, setpriv, flock) are essential packages and
+# listed so that a stripped image still fails loudly here. systemd-nspawn
+# (systemd-container, pinned to the host's systemd) is installed by
+# tests/systemd/nspawn_up.sh. Idempotent; needs root.
 set -euo pipefail
-want=(dbus-daemon iproute2 systemd clang-19 libbpf-dev qemu-system-x86 busybox-static tcpdump iperf3 nftables)
+want=(dbus-daemon iproute2 systemd clang-19 libbpf-dev make qemu-system-x86 busybox-static tcpdump
+    curl python3 polkitd iperf3 nftables coreutils mount util-linux)
 missing=()
 for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -23,7 +23,7 @@ use tracing::{debug, info, warn};
 use crate::alloc::port::PortError;
 use crate::alloc::{IpAllocator, PortAllocator, PortSet};
 use crate::config::{Config, Derived, format_mac};
-use crate::datapath::{Check, Datapath, SandboxPath};
+use crate::datapath::{Check, Datapath, FILTER_PRIORITY, Hook, SandboxPath};
 use crate::netlink::{LinkChange, LinkInfo, Netlink};
 use crate::store::Store;
 use crate::tap::Tap;
@@ -44,6 +44,14 @@ pub enum AgentError {
     PortsExhausted(String),
     #[error("{0}")]
     PortInUse(String),
+    /// The TAP is attached to another process (a VMM) and the agent has no
+    /// fd of its own (it restarted without its fd store): OpenTap works
+    /// again once that process lets go.
+    #[error(
+        "TAP {tap} is held by another process and the agent has no fd of its own since it \
+         restarted without its fd store; OpenTap re-attaches it once that process closes it"
+    )]
+    TapBusy { tap: String },
     #[error("{0}")]
     Failed(String),
 }
@@ -189,6 +197,9 @@ pub struct Agent {
     gateway: Gateway,
     uplink: Uplink,
     recovery: RecoveryReport,
+    /// Devices on which the kernel announced a qdisc or filter removal
+    /// (ifindex -> what), until a kernel check finds our filter there again.
+    drift: Mutex<BTreeMap<u32, String>>,
 }
 
 fn now_unix() -> u64 {
@@ -392,7 +403,12 @@ impl Agent {
             },
             uplink,
             recovery: RecoveryReport::default(),
+            drift: Mutex::new(BTreeMap::new()),
         };
+        // Subscribe before recovery checks the kernel, so a filter removed
+        // after that check is still noticed.
+        let (tc_tx, mut tc_rx) = tokio::sync::mpsc::unbounded_channel();
+        crate::netlink::watch_tc_removals(tc_tx)?;
         let mut inherited_taps: HashMap<String, Tap> = HashMap::new();
         for fd in inherited {
             match Tap::from_fd(fd) {
@@ -417,6 +433,13 @@ impl Agent {
         );
         agent.recovery = report;
         let agent = Arc::new(agent);
+        let weak = Arc::downgrade(&agent);
+        tokio::spawn(async move {
+            while let Some(removal) = tc_rx.recv().await {
+                let Some(agent) = weak.upgrade() else { break };
+                agent.note_tc_removal(removal);
+            }
+        });
         // Fill the pool before serving so the first calls are warm, then
         // keep it topped up in the background.
         agent.pool.refill().await;
@@ -909,26 +932,95 @@ impl Agent {
         views.values().cloned().collect()
     }
 
-    /// OpenTap: a fresh duplicate of the agent's TAP fd.
+    /// OpenTap: a fresh duplicate of the agent's TAP fd. A network adopted
+    /// without an fd (the agent restarted without its fd store while a VMM
+    /// held the TAP) gets its TAP re-attached here once the holder let go.
     pub async fn open_tap(&self, id: &str) -> Result<OwnedFd, AgentError> {
         validate_sandbox_id(id)?;
         let slot = self.slot(id);
         let result = {
-            let guard = slot.lock().await;
-            match guard.as_ref() {
+            let mut guard = slot.lock().await;
+            match guard.as_mut() {
                 None => Err(AgentError::NotFound(id.to_owned())),
-                Some(Network { tap: None, rec, .. }) => Err(AgentError::Failed(format!(
-                    "TAP {} is attached to another process and could not be re-opened after the agent restarted; \
-                     that process still holds it, or release and ensure the network again",
-                    rec.tap_name
-                ))),
-                Some(Network { tap: Some(tap), .. }) => {
-                    tap.dup().map_err(|e| failed("duplicating the TAP fd", &e))
-                }
+                Some(net) => match self.reattach_fd(net) {
+                    Err(e) => Err(e),
+                    Ok(_) => match &net.tap {
+                        Some(tap) => tap.dup().map_err(|e| failed("duplicating the TAP fd", &e)),
+                        None => unreachable!("reattach_fd leaves an fd or fails"),
+                    },
+                },
             }
         };
         self.forget_slot(id, slot);
         result
+    }
+
+    /// Gives a network adopted without an fd its TAP back: TUNSETIFF on the
+    /// device succeeds once no other process holds its (single) queue.
+    /// `Ok(true)` if it re-attached now, `Ok(false)` if the fd was there.
+    /// Called with the network's slot held.
+    fn reattach_fd(&self, net: &mut Network) -> Result<bool, AgentError> {
+        if net.tap.is_some() {
+            return Ok(false);
+        }
+        match Tap::open_existing(&net.rec.tap_name) {
+            Ok(tap) => {
+                pool::store_fd(net.ifindex, &tap);
+                net.tap = Some(tap);
+                self.set_view(net);
+                info!(
+                    sandbox_id = net.rec.sandbox_id.as_str(),
+                    tap = net.rec.tap_name.as_str(),
+                    "TAP re-attached: the process that held it let go"
+                );
+                Ok(true)
+            }
+            Err(e) if e.errno() == Some(libc::EBUSY) => Err(AgentError::TapBusy {
+                tap: net.rec.tap_name.clone(),
+            }),
+            Err(e) => Err(failed(&format!("re-opening TAP {}", net.rec.tap_name), &e)),
+        }
+    }
+
+    /// The kernel announced a qdisc or filter removal on `r.ifindex`.
+    fn note_tc_removal(&self, r: crate::netlink::TcRemoval) {
+        self.datapath.forget_attachment(r.ifindex);
+        let mut drift = self.drift.lock().unwrap_or_else(|p| p.into_inner());
+        drift.insert(r.ifindex, r.what);
+    }
+
+    /// Compares the kernel with one filter the datapath keeps and attaches
+    /// it again when the kernel lost it. `Ok(true)` if it had to.
+    async fn repair_hook(&self, hook: &Hook) -> Result<bool, String> {
+        let present = self
+            .nl
+            .has_bpf_filter(hook.ifindex, hook.hook, FILTER_PRIORITY)
+            .await
+            .map_err(|e| format!("checking {hook}: {}", crate::error_chain(&e)))?;
+        if !present {
+            self.datapath
+                .reattach(hook)
+                .map_err(|e| format!("re-attaching {hook}: {e}"))?;
+        }
+        self.drift
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&hook.ifindex);
+        Ok(!present)
+    }
+
+    /// The kernel check of a network's TAP filter; a repair message if it
+    /// had to re-attach it.
+    async fn repair_tap_hook(&self, net: &Network) -> Result<Option<String>, String> {
+        let Some(hook) = self.datapath.tap_hook(&net.rec.tap_name, net.ifindex) else {
+            return Ok(None);
+        };
+        Ok(self.repair_hook(&hook).await?.then(|| {
+            format!(
+                "{}: {hook} was missing (clsact qdisc or filter removed), re-attached",
+                net.rec.sandbox_id
+            )
+        }))
     }
 
     /// Guest-side facts for a network (same for every sandbox).
@@ -960,7 +1052,8 @@ impl Agent {
     }
 
     /// Health: (healthy, checks).
-    pub fn health(&self) -> (bool, Vec<Check>) {
+    pub async fn health(&self) -> (bool, Vec<Check>) {
+        let filters = self.filter_check().await;
         let mut checks: Vec<Check> = vec![];
         let st = self.store.stats();
         checks.push((
@@ -1052,22 +1145,110 @@ impl Agent {
             detail.push_str("; ");
             detail.push_str(q);
         }
-        if !r.fd_lost.is_empty() {
-            detail.push_str(&format!(
-                "; TAP fd not re-opened for {}",
-                r.fd_lost.join(", ")
-            ));
-        }
         checks.push((
             "recovery".into(),
-            r.quarantined.is_empty()
-                && r.store_problems.is_empty()
-                && r.errors.is_empty()
-                && r.fd_lost.is_empty(),
+            r.quarantined.is_empty() && r.store_problems.is_empty() && r.errors.is_empty(),
             detail,
         ));
+        checks.push(self.tap_fd_check());
         checks.extend(self.datapath.checks());
+        checks.extend(filters);
         (checks.iter().all(|c| c.1), checks)
+    }
+
+    /// TAPs of live networks the agent holds no fd for (adopted after a
+    /// restart without the fd store while a VMM held them). Not a fault:
+    /// the VMM keeps forwarding; only OpenTap waits until it lets go, and
+    /// OpenTap or Reconcile then take the TAP back. Computed from the live
+    /// views, so a released network leaves no trace.
+    fn tap_fd_check(&self) -> Check {
+        let views = self.views.read().unwrap_or_else(|p| p.into_inner());
+        let held: Vec<&str> = views
+            .values()
+            .filter(|v| !v.tap_fd_held)
+            .map(|v| v.record.sandbox_id.as_str())
+            .collect();
+        let detail = if held.is_empty() {
+            format!("the agent holds the TAP fd of all {} networks", views.len())
+        } else {
+            format!(
+                "{} of {} TAPs held only by another process since a restart without the fd store \
+                 (OpenTap answers TapBusy until it closes them): {}",
+                held.len(),
+                views.len(),
+                held.join(", ")
+            )
+        };
+        ("tap_fds".into(), true, detail)
+    }
+
+    /// The datapath's filters as the kernel has them: every device the
+    /// kernel announced a qdisc/filter removal on is checked again (a
+    /// dump per such device, none in the normal case); what is still
+    /// missing is reported until Reconcile (or a restart) re-attaches it.
+    async fn filter_check(&self) -> Vec<Check> {
+        let mut wanted = self.datapath.node_hooks();
+        if wanted.is_empty() {
+            return vec![];
+        }
+        let drifted: BTreeMap<u32, String> =
+            self.drift.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let owners: HashMap<u32, String> = {
+            let views = self.views.read().unwrap_or_else(|p| p.into_inner());
+            for v in views
+                .values()
+                .filter(|v| drifted.contains_key(&v.tap_ifindex))
+            {
+                wanted.extend(self.datapath.tap_hook(&v.record.tap_name, v.tap_ifindex));
+            }
+            views
+                .values()
+                .map(|v| (v.tap_ifindex, v.record.sandbox_id.clone()))
+                .collect()
+        };
+        let total_taps = owners.len();
+        let mut missing = vec![];
+        for hook in wanted.iter().filter(|h| drifted.contains_key(&h.ifindex)) {
+            match self
+                .nl
+                .has_bpf_filter(hook.ifindex, hook.hook, FILTER_PRIORITY)
+                .await
+            {
+                Ok(true) => {
+                    self.drift
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&hook.ifindex);
+                }
+                Ok(false) => missing.push(format!(
+                    "{hook}{} ({} removed)",
+                    owners
+                        .get(&hook.ifindex)
+                        .map(|id| format!(" of {id}"))
+                        .unwrap_or_default(),
+                    drifted[&hook.ifindex]
+                )),
+                Err(e) => missing.push(format!("{hook}: cannot check: {}", crate::error_chain(&e))),
+            }
+        }
+        // Devices that are neither node devices nor live TAPs any more.
+        {
+            let node: HashSet<u32> = wanted.iter().map(|h| h.ifindex).collect();
+            let mut drift = self.drift.lock().unwrap_or_else(|p| p.into_inner());
+            drift.retain(|i, _| node.contains(i) || owners.contains_key(i));
+        }
+        let detail = if missing.is_empty() {
+            format!(
+                "the kernel has every datapath filter ({} node hooks, from_guest on {total_taps} sandbox TAPs)",
+                self.datapath.node_hooks().len()
+            )
+        } else {
+            format!(
+                "missing in the kernel: {}; ReconcileNetwork \"\" re-attaches them",
+                missing.join("; ")
+            )
+        };
+        vec![("datapath_filters".into(), missing.is_empty(), detail)]
     }
 
     /// ReconcileNetwork: re-checks one network ("" = all, plus orphan
@@ -1112,6 +1293,15 @@ impl Agent {
             self.forget_slot(id, slot);
         }
         if id.is_empty() {
+            for hook in self.datapath.node_hooks() {
+                match self.repair_hook(&hook).await {
+                    Ok(true) => report.repaired.push(format!(
+                        "node: {hook} was missing (clsact qdisc or filter removed), re-attached"
+                    )),
+                    Ok(false) => {}
+                    Err(e) => report.errors.push(format!("node: {e}")),
+                }
+            }
             self.collect_garbage(&links, &neighbours, &mut report).await;
         }
         info!(
@@ -1190,8 +1380,25 @@ impl Agent {
                     .push(format!("{id}: {}", crate::error_chain(&e))),
             }
         }
+        // The kernel check first: `attach` alone would quietly re-attach a
+        // filter the tc watcher reported removed, and Reconcile must say so.
+        match self.repair_tap_hook(net).await {
+            Ok(Some(what)) => report.repaired.push(what),
+            Ok(None) => {}
+            Err(e) => report.errors.push(format!("{id}: {e}")),
+        }
         if let Err(e) = self.datapath.attach(&net.path()) {
             report.errors.push(format!("{id}: {e}"));
+        }
+        // A TAP adopted without an fd: take it back if its holder let go
+        // (still held is not an error: the VMM is running).
+        match self.reattach_fd(net) {
+            Ok(true) => report.repaired.push(format!(
+                "{id}: TAP {} re-attached (adopted without an fd, its holder let go)",
+                net.rec.tap_name
+            )),
+            Ok(false) | Err(AgentError::TapBusy { .. }) => {}
+            Err(e) => report.errors.push(format!("{id}: {e}")),
         }
     }
 
@@ -1417,6 +1624,17 @@ impl Agent {
                     .push(format!("{id}: {}", crate::error_chain(&e)));
             }
             repaired = true;
+        }
+        // The kernel is the truth, not the pinned record of attachments.
+        if net.ifindex != 0 {
+            match self.repair_tap_hook(&net).await {
+                Ok(Some(what)) => {
+                    warn!(sandbox_id = id, "{what}");
+                    repaired = true;
+                }
+                Ok(None) => {}
+                Err(e) => report.errors.push(format!("{id}: {e}")),
+            }
         }
         if let Err(e) = self.datapath.attach(&net.path()) {
             report.errors.push(format!("{id}: {e}"));

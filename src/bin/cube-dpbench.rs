@@ -32,8 +32,17 @@
 //!
 //! Usage: `cube-dpbench [--secs N] [--rounds N] [--quick]
 //! [--ebpf-no-forward] [--guest-no-gso] [--hold]`. Needs root, iperf3 and nft (Debian: `iperf3
-//! nftables`; `bpftool` optional). Exits non-zero only when something
-//! fails (a direction that does not connect is named).
+//! nftables`; `bpftool` optional).
+//!
+//! Exit codes (`.ci/run` fails on 1, 2 and 130 and only notes 3):
+//!
+//! | code | meaning |
+//! |------|---------|
+//! | 0    | ran; every SPEC §10 target (eBPF ≥ 0.9× nft) met |
+//! | 1    | broken: a direction carried (almost) no data, TCP guest -> world does not connect, or an iperf3 run gave no result (the failing direction is named) |
+//! | 2    | setup failed: bad arguments, not root, a tool missing, the topology, servers or eBPF datapath could not be set up |
+//! | 3    | ran, datapath works, but a performance target was missed (informational) |
+//! | 130  | interrupted (SIGINT/SIGTERM/SIGHUP); everything was cleaned up |
 
 use std::io::Read;
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
@@ -53,6 +62,18 @@ use cube_network_agent::datapath::ebpf::{EbpfDatapath, FlowTimeouts, NodeInfo};
 use cube_network_agent::datapath::{Datapath, SandboxPath};
 
 type Result<T> = std::result::Result<T, String>;
+
+/// Why a run failed: decides the exit code (see the table at the top).
+enum Failure {
+    /// Exit 1: the datapath (or the nft baseline) does not carry traffic.
+    Broken(String),
+    /// Exit 2: the benchmark could not be set up.
+    Setup(String),
+}
+
+const EXIT_BROKEN: u8 = 1;
+const EXIT_SETUP: u8 = 2;
+const EXIT_TARGET_MISSED: u8 = 3;
 
 const USAGE: &str = "\
 Usage: cube-dpbench [--secs N] [--rounds N] [--quick] [--ebpf-no-forward] [--guest-no-gso] [--hold]
@@ -742,10 +763,14 @@ fn program_cost(topo: &Topo, secs: u64) -> Result<()> {
 
 // ---------------------------------------------------------------- main
 
-fn bench(args: &Args) -> Result<()> {
+/// Ok(true): every target met; Ok(false): a target was missed.
+fn bench(args: &Args) -> std::result::Result<bool, Failure> {
+    use Failure::{Broken, Setup};
     // SAFETY: geteuid(2) has no preconditions and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
-        return Err("must run as root (network namespaces, bpffs, eBPF)".into());
+        return Err(Setup(
+            "must run as root (network namespaces, bpffs, eBPF)".into(),
+        ));
     }
     for tool in ["ip", "iperf3", "nft", "timeout", "mount"] {
         if cmd(tool)
@@ -755,18 +780,19 @@ fn bench(args: &Args) -> Result<()> {
             .status()
             .is_err()
         {
-            return Err(format!(
+            return Err(Setup(format!(
                 "{tool} not found (Debian: apt-get install -y iperf3 nftables iproute2)"
-            ));
+            )));
         }
     }
     let nft = Topo::new(Kind::Nft);
     let bpf = Topo::new(Kind::Ebpf);
-    nft.build(true, args.guest_no_gso)?;
-    bpf.build(args.ebpf_forward, args.guest_no_gso)?;
-    let loaded = load_ebpf(&bpf)?;
-    nft.start_servers()?;
-    bpf.start_servers()?;
+    nft.build(true, args.guest_no_gso).map_err(Setup)?;
+    bpf.build(args.ebpf_forward, args.guest_no_gso)
+        .map_err(Setup)?;
+    let loaded = load_ebpf(&bpf).map_err(Setup)?;
+    nft.start_servers().map_err(Setup)?;
+    bpf.start_servers().map_err(Setup)?;
     std::thread::sleep(Duration::from_millis(500));
     if args.hold {
         println!(
@@ -783,12 +809,13 @@ fn bench(args: &Args) -> Result<()> {
         let addr = SocketAddrV4::new(WORLD_IP, CONN_PORT);
         let ok = in_netns(&t.guest, move || {
             (0..3).any(|_| TcpStream::connect_timeout(&addr.into(), CONNECT_TIMEOUT).is_ok())
-        })?;
+        })
+        .map_err(Setup)?;
         if !ok {
-            return Err(format!(
+            return Err(Broken(format!(
                 "{}: TCP guest -> world {addr} does not connect",
                 t.kind.label()
-            ));
+            )));
         }
     }
 
@@ -816,7 +843,7 @@ fn bench(args: &Args) -> Result<()> {
             [(&bpf, &mut sb), (&nft, &mut sn)]
         };
         for (t, s) in order {
-            measure(t, args.secs, s)?;
+            measure(t, args.secs, s).map_err(Broken)?;
         }
     }
 
@@ -855,11 +882,16 @@ fn bench(args: &Args) -> Result<()> {
         "|{:-<42}|{:->14}|{:->15}|{:->10}|{:-<17}|",
         "", "", "", "", ""
     );
+    let mut missed = vec![];
     for (name, n, b, prec) in rows {
         let ratio = b / n;
+        let met = ratio >= 0.9;
+        if !met {
+            missed.push(format!("{name} {ratio:.2}×"));
+        }
         println!(
             "| {name:<40} | {n:>12.prec$} | {b:>13.prec$} | {ratio:>7.2}× | ≥ 0.9× {:<8} |",
-            if ratio >= 0.9 { "(met)" } else { "(MISSED)" }
+            if met { "(met)" } else { "(MISSED)" }
         );
     }
     if sn.conn_failures + sb.conn_failures > 0 {
@@ -903,12 +935,18 @@ fn bench(args: &Args) -> Result<()> {
         }
     }
     if !broken.is_empty() {
-        return Err(format!(
+        return Err(Broken(format!(
             "a direction carried (almost) no data (< {BROKEN_GBPS} Gbit/s): {}",
             broken.join("; ")
-        ));
+        )));
     }
-    Ok(())
+    if !missed.is_empty() {
+        println!(
+            "\nSPEC §10 target (eBPF ≥ 0.9× nft) missed: {} (exit {EXIT_TARGET_MISSED}: informational, the datapath works)",
+            missed.join("; ")
+        );
+    }
+    Ok(missed.is_empty())
 }
 
 fn main() -> ExitCode {
@@ -916,7 +954,7 @@ fn main() -> ExitCode {
         Ok(a) => a,
         Err(e) => {
             eprintln!("{e}");
-            return ExitCode::from(2);
+            return ExitCode::from(EXIT_SETUP);
         }
     };
     // Signals go to one thread, which cleans up; every other thread
@@ -931,7 +969,7 @@ fn main() -> ExitCode {
     }
     if let Err(e) = sigs.thread_block() {
         eprintln!("blocking signals: {e}");
-        return ExitCode::FAILURE;
+        return ExitCode::from(EXIT_SETUP);
     }
     std::thread::spawn(move || {
         if let Ok(sig) = sigs.wait() {
@@ -944,10 +982,15 @@ fn main() -> ExitCode {
     let result = bench(&args);
     drop(guard);
     match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("cube-dpbench: {e}");
-            ExitCode::FAILURE
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(EXIT_TARGET_MISSED),
+        Err(Failure::Broken(e)) => {
+            eprintln!("cube-dpbench: BROKEN: {e}");
+            ExitCode::from(EXIT_BROKEN)
+        }
+        Err(Failure::Setup(e)) => {
+            eprintln!("cube-dpbench: setup failed: {e}");
+            ExitCode::from(EXIT_SETUP)
         }
     }
 }

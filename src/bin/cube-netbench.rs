@@ -4,8 +4,18 @@
 //!
 //! Usage: `cube-netbench [--agent PATH] [--networks N] [--samples S]
 //! [--bus-config PATH] [--quick]`. Needs root (network namespaces, TAPs).
-//! Nothing here asserts on timing; it exits non-zero only when the
-//! environment or a call fails.
+//! Timing never fails a run: a missed SPEC §10 target is marked "(MISSED)"
+//! in the table and reported with its own exit code.
+//!
+//! Exit codes (`.ci/run` fails on 1, 2 and 130 and only notes 3):
+//!
+//! | code | meaning |
+//! |------|---------|
+//! | 0    | ran; every SPEC §10 target in the table met |
+//! | 1    | broken: the agent did not start / reach READY=1 / exit when signalled, a call failed, timed out (30 s) or answered wrongly, or a measurement could not be taken (partial table, logs kept) |
+//! | 2    | setup failed: bad arguments, not root, no tokio runtime, the temp dir or private dbus-daemon could not be set up |
+//! | 3    | ran, every call answered, but a performance target was missed (informational) |
+//! | 130  | interrupted (Ctrl-C) |
 
 use std::collections::HashMap;
 use std::fs::{self, File};
@@ -35,6 +45,21 @@ const CONCURRENT_CALLERS: usize = 16;
 
 type Error = String;
 type Result<T> = std::result::Result<T, Error>;
+
+/// Why a run failed: decides the exit code (see the table at the top).
+enum Failure {
+    /// Exit 1: the agent or a call failed.
+    Broken(String),
+    /// Exit 2: the environment could not be set up.
+    Setup(String),
+    /// Exit 130: Ctrl-C.
+    Interrupted,
+}
+
+const EXIT_BROKEN: u8 = 1;
+const EXIT_SETUP: u8 = 2;
+const EXIT_TARGET_MISSED: u8 = 3;
+const EXIT_INTERRUPTED: u8 = 130;
 
 // ---------------------------------------------------------------- arguments
 
@@ -726,6 +751,18 @@ struct Row {
     floor: String,
     ratio: String,
     target: String,
+    /// Whether the SPEC §10 target was met; None: no target (or a floor).
+    met: Option<bool>,
+}
+
+impl Row {
+    /// Marks the row's target as met or missed (shown in the table, and a
+    /// miss sets exit code 3).
+    fn met(mut self, met: bool) -> Row {
+        self.met = Some(met);
+        self.target = format!("{} ({})", self.target, if met { "met" } else { "MISSED" });
+        self
+    }
 }
 
 fn row(
@@ -741,6 +778,7 @@ fn row(
         floor: floor.into(),
         ratio: ratio.into(),
         target: target.into(),
+        met: None,
     }
 }
 
@@ -811,13 +849,18 @@ fn machine_facts() {
 // ------------------------------------------------------------------ main
 
 /// Rows are pushed as phases finish, so a failure still shows what was measured.
-async fn run(args: Args, rows: &mut Vec<Row>) -> Result<()> {
-    let mut env = Env::new(&args).await?;
+async fn run(args: Args, rows: &mut Vec<Row>) -> std::result::Result<(), Failure> {
+    let mut env = Env::new(&args).await.map_err(Failure::Setup)?;
     let result = phases(&mut env, &args, rows).await;
     if result.is_err() {
         env.keep_tmp = true;
     }
-    result.map_err(|e| format!("{e}\n(agent logs and state kept in {})", env.tmp.display()))
+    result.map_err(|e| {
+        Failure::Broken(format!(
+            "{e}\n(agent logs and state kept in {})",
+            env.tmp.display()
+        ))
+    })
 }
 
 async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
@@ -902,20 +945,26 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
     let floor_warm = zbus.p50() + disk_now(env)?;
     let warm = warm_ensure_release(&conn, s).await?;
     let fw = format!("zbus+fdatasync {floor_warm:.0} µs");
-    rows.push(row(
-        "warm EnsureNetwork p50 / p99",
-        warm.ensure.show(),
-        fw.clone(),
-        ratio(warm.ensure.p50(), floor_warm),
-        "<= 800 / 2000 µs",
-    ));
-    rows.push(row(
-        "ReleaseNetwork p50 / p99",
-        warm.release.show(),
-        fw,
-        ratio(warm.release.p50(), floor_warm),
-        "p50 <= 1000 µs",
-    ));
+    rows.push(
+        row(
+            "warm EnsureNetwork p50 / p99",
+            warm.ensure.show(),
+            fw.clone(),
+            ratio(warm.ensure.p50(), floor_warm),
+            "<= 800 / 2000 µs",
+        )
+        .met(warm.ensure.p50() <= 800.0 && warm.ensure.p99() <= 2000.0),
+    );
+    rows.push(
+        row(
+            "ReleaseNetwork p50 / p99",
+            warm.release.show(),
+            fw,
+            ratio(warm.release.p50(), floor_warm),
+            "p50 <= 1000 µs",
+        )
+        .met(warm.release.p50() <= 1000.0),
+    );
 
     eprintln!(
         "[4/7] throughput, 1 and {CONCURRENT_CALLERS} callers, {:.0} s each",
@@ -931,13 +980,16 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         ratio(serial_cap, t1),
         "-",
     ));
-    rows.push(row(
-        format!("ensure+release pairs/s, {CONCURRENT_CALLERS} callers"),
-        format!("{t16:.0}/s"),
-        format!("bus only {:.0}/s", ping16 / 2.0),
-        ratio(ping16 / 2.0, t16),
-        ">= 10000/s",
-    ));
+    rows.push(
+        row(
+            format!("ensure+release pairs/s, {CONCURRENT_CALLERS} callers"),
+            format!("{t16:.0}/s"),
+            format!("bus only {:.0}/s", ping16 / 2.0),
+            ratio(ping16 / 2.0, t16),
+            ">= 10000/s",
+        )
+        .met(t16 >= 10_000.0),
+    );
     env.stop_agent(nix::sys::signal::Signal::SIGTERM).await?;
 
     eprintln!("[5/7] agent --warm-pool 0: cold EnsureNetwork x{s} with 0 networks");
@@ -946,13 +998,16 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
     let floor_cold = zbus.p50() + disk_now(env)? + tap.p50();
     let fc = format!("zbus+fdatasync+TAP {floor_cold:.0} µs");
     let cold0 = cold_ensures(&conn, "cold0", s).await?;
-    rows.push(row(
-        "cold EnsureNetwork, 0 nets, p50 / p99",
-        cold0.show(),
-        fc,
-        ratio(cold0.p50(), floor_cold),
-        "p50 <= 1500 µs",
-    ));
+    rows.push(
+        row(
+            "cold EnsureNetwork, 0 nets, p50 / p99",
+            cold0.show(),
+            fc,
+            ratio(cold0.p50(), floor_cold),
+            "p50 <= 1500 µs",
+        )
+        .met(cold0.p50() <= 1500.0),
+    );
 
     eprintln!("[6/7] fill to {n} networks with {CONCURRENT_CALLERS} callers");
     let fill_time = fill(&conn, n).await?;
@@ -970,21 +1025,27 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
     let floor_cold = zbus.p50() + disk_now(env)? + tap.p50();
     let fc = format!("zbus+fdatasync+TAP {floor_cold:.0} µs");
     let coldn = cold_ensures(&conn, "coldn", (s / 4).max(10)).await?;
-    rows.push(row(
-        format!("cold EnsureNetwork, {n} nets, p50 / p99"),
-        coldn.show(),
-        fc,
-        ratio(coldn.p50(), floor_cold),
-        "p50 <= 2000 µs (10k)",
-    ));
+    rows.push(
+        row(
+            format!("cold EnsureNetwork, {n} nets, p50 / p99"),
+            coldn.show(),
+            fc,
+            ratio(coldn.p50(), floor_cold),
+            "p50 <= 2000 µs (10k)",
+        )
+        .met(coldn.p50() <= 2000.0),
+    );
     let rss = env.agent_rss_kb()?;
-    rows.push(row(
-        format!("agent RSS with {n} networks"),
-        format!("{:.1} MB", rss as f64 / 1024.0),
-        "-",
-        "-",
-        "<= 50 MB (10k)",
-    ));
+    rows.push(
+        row(
+            format!("agent RSS with {n} networks"),
+            format!("{:.1} MB", rss as f64 / 1024.0),
+            "-",
+            "-",
+            "<= 50 MB (10k)",
+        )
+        .met(rss as f64 / 1024.0 <= 50.0),
+    );
 
     eprintln!("[7/7] restart with {n} networks");
     let killed = env.stop_agent(nix::sys::signal::Signal::SIGKILL).await?;
@@ -997,13 +1058,16 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
     ));
     let after_kill = env.start_agent(&ns, &dir, 0, n).await?;
     ping(&conn).await?;
-    rows.push(row(
-        format!("restart after SIGKILL: spawn -> READY, {n} nets"),
-        ms(after_kill),
-        "-",
-        "-",
-        "<= 1000 ms (10k)",
-    ));
+    rows.push(
+        row(
+            format!("restart after SIGKILL: spawn -> READY, {n} nets"),
+            ms(after_kill),
+            "-",
+            "-",
+            "<= 1000 ms (10k)",
+        )
+        .met(after_kill <= Duration::from_secs(1)),
+    );
     if killed < QUICK_EXIT {
         let stop = env.stop_agent(nix::sys::signal::Signal::SIGTERM).await?;
         let after_term = env.start_agent(&ns, &dir, 0, n).await?;
@@ -1014,13 +1078,16 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
             "-",
             "-",
         ));
-        rows.push(row(
-            format!("restart after SIGTERM: spawn -> READY, {n} nets"),
-            ms(after_term),
-            "-",
-            "-",
-            "<= 1000 ms (10k)",
-        ));
+        rows.push(
+            row(
+                format!("restart after SIGTERM: spawn -> READY, {n} nets"),
+                ms(after_term),
+                "-",
+                "-",
+                "<= 1000 ms (10k)",
+            )
+            .met(after_term <= Duration::from_secs(1)),
+        );
     } else {
         rows.push(row(
             "SIGTERM stop + restart",
@@ -1041,13 +1108,13 @@ fn main() -> ExitCode {
         Ok(a) => a,
         Err(e) => {
             eprintln!("{e}");
-            return ExitCode::from(2);
+            return ExitCode::from(EXIT_SETUP);
         }
     };
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("cube-netbench: must run as root (network namespaces, TAPs)");
-        return ExitCode::from(2);
+        return ExitCode::from(EXIT_SETUP);
     }
     machine_facts();
     println!(
@@ -1063,14 +1130,14 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("cube-netbench: tokio runtime: {e}");
-            return ExitCode::FAILURE;
+            return ExitCode::from(EXIT_SETUP);
         }
     };
     let mut rows = vec![];
     let result = rt.block_on(async {
         tokio::select! {
             r = run(args, &mut rows) => r,
-            _ = tokio::signal::ctrl_c() => Err("interrupted".to_string()),
+            _ = tokio::signal::ctrl_c() => Err(Failure::Interrupted),
         }
     });
     if !rows.is_empty() {
@@ -1088,11 +1155,32 @@ fn main() -> ExitCode {
             println!(
                 "the fdatasync part of each ensure/release floor is re-measured right before that phase."
             );
-            ExitCode::SUCCESS
+            let missed: Vec<&str> = rows
+                .iter()
+                .filter(|r| r.met == Some(false))
+                .map(|r| r.metric.as_str())
+                .collect();
+            if missed.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                println!(
+                    "SPEC §10 target missed: {} (exit {EXIT_TARGET_MISSED}: informational, every call answered)",
+                    missed.join("; ")
+                );
+                ExitCode::from(EXIT_TARGET_MISSED)
+            }
         }
-        Err(e) => {
+        Err(Failure::Broken(e)) => {
             eprintln!("cube-netbench: FAILED: {e}");
-            ExitCode::FAILURE
+            ExitCode::from(EXIT_BROKEN)
+        }
+        Err(Failure::Setup(e)) => {
+            eprintln!("cube-netbench: setup failed: {e}");
+            ExitCode::from(EXIT_SETUP)
+        }
+        Err(Failure::Interrupted) => {
+            eprintln!("cube-netbench: interrupted");
+            ExitCode::from(EXIT_INTERRUPTED)
         }
     }
 }

@@ -8,7 +8,11 @@
 //! `from_guest` drops everything from a TAP with no `sandboxes` entry). On
 //! restart the maps are re-opened from their pins and an attach that finds
 //! the filter already there (EEXIST) keeps it; `tap_attached` remembers
-//! which TAPs have one so recovery does not even ask. Limitation: a new
+//! which TAPs have one so the ensure path does not ask the kernel. The
+//! kernel stays the truth: recovery and Reconcile dump each TAP's filters
+//! and re-attach what an admin or another tool removed, and the agent's
+//! RTNLGRP_TC watcher drops a TAP from `tap_attached` as soon as the kernel
+//! announces a qdisc or filter removal on it. Limitation: a new
 //! agent version keeps running the previous version's programs on existing
 //! TAPs until they are recycled (aya 0.14's netlink attach cannot replace a
 //! filter in place).
@@ -28,13 +32,13 @@ use aya::{Ebpf, EbpfLoader};
 use tracing::{debug, info, warn};
 
 use super::maps::*;
-use super::{Check, Datapath, DatapathError, SandboxPath};
+use super::{Check, Datapath, DatapathError, FILTER_PRIORITY, Hook, SandboxPath};
 use crate::alloc::Protocol;
+use crate::netlink::TcHook;
 
 /// The compiled object (built by build.rs, committed in ebpf/).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/datapath.bpf.o"));
 
-const FILTER_PRIORITY: u16 = 1;
 const LO_SYSCTLS: [&str; 2] = [
     "/proc/sys/net/ipv4/conf/lo/route_localnet",
     "/proc/sys/net/ipv4/conf/lo/accept_local",
@@ -128,6 +132,14 @@ fn attach(
     }
 }
 
+fn attach_hook(bpf: &mut Ebpf, h: &Hook) -> Result<bool, DatapathError> {
+    let kind = match h.hook {
+        TcHook::Ingress => TcAttachType::Ingress,
+        TcHook::Egress => TcAttachType::Egress,
+    };
+    attach(bpf, h.program, &h.device, kind)
+}
+
 /// Removes pins whose key/value sizes differ from what this build expects
 /// (an older layout): aya would silently reuse them.
 fn check_pins(dir: &Path) -> Vec<String> {
@@ -212,7 +224,7 @@ pub struct EbpfDatapath {
     reaper: Mutex<Reaper>,
     stats: Stats,
     node: NodeInfo,
-    attached_node: Vec<String>,
+    node_hooks: Vec<Hook>,
     recreated: Vec<String>,
     /// Whether host -> 127.x:host_port mappings can work.
     localnet: Result<(), String>,
@@ -225,7 +237,23 @@ impl EbpfDatapath {
         // Every map is pinned by name (that is what carries flows across
         // restarts), so a bpffs is required: say so instead of letting aya
         // fail on a default path.
-        let _ = std::fs::create_dir_all(&node.pin_dir);
+        if let Err(e) = std::fs::create_dir_all(&node.pin_dir) {
+            // Report the real cause (EROFS under a read-only /sys mount,
+            // EACCES, ENOENT on sysfs without a bpffs...) with its path.
+            return Err(err(
+                "bpf_pin_dir",
+                format!(
+                    "cannot create {}: {e}{}",
+                    node.pin_dir.display(),
+                    if e.raw_os_error() == Some(libc::EROFS) {
+                        " (read-only mount: under systemd the directory itself must be in \
+                         ReadWritePaths= and exist before start, see the shipped unit)"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
         if !is_bpffs(&node.pin_dir) {
             return Err(err(
                 "bpf_pin_dir",
@@ -288,16 +316,31 @@ impl EbpfDatapath {
         maps.config
             .set(0, cfg, 0)
             .map_err(|e| err("writing the config map", e))?;
-        let mut attached_node = vec![];
-        attach(
-            &mut bpf,
-            "to_sandbox_ip",
-            &node.gwdev_name,
-            TcAttachType::Egress,
-        )?;
-        attached_node.push(format!("to_sandbox_ip on {} egress", node.gwdev_name));
-        attach(&mut bpf, "from_host", "lo", TcAttachType::Egress)?;
-        attached_node.push("from_host on lo egress".into());
+        let mut node_hooks = vec![
+            Hook {
+                device: node.gwdev_name.clone(),
+                ifindex: node.gwdev_ifindex,
+                hook: TcHook::Egress,
+                program: "to_sandbox_ip",
+            },
+            Hook {
+                device: "lo".into(),
+                ifindex: 1,
+                hook: TcHook::Egress,
+                program: "from_host",
+            },
+        ];
+        if let Some((name, index, _)) = &node.uplink {
+            node_hooks.push(Hook {
+                device: name.clone(),
+                ifindex: *index,
+                hook: TcHook::Ingress,
+                program: "from_uplink",
+            });
+        }
+        for h in &node_hooks {
+            attach_hook(&mut bpf, h)?;
+        }
         // Replies to the host's own connections to 127.x:host_port are
         // redirected into lo as fresh packets that need a route lookup:
         // the kernel treats a 127/8 destination (route_localnet) and a
@@ -307,10 +350,6 @@ impl EbpfDatapath {
         let localnet = LO_SYSCTLS.iter().try_for_each(|path| {
             std::fs::write(path, "1").map_err(|e| format!("cannot set {path}: {e}"))
         });
-        if let Some((name, _, _)) = &node.uplink {
-            attach(&mut bpf, "from_uplink", name, TcAttachType::Ingress)?;
-            attached_node.push(format!("from_uplink on {name} ingress"));
-        }
         // Rebuild the per-sandbox indexes from the (possibly pinned) maps.
         let mut policies: StdHashMap<u32, PolicyKeys> = StdHashMap::new();
         for k in maps.allow.keys().flatten() {
@@ -335,7 +374,8 @@ impl EbpfDatapath {
             attached: HashMap::try_from(aya::maps::Map::HashMap(reopen("tap_attached")?))
                 .map_err(|e| err("opening tap_attached", e))?,
         };
-        info!(pin_dir = %node.pin_dir.display(), node_programs = ?attached_node, "eBPF datapath loaded");
+        let names: Vec<String> = node_hooks.iter().map(Hook::to_string).collect();
+        info!(pin_dir = %node.pin_dir.display(), node_programs = ?names, "eBPF datapath loaded");
         let dp = Self {
             inner: Mutex::new(Inner {
                 bpf,
@@ -346,7 +386,7 @@ impl EbpfDatapath {
             reaper: Mutex::new(reaper),
             stats: Stats::default(),
             node,
-            attached_node,
+            node_hooks,
             recreated,
             localnet,
         };
@@ -580,6 +620,40 @@ impl Datapath for EbpfDatapath {
         Self::ensure_filter(&mut guard, tap_name, tap_ifindex)
     }
 
+    fn node_hooks(&self) -> Vec<Hook> {
+        self.node_hooks.clone()
+    }
+
+    fn tap_hook(&self, tap_name: &str, tap_ifindex: u32) -> Option<Hook> {
+        Some(Hook {
+            device: tap_name.to_owned(),
+            ifindex: tap_ifindex,
+            hook: TcHook::Ingress,
+            program: "from_guest",
+        })
+    }
+
+    fn reattach(&self, hook: &Hook) -> Result<(), DatapathError> {
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        let _ = inner.maps.attached.remove(&hook.ifindex);
+        attach_hook(&mut inner.bpf, hook)?;
+        if hook.program == "from_guest" {
+            inner
+                .maps
+                .attached
+                .insert(hook.ifindex, 1, 0)
+                .map_err(|e| err("recording the attachment", e))?;
+        }
+        info!(%hook, "tc filter re-attached");
+        Ok(())
+    }
+
+    fn forget_attachment(&self, ifindex: u32) {
+        let mut guard = self.lock();
+        let _ = guard.maps.attached.remove(&ifindex);
+    }
+
     fn detach(&self, sb: &SandboxPath<'_>) -> Result<(), DatapathError> {
         let IpAddr::V4(v4) = sb.sandbox_ip else {
             return Ok(());
@@ -683,7 +757,11 @@ impl Datapath for EbpfDatapath {
             true,
             format!(
                 "eBPF: from_guest on {taps} TAPs, {}; {flows} flows, {} reaped; counters: {}",
-                self.attached_node.join(", "),
+                self.node_hooks
+                    .iter()
+                    .map(Hook::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 self.stats.reaped.load(Ordering::Relaxed),
                 if counters.is_empty() {
                     "none".into()

@@ -14,6 +14,7 @@ pub mod maps;
 use std::net::IpAddr;
 
 use crate::agent::spec::PortMapping;
+use crate::netlink::TcHook;
 
 /// Everything the datapath needs to know about one sandbox.
 #[derive(Debug, Clone)]
@@ -38,6 +39,28 @@ pub struct DatapathError {
 /// One line of Health: (name, ok, detail).
 pub type Check = (String, bool, String);
 
+/// Priority (and handle) of every filter the datapath attaches; the kernel
+/// check in recovery, Reconcile and Health looks for a `bpf` filter of this
+/// priority.
+pub const FILTER_PRIORITY: u16 = 1;
+
+/// A tc filter the datapath keeps on a device: the kernel is the truth
+/// (an admin or another tool may remove the clsact qdisc or the filter);
+/// recovery and Reconcile compare it with this and re-attach.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hook {
+    pub device: String,
+    pub ifindex: u32,
+    pub hook: TcHook,
+    pub program: &'static str,
+}
+
+impl std::fmt::Display for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} on {} {}", self.program, self.device, self.hook)
+    }
+}
+
 pub trait Datapath: Send + Sync {
     /// Installs or replaces the sandbox's datapath state (idempotent).
     fn attach(&self, sandbox: &SandboxPath<'_>) -> Result<(), DatapathError>;
@@ -52,6 +75,24 @@ pub trait Datapath: Send + Sync {
     fn prepare_tap(&self, _tap_name: &str, _tap_ifindex: u32) -> Result<(), DatapathError> {
         Ok(())
     }
+    /// The filters this datapath keeps on node devices (uplink, lo, the
+    /// gateway device).
+    fn node_hooks(&self) -> Vec<Hook> {
+        vec![]
+    }
+    /// The filter this datapath keeps on a sandbox or pool TAP, if any.
+    fn tap_hook(&self, _tap_name: &str, _tap_ifindex: u32) -> Option<Hook> {
+        None
+    }
+    /// Attaches `hook` again (clsact qdisc and filter) after the kernel
+    /// lost it; idempotent.
+    fn reattach(&self, _hook: &Hook) -> Result<(), DatapathError> {
+        Ok(())
+    }
+    /// The kernel announced that a qdisc or filter on `ifindex` was removed:
+    /// forget any belief that it still carries our filter, so the next
+    /// attach installs it again.
+    fn forget_attachment(&self, _ifindex: u32) {}
 }
 
 /// A datapath that programs nothing: TAPs, addresses, neighbour entries and

@@ -37,6 +37,7 @@ pub enum Error {
     AddressesExhausted(String),
     PortsExhausted(String),
     PortInUse(String),
+    TapBusy(String),
     Failed(String),
     AccessDenied(String),
     InteractiveAuthorizationRequired(String),
@@ -51,6 +52,7 @@ impl DBusError for Error {
             Error::AddressesExhausted(_) => "org.cube.NetworkAgent.Error.AddressesExhausted",
             Error::PortsExhausted(_) => "org.cube.NetworkAgent.Error.PortsExhausted",
             Error::PortInUse(_) => "org.cube.NetworkAgent.Error.PortInUse",
+            Error::TapBusy(_) => "org.cube.NetworkAgent.Error.TapBusy",
             Error::Failed(_) => "org.cube.NetworkAgent.Error.Failed",
             Error::AccessDenied(_) => "org.freedesktop.DBus.Error.AccessDenied",
             Error::InteractiveAuthorizationRequired(_) => {
@@ -67,6 +69,7 @@ impl DBusError for Error {
             | Error::AddressesExhausted(m)
             | Error::PortsExhausted(m)
             | Error::PortInUse(m)
+            | Error::TapBusy(m)
             | Error::Failed(m)
             | Error::AccessDenied(m)
             | Error::InteractiveAuthorizationRequired(m) => Some(m),
@@ -123,6 +126,7 @@ impl From<AgentError> for Error {
             AgentError::AddressesExhausted(m) => Error::AddressesExhausted(m),
             AgentError::PortsExhausted(m) => Error::PortsExhausted(m),
             AgentError::PortInUse(m) => Error::PortInUse(m),
+            e @ AgentError::TapBusy { .. } => Error::TapBusy(e.to_string()),
             AgentError::Failed(m) => Error::Failed(m),
         }
     }
@@ -442,7 +446,7 @@ impl Manager {
         #[zbus(header)] header: Header<'_>,
     ) -> Result<(bool, Vec<(String, bool, String)>), Error> {
         self.authorize(&header, Action::Read).await?;
-        Ok(self.agent.health())
+        Ok(self.agent.health().await)
     }
 
     #[zbus(property)]
@@ -467,7 +471,7 @@ impl Manager {
 
     #[zbus(property)]
     async fn healthy(&self) -> bool {
-        self.agent.health().0
+        self.agent.health().await.0
     }
 
     #[zbus(signal)]
@@ -649,11 +653,11 @@ async fn emit_property_changes(conn: Connection, agent: Arc<Agent>) {
     // and reads the datapath counters under the lock EnsureNetwork needs,
     // so it is evaluated only every 10th tick (2 s).
     let counters = |a: &Agent| (a.active_networks(), a.idle_taps(), a.free_addresses());
-    let mut last = (counters(&agent), agent.health().0);
+    let mut last = (counters(&agent), agent.health().await.0);
     for tick in 1u64.. {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let healthy = if tick % 10 == 0 {
-            agent.health().0
+            agent.health().await.0
         } else {
             last.1
         };

@@ -166,6 +166,7 @@ impl Failure {
                     AgentError::AddressesExhausted(_) => "AddressesExhausted",
                     AgentError::PortsExhausted(_) => "PortsExhausted",
                     AgentError::PortInUse(_) => "PortInUse",
+                    AgentError::TapBusy { .. } => "TapBusy",
                     AgentError::Failed(_) => "Failed",
                 };
                 (
@@ -294,7 +295,7 @@ async fn call(agent: &Agent, peer: &Peer, method: &str, p: Object) -> Result<Rep
         }
         "org.cube.NetworkAgent.Health" => {
             convert::only(&p, &[])?;
-            let (healthy, checks) = agent.health();
+            let (healthy, checks) = agent.health().await;
             Reply::new(json!({ "healthy": healthy, "checks": convert::checks(checks) }))
         }
         other => {
@@ -531,6 +532,7 @@ mod tests {
             "AddressesExhausted",
             "PortsExhausted",
             "PortInUse",
+            "TapBusy",
             "Failed",
             "AccessDenied",
         ] {

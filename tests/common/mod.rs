@@ -27,12 +27,34 @@ pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// Returns from the test early with a message when not root.
+/// True when the environment variable `CI` is set (to anything but "",
+/// "0" or "false"): `.ci/run` runs with `CI=true`.
+pub fn in_ci() -> bool {
+    std::env::var_os("CI").is_some_and(|v| !v.is_empty() && v != "0" && v != "false")
+}
+
+/// The one rule for tests that need root: true when root (run the test);
+/// not root and not in CI (a developer's `cargo test`): false after a
+/// "skipping" message; not root under CI: panics, so a CI run can never
+/// count a skipped test as passed. Shell suites follow the same rule
+/// (tests/root.sh).
+pub fn root_or_skip() -> bool {
+    if is_root() {
+        return true;
+    }
+    if in_ci() {
+        panic!("needs root; CI must run as root (this test creates network namespaces and TAPs)");
+    }
+    eprintln!("skipping: this test creates network namespaces and TAPs and needs root");
+    false
+}
+
+/// Returns from the test early with a message when not root, outside CI;
+/// under CI (`CI` set) a test that is not root fails (see `root_or_skip`).
 #[macro_export]
 macro_rules! require_root {
     () => {
-        if !common::is_root() {
-            eprintln!("skipping: this test creates network namespaces and TAPs and needs root");
+        if !common::root_or_skip() {
             return;
         }
     };

@@ -1,0 +1,298 @@
+//! Restarts that must never strand a TAP or a filter, with a real guest
+//! (smoltcp on the TAP fd) and a "world" namespace behind the uplink. The
+//! agent is started by hand (no service manager, so no fd store): the
+//! lost-fd path. Root only.
+
+mod common;
+
+use std::net::SocketAddrV4;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::guest::Guest;
+use common::world::{self, World};
+use common::{Client, Dict, Env, mappings, opts, ports};
+
+const T: Duration = Duration::from_secs(5);
+
+fn node(args: &[&str]) -> (Env, World) {
+    let mut env = Env::new(args);
+    let world = World::attach_and_restart(&mut env);
+    (env, world)
+}
+
+fn check<'a>(checks: &'a [(String, bool, String)], name: &str) -> &'a (String, bool, String) {
+    checks
+        .iter()
+        .find(|c| c.0 == name)
+        .unwrap_or_else(|| panic!("no {name} check in {checks:?}"))
+}
+
+fn strings(d: &Dict, k: &str) -> Vec<String> {
+    Vec::<String>::try_from(d[k].try_clone().unwrap()).unwrap()
+}
+
+/// Health until `pred` holds (the kernel's tc notifications arrive
+/// asynchronously), or panics with the last answer.
+async fn health_until(
+    c: &Client,
+    what: &str,
+    pred: impl Fn(bool, &[(String, bool, String)]) -> bool,
+) -> Vec<(String, bool, String)> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (ok, checks) = c.health().await;
+        if pred(ok, &checks) {
+            return checks;
+        }
+        assert!(Instant::now() < deadline, "{what}: {ok} {checks:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Numbered datagrams in both directions while the test does something to
+/// the agent: the guest sends to the world's echo server through SNAT (one
+/// exchange at a time), the world sends to node:host_port (the port
+/// mapping) and the guest echoes. Counts what went out and came back.
+struct Flow {
+    stop: Arc<AtomicBool>,
+    egress: std::thread::JoinHandle<(u64, u64)>,
+    ingress: std::thread::JoinHandle<(u64, u64)>,
+}
+
+impl Flow {
+    fn start(g: Arc<Guest>, echo: SocketAddrV4, world_ns: &str, host_port: u16) -> Flow {
+        let stop = Arc::new(AtomicBool::new(false));
+        let st = stop.clone();
+        let egress = std::thread::spawn(move || {
+            let (mut sent, mut back) = (0, 0);
+            while !st.load(Ordering::Relaxed) {
+                sent += 1;
+                let msg = format!("e{sent}");
+                // One try only: a datagram that does not come back within
+                // 1 s counts as lost.
+                if g.udp_send_recv(echo, msg.as_bytes(), Duration::from_millis(240))
+                    .is_ok_and(|r| r.ends_with(msg.as_bytes()))
+                {
+                    back += 1;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            (sent, back)
+        });
+        let st = stop.clone();
+        let target = World::node_addr(host_port);
+        let ns = world_ns.to_owned();
+        let ingress = std::thread::spawn(move || {
+            world::in_netns(&ns, move || {
+                let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+                s.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
+                let (mut sent, got) = (0u64, AtomicU64::new(0));
+                let mut seen = std::collections::HashSet::new();
+                let mut buf = [0u8; 2048];
+                let mut recv = |seen: &mut std::collections::HashSet<u64>| {
+                    while let Ok((n, _)) = s.recv_from(&mut buf) {
+                        if let Some(i) = std::str::from_utf8(&buf[..n])
+                            .ok()
+                            .and_then(|t| t.strip_prefix('i'))
+                            .and_then(|t| t.parse::<u64>().ok())
+                            && seen.insert(i)
+                        {
+                            got.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                };
+                while !st.load(Ordering::Relaxed) {
+                    sent += 1;
+                    s.send_to(format!("i{sent}").as_bytes(), target).unwrap();
+                    recv(&mut seen);
+                }
+                // Let the last echoes arrive.
+                let until = Instant::now() + Duration::from_millis(500);
+                while Instant::now() < until {
+                    recv(&mut seen);
+                }
+                (sent, got.load(Ordering::Relaxed))
+            })
+        });
+        Flow {
+            stop,
+            egress,
+            ingress,
+        }
+    }
+
+    /// ((egress sent, back), (ingress sent, back)).
+    fn finish(self) -> ((u64, u64), (u64, u64)) {
+        self.stop.store(true, Ordering::Relaxed);
+        (self.egress.join().unwrap(), self.ingress.join().unwrap())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_keeps_its_flow_across_restarts_and_its_tap_comes_back_when_it_exits() {
+    require_root!();
+    let (mut env, world) = node(&[]);
+    let c = env.client().await;
+    let net = c
+        .ensure(
+            "held",
+            opts(vec![("port_mappings", ports(&[("udp", 7000, 0, "")]))]),
+        )
+        .await
+        .unwrap();
+    let host_port = mappings(&net)[0].2;
+    let g = Arc::new(Guest::start_default(c.open_tap("held").await.unwrap()));
+    g.udp_echo(7000).unwrap();
+    let echo = world.udp_echo(5454);
+    assert!(g.udp_send_recv(echo, b"warm", T).is_ok());
+
+    // kill -9 and a clean stop, each followed by a start without any fd
+    // handed back: the guest holds the TAP's only queue, so the agent
+    // adopts the network without an fd of its own.
+    let flow = Flow::start(g.clone(), echo, &world.ns, host_port);
+    for clean in [false, true] {
+        std::thread::sleep(Duration::from_millis(300));
+        if clean {
+            assert!(env.stop_agent().success(), "{}", env.log());
+        } else {
+            env.kill_agent();
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        env.start_agent();
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let ((e_sent, e_back), (i_sent, i_back)) = flow.finish();
+    eprintln!("egress {e_back}/{e_sent}, ingress {i_back}/{i_sent} across kill -9 and stop/start");
+    assert!(e_sent > 20 && i_sent > 100, "{e_sent} {i_sent}");
+    assert_eq!(e_back, e_sent, "guest -> world datagrams lost");
+    assert_eq!(i_back, i_sent, "world -> host port -> guest datagrams lost");
+
+    let c = env.client().await;
+    // Healthy: a VMM holding its TAP is not a fault; Health says so.
+    let (ok, checks) = c.health().await;
+    assert!(ok, "{checks:#?}");
+    let fds = check(&checks, "tap_fds");
+    assert!(fds.2.contains("held"), "{fds:?}");
+    // OpenTap cannot hand out the TAP while the guest holds it...
+    let e = c.open_tap("held").await.unwrap_err();
+    assert_eq!(e.name, "org.cube.NetworkAgent.Error.TapBusy", "{e:?}");
+    // ...nor can Reconcile take it back, and it is no error.
+    let r = c.reconcile("held").await.unwrap();
+    assert!(strings(&r, "errors").is_empty(), "{r:?}");
+
+    // The holder exits: OpenTap re-attaches the TAP and hands out an fd,
+    // and a new guest on it has its flows (same address, same port).
+    drop(Arc::into_inner(g).expect("the flow threads are done"));
+    let fd = c.open_tap("held").await.unwrap();
+    assert_eq!(
+        common::tap_info(&fd).name,
+        common::s(&net, "tap_name"),
+        "the fd is attached to the network's TAP"
+    );
+    let g2 = Guest::start_default(fd);
+    g2.udp_echo(7000).unwrap();
+    assert_eq!(g2.udp_send_recv(echo, b"again", T).unwrap(), b"world:again");
+    let ns_w = world.ns.clone();
+    assert_eq!(
+        world::udp_exchange_in(&ns_w, World::node_addr(host_port), b"in", T).unwrap(),
+        b"in"
+    );
+    let (ok, checks) = c.health().await;
+    assert!(ok, "{checks:#?}");
+    assert!(!check(&checks, "tap_fds").2.contains("held"), "{checks:?}");
+    // Fresh dups from now on, also for a second holder.
+    drop(c.open_tap("held").await.unwrap());
+
+    // A network released while adopted without an fd leaves no trace.
+    drop(g2);
+    env.kill_agent();
+    let g3 = Guest::start_default(env_open_tap_after_restart(&mut env, "held").await);
+    let c = env.client().await;
+    assert!(check(&c.health().await.1, "tap_fds").2.contains("held"));
+    drop(g3);
+    assert!(c.release("held").await.unwrap());
+    let (ok, checks) = c.health().await;
+    assert!(ok, "{checks:#?}");
+    assert!(
+        checks.iter().all(|c| !c.2.contains("held")),
+        "released, yet in Health: {checks:#?}"
+    );
+}
+
+/// The network's fd from before a kill (taken before killing), so the
+/// restarted agent finds the TAP held.
+async fn env_open_tap_after_restart(env: &mut Env, id: &str) -> std::os::fd::OwnedFd {
+    env.start_agent();
+    let c = env.client().await;
+    let fd = c.open_tap(id).await.unwrap();
+    env.kill_agent();
+    env.start_agent();
+    fd
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removed_qdiscs_and_filters_are_reported_and_repaired() {
+    require_root!();
+    let (mut env, world) = node(&[]);
+    let c = env.client().await;
+    let net = c.ensure("f", opts(vec![])).await.unwrap();
+    let tap = common::s(&net, "tap_name");
+    let g = Guest::start_default(c.open_tap("f").await.unwrap());
+    let echo = world.udp_echo(5656);
+    assert_eq!(g.udp_send_recv(echo, b"a", T).unwrap(), b"world:a");
+    let checks = health_until(&c, "healthy at start", |ok, _| ok).await;
+    assert!(check(&checks, "datapath_filters").1);
+
+    // An admin removes the TAP's clsact qdisc and the filter on lo.
+    env.ns_cmd(&["tc", "qdisc", "del", "dev", &tap, "clsact"]);
+    env.ns_cmd(&["tc", "filter", "del", "dev", "lo", "egress"]);
+    let checks = health_until(&c, "Health reports both", |ok, checks| {
+        let f = check(checks, "datapath_filters");
+        !ok && !f.1 && f.2.contains(&tap) && f.2.contains("from_host on lo egress")
+    })
+    .await;
+    eprintln!("{:?}", check(&checks, "datapath_filters"));
+    // Really gone: the guest's packets no longer reach the datapath.
+    assert!(
+        g.udp_send_recv(echo, b"b", Duration::from_millis(800))
+            .is_err()
+    );
+
+    let r = c.reconcile("").await.unwrap();
+    let repaired = strings(&r, "repaired");
+    assert!(strings(&r, "errors").is_empty(), "{r:?}");
+    assert!(
+        repaired
+            .iter()
+            .any(|m| m.starts_with("f: from_guest on ") && m.contains(&tap)),
+        "{repaired:?}"
+    );
+    assert!(
+        repaired
+            .iter()
+            .any(|m| m.contains("from_host on lo egress")),
+        "{repaired:?}"
+    );
+    let (ok, checks) = c.health().await;
+    assert!(ok, "{checks:#?}");
+    assert_eq!(g.udp_send_recv(echo, b"c", T).unwrap(), b"world:c");
+    // A second Reconcile finds nothing to do.
+    let r = c.reconcile("").await.unwrap();
+    assert!(strings(&r, "repaired").is_empty(), "{r:?}");
+
+    // Removed while the agent is down: recovery checks the kernel, not
+    // its own record of what it attached.
+    env.kill_agent();
+    env.ns_cmd(&["tc", "filter", "del", "dev", &tap, "ingress"]);
+    env.start_agent();
+    let c = env.client().await;
+    let (ok, checks) = c.health().await;
+    assert!(ok, "{checks:#?}");
+    assert!(
+        check(&checks, "recovery").2.contains("repaired 1"),
+        "{checks:?}"
+    );
+    assert_eq!(g.udp_send_recv(echo, b"d", T).unwrap(), b"world:d");
+}
