@@ -76,6 +76,9 @@ pub struct Config {
     /// Ports never chosen automatically (kernel `ip_local_reserved_ports`
     /// syntax); the kernel's own list is added at start.
     pub reserved_host_ports: String,
+    /// Explicit host ports a caller may ask for outside `host_port_range`
+    /// (same syntax; default: none, the range only).
+    pub allowed_host_ports: String,
     /// Default bind address for port mappings that give none.
     pub default_host_ip: String,
     /// Durable records; `$STATE_DIRECTORY` when set by systemd.
@@ -117,6 +120,7 @@ impl Default for Config {
             gateway_mac: "20:90:6f:cf:cf:cf".into(),
             host_port_range: "20000-29999".into(),
             reserved_host_ports: String::new(),
+            allowed_host_ports: String::new(),
             default_host_ip: "0.0.0.0".into(),
             state_dir: env_dir("STATE_DIRECTORY", "/var/lib/cube-network-agent"),
             runtime_dir: env_dir("RUNTIME_DIRECTORY", "/run/cube-network-agent"),
@@ -179,6 +183,7 @@ pub struct Derived {
     pub port_low: u16,
     pub port_high: u16,
     pub reserved_ports: PortSet,
+    pub allowed_ports: PortSet,
     pub default_host_ip: Ipv4Addr,
     pub snat_ports: (u16, u16),
 }
@@ -370,6 +375,15 @@ impl Config {
                 .map_err(|e: crate::alloc::port::PortListError| {
                     invalid("reserved_host_ports", e.to_string())
                 })?;
+        let allowed_ports: PortSet =
+            self.allowed_host_ports
+                .parse()
+                .map_err(|e: crate::alloc::port::PortListError| {
+                    invalid("allowed_host_ports", e.to_string())
+                })?;
+        if allowed_ports.contains(0) {
+            return Err(invalid("allowed_host_ports", "port 0 is not a port"));
+        }
         if (port_low..=port_high).all(|p| reserved_ports.contains(p)) {
             return Err(invalid(
                 "reserved_host_ports",
@@ -441,6 +455,7 @@ impl Config {
             port_low,
             port_high,
             reserved_ports,
+            allowed_ports,
             default_host_ip,
             snat_ports,
         })
@@ -463,6 +478,7 @@ Options (each overrides the same key of the config file):
   --mtu N                    default TAP MTU [default: 1300]
   --host-port-range LO-HI    automatic host ports [default: 20000-29999]
   --reserved-host-ports LIST never chosen automatically, e.g. 22,8000-8100
+  --allowed-host-ports LIST  explicit host ports allowed outside the range, e.g. 80,443 [default: none]
   --state-dir PATH           durable records [default: $STATE_DIRECTORY or /var/lib/cube-network-agent]
   --runtime-dir PATH         runtime files [default: $RUNTIME_DIRECTORY or /run/cube-network-agent]
   --datapath ebpf|none       packet datapath [default: ebpf]
@@ -550,6 +566,7 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
         "--mtu" => cfg.mtu = number("mtu", &value)?,
         "--host-port-range" => cfg.host_port_range = value,
         "--reserved-host-ports" => cfg.reserved_host_ports = value,
+        "--allowed-host-ports" => cfg.allowed_host_ports = value,
         "--state-dir" => cfg.state_dir = value.into(),
         "--runtime-dir" => cfg.runtime_dir = value.into(),
         "--log-level" => cfg.log_level = value,

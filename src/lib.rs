@@ -11,6 +11,7 @@ pub mod auth;
 pub mod config;
 pub mod datapath;
 pub mod dbus;
+pub mod hostsock;
 pub mod netlink;
 pub mod store;
 pub mod systemd;

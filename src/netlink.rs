@@ -692,6 +692,32 @@ impl Netlink {
         Ok(Some((link, addr)))
     }
 
+    /// Every IPv4 address of the namespace (any link).
+    pub async fn local_ipv4_addrs(&self) -> Result<Vec<Ipv4Addr>, NetlinkError> {
+        debug!("dump all addresses");
+        let _one = self.dumps.lock().await;
+        let mut req = self.handle.address().get();
+        req.message_mut().header.family = AddressFamily::Inet;
+        let msgs: Vec<_> =
+            req.execute()
+                .try_collect()
+                .await
+                .map_err(|source| NetlinkError::Dump {
+                    what: "addresses",
+                    source,
+                })?;
+        Ok(msgs
+            .iter()
+            .filter(|m| m.header.family == AddressFamily::Inet)
+            .filter_map(|m| {
+                m.attributes.iter().find_map(|a| match a {
+                    AddressAttribute::Local(IpAddr::V4(v4)) => Some(*v4),
+                    _ => None,
+                })
+            })
+            .collect())
+    }
+
     /// IPv4 addresses (address, prefix length) on `ifindex`, in kernel order.
     pub async fn ipv4_addrs(&self, ifindex: u32) -> Result<Vec<(Ipv4Addr, u8)>, NetlinkError> {
         debug!(ifindex, "dump addresses");

@@ -191,9 +191,188 @@ async fn snapshot(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_ports_of_the_node_are_never_taken() {
+    require_root!();
+    let env = Env::new(&[
+        "--datapath",
+        "none",
+        "--host-port-range",
+        "20000-20003",
+        "--allowed-host-ports",
+        "22,80",
+    ]);
+    let c = env.client().await;
+    // The node's own services, in the agent's namespace: sshd-like TCP on
+    // every address, a UDP socket, a TCP service on loopback only.
+    let ns = env.ns.clone();
+    let _host = common::world::in_netns(&ns, || {
+        (
+            std::net::TcpListener::bind("0.0.0.0:22").unwrap(),
+            std::net::UdpSocket::bind("0.0.0.0:20001").unwrap(),
+            std::net::TcpListener::bind("127.0.0.1:20002").unwrap(),
+        )
+    });
+    let before = snapshot(&env, &c).await;
+    type Mapping<'a> = (&'a str, u16, u16, &'a str);
+    let cases: Vec<(Vec<Mapping>, &str, &str)> = vec![
+        (
+            vec![("tcp", 80, 22, "")],
+            "PortInUse",
+            "port_mappings[0]: tcp host port 22 belongs to the host: a host socket is listening on 0.0.0.0:22 (uid 0",
+        ),
+        (
+            vec![("tcp", 80, 0, ""), ("udp", 53, 20001, "")],
+            "PortInUse",
+            "port_mappings[1]: udp host port 20001 belongs to the host: a host socket is bound on 0.0.0.0:20001",
+        ),
+        (
+            vec![("tcp", 80, 20002, "")],
+            "PortInUse",
+            "listening on 127.0.0.1:20002",
+        ),
+        (
+            vec![("tcp", 80, 20002, "127.0.0.1")],
+            "PortInUse",
+            "listening on 127.0.0.1:20002",
+        ),
+        (
+            vec![("tcp", 80, 23, "")],
+            "InvalidArgument",
+            "tcp host port 23 is outside host_port_range 20000-20003 and not in allowed_host_ports",
+        ),
+        (
+            vec![("tcp", 80, 0, "10.9.9.9")],
+            "InvalidArgument",
+            "host_ip 10.9.9.9 is not an address of this node",
+        ),
+    ];
+    for (m, name, fragment) in cases {
+        let e = c
+            .ensure("evil", opts(vec![("port_mappings", ports(&m))]))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            e.name,
+            format!("org.cube.NetworkAgent.Error.{name}"),
+            "{m:?}: {e:?}"
+        );
+        assert!(e.message.contains(fragment), "{m:?}: {:?}", e.message);
+        assert_eq!(snapshot(&env, &c).await, before, "{m:?} changed state");
+    }
+    // What the host does not use stays available: tcp 20001 (the host's
+    // socket there is UDP), and 20002 on a node address other than loopback
+    // (the gateway device's 192.168.0.1).
+    let net = c
+        .ensure(
+            "fine",
+            opts(vec![(
+                "port_mappings",
+                ports(&[("tcp", 80, 20001, ""), ("tcp", 81, 20002, "192.168.0.1")]),
+            )]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        mappings(&net)[1],
+        ("tcp".into(), 81, 20002, "192.168.0.1".into())
+    );
+    // Automatic UDP ports skip the host's 20001.
+    let net = c
+        .ensure(
+            "auto",
+            opts(vec![(
+                "port_mappings",
+                ports(&[("udp", 1, 0, ""), ("udp", 2, 0, ""), ("udp", 3, 0, "")]),
+            )]),
+        )
+        .await
+        .unwrap();
+    let got: Vec<u16> = mappings(&net).iter().map(|m| m.2).collect();
+    assert_eq!(got, vec![20000, 20002, 20003]);
+    let e = c
+        .ensure(
+            "more",
+            opts(vec![("port_mappings", ports(&[("udp", 1, 0, "")]))]),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.name, "org.cube.NetworkAgent.Error.PortsExhausted",
+        "{e:?}"
+    );
+}
+
+/// Peak resident set of a process, in KiB.
+fn vm_hwm_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_and_mistyped_calls_are_refused_before_decoding() {
+    require_root!();
+    let env = Env::new(&["--datapath", "none"]);
+    let c = env.client().await;
+    c.ensure("ok", opts(vec![])).await.unwrap();
+    let before = snapshot(&env, &c).await;
+    let pid = env.agent_pid();
+    let h0 = vm_hwm_kib(pid);
+    // 100,000 port mappings (~2.4 MB on the wire; decoded, ~90 MB).
+    let many: Vec<(&str, u16, u16, &str)> = (0..100_000u32)
+        .map(|i| ("tcp", 1 + (i % 60_000) as u16, 0, ""))
+        .collect();
+    let e = c
+        .ensure("big", opts(vec![("port_mappings", ports(&many))]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.name, "org.freedesktop.DBus.Error.LimitsExceeded", "{e:?}");
+    assert!(
+        e.message.starts_with("EnsureNetwork: the message is ")
+            && e.message.contains("64 port_mappings"),
+        "{e:?}"
+    );
+    // 100,000 metadata entries.
+    let meta: HashMap<String, String> = (0..100_000)
+        .map(|i| (format!("k{i}"), "v".into()))
+        .collect();
+    let e = c
+        .ensure("big", opts(vec![("metadata", Value::from(meta))]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.name, "org.freedesktop.DBus.Error.LimitsExceeded", "{e:?}");
+    let grown = vm_hwm_kib(pid) - h0;
+    eprintln!("peak RSS grew by {grown} KiB for two refused multi-MB calls");
+    assert!(grown < 16 * 1024, "peak RSS grew by {grown} KiB");
+    // Wrong signatures: the standard error, naming the expected one.
+    let e = c
+        .call::<_, bool>("ReleaseNetwork", &(7u32,))
+        .await
+        .unwrap_err();
+    assert_eq!(e.name, "org.freedesktop.DBus.Error.InvalidArgs", "{e:?}");
+    assert_eq!(e.message, "ReleaseNetwork takes (s), not (u)");
+    let e = c
+        .call::<_, common::Dict>("EnsureNetwork", &("x", 1u32))
+        .await
+        .unwrap_err();
+    assert_eq!(e.name, "org.freedesktop.DBus.Error.InvalidArgs", "{e:?}");
+    assert_eq!(snapshot(&env, &c).await, before);
+    // A valid call right after is served as usual.
+    c.ensure("ok-2", opts(vec![])).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_named_errors_and_changes_nothing() {
     require_root!();
-    let env = Env::new(&["--host-port-range", "20000-20002"]);
+    let env = Env::new(&[
+        "--host-port-range",
+        "20000-20002",
+        "--allowed-host-ports",
+        "8080",
+    ]);
     let c = env.client().await;
     c.ensure(
         "holder",

@@ -459,3 +459,103 @@ async fn errors_and_malformed_input() {
     drop(stalled);
     assert!(env.agent_running(), "the agent survived:\n{}", env.log());
 }
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// The agent's varlink budget: connections per uid, and bytes of
+/// unfinished messages over all connections, each refused with a clear
+/// error; idle connections cost little; the agent stays responsive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_and_buffer_budgets() {
+    require_root!();
+    let env = Env::new(&["--datapath", "none"]);
+    let pid = env.agent_pid();
+    let r0 = rss_kib(pid);
+    // 256 idle connections (the per-uid limit), each after one call.
+    let mut idle: Vec<Varlink> = (0..256)
+        .map(|_| {
+            let mut v = Varlink::connect(&env);
+            v.agent("ListNetworks", json!({})).unwrap();
+            v
+        })
+        .collect();
+    let r1 = rss_kib(pid);
+    eprintln!("256 idle connections: +{} KiB", r1.saturating_sub(r0));
+    assert!(
+        r1.saturating_sub(r0) < 8 * 1024,
+        "idle connections cost {} KiB",
+        r1 - r0
+    );
+    // The 257th connection of this uid is refused, saying why.
+    let mut extra = Varlink::connect(&env);
+    let (reply, _) = extra.recv().expect("an error reply before closing");
+    assert_eq!(
+        reply["error"], "org.cube.NetworkAgent.LimitsExceeded",
+        "{reply}"
+    );
+    let why = reply["parameters"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        why.contains("256 varlink connections open, the limit is 256"),
+        "{why}"
+    );
+    assert!(extra.recv().is_none(), "closed after the error");
+    drop(extra);
+    idle.truncate(8);
+    // The agent sees the closed connections asynchronously.
+    std::thread::sleep(Duration::from_millis(300));
+
+    // 40 connections each sending 900 KB without a NUL: together more than
+    // the 16 MiB budget for unfinished messages.
+    let mut refused = 0;
+    let mut hogs = vec![];
+    for _ in 0..40 {
+        let mut v = Varlink::connect(&env);
+        let _ = v.sock.write_all(&vec![b' '; 900_000]);
+        hogs.push(v);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    for v in &mut hogs {
+        v.sock
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        if let Some((reply, _)) = v.recv() {
+            assert_eq!(
+                reply["error"], "org.cube.NetworkAgent.LimitsExceeded",
+                "{reply}"
+            );
+            assert!(
+                reply["parameters"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("unfinished varlink messages"),
+                "{reply}"
+            );
+            refused += 1;
+        }
+    }
+    let r2 = rss_kib(pid);
+    eprintln!(
+        "40 x 900 KB unfinished: {refused} refused, RSS +{} KiB",
+        r2.saturating_sub(r0)
+    );
+    assert!(refused >= 20, "only {refused} of 40 refused");
+    assert!(
+        r2.saturating_sub(r0) < 48 * 1024,
+        "unfinished messages cost {} KiB",
+        r2 - r0
+    );
+    // Meanwhile and afterwards, calls are served.
+    idle[0].agent("ListNetworks", json!({})).unwrap();
+    drop(hogs);
+    drop(idle);
+    std::thread::sleep(Duration::from_millis(200));
+    let mut v = Varlink::connect(&env);
+    v.agent("Health", json!({})).unwrap();
+}

@@ -20,10 +20,11 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::Mutex as AsyncMutex;
 use tracing::{debug, info, warn};
 
-use crate::alloc::port::PortError;
+use crate::alloc::mapping::{HostPortRules, MappingError, Resolved, resolve_ports};
 use crate::alloc::{IpAllocator, PortAllocator, PortSet};
 use crate::config::{Config, Derived, format_mac};
 use crate::datapath::{Check, Datapath, FILTER_PRIORITY, Hook, SandboxPath};
+use crate::hostsock::HostSockets;
 use crate::netlink::{LinkChange, LinkInfo, Netlink};
 use crate::store::Store;
 use crate::tap::Tap;
@@ -184,6 +185,9 @@ enum Uplink {
 
 type Slot = Arc<AsyncMutex<Option<Network>>>;
 
+/// The host socket owning (protocol, host ip, port), described.
+type SocketCheck = dyn Fn(crate::alloc::Protocol, Ipv4Addr, u16) -> Option<String> + Send + Sync;
+
 pub struct Agent {
     cfg: Config,
     d: Derived,
@@ -236,105 +240,24 @@ fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
     }
 }
 
+impl From<MappingError> for AgentError {
+    fn from(e: MappingError) -> Self {
+        match e {
+            MappingError::MappedElsewhere { .. } | MappingError::HostSocket { .. } => {
+                AgentError::PortInUse(e.to_string())
+            }
+            MappingError::NotAllowed { .. } => AgentError::InvalidArgument(e.to_string()),
+            MappingError::Exhausted { .. } => AgentError::PortsExhausted(e.to_string()),
+        }
+    }
+}
+
 /// The kernel's own `ip_local_reserved_ports`, if readable.
 fn kernel_reserved_ports() -> PortSet {
     std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_reserved_ports")
         .ok()
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or_default()
-}
-
-/// Outcome of [`resolve_ports`].
-#[derive(Debug)]
-struct Resolved {
-    /// The mappings to record, in request order.
-    mappings: Vec<PortMapping>,
-    /// Host ports claimed by this call (to give back if a later step fails).
-    claimed: Vec<PortMapping>,
-    /// Existing mappings no longer wanted (to give back on success).
-    stale: Vec<PortMapping>,
-}
-
-/// Resolves requested port mappings against the ones a network already has.
-/// Explicit host ports are claimed first, then `host_port = 0` requests
-/// reuse the existing mapping with the same (protocol, container port,
-/// host ip) or get a new port. Returns (mappings, newly claimed, no longer
-/// needed); on error everything claimed here is given back.
-fn resolve_ports(
-    ports: &mut PortAllocator,
-    requested: &[PortMapping],
-    existing: &[PortMapping],
-    range: (u16, u16),
-) -> Result<Resolved, AgentError> {
-    let mut kept = vec![false; existing.len()];
-    let mut out: Vec<Option<PortMapping>> = vec![None; requested.len()];
-    let mut claimed: Vec<PortMapping> = vec![];
-    let undo = |ports: &mut PortAllocator, claimed: &[PortMapping]| {
-        for m in claimed {
-            ports.release(m.protocol, m.host_port);
-        }
-    };
-    for pass_explicit in [true, false] {
-        for (i, req) in requested.iter().enumerate() {
-            if (req.host_port != 0) != pass_explicit {
-                continue;
-            }
-            let reuse = existing.iter().enumerate().position(|(j, e)| {
-                !kept[j]
-                    && e.protocol == req.protocol
-                    && if pass_explicit {
-                        e.host_port == req.host_port
-                    } else {
-                        e.container_port == req.container_port && e.host_ip == req.host_ip
-                    }
-            });
-            let host_port = if let Some(j) = reuse {
-                kept[j] = true;
-                existing[j].host_port
-            } else if pass_explicit {
-                if let Err(e) = ports.reserve(req.protocol, req.host_port) {
-                    undo(ports, &claimed);
-                    return Err(match e {
-                        PortError::InUse(..) => {
-                            AgentError::PortInUse(format!("port_mappings[{i}]: {e}"))
-                        }
-                        _ => AgentError::InvalidArgument(format!("port_mappings[{i}]: {e}")),
-                    });
-                }
-                req.host_port
-            } else {
-                match ports.allocate(req.protocol) {
-                    Ok(p) => p,
-                    Err(e) => {
-                        undo(ports, &claimed);
-                        return Err(AgentError::PortsExhausted(format!(
-                            "port_mappings[{i}]: {e} {}-{}",
-                            range.0, range.1
-                        )));
-                    }
-                }
-            };
-            let m = PortMapping {
-                host_port,
-                ..req.clone()
-            };
-            if reuse.is_none() {
-                claimed.push(m.clone());
-            }
-            out[i] = Some(m);
-        }
-    }
-    let stale = existing
-        .iter()
-        .zip(&kept)
-        .filter(|(_, k)| !**k)
-        .map(|(e, _)| e.clone())
-        .collect();
-    Ok(Resolved {
-        mappings: out.into_iter().flatten().collect(),
-        claimed,
-        stale,
-    })
 }
 
 impl Agent {
@@ -580,6 +503,70 @@ impl Agent {
         spec
     }
 
+    /// What a new mapping's host port must pass (see `alloc::mapping`).
+    fn port_rules<'a>(&'a self, sockets: &'a SocketCheck) -> HostPortRules<'a> {
+        HostPortRules {
+            range: (self.d.port_low, self.d.port_high),
+            allowed: &self.d.allowed_ports,
+            host_socket: sockets,
+        }
+    }
+
+    /// Checks each mapping's host address (a node address, loopback or the
+    /// wildcard) and, when the request may claim a host port, takes a
+    /// snapshot of the host's sockets, outside every lock.
+    async fn host_sockets(
+        &self,
+        spec: &NetworkSpec,
+        existing: &[PortMapping],
+    ) -> Result<Box<SocketCheck>, AgentError> {
+        let specific: Vec<(usize, Ipv4Addr)> = spec
+            .port_mappings
+            .iter()
+            .enumerate()
+            .filter_map(|(i, m)| m.host_ip.parse::<Ipv4Addr>().ok().map(|a| (i, a)))
+            .filter(|(_, a)| !a.is_unspecified() && !a.is_loopback())
+            .collect();
+        if !specific.is_empty() {
+            let local = self
+                .nl
+                .local_ipv4_addrs()
+                .await
+                .map_err(|e| failed("listing the node's addresses", &e))?;
+            if let Some((i, a)) = specific.iter().find(|(_, a)| !local.contains(a)) {
+                return Err(AgentError::InvalidArgument(format!(
+                    "port_mappings[{i}]: host_ip {a} is not an address of this node \
+                     (use 0.0.0.0 for every address, or one of {})",
+                    local
+                        .iter()
+                        .map(Ipv4Addr::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+        }
+        // Every wanted mapping already held by this network: nothing new
+        // is claimed, no need to read the kernel's tables.
+        let all_kept = spec.port_mappings.iter().all(|m| {
+            existing.iter().any(|e| {
+                e.protocol == m.protocol
+                    && (e.host_port == m.host_port
+                        || (m.host_port == 0
+                            && e.container_port == m.container_port
+                            && e.host_ip == m.host_ip))
+            })
+        });
+        if all_kept {
+            return Ok(Box::new(|_, _, _| None));
+        }
+        let table = tokio::task::spawn_blocking(HostSockets::scan)
+            .await
+            .map_err(|e| failed("reading the host's sockets", &e))?;
+        Ok(Box::new(move |proto, ip, port| {
+            table.owner(proto, ip, port).map(ToString::to_string)
+        }))
+    }
+
     /// EnsureNetwork: creates the network, or converges an existing one to
     /// `spec` without changing its address or TAP.
     pub async fn ensure(
@@ -624,6 +611,7 @@ impl Agent {
     }
 
     async fn create(&self, id: &str, spec: NetworkSpec) -> Result<Network, AgentError> {
+        let sockets = self.host_sockets(&spec, &[]).await?;
         let (ip, mappings) = {
             let mut a = self.allocs();
             let ip = a.ips.allocate().ok_or_else(|| {
@@ -637,12 +625,12 @@ impl Agent {
                 &mut a.ports,
                 &spec.port_mappings,
                 &[],
-                (self.d.port_low, self.d.port_high),
+                &self.port_rules(&sockets),
             ) {
                 Ok(r) => (ip, r.mappings),
                 Err(e) => {
                     a.ips.release(ip);
-                    return Err(e);
+                    return Err(e.into());
                 }
             }
         };
@@ -810,6 +798,7 @@ impl Agent {
         if spec.idempotency_key.is_some() && spec.idempotency_key == net.rec.idempotency_key {
             return Ok(Ensured::Unchanged);
         }
+        let sockets = self.host_sockets(&spec, &net.rec.port_mappings).await?;
         let Resolved {
             mappings,
             claimed,
@@ -820,7 +809,7 @@ impl Agent {
                 &mut a.ports,
                 &spec.port_mappings,
                 &net.rec.port_mappings,
-                (self.d.port_low, self.d.port_high),
+                &self.port_rules(&sockets),
             )?
         };
         let mut rec = net.rec.clone();
@@ -1671,84 +1660,6 @@ impl Agent {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::alloc::Protocol;
-
-    fn pm(p: Protocol, c: u16, h: u16) -> PortMapping {
-        PortMapping {
-            protocol: p,
-            container_port: c,
-            host_port: h,
-            host_ip: "0.0.0.0".into(),
-        }
-    }
-
-    #[test]
-    fn resolve_ports_allocates_and_reuses() {
-        let mut ports = PortAllocator::new(100, 103, PortSet::default());
-        let req = vec![pm(Protocol::Tcp, 80, 0), pm(Protocol::Tcp, 22, 9022)];
-        let r = resolve_ports(&mut ports, &req, &[], (100, 103)).unwrap();
-        let (got, claimed, stale) = (r.mappings, r.claimed, r.stale);
-        assert_eq!(
-            got,
-            vec![pm(Protocol::Tcp, 80, 100), pm(Protocol::Tcp, 22, 9022)]
-        );
-        assert_eq!(claimed.len(), 2);
-        assert!(stale.is_empty());
-        // Same request again: same ports, nothing claimed or freed.
-        let r = resolve_ports(&mut ports, &req, &got, (100, 103)).unwrap();
-        let (again, claimed, stale) = (r.mappings, r.claimed, r.stale);
-        assert_eq!(again, got);
-        assert!(claimed.is_empty() && stale.is_empty());
-        // Change: drop 22, add udp 53 → 53 claimed, 9022 stale.
-        let req2 = vec![pm(Protocol::Tcp, 80, 0), pm(Protocol::Udp, 53, 0)];
-        let r = resolve_ports(&mut ports, &req2, &got, (100, 103)).unwrap();
-        let (conv, claimed, stale) = (r.mappings, r.claimed, r.stale);
-        assert_eq!(
-            conv,
-            vec![pm(Protocol::Tcp, 80, 100), pm(Protocol::Udp, 53, 100)]
-        );
-        assert_eq!(claimed, vec![pm(Protocol::Udp, 53, 100)]);
-        assert_eq!(stale, vec![pm(Protocol::Tcp, 22, 9022)]);
-    }
-
-    #[test]
-    fn resolve_ports_conflict_rolls_back() {
-        let mut ports = PortAllocator::new(100, 101, PortSet::default());
-        ports.reserve(Protocol::Tcp, 8080).unwrap();
-        let req = vec![pm(Protocol::Tcp, 1, 0), pm(Protocol::Tcp, 2, 8080)];
-        let e = resolve_ports(&mut ports, &req, &[], (100, 101)).unwrap_err();
-        assert!(
-            matches!(&e, AgentError::PortInUse(m) if m.contains("port_mappings[1]")),
-            "{e:?}"
-        );
-        assert_eq!(ports.free(Protocol::Tcp), 2, "nothing stays claimed");
-        let req = vec![
-            pm(Protocol::Tcp, 1, 0),
-            pm(Protocol::Tcp, 2, 0),
-            pm(Protocol::Tcp, 3, 0),
-        ];
-        let e = resolve_ports(&mut ports, &req, &[], (100, 101)).unwrap_err();
-        assert!(
-            matches!(&e, AgentError::PortsExhausted(m) if m.contains("port_mappings[2]") && m.contains("100-101")),
-            "{e:?}"
-        );
-        assert_eq!(ports.free(Protocol::Tcp), 2);
-    }
-
-    #[test]
-    fn explicit_port_takes_over_own_auto_port() {
-        let mut ports = PortAllocator::new(100, 103, PortSet::default());
-        let existing = vec![pm(Protocol::Tcp, 80, 100)];
-        ports.reserve(Protocol::Tcp, 100).unwrap();
-        // Now ask for container 81 explicitly on 100, and 80 automatically.
-        let req = vec![pm(Protocol::Tcp, 80, 0), pm(Protocol::Tcp, 81, 100)];
-        let r = resolve_ports(&mut ports, &req, &existing, (100, 103)).unwrap();
-        let (got, claimed, stale) = (r.mappings, r.claimed, r.stale);
-        assert_eq!(got[1], pm(Protocol::Tcp, 81, 100));
-        assert_ne!(got[0].host_port, 100);
-        assert_eq!(claimed.len(), 1);
-        assert!(stale.is_empty());
-    }
 
     #[test]
     fn handles_are_unique_hex() {

@@ -1,7 +1,9 @@
-//! Pure allocators: sandbox addresses from the pool CIDR and host ports for
-//! port mappings. No syscalls here; the agent holds these behind a short lock.
+//! Pure allocators: sandbox addresses from the pool CIDR, host ports for
+//! port mappings and the rules a mapping's host port must pass. No syscalls
+//! here; the agent holds these behind a short lock.
 
 pub mod ip;
+pub mod mapping;
 pub mod port;
 
 pub use ip::{IpAllocator, Ipv4Cidr};

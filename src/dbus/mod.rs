@@ -4,6 +4,8 @@
 //! where core and authorization errors become D-Bus errors. Every method
 //! asks [`Authority`] first (SPEC §5); properties stay readable by anyone.
 
+pub mod bounded;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -595,8 +597,9 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
         authority: Authority::new(auth_conn),
     };
     crate::auth::set_global(manager.authority.clone());
+    // Calls are size- and signature-checked before zbus decodes them.
     conn.object_server()
-        .at(MANAGER_PATH, manager)
+        .at(MANAGER_PATH, bounded::Bounded(manager))
         .await
         .map_err(ServeError::Register)?;
     // Recovered networks first, the ObjectManager after them: nobody can
@@ -644,7 +647,7 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
 async fn emit_property_changes(conn: Connection, agent: Arc<Agent>) {
     let Ok(iface) = conn
         .object_server()
-        .interface::<_, Manager>(MANAGER_PATH)
+        .interface::<_, bounded::Bounded<Manager>>(MANAGER_PATH)
         .await
     else {
         return;
@@ -665,7 +668,8 @@ async fn emit_property_changes(conn: Connection, agent: Arc<Agent>) {
         if now == last {
             continue;
         }
-        let m = iface.get().await;
+        let guard = iface.get().await;
+        let m = &guard.0;
         let e = iface.signal_emitter();
         if now.0.0 != last.0.0 {
             let _ = m.active_networks_changed(e).await;

@@ -385,6 +385,106 @@ async fn send_with_fd(stream: &mut UnixStream, data: &[u8], fd: &OwnedFd) -> io:
     stream.write_all(&data[sent..]).await
 }
 
+/// Bytes all connections together may hold in their receive buffers.
+pub const MAX_BUFFERED_TOTAL: usize = 16 << 20;
+/// Open connections per peer uid (root included).
+pub const MAX_CONNECTIONS_PER_UID: u32 = 256;
+/// What an idle connection keeps for reading; a larger buffer is given
+/// back once its message is handled.
+const IDLE_BUFFER: usize = 4096;
+
+/// What every varlink connection together may take from the agent.
+#[derive(Default)]
+struct Budget {
+    buffered: std::sync::atomic::AtomicUsize,
+    per_uid: std::sync::Mutex<std::collections::HashMap<u32, u32>>,
+}
+
+static BUDGET: std::sync::LazyLock<Budget> = std::sync::LazyLock::new(Budget::default);
+
+impl Budget {
+    fn open(&'static self, uid: u32) -> Result<Share, String> {
+        let mut m = self.per_uid.lock().unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(uid).or_default();
+        if *n >= MAX_CONNECTIONS_PER_UID {
+            return Err(format!(
+                "uid {uid} has {n} varlink connections open, the limit is {MAX_CONNECTIONS_PER_UID}"
+            ));
+        }
+        *n += 1;
+        Ok(Share {
+            budget: self,
+            uid,
+            charged: 0,
+        })
+    }
+}
+
+/// One connection's part of the [`Budget`], given back on drop.
+struct Share {
+    budget: &'static Budget,
+    uid: u32,
+    charged: usize,
+}
+
+impl Share {
+    /// Accounts for a receive buffer of `capacity` bytes.
+    fn resize(&mut self, capacity: usize) -> Result<(), String> {
+        use std::sync::atomic::Ordering;
+        if capacity > self.charged {
+            let more = capacity - self.charged;
+            let before = self.budget.buffered.fetch_add(more, Ordering::Relaxed);
+            if before + more > MAX_BUFFERED_TOTAL {
+                self.budget.buffered.fetch_sub(more, Ordering::Relaxed);
+                return Err(format!(
+                    "the agent holds {before} bytes of unfinished varlink messages, \
+                     the limit for all connections is {MAX_BUFFERED_TOTAL}"
+                ));
+            }
+        } else {
+            self.budget
+                .buffered
+                .fetch_sub(self.charged - capacity, Ordering::Relaxed);
+        }
+        self.charged = capacity;
+        Ok(())
+    }
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        let _ = self.resize(0);
+        let mut m = self
+            .budget
+            .per_uid
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.uid);
+            }
+        }
+    }
+}
+
+/// Tells the peer why it is cut off, then closes.
+async fn refuse(stream: &mut UnixStream, peer: &Peer, why: String) {
+    debug!(
+        uid = peer.uid,
+        pid = peer.pid,
+        why,
+        "varlink: over budget; closing"
+    );
+    let reply = json!({
+        "error": format!("{INTERFACE}.LimitsExceeded"),
+        "parameters": {"message": why},
+    });
+    let mut bytes = serde_json::to_vec(&reply).expect("a reply always serialises");
+    bytes.push(0);
+    let _ = stream.write_all(&bytes).await;
+}
+
 /// Serves one connection until EOF, an I/O error or malformed input.
 async fn connection(agent: Arc<Agent>, mut stream: UnixStream) {
     let peer = match stream.peer_cred() {
@@ -398,8 +498,11 @@ async fn connection(agent: Arc<Agent>, mut stream: UnixStream) {
             return;
         }
     };
-    let mut buf: Vec<u8> = Vec::with_capacity(4096);
-    let mut chunk = vec![0u8; 64 * 1024];
+    let mut share = match BUDGET.open(peer.uid) {
+        Ok(s) => s,
+        Err(why) => return refuse(&mut stream, &peer, why).await,
+    };
+    let mut buf: Vec<u8> = Vec::new();
     // Bytes of `buf` already known to hold no NUL.
     let mut scanned = 0;
     loop {
@@ -421,6 +524,9 @@ async fn connection(agent: Arc<Agent>, mut stream: UnixStream) {
             buf.drain(..=end);
             scanned = 0;
         }
+        if buf.is_empty() && buf.capacity() > IDLE_BUFFER {
+            buf = Vec::new();
+        }
         scanned = buf.len();
         if buf.len() > MAX_MESSAGE {
             debug!(
@@ -430,9 +536,20 @@ async fn connection(agent: Arc<Agent>, mut stream: UnixStream) {
             );
             return;
         }
-        match stream.read(&mut chunk).await {
+        // Read straight into `buf`, growing it only as a message needs.
+        if buf.capacity() - buf.len() < IDLE_BUFFER / 2 {
+            buf.reserve(if buf.is_empty() {
+                IDLE_BUFFER
+            } else {
+                buf.capacity()
+            });
+        }
+        if let Err(why) = share.resize(buf.capacity()) {
+            return refuse(&mut stream, &peer, why).await;
+        }
+        match stream.read_buf(&mut buf).await {
             Ok(0) | Err(_) => return,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Ok(_) => {}
         }
     }
 }

@@ -365,7 +365,7 @@ pub struct Client {
 }
 
 impl Client {
-    async fn call<B, R>(&self, method: &str, body: &B) -> Result<R, CallError>
+    pub async fn call<B, R>(&self, method: &str, body: &B) -> Result<R, CallError>
     where
         B: serde::Serialize + zbus::zvariant::DynamicType,
         R: for<'d> zbus::zvariant::DynamicDeserialize<'d>,

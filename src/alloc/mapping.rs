@@ -1,0 +1,384 @@
+//! Resolving a network's requested port mappings to host ports: which
+//! existing mappings are kept, which ports are claimed, which given back,
+//! and the rules a host port must pass. The host is shared with its owner:
+//! an explicit host port must lie in `host_port_range` or in
+//! `allowed_host_ports`, and no new mapping (explicit or automatic) may take
+//! a port on which a host socket listens or is bound. The socket check is a
+//! function of the caller's (a snapshot of the kernel's tables), so this
+//! stays pure.
+
+use std::net::Ipv4Addr;
+
+use super::{PortAllocator, PortSet, Protocol};
+use crate::agent::spec::PortMapping;
+
+/// Why a mapping cannot have its host port; `index` is its position in
+/// the request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MappingError {
+    #[error(
+        "port_mappings[{index}]: {protocol} host port {port} is already mapped by another sandbox"
+    )]
+    MappedElsewhere {
+        index: usize,
+        protocol: Protocol,
+        port: u16,
+    },
+    #[error("port_mappings[{index}]: {protocol} host port {port} belongs to the host: {owner}")]
+    HostSocket {
+        index: usize,
+        protocol: Protocol,
+        port: u16,
+        owner: String,
+    },
+    #[error(
+        "port_mappings[{index}]: {protocol} host port {port} is outside host_port_range {}-{} \
+         and not in allowed_host_ports",
+        range.0,
+        range.1
+    )]
+    NotAllowed {
+        index: usize,
+        protocol: Protocol,
+        port: u16,
+        range: (u16, u16),
+    },
+    #[error(
+        "port_mappings[{index}]: no free {protocol} host port left in host_port_range {}-{}",
+        range.0,
+        range.1
+    )]
+    Exhausted {
+        index: usize,
+        protocol: Protocol,
+        range: (u16, u16),
+    },
+}
+
+/// What a host port must satisfy.
+pub struct HostPortRules<'a> {
+    /// `host_port_range`: automatic ports come from here, explicit ones may.
+    pub range: (u16, u16),
+    /// `allowed_host_ports`: explicit ports allowed outside the range.
+    pub allowed: &'a PortSet,
+    /// The host socket owning (protocol, host ip, port), described.
+    pub host_socket: &'a dyn Fn(Protocol, Ipv4Addr, u16) -> Option<String>,
+}
+
+impl HostPortRules<'_> {
+    fn explicit_allowed(&self, port: u16) -> bool {
+        (self.range.0..=self.range.1).contains(&port) || self.allowed.contains(port)
+    }
+}
+
+/// Outcome of [`resolve_ports`].
+#[derive(Debug)]
+pub struct Resolved {
+    /// The mappings to record, in request order.
+    pub mappings: Vec<PortMapping>,
+    /// Host ports claimed by this call (to give back if a later step fails).
+    pub claimed: Vec<PortMapping>,
+    /// Existing mappings no longer wanted (to give back on success).
+    pub stale: Vec<PortMapping>,
+}
+
+/// How many automatic ports in a row may turn out to be host-owned before
+/// the request is refused (each probe is a bitmap step, not a syscall).
+const HOST_OWNED_PROBES: usize = 1024;
+
+/// Resolves requested port mappings against the ones a network already has.
+/// Explicit host ports are claimed first, then `host_port = 0` requests
+/// reuse the existing mapping with the same (protocol, container port,
+/// host ip) or get a new port. Kept mappings are not checked again (they
+/// are this network's already). On error everything claimed here is given
+/// back.
+pub fn resolve_ports(
+    ports: &mut PortAllocator,
+    requested: &[PortMapping],
+    existing: &[PortMapping],
+    rules: &HostPortRules<'_>,
+) -> Result<Resolved, MappingError> {
+    let mut kept = vec![false; existing.len()];
+    let mut out: Vec<Option<PortMapping>> = vec![None; requested.len()];
+    let mut claimed: Vec<PortMapping> = vec![];
+    let undo = |ports: &mut PortAllocator, claimed: &[PortMapping]| {
+        for m in claimed {
+            ports.release(m.protocol, m.host_port);
+        }
+    };
+    for pass_explicit in [true, false] {
+        for (index, req) in requested.iter().enumerate() {
+            if (req.host_port != 0) != pass_explicit {
+                continue;
+            }
+            let reuse = existing.iter().enumerate().position(|(j, e)| {
+                !kept[j]
+                    && e.protocol == req.protocol
+                    && if pass_explicit {
+                        e.host_port == req.host_port
+                    } else {
+                        e.container_port == req.container_port && e.host_ip == req.host_ip
+                    }
+            });
+            let host_ip: Ipv4Addr = req.host_ip.parse().unwrap_or(Ipv4Addr::UNSPECIFIED);
+            let host_port = if let Some(j) = reuse {
+                kept[j] = true;
+                existing[j].host_port
+            } else {
+                let got = if pass_explicit {
+                    claim_explicit(ports, rules, index, req, host_ip)
+                } else {
+                    claim_automatic(ports, rules, index, req.protocol, host_ip)
+                };
+                match got {
+                    Ok(p) => p,
+                    Err(e) => {
+                        undo(ports, &claimed);
+                        return Err(e);
+                    }
+                }
+            };
+            let m = PortMapping {
+                host_port,
+                ..req.clone()
+            };
+            if reuse.is_none() {
+                claimed.push(m.clone());
+            }
+            out[index] = Some(m);
+        }
+    }
+    let stale = existing
+        .iter()
+        .zip(&kept)
+        .filter(|(_, k)| !**k)
+        .map(|(e, _)| e.clone())
+        .collect();
+    Ok(Resolved {
+        mappings: out.into_iter().flatten().collect(),
+        claimed,
+        stale,
+    })
+}
+
+fn claim_explicit(
+    ports: &mut PortAllocator,
+    rules: &HostPortRules<'_>,
+    index: usize,
+    req: &PortMapping,
+    host_ip: Ipv4Addr,
+) -> Result<u16, MappingError> {
+    let (protocol, port) = (req.protocol, req.host_port);
+    if !rules.explicit_allowed(port) {
+        return Err(MappingError::NotAllowed {
+            index,
+            protocol,
+            port,
+            range: rules.range,
+        });
+    }
+    if let Some(owner) = (rules.host_socket)(protocol, host_ip, port) {
+        return Err(MappingError::HostSocket {
+            index,
+            protocol,
+            port,
+            owner,
+        });
+    }
+    ports
+        .reserve(protocol, port)
+        .map_err(|_| MappingError::MappedElsewhere {
+            index,
+            protocol,
+            port,
+        })?;
+    Ok(port)
+}
+
+/// The next free port of the range that no host socket owns; host-owned
+/// ones are held while probing (so they are not offered again) and given
+/// back afterwards.
+fn claim_automatic(
+    ports: &mut PortAllocator,
+    rules: &HostPortRules<'_>,
+    index: usize,
+    protocol: Protocol,
+    host_ip: Ipv4Addr,
+) -> Result<u16, MappingError> {
+    let mut skipped = vec![];
+    let mut result = Err(MappingError::Exhausted {
+        index,
+        protocol,
+        range: rules.range,
+    });
+    while skipped.len() < HOST_OWNED_PROBES {
+        let Ok(p) = ports.allocate(protocol) else {
+            break;
+        };
+        if (rules.host_socket)(protocol, host_ip, p).is_some() {
+            skipped.push(p);
+            continue;
+        }
+        result = Ok(p);
+        break;
+    }
+    for p in skipped {
+        ports.release(protocol, p);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pm(p: Protocol, c: u16, h: u16) -> PortMapping {
+        PortMapping {
+            protocol: p,
+            container_port: c,
+            host_port: h,
+            host_ip: "0.0.0.0".into(),
+        }
+    }
+
+    fn no_sockets(_: Protocol, _: Ipv4Addr, _: u16) -> Option<String> {
+        None
+    }
+
+    fn rules<'a>(
+        range: (u16, u16),
+        allowed: &'a PortSet,
+        host_socket: &'a dyn Fn(Protocol, Ipv4Addr, u16) -> Option<String>,
+    ) -> HostPortRules<'a> {
+        HostPortRules {
+            range,
+            allowed,
+            host_socket,
+        }
+    }
+
+    #[test]
+    fn allocates_and_reuses() {
+        let mut ports = PortAllocator::new(100, 103, PortSet::default());
+        let allowed: PortSet = "9022".parse().unwrap();
+        let r = rules((100, 103), &allowed, &no_sockets);
+        let req = vec![pm(Protocol::Tcp, 80, 0), pm(Protocol::Tcp, 22, 9022)];
+        let res = resolve_ports(&mut ports, &req, &[], &r).unwrap();
+        let (got, claimed, stale) = (res.mappings, res.claimed, res.stale);
+        assert_eq!(
+            got,
+            vec![pm(Protocol::Tcp, 80, 100), pm(Protocol::Tcp, 22, 9022)]
+        );
+        assert_eq!(claimed.len(), 2);
+        assert!(stale.is_empty());
+        // Same request again: same ports, nothing claimed or freed.
+        let res = resolve_ports(&mut ports, &req, &got, &r).unwrap();
+        assert_eq!(res.mappings, got);
+        assert!(res.claimed.is_empty() && res.stale.is_empty());
+        // Change: drop 22, add udp 53 -> 53 claimed, 9022 stale.
+        let req2 = vec![pm(Protocol::Tcp, 80, 0), pm(Protocol::Udp, 53, 0)];
+        let res = resolve_ports(&mut ports, &req2, &got, &r).unwrap();
+        assert_eq!(
+            res.mappings,
+            vec![pm(Protocol::Tcp, 80, 100), pm(Protocol::Udp, 53, 100)]
+        );
+        assert_eq!(res.claimed, vec![pm(Protocol::Udp, 53, 100)]);
+        assert_eq!(res.stale, vec![pm(Protocol::Tcp, 22, 9022)]);
+    }
+
+    #[test]
+    fn conflict_rolls_back() {
+        let mut ports = PortAllocator::new(100, 101, PortSet::default());
+        let allowed: PortSet = "8080".parse().unwrap();
+        let r = rules((100, 101), &allowed, &no_sockets);
+        ports.reserve(Protocol::Tcp, 8080).unwrap();
+        let req = vec![pm(Protocol::Tcp, 1, 0), pm(Protocol::Tcp, 2, 8080)];
+        let e = resolve_ports(&mut ports, &req, &[], &r).unwrap_err();
+        assert!(
+            matches!(e, MappingError::MappedElsewhere { index: 1, .. }),
+            "{e:?}"
+        );
+        assert_eq!(ports.free(Protocol::Tcp), 2, "nothing stays claimed");
+        let req = vec![
+            pm(Protocol::Tcp, 1, 0),
+            pm(Protocol::Tcp, 2, 0),
+            pm(Protocol::Tcp, 3, 0),
+        ];
+        let e = resolve_ports(&mut ports, &req, &[], &r).unwrap_err();
+        assert!(
+            matches!(e, MappingError::Exhausted { index: 2, .. }),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("100-101"), "{e}");
+        assert_eq!(ports.free(Protocol::Tcp), 2);
+    }
+
+    #[test]
+    fn explicit_port_takes_over_own_auto_port() {
+        let mut ports = PortAllocator::new(100, 103, PortSet::default());
+        let none = PortSet::default();
+        let r = rules((100, 103), &none, &no_sockets);
+        let existing = vec![pm(Protocol::Tcp, 80, 100)];
+        ports.reserve(Protocol::Tcp, 100).unwrap();
+        // Now ask for container 81 explicitly on 100, and 80 automatically.
+        let req = vec![pm(Protocol::Tcp, 80, 0), pm(Protocol::Tcp, 81, 100)];
+        let res = resolve_ports(&mut ports, &req, &existing, &r).unwrap();
+        assert_eq!(res.mappings[1], pm(Protocol::Tcp, 81, 100));
+        assert_ne!(res.mappings[0].host_port, 100);
+        assert_eq!(res.claimed.len(), 1);
+        assert!(res.stale.is_empty());
+    }
+
+    #[test]
+    fn explicit_ports_only_in_the_range_or_allowed() {
+        let mut ports = PortAllocator::new(20000, 20009, PortSet::default());
+        let allowed: PortSet = "80,443".parse().unwrap();
+        let r = rules((20000, 20009), &allowed, &no_sockets);
+        let e = resolve_ports(&mut ports, &[pm(Protocol::Tcp, 80, 22)], &[], &r).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "port_mappings[0]: tcp host port 22 is outside host_port_range 20000-20009 and not \
+             in allowed_host_ports"
+        );
+        for p in [80, 443, 20000, 20009] {
+            resolve_ports(&mut ports, &[pm(Protocol::Tcp, 80, p)], &[], &r).unwrap();
+        }
+        assert_eq!(ports.used_count(Protocol::Tcp), 4);
+    }
+
+    #[test]
+    fn host_sockets_are_never_taken() {
+        let mut ports = PortAllocator::new(100, 104, PortSet::default());
+        let none = PortSet::default();
+        // The host listens on tcp 100 and 101 (any address) and 103 on
+        // 127.0.0.1 only.
+        let host = |proto: Protocol, ip: Ipv4Addr, port: u16| {
+            let owned = proto == Protocol::Tcp
+                && (port == 100
+                    || port == 101
+                    || (port == 103 && (ip.is_unspecified() || ip.is_loopback())));
+            owned.then(|| format!("a host socket is listening on {port}"))
+        };
+        let r = rules((100, 104), &none, &host);
+        let e = resolve_ports(&mut ports, &[pm(Protocol::Tcp, 80, 101)], &[], &r).unwrap_err();
+        assert!(
+            matches!(&e, MappingError::HostSocket { index: 0, port: 101, owner, .. } if owner.contains("listening on 101")),
+            "{e:?}"
+        );
+        // Automatic ports skip the host's, and give the skipped ones back.
+        let res = resolve_ports(&mut ports, &[pm(Protocol::Tcp, 80, 0)], &[], &r).unwrap();
+        assert_eq!(res.mappings[0].host_port, 102);
+        assert_eq!(ports.used_count(Protocol::Tcp), 1);
+        // A specific node address does not collide with a loopback listener.
+        let mut m = pm(Protocol::Tcp, 81, 103);
+        m.host_ip = "198.51.100.1".into();
+        resolve_ports(&mut ports, &[m], &[], &r).unwrap();
+        // UDP is not the TCP listener's.
+        resolve_ports(&mut ports, &[pm(Protocol::Udp, 53, 100)], &[], &r).unwrap();
+        // Only host-owned ports left: exhausted, nothing kept.
+        let mut ports = PortAllocator::new(100, 101, PortSet::default());
+        let e = resolve_ports(&mut ports, &[pm(Protocol::Tcp, 80, 0)], &[], &r).unwrap_err();
+        assert!(matches!(e, MappingError::Exhausted { .. }), "{e:?}");
+        assert_eq!(ports.used_count(Protocol::Tcp), 0);
+    }
+}

@@ -1,0 +1,230 @@
+//! The host's own sockets, as the kernel lists them in `/proc/net/{tcp,
+//! tcp6,udp,udp6}` (the agent's network namespace): a port mapping must
+//! never take a port on which the host already listens (TCP) or has a bound
+//! socket (UDP). Read once per EnsureNetwork that claims a new host port,
+//! outside every lock.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use crate::alloc::Protocol;
+
+/// TCP_LISTEN in `/proc/net/tcp`'s `st` column.
+const TCP_LISTEN: u8 = 0x0a;
+
+/// One host socket bound to a local port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostSocket {
+    pub protocol: Protocol,
+    pub addr: IpAddr,
+    pub port: u16,
+    pub uid: u32,
+    pub inode: u64,
+}
+
+impl HostSocket {
+    /// Whether this socket receives what arrives for `host_ip:port`
+    /// (`0.0.0.0` = every address of the node).
+    fn covers(&self, protocol: Protocol, host_ip: Ipv4Addr, port: u16) -> bool {
+        if self.protocol != protocol || self.port != port {
+            return false;
+        }
+        let v4 = match self.addr {
+            IpAddr::V4(a) => a,
+            // A dual-stack wildcard listener takes IPv4 too; an IPv4-mapped
+            // address is that IPv4 address; other IPv6 addresses never see
+            // IPv4 traffic.
+            IpAddr::V6(a) if a.is_unspecified() => Ipv4Addr::UNSPECIFIED,
+            IpAddr::V6(a) => match a.to_ipv4_mapped() {
+                Some(v4) => v4,
+                None => return false,
+            },
+        };
+        v4.is_unspecified() || host_ip.is_unspecified() || v4 == host_ip
+    }
+}
+
+impl std::fmt::Display for HostSocket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match self.protocol {
+            Protocol::Tcp => "listening",
+            Protocol::Udp => "bound",
+        };
+        let addr = match self.addr {
+            IpAddr::V4(a) => a.to_string(),
+            IpAddr::V6(a) => format!("[{a}]"),
+        };
+        write!(
+            f,
+            "a host socket is {what} on {addr}:{} (uid {}, socket inode {})",
+            self.port, self.uid, self.inode
+        )
+    }
+}
+
+/// A snapshot of the host's listening TCP and bound UDP sockets.
+#[derive(Debug, Clone, Default)]
+pub struct HostSockets {
+    sockets: Vec<HostSocket>,
+}
+
+impl HostSockets {
+    /// Reads the kernel's socket tables. A table that cannot be read (no
+    /// IPv6 in this kernel) is skipped; the others still count.
+    pub fn scan() -> HostSockets {
+        let mut sockets = vec![];
+        for (file, protocol) in [
+            ("/proc/net/tcp", Protocol::Tcp),
+            ("/proc/net/tcp6", Protocol::Tcp),
+            ("/proc/net/udp", Protocol::Udp),
+            ("/proc/net/udp6", Protocol::Udp),
+        ] {
+            if let Ok(text) = std::fs::read_to_string(file) {
+                sockets.extend(parse(&text, protocol));
+            }
+        }
+        HostSockets { sockets }
+    }
+
+    /// The host socket that owns `host_ip:port`, if any.
+    pub fn owner(&self, protocol: Protocol, host_ip: Ipv4Addr, port: u16) -> Option<&HostSocket> {
+        self.sockets
+            .iter()
+            .find(|s| s.covers(protocol, host_ip, port))
+    }
+}
+
+/// Parses one `/proc/net/{tcp,udp}[6]` table: listening TCP sockets and
+/// every UDP socket (bound, connected or not).
+fn parse(text: &str, protocol: Protocol) -> Vec<HostSocket> {
+    text.lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (local, state, uid, inode) = (f.get(1)?, f.get(3)?, f.get(7)?, f.get(9)?);
+            let state = u8::from_str_radix(state, 16).ok()?;
+            if protocol == Protocol::Tcp && state != TCP_LISTEN {
+                return None;
+            }
+            let (addr, port) = local.split_once(':')?;
+            Some(HostSocket {
+                protocol,
+                addr: parse_addr(addr)?,
+                port: u16::from_str_radix(port, 16).ok()?,
+                uid: uid.parse().ok()?,
+                inode: inode.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+/// The kernel prints each 32-bit word of the address as a native-endian
+/// `%08X`.
+fn parse_addr(hex: &str) -> Option<IpAddr> {
+    let word = |i: usize| -> Option<[u8; 4]> {
+        Some(
+            u32::from_str_radix(hex.get(i * 8..i * 8 + 8)?, 16)
+                .ok()?
+                .to_ne_bytes(),
+        )
+    };
+    match hex.len() {
+        8 => Some(IpAddr::V4(Ipv4Addr::from(word(0)?))),
+        32 => {
+            let mut b = [0u8; 16];
+            for i in 0..4 {
+                b[i * 4..i * 4 + 4].copy_from_slice(&word(i)?);
+            }
+            Some(IpAddr::V6(Ipv6Addr::from(b)))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex4(a: Ipv4Addr) -> String {
+        format!("{:08X}", u32::from_ne_bytes(a.octets()))
+    }
+
+    #[test]
+    fn parses_listeners_and_bound_udp() {
+        let tcp = format!(
+            "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+             0: {}:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1111 1 0 100 0 0 10 0\n\
+             1: {}:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 2222 1 0 100 0 0 10 0\n\
+             2: {}:9C40 {}:0050 01 00000000:00000000 00:00000000 00000000     0        0 3333 1 0 100 0 0 10 0\n",
+            hex4(Ipv4Addr::UNSPECIFIED),
+            hex4(Ipv4Addr::LOCALHOST),
+            hex4(Ipv4Addr::new(10, 0, 0, 1)),
+            hex4(Ipv4Addr::new(10, 0, 0, 2)),
+        );
+        let s = HostSockets {
+            sockets: parse(&tcp, Protocol::Tcp),
+        };
+        assert_eq!(s.sockets.len(), 2, "established sockets are not listeners");
+        let any = Ipv4Addr::UNSPECIFIED;
+        let node = Ipv4Addr::new(198, 51, 100, 1);
+        // 0.0.0.0:22 covers every address.
+        let o = s.owner(Protocol::Tcp, node, 22).unwrap();
+        assert_eq!((o.uid, o.inode), (0, 1111));
+        assert!(
+            o.to_string().contains("listening on 0.0.0.0:22 (uid 0"),
+            "{o}"
+        );
+        assert!(s.owner(Protocol::Udp, node, 22).is_none());
+        // 127.0.0.1:8080 covers a loopback or wildcard mapping, not another address.
+        assert!(s.owner(Protocol::Tcp, Ipv4Addr::LOCALHOST, 8080).is_some());
+        assert!(s.owner(Protocol::Tcp, any, 8080).is_some());
+        assert!(s.owner(Protocol::Tcp, node, 8080).is_none());
+        assert!(s.owner(Protocol::Tcp, any, 40000).is_none());
+    }
+
+    #[test]
+    fn parses_ipv6_wildcards_and_mapped_addresses() {
+        let zero = "00000000000000000000000000000000";
+        let mapped: String = {
+            let b = Ipv4Addr::new(198, 51, 100, 1).to_ipv6_mapped().octets();
+            (0..4)
+                .map(|i| {
+                    format!(
+                        "{:08X}",
+                        u32::from_ne_bytes(b[i * 4..i * 4 + 4].try_into().unwrap())
+                    )
+                })
+                .collect()
+        };
+        let udp = format!(
+            "header\n\
+             0: {zero}:0035 {zero}:0000 07 00000000:00000000 00:00000000 00000000   101        0 44 2 0\n\
+             1: {mapped}:1388 {zero}:0000 07 00000000:00000000 00:00000000 00000000   0        0 55 2 0\n"
+        );
+        let s = HostSockets {
+            sockets: parse(&udp, Protocol::Udp),
+        };
+        assert_eq!(s.sockets.len(), 2);
+        let other = Ipv4Addr::new(203, 0, 113, 9);
+        assert_eq!(s.owner(Protocol::Udp, other, 53).unwrap().uid, 101);
+        assert!(
+            s.owner(Protocol::Udp, Ipv4Addr::new(198, 51, 100, 1), 5000)
+                .is_some()
+        );
+        assert!(s.owner(Protocol::Udp, other, 5000).is_none());
+    }
+
+    #[test]
+    fn scans_this_namespace() {
+        // Whatever the machine runs, a socket we bind must show up.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let u = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        let uport = u.local_addr().unwrap().port();
+        let s = HostSockets::scan();
+        assert!(s.owner(Protocol::Tcp, Ipv4Addr::LOCALHOST, port).is_some());
+        assert!(
+            s.owner(Protocol::Udp, Ipv4Addr::new(10, 1, 2, 3), uport)
+                .is_some()
+        );
+    }
+}
