@@ -7,13 +7,18 @@
  *  from_uplink    ingress of the node uplink: SNAT replies and port-mapped
  *                 connections are rewritten to the guest and redirected
  *                 to its TAP; everything else goes on to the host stack.
+ *                 The host wins: a packet a host socket would receive
+ *                 (a listener or bound socket for a new mapped flow, an
+ *                 established socket for a SNAT reply) goes to the host.
  *  to_sandbox_ip  egress of the gateway device (cube-dev): host -> sandbox
  *                 IP is rewritten to the guest address (source: the
  *                 gateway) and redirected to the TAP.
- *  from_host      egress of lo: the host's own connections to
- *                 127.x.y.z:host_port or uplink_ip:host_port of a port
- *                 mapping are rewritten to the guest (source: the gateway)
- *                 and redirected to its TAP; replies go back into lo.
+ *  from_host      egress of lo: the host's own connections to a mapped
+ *                 host port (127.x or the uplink address for a wildcard
+ *                 mapping, the mapping's own address otherwise) are
+ *                 rewritten to the guest (source: the gateway) and
+ *                 redirected to its TAP, unless a host socket listens
+ *                 there; replies go back into lo.
  *
  * State lives in maps pinned by name, keyed by things that survive an agent
  * restart: TAP ifindex (a persistent TAP keeps it), sandbox IP, ports.
@@ -61,6 +66,10 @@ struct arphdr {
 #define IP_DST_OFF (ETH_HLEN + __builtin_offsetof(struct iphdr, daddr))
 #define LOOPBACK_IFINDEX 1 /* lo is ifindex 1 in every network namespace */
 #define IP_MF 0x2000
+#define TCP_FIN 1
+#define TCP_SYN 2
+#define TCP_RST 4
+#define TCP_ACK 8
 #define IP_OFFSET 0x1fff
 
 char LICENSE[] SEC("license") = "GPL";
@@ -156,7 +165,7 @@ struct l4info {
 	__u16 dport;
 	__u8 proto;
 	__u8 icmp_type;
-	__u8 tcp_flags;
+	__u8 tcp_flags; /* TCP_FIN | TCP_SYN | TCP_RST | TCP_ACK below */
 	__u8 frag;      /* 1 = a fragment (no usable L4 header) */
 };
 
@@ -201,7 +210,8 @@ static __always_inline int parse_ipv4(struct __sk_buff *skb, struct iphdr *ip,
 		l4->sport = th.source;
 		l4->dport = th.dest;
 		l4->csum_off = l4->off + __builtin_offsetof(struct tcphdr, check);
-		l4->tcp_flags = (th.fin ? 1 : 0) | (th.rst ? 4 : 0) | (th.syn ? 2 : 0);
+		l4->tcp_flags = (th.fin ? TCP_FIN : 0) | (th.rst ? TCP_RST : 0) |
+				(th.syn ? TCP_SYN : 0) | (th.ack ? TCP_ACK : 0);
 	} else if (ip->protocol == IPPROTO_UDP) {
 		struct udphdr uh;
 		if (bpf_skb_load_bytes(skb, l4->off, &uh, sizeof(uh)))
@@ -277,9 +287,9 @@ static __always_inline int set_macs(struct __sk_buff *skb, const __u8 *dst, cons
 static __always_inline void touch(struct dp_ct_val *v, const struct l4info *l4)
 {
 	v->last_seen_ns = bpf_ktime_get_ns();
-	if (l4->proto == IPPROTO_TCP && (l4->tcp_flags & (1 | 4)))
+	if (l4->proto == IPPROTO_TCP && (l4->tcp_flags & (TCP_FIN | TCP_RST)))
 		v->state = DP_TCP_CLOSING;
-	else if (l4->proto == IPPROTO_TCP && (l4->tcp_flags & 2))
+	else if (l4->proto == IPPROTO_TCP && (l4->tcp_flags & TCP_SYN))
 		v->state = DP_TCP_OPEN;
 }
 
@@ -367,35 +377,46 @@ static __always_inline int local_reply(struct __sk_buff *skb, const struct dp_co
 	return bpf_redirect(LOOPBACK_IFINDEX, BPF_F_INGRESS);
 }
 
-/* Whether a host socket owns the reply tuple remote:rport -> uplink:port
- * (then that port must not be used for a sandbox flow to that remote). */
-static __always_inline int host_owns(struct __sk_buff *skb, const struct dp_config *c,
-				     const struct dp_ct_key *key, __u16 port)
+/* Whether a socket of the host would receive a packet with this tuple
+ * (saddr:sport -> daddr:dport, as it arrives): TCP established, request
+ * and TIME-WAIT sockets, and listeners when `listeners` is set; any bound
+ * UDP socket (connected or not). ICMP has no sockets here. */
+static __always_inline int host_socket(struct __sk_buff *skb, __u8 proto, __u32 saddr,
+				       __u16 sport, __u32 daddr, __u16 dport, int listeners)
 {
-	if (key->proto == IPPROTO_ICMP)
-		return 0;
 	struct bpf_sock_tuple t = {};
-	t.ipv4.saddr = key->remote_ip;
-	t.ipv4.daddr = c->uplink_ip;
-	t.ipv4.sport = key->remote_port;
-	t.ipv4.dport = port;
-	struct bpf_sock *sk;
-	if (key->proto == IPPROTO_TCP)
-		sk = bpf_skc_lookup_tcp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
-	else
-		sk = bpf_sk_lookup_udp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
-	if (!sk)
-		return 0;
-	bpf_sk_release(sk);
-	return 1;
+	t.ipv4.saddr = saddr;
+	t.ipv4.daddr = daddr;
+	t.ipv4.sport = sport;
+	t.ipv4.dport = dport;
+	/* Two separate paths: the verifier refuses one load instruction for
+	 * both a sock_common (skc lookup) and a sock pointer. */
+	if (proto == IPPROTO_TCP) {
+		struct bpf_sock *sk =
+			bpf_skc_lookup_tcp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+		if (!sk)
+			return 0;
+		int owned = listeners || sk->state != BPF_TCP_LISTEN;
+		bpf_sk_release(sk);
+		return owned;
+	}
+	if (proto == IPPROTO_UDP) {
+		struct bpf_sock *sk =
+			bpf_sk_lookup_udp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+		if (!sk)
+			return 0;
+		bpf_sk_release(sk);
+		return 1;
+	}
+	return 0;
 }
 
-/* Picks the SNAT port of a new flow. Like the kernel's masquerade, the
- * guest's own source port (or echo id) is kept when it is free for this
- * remote endpoint; otherwise up to 32 probes in the SNAT range, from a hash
- * of the flow. A port is free when no other sandbox flow to the same
- * remote endpoint holds it (ct_rev, claimed atomically with BPF_NOEXIST)
- * and no host socket owns the reply tuple. */
+/* Picks the SNAT port of a new flow: only ever a port of the SNAT range
+ * (never the guest's own source port, which could be one the host's own
+ * connections use), up to 32 probes from a hash of the flow. A port is
+ * free when no other sandbox flow to the same remote endpoint holds it
+ * (ct_rev, claimed atomically with BPF_NOEXIST) and no host socket
+ * (listeners included) would receive the reply tuple. */
 static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_config *c,
 				      const struct dp_ct_key *key, __u16 *nat_port)
 {
@@ -413,10 +434,10 @@ static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_con
 		.sandbox_ip = key->sandbox_ip,
 		.guest_port = key->guest_port,
 	};
-	for (int i = 0; i < 33; i++) {
-		__u16 p = i == 0 ? key->guest_port
-				 : bpf_htons(c->snat_port_min + (h + i * 7919u) % range);
-		if (p == 0 || host_owns(skb, c, key, p))
+	for (int i = 0; i < 32; i++) {
+		__u16 p = bpf_htons(c->snat_port_min + (h + i * 7919u) % range);
+		if (p == 0 || host_socket(skb, key->proto, key->remote_ip, key->remote_port,
+					  c->uplink_ip, p, 1))
 			continue;
 		rk.nat_port = p;
 		if (bpf_map_update_elem(&ct_rev, &rk, &rv, BPF_NOEXIST) == 0) {
@@ -425,6 +446,26 @@ static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_con
 		}
 	}
 	return -1;
+}
+
+/* The port mapping for a packet to daddr:dport: the mapping on exactly that
+ * address first, then (if `wildcard`) the one on every node address. */
+static __always_inline struct dp_portmap_val *find_portmap(__u32 daddr, __u16 dport, __u8 proto,
+							   int wildcard)
+{
+	struct dp_portmap_key pk = {.host_ip = daddr, .host_port = dport, .proto = proto};
+	struct dp_portmap_val *pm = bpf_map_lookup_elem(&portmap, &pk);
+	if (pm || !wildcard)
+		return pm;
+	pk.host_ip = 0;
+	return bpf_map_lookup_elem(&portmap, &pk);
+}
+
+/* A packet that would open a new flow: no flow entry yet, or a TCP SYN. */
+static __always_inline int opens_flow(const struct dp_ct_val *v, const struct l4info *l4)
+{
+	return !v || (l4->proto == IPPROTO_TCP &&
+		      (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN);
 }
 
 static __always_inline int forward_out(struct __sk_buff *skb, const struct dp_config *c,
@@ -464,20 +505,22 @@ static __always_inline int forward_out(struct __sk_buff *skb, const struct dp_co
 	return TC_ACT_SHOT;
 }
 
-/* guest -> world: policy, then SNAT (or the reply of a port mapping). */
+/* Whether the sandbox's policy lets it send to `dst`. */
+static __always_inline int policy_allows(const struct dp_sandbox *sb, __u32 dst)
+{
+	if (!(sb->flags & DP_F_INTERNET))
+		return 0;
+	struct dp_policy_key pk = {.prefixlen = 64, .sandbox_ip = sb->sandbox_ip, .dst = dst};
+	return bpf_map_lookup_elem(&policy_allow, &pk) || !bpf_map_lookup_elem(&policy_deny, &pk);
+}
+
+/* guest -> world: SNAT after the policy check, or the reply side of a
+ * port-mapped flow the world opened (admitted on the way in, so not
+ * subject to the sandbox's egress policy). */
 static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp_config *c,
 					  const struct dp_sandbox *sb, const struct iphdr *ip,
 					  const struct l4info *l4)
 {
-	if (!(sb->flags & DP_F_INTERNET)) {
-		count(DP_C_POLICY_DROP);
-		return TC_ACT_SHOT;
-	}
-	struct dp_policy_key pk = {.prefixlen = 64, .sandbox_ip = sb->sandbox_ip, .dst = ip->daddr};
-	if (!bpf_map_lookup_elem(&policy_allow, &pk) && bpf_map_lookup_elem(&policy_deny, &pk)) {
-		count(DP_C_POLICY_DROP);
-		return TC_ACT_SHOT;
-	}
 	if (!c->uplink_ip || l4->frag) {
 		count(DP_C_NO_ROUTE);
 		return TC_ACT_SHOT;
@@ -495,6 +538,10 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	};
 	__u16 nat_port;
 	struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
+	if (!(v && v->kind == DP_CT_PORTMAP) && !policy_allows(sb, ip->daddr)) {
+		count(DP_C_POLICY_DROP);
+		return TC_ACT_SHOT;
+	}
 	if (v) {
 		touch(v, l4);
 		nat_port = v->nat_port;
@@ -605,13 +652,23 @@ int from_uplink(struct __sk_buff *skb)
 			bpf_map_delete_elem(&ct_rev, &rk);
 			return TC_ACT_OK;
 		}
+		if (host_socket(skb, l4.proto, ip.saddr, l4.sport, ip.daddr, l4.dport, 0)) {
+			/* The host has a connection on this very tuple: the host
+			 * wins. The sandbox's flow is forgotten, so its next
+			 * packet takes another SNAT port. */
+			bpf_map_delete_elem(&ct, &key);
+			bpf_map_delete_elem(&ct_rev, &rk);
+			count(DP_C_SNAT_HOST_SOCKET);
+			return TC_ACT_OK;
+		}
 		touch(v, &l4);
 		count(DP_C_SNAT_REPLY);
 	} else {
 		if (l4.proto == IPPROTO_ICMP)
 			return TC_ACT_OK;
-		struct dp_portmap_key pk = {.host_port = l4.dport, .proto = l4.proto};
-		struct dp_portmap_val *pm = bpf_map_lookup_elem(&portmap, &pk);
+		/* daddr is the uplink address: the mapping on exactly it, or on
+		 * every node address. Loopback mappings never match here. */
+		struct dp_portmap_val *pm = find_portmap(ip.daddr, l4.dport, l4.proto, 1);
 		if (!pm)
 			return TC_ACT_OK; /* the host's own traffic */
 		sandbox_ip = pm->sandbox_ip;
@@ -624,6 +681,16 @@ int from_uplink(struct __sk_buff *skb)
 			.proto = l4.proto,
 		};
 		struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
+		if (opens_flow(v, &l4) &&
+		    host_socket(skb, l4.proto, ip.saddr, l4.sport, ip.daddr, l4.dport, 1)) {
+			/* A host socket listens on (or is bound to) this port: the
+			 * host wins for new flows; mapped flows already running
+			 * keep going. */
+			if (v)
+				bpf_map_delete_elem(&ct, &key);
+			count(DP_C_PORTMAP_HOST_SOCKET);
+			return TC_ACT_OK;
+		}
 		if (v) {
 			touch(v, &l4);
 		} else {
@@ -685,11 +752,12 @@ int from_host(struct __sk_buff *skb)
 	if (parse_ipv4(skb, &ip, &l4) || l4.frag ||
 	    (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP))
 		return TC_ACT_OK;
-	/* 127.0.0.0/8 (first byte in network order) or the uplink address. */
-	if ((ip.daddr & 0xff) != 127 && !(c->uplink_ip && ip.daddr == c->uplink_ip))
-		return TC_ACT_OK;
-	struct dp_portmap_key pk = {.host_port = l4.dport, .proto = l4.proto};
-	struct dp_portmap_val *pm = bpf_map_lookup_elem(&portmap, &pk);
+	/* Everything leaving through lo is addressed to the node itself. A
+	 * mapping on exactly the destination address matches; a wildcard one
+	 * only for 127.0.0.0/8 (first byte in network order) and the uplink
+	 * address. */
+	int wildcard = (ip.daddr & 0xff) == 127 || (c->uplink_ip && ip.daddr == c->uplink_ip);
+	struct dp_portmap_val *pm = find_portmap(ip.daddr, l4.dport, l4.proto, wildcard);
 	if (!pm)
 		return TC_ACT_OK;
 	__u32 sandbox_ip = pm->sandbox_ip;
@@ -705,6 +773,14 @@ int from_host(struct __sk_buff *skb)
 		.proto = l4.proto,
 	};
 	struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
+	if (opens_flow(v, &l4) &&
+	    host_socket(skb, l4.proto, ip.saddr, l4.sport, ip.daddr, l4.dport, 1)) {
+		/* A host socket listens there: the host wins (new flows). */
+		if (v)
+			bpf_map_delete_elem(&ct, &key);
+		count(DP_C_PORTMAP_HOST_SOCKET);
+		return TC_ACT_OK;
+	}
 	if (v) {
 		touch(v, &l4);
 	} else {

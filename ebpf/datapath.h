@@ -41,12 +41,16 @@ struct dp_policy_key {
 	__u32 dst;
 }; /* 12 bytes */
 
-/* (protocol, host port) -> (sandbox, container port) */
+/* (host address, protocol, host port) -> (sandbox, container port).
+ * host_ip 0 is the wildcard (0.0.0.0 / ""): the uplink address and
+ * 127.0.0.0/8; any other value matches only that destination address.
+ * Lookups try the exact address first, then the wildcard. */
 struct dp_portmap_key {
+	__u32 host_ip;
 	__u16 host_port;
 	__u8 proto;
 	__u8 pad;
-}; /* 4 bytes */
+}; /* 8 bytes */
 struct dp_portmap_val {
 	__u32 sandbox_ip;
 	__u16 container_port;
@@ -103,6 +107,8 @@ enum dp_counter {
 	DP_C_NO_ROUTE,
 	DP_C_MALFORMED,
 	DP_C_LOCAL,
+	DP_C_PORTMAP_HOST_SOCKET, /* a new flow to a mapped port went to a host socket */
+	DP_C_SNAT_HOST_SOCKET,    /* a reply matching a SNAT flow went to a host socket */
 	DP_C_MAX,
 };
 

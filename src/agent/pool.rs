@@ -103,18 +103,36 @@ pub struct TapPool {
     inner: Mutex<Inner>,
     wake: Notify,
     datapath: std::sync::Arc<dyn crate::datapath::Datapath>,
+    /// Idle-count changes are node events (the IdleTaps property).
+    events: std::sync::Arc<super::events::Events>,
+}
+
+/// The pool's settings, from the configuration.
+#[derive(Debug, Clone)]
+pub struct PoolSettings {
+    /// TAP name prefix.
+    pub prefix: String,
+    pub mtu: u32,
+    /// Idle TAPs wanted.
+    pub target: usize,
+    /// Link group of TAPs waiting for batched deletion.
+    pub retire_group: u32,
 }
 
 impl TapPool {
     pub fn new(
         nl: Netlink,
         nl_bg: Netlink,
-        prefix: String,
-        mtu: u32,
-        target: usize,
-        retire_group: u32,
+        settings: PoolSettings,
         datapath: std::sync::Arc<dyn crate::datapath::Datapath>,
+        events: std::sync::Arc<super::events::Events>,
     ) -> Self {
+        let PoolSettings {
+            prefix,
+            mtu,
+            target,
+            retire_group,
+        } = settings;
         Self {
             nl,
             nl_bg,
@@ -126,7 +144,13 @@ impl TapPool {
             inner: Mutex::new(Inner::default()),
             wake: Notify::new(),
             datapath,
+            events,
         }
+    }
+
+    /// The idle count (or the pool's health) changed.
+    fn changed(&self) {
+        self.events.publish(super::events::Change::Node);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -147,6 +171,9 @@ impl TapPool {
     pub fn take(&self) -> Option<PoolTap> {
         let tap = self.lock().idle.pop_front();
         self.wake.notify_one();
+        if tap.is_some() {
+            self.changed();
+        }
         tap
     }
 
@@ -200,6 +227,8 @@ impl TapPool {
                     self.wake.notify_one();
                 } else {
                     inner.idle.push_back(pt);
+                    drop(inner);
+                    self.changed();
                 }
             }
             Err(error) => {
@@ -276,16 +305,22 @@ impl TapPool {
     fn trim(&self) {
         let limit = self.keep_limit();
         let mut inner = self.lock();
+        let trimmed = inner.idle.len() > limit;
         while inner.idle.len() > limit {
             if let Some(pt) = inner.idle.pop_back() {
                 inner.retiring.push(pt);
             }
+        }
+        drop(inner);
+        if trimmed {
+            self.changed();
         }
     }
 
     /// Creates TAPs until `target` are idle.
     pub async fn refill(&self) {
         let mut failures = 0;
+        let mut created = false;
         while self.lock().idle.len() < self.target && failures < 3 {
             let name = self.next_pool_name();
             match self.create_idle(&name).await {
@@ -293,6 +328,7 @@ impl TapPool {
                     let mut inner = self.lock();
                     inner.created += 1;
                     inner.idle.push_back(pt);
+                    created = true;
                 }
                 Err(error) => {
                     failures += 1;
@@ -300,6 +336,9 @@ impl TapPool {
                     self.lock().last_error = Some(error);
                 }
             }
+        }
+        if created || failures > 0 {
+            self.changed();
         }
     }
 
@@ -371,6 +410,8 @@ impl TapPool {
                                 .quarantined
                                 .push((a.tap.tap.name().to_owned(), a.error));
                             inner.retiring.push(a.tap);
+                            drop(inner);
+                            self.changed();
                         }
                     }
                 }

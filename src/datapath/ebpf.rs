@@ -140,18 +140,22 @@ fn attach_hook(bpf: &mut Ebpf, h: &Hook) -> Result<bool, DatapathError> {
     attach(bpf, h.program, &h.device, kind)
 }
 
-/// Removes pins whose key/value sizes differ from what this build expects
-/// (an older layout): aya would silently reuse them.
+/// Removes pins whose key/value sizes or capacity differ from what this
+/// build expects (an older layout): aya would silently reuse them.
 fn check_pins(dir: &Path) -> Vec<String> {
     let mut removed = vec![];
-    for (name, key, value) in EXPECTED {
+    for (name, key, value, entries) in EXPECTED {
         let path = dir.join(name);
         if !path.exists() {
             continue;
         }
         let ok = MapData::from_pin(&path)
             .and_then(|m| m.info())
-            .map(|i| i.key_size() as usize == *key && i.value_size() as usize == *value)
+            .map(|i| {
+                i.key_size() as usize == *key
+                    && i.value_size() as usize == *value
+                    && i.max_entries() == *entries
+            })
             .unwrap_or(false);
         if !ok {
             warn!(map = name, "pinned map has another layout; recreating it");
@@ -464,6 +468,111 @@ impl EbpfDatapath {
             .collect()
     }
 
+    /// Writes the sandbox's entries, journalling each change (see `attach`).
+    fn write_entries(
+        inner: &mut Inner,
+        journal: &mut Vec<Undo>,
+        ip: u32,
+        ifindex: u32,
+        sb: &SandboxPath<'_>,
+        (want_allow, want_deny): (&[Key<DpPolicyData>], &[Key<DpPolicyData>]),
+        want_ports: &[(DpPortmapKey, DpPortmapVal)],
+    ) -> Result<(), DatapathError> {
+        let maps = &mut inner.maps;
+        // A TAP recreated under a new ifindex leaves an old entry behind.
+        if let Ok(old) = maps.by_ip.get(&ip, 0)
+            && old.ifindex != ifindex
+            && let Ok(prev) = maps.sandboxes.get(&old.ifindex, 0)
+        {
+            journal.push(Undo::Sandbox(old.ifindex, Some(prev)));
+            let _ = maps.sandboxes.remove(&old.ifindex);
+        }
+        let flags = if sb.allow_internet_access {
+            DP_F_INTERNET
+        } else {
+            0
+        };
+        let entry = DpSandbox {
+            sandbox_ip: ip,
+            flags,
+        };
+        let prev = maps.sandboxes.get(&ifindex, 0).ok();
+        if prev != Some(entry) {
+            journal.push(Undo::Sandbox(ifindex, prev));
+            maps.sandboxes
+                .insert(ifindex, entry, 0)
+                .map_err(|e| map_err("writing the sandboxes map", &e))?;
+        }
+        let tap = DpTap { ifindex };
+        let prev = maps.by_ip.get(&ip, 0).ok();
+        if prev != Some(tap) {
+            journal.push(Undo::ByIp(ip, prev));
+            maps.by_ip
+                .insert(ip, tap, 0)
+                .map_err(|e| map_err("writing the by_ip map", &e))?;
+        }
+        // Policy keys carry no value (always 1): a key this sandbox already
+        // has is left alone, a new one is journalled as added. (An LPM
+        // `get` is a longest-prefix match, so the index, not the map, says
+        // which keys exist.)
+        let (have_allow, have_deny) = inner
+            .policies
+            .get(&ip)
+            .map(|(a, d)| {
+                (
+                    a.iter().map(policy_id).collect::<HashSet<_>>(),
+                    d.iter().map(policy_id).collect::<HashSet<_>>(),
+                )
+            })
+            .unwrap_or_default();
+        for k in want_allow {
+            if !have_allow.contains(&policy_id(k)) {
+                maps.allow
+                    .insert(k, 1, 0)
+                    .map_err(|e| map_err("writing policy_allow (allow_out)", &e))?;
+                journal.push(Undo::Allow(*k));
+            }
+        }
+        for k in want_deny {
+            if !have_deny.contains(&policy_id(k)) {
+                maps.deny
+                    .insert(k, 1, 0)
+                    .map_err(|e| map_err("writing policy_deny (deny_out)", &e))?;
+                journal.push(Undo::Deny(*k));
+            }
+        }
+        for (k, v) in want_ports {
+            let prev = maps.portmap.get(k, 0).ok();
+            if prev != Some(*v) {
+                journal.push(Undo::Portmap(*k, prev));
+                maps.portmap
+                    .insert(k, v, 0)
+                    .map_err(|e| map_err("writing the portmap map (port_mappings)", &e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Plays a journal back, newest change first.
+    fn roll_back(inner: &mut Inner, journal: Vec<Undo>) {
+        let maps = &mut inner.maps;
+        for undo in journal.into_iter().rev() {
+            let r = match undo {
+                Undo::Sandbox(k, Some(v)) => maps.sandboxes.insert(k, v, 0),
+                Undo::Sandbox(k, None) => maps.sandboxes.remove(&k),
+                Undo::ByIp(k, Some(v)) => maps.by_ip.insert(k, v, 0),
+                Undo::ByIp(k, None) => maps.by_ip.remove(&k),
+                Undo::Allow(k) => maps.allow.remove(&k),
+                Undo::Deny(k) => maps.deny.remove(&k),
+                Undo::Portmap(k, Some(v)) => maps.portmap.insert(k, v, 0),
+                Undo::Portmap(k, None) => maps.portmap.remove(&k),
+            };
+            if let Err(e) = r {
+                warn!(error = %crate::error_chain(&e), "rolling back a datapath entry failed");
+            }
+        }
+    }
+
     /// Attaches `from_guest` to a TAP unless it already carries it.
     fn ensure_filter(inner: &mut Inner, tap_name: &str, ifindex: u32) -> Result<(), DatapathError> {
         if inner.maps.attached.get(&ifindex, 0).is_err() {
@@ -490,6 +599,72 @@ fn proto_num(p: Protocol) -> u8 {
     }
 }
 
+/// A policy key as a comparable value (aya's `Key` is packed, no `Eq`).
+type PolicyId = (u32, DpPolicyData);
+
+fn policy_id(k: &Key<DpPolicyData>) -> PolicyId {
+    (k.prefix_len(), k.data())
+}
+
+/// One change `attach` made, with what to put back.
+enum Undo {
+    Sandbox(u32, Option<DpSandbox>),
+    ByIp(u32, Option<DpTap>),
+    /// Added by this call: removed on rollback.
+    Allow(Key<DpPolicyData>),
+    Deny(Key<DpPolicyData>),
+    Portmap(DpPortmapKey, Option<DpPortmapVal>),
+}
+
+fn map_err(what: &'static str, e: &aya::maps::MapError) -> DatapathError {
+    let mut detail = crate::error_chain(e);
+    if let aya::maps::MapError::SyscallError(s) = e
+        && matches!(s.io_error.raw_os_error(), Some(libc::E2BIG | libc::ENOSPC))
+    {
+        detail.push_str(" (the map is full)");
+    }
+    DatapathError { what, detail }
+}
+
+/// The port-map entries of a sandbox. `host_ip` "" or 0.0.0.0 is the
+/// wildcard (0); the agent has validated it as an IPv4 address.
+fn portmap_entries(
+    ip: u32,
+    mappings: &[crate::agent::spec::PortMapping],
+) -> Result<Vec<(DpPortmapKey, DpPortmapVal)>, DatapathError> {
+    mappings
+        .iter()
+        .map(|m| {
+            let host: Ipv4Addr = if m.host_ip.is_empty() {
+                Ipv4Addr::UNSPECIFIED
+            } else {
+                m.host_ip.parse().map_err(|_| {
+                    err(
+                        "port_mappings",
+                        format!(
+                            "host_ip '{}' of {} {} is not an IPv4 address",
+                            m.host_ip, m.protocol, m.host_port
+                        ),
+                    )
+                })?
+            };
+            Ok((
+                DpPortmapKey {
+                    host_ip: ip_be(host),
+                    host_port: m.host_port.to_be(),
+                    proto: proto_num(m.protocol),
+                    pad: 0,
+                },
+                DpPortmapVal {
+                    sandbox_ip: ip,
+                    container_port: m.container_port.to_be(),
+                    pad: 0,
+                },
+            ))
+        })
+        .collect()
+}
+
 fn monotonic_ns() -> u64 {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
         .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
@@ -497,6 +672,12 @@ fn monotonic_ns() -> u64 {
 }
 
 impl Datapath for EbpfDatapath {
+    /// Transactional: every entry written is journalled with what it
+    /// replaced, and if any write fails the journal is played back, so a
+    /// failed attach leaves exactly the previous state (a new sandbox has
+    /// no entry at all, a converge keeps its previous ones in force).
+    /// Entries the new state no longer wants are removed only once every
+    /// write succeeded.
     fn attach(&self, sb: &SandboxPath<'_>) -> Result<(), DatapathError> {
         let IpAddr::V4(v4) = sb.sandbox_ip else {
             return Err(err(
@@ -506,102 +687,60 @@ impl Datapath for EbpfDatapath {
         };
         let ip = ip_be(v4);
         let ifindex = sb.tap_ifindex;
+        // Everything that can be refused is checked before the first write.
+        let want_allow = Self::policy_keys(ip, sb.allow_out);
+        let want_deny = Self::policy_keys(ip, sb.deny_out);
+        let want_ports = portmap_entries(ip, sb.port_mappings)?;
         let mut guard = self.lock();
         let inner = &mut *guard;
         Self::ensure_filter(inner, sb.tap_name, ifindex)?;
-        // A TAP recreated under a new ifindex leaves an old entry behind.
-        if let Ok(old) = inner.maps.by_ip.get(&ip, 0)
-            && old.ifindex != ifindex
-        {
-            let _ = inner.maps.sandboxes.remove(&old.ifindex);
+        let mut journal = Vec::new();
+        let result = Self::write_entries(
+            inner,
+            &mut journal,
+            ip,
+            ifindex,
+            sb,
+            (&want_allow, &want_deny),
+            &want_ports,
+        );
+        if let Err(e) = result {
+            let undone = journal.len();
+            Self::roll_back(inner, journal);
+            warn!(
+                sandbox_id = sb.sandbox_id,
+                error = %e,
+                undone,
+                "datapath attach failed; previous entries restored"
+            );
+            return Err(e);
         }
-        let flags = if sb.allow_internet_access {
-            DP_F_INTERNET
-        } else {
-            0
-        };
-        inner
-            .maps
-            .sandboxes
-            .insert(
-                ifindex,
-                DpSandbox {
-                    sandbox_ip: ip,
-                    flags,
-                },
-                0,
-            )
-            .map_err(|e| err("writing the sandboxes map", e))?;
-        inner
-            .maps
-            .by_ip
-            .insert(ip, DpTap { ifindex }, 0)
-            .map_err(|e| err("writing the by_ip map", e))?;
-
-        // Policy: install the wanted keys, then remove the stale ones.
-        let want_allow = Self::policy_keys(ip, sb.allow_out);
-        let want_deny = Self::policy_keys(ip, sb.deny_out);
-        for k in &want_allow {
-            inner
-                .maps
-                .allow
-                .insert(k, 1, 0)
-                .map_err(|e| err("writing policy_allow", e))?;
-        }
-        for k in &want_deny {
-            inner
-                .maps
-                .deny
-                .insert(k, 1, 0)
-                .map_err(|e| err("writing policy_deny", e))?;
-        }
-        let same = |a: &Key<DpPolicyData>, b: &Key<DpPolicyData>| {
-            a.prefix_len() == b.prefix_len() && a.data() == b.data()
-        };
+        // Committed: drop what the new state no longer wants.
         let (old_allow, old_deny) = inner.policies.remove(&ip).unwrap_or_default();
+        let keep_allow: HashSet<PolicyId> = want_allow.iter().map(policy_id).collect();
+        let keep_deny: HashSet<PolicyId> = want_deny.iter().map(policy_id).collect();
         for k in old_allow
             .iter()
-            .filter(|k| !want_allow.iter().any(|w| same(w, k)))
+            .filter(|k| !keep_allow.contains(&policy_id(k)))
         {
             let _ = inner.maps.allow.remove(k);
         }
         for k in old_deny
             .iter()
-            .filter(|k| !want_deny.iter().any(|w| same(w, k)))
+            .filter(|k| !keep_deny.contains(&policy_id(k)))
         {
             let _ = inner.maps.deny.remove(k);
         }
         inner.policies.insert(ip, (want_allow, want_deny));
-
-        // Port mappings.
-        let want: Vec<(DpPortmapKey, DpPortmapVal)> = sb
-            .port_mappings
-            .iter()
-            .map(|m| {
-                (
-                    DpPortmapKey {
-                        host_port: m.host_port.to_be(),
-                        proto: proto_num(m.protocol),
-                        pad: 0,
-                    },
-                    DpPortmapVal {
-                        sandbox_ip: ip,
-                        container_port: m.container_port.to_be(),
-                        pad: 0,
-                    },
-                )
-            })
-            .collect();
-        for (k, v) in &want {
-            inner
-                .maps
-                .portmap
-                .insert(k, v, 0)
-                .map_err(|e| err("writing the portmap map", e))?;
-        }
-        let wanted: HashSet<DpPortmapKey> = want.iter().map(|(k, _)| *k).collect();
+        let wanted: HashSet<DpPortmapKey> = want_ports.iter().map(|(k, _)| *k).collect();
         for k in inner.portmaps.remove(&ip).unwrap_or_default() {
-            if !wanted.contains(&k) {
+            if !wanted.contains(&k)
+                && inner
+                    .maps
+                    .portmap
+                    .get(&k, 0)
+                    .is_ok_and(|v| v.sandbox_ip == ip)
+            {
                 let _ = inner.maps.portmap.remove(&k);
             }
         }

@@ -43,9 +43,12 @@ pub struct DpPolicyData {
     pub dst: u32,
 }
 
+/// `host_ip` 0 is the wildcard (every node address: the uplink address
+/// and 127.0.0.0/8); anything else matches only that destination.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct DpPortmapKey {
+    pub host_ip: u32,
     pub host_port: u16,
     pub proto: u8,
     pub pad: u8,
@@ -80,6 +83,8 @@ pub struct DpCtVal {
     pub local_addr: u32,
 }
 pub const DP_CT_SNAT: u8 = 0;
+pub const DP_CT_PORTMAP: u8 = 1;
+pub const DP_CT_LOCAL: u8 = 2;
 pub const DP_TCP_CLOSING: u8 = 1;
 
 #[repr(C)]
@@ -130,7 +135,7 @@ const _: () = {
     assert!(size_of::<DpSandbox>() == 8);
     assert!(size_of::<DpTap>() == 4);
     assert!(size_of::<DpPolicyData>() + 4 == 12);
-    assert!(size_of::<DpPortmapKey>() == 4);
+    assert!(size_of::<DpPortmapKey>() == 8);
     assert!(size_of::<DpPortmapVal>() == 8);
     assert!(size_of::<DpCtKey>() == 16);
     assert!(size_of::<DpCtVal>() == 16);
@@ -138,22 +143,51 @@ const _: () = {
     assert!(size_of::<DpRevVal>() == 8);
 };
 
-/// (map name, key size, value size) the loader checks pinned maps against.
-pub const EXPECTED: &[(&str, usize, usize)] = &[
-    ("config", 4, size_of::<DpConfig>()),
-    ("counters", 4, 8),
-    ("sandboxes", 4, size_of::<DpSandbox>()),
-    ("by_ip", 4, size_of::<DpTap>()),
-    ("policy_allow", size_of::<DpPolicyData>() + 4, 1),
-    ("policy_deny", size_of::<DpPolicyData>() + 4, 1),
+/// Entries of the per-sandbox maps (`max_entries` in ebpf/datapath.bpf.c).
+pub const SANDBOX_MAP_ENTRIES: u32 = 65536;
+/// Entries of the flow maps `ct` and `ct_rev`.
+pub const FLOW_MAP_ENTRIES: u32 = 262144;
+
+/// (map name, key size, value size, max entries) the loader checks pinned
+/// maps against; a pin that differs in any of them is recreated (a
+/// `counters` map from a build with fewer counters would silently drop the
+/// new ones).
+pub const EXPECTED: &[(&str, usize, usize, u32)] = &[
+    ("config", 4, size_of::<DpConfig>(), 1),
+    ("counters", 4, 8, COUNTER_NAMES.len() as u32),
+    ("sandboxes", 4, size_of::<DpSandbox>(), SANDBOX_MAP_ENTRIES),
+    ("by_ip", 4, size_of::<DpTap>(), SANDBOX_MAP_ENTRIES),
+    (
+        "policy_allow",
+        size_of::<DpPolicyData>() + 4,
+        1,
+        SANDBOX_MAP_ENTRIES,
+    ),
+    (
+        "policy_deny",
+        size_of::<DpPolicyData>() + 4,
+        1,
+        SANDBOX_MAP_ENTRIES,
+    ),
     (
         "portmap",
         size_of::<DpPortmapKey>(),
         size_of::<DpPortmapVal>(),
+        SANDBOX_MAP_ENTRIES,
     ),
-    ("ct", size_of::<DpCtKey>(), size_of::<DpCtVal>()),
-    ("ct_rev", size_of::<DpRevKey>(), size_of::<DpRevVal>()),
-    ("tap_attached", 4, 4),
+    (
+        "ct",
+        size_of::<DpCtKey>(),
+        size_of::<DpCtVal>(),
+        FLOW_MAP_ENTRIES,
+    ),
+    (
+        "ct_rev",
+        size_of::<DpRevKey>(),
+        size_of::<DpRevVal>(),
+        FLOW_MAP_ENTRIES,
+    ),
+    ("tap_attached", 4, 4, SANDBOX_MAP_ENTRIES),
 ];
 
 /// Counter indexes (enum dp_counter).
@@ -170,4 +204,6 @@ pub const COUNTER_NAMES: &[&str] = &[
     "no_route",
     "malformed",
     "local",
+    "portmap_host_socket",
+    "snat_host_socket",
 ];

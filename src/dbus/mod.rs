@@ -5,20 +5,20 @@
 //! asks [`Authority`] first (SPEC §5); properties stay readable by anyone.
 
 pub mod bounded;
+mod mirror;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::Duration;
 
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 use zbus::message::{Flags, Header};
 use zbus::names::ErrorName;
 use zbus::object_server::SignalEmitter;
 use zbus::zvariant::{OwnedObjectPath, OwnedValue, Value};
-use zbus::{Connection, DBusError, ObjectServer, fdo, interface};
+use zbus::{Connection, DBusError, fdo, interface};
 
 use crate::agent::spec::{NetworkSpec, PortMapping};
-use crate::agent::{Agent, AgentError, Ensured, NetworkInfo, ReconcileReport};
+use crate::agent::{Agent, AgentError, NetworkInfo, ReconcileReport};
 use crate::auth::{Action, AuthError, Authority};
 use crate::config::BusChoice;
 
@@ -134,15 +134,19 @@ impl From<AgentError> for Error {
     }
 }
 
-/// Object path of a sandbox's network object. Ids may contain `.:-`, which
-/// object paths do not allow: like systemd's `sd_bus_path_encode`, every
-/// byte outside `[A-Za-z0-9]` becomes `_xx` (hex).
+/// Object path of a sandbox's network object, exactly as libsystemd's
+/// `sd_bus_path_encode(NETWORK_PATH_PREFIX, id)`: every byte outside
+/// `[A-Za-z0-9]` becomes `_xx` (lower-case hex), a leading digit too, and
+/// "" becomes `_`.
 pub fn network_path(sandbox_id: &str) -> OwnedObjectPath {
-    let mut p = String::with_capacity(NETWORK_PATH_PREFIX.len() + 1 + sandbox_id.len() * 3);
+    let mut p = String::with_capacity(NETWORK_PATH_PREFIX.len() + 2 + sandbox_id.len() * 3);
     p.push_str(NETWORK_PATH_PREFIX);
     p.push('/');
-    for b in sandbox_id.bytes() {
-        if b.is_ascii_alphanumeric() {
+    if sandbox_id.is_empty() {
+        p.push('_');
+    }
+    for (i, b) in sandbox_id.bytes().enumerate() {
+        if b.is_ascii_alphabetic() || (i > 0 && b.is_ascii_digit()) {
             p.push(b as char);
         } else {
             p.push_str(&format!("_{b:02x}"));
@@ -241,10 +245,14 @@ fn mappings_value(m: &[PortMapping]) -> Vec<(String, u16, u16, String)> {
         .collect()
 }
 
+/// A dictionary answer: keys in a stable (sorted) order, so `busctl`
+/// output is readable and diffable.
+pub type Dict = BTreeMap<String, OwnedValue>;
+
 /// A network as the `a{sv}` the SPEC describes.
-pub fn network_dict(info: NetworkInfo) -> HashMap<String, OwnedValue> {
+pub fn network_dict(info: NetworkInfo) -> Dict {
     let r = info.view.record;
-    let mut d: HashMap<String, OwnedValue> = HashMap::new();
+    let mut d = Dict::new();
     let mut put = |k: &str, v: Value<'_>| {
         d.insert(
             k.to_owned(),
@@ -284,8 +292,8 @@ pub fn network_dict(info: NetworkInfo) -> HashMap<String, OwnedValue> {
     d
 }
 
-fn report_dict(r: ReconcileReport) -> HashMap<String, OwnedValue> {
-    let mut d: HashMap<String, OwnedValue> = HashMap::new();
+fn report_dict(r: ReconcileReport) -> Dict {
+    let mut d = Dict::new();
     let mut put = |k: &str, v: Value<'_>| {
         d.insert(k.to_owned(), v.try_to_owned().expect("no fds"));
     };
@@ -300,6 +308,8 @@ fn report_dict(r: ReconcileReport) -> HashMap<String, OwnedValue> {
 pub struct Manager {
     agent: Arc<Agent>,
     authority: Authority,
+    /// The last event the bus mirror has applied.
+    mirrored: tokio::sync::watch::Receiver<u64>,
 }
 
 impl Manager {
@@ -325,55 +335,36 @@ impl Manager {
         Ok(())
     }
 
-    fn info(&self, view: crate::agent::NetworkView) -> HashMap<String, OwnedValue> {
+    fn info(&self, view: crate::agent::NetworkView) -> Dict {
         network_dict(self.agent.describe(view))
+    }
+
+    /// Waits until the bus mirror has applied event `seq` (the network's
+    /// object exists, or is gone, and its signals are out) before a method
+    /// replies.
+    async fn mirrored(&self, seq: u64) {
+        let mut done = self.mirrored.clone();
+        let _ = done.wait_for(|at| *at >= seq).await;
     }
 }
 
 #[interface(name = "org.cube.NetworkAgent")]
 impl Manager {
-    /// Creates the sandbox's network, or converges it to `options`.
+    /// Creates the sandbox's network, or converges it to `options`. Its
+    /// object, PropertiesChanged and NetworkEnsured come from the core's
+    /// event (whichever edge made the change); the reply waits for them.
     #[zbus(out_args("network"))]
     async fn ensure_network(
         &self,
         sandbox_id: String,
         options: HashMap<String, OwnedValue>,
         #[zbus(header)] header: Header<'_>,
-        #[zbus(object_server)] server: &ObjectServer,
-        #[zbus(signal_emitter)] emitter: SignalEmitter<'_>,
-    ) -> Result<HashMap<String, OwnedValue>, Error> {
+    ) -> Result<Dict, Error> {
         self.authorize(&header, Action::Manage).await?;
         let spec = parse_options(&options)?;
-        let (view, change) = self.agent.ensure(&sandbox_id, spec).await?;
-        let dict = self.info(view);
-        match change {
-            Ensured::Created => {
-                let obj = NetworkObject {
-                    agent: self.agent.clone(),
-                    id: sandbox_id.clone(),
-                };
-                if let Err(e) = server.at(network_path(&sandbox_id), obj).await {
-                    warn!(sandbox_id, error = %e, "registering the network object failed");
-                }
-            }
-            Ensured::Updated => {
-                if let Ok(iface) = server
-                    .interface::<_, NetworkObject>(network_path(&sandbox_id))
-                    .await
-                {
-                    let obj = iface.get().await;
-                    let e = iface.signal_emitter();
-                    let _ = obj.port_mappings_changed(e).await;
-                    let _ = obj.mtu_changed(e).await;
-                    let _ = obj.allow_internet_access_changed(e).await;
-                    let _ = obj.allow_out_changed(e).await;
-                    let _ = obj.deny_out_changed(e).await;
-                }
-            }
-            Ensured::Unchanged => return Ok(dict),
-        }
-        let _ = Self::network_ensured(&emitter, &sandbox_id, dict.clone()).await;
-        Ok(dict)
+        let out = self.agent.ensure(&sandbox_id, spec).await?;
+        self.mirrored(out.seq).await;
+        Ok(self.info(out.view))
     }
 
     /// Returns everything; false if there was no such network.
@@ -382,18 +373,15 @@ impl Manager {
         &self,
         sandbox_id: String,
         #[zbus(header)] header: Header<'_>,
-        #[zbus(object_server)] server: &ObjectServer,
-        #[zbus(signal_emitter)] emitter: SignalEmitter<'_>,
     ) -> Result<bool, Error> {
         self.authorize(&header, Action::Manage).await?;
-        let released = self.agent.release(&sandbox_id).await?;
-        if released {
-            let _ = server
-                .remove::<NetworkObject, _>(network_path(&sandbox_id))
-                .await;
-            let _ = Self::network_released(&emitter, &sandbox_id).await;
+        match self.agent.release(&sandbox_id).await? {
+            Some(seq) => {
+                self.mirrored(seq).await;
+                Ok(true)
+            }
+            None => Ok(false),
         }
-        Ok(released)
     }
 
     /// Re-checks one network ("" = all) against the kernel and repairs it.
@@ -402,7 +390,7 @@ impl Manager {
         &self,
         sandbox_id: String,
         #[zbus(header)] header: Header<'_>,
-    ) -> Result<HashMap<String, OwnedValue>, Error> {
+    ) -> Result<Dict, Error> {
         self.authorize(&header, Action::Manage).await?;
         Ok(report_dict(self.agent.reconcile(&sandbox_id).await?))
     }
@@ -412,16 +400,13 @@ impl Manager {
         &self,
         sandbox_id: String,
         #[zbus(header)] header: Header<'_>,
-    ) -> Result<HashMap<String, OwnedValue>, Error> {
+    ) -> Result<Dict, Error> {
         self.authorize(&header, Action::Read).await?;
         Ok(self.info(self.agent.get(&sandbox_id)?))
     }
 
     #[zbus(out_args("networks"))]
-    async fn list_networks(
-        &self,
-        #[zbus(header)] header: Header<'_>,
-    ) -> Result<Vec<HashMap<String, OwnedValue>>, Error> {
+    async fn list_networks(&self, #[zbus(header)] header: Header<'_>) -> Result<Vec<Dict>, Error> {
         self.authorize(&header, Action::Read).await?;
         Ok(self
             .agent
@@ -480,7 +465,7 @@ impl Manager {
     async fn network_ensured(
         emitter: &SignalEmitter<'_>,
         sandbox_id: &str,
-        network: HashMap<String, OwnedValue>,
+        network: Dict,
     ) -> zbus::Result<()>;
 
     #[zbus(signal)]
@@ -488,69 +473,62 @@ impl Manager {
 }
 
 /// One object per network, listed by the ObjectManager on the manager.
+/// It holds the view of the last event the mirror applied, so what its
+/// properties say always matches the signals sent so far.
 pub struct NetworkObject {
-    agent: Arc<Agent>,
-    id: String,
-}
-
-impl NetworkObject {
-    fn view(&self) -> fdo::Result<crate::agent::NetworkView> {
-        self.agent
-            .get(&self.id)
-            .map_err(|e| fdo::Error::UnknownObject(e.to_string()))
-    }
+    view: crate::agent::NetworkView,
 }
 
 #[interface(name = "org.cube.NetworkAgent.Network")]
 impl NetworkObject {
     #[zbus(property)]
     async fn sandbox_id(&self) -> String {
-        self.id.clone()
+        self.view.record.sandbox_id.clone()
     }
 
     #[zbus(property)]
-    async fn network_handle(&self) -> fdo::Result<String> {
-        Ok(self.view()?.record.network_handle)
+    async fn network_handle(&self) -> String {
+        self.view.record.network_handle.clone()
     }
 
     #[zbus(property)]
-    async fn sandbox_ip(&self) -> fdo::Result<String> {
-        Ok(self.view()?.record.sandbox_ip.to_string())
+    async fn sandbox_ip(&self) -> String {
+        self.view.record.sandbox_ip.to_string()
     }
 
     #[zbus(property)]
-    async fn tap_name(&self) -> fdo::Result<String> {
-        Ok(self.view()?.record.tap_name)
+    async fn tap_name(&self) -> String {
+        self.view.record.tap_name.clone()
     }
 
     #[zbus(property)]
-    async fn tap_ifindex(&self) -> fdo::Result<i32> {
-        Ok(self.view()?.tap_ifindex as i32)
+    async fn tap_ifindex(&self) -> i32 {
+        self.view.tap_ifindex as i32
     }
 
     #[zbus(property)]
-    async fn mtu(&self) -> fdo::Result<u32> {
-        Ok(self.view()?.record.mtu)
+    async fn mtu(&self) -> u32 {
+        self.view.record.mtu
     }
 
     #[zbus(property)]
-    async fn port_mappings(&self) -> fdo::Result<Vec<(String, u16, u16, String)>> {
-        Ok(mappings_value(&self.view()?.record.port_mappings))
+    async fn port_mappings(&self) -> Vec<(String, u16, u16, String)> {
+        mappings_value(&self.view.record.port_mappings)
     }
 
     #[zbus(property)]
-    async fn allow_internet_access(&self) -> fdo::Result<bool> {
-        Ok(self.view()?.record.allow_internet_access)
+    async fn allow_internet_access(&self) -> bool {
+        self.view.record.allow_internet_access
     }
 
     #[zbus(property)]
-    async fn allow_out(&self) -> fdo::Result<Vec<String>> {
-        Ok(self.view()?.record.allow_out)
+    async fn allow_out(&self) -> Vec<String> {
+        self.view.record.allow_out.clone()
     }
 
     #[zbus(property)]
-    async fn deny_out(&self) -> fdo::Result<Vec<String>> {
-        Ok(self.view()?.record.deny_out)
+    async fn deny_out(&self) -> Vec<String> {
+        self.view.record.deny_out.clone()
     }
 }
 
@@ -591,10 +569,15 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
     // the authority has a connection of its own.
     let auth_conn = builder().map_err(connect)?.build().await.map_err(connect)?;
     let conn = builder().map_err(connect)?.build().await.map_err(connect)?;
+    // Subscribe first, then list: every change after the list is in the
+    // stream (applying one twice is harmless).
+    let (events, at) = agent.subscribe();
+    let (mirrored_tx, mirrored) = tokio::sync::watch::channel(at);
     // Nobody can address us by name before `request_name` below.
     let manager = Manager {
         agent: agent.clone(),
         authority: Authority::new(auth_conn),
+        mirrored,
     };
     crate::auth::set_global(manager.authority.clone());
     // Calls are size- and signature-checked before zbus decodes them.
@@ -606,24 +589,17 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
     // listen yet (the name is not ours), and registering under an existing
     // ObjectManager would emit one InterfacesAdded per network at start.
     let started = std::time::Instant::now();
-    let views = agent.list();
-    for view in &views {
-        let id = &view.record.sandbox_id;
-        let obj = NetworkObject {
-            agent: agent.clone(),
-            id: id.clone(),
-        };
-        conn.object_server()
-            .at(network_path(id), obj)
-            .await
-            .map_err(ServeError::Register)?;
-    }
+    let mut mirror = mirror::Mirror::new(conn.clone(), agent.clone(), mirrored_tx);
+    let objects = mirror
+        .register_all(agent.list())
+        .await
+        .map_err(ServeError::Register)?;
     conn.object_server()
         .at(MANAGER_PATH, fdo::ObjectManager)
         .await
         .map_err(ServeError::Register)?;
     debug!(
-        objects = views.len(),
+        objects,
         elapsed_ms = started.elapsed().as_millis() as u64,
         "network objects registered"
     );
@@ -638,53 +614,8 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
         Err(e) => return Err(ServeError::RequestName(e)),
     }
     info!(name = BUS_NAME, "serving on the bus");
-    tokio::spawn(emit_property_changes(conn.clone(), agent));
+    tokio::spawn(mirror.run(events));
     Ok(conn)
-}
-
-/// Coalesces PropertiesChanged: checks the counters a few times a second
-/// and signals only what changed, so a burst of calls costs one signal.
-async fn emit_property_changes(conn: Connection, agent: Arc<Agent>) {
-    let Ok(iface) = conn
-        .object_server()
-        .interface::<_, bounded::Bounded<Manager>>(MANAGER_PATH)
-        .await
-    else {
-        return;
-    };
-    // Counters are cheap and polled every tick; Health formats every check
-    // and reads the datapath counters under the lock EnsureNetwork needs,
-    // so it is evaluated only every 10th tick (2 s).
-    let counters = |a: &Agent| (a.active_networks(), a.idle_taps(), a.free_addresses());
-    let mut last = (counters(&agent), agent.health().await.0);
-    for tick in 1u64.. {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let healthy = if tick % 10 == 0 {
-            agent.health().await.0
-        } else {
-            last.1
-        };
-        let now = (counters(&agent), healthy);
-        if now == last {
-            continue;
-        }
-        let guard = iface.get().await;
-        let m = &guard.0;
-        let e = iface.signal_emitter();
-        if now.0.0 != last.0.0 {
-            let _ = m.active_networks_changed(e).await;
-        }
-        if now.0.1 != last.0.1 {
-            let _ = m.idle_taps_changed(e).await;
-        }
-        if now.0.2 != last.0.2 {
-            let _ = m.free_addresses_changed(e).await;
-        }
-        if now.1 != last.1 {
-            let _ = m.healthy_changed(e).await;
-        }
-        last = now;
-    }
 }
 
 #[cfg(test)]
@@ -755,15 +686,57 @@ mod tests {
         assert!(e.to_string().contains("allow_internet_access"), "{e}");
     }
 
+    /// The same paths as libsystemd's `sd_bus_path_encode`, asked through
+    /// python3's ctypes (libsystemd0 is on every systemd host).
     #[test]
-    fn paths_escape_ids() {
-        assert_eq!(
-            network_path("sbx1").as_str(),
-            "/org/cube/NetworkAgent/network/sbx1"
+    fn paths_equal_sd_bus_path_encode() {
+        let ids = [
+            "sbx1",
+            "1abc",
+            "9",
+            "a.b:c-d_e",
+            "_x",
+            "ABC-123",
+            "x",
+            "0.1",
+            "a__b",
+            "z9Z",
+            "sbx-1.vm:7",
+            "",
+            "-",
+            "..",
+            "a1b2c3",
+        ];
+        let script = r#"
+import ctypes, sys
+l = ctypes.CDLL("libsystemd.so.0")
+l.sd_bus_path_encode.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
+for id in sys.argv[1:]:
+    out = ctypes.c_char_p()
+    assert l.sd_bus_path_encode(b"/org/cube/NetworkAgent/network", id.encode(), ctypes.byref(out)) >= 0
+    print(out.value.decode())
+"#;
+        let out = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(script)
+            .args(ids)
+            .output()
+            .expect("python3 runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
         );
+        let theirs: Vec<String> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        let ours: Vec<String> = ids.iter().map(|i| network_path(i).to_string()).collect();
+        assert_eq!(ours, theirs);
         assert_eq!(
-            network_path("a.b:c-d_e").as_str(),
-            "/org/cube/NetworkAgent/network/a_2eb_3ac_2dd_5fe"
+            network_path("1abc").as_str(),
+            "/org/cube/NetworkAgent/network/_31abc"
         );
     }
 }

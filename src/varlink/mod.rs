@@ -21,6 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tracing::{debug, info, warn};
 
+use crate::agent::events::Change;
 use crate::agent::{Agent, AgentError};
 use convert::Object;
 
@@ -220,7 +221,11 @@ pub const METHODS: &[&str] = &[
     "org.cube.NetworkAgent.ListNetworks",
     "org.cube.NetworkAgent.OpenTap",
     "org.cube.NetworkAgent.Health",
+    WATCH,
 ];
+
+/// The subscription method (needs `"more": true`).
+const WATCH: &str = "org.cube.NetworkAgent.WatchNetworks";
 
 /// Runs one call. Access is checked before parameters are looked at.
 async fn call(agent: &Agent, peer: &Peer, method: &str, p: Object) -> Result<Reply, Failure> {
@@ -262,11 +267,11 @@ async fn call(agent: &Agent, peer: &Peer, method: &str, p: Object) -> Result<Rep
             convert::only(&p, &["sandbox_id", "options"])?;
             let sandbox_id = convert::string(&p, "sandbox_id")?;
             let spec = convert::options(p.get("options"))?;
-            let (view, _) = agent.ensure(&sandbox_id, spec).await?;
-            Reply::new(json!({ "network": convert::network(agent.describe(view)) }))
+            let out = agent.ensure(&sandbox_id, spec).await?;
+            Reply::new(json!({ "network": convert::network(agent.describe(out.view)) }))
         }
         "org.cube.NetworkAgent.ReleaseNetwork" => {
-            let released = agent.release(&id(&p)?).await?;
+            let released = agent.release(&id(&p)?).await?.is_some();
             Reply::new(json!({ "released": released }))
         }
         "org.cube.NetworkAgent.ReconcileNetwork" => {
@@ -325,8 +330,23 @@ async fn message(agent: &Agent, peer: &Peer, stream: &mut UnixStream, msg: &[u8]
         return Next::Close("message has no method");
     };
     let oneway = m.get("oneway").and_then(Value::as_bool).unwrap_or(false);
-    // "more" needs no handling: no method streams, so the single reply
-    // (without "continues") is the whole answer.
+    if method == WATCH {
+        let more = m.get("more").and_then(Value::as_bool).unwrap_or(false);
+        let params = match m.remove("parameters") {
+            None | Some(Value::Null) => Map::new(),
+            Some(Value::Object(p)) => p,
+            Some(_) => {
+                return send(
+                    stream,
+                    &Failure::InvalidParameter("parameters".into()).reply(),
+                )
+                .await;
+            }
+        };
+        return watch(agent, peer, stream, more, params).await;
+    }
+    // "more" needs no handling elsewhere: only WatchNetworks streams, so
+    // any other single reply (without "continues") is the whole answer.
     let result = match m.remove("parameters") {
         None | Some(Value::Null) => call(agent, peer, &method, Map::new()).await,
         Some(Value::Object(p)) => call(agent, peer, &method, p).await,
@@ -355,6 +375,90 @@ async fn message(agent: &Agent, peer: &Peer, stream: &mut UnixStream, msg: &[u8]
     match sent {
         Ok(()) => Next::Continue,
         Err(_) => Next::Close("writing the reply failed"),
+    }
+}
+
+/// Sends one reply (NUL-terminated JSON).
+async fn send(stream: &mut UnixStream, reply: &Value) -> Next {
+    let mut bytes = serde_json::to_vec(reply).expect("a reply always serialises");
+    bytes.push(0);
+    match stream.write_all(&bytes).await {
+        Ok(()) => Next::Continue,
+        Err(_) => Next::Close("writing the reply failed"),
+    }
+}
+
+/// WatchNetworks: the networks as they are, then every change in the order
+/// the core made it (the same stream the D-Bus objects and signals follow),
+/// until the client hangs up. A subscriber that falls more than
+/// `events::BACKLOG` changes behind gets `EventsLost` and is closed (it
+/// should subscribe again).
+async fn watch(agent: &Agent, peer: &Peer, stream: &mut UnixStream, more: bool, p: Object) -> Next {
+    if !more {
+        return send(
+            stream,
+            &json!({"error": format!("{SERVICE_INTERFACE}.ExpectedMore"), "parameters": {}}),
+        )
+        .await;
+    }
+    if let Err(d) = authorize(peer, Operation::Read).await {
+        return send(stream, &Failure::from(d).reply()).await;
+    }
+    if let Err(f) = convert::only(&p, &[]) {
+        return send(stream, &f.reply()).await;
+    }
+    let (mut rx, at) = agent.subscribe();
+    let networks: Vec<Value> = agent
+        .list()
+        .into_iter()
+        .map(|v| convert::network(agent.describe(v)))
+        .collect();
+    let first = json!({
+        "parameters": {"event": {"seq": at, "kind": "current", "networks": networks}},
+        "continues": true,
+    });
+    if let Next::Close(why) = send(stream, &first).await {
+        return Next::Close(why);
+    }
+    let mut probe = [0u8; 1];
+    loop {
+        let ev = tokio::select! {
+            ev = rx.recv() => ev,
+            // The client hung up (or broke protocol by sending mid-stream).
+            _ = stream.read(&mut probe) => return Next::Close("watcher left"),
+        };
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
+                let lost = json!({
+                    "error": format!("{INTERFACE}.EventsLost"),
+                    "parameters": {"missed": missed},
+                });
+                let _ = send(stream, &lost).await;
+                return Next::Close("watcher fell behind");
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                return Next::Close("agent stopping");
+            }
+        };
+        let mut event = json!({"seq": ev.seq, "kind": ev.change.kind()});
+        match &ev.change {
+            Change::Node => continue,
+            Change::Ensured { view, .. } => {
+                event["sandbox_id"] = json!(view.record.sandbox_id);
+                event["network"] = convert::network(agent.describe(view.clone()));
+            }
+            Change::Repaired { view, repairs } => {
+                event["sandbox_id"] = json!(view.record.sandbox_id);
+                event["network"] = convert::network(agent.describe(view.clone()));
+                event["repairs"] = json!(repairs);
+            }
+            Change::Released { sandbox_id } => event["sandbox_id"] = json!(sandbox_id),
+        }
+        let reply = json!({"parameters": {"event": event}, "continues": true});
+        if let Next::Close(why) = send(stream, &reply).await {
+            return Next::Close(why);
+        }
     }
 }
 

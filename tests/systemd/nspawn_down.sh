@@ -1,6 +1,7 @@
 #!/bin/bash
 # Orderly poweroff of the container booted by nspawn_up.sh, then removal of
-# its host-side leftovers (cgroups, nspawn run dirs, state dir). Idempotent.
+# its host-side leftovers (cgroups, nspawn run dirs, state dir, the node and
+# world network namespaces). Idempotent; safe after a failed nspawn_up.sh.
 # Usage: nspawn_down.sh NAME
 NAME=${1:?usage: nspawn_down.sh NAME}
 BASE=${CNA_NSPAWN_DIR:-/tmp/cube-network-agent-nspawn}
@@ -17,6 +18,12 @@ for h in /sys/fs/cgroup/systemd /sys/fs/cgroup/unified; do
   [ -d "$h/sysd-cna-$NAME" ] && find "$h/sysd-cna-$NAME" -depth -type d -exec rmdir {} \; 2>/dev/null
 done
 rmdir "/run/systemd/nspawn/propagate/$NAME" /run/systemd/nspawn/propagate /run/systemd/nspawn/locks /run/systemd/nspawn 2>/dev/null  # only if empty
+# The node and world network namespaces (the agent's TAPs, cube-dev and the
+# veth are deleted with them).
+for ns in cna-node-$NAME cna-world-$NAME; do
+  ip netns pids "$ns" 2>/dev/null | xargs -r kill -KILL 2>/dev/null   # world servers left behind
+  ip netns del "$ns" 2>/dev/null
+done
 rm -rf "$STATE"   # its mounts were in a private mount namespace, gone with nspawn
 rmdir "$BASE" 2>/dev/null
 echo "down: $NAME"

@@ -1,8 +1,23 @@
 #!/bin/bash
 # Boot a throw-away systemd (PID 1) container whose root is a tmpfs-backed
-# overlay of the host "/", in a private mount namespace and (with
-# --private-network) its own network namespace: nothing it does reaches the
-# host's filesystem or interfaces.
+# overlay of the host "/", in a private mount namespace and its own network
+# namespace: nothing it does reaches the host's filesystem or interfaces.
+#
+# It is set up like a real node, so the agent's eBPF datapath loads:
+#  - network: the container runs in netns cna-node-NAME (not a private one
+#    nspawn makes), whose uplink up0 198.51.100.1/24 (default route via
+#    198.51.100.2) is a veth to w0 198.51.100.2/24 in netns cna-world-NAME,
+#    "the world" (ip netns exec cna-world-NAME ... to run servers there).
+#    Both namespaces are created here and deleted by nspawn_down.sh; the veth
+#    is created directly inside them (nothing touches the host's links).
+#  - capabilities: nspawn keeps CAP_NET_ADMIN only for a network namespace
+#    of its own making (--private-network & co), not for
+#    --network-namespace-path=; --capability= adds it back, with CAP_BPF and
+#    CAP_PERFMON (the agent's unit grants all three).
+#  - bpf(2): nspawn gives PID 1 (and so every unit) a seccomp allow-list
+#    without bpf; --system-call-filter=bpf adds it.
+#  - bpffs: nspawn's /sys has none at /sys/fs/bpf. A bpffs mounted in the
+#    private mount namespace (state dir) is bind-mounted there.
 #
 # Usage: nspawn_up.sh NAME     prints "container=NAME leader_pid=... state=..."
 # State (pids, console log) lives in $CNA_NSPAWN_DIR/state-NAME
@@ -18,10 +33,32 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 BASE=${CNA_NSPAWN_DIR:-/tmp/cube-network-agent-nspawn}
 STATE=$BASE/state-$NAME
 if ! command -v systemd-nspawn >/dev/null; then
-  echo "installing systemd-container=252.38-1~deb12u1" >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd-container=252.38-1~deb12u1 >&2
+  # Pinned to the installed systemd's version, never a literal one: the newer
+  # candidate drags a libsystemd-shared upgrade, and literals break after a
+  # point release.
+  V=$(dpkg-query -W -f='${Version}' systemd)
+  echo "installing systemd-container=$V" >&2
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "systemd-container=$V" >&2; then
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "systemd-container=$V" >&2
+  fi
 fi
 mkdir -p "$STATE"
+# ---- network: node and world namespaces, veth between them -----------------
+NODE=cna-node-$NAME WORLD=cna-world-$NAME
+for ns in $NODE $WORLD; do
+  if [ -e "/run/netns/$ns" ]; then echo "netns $ns exists (run nspawn_down.sh $NAME)" >&2; exit 1; fi
+done
+ip netns add $NODE
+ip netns add $WORLD
+ip link add up0 netns $NODE type veth peer name w0 netns $WORLD
+ip -n $NODE link set lo up
+ip -n $NODE link set up0 up
+ip -n $NODE addr add 198.51.100.1/24 dev up0
+ip -n $NODE route add default via 198.51.100.2 dev up0
+ip -n $WORLD link set lo up
+ip -n $WORLD link set w0 up
+ip -n $WORLD addr add 198.51.100.2/24 dev w0
 cat > "$STATE/inner.sh" <<INNER
 #!/bin/bash
 set -eu
@@ -40,6 +77,10 @@ done
 # Start from a clean slate: no agent files inherited from the host.
 rm -rf \$R/var/lib/cube-network-agent \$R/etc/cube-network-agent
 tr -d - < /proc/sys/kernel/random/uuid > \$R/etc/machine-id   # a machine-id of its own
+# A bpffs for the container's /sys/fs/bpf (it lives as long as this mount
+# namespace, i.e. as long as nspawn; pins survive agent restarts).
+mkdir -p $STATE/bpffs
+mount -t bpf bpf $STATE/bpffs
 # nspawn gets its own cgroup in both hierarchies so its supervisor/payload
 # subgroups do not collide with anything else on the host.
 for h in /sys/fs/cgroup/systemd /sys/fs/cgroup/unified; do
@@ -47,10 +88,14 @@ for h in /sys/fs/cgroup/systemd /sys/fs/cgroup/unified; do
   mkdir -p \$h/sysd-cna-$NAME; echo \$\$ > \$h/sysd-cna-$NAME/cgroup.procs
 done
 echo \$\$ > $STATE/nspawn.pid
-# nspawn's default bounding set lacks CAP_BPF and CAP_PERFMON, which the
-# agent's unit grants (eBPF datapath): give them to the container.
-exec systemd-nspawn -D \$R -M $NAME --register=no --keep-unit --private-network \
-     --capability=CAP_BPF,CAP_PERFMON \
+# nspawn's default bounding set lacks CAP_BPF and CAP_PERFMON, and
+# CAP_NET_ADMIN with --network-namespace-path=, which the agent's unit grants
+# (TAPs, links, eBPF datapath), and its seccomp allow-list lacks bpf(2):
+# give them to the container.
+exec systemd-nspawn -D \$R -M $NAME --register=no --keep-unit \
+     --network-namespace-path=/run/netns/$NODE \
+     --capability=CAP_NET_ADMIN,CAP_BPF,CAP_PERFMON --system-call-filter=bpf \
+     --bind=$STATE/bpffs:/sys/fs/bpf \
      --console=read-only --boot
 INNER
 chmod +x "$STATE/inner.sh"
@@ -74,5 +119,5 @@ for i in $(seq 300); do   # /run/systemd/private appears a moment after PID 1 st
   case "$S" in running|degraded) break;; esac; sleep 0.1
 done
 T1=$(date +%s.%N)
-echo "container=$NAME nspawn_pid=$NS leader_pid=$L state=$S boot_seconds=$(echo "$T1 - $T0" | bc)"
+echo "container=$NAME nspawn_pid=$NS leader_pid=$L state=$S boot_seconds=$(echo "$T1 - $T0" | bc) node_netns=$NODE world_netns=$WORLD"
 case "$S" in running|degraded) ;; *) exit 1;; esac

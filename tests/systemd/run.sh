@@ -1,15 +1,35 @@
 #!/bin/bash
-# End-to-end test of the systemd / D-Bus integration: boots a throw-away
-# systemd container (tmpfs overlay of "/", private network namespace, see
-# nspawn_up.sh), installs the agent with `make install NO_BUILD=1
-# DESTDIR=/proc/<container pid 1>/root`, and checks activation, notify
-# STATUS, journald fields, restart after kill -9, clean stop, unit
-# verification. Nothing touches the host's interfaces or files outside the
-# overlay; the container is removed on exit, failure included.
+# End-to-end test of the systemd / D-Bus integration as users deploy it:
+# boots a throw-away systemd container set up like a node (tmpfs overlay of
+# "/", bpf(2) allowed, a bpffs on /sys/fs/bpf, an uplink up0 to a "world"
+# network namespace; see nspawn_up.sh), installs the agent with `make
+# install NO_BUILD=1 DESTDIR=/proc/<container pid 1>/root` (the shipped
+# units, unchanged, no drop-ins), and checks activation, notify STATUS,
+# hardening, that the eBPF datapath is loaded and attached (Health),
+# journald fields, and — with a live guest on sbx-1's TAP — that traffic
+# through SNAT and through a UDP port mapping loses nothing across a kill -9,
+# a watchdog abort, `systemctl restart` and `systemctl stop` + `start`,
+# that Health and OpenTap work after each, and unit verification. Nothing
+# touches the host's interfaces or files outside the overlay; the container,
+# its two network namespaces and the world's processes are removed on exit,
+# failure included.
+#
+# The guest: examples/flow-guest.rs (built here with `cargo build --release
+# --example flow-guest`), run in the container as `cubenetctl open-tap sbx-1
+# -- flow-guest …` (the TAP fd is its fd 3). It sends "out N" every 10 ms
+# from 169.254.68.6 to the world's echo server 198.51.100.2:9000 (SNAT) and
+# echoes what arrives on its container port 7000. The world
+# (tests/systemd/world.py in netns cna-world-NAME) runs that echo server and
+# sends "in N" every 10 ms to 198.51.100.1:<host port of the mapping>. Both
+# match echoes by sequence number and write their counters (sent, echoed,
+# lost = not echoed within 1 s) to status files; a loss check compares two
+# snapshots taken before an event and 1.3 s after the agent is back.
 #
 # Usage (root): tests/systemd/run.sh
-#   CNA_BUILD=1   run `cargo build --release --bins` first (default: only
-#                 when target/release/cube-network-agent is missing)
+#   CNA_BUILD=1   run `cargo build --release --bins` and `cargo build
+#                 --release --example flow-guest` first (default: only when
+#                 target/release/cube-network-agent or
+#                 target/release/examples/flow-guest is missing)
 #   CNA_KEEP=1    leave the container running for inspection (prints how
 #                 to enter and remove it)
 # Output: one "ok - NAME" / "not ok - NAME" line per check (diagnostics on
@@ -19,29 +39,39 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 cd "$ROOT"
 
-if [ "$(id -u)" != 0 ]; then
-  echo "SKIPPED tests/systemd/run.sh: needs root (systemd-nspawn)"
-  exit 0
+if [ "$(id -u)" != 0 ]; then   # developer run: skip; under CI (CI set): fail
+  . "$ROOT/tests/root.sh"; require_root tests/systemd/run.sh systemd-nspawn
 fi
 
 BIN=target/release/cube-network-agent
+GUEST_BIN=target/release/examples/flow-guest
 if [ "${CNA_BUILD:-}" = 1 ] || [ ! -x "$BIN" ]; then
   cargo build --release --bins || { echo "build failed"; exit 1; }
 fi
-echo "# binary: $BIN ($(stat -c %y "$BIN" | cut -d. -f1))"
+if [ "${CNA_BUILD:-}" = 1 ] || [ ! -x "$GUEST_BIN" ]; then
+  cargo build --release --example flow-guest || { echo "build failed (flow-guest)"; exit 1; }
+fi
+echo "# binary: $BIN ($(stat -c %y "$BIN" | cut -d. -f1)), guest: $GUEST_BIN ($(stat -c %y "$GUEST_BIN" | cut -d. -f1))"
 
 NAME=cna-$$
+WORLD=cna-world-$NAME   # created by nspawn_up.sh: 198.51.100.2 on w0
 X="$HERE/nspawn_exec.sh $NAME"
 A="org.cube.NetworkAgent /org/cube/NetworkAgent org.cube.NetworkAgent"
 UNIT=cube-network-agent.service
 SOCK=/run/cube-network-agent/org.cube.NetworkAgent
 PASS=0; FAIL=0; FAILED=()
+TMPD=$(mktemp -d /tmp/cna-systemd-test.XXXXXX)   # world status and logs
+WPID=""                                           # world.py (host pid)
+GJOBS=()                                          # nsenter jobs running guests (host pids)
 
 cleanup() {
+  [ -n "$WPID" ] && kill "$WPID" 2>/dev/null
+  for j in "${GJOBS[@]}"; do kill "$j" 2>/dev/null; done
   if [ "${CNA_KEEP:-}" = 1 ]; then
-    echo "# kept: $HERE/nspawn_exec.sh $NAME bash   /   $HERE/nspawn_down.sh $NAME"
+    echo "# kept: $HERE/nspawn_exec.sh $NAME bash   /   $HERE/nspawn_down.sh $NAME   (logs: $TMPD)"
   else
     "$HERE/nspawn_down.sh" "$NAME" >/dev/null 2>&1
+    rm -rf "$TMPD"
   fi
 }
 trap cleanup EXIT
@@ -64,6 +94,148 @@ get_network() {  # prints "sandbox_ip tap_name" of sbx-1
     python3 -c 'import json,sys; d=json.load(sys.stdin)["data"][0]; print(d["sandbox_ip"]["data"], d["tap_name"]["data"])' 2>&1
 }
 
+# ---- datapath, flows, restarts: helpers ---------------------------------------
+# health_check: ok (rc 0) if Health says true overall and its datapath check
+# says the programs are loaded and attached (tc on the TAPs, cube-dev, lo,
+# and on the uplink up0), from_guest on at least $MIN_TAPS TAPs; prints the
+# datapath detail, or the whole dump. (The TAP and flow counts come from the
+# agent's 2 s reaper pass: right after a start they read 0 for up to 2 s,
+# hence wait_health.)
+MIN_TAPS=0
+HEALTH_PY='
+import json, sys
+raw = sys.stdin.read()
+try:
+    overall, checks = json.loads(raw)["data"]
+except Exception:
+    print("no Health reply: " + raw.strip()[:400]); sys.exit(1)
+dp = [c for c in checks if c[0] == "datapath"]
+want = ("eBPF: from_guest on ", " TAPs, to_sandbox_ip on cube-dev egress, from_host on lo egress, from_uplink on up0 ingress")
+good = overall and len(dp) == 1 and dp[0][1] and dp[0][2].startswith(want[0]) and want[1] in dp[0][2]
+if good:
+    n = dp[0][2][len(want[0]):].split(" ", 1)[0]
+    good = n.isdigit() and int(n) >= int(sys.argv[1])
+if good:
+    print(dp[0][2][:220])
+else:
+    print("Health %s:" % overall)
+    for n, ok, d in checks:   # (a verifier log can be thousands of lines)
+        print("  %-14s %-5s %s" % (n, ok, d if len(d) <= 1500 else d[:1000] + " [...] " + d[-500:]))
+sys.exit(0 if good else 1)
+'
+health_check() { $X busctl --timeout=${2:-30} --json=short call $A Health 2>&1 | python3 -c "$HEALTH_PY" "$MIN_TAPS"; }
+wait_health() {  # wait_health SECONDS: until health_check passes; prints its last output
+  local end=$((SECONDS + $1)) out
+  while :; do
+    out=$(health_check x 5) && { echo "$out"; return 0; }
+    [ $SECONDS -ge $end ] && break
+    sleep 0.2
+  done
+  echo "$out"; return 1
+}
+# kv FILE KEY: a value of a status line "k=v k=v ..."
+kv() { sed -n "s/.* $2=\([^ ]*\).*/\1/p" <<< " $(cat "$1" 2>/dev/null)"; }
+GSTAT=""   # host path of the current guest's status file
+WSTAT=$TMPD/world.status
+# snap: "time g_sent g_echoed g_lost g_in w_sent w_echoed w_lost w_echo_rx"
+snap() {
+  echo "$(date +%s.%N) $(kv "$GSTAT" sent) $(kv "$GSTAT" echoed) $(kv "$GSTAT" lost) $(kv "$GSTAT" in)" \
+       "$(kv "$WSTAT" sent) $(kv "$WSTAT" echoed) $(kv "$WSTAT" lost) $(kv "$WSTAT" echo_rx)"
+}
+# flow_window NAME SNAP0: the flow check over [SNAP0, now]. Waits 1.3 s first
+# so every datagram sent before the event or during the agent's absence is
+# decided (echoed or lost: 1 s). Both directions must have kept going (at
+# least half the 10 ms rate) and lost nothing.
+FLOW_LAST=""
+flow_window() {
+  local name=$1 a=$2 b
+  sleep 1.3
+  b=$(snap)
+  FLOW_LAST=$(python3 - "$a" "$b" <<'PY'
+import sys
+a = sys.argv[1].split(); b = sys.argv[2].split()
+try:
+    a = [float(x) for x in a]; b = [float(x) for x in b]
+except ValueError:
+    print("unreadable status: before %r after %r" % (sys.argv[1], sys.argv[2])); sys.exit(1)
+dt = b[0] - a[0]
+d = [int(y - x) for x, y in zip(a[1:], b[1:])]
+gs, ge, gl, gin, ws, we, wl, wrx = d
+msg = ("%.1f s: out (guest->world SNAT) sent %d echoed %d lost %d; in (world->port map) sent %d echoed %d lost %d"
+       % (dt, gs, ge, gl, ws, we, wl))
+need = int(dt * 100 * 0.5)
+bad = []
+if gs < need: bad.append("the guest sent only %d (< %d): is it running?" % (gs, need))
+if ws < need: bad.append("the world sent only %d (< %d)" % (ws, need))
+if gl: bad.append("%d guest datagrams lost" % gl)
+if wl: bad.append("%d world datagrams lost" % wl)
+if ge < need or we < need: bad.append("too few echoes")
+print(msg + ("" if not bad else " -- " + "; ".join(bad)))
+sys.exit(1 if bad else 0)
+PY
+)
+  if [ $? = 0 ]; then
+    ok "$name ($FLOW_LAST)"
+  else
+    not_ok "$name" "$FLOW_LAST" "guest: $(cat "$GSTAT" 2>&1)" "world: $(cat "$WSTAT" 2>&1)"
+  fi
+}
+# start_guest N: runs flow-guest on a fresh OpenTap fd of sbx-1 (status file
+# /run/flow-guest-N.status in the container); waits until both directions
+# flow (an echo each way). Sets GSTAT, GPID (pid in the container).
+GPID=""
+start_guest() {
+  local n=$1 i
+  GSTAT=/proc/$L/root/run/flow-guest-$n.status
+  $X cubenetctl open-tap sbx-1 -- /usr/local/bin/flow-guest --status /run/flow-guest-$n.status \
+     --dst 198.51.100.2:9000 --echo-port 7000 --interval-ms 10 > "$TMPD/guest-$n.log" 2>&1 &
+  GJOBS+=($!)
+  local we0; we0=$(kv "$WSTAT" echoed)
+  for ((i = 0; i < 50; i++)); do
+    GPID=$(kv "$GSTAT" pid)
+    if [ "$(kv "$GSTAT" echoed)" -gt 0 ] 2>/dev/null && [ "$(kv "$WSTAT" echoed)" -gt "${we0:-0}" ] 2>/dev/null; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  return 1
+}
+# stop_guest: SIGTERM the current guest; waits until it is gone.
+stop_guest() {
+  [ -n "$GPID" ] || return 0
+  $X kill "$GPID" 2>/dev/null
+  for ((i = 0; i < 50; i++)); do $X kill -0 "$GPID" 2>/dev/null || return 0; sleep 0.1; done
+  return 1
+}
+# tap_proof: OpenTap sbx-1 over D-Bus succeeds, and a fd handed over by
+# `cubenetctl open-tap` is a TAP attached to sbx-1's device ("iff: TAP").
+TAP_LAST=""
+tap_proof() {
+  local b rc f
+  b=$($X busctl --timeout=10 call $A OpenTap s sbx-1 2>&1); rc=$?
+  f=$($X timeout 10 cubenetctl open-tap sbx-1 -- sh -c 'ls -l /proc/self/fd/3; cat /proc/self/fdinfo/3' 2>&1)
+  TAP_LAST="busctl OpenTap (rc $rc): $b / open-tap: $(printf '%s' "$f" | tr '\n\t' '  ' | sed 's/  */ /g')"
+  [ $rc = 0 ] && printf '%s\n' "$f" | grep -Eq "^iff:[[:space:]]+$TAP\$"
+}
+# wait_restarted PID0: until MainPID differs from PID0 and the service runs.
+wait_restarted() {
+  local i p st
+  for ((i = 0; i < 200; i++)); do
+    p=$(prop MainPID); st=$(prop SubState)
+    if [ -n "$p" ] && [ "$p" != 0 ] && [ "$p" != "$1" ] && [ "$st" = running ]; then return 0; fi
+    sleep 0.1
+  done
+  return 1
+}
+# after_restart LABEL: Health true (datapath attached) and OpenTap works.
+after_restart() {
+  local h
+  if h=$(wait_health 10); then ok "$1: Health is true again ($h)"; else not_ok "$1: Health is true again" "$h"; fi
+  if tap_proof; then ok "$1: OpenTap sbx-1 hands out a working TAP fd (iff: $TAP) while the guest holds the TAP"
+  else not_ok "$1: OpenTap sbx-1 hands out a working TAP fd while the guest holds the TAP" "$TAP_LAST" \
+       "$(cx "journalctl -u $UNIT --no-pager -o cat -n 30 | grep -iE 'sbx-1|tap|fd store|adopt' | tail -8" 2>&1)"; fi
+}
+
 T0=$(date +%s)
 # ---- container + install ----------------------------------------------
 if ! up=$("$HERE/nspawn_up.sh" "$NAME" 2>&1); then
@@ -72,6 +244,8 @@ if ! up=$("$HERE/nspawn_up.sh" "$NAME" 2>&1); then
 fi
 echo "# $up"
 L=$(cat "${CNA_NSPAWN_DIR:-/tmp/cube-network-agent-nspawn}/state-$NAME/leader.pid")
+# The test guest (not part of what users install): into the container's overlay.
+install -D -m 0755 "$GUEST_BIN" /proc/$L/root/usr/local/bin/flow-guest
 
 if out=$(make -s install NO_BUILD=1 DESTDIR=/proc/$L/root 2>&1) &&
    out2=$(cx 'systemctl daemon-reload && systemctl enable cube-network-agent.service 2>&1 &&
@@ -160,8 +334,33 @@ else
   not_ok "hardening: the agent runs with exactly CAP_NET_ADMIN CAP_PERFMON CAP_BPF" "CapEff of pid $pid: $capeff"
 fi
 
+# ---- the eBPF datapath is on -------------------------------------------------
+# The unit's ExecStartPre= created /sys/fs/bpf/cube-network-agent on the
+# container's bpffs; ReadWritePaths= must make exactly it writable inside
+# the agent's namespace (ProtectKernelTunables= leaves /sys/fs/bpf ro).
+mi=$(cx "cat /proc/$pid/mountinfo" 2>&1)
+mline=$(printf '%s\n' "$mi" | awk '$5 == "/sys/fs/bpf/cube-network-agent"' | tail -1)
+fsline=$(printf '%s\n' "$mi" | awk '$5 == "/sys/fs/bpf"' | tail -1)
+if [ -n "$mline" ] && [ "$(awk '{print $6}' <<< "$mline" | cut -d, -f1)" = rw ] &&
+   [ "$(sed 's/.* - //' <<< "$mline" | awk '{print $1}')" = bpf ]; then
+  ok "datapath: /sys/fs/bpf/cube-network-agent is a read-write bpf mount in the agent's namespace"
+  echo "#   $(awk '{print $5, $6}' <<< "$fsline") / $(awk '{print $5, $6}' <<< "$mline") ($(sed 's/.* - //' <<< "$mline" | awk '{print $1}'))"
+  echo "#   pins: $(cx 'ls /sys/fs/bpf/cube-network-agent' 2>&1 | tr '\n' ' ')"
+else
+  not_ok "datapath: /sys/fs/bpf/cube-network-agent is a read-write bpf mount in the agent's namespace" \
+    "pid $pid: /sys/fs/bpf: ${fsline:-none}" "pid $pid: /sys/fs/bpf/cube-network-agent: ${mline:-none}"
+fi
+if h=$(wait_health 10); then
+  ok "datapath: Health is true and the eBPF programs are loaded and attached"
+  echo "#   $h"
+else
+  not_ok "datapath: Health is true and the eBPF programs are loaded and attached" "$h" \
+    "$(cx "journalctl -u $UNIT --no-pager -o cat -p warning | tail -5" 2>&1)"
+fi
+
 # ---- 5: EnsureNetwork, journald fields -----------------------------------
-ens=$($X busctl --timeout=30 call $A EnsureNetwork 'sa{sv}' sbx-1 0 2>&1); ens_rc=$?
+# sbx-1 gets a UDP port mapping 7000 -> (host port chosen by the agent).
+ens=$($X busctl --timeout=30 call $A EnsureNetwork 'sa{sv}' sbx-1 1 port_mappings 'a(sqqs)' 1 udp 7000 0 "" 2>&1); ens_rc=$?
 echo "#   EnsureNetwork sbx-1: ${ens:0:200}"
 NET1=$(get_network)
 echo "#   sbx-1: $NET1"
@@ -182,6 +381,28 @@ else
     "$(cx 'journalctl -u cube-network-agent -o verbose --no-pager -n 1 | grep -E "^ +[A-Z_]+=" | cut -c1-120' 2>&1)"
 fi
 
+HPORT=$($X busctl --timeout=10 --json=short call $A GetNetwork s sbx-1 2>&1 |
+  python3 -c 'import json,sys; d=json.load(sys.stdin)["data"][0]; print([p[2] for p in d["port_mappings"]["data"] if p[0] == "udp" and p[1] == 7000][0])' 2>&1)
+TAP=${NET1#* }
+echo "#   udp 7000 -> host port $HPORT"
+MIN_TAPS=1   # from now on Health must count sbx-1's TAP (at least) as carrying from_guest
+
+# ---- a live guest on sbx-1's TAP, traffic both ways --------------------------
+ip netns exec "$WORLD" python3 "$HERE/world.py" --status "$WSTAT" --echo 198.51.100.2:9000 \
+   --target "198.51.100.1:$HPORT" --interval-ms 10 > "$TMPD/world.log" 2>&1 &
+WPID=$!
+for i in $(seq 30); do [ -s "$WSTAT" ] && break; sleep 0.1; done
+if start_guest 1; then
+  ok "flow: a guest on sbx-1's TAP talks to the world through SNAT and answers on the port mapping"
+  echo "#   guest: $(cat "$GSTAT")"
+  echo "#   world: $(cat "$WSTAT")"
+  a=$(snap); flow_window "flow: no loss in a quiet window" "$a"
+else
+  not_ok "flow: a guest on sbx-1's TAP talks to the world through SNAT and answers on the port mapping" \
+    "guest: $(cat "$GSTAT" 2>&1) $(tail -3 "$TMPD/guest-1.log")" "world: $(cat "$WSTAT" 2>&1) $(tail -3 "$TMPD/world.log")" \
+    "$(health_check)"
+fi
+
 nfd=$(prop NFileDescriptorStore)
 if [ "${nfd:-0}" -gt 0 ]; then
   ok "fd store: the TAP fds are parked in the service manager's fd store ($nfd)"
@@ -191,6 +412,7 @@ fi
 
 # ---- 6: kill -9 -> Restart=on-failure -> same network ---------------------
 pid0=$(prop MainPID); nr0=$(prop NRestarts)
+a=$(snap)
 cx "systemctl kill -s KILL $UNIT"
 restarted=no
 for i in $(seq 150); do
@@ -213,6 +435,8 @@ else
   not_ok "6b fd store: the TAP fds survive the restart" "NFileDescriptorStore $nfd before the kill, $nfd2 after the restart"
 fi
 echo "#   recovery: $(cx 'journalctl -u cube-network-agent --no-pager -o cat -n 50 | grep -i "recovery finished" | tail -1' | cut -c1-200)"
+after_restart "6c kill -9"
+flow_window "6d kill -9: the flow kept going, nothing lost" "$a"
 
 # ---- watchdog: the agent pings, so it outlives WatchdogSec ------------------
 wd=$(prop WatchdogUSec)
@@ -233,9 +457,65 @@ else
     "$(cx "journalctl -u cube-network-agent --no-pager -o cat | grep -i watchdog | tail -3" 2>&1)"
 fi
 
+# ---- watchdog abort: a hung agent is restarted -------------------------------
+# SIGSTOP the agent: no more WATCHDOG=1; after WatchdogSec= systemd sends
+# SIGABRT (and SIGCONT, as it does with every kill signal but SIGKILL); we
+# also send SIGCONT once the journal shows the timeout, then wait for
+# Restart=on-failure.
+pid1=$(prop MainPID); nr1=$(prop NRestarts); nfd1=$(prop NFileDescriptorStore)
+nwd0=$(cx "journalctl -u $UNIT --no-pager -o cat | grep -c 'Watchdog timeout'")
+a=$(snap)
+cx "kill -STOP $pid1"
+seen=no
+for i in $(seq 250); do
+  [ "$(cx "journalctl -u $UNIT --no-pager -o cat | grep -c 'Watchdog timeout'")" -gt "${nwd0:-0}" ] && { seen=yes; break; }
+  sleep 0.1
+done
+cx "kill -CONT $pid1" 2>/dev/null
+if [ $seen = yes ] && wait_restarted "$pid1"; then
+  ok "watchdog: SIGSTOPped agent is aborted after WatchdogSec=$wd and restarted (NRestarts $nr1 -> $(prop NRestarts), $(cx "journalctl -u $UNIT --no-pager -o cat | grep 'Watchdog timeout' | tail -1" | sed 's/^.*: //'))"
+else
+  not_ok "watchdog: SIGSTOPped agent is aborted after WatchdogSec= and restarted" \
+    "timeout in journal: $seen; pid $pid1 -> $(prop MainPID) $(prop SubState), NRestarts $nr1 -> $(prop NRestarts)" \
+    "$(cx "journalctl -u $UNIT --no-pager -o cat -n 8" 2>&1)"
+fi
+nfd1b=$(prop NFileDescriptorStore)
+if [ "${nfd1:-0}" -gt 0 ] && [ "$nfd1b" = "$nfd1" ]; then
+  ok "watchdog: the fd store survives the abort ($nfd1 before, $nfd1b after)"
+else
+  not_ok "watchdog: the fd store survives the abort" "NFileDescriptorStore $nfd1 before, $nfd1b after"
+fi
+after_restart "watchdog"
+flow_window "watchdog: the flow kept going, nothing lost" "$a"
+
+# ---- systemctl restart ----------------------------------------------------------
+# systemd 252 keeps the fd store across a restart job (FileDescriptorStorePreserve=
+# does not exist yet; its later default, "restart", is 252's behaviour):
+# measured here, NFileDescriptorStore is the same before and after, so the
+# agent gets sbx-1's TAP fd back and OpenTap works while the guest holds it.
+pid2=$(prop MainPID); nfd2a=$(prop NFileDescriptorStore)
+a=$(snap)
+out=$(cx "systemctl restart $UNIT" 2>&1); rc=$?
+nfd2b=$(prop NFileDescriptorStore)
+if [ $rc = 0 ] && wait_restarted "$pid2"; then
+  ok "restart: systemctl restart replaces the agent (pid $pid2 -> $(prop MainPID))"
+else
+  not_ok "restart: systemctl restart replaces the agent" "rc=$rc $out; pid $pid2 -> $(prop MainPID) $(prop SubState)"
+fi
+if [ "${nfd2a:-0}" -gt 0 ] && [ "$nfd2b" = "$nfd2a" ]; then
+  ok "restart: the fd store survives systemctl restart ($nfd2a before, $nfd2b after)"
+else
+  not_ok "restart: the fd store survives systemctl restart" "NFileDescriptorStore $nfd2a before, $nfd2b after"
+fi
+after_restart "restart"
+flow_window "restart: the flow kept going, nothing lost" "$a"
+
 # ---- 7: clean stop, TAP stays ---------------------------------------------
 TAP=${NET2#* }
+nfd7=$(prop NFileDescriptorStore)
+a=$(snap)
 out=$(cx "systemctl stop $UNIT" 2>&1); rc=$?
+tdown=$(date +%s.%N)
 res=$(prop Result); st=$(prop ActiveState)
 links=$(cx "ip -br link show dev '$TAP'" 2>&1)
 if [ $rc = 0 ] && [ "$res" = success ] && [ "$st" = inactive ] && [ -n "$TAP" ] && [ "${links%% *}" = "$TAP" ]; then
@@ -251,6 +531,64 @@ else
   not_ok "7b the socket unit and $SOCK survive the service's stop" "$(cx "systemctl is-active cube-network-agent.socket; ls -l /run/cube-network-agent" 2>&1)"
 fi
 
+# ---- 7c..: stop + start with the guest running ----------------------------------
+# The guest keeps flowing while the agent is down and across its start.
+sleep 1
+nfd3=$(prop NFileDescriptorStore)
+out=$(cx "systemctl start $UNIT" 2>&1); rc=$?
+st=$(prop ActiveState)
+down=$(echo "$(date +%s.%N) - $tdown" | bc | sed 's/^\./0./' | cut -c1-4)
+echo "#   NFileDescriptorStore: $nfd7 before the stop, $nfd3 while stopped, $(prop NFileDescriptorStore) after the start"
+if [ $rc = 0 ] && [ "$st" = active ]; then ok "7c systemctl start after the stop"; else not_ok "7c systemctl start after the stop" "rc=$rc $out; ActiveState=$st"; fi
+flow_window "7d stop + start: the guest's flow kept going while the agent was down (${down} s), nothing lost" "$a"
+# On 252 the stop emptied the fd store, so the agent adopted sbx-1's TAP by
+# name while the guest holds its only queue: it has no fd of its own.
+# (Measured, not asserted: "still holds it" until the holder exits.)
+$X busctl --timeout=10 call $A OpenTap s sbx-1 > "$TMPD/opentap-held.txt" 2>&1
+echo "#   OpenTap sbx-1 while the guest still holds the TAP (after stop + start): $(head -c 300 "$TMPD/opentap-held.txt")"
+echo "#   Health meanwhile: $($X busctl --timeout=10 --json=short call $A Health 2>&1 | python3 -c '
+import json, sys
+o, cs = json.load(sys.stdin)["data"]
+print(o, "; ".join("%s %s: %s" % (n, k, d[:150]) for n, k, d in cs if not k or "sbx-1" in d) or "(every check ok, none names sbx-1)")' 2>&1)"
+# The holder exits: the agent must re-attach to the TAP and serve OpenTap
+# again, and a new guest on the new fd must get both flows back.
+if stop_guest; then ok "7e the guest (the TAP's holder) exits"; else not_ok "7e the guest (the TAP's holder) exits" "pid $GPID still there"; fi
+tp=no
+for i in $(seq 50); do tap_proof && { tp=yes; break; }; sleep 0.2; done
+if [ $tp = yes ]; then
+  ok "7f after stop + start, once the holder exited, OpenTap sbx-1 hands out a working TAP fd (iff: $TAP)"
+else
+  not_ok "7f after stop + start, once the holder exited, OpenTap sbx-1 hands out a working TAP fd" "$TAP_LAST" \
+    "$(cx "journalctl -u $UNIT --no-pager -o cat -n 40 | grep -iE 'sbx-1|$TAP|holds|adopt' | tail -8" 2>&1)"
+fi
+if [ $tp = yes ] && start_guest 2; then
+  # What the world sent while no guest held the TAP is lost (nobody to echo
+  # it); let those datagrams be decided (1 s) before the window starts.
+  wl0=$(kv "$WSTAT" lost); sleep 1.1
+  echo "#   lost while no guest held the TAP (expected): $(( $(kv "$WSTAT" lost) - wl0 )) world datagrams"
+  a=$(snap)
+  flow_window "7g a new guest on the new fd: SNAT and the port mapping work again, nothing lost" "$a"
+else
+  not_ok "7g a new guest on the new fd: SNAT and the port mapping work again, nothing lost" \
+    "$([ $tp = yes ] || echo "no TAP fd to start it on (7f)")" "guest: $(cat "$GSTAT" 2>&1) $(tail -3 "$TMPD/guest-2.log" 2>&1)" "world: $(cat "$WSTAT" 2>&1)"
+fi
+if h=$(wait_health 10); then ok "7h Health is true after stop + start ($h)"; else not_ok "7h Health is true after stop + start" "$h"; fi
+# Once re-attached, sbx-1's TAP fd must be parked in the fd store again
+# (every TAP fd is, design.md), or the next restart loses fd continuity.
+nfd7b=""
+for i in $(seq 30); do nfd7b=$(prop NFileDescriptorStore); [ "$nfd7b" = "$nfd7" ] && break; sleep 0.1; done
+if [ "$nfd7b" = "$nfd7" ]; then
+  ok "7i the re-attached TAP's fd is back in the fd store (NFileDescriptorStore $nfd7 before the stop, $nfd7b now)"
+else
+  not_ok "7i the re-attached TAP's fd is back in the fd store" "NFileDescriptorStore $nfd7 before the stop, $nfd7b after the re-attach"
+fi
+# ... and a restart after it keeps OpenTap working while the new guest holds the TAP.
+pid7=$(prop MainPID); a=$(snap)
+out=$(cx "systemctl restart $UNIT" 2>&1); rc=$?
+if [ $rc = 0 ] && wait_restarted "$pid7"; then :; else not_ok "7j systemctl restart after the re-attach" "rc=$rc $out"; fi
+after_restart "7j restart after the re-attach"
+flow_window "7j restart after the re-attach: the new guest's flow kept going, nothing lost" "$a"
+
 # ---- 8: verify the installed units ----------------------------------------
 out=$(cx 'systemd-analyze verify /usr/lib/systemd/system/cube-network-agent.socket /usr/lib/systemd/system/cube-network-agent.service 2>&1; echo "rc=$?"')
 if [ "$out" = "rc=0" ]; then
@@ -259,6 +597,9 @@ else
   not_ok "8 systemd-analyze verify of the installed units is clean" "$out"
 fi
 
+nw=$(cx "journalctl -u $UNIT --no-pager -o cat -p warning | wc -l")
+echo "# agent warnings in the journal: $nw"
+cx "journalctl -u $UNIT --no-pager -o cat -p warning | sort | uniq -c | sort -rn | head -8" 2>&1 | cut -c1-220 | sed 's/^/#   /'
 echo "# $(( $(date +%s) - T0 )) s"
 [ $FAIL -gt 0 ] && printf '# failed: %s\n' "${FAILED[@]}"
 echo "$PASS passed, $FAIL failed"

@@ -1,0 +1,222 @@
+//! Health: every check with its verdict and a detail an operator can act
+//! on, computed from live state (a released network leaves no trace) and,
+//! for the datapath's filters, from the kernel.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use super::{Agent, Uplink};
+use crate::datapath::{Check, FILTER_PRIORITY};
+
+impl Agent {
+    pub fn active_networks(&self) -> u32 {
+        self.views.read().unwrap_or_else(|p| p.into_inner()).len() as u32
+    }
+
+    pub fn idle_taps(&self) -> u32 {
+        self.pool.idle() as u32
+    }
+
+    pub fn free_addresses(&self) -> u32 {
+        self.allocs().ips.free()
+    }
+
+    /// Health: (healthy, checks).
+    pub async fn health(&self) -> (bool, Vec<Check>) {
+        let filters = self.filter_check().await;
+        let mut checks: Vec<Check> = vec![];
+        let st = self.store.stats();
+        checks.push((
+            "store".into(),
+            true,
+            format!(
+                "{}: {} records, {} commits for {} writes",
+                self.cfg.state_dir.display(),
+                self.active_networks(),
+                st.commits,
+                st.ops
+            ),
+        ));
+        checks.push((
+            "gateway_device".into(),
+            true,
+            format!(
+                "{} ({}) ifindex {} holds {}/{}",
+                self.cfg.gateway_device,
+                self.gateway.kind,
+                self.gateway.ifindex,
+                self.d.pool.gateway(),
+                self.d.pool.prefix_len()
+            ),
+        ));
+        checks.push(match &self.uplink {
+            Uplink::Found {
+                name,
+                addr: Some(a),
+                ..
+            } => ("uplink".into(), true, format!("{name} {a}")),
+            Uplink::Found {
+                name, addr: None, ..
+            } => (
+                "uplink".into(),
+                false,
+                format!("{name} has no IPv4 address: SNAT egress is unavailable"),
+            ),
+            Uplink::Missing(why) => (
+                "uplink".into(),
+                false,
+                format!("{why}: egress and port mappings are unavailable"),
+            ),
+        });
+        let (free, cap) = {
+            let a = self.allocs();
+            (a.ips.free(), a.ips.capacity())
+        };
+        checks.push((
+            "addresses".into(),
+            free > 0,
+            format!("{free} of {cap} free in {}", self.d.pool),
+        ));
+        let ps = self.pool.stats();
+        let mut detail = format!(
+            "{} idle of {} wanted, {} abnormal, {} quarantined, {} retiring; {} created, {} deleted",
+            ps.idle,
+            ps.target,
+            ps.abnormal,
+            ps.quarantined.len(),
+            ps.retiring,
+            ps.created,
+            ps.deleted
+        );
+        for (name, why) in &ps.quarantined {
+            detail.push_str(&format!("; quarantined {name}: {why}"));
+        }
+        if let Some(e) = &ps.last_error {
+            detail.push_str(&format!("; last error: {e}"));
+        }
+        checks.push(("tap_pool".into(), ps.quarantined.is_empty(), detail));
+        let r = &self.recovery;
+        let mut detail = format!(
+            "adopted {}, repaired {}, pool TAPs adopted {}, retired {}, stale neighbours {}, quarantined records {}, in {} ms",
+            r.adopted,
+            r.repaired,
+            r.pool_adopted,
+            r.retired,
+            r.stale_neighbours,
+            r.quarantined.len(),
+            r.elapsed_ms
+        );
+        for q in r
+            .quarantined
+            .iter()
+            .chain(&r.store_problems)
+            .chain(&r.errors)
+        {
+            detail.push_str("; ");
+            detail.push_str(q);
+        }
+        checks.push((
+            "recovery".into(),
+            r.quarantined.is_empty() && r.store_problems.is_empty() && r.errors.is_empty(),
+            detail,
+        ));
+        checks.push(self.tap_fd_check());
+        checks.extend(self.datapath.checks());
+        checks.extend(filters);
+        (checks.iter().all(|c| c.1), checks)
+    }
+
+    /// TAPs of live networks the agent holds no fd for (adopted after a
+    /// restart without the fd store while a VMM held them). Not a fault:
+    /// the VMM keeps forwarding; only OpenTap waits until it lets go, and
+    /// OpenTap or Reconcile then take the TAP back. Computed from the live
+    /// views, so a released network leaves no trace.
+    pub(super) fn tap_fd_check(&self) -> Check {
+        let views = self.views.read().unwrap_or_else(|p| p.into_inner());
+        let held: Vec<&str> = views
+            .values()
+            .filter(|v| !v.tap_fd_held)
+            .map(|v| v.record.sandbox_id.as_str())
+            .collect();
+        let detail = if held.is_empty() {
+            format!("the agent holds the TAP fd of all {} networks", views.len())
+        } else {
+            format!(
+                "{} of {} TAPs held only by another process since a restart without the fd store \
+                 (OpenTap answers TapBusy until it closes them): {}",
+                held.len(),
+                views.len(),
+                held.join(", ")
+            )
+        };
+        ("tap_fds".into(), true, detail)
+    }
+
+    /// The datapath's filters as the kernel has them: every device the
+    /// kernel announced a qdisc/filter removal on is checked again (a
+    /// dump per such device, none in the normal case); what is still
+    /// missing is reported until Reconcile (or a restart) re-attaches it.
+    pub(super) async fn filter_check(&self) -> Vec<Check> {
+        let mut wanted = self.datapath.node_hooks();
+        if wanted.is_empty() {
+            return vec![];
+        }
+        let drifted: BTreeMap<u32, String> =
+            self.drift.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let owners: HashMap<u32, String> = {
+            let views = self.views.read().unwrap_or_else(|p| p.into_inner());
+            for v in views
+                .values()
+                .filter(|v| drifted.contains_key(&v.tap_ifindex))
+            {
+                wanted.extend(self.datapath.tap_hook(&v.record.tap_name, v.tap_ifindex));
+            }
+            views
+                .values()
+                .map(|v| (v.tap_ifindex, v.record.sandbox_id.clone()))
+                .collect()
+        };
+        let total_taps = owners.len();
+        let mut missing = vec![];
+        for hook in wanted.iter().filter(|h| drifted.contains_key(&h.ifindex)) {
+            match self
+                .nl
+                .has_bpf_filter(hook.ifindex, hook.hook, FILTER_PRIORITY)
+                .await
+            {
+                Ok(true) => {
+                    self.drift
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&hook.ifindex);
+                }
+                Ok(false) => missing.push(format!(
+                    "{hook}{} ({} removed)",
+                    owners
+                        .get(&hook.ifindex)
+                        .map(|id| format!(" of {id}"))
+                        .unwrap_or_default(),
+                    drifted[&hook.ifindex]
+                )),
+                Err(e) => missing.push(format!("{hook}: cannot check: {}", crate::error_chain(&e))),
+            }
+        }
+        // Devices that are neither node devices nor live TAPs any more.
+        {
+            let node: HashSet<u32> = wanted.iter().map(|h| h.ifindex).collect();
+            let mut drift = self.drift.lock().unwrap_or_else(|p| p.into_inner());
+            drift.retain(|i, _| node.contains(i) || owners.contains_key(i));
+        }
+        let detail = if missing.is_empty() {
+            format!(
+                "the kernel has every datapath filter ({} node hooks, from_guest on {total_taps} sandbox TAPs)",
+                self.datapath.node_hooks().len()
+            )
+        } else {
+            format!(
+                "missing in the kernel: {}; ReconcileNetwork \"\" re-attaches them",
+                missing.join("; ")
+            )
+        };
+        vec![("datapath_filters".into(), missing.is_empty(), detail)]
+    }
+}

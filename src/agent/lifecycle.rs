@@ -1,0 +1,450 @@
+//! EnsureNetwork, ReleaseNetwork and OpenTap: each runs inside its
+//! sandbox's slot (the per-sandbox critical section), changes the kernel,
+//! the durable record, the read view and publishes its event there, and
+//! undoes its own partial work when a step fails.
+
+use std::net::IpAddr;
+use std::os::fd::OwnedFd;
+use std::time::Instant;
+
+use tracing::{debug, info, warn};
+
+use super::events::Change;
+use super::pool::{self, PoolTap, create_tap};
+use super::spec::{self, NetworkRecord, NetworkSpec, RECORD_VERSION, validate_sandbox_id};
+use super::{Agent, AgentError, Ensured, Network, Outcome, failed, new_handle, now_unix};
+use crate::alloc::mapping::{Resolved, resolve_ports};
+use crate::netlink::LinkChange;
+use crate::tap::Tap;
+
+impl Agent {
+    /// EnsureNetwork: creates the network, or converges an existing one to
+    /// `spec` without changing its address or TAP. The read view and the
+    /// event are updated before the slot is let go, so no reader or edge
+    /// can see this network's changes out of order.
+    pub async fn ensure(&self, id: &str, spec: NetworkSpec) -> Result<Outcome, AgentError> {
+        let started = Instant::now();
+        validate_sandbox_id(id)?;
+        let spec = self.normalise(spec.validated()?);
+        let slot = self.slot(id);
+        let result = {
+            let mut guard = slot.lock().await;
+            let done = match guard.as_mut() {
+                Some(net) => self.converge(net, spec).await.map(|e| (net.view(), e)),
+                None => match self.create(id, spec).await {
+                    Ok(net) => {
+                        let view = net.view();
+                        *guard = Some(net);
+                        Ok((view, Ensured::Created))
+                    }
+                    Err(e) => Err(e),
+                },
+            };
+            done.map(|(view, change)| {
+                let seq = if change == Ensured::Unchanged {
+                    self.events.last()
+                } else {
+                    self.views
+                        .write()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(id.to_owned(), view.clone());
+                    let seq = self.events.publish(Change::Ensured {
+                        view: view.clone(),
+                        created: change == Ensured::Created,
+                    });
+                    if change == Ensured::Created {
+                        self.events.publish(Change::Node);
+                    }
+                    seq
+                };
+                Outcome { view, change, seq }
+            })
+        };
+        if let Ok(Outcome { view, change, .. }) = &result {
+            info!(
+                sandbox_id = id,
+                tap = view.record.tap_name,
+                sandbox_ip = %view.record.sandbox_ip,
+                outcome = ?change,
+                elapsed_us = started.elapsed().as_micros() as u64,
+                "network ensured"
+            );
+        }
+        self.forget_slot(id, slot);
+        result
+    }
+
+    pub(super) async fn create(&self, id: &str, spec: NetworkSpec) -> Result<Network, AgentError> {
+        let sockets = self.host_sockets(&spec, &[]).await?;
+        let (ip, mappings) = {
+            let mut a = self.allocs();
+            let ip = a.ips.allocate().ok_or_else(|| {
+                AgentError::AddressesExhausted(format!(
+                    "no free sandbox address left in pool {} ({} in use)",
+                    self.d.pool,
+                    a.ips.capacity()
+                ))
+            })?;
+            match resolve_ports(
+                &mut a.ports,
+                &spec.port_mappings,
+                &[],
+                &self.port_rules(&sockets),
+            ) {
+                Ok(r) => (ip, r.mappings),
+                Err(e) => {
+                    a.ips.release(ip);
+                    return Err(e.into());
+                }
+            }
+        };
+        let rec = NetworkRecord {
+            version: RECORD_VERSION,
+            sandbox_id: id.to_owned(),
+            network_handle: new_handle(),
+            sandbox_ip: IpAddr::V4(ip),
+            tap_name: spec::tap_name_for(&self.cfg.tap_prefix, IpAddr::V4(ip)),
+            mtu: spec.mtu.unwrap_or(self.cfg.mtu),
+            port_mappings: mappings,
+            allow_internet_access: spec.allow_internet_access.unwrap_or(true),
+            allow_out: spec.allow_out,
+            deny_out: spec.deny_out,
+            metadata: spec.metadata,
+            idempotency_key: spec.idempotency_key,
+            created_unix: now_unix(),
+        };
+        let net = match self.bring_up(rec).await {
+            Ok(net) => net,
+            Err((rec, e)) => {
+                self.release_allocs(&rec);
+                return Err(e);
+            }
+        };
+        if let Err(e) = self.store.put(id, net.rec.to_bytes()).await {
+            let err = failed("recording the network durably", &e);
+            self.tear_down(net).await;
+            return Err(err);
+        }
+        Ok(net)
+    }
+
+    pub(super) fn release_allocs(&self, rec: &NetworkRecord) {
+        let mut a = self.allocs();
+        if let IpAddr::V4(ip) = rec.sandbox_ip {
+            a.ips.release(ip);
+        }
+        for m in &rec.port_mappings {
+            a.ports.release(m.protocol, m.host_port);
+        }
+    }
+
+    /// TAP (warm or cold) → name, MTU, up → neighbour → datapath. Undoes its
+    /// own partial work on failure.
+    pub(super) async fn bring_up(
+        &self,
+        rec: NetworkRecord,
+    ) -> Result<Network, (NetworkRecord, AgentError)> {
+        let pt = match self.pool.take() {
+            Some(pt) => {
+                let change = LinkChange {
+                    name: Some(rec.tap_name.clone()),
+                    mtu: Some(rec.mtu),
+                    up: Some(true),
+                    group: None,
+                };
+                if let Err(e) = self.nl.set_link(pt.ifindex, change).await {
+                    let err = failed(&format!("configuring pool TAP {}", pt.tap.name()), &e);
+                    self.pool.give_back(pt).await;
+                    return Err((rec, err));
+                }
+                let mut pt = pt;
+                pt.tap.set_name(rec.tap_name.clone());
+                debug!(
+                    sandbox_id = rec.sandbox_id,
+                    tap = rec.tap_name,
+                    "warm TAP taken from pool"
+                );
+                pt
+            }
+            None => match self.cold_tap(&rec.tap_name, rec.mtu).await {
+                Ok(pt) => pt,
+                Err(e) => return Err((rec, e)),
+            },
+        };
+        let mut net = Network {
+            rec,
+            ifindex: pt.ifindex,
+            tap: Some(pt.tap),
+        };
+        if let Err(e) = self
+            .nl
+            .neigh_replace_permanent(self.gateway.ifindex, net.rec.sandbox_ip, self.d.guest_mac)
+            .await
+        {
+            let err = failed("adding the neighbour entry", &e);
+            let rec = net.rec.clone();
+            self.recycle(&mut net).await;
+            return Err((rec, err));
+        }
+        if let Err(e) = self.datapath.attach(&net.path()) {
+            let err = failed("programming the datapath", &e);
+            let rec = net.rec.clone();
+            self.unwire(&net).await;
+            self.recycle(&mut net).await;
+            return Err((rec, err));
+        }
+        Ok(net)
+    }
+
+    /// Creates a TAP with its final name (pool empty, or recovery repair).
+    pub(super) async fn cold_tap(&self, name: &str, mtu: u32) -> Result<PoolTap, AgentError> {
+        let pt = create_tap(name).map_err(|e| failed(&format!("creating TAP {name}"), &e))?;
+        let change = LinkChange {
+            mtu: Some(mtu),
+            up: Some(true),
+            ..Default::default()
+        };
+        if let Err(e) = self.nl.set_link(pt.ifindex, change).await {
+            let err = failed(&format!("configuring TAP {name}"), &e);
+            self.pool.retire(pt);
+            return Err(err);
+        }
+        debug!(tap = name, "cold TAP created");
+        Ok(pt)
+    }
+
+    /// Removes the neighbour entry and datapath state; best effort, errors
+    /// are returned for the caller to report.
+    pub(super) async fn unwire(&self, net: &Network) -> Vec<String> {
+        let mut errors = vec![];
+        if let Err(e) = self.datapath.detach(&net.path()) {
+            errors.push(crate::error_chain(&e));
+        }
+        if let Err(e) = self
+            .nl
+            .neigh_del(self.gateway.ifindex, net.rec.sandbox_ip)
+            .await
+        {
+            errors.push(crate::error_chain(&e));
+        }
+        errors
+    }
+
+    /// Returns the TAP to the pool (or deletes it if we hold no fd).
+    pub(super) async fn recycle(&self, net: &mut Network) {
+        match net.tap.take() {
+            Some(tap) => {
+                self.pool
+                    .give_back(PoolTap {
+                        tap,
+                        ifindex: net.ifindex,
+                    })
+                    .await
+            }
+            None if net.ifindex != 0 => self.pool.retire_link(net.ifindex),
+            None => {}
+        }
+    }
+
+    /// Undoes a whole network: datapath, neighbour, TAP, address, ports.
+    pub(super) async fn tear_down(&self, mut net: Network) {
+        let errors = self.unwire(&net).await;
+        self.recycle(&mut net).await;
+        self.release_allocs(&net.rec);
+        for error in errors {
+            warn!(
+                sandbox_id = net.rec.sandbox_id,
+                tap = net.rec.tap_name,
+                error,
+                "teardown step failed"
+            );
+        }
+    }
+
+    pub(super) async fn converge(
+        &self,
+        net: &mut Network,
+        spec: NetworkSpec,
+    ) -> Result<Ensured, AgentError> {
+        if spec.idempotency_key.is_some() && spec.idempotency_key == net.rec.idempotency_key {
+            return Ok(Ensured::Unchanged);
+        }
+        let sockets = self.host_sockets(&spec, &net.rec.port_mappings).await?;
+        let Resolved {
+            mappings,
+            claimed,
+            stale,
+        } = {
+            let mut a = self.allocs();
+            resolve_ports(
+                &mut a.ports,
+                &spec.port_mappings,
+                &net.rec.port_mappings,
+                &self.port_rules(&sockets),
+            )?
+        };
+        let mut rec = net.rec.clone();
+        rec.port_mappings = mappings;
+        rec.allow_internet_access = spec.allow_internet_access.unwrap_or(true);
+        rec.allow_out = spec.allow_out;
+        rec.deny_out = spec.deny_out;
+        rec.metadata = spec.metadata;
+        rec.mtu = spec.mtu.unwrap_or(self.cfg.mtu);
+        rec.idempotency_key = spec.idempotency_key;
+        if rec == net.rec {
+            return Ok(Ensured::Unchanged);
+        }
+        let undo_claims = |this: &Self| {
+            let mut a = this.allocs();
+            for m in &claimed {
+                a.ports.release(m.protocol, m.host_port);
+            }
+        };
+        let old = std::mem::replace(&mut net.rec, rec);
+        let result = self.apply_change(net, &old).await;
+        if let Err(e) = result {
+            net.rec = old;
+            // Put the kernel side back the way it was (best effort).
+            let _ = self.apply_change_kernel(net, None).await;
+            undo_claims(self);
+            return Err(e);
+        }
+        let mut a = self.allocs();
+        for m in &stale {
+            a.ports.release(m.protocol, m.host_port);
+        }
+        Ok(Ensured::Updated)
+    }
+
+    pub(super) async fn apply_change(
+        &self,
+        net: &Network,
+        old: &NetworkRecord,
+    ) -> Result<(), AgentError> {
+        self.apply_change_kernel(net, Some(old)).await?;
+        self.store
+            .put(&net.rec.sandbox_id, net.rec.to_bytes())
+            .await
+            .map_err(|e| failed("recording the network durably", &e))
+    }
+
+    pub(super) async fn apply_change_kernel(
+        &self,
+        net: &Network,
+        old: Option<&NetworkRecord>,
+    ) -> Result<(), AgentError> {
+        if old.is_none_or(|o| o.mtu != net.rec.mtu) {
+            let change = LinkChange {
+                mtu: Some(net.rec.mtu),
+                ..Default::default()
+            };
+            self.nl
+                .set_link(net.ifindex, change)
+                .await
+                .map_err(|e| failed(&format!("setting the MTU of {}", net.rec.tap_name), &e))?;
+        }
+        self.datapath
+            .attach(&net.path())
+            .map_err(|e| failed("programming the datapath", &e))
+    }
+
+    /// ReleaseNetwork: `Ok(false)` if there was no such network.
+    /// The `Released` event's sequence number, `None` if there was no such
+    /// network.
+    pub async fn release(&self, id: &str) -> Result<Option<u64>, AgentError> {
+        let started = Instant::now();
+        validate_sandbox_id(id)?;
+        let slot = self.slot(id);
+        let result = {
+            let mut guard = slot.lock().await;
+            match guard.take() {
+                None => Ok(None),
+                Some(net) => match self.store.delete(id).await {
+                    Err(e) => {
+                        *guard = Some(net);
+                        Err(failed("removing the record", &e))
+                    }
+                    Ok(()) => {
+                        self.remove_view(id);
+                        let seq = self.events.publish(Change::Released {
+                            sandbox_id: id.to_owned(),
+                        });
+                        let (tap, ip) = (net.rec.tap_name.clone(), net.rec.sandbox_ip);
+                        self.tear_down(net).await;
+                        self.events.publish(Change::Node);
+                        info!(
+                            sandbox_id = id,
+                            tap,
+                            sandbox_ip = %ip,
+                            elapsed_us = started.elapsed().as_micros() as u64,
+                            "network released"
+                        );
+                        Ok(Some(seq))
+                    }
+                },
+            }
+        };
+        self.forget_slot(id, slot);
+        result
+    }
+
+    /// OpenTap: a fresh duplicate of the agent's TAP fd. A network adopted
+    /// without an fd (the agent restarted without its fd store while a VMM
+    /// held the TAP) gets its TAP re-attached here once the holder let go.
+    pub async fn open_tap(&self, id: &str) -> Result<OwnedFd, AgentError> {
+        validate_sandbox_id(id)?;
+        let slot = self.slot(id);
+        let result = {
+            let mut guard = slot.lock().await;
+            match guard.as_mut() {
+                None => Err(AgentError::NotFound(id.to_owned())),
+                Some(net) => match self.reattach_fd(net) {
+                    Err(e) => Err(e),
+                    Ok(reattached) => match &net.tap {
+                        Some(tap) if reattached => {
+                            self.events.publish(Change::Repaired {
+                                view: net.view(),
+                                repairs: vec![format!(
+                                    "{id}: TAP {} re-attached (adopted without an fd, its holder let go)",
+                                    net.rec.tap_name
+                                )],
+                            });
+                            tap.dup().map_err(|e| failed("duplicating the TAP fd", &e))
+                        }
+                        Some(tap) => tap.dup().map_err(|e| failed("duplicating the TAP fd", &e)),
+                        None => unreachable!("reattach_fd leaves an fd or fails"),
+                    },
+                },
+            }
+        };
+        self.forget_slot(id, slot);
+        result
+    }
+
+    /// Gives a network adopted without an fd its TAP back: TUNSETIFF on the
+    /// device succeeds once no other process holds its (single) queue.
+    /// `Ok(true)` if it re-attached now, `Ok(false)` if the fd was there.
+    /// Called with the network's slot held.
+    pub(super) fn reattach_fd(&self, net: &mut Network) -> Result<bool, AgentError> {
+        if net.tap.is_some() {
+            return Ok(false);
+        }
+        match Tap::open_existing(&net.rec.tap_name) {
+            Ok(tap) => {
+                pool::store_fd(net.ifindex, &tap);
+                net.tap = Some(tap);
+                self.set_view(net);
+                info!(
+                    sandbox_id = net.rec.sandbox_id.as_str(),
+                    tap = net.rec.tap_name.as_str(),
+                    "TAP re-attached: the process that held it let go"
+                );
+                Ok(true)
+            }
+            Err(e) if e.errno() == Some(libc::EBUSY) => Err(AgentError::TapBusy {
+                tap: net.rec.tap_name.clone(),
+            }),
+            Err(e) => Err(failed(&format!("re-opening TAP {}", net.rec.tap_name), &e)),
+        }
+    }
+}

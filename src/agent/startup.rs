@@ -1,0 +1,392 @@
+//! Start-up: configuration, store, gateway device, uplink, datapath, then
+//! recovery (collect facts, classify with `recover::classify`, apply with
+//! the shared repair ladder) before anything is served.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+use tokio::sync::Mutex as AsyncMutex;
+use tracing::{debug, info, warn};
+
+use super::events::Events;
+use super::pool::{self, PoolTap, TapPool};
+use super::spec::NetworkRecord;
+use super::{
+    Agent, Allocs, Gateway, Network, RecoveryReport, StartError, Uplink, kernel_reserved_ports,
+    recover,
+};
+use crate::alloc::{IpAllocator, PortAllocator};
+use crate::config::{Config, Derived};
+use crate::datapath::Datapath;
+use crate::netlink::{LinkInfo, Netlink};
+use crate::store::Store;
+use crate::tap::Tap;
+
+impl Agent {
+    /// Validates the configuration, opens the store, sets up the gateway
+    /// device, recovers every recorded network and starts the pool task.
+    /// `inherited` are TAP fds handed back by the service manager's fd
+    /// store; they are matched to devices by TUNGETIFF, so recovery never
+    /// reopens a TAP it already has an fd for.
+    pub async fn start(cfg: Config, inherited: Vec<OwnedFd>) -> Result<Arc<Agent>, StartError> {
+        let started = Instant::now();
+        let d = cfg.validate()?;
+        for path in [&cfg.state_dir, &cfg.runtime_dir] {
+            std::fs::create_dir_all(path).map_err(|source| StartError::Dir {
+                path: path.clone(),
+                source,
+            })?;
+        }
+        let (store, loaded) = Store::open(&cfg.state_dir)?;
+        let nl = Netlink::new()?;
+        let (gw_link, kind) = nl
+            .ensure_gateway_device_with_mtu(
+                &cfg.gateway_device,
+                d.pool.gateway(),
+                d.pool.prefix_len(),
+                None,
+            )
+            .await?;
+        info!(device = cfg.gateway_device, kind, ifindex = gw_link.index, pool = %d.pool, "gateway device ready");
+        let uplink = Self::find_uplink(&nl, &cfg.uplink).await;
+        match &uplink {
+            Uplink::Found { name, addr, .. } => info!(uplink = name, address = ?addr, "uplink"),
+            Uplink::Missing(why) => warn!(
+                reason = why.as_str(),
+                "no uplink; egress and port mappings are unavailable"
+            ),
+        }
+        let datapath = Self::build_datapath(&cfg, &d, &cfg.gateway_device, gw_link.index, &uplink);
+        let mut excluded = d.reserved_ports.clone();
+        excluded.extend(&kernel_reserved_ports());
+        let allocs = Allocs {
+            ips: IpAllocator::new(d.pool).expect("validated pool"),
+            ports: PortAllocator::new(d.port_low, d.port_high, excluded),
+        };
+        let events = Arc::new(Events::default());
+        let pool = Arc::new(TapPool::new(
+            nl.clone(),
+            Netlink::new()?,
+            pool::PoolSettings {
+                prefix: cfg.tap_prefix.clone(),
+                mtu: cfg.mtu,
+                target: cfg.warm_pool as usize,
+                retire_group: cfg.retire_group,
+            },
+            datapath.clone(),
+            events.clone(),
+        ));
+        let mut agent = Agent {
+            cfg,
+            d,
+            nl,
+            store,
+            allocs: Mutex::new(allocs),
+            slots: Mutex::new(HashMap::new()),
+            views: RwLock::new(BTreeMap::new()),
+            pool,
+            datapath,
+            gateway: Gateway {
+                ifindex: gw_link.index,
+                kind,
+            },
+            uplink,
+            recovery: RecoveryReport::default(),
+            events,
+            drift: Mutex::new(BTreeMap::new()),
+        };
+        // Subscribe before recovery checks the kernel, so a filter removed
+        // after that check is still noticed.
+        let (tc_tx, mut tc_rx) = tokio::sync::mpsc::unbounded_channel();
+        crate::netlink::watch_tc_removals(tc_tx)?;
+        let mut inherited_taps: HashMap<String, Tap> = HashMap::new();
+        for fd in inherited {
+            match Tap::from_fd(fd) {
+                Ok(tap) => {
+                    inherited_taps.insert(tap.name().to_owned(), tap);
+                }
+                Err(e) => warn!(error = crate::error_chain(&e), "ignoring an inherited fd"),
+            }
+        }
+        let mut report = agent.recover(loaded.records, inherited_taps).await?;
+        report.store_problems = loaded.problems;
+        report.elapsed_ms = started.elapsed().as_millis() as u64;
+        info!(
+            adopted = report.adopted,
+            repaired = report.repaired,
+            pool_adopted = report.pool_adopted,
+            retired = report.retired,
+            quarantined = report.quarantined.len(),
+            fd_lost = report.fd_lost.len(),
+            elapsed_ms = report.elapsed_ms,
+            "recovery finished"
+        );
+        agent.recovery = report;
+        let agent = Arc::new(agent);
+        let weak = Arc::downgrade(&agent);
+        tokio::spawn(async move {
+            while let Some(removal) = tc_rx.recv().await {
+                let Some(agent) = weak.upgrade() else { break };
+                agent.note_tc_removal(removal);
+            }
+        });
+        // Fill the pool before serving so the first calls are warm, then
+        // keep it topped up in the background.
+        agent.pool.refill().await;
+        tokio::spawn(agent.pool.clone().run());
+        let dp = agent.datapath.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                let dp = dp.clone();
+                let _ = tokio::task::spawn_blocking(move || dp.maintain()).await;
+            }
+        });
+        Ok(agent)
+    }
+
+    /// The configured datapath; if the eBPF one cannot load, networks still
+    /// get TAPs and addresses and Health says why packets do not flow.
+    pub(super) fn build_datapath(
+        cfg: &Config,
+        d: &Derived,
+        gwdev: &str,
+        gwdev_ifindex: u32,
+        uplink: &Uplink,
+    ) -> Arc<dyn Datapath> {
+        if cfg.datapath == "none" {
+            return Arc::new(crate::datapath::NoopDatapath::configured());
+        }
+        let gwdev_mac = std::fs::read_to_string(format!("/sys/class/net/{gwdev}/address"))
+            .ok()
+            .and_then(|s| crate::config::parse_mac(s.trim()))
+            .unwrap_or([0; 6]);
+        let secs = |s: u32| std::time::Duration::from_secs(s.into());
+        let node = crate::datapath::ebpf::NodeInfo {
+            guest_ip: d.guest_ip,
+            gateway_ip: d.guest_gateway,
+            host_ip: d.pool.gateway(),
+            guest_mac: d.guest_mac,
+            gateway_mac: d.gateway_mac,
+            gwdev_name: gwdev.to_owned(),
+            gwdev_ifindex,
+            gwdev_mac,
+            uplink: match uplink {
+                Uplink::Found {
+                    name,
+                    ifindex,
+                    addr: Some(a),
+                } => Some((name.clone(), *ifindex, *a)),
+                _ => None,
+            },
+            snat_ports: d.snat_ports,
+            pin_dir: cfg.bpf_pin_dir.clone(),
+            timeouts: crate::datapath::ebpf::FlowTimeouts {
+                tcp: secs(cfg.flow_timeout_tcp),
+                tcp_closing: secs(cfg.flow_timeout_tcp_closing),
+                udp: secs(cfg.flow_timeout_udp),
+                icmp: secs(cfg.flow_timeout_icmp),
+            },
+        };
+        match crate::datapath::ebpf::EbpfDatapath::load(node) {
+            Ok(dp) => Arc::new(dp),
+            Err(e) => {
+                warn!(error = %e, "the eBPF datapath could not be loaded");
+                Arc::new(crate::datapath::NoopDatapath::failed(&e.to_string()))
+            }
+        }
+    }
+
+    pub(super) async fn find_uplink(nl: &Netlink, configured: &str) -> Uplink {
+        if configured.is_empty() {
+            return match nl.default_uplink().await {
+                Ok(Some((link, addr))) => Uplink::Found {
+                    name: link.name,
+                    ifindex: link.index,
+                    addr,
+                },
+                Ok(None) => Uplink::Missing("no IPv4 default route".into()),
+                Err(e) => Uplink::Missing(crate::error_chain(&e)),
+            };
+        }
+        match nl.link_by_name(configured).await {
+            Ok(Some(link)) => {
+                let addr = nl
+                    .ipv4_addrs(link.index)
+                    .await
+                    .ok()
+                    .and_then(|a| a.first().map(|(ip, _)| *ip));
+                Uplink::Found {
+                    name: link.name,
+                    ifindex: link.index,
+                    addr,
+                }
+            }
+            Ok(None) => Uplink::Missing(format!("configured uplink '{configured}' does not exist")),
+            Err(e) => Uplink::Missing(crate::error_chain(&e)),
+        }
+    }
+
+    /// Start-up recovery: collect facts, classify, apply.
+    pub(super) async fn recover(
+        &mut self,
+        records: BTreeMap<String, Vec<u8>>,
+        mut inherited: HashMap<String, Tap>,
+    ) -> Result<RecoveryReport, StartError> {
+        let mut report = RecoveryReport::default();
+        let links = self.nl.list_links().await?;
+        let neighbours = self.nl.neigh_list(self.gateway.ifindex).await?;
+        let neigh_ips: Vec<IpAddr> = neighbours.iter().map(|n| n.0).collect();
+        let plan = {
+            let a = self.allocs.get_mut().unwrap_or_else(|p| p.into_inner());
+            recover::classify(
+                &self.cfg.tap_prefix,
+                self.cfg.retire_group,
+                records,
+                &links,
+                &neigh_ips,
+                &mut a.ips,
+                &mut a.ports,
+            )
+        };
+        for (key, bytes, reason) in &plan.quarantine {
+            warn!(sandbox_id = key, reason, "record quarantined");
+            if let Err(e) = self.store.quarantine_record(key, bytes, reason).await {
+                report
+                    .errors
+                    .push(format!("quarantining {key}: {}", crate::error_chain(&e)));
+            }
+            report.quarantined.push(format!("record {key}: {reason}"));
+        }
+        let neigh_ok: HashSet<IpAddr> = neighbours
+            .iter()
+            .filter(|n| n.1 == Some(self.d.guest_mac))
+            .map(|n| n.0)
+            .collect();
+        let mut max_ip: Option<Ipv4Addr> = None;
+        let total = plan.networks.len();
+        for (done, (rec, link)) in plan.networks.into_iter().enumerate() {
+            if let IpAddr::V4(v4) = rec.sandbox_ip {
+                max_ip = max_ip.max(Some(v4));
+            }
+            let fd = link.as_ref().and_then(|l| inherited.remove(&l.name));
+            let net = self.adopt(rec, link, fd, &neigh_ok, &mut report).await;
+            if total > 1024 && done % 1024 == 0 {
+                // Long recovery: ask systemd for more start-up time.
+                crate::systemd::notify("EXTEND_TIMEOUT_USEC=10000000");
+            }
+            self.set_view(&net);
+            self.slots
+                .get_mut()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(
+                    net.rec.sandbox_id.clone(),
+                    Arc::new(AsyncMutex::new(Some(net))),
+                );
+        }
+        if let Some(ip) = max_ip {
+            self.allocs
+                .get_mut()
+                .unwrap_or_else(|p| p.into_inner())
+                .ips
+                .set_cursor_after(ip);
+        }
+        if let Some(n) = plan.max_pool_name {
+            self.pool.continue_names_after(n);
+        }
+        for link in plan.pool {
+            let tap = match inherited.remove(&link.name) {
+                Some(tap) => Ok(tap),
+                None => {
+                    Tap::open_existing(&link.name).inspect(|tap| pool::store_fd(link.index, tap))
+                }
+            };
+            match tap {
+                Ok(tap) if !link.up && link.mtu == self.cfg.mtu => {
+                    self.pool.adopt_idle(PoolTap {
+                        tap,
+                        ifindex: link.index,
+                    });
+                    report.pool_adopted += 1;
+                }
+                _ => {
+                    self.pool.retire_link(link.index);
+                    report.retired += 1;
+                }
+            }
+        }
+        // Inherited fds whose device is gone or no longer ours.
+        for (name, tap) in inherited {
+            let index = nix::net::if_::if_nametoindex(name.as_str()).unwrap_or(0);
+            debug!(tap = name, "dropping an inherited fd nobody owns");
+            drop(tap);
+            if index != 0 {
+                crate::systemd::remove_tap_fd(index);
+            }
+        }
+        for link in plan.retire {
+            info!(tap = link.name, "retiring unowned TAP");
+            self.pool.retire_link(link.index);
+            report.retired += 1;
+        }
+        for ip in plan.stale_neighbours {
+            if let Err(e) = self.nl.neigh_del(self.gateway.ifindex, ip).await {
+                report.errors.push(crate::error_chain(&e));
+            } else {
+                report.stale_neighbours += 1;
+            }
+        }
+        self.pool.delete_retired().await;
+        Ok(report)
+    }
+
+    /// Re-attaches one recorded network to its TAP (the fd the service
+    /// manager handed back, else the device itself), then runs the repair
+    /// ladder Reconcile uses.
+    pub(super) async fn adopt(
+        &self,
+        rec: NetworkRecord,
+        link: Option<LinkInfo>,
+        inherited: Option<Tap>,
+        neigh_ok: &HashSet<IpAddr>,
+        report: &mut RecoveryReport,
+    ) -> Network {
+        let id = rec.sandbox_id.clone();
+        let neighbour_ok = neigh_ok.contains(&rec.sandbox_ip);
+        // The fd the service manager handed back, else the device itself
+        // (a plain adoption, not a repair; EBUSY: a VMM holds it).
+        let tap = inherited.or_else(|| {
+            let link = link.as_ref()?;
+            Tap::open_existing(&link.name)
+                .inspect(|tap| pool::store_fd(link.index, tap))
+                .ok()
+        });
+        let mut net = Network {
+            rec,
+            tap,
+            ifindex: link.as_ref().map_or(0, |l| l.index),
+        };
+        let done = self.repair_ladder(&mut net, link, neighbour_ok).await;
+        if net.tap.is_none() && done.errors.is_empty() {
+            warn!(
+                sandbox_id = id,
+                tap = net.rec.tap_name,
+                "TAP held by another process; adopted without an fd"
+            );
+            report.fd_lost.push(id.clone());
+        }
+        for what in &done.repairs {
+            warn!(sandbox_id = id, "recovery: {what}");
+        }
+        report.errors.extend(done.errors);
+        if done.repairs.is_empty() {
+            report.adopted += 1;
+        } else {
+            report.repaired += 1;
+        }
+        net
+    }
+}

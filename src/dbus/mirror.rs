@@ -1,0 +1,274 @@
+//! The bus mirror: follows the core's event stream and keeps the bus in
+//! step with it — one object per network (InterfacesAdded/Removed through
+//! the ObjectManager), NetworkEnsured/NetworkReleased, PropertiesChanged on
+//! network objects and on the manager — whichever edge (D-Bus, varlink,
+//! Reconcile, the pool) made the change. No polling: the manager's
+//! properties are re-read when a batch of events says node facts may have
+//! changed, and Health at most once per [`HEALTH_EVERY`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{broadcast, watch};
+use tokio::time::Instant;
+use tracing::{debug, warn};
+use zbus::Connection;
+
+use super::{MANAGER_PATH, Manager, NetworkObject, bounded::Bounded, network_dict, network_path};
+use crate::agent::events::{Change, Event};
+use crate::agent::{Agent, NetworkView};
+
+/// Health is a full evaluation (datapath counters, kernel checks of
+/// drifted filters): not more often than this.
+const HEALTH_EVERY: Duration = Duration::from_millis(500);
+
+pub struct Mirror {
+    conn: Connection,
+    agent: Arc<Agent>,
+    /// Sequence number of the last event applied, for method replies.
+    done: watch::Sender<u64>,
+    /// What is on the bus: sandbox id -> the view its object shows.
+    objects: HashMap<String, NetworkView>,
+    /// Manager properties as last signalled.
+    counters: (u32, u32, u32),
+    healthy: Option<bool>,
+}
+
+impl Mirror {
+    pub fn new(conn: Connection, agent: Arc<Agent>, done: watch::Sender<u64>) -> Self {
+        let counters = counters(&agent);
+        Self {
+            conn,
+            agent,
+            done,
+            objects: HashMap::new(),
+            counters,
+            healthy: None,
+        }
+    }
+
+    /// Registers an object per network (at start, before the name is
+    /// taken); returns how many.
+    pub async fn register_all(&mut self, views: Vec<NetworkView>) -> zbus::Result<usize> {
+        for view in views {
+            self.put(view).await?;
+        }
+        Ok(self.objects.len())
+    }
+
+    /// Creates or updates a network's object; true if it was new.
+    async fn put(&mut self, view: NetworkView) -> zbus::Result<bool> {
+        let id = view.record.sandbox_id.clone();
+        let path = network_path(&id);
+        let server = self.conn.object_server();
+        let old = self.objects.insert(id, view.clone());
+        match old {
+            None => {
+                server.at(&path, NetworkObject { view }).await?;
+                Ok(true)
+            }
+            Some(old) if old == view => Ok(false),
+            Some(old) => {
+                let iface = server.interface::<_, NetworkObject>(&path).await?;
+                iface.get_mut().await.view = view.clone();
+                let obj = iface.get().await;
+                let e = iface.signal_emitter();
+                let (a, b) = (&old, &view);
+                if a.tap_ifindex != b.tap_ifindex {
+                    obj.tap_ifindex_changed(e).await?;
+                }
+                if a.record.tap_name != b.record.tap_name {
+                    obj.tap_name_changed(e).await?;
+                }
+                if a.record.network_handle != b.record.network_handle {
+                    obj.network_handle_changed(e).await?;
+                }
+                if a.record.sandbox_ip != b.record.sandbox_ip {
+                    obj.sandbox_ip_changed(e).await?;
+                }
+                if a.record.mtu != b.record.mtu {
+                    obj.mtu_changed(e).await?;
+                }
+                if a.record.port_mappings != b.record.port_mappings {
+                    obj.port_mappings_changed(e).await?;
+                }
+                if a.record.allow_internet_access != b.record.allow_internet_access {
+                    obj.allow_internet_access_changed(e).await?;
+                }
+                if a.record.allow_out != b.record.allow_out {
+                    obj.allow_out_changed(e).await?;
+                }
+                if a.record.deny_out != b.record.deny_out {
+                    obj.deny_out_changed(e).await?;
+                }
+                Ok(false)
+            }
+        }
+    }
+
+    async fn remove(&mut self, id: &str) -> zbus::Result<()> {
+        if self.objects.remove(id).is_some() {
+            self.conn
+                .object_server()
+                .remove::<NetworkObject, _>(network_path(id))
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn apply(&mut self, ev: &Event) -> zbus::Result<()> {
+        let emitter = zbus::object_server::SignalEmitter::new(&self.conn, MANAGER_PATH)?;
+        match &ev.change {
+            Change::Ensured { view, .. } => {
+                self.put(view.clone()).await?;
+                let dict = network_dict(self.agent.describe(view.clone()));
+                Manager::network_ensured(&emitter, &view.record.sandbox_id, dict).await?;
+            }
+            Change::Repaired { view, .. } => {
+                self.put(view.clone()).await?;
+            }
+            Change::Released { sandbox_id } => {
+                self.remove(sandbox_id).await?;
+                Manager::network_released(&emitter, sandbox_id).await?;
+            }
+            Change::Node => {}
+        }
+        Ok(())
+    }
+
+    /// After falling behind the stream: make the objects equal the core's
+    /// current views (signals of the missed events are lost; objects and
+    /// properties are right again).
+    async fn resync(&mut self) {
+        let at = self.agent.events_seen();
+        let views = self.agent.list();
+        let live: std::collections::HashSet<String> =
+            views.iter().map(|v| v.record.sandbox_id.clone()).collect();
+        let gone: Vec<String> = self
+            .objects
+            .keys()
+            .filter(|id| !live.contains(*id))
+            .cloned()
+            .collect();
+        for id in gone {
+            if let Err(e) = self.remove(&id).await {
+                warn!(sandbox_id = id, error = %e, "removing a network object failed");
+            }
+        }
+        for view in views {
+            if let Err(e) = self.put(view).await {
+                warn!(error = %e, "registering a network object failed");
+            }
+        }
+        self.done.send_replace(at);
+    }
+
+    /// Signals the manager properties that changed since last time.
+    async fn node(&mut self, health: bool) {
+        let Ok(iface) = self
+            .conn
+            .object_server()
+            .interface::<_, Bounded<Manager>>(MANAGER_PATH)
+            .await
+        else {
+            return;
+        };
+        let guard = iface.get().await;
+        let m = &guard.0;
+        let e = iface.signal_emitter();
+        let now = counters(&self.agent);
+        let last = std::mem::replace(&mut self.counters, now);
+        if now.0 != last.0 {
+            let _ = m.active_networks_changed(e).await;
+        }
+        if now.1 != last.1 {
+            let _ = m.idle_taps_changed(e).await;
+        }
+        if now.2 != last.2 {
+            let _ = m.free_addresses_changed(e).await;
+        }
+        if health {
+            let healthy = self.agent.health().await.0;
+            if self.healthy.replace(healthy).is_some_and(|h| h != healthy) {
+                let _ = m.healthy_changed(e).await;
+            }
+        }
+    }
+
+    /// Applies events in batches until the agent goes away.
+    pub async fn run(mut self, mut rx: broadcast::Receiver<Arc<Event>>) {
+        self.healthy = Some(self.agent.health().await.0);
+        let mut last_health = Instant::now();
+        let mut health_due: Option<Instant> = None;
+        loop {
+            let first = tokio::select! {
+                got = rx.recv() => got,
+                _ = sleep_until(health_due) => {
+                    health_due = None;
+                    last_health = Instant::now();
+                    self.node(true).await;
+                    continue;
+                }
+            };
+            let mut batch = match first {
+                Ok(ev) => vec![ev],
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    warn!(
+                        missed = n,
+                        "the bus mirror fell behind the event stream; resyncing"
+                    );
+                    self.resync().await;
+                    self.node(false).await;
+                    health_due = Some(Instant::now());
+                    continue;
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            };
+            let mut lagged = false;
+            loop {
+                match rx.try_recv() {
+                    Ok(ev) => batch.push(ev),
+                    Err(broadcast::error::TryRecvError::Lagged(_)) => {
+                        lagged = true;
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+            let mut node = false;
+            for ev in &batch {
+                node |= !matches!(ev.change, Change::Repaired { .. });
+                if let Err(e) = self.apply(ev).await {
+                    warn!(seq = ev.seq, kind = ev.change.kind(), error = %e, "mirroring an event on the bus failed");
+                }
+                self.done.send_replace(ev.seq);
+            }
+            debug!(events = batch.len(), "events mirrored on the bus");
+            if lagged {
+                self.resync().await;
+            }
+            if node {
+                self.node(false).await;
+                if health_due.is_none() {
+                    health_due = Some((last_health + HEALTH_EVERY).max(Instant::now()));
+                }
+            }
+        }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn counters(agent: &Agent) -> (u32, u32, u32) {
+    (
+        agent.active_networks(),
+        agent.idle_taps(),
+        agent.free_addresses(),
+    )
+}
