@@ -48,6 +48,43 @@ impl TryFrom<String> for BusChoice {
     }
 }
 
+/// Which packet datapath programs the sandboxes' traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum DatapathKind {
+    /// Proxy ARP, SNAT, port mappings and policy in eBPF.
+    Ebpf,
+    /// TAPs, addresses, neighbours and records only.
+    None,
+}
+
+impl From<DatapathKind> for String {
+    fn from(k: DatapathKind) -> String {
+        match k {
+            DatapathKind::Ebpf => "ebpf".into(),
+            DatapathKind::None => "none".into(),
+        }
+    }
+}
+
+impl TryFrom<&str> for DatapathKind {
+    type Error = String;
+    fn try_from(s: &str) -> Result<Self, String> {
+        match s {
+            "ebpf" => Ok(DatapathKind::Ebpf),
+            "none" => Ok(DatapathKind::None),
+            _ => Err(format!("'{s}' is not 'ebpf' or 'none'")),
+        }
+    }
+}
+
+impl TryFrom<String> for DatapathKind {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        DatapathKind::try_from(s.as_str())
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
@@ -88,7 +125,7 @@ pub struct Config {
     /// Link group used to delete retired TAPs in one batch.
     pub retire_group: u32,
     /// "ebpf" (proxy ARP, SNAT, port mappings, policy) or "none".
-    pub datapath: String,
+    pub datapath: DatapathKind,
     /// bpffs directory for this instance's pinned maps.
     pub bpf_pin_dir: PathBuf,
     /// SNAT source ports for guest flows (keep it outside
@@ -125,7 +162,7 @@ impl Default for Config {
             state_dir: env_dir("STATE_DIRECTORY", "/var/lib/cube-network-agent"),
             runtime_dir: env_dir("RUNTIME_DIRECTORY", "/run/cube-network-agent"),
             retire_group: 0xc0be,
-            datapath: "ebpf".into(),
+            datapath: DatapathKind::Ebpf,
             bpf_pin_dir: "/sys/fs/bpf/cube-network-agent".into(),
             snat_port_range: "61000-65535".into(),
             flow_timeout_tcp: 600,
@@ -407,12 +444,6 @@ impl Config {
                 ));
             }
         }
-        if !matches!(self.datapath.as_str(), "ebpf" | "none") {
-            return Err(invalid(
-                "datapath",
-                format!("'{}' is not 'ebpf' or 'none'", self.datapath),
-            ));
-        }
         if !self.bpf_pin_dir.is_absolute() {
             return Err(invalid(
                 "bpf_pin_dir",
@@ -570,7 +601,10 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
         "--state-dir" => cfg.state_dir = value.into(),
         "--runtime-dir" => cfg.runtime_dir = value.into(),
         "--log-level" => cfg.log_level = value,
-        "--datapath" => cfg.datapath = value,
+        "--datapath" => {
+            cfg.datapath =
+                DatapathKind::try_from(value.as_str()).map_err(|why| invalid("datapath", why))?
+        }
         "--bpf-pin-dir" => cfg.bpf_pin_dir = value.into(),
         "--snat-port-range" => cfg.snat_port_range = value,
         "--flow-timeout-tcp" => cfg.flow_timeout_tcp = number("flow_timeout_tcp", &value)?,
@@ -632,6 +666,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("line 1, key 'mtu'"), "{e}");
+    }
+
+    #[test]
+    fn unknown_datapath_is_refused_when_read() {
+        let e = Config::from_toml("datapath = \"xdp\"\n", Path::new("c.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'xdp' is not 'ebpf' or 'none'"), "{e}");
+        let c = Config::from_toml("datapath = \"none\"\n", Path::new("c.toml")).unwrap();
+        assert_eq!(c.datapath, DatapathKind::None);
     }
 
     #[test]
@@ -763,13 +807,6 @@ mod tests {
                     ..Default::default()
                 },
                 "warm_pool",
-            ),
-            (
-                Config {
-                    datapath: "xdp".into(),
-                    ..Default::default()
-                },
-                "datapath",
             ),
             (
                 Config {

@@ -14,6 +14,7 @@ pub mod dbus;
 pub mod hostsock;
 pub mod netlink;
 pub mod store;
+pub mod sysctl;
 pub mod systemd;
 pub mod tap;
 pub mod varlink;

@@ -72,7 +72,8 @@ fn main() -> ExitCode {
     }
     // Before any thread exists: the fds systemd passed (activation socket,
     // fd store content) and the environment that describes them.
-    let passed = systemd::take_listen_fds();
+    // SAFETY: no other thread exists yet (the runtime starts below).
+    let passed = unsafe { systemd::take_listen_fds() };
     init_logging(&cfg.log_level);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -84,14 +85,18 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(run(*cfg, passed)) {
+    let code = match rt.block_on(run(*cfg, passed)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             error!(error = e, "exiting");
             systemd::notify(&format!("STATUS=failed: {e}"));
             ExitCode::FAILURE
         }
-    }
+    };
+    // STOPPING=1 and the last STATUS= may still wait for room in the
+    // manager's queue.
+    systemd::flush(std::time::Duration::from_secs(2));
+    code
 }
 
 /// Splits what systemd passed: the varlink listening socket, and TAP fds

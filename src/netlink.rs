@@ -584,7 +584,8 @@ impl Netlink {
     }
 
     /// Deletes the neighbour entry; Ok if absent (ENOENT) or the link is gone (ENODEV).
-    pub async fn neigh_del(&self, ifindex: u32, ip: IpAddr) -> Result<(), NetlinkError> {
+    /// Deletes a neighbour entry; `Ok(false)` if there was none.
+    pub async fn neigh_del(&self, ifindex: u32, ip: IpAddr) -> Result<bool, NetlinkError> {
         debug!(ifindex, %ip, "delete neighbour");
         let mut msg = NeighbourMessage::default();
         msg.header.ifindex = ifindex;
@@ -595,8 +596,8 @@ impl Netlink {
         msg.header.family = family;
         msg.attributes.push(NeighbourAttribute::Destination(addr));
         match self.handle.neighbours().del(msg).execute().await {
-            Ok(()) => Ok(()),
-            Err(e) if is_errno(&e, libc::ENOENT) || is_errno(&e, libc::ENODEV) => Ok(()),
+            Ok(()) => Ok(true),
+            Err(e) if is_errno(&e, libc::ENOENT) || is_errno(&e, libc::ENODEV) => Ok(false),
             Err(source) => Err(NetlinkError::NeighDel {
                 ifindex,
                 ip,
@@ -1096,7 +1097,7 @@ mod tests {
                 .expect("add on other link");
             let list = nl.neigh_list(idx).await.expect("list");
             assert_eq!(list, vec![(ip, Some(mac2), libc::NUD_PERMANENT)]);
-            nl.neigh_del(idx, ip).await.expect("delete");
+            assert!(nl.neigh_del(idx, ip).await.expect("delete"));
             assert!(
                 nl.neigh_list(idx)
                     .await
@@ -1104,7 +1105,7 @@ mod tests {
                     .iter()
                     .all(|(i, _, _)| *i != ip)
             );
-            nl.neigh_del(idx, ip).await.expect("delete absent is Ok");
+            assert!(!nl.neigh_del(idx, ip).await.expect("delete absent is Ok"));
             assert_eq!(nl.neigh_list(other).await.expect("list").len(), 1);
         });
     }

@@ -1,15 +1,23 @@
-//! The systemd protocols the agent speaks, with no libsystemd dependency:
-//! `sd_notify` datagrams (READY=1, STATUS=, STOPPING=1, WATCHDOG=1,
-//! EXTEND_TIMEOUT_USEC=), the fd store (FDSTORE=1 with the fd attached as
-//! SCM_RIGHTS, FDSTOREREMOVE=1), and the fds systemd passes at start
-//! (`LISTEN_PID`/`LISTEN_FDS`/`LISTEN_FDNAMES`: activation sockets and the
-//! fd store's content). Without `$NOTIFY_SOCKET` (not started by systemd)
-//! notifications are no-ops.
+//! The systemd protocols the agent speaks: `sd_notify` datagrams
+//! (READY=1, STATUS=, STOPPING=1, WATCHDOG=1, EXTEND_TIMEOUT_USEC=), the fd
+//! store (FDSTORE=1 with the fd attached as SCM_RIGHTS, FDSTOREREMOVE=1),
+//! and the fds systemd passes at start (`LISTEN_PID`/`LISTEN_FDS`/
+//! `LISTEN_FDNAMES`: activation sockets and the fd store's content, parsed
+//! by the `sd-notify` crate). Without `$NOTIFY_SOCKET` (not started by
+//! systemd) notifications are no-ops.
+//!
+//! Sending is our own (sd-notify's `notify` blocks on a full queue, which
+//! deadlocked the agent under load once): a notification is sent with
+//! `MSG_DONTWAIT`; when systemd's queue is full (EAGAIN) it is handed, with
+//! duplicates of its fds, to one background thread that retries it in
+//! order, so no runtime thread ever sleeps or blocks here.
 
+use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
-use std::time::Duration;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use nix::sys::socket::{ControlMessage, MsgFlags, UnixAddr, sendmsg};
 
@@ -27,49 +35,128 @@ pub fn under_service_manager() -> bool {
     std::env::var_os("NOTIFY_SOCKET").is_some()
 }
 
-/// Sends one notification, with `fds` attached; Ok(false) when there is
-/// no `$NOTIFY_SOCKET`. The send never blocks: while the manager's queue is
-/// full (EAGAIN) it is retried for up to `budget`, then given up.
-pub fn notify_with_fds_within(
-    state: &str,
-    fds: &[BorrowedFd<'_>],
-    budget: Duration,
-) -> io::Result<bool> {
-    let Some(addr) = notify_addr() else {
-        return Ok(false);
-    };
-    let sock = UnixDatagram::unbound()?;
-    let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+/// One send attempt that never blocks.
+fn send_once(addr: &UnixAddr, state: &str, fds: &[RawFd]) -> nix::Result<()> {
+    let sock = UnixDatagram::unbound()
+        .map_err(|e| nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))?;
     let iov = [io::IoSlice::new(state.as_bytes())];
-    let cmsgs = [ControlMessage::ScmRights(&raw)];
-    let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsgs };
-    let deadline = std::time::Instant::now() + budget;
+    let cmsgs = [ControlMessage::ScmRights(fds)];
+    let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &cmsgs };
+    sendmsg(
+        sock.as_raw_fd(),
+        &iov,
+        cmsgs,
+        MsgFlags::MSG_DONTWAIT,
+        Some(addr),
+    )
+    .map(|_| ())
+}
+
+/// Notifications waiting for room in systemd's queue, in order.
+struct Backlog {
+    queue: Mutex<VecDeque<(String, Vec<OwnedFd>)>>,
+    wake: Condvar,
+}
+
+/// How many notifications may wait; beyond that the oldest are dropped.
+const BACKLOG_MAX: usize = 4096;
+/// How long one waiting notification is retried.
+const RETRY_FOR: Duration = Duration::from_secs(5);
+
+static BACKLOG: std::sync::LazyLock<&'static Backlog> = std::sync::LazyLock::new(|| {
+    let b: &'static Backlog = Box::leak(Box::new(Backlog {
+        queue: Mutex::new(VecDeque::new()),
+        wake: Condvar::new(),
+    }));
+    std::thread::Builder::new()
+        .name("sd-notify".into())
+        .spawn(move || drain(b))
+        .expect("spawning the notification thread");
+    b
+});
+
+/// The background sender: retries the oldest waiting notification until
+/// systemd takes it (or RETRY_FOR passes), then the next.
+fn drain(b: &'static Backlog) {
     loop {
-        match sendmsg(
-            sock.as_raw_fd(),
-            &iov,
-            cmsgs,
-            MsgFlags::MSG_DONTWAIT,
-            Some(&addr),
-        ) {
-            Ok(_) => return Ok(true),
-            Err(nix::errno::Errno::EAGAIN) if std::time::Instant::now() < deadline => {
+        let (state, fds) = {
+            let mut q = b.queue.lock().unwrap_or_else(|p| p.into_inner());
+            while q.is_empty() {
+                q = b.wake.wait(q).unwrap_or_else(|p| p.into_inner());
+            }
+            q.front()
+                .map(|(s, f)| {
+                    (
+                        s.clone(),
+                        f.iter().map(|f| f.as_raw_fd()).collect::<Vec<_>>(),
+                    )
+                })
+                .expect("not empty")
+        };
+        let deadline = Instant::now() + RETRY_FOR;
+        if let Some(addr) = notify_addr() {
+            while let Err(nix::errno::Errno::EAGAIN) = send_once(&addr, &state, &fds) {
+                if Instant::now() >= deadline {
+                    break;
+                }
                 std::thread::sleep(Duration::from_millis(1));
             }
-            Err(e) => return Err(e.into()),
         }
+        // The fds are closed with the entry, after the send.
+        b.queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop_front();
     }
 }
 
-/// [`notify_with_fds_within`] with a short budget (fd store traffic).
+/// Sends one notification with `fds` attached; `Ok(false)` when there is
+/// no `$NOTIFY_SOCKET`. Never blocks: behind earlier waiting notifications
+/// or on a full queue, it waits in the backlog (with duplicates of `fds`).
 pub fn notify_with_fds(state: &str, fds: &[BorrowedFd<'_>]) -> io::Result<bool> {
-    notify_with_fds_within(state, fds, Duration::from_millis(100))
+    let Some(addr) = notify_addr() else {
+        return Ok(false);
+    };
+    let mut q = BACKLOG.queue.lock().unwrap_or_else(|p| p.into_inner());
+    if q.is_empty() {
+        let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        match send_once(&addr, state, &raw) {
+            Ok(()) => return Ok(true),
+            Err(nix::errno::Errno::EAGAIN) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let owned = fds
+        .iter()
+        .map(|f| f.try_clone_to_owned())
+        .collect::<io::Result<Vec<_>>>()?;
+    if q.len() >= BACKLOG_MAX {
+        q.pop_front();
+    }
+    q.push_back((state.to_owned(), owned));
+    BACKLOG.wake.notify_one();
+    Ok(true)
 }
 
-/// Sends one state notification (READY=1, STATUS=, ...), waiting up to 5 s
-/// for room in the manager's queue; returns whether it was sent.
+/// Waits (up to `timeout`) until every queued notification went out; for
+/// the last moments of the process, off the runtime.
+pub fn flush(timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while !BACKLOG
+        .queue
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .is_empty()
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Sends one state notification (READY=1, STATUS=, ...); whether it was
+/// sent or queued.
 pub fn notify(state: &str) -> bool {
-    notify_with_fds_within(state, &[], Duration::from_secs(5)).unwrap_or(false)
+    notify_with_fds(state, &[]).unwrap_or(false)
 }
 
 /// The fd-store name of a TAP. Names must be unique per TAP so that one
@@ -103,49 +190,25 @@ pub struct ListenFd {
     pub name: String,
 }
 
-const SD_LISTEN_FDS_START: RawFd = 3;
-
 /// Takes the fds systemd passed (once; the variables are removed so child
 /// processes do not inherit them). Empty when none were passed to us.
-pub fn take_listen_fds() -> Vec<ListenFd> {
-    let pid_ok = std::env::var("LISTEN_PID")
-        .ok()
-        .and_then(|p| p.parse::<u32>().ok())
-        .is_some_and(|p| p == std::process::id());
-    let count: RawFd = std::env::var("LISTEN_FDS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0);
-    let names: Vec<String> = std::env::var("LISTEN_FDNAMES")
-        .map(|n| n.split(':').map(str::to_owned).collect())
-        .unwrap_or_default();
-    // SAFETY: called at start-up, before any other thread reads or writes
-    // the environment.
-    unsafe {
-        std::env::remove_var("LISTEN_PID");
-        std::env::remove_var("LISTEN_FDS");
-        std::env::remove_var("LISTEN_FDNAMES");
-    }
-    if !pid_ok || count <= 0 {
+///
+/// # Safety
+/// Must be called before any other thread exists (it edits the process
+/// environment).
+pub unsafe fn take_listen_fds() -> Vec<ListenFd> {
+    // SAFETY: the caller guarantees no other thread reads or writes the
+    // environment.
+    let passed = unsafe { sd_notify::listen_fds_with_names_and_unset_env() };
+    let Ok(passed) = passed else {
         return vec![];
-    }
-    (0..count)
-        .map(|i| {
-            let raw = SD_LISTEN_FDS_START + i;
-            // SAFETY: systemd passed fds SD_LISTEN_FDS_START.. to this
-            // process (LISTEN_PID matched) and nothing else owns them.
-            let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-            let _ = nix::fcntl::fcntl(
-                &fd,
-                nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
-            );
-            ListenFd {
-                fd,
-                name: names
-                    .get(i as usize)
-                    .cloned()
-                    .unwrap_or_else(|| "unknown".into()),
-            }
+    };
+    passed
+        .map(|(raw, name)| ListenFd {
+            // SAFETY: systemd passed these fds to this process (LISTEN_PID
+            // matched, checked by sd-notify) and nothing else owns them.
+            fd: unsafe { OwnedFd::from_raw_fd(raw) },
+            name,
         })
         .collect()
 }
@@ -205,6 +268,25 @@ mod tests {
         let text = String::from_utf8_lossy(msg.iovs().next().unwrap()).into_owned();
         assert_eq!(text, "FDSTORE=1\nFDNAME=tap-7");
         assert!(got_fd, "the fd travels as SCM_RIGHTS");
+        // A manager that does not read: its queue fills (EAGAIN), yet no
+        // notify blocks, and everything arrives in order once it reads.
+        let started = Instant::now();
+        for i in 0..2000 {
+            assert!(notify(&format!("X={i}")));
+        }
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(2),
+            "notifications blocked for {took:?}"
+        );
+        server
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        for i in 0..2000 {
+            let n = server.recv(&mut buf).unwrap();
+            assert_eq!(&buf[..n], format!("X={i}").as_bytes());
+        }
+        flush(Duration::from_secs(1));
         // SAFETY: as above.
         unsafe { std::env::remove_var("NOTIFY_SOCKET") };
         assert!(!notify("READY=1"));

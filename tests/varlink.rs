@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::io::{IoSliceMut, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -558,4 +559,215 @@ async fn connection_and_buffer_budgets() {
     std::thread::sleep(Duration::from_millis(200));
     let mut v = Varlink::connect(&env);
     v.agent("Health", json!({})).unwrap();
+}
+
+/// What a D-Bus listener saw, in order: (signal, sandbox id or object path).
+async fn dbus_listener(
+    env: &Env,
+) -> (
+    std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    use futures::StreamExt;
+    let conn = env.client().await.conn;
+    let rule = zbus::MatchRule::builder()
+        .msg_type(zbus::message::Type::Signal)
+        .sender(common::NAME)
+        .unwrap()
+        .build();
+    let mut stream = zbus::MessageStream::for_match_rule(rule, &conn, Some(1024))
+        .await
+        .unwrap();
+    let seen: std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>> = Default::default();
+    let out = seen.clone();
+    let task = tokio::spawn(async move {
+        let _conn = conn;
+        while let Some(Ok(msg)) = stream.next().await {
+            let h = msg.header();
+            let member = h.member().map(|m| m.to_string()).unwrap_or_default();
+            let what = match member.as_str() {
+                "NetworkEnsured" => {
+                    let (id, _): (String, HashMap<String, zbus::zvariant::OwnedValue>) =
+                        msg.body().deserialize().unwrap();
+                    id
+                }
+                "NetworkReleased" => {
+                    let (id,): (String,) = msg.body().deserialize().unwrap();
+                    id
+                }
+                "InterfacesAdded" => {
+                    type Added = (
+                        zbus::zvariant::OwnedObjectPath,
+                        HashMap<String, HashMap<String, zbus::zvariant::OwnedValue>>,
+                    );
+                    let (path, _): Added = msg.body().deserialize().unwrap();
+                    path.to_string()
+                }
+                "InterfacesRemoved" => {
+                    let (path, _): (zbus::zvariant::OwnedObjectPath, Vec<String>) =
+                        msg.body().deserialize().unwrap();
+                    path.to_string()
+                }
+                "PropertiesChanged" => h.path().map(|p| p.to_string()).unwrap_or_default(),
+                _ => continue,
+            };
+            out.lock().unwrap().push((member, what));
+        }
+    });
+    (seen, task)
+}
+
+/// The varlink `WatchNetworks` stream: (kind, sandbox id) per event.
+fn watch_events(w: &mut Varlink, n: usize) -> Vec<(String, String, Value)> {
+    (0..n)
+        .map(|_| {
+            let (reply, _) = w.recv().expect("an event");
+            assert_eq!(reply["continues"], true, "{reply}");
+            let e = reply["parameters"]["event"].clone();
+            (
+                e["kind"].as_str().unwrap().to_owned(),
+                e["sandbox_id"].as_str().unwrap_or("").to_owned(),
+                e,
+            )
+        })
+        .collect()
+}
+
+/// Changes made over either edge (and by Reconcile) reach both: the D-Bus
+/// objects and signals follow the core's events whoever made the change,
+/// and a varlink subscriber sees the same sequence as a signal listener.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_edge_sees_every_change_in_one_order() {
+    require_root!();
+    let env = Env::new(&["--datapath", "none"]);
+    let c = env.client().await;
+    let (signals, listener) = dbus_listener(&env).await;
+    let mut w = Varlink::connect(&env);
+    // Without "more" the subscription is refused.
+    let e = w.error("WatchNetworks", json!({}));
+    assert_eq!(e.0, "org.varlink.service.ExpectedMore", "{e:?}");
+    w.send(&json!({"method": "org.cube.NetworkAgent.WatchNetworks", "more": true}));
+    let first = watch_events(&mut w, 1);
+    assert_eq!(first[0].0, "current");
+    assert_eq!(first[0].2["networks"], json!([]));
+
+    let mut v = Varlink::connect(&env);
+    let object = |id: &str| format!("/org/cube/NetworkAgent/network/{id}");
+    let get_tap = |id: String| {
+        let conn = c.conn.clone();
+        async move {
+            zbus::Proxy::new(
+                &conn,
+                common::NAME,
+                format!("/org/cube/NetworkAgent/network/{id}"),
+                "org.cube.NetworkAgent.Network",
+            )
+            .await
+            .unwrap()
+            .get_property::<String>("TapName")
+            .await
+        }
+    };
+    // Created over varlink: its D-Bus object exists and says the same.
+    let net = v
+        .agent("EnsureNetwork", json!({"sandbox_id": "v1"}))
+        .unwrap()["network"]
+        .clone();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match get_tap("v1".into()).await {
+            Ok(t) => {
+                assert_eq!(t, net["tap_name"].as_str().unwrap());
+                break;
+            }
+            Err(e) => assert!(Instant::now() < deadline, "no D-Bus object for v1: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Created over D-Bus, converged over varlink, released over varlink.
+    c.ensure("d1", opts(vec![])).await.unwrap();
+    v.agent(
+        "EnsureNetwork",
+        json!({"sandbox_id": "v1", "options": {"port_mappings": [
+            {"protocol": "udp", "container_port": 53, "host_port": 0, "host_ip": ""}]}}),
+    )
+    .unwrap();
+    assert_eq!(
+        v.agent("ReleaseNetwork", json!({"sandbox_id": "d1"}))
+            .unwrap()["released"],
+        true
+    );
+    // A repair by Reconcile: v1's TAP deleted behind the agent's back.
+    env.ns_cmd(&["ip", "link", "del", net["tap_name"].as_str().unwrap()]);
+    let report = c.reconcile("v1").await.unwrap();
+    assert!(
+        format!("{report:?}").contains("was missing, recreated"),
+        "{report:?}"
+    );
+    // Released over D-Bus.
+    assert!(c.release("v1").await.unwrap());
+    let gone = get_tap("d1".into()).await;
+    assert!(gone.is_err(), "d1's object outlived its network: {gone:?}");
+
+    let events = watch_events(&mut w, 5);
+    let kinds: Vec<(&str, &str)> = events
+        .iter()
+        .map(|(k, id, _)| (k.as_str(), id.as_str()))
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![
+            ("created", "v1"),
+            ("created", "d1"),
+            ("updated", "v1"),
+            ("released", "d1"),
+            ("repaired", "v1"),
+        ]
+    );
+    let events = [events, watch_events(&mut w, 1)].concat();
+    assert_eq!(
+        (events[5].0.as_str(), events[5].1.as_str()),
+        ("released", "v1")
+    );
+    let seqs: Vec<u64> = events
+        .iter()
+        .map(|e| e.2["seq"].as_u64().unwrap())
+        .collect();
+    assert!(seqs.windows(2).all(|p| p[0] < p[1]), "{seqs:?}");
+    assert!(
+        events[4].2["repairs"][0]
+            .as_str()
+            .unwrap()
+            .contains("recreated")
+    );
+    assert_ne!(events[4].2["network"]["tap_ifindex"], net["tap_ifindex"]);
+
+    // The D-Bus listener saw the same changes in the same order.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let seen = signals.lock().unwrap().clone();
+    listener.abort();
+    let network_signals: Vec<(String, String)> = seen
+        .iter()
+        .filter(|(m, w)| {
+            m != "PropertiesChanged" || w.starts_with("/org/cube/NetworkAgent/network/")
+        })
+        .cloned()
+        .collect();
+    let expect: Vec<(String, String)> = [
+        ("InterfacesAdded", object("v1")),
+        ("NetworkEnsured", "v1".into()),
+        ("InterfacesAdded", object("d1")),
+        ("NetworkEnsured", "d1".into()),
+        ("PropertiesChanged", object("v1")),
+        ("NetworkEnsured", "v1".into()),
+        ("InterfacesRemoved", object("d1")),
+        ("NetworkReleased", "d1".into()),
+        ("PropertiesChanged", object("v1")),
+        ("InterfacesRemoved", object("v1")),
+        ("NetworkReleased", "v1".into()),
+    ]
+    .into_iter()
+    .map(|(a, b)| (a.to_owned(), b))
+    .collect();
+    assert_eq!(network_signals, expect, "all signals: {seen:#?}");
 }

@@ -287,8 +287,8 @@ impl Agent {
                 continue;
             }
             match self.nl.neigh_del(self.gateway.ifindex, *ip).await {
-                Ok(()) => report.removed.push(format!("stale neighbour {ip}")),
-                Err(e) if e.errno() == Some(libc::ENOENT) => {}
+                Ok(true) => report.removed.push(format!("stale neighbour {ip}")),
+                Ok(false) => {}
                 Err(e) => report.errors.push(crate::error_chain(&e)),
             }
             let_go(*v4);

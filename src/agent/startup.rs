@@ -157,7 +157,7 @@ impl Agent {
         gwdev_ifindex: u32,
         uplink: &Uplink,
     ) -> Arc<dyn Datapath> {
-        if cfg.datapath == "none" {
+        if cfg.datapath == crate::config::DatapathKind::None {
             return Arc::new(crate::datapath::NoopDatapath::configured());
         }
         let gwdev_mac = std::fs::read_to_string(format!("/sys/class/net/{gwdev}/address"))
@@ -333,10 +333,10 @@ impl Agent {
             report.retired += 1;
         }
         for ip in plan.stale_neighbours {
-            if let Err(e) = self.nl.neigh_del(self.gateway.ifindex, ip).await {
-                report.errors.push(crate::error_chain(&e));
-            } else {
-                report.stale_neighbours += 1;
+            match self.nl.neigh_del(self.gateway.ifindex, ip).await {
+                Ok(true) => report.stale_neighbours += 1,
+                Ok(false) => {}
+                Err(e) => report.errors.push(crate::error_chain(&e)),
             }
         }
         self.pool.delete_retired().await;

@@ -39,10 +39,6 @@ use crate::netlink::TcHook;
 /// The compiled object (built by build.rs, committed in ebpf/).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/datapath.bpf.o"));
 
-const LO_SYSCTLS: [&str; 2] = [
-    "/proc/sys/net/ipv4/conf/lo/route_localnet",
-    "/proc/sys/net/ipv4/conf/lo/accept_local",
-];
 const FILTER_HANDLE: TcHandle = TcHandle::new(0, 1);
 
 /// Idle timeouts of flows (the reaper frees them; LRU maps also evict
@@ -351,9 +347,7 @@ impl EbpfDatapath {
         // local source address (accept_local) as martian unless allowed.
         // Only lo is changed: packets arriving on lo are local by
         // construction.
-        let localnet = LO_SYSCTLS.iter().try_for_each(|path| {
-            std::fs::write(path, "1").map_err(|e| format!("cannot set {path}: {e}"))
-        });
+        let localnet = crate::sysctl::enable_loopback_localnet();
         // Rebuild the per-sandbox indexes from the (possibly pinned) maps.
         let mut policies: StdHashMap<u32, PolicyKeys> = StdHashMap::new();
         for k in maps.allow.keys().flatten() {

@@ -717,7 +717,7 @@ fn listener(
 }
 
 /// Serves varlink in the background on `passed` (from
-/// [`activation::listen_fds`] or [`activation::listener_from`]), else on a
+/// [`activation::listener_from`]), else on a
 /// socket of our own in the runtime directory.
 pub fn serve(
     agent: Arc<Agent>,
