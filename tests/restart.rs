@@ -296,3 +296,93 @@ async fn removed_qdiscs_and_filters_are_reported_and_repaired() {
     );
     assert_eq!(g.udp_send_recv(echo, b"d", T).unwrap(), b"world:d");
 }
+
+/// Churned TAPs leave nothing behind in the pinned maps: no entry for a
+/// device that no longer exists (`tap_attached`, `sandboxes`), none for a
+/// sandbox that was released (`by_ip`, port mappings).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn churn_leaves_no_map_entry_for_a_gone_device_or_sandbox() {
+    use cube_network_agent::datapath::maps::{DpPortmapKey, DpPortmapVal, DpSandbox, DpTap};
+    require_root!();
+    // A pool of 1 keeps 2 idle TAPs: most released TAPs are deleted.
+    let (mut env, _world) = node(&["--warm-pool", "1"]);
+    let c = env.client().await;
+    for i in 0..24 {
+        let id = format!("churn-{i}");
+        c.ensure(
+            &id,
+            opts(vec![("port_mappings", ports(&[("udp", 53, 0, "")]))]),
+        )
+        .await
+        .unwrap();
+        if i % 4 != 0 {
+            assert!(c.release(&id).await.unwrap());
+        }
+    }
+    let live: Vec<Dict> = c.list().await;
+    assert_eq!(live.len(), 6);
+    let live_ips: std::collections::BTreeSet<u32> = live
+        .iter()
+        .map(|d| {
+            let ip: std::net::Ipv4Addr = common::s(d, "sandbox_ip").parse().unwrap();
+            u32::from_ne_bytes(ip.octets())
+        })
+        .collect();
+    // A TAP deleted while the agent is down (nothing hears the kernel's
+    // notification): the reaper must notice on its own.
+    env.kill_agent();
+    let pool_tap = env.pool_taps().into_iter().next().expect("a pool TAP");
+    env.ns_cmd(&["ip", "link", "del", &pool_tap]);
+    env.start_agent();
+    let pins = env.dir.join("bpf");
+    let open = |name: &str| aya::maps::MapData::from_pin(pins.join(name)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let links: std::collections::BTreeSet<u32> =
+            env.links().values().map(|l| l.ifindex).collect();
+        let attached: aya::maps::HashMap<_, u32, u32> =
+            aya::maps::HashMap::try_from(aya::maps::Map::HashMap(open("tap_attached"))).unwrap();
+        let sandboxes: aya::maps::HashMap<_, u32, DpSandbox> =
+            aya::maps::HashMap::try_from(aya::maps::Map::HashMap(open("sandboxes"))).unwrap();
+        let by_ip: aya::maps::HashMap<_, u32, DpTap> =
+            aya::maps::HashMap::try_from(aya::maps::Map::HashMap(open("by_ip"))).unwrap();
+        let portmap: aya::maps::HashMap<_, DpPortmapKey, DpPortmapVal> =
+            aya::maps::HashMap::try_from(aya::maps::Map::HashMap(open("portmap"))).unwrap();
+        let stale_attached: Vec<u32> = attached
+            .keys()
+            .flatten()
+            .filter(|i| !links.contains(i))
+            .collect();
+        let stale_sandboxes: Vec<u32> = sandboxes
+            .iter()
+            .flatten()
+            .filter(|(i, sb)| !links.contains(i) || !live_ips.contains(&sb.sandbox_ip))
+            .map(|(i, _)| i)
+            .collect();
+        let stale_by_ip: Vec<u32> = by_ip
+            .keys()
+            .flatten()
+            .filter(|ip| !live_ips.contains(ip))
+            .collect();
+        let stale_ports = portmap
+            .iter()
+            .flatten()
+            .filter(|(_, v)| !live_ips.contains(&v.sandbox_ip))
+            .count();
+        let n_attached = attached.keys().flatten().count();
+        if stale_attached.is_empty()
+            && stale_sandboxes.is_empty()
+            && stale_by_ip.is_empty()
+            && stale_ports == 0
+        {
+            eprintln!("after churn: {n_attached} tap_attached entries, all for existing TAPs");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "stale entries: tap_attached {stale_attached:?}, sandboxes {stale_sandboxes:?}, \
+             by_ip {stale_by_ip:?}, {stale_ports} port mappings"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -138,11 +138,14 @@ impl Agent {
         agent.pool.refill().await;
         tokio::spawn(agent.pool.clone().run());
         let dp = agent.datapath.clone();
+        // The first pass runs at once (off the start path: READY does not
+        // wait for it), so Health's TAP and flow counts are right within
+        // moments of a start, then every 2 s.
         tokio::spawn(async move {
             loop {
+                let pass = dp.clone();
+                let _ = tokio::task::spawn_blocking(move || pass.maintain()).await;
                 tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-                let dp = dp.clone();
-                let _ = tokio::task::spawn_blocking(move || dp.maintain()).await;
             }
         });
         Ok(agent)

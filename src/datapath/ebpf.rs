@@ -586,6 +586,17 @@ impl EbpfDatapath {
     }
 }
 
+/// Whether a network device with this ifindex exists in our namespace.
+/// (nix 0.30's `if_indextoname` treats only -1 as failure, but libc returns
+/// NULL for an unknown index, so it called every device alive and
+/// `tap_attached` leaked an entry per retired TAP.)
+fn link_exists(ifindex: u32) -> bool {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: `buf` holds IF_NAMESIZE bytes, as if_indextoname(3) requires;
+    // it only writes the name there.
+    !unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) }.is_null()
+}
+
 fn proto_num(p: Protocol) -> u8 {
     match p {
         Protocol::Tcp => libc::IPPROTO_TCP as u8,
@@ -859,7 +870,7 @@ impl Datapath for EbpfDatapath {
             .keys()
             .flatten()
             .inspect(|_| taps += 1)
-            .filter(|i| nix::net::if_::if_indextoname(*i).is_err())
+            .filter(|i| !link_exists(*i))
             .collect();
         for i in &gone {
             let _ = r.attached.remove(i);
