@@ -411,20 +411,51 @@ static __always_inline int host_socket(struct __sk_buff *skb, __u8 proto, __u32 
 	return 0;
 }
 
+/* Whether the sandbox flow holding SNAT port rk->nat_port to this remote
+ * endpoint is over, so a new flow may take the port: its forward entry is
+ * gone (reaped), or it is a TCP flow that saw FIN/RST and `syn` opens a new
+ * TCP connection (as the kernel reuses a TIME_WAIT tuple for a new SYN).
+ * Without this, closing flows held the range for their whole closing
+ * timeout and a busy guest ran out of ports to one remote endpoint. */
+static __always_inline int snat_port_reusable(const struct dp_rev_key *rk, int syn)
+{
+	struct dp_rev_val *old = bpf_map_lookup_elem(&ct_rev, rk);
+	if (!old)
+		return 1;
+	struct dp_ct_key ok = {
+		.sandbox_ip = old->sandbox_ip,
+		.remote_ip = rk->remote_ip,
+		.guest_port = old->guest_port,
+		.remote_port = rk->remote_port,
+		.proto = rk->proto,
+	};
+	struct dp_ct_val *ov = bpf_map_lookup_elem(&ct, &ok);
+	if (ov && !(syn && rk->proto == IPPROTO_TCP && ov->state == DP_TCP_CLOSING))
+		return 0;
+	if (ov)
+		bpf_map_delete_elem(&ct, &ok);
+	return 1;
+}
+
 /* Picks the SNAT port of a new flow: only ever a port of the SNAT range
  * (never the guest's own source port, which could be one the host's own
  * connections use), up to 32 probes from a hash of the flow. A port is
- * free when no other sandbox flow to the same remote endpoint holds it
- * (ct_rev, claimed atomically with BPF_NOEXIST) and no host socket
- * (listeners included) would receive the reply tuple. */
+ * free when no live sandbox flow to the same remote endpoint holds it
+ * (ct_rev, claimed atomically with BPF_NOEXIST, or taken over from a flow
+ * that is over) and no host socket (listeners included) would receive the
+ * reply tuple (asked only for the port just claimed: a socket lookup costs
+ * more than a map update). */
 static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_config *c,
-				      const struct dp_ct_key *key, __u16 *nat_port)
+				      const struct dp_ct_key *key, int syn, __u16 *nat_port)
 {
 	__u32 range = (__u32)c->snat_port_max - c->snat_port_min + 1;
 	if (c->snat_port_max < c->snat_port_min || range == 0)
 		return -1;
-	__u32 h = key->sandbox_ip * 2654435761u ^ key->remote_ip * 40503u ^
-		  ((__u32)key->guest_port << 16 | key->remote_port) ^ bpf_get_prandom_u32();
+	/* The first probe follows the guest's own port (its kernel already
+	 * spreads reuse of a port to one destination out in time, which the
+	 * remote's TIME_WAIT handling relies on), offset per sandbox so two
+	 * sandboxes using the same guest port do not contend. */
+	__u32 h = bpf_ntohs(key->guest_port) + key->sandbox_ip * 2654435761u;
 	struct dp_rev_key rk = {
 		.remote_ip = key->remote_ip,
 		.remote_port = key->remote_port,
@@ -436,14 +467,21 @@ static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_con
 	};
 	for (int i = 0; i < 32; i++) {
 		__u16 p = bpf_htons(c->snat_port_min + (h + i * 7919u) % range);
-		if (p == 0 || host_socket(skb, key->proto, key->remote_ip, key->remote_port,
-					  c->uplink_ip, p, 1))
+		if (p == 0)
 			continue;
 		rk.nat_port = p;
-		if (bpf_map_update_elem(&ct_rev, &rk, &rv, BPF_NOEXIST) == 0) {
-			*nat_port = p;
-			return 0;
+		if (bpf_map_update_elem(&ct_rev, &rk, &rv, BPF_NOEXIST) != 0) {
+			if (!snat_port_reusable(&rk, syn) ||
+			    bpf_map_update_elem(&ct_rev, &rk, &rv, BPF_ANY) != 0)
+				continue;
 		}
+		if (host_socket(skb, key->proto, key->remote_ip, key->remote_port, c->uplink_ip,
+				p, 1)) {
+			bpf_map_delete_elem(&ct_rev, &rk);
+			continue;
+		}
+		*nat_port = p;
+		return 0;
 	}
 	return -1;
 }
@@ -546,7 +584,9 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 		touch(v, l4);
 		nat_port = v->nat_port;
 	} else {
-		if (snat_alloc(skb, c, &key, &nat_port)) {
+		int syn = l4->proto == IPPROTO_TCP &&
+			  (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
+		if (snat_alloc(skb, c, &key, syn, &nat_port)) {
 			count(DP_C_NO_PORT);
 			return TC_ACT_SHOT;
 		}

@@ -128,8 +128,9 @@ pub struct Config {
     pub datapath: DatapathKind,
     /// bpffs directory for this instance's pinned maps.
     pub bpf_pin_dir: PathBuf,
-    /// SNAT source ports for guest flows (keep it outside
-    /// `ip_local_port_range` and `host_port_range`).
+    /// SNAT source ports for guest flows: outside `host_port_range`; by
+    /// default the range Linux guests pick their own source ports from, so
+    /// a guest port maps one-to-one onto a SNAT port (docs/datapath.md).
     pub snat_port_range: String,
     /// Idle timeouts of datapath flows, seconds.
     pub flow_timeout_tcp: u32,
@@ -164,7 +165,7 @@ impl Default for Config {
             retire_group: 0xc0be,
             datapath: DatapathKind::Ebpf,
             bpf_pin_dir: "/sys/fs/bpf/cube-network-agent".into(),
-            snat_port_range: "61000-65535".into(),
+            snat_port_range: "32768-60999".into(),
             flow_timeout_tcp: 600,
             flow_timeout_tcp_closing: 10,
             flow_timeout_udp: 60,
@@ -514,7 +515,7 @@ Options (each overrides the same key of the config file):
   --runtime-dir PATH         runtime files [default: $RUNTIME_DIRECTORY or /run/cube-network-agent]
   --datapath ebpf|none       packet datapath [default: ebpf]
   --bpf-pin-dir PATH         bpffs directory for pinned maps [default: /sys/fs/bpf/cube-network-agent]
-  --snat-port-range LO-HI    SNAT source ports [default: 61000-65535]
+  --snat-port-range LO-HI    SNAT source ports [default: 32768-60999]
   --flow-timeout-udp SECS    idle timeout of UDP flows [default: 60] (also -tcp, -tcp-closing, -icmp)
   --log-level FILTER         tracing filter [default: info]
   --print-config             print the effective configuration as TOML and exit
