@@ -695,35 +695,37 @@ impl Netlink {
 
     /// Every IPv4 address of the namespace (any link).
     pub async fn local_ipv4_addrs(&self) -> Result<Vec<Ipv4Addr>, NetlinkError> {
-        debug!("dump all addresses");
-        let _one = self.dumps.lock().await;
-        let mut req = self.handle.address().get();
-        req.message_mut().header.family = AddressFamily::Inet;
-        let msgs: Vec<_> =
-            req.execute()
-                .try_collect()
-                .await
-                .map_err(|source| NetlinkError::Dump {
-                    what: "addresses",
-                    source,
-                })?;
-        Ok(msgs
-            .iter()
-            .filter(|m| m.header.family == AddressFamily::Inet)
-            .filter_map(|m| {
-                m.attributes.iter().find_map(|a| match a {
-                    AddressAttribute::Local(IpAddr::V4(v4)) => Some(*v4),
-                    _ => None,
-                })
-            })
+        Ok(self
+            .ipv4_addr_dump(None)
+            .await?
+            .into_iter()
+            .map(|(a, _, _)| a)
             .collect())
     }
 
     /// IPv4 addresses (address, prefix length) on `ifindex`, in kernel order.
     pub async fn ipv4_addrs(&self, ifindex: u32) -> Result<Vec<(Ipv4Addr, u8)>, NetlinkError> {
-        debug!(ifindex, "dump addresses");
+        Ok(self
+            .ipv4_addr_dump(Some(ifindex))
+            .await?
+            .into_iter()
+            .filter(|(_, _, index)| *index == ifindex)
+            .map(|(a, len, _)| (a, len))
+            .collect())
+    }
+
+    /// (address, prefix length, ifindex) of the IPv4 addresses on `ifindex`,
+    /// or on every link.
+    async fn ipv4_addr_dump(
+        &self,
+        ifindex: Option<u32>,
+    ) -> Result<Vec<(Ipv4Addr, u8, u32)>, NetlinkError> {
+        debug!(?ifindex, "dump addresses");
         let _one = self.dumps.lock().await;
-        let mut req = self.handle.address().get().set_link_index_filter(ifindex);
+        let mut req = self.handle.address().get();
+        if let Some(index) = ifindex {
+            req = req.set_link_index_filter(index);
+        }
         req.message_mut().header.family = AddressFamily::Inet;
         let msgs: Vec<_> =
             req.execute()
@@ -736,7 +738,7 @@ impl Netlink {
         let mut out = Vec::new();
         for m in msgs
             .iter()
-            .filter(|m| m.header.index == ifindex && m.header.family == AddressFamily::Inet)
+            .filter(|m| m.header.family == AddressFamily::Inet)
         {
             // IFA_LOCAL is the interface's own address; IFA_ADDRESS differs from it
             // only on point-to-point links (peer address).
@@ -749,7 +751,7 @@ impl Netlink {
                 _ => None,
             });
             if let Some(a) = local.or(address) {
-                out.push((a, m.header.prefix_len));
+                out.push((a, m.header.prefix_len, m.header.index));
             }
         }
         Ok(out)

@@ -129,29 +129,7 @@ async fn kill_9_during_storm_loses_nothing_acknowledged() {
         let restart_ms = started.elapsed().as_millis();
         let c = env.client().await;
 
-        // Every acknowledged state is there exactly; uncertain ones are
-        // whatever the agent says, and become known.
-        let mut m = model.lock().unwrap().clone();
-        for (id, known) in m.iter_mut() {
-            let actual = match c.get(id).await {
-                Ok(d) => Some(shape(&d)),
-                Err(e) => {
-                    assert_eq!(
-                        e.name, "org.cube.NetworkAgent.Error.NotFound",
-                        "{id}: {e:?}"
-                    );
-                    None
-                }
-            };
-            if let Known::Acked(expected) = known {
-                assert_eq!(
-                    &actual, expected,
-                    "iteration {iter}: {id} lost an acknowledged change (seed {seed})"
-                );
-            }
-            *known = Known::Acked(actual);
-        }
-        *model.lock().unwrap() = m;
+        check_model(&c, &model, &format!("iteration {iter}"), seed).await;
         check_invariants(&env, &c, capacity, iter).await;
         eprintln!(
             "iteration {iter}: killed after {delay:?} and {calls} acknowledged calls; ready again in {restart_ms} ms"
@@ -175,6 +153,37 @@ async fn kill_9_during_storm_loses_nothing_acknowledged() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Every acknowledged state is there exactly; uncertain ones are whatever
+/// the agent says, and become known.
+async fn check_model(
+    c: &common::Client,
+    model: &Arc<Mutex<HashMap<String, Known>>>,
+    when: &str,
+    seed: u64,
+) {
+    let mut m = model.lock().unwrap().clone();
+    for (id, known) in m.iter_mut() {
+        let actual = match c.get(id).await {
+            Ok(d) => Some(shape(&d)),
+            Err(e) => {
+                assert_eq!(
+                    e.name, "org.cube.NetworkAgent.Error.NotFound",
+                    "{id}: {e:?}"
+                );
+                None
+            }
+        };
+        if let Known::Acked(expected) = known {
+            assert_eq!(
+                &actual, expected,
+                "{when}: {id} lost an acknowledged change (seed {seed})"
+            );
+        }
+        *known = Known::Acked(actual);
+    }
+    *model.lock().unwrap() = m;
 }
 
 async fn check_invariants(env: &Env, c: &common::Client, capacity: u32, iter: u32) {
@@ -492,27 +501,7 @@ async fn storm_with_parallel_reconcile_and_kill_9() {
             check_removals(&round, iter);
         }
         let c = env.client().await;
-        let mut m = model.lock().unwrap().clone();
-        for (id, known) in m.iter_mut() {
-            let actual = match c.get(id).await {
-                Ok(d) => Some(shape(&d)),
-                Err(e) => {
-                    assert_eq!(
-                        e.name, "org.cube.NetworkAgent.Error.NotFound",
-                        "{id}: {e:?}"
-                    );
-                    None
-                }
-            };
-            if let Known::Acked(expected) = known {
-                assert_eq!(
-                    &actual, expected,
-                    "round {iter}: {id} lost an acknowledged change (seed {seed})"
-                );
-            }
-            *known = Known::Acked(actual);
-        }
-        *model.lock().unwrap() = m;
+        check_model(&c, &model, &format!("round {iter}"), seed).await;
         check_invariants(&env, &c, capacity, iter).await;
         check_datapath_and_pool(&env, &c, iter).await;
     }
