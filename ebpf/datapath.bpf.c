@@ -293,6 +293,39 @@ static __always_inline void touch(struct dp_ct_val *v, const struct l4info *l4)
 		v->state = DP_TCP_OPEN;
 }
 
+/* Removes a flow that belongs to an earlier owner of its sandbox address
+ * (or to a released sandbox), with its SNAT reverse entry if that still
+ * points at it. */
+static __always_inline void drop_stale(const struct dp_ct_key *k, const struct dp_ct_val *v)
+{
+	if (v->kind == DP_CT_SNAT) {
+		struct dp_rev_key rk = {
+			.remote_ip = k->remote_ip,
+			.remote_port = k->remote_port,
+			.nat_port = v->nat_port,
+			.proto = k->proto,
+		};
+		struct dp_rev_val *rv = bpf_map_lookup_elem(&ct_rev, &rk);
+		if (rv && rv->gen == v->gen && rv->sandbox_ip == k->sandbox_ip &&
+		    rv->guest_port == k->guest_port)
+			bpf_map_delete_elem(&ct_rev, &rk);
+	}
+	bpf_map_delete_elem(&ct, k);
+}
+
+/* The flow `k` of the sandbox whose owner has generation `gen`: a flow
+ * another owner of the address left behind is no flow (and is deleted),
+ * so the new owner's packets open flows of their own. */
+static __always_inline struct dp_ct_val *flow_of(const struct dp_ct_key *k, __u64 gen)
+{
+	struct dp_ct_val *v = bpf_map_lookup_elem(&ct, k);
+	if (v && v->gen != gen) {
+		drop_stale(k, v);
+		return NULL;
+	}
+	return v;
+}
+
 /* Proxy ARP: every request from the guest (except for its own address:
  * duplicate address detection) is answered with the gateway MAC. */
 static __always_inline int proxy_arp(struct __sk_buff *skb, const struct dp_config *c)
@@ -363,7 +396,7 @@ static __always_inline int local_reply(struct __sk_buff *skb, const struct dp_co
 		.remote_port = l4->dport,
 		.proto = l4->proto,
 	};
-	struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
+	struct dp_ct_val *v = flow_of(&key, sb->gen);
 	if (!v || v->kind != DP_CT_LOCAL)
 		return -1;
 	touch(v, l4);
@@ -413,27 +446,34 @@ static __always_inline int host_socket(struct __sk_buff *skb, __u8 proto, __u32 
 
 /* Whether the sandbox flow holding SNAT port rk->nat_port to this remote
  * endpoint is over, so a new flow may take the port: its forward entry is
- * gone (reaped), or it is a TCP flow that saw FIN/RST and `syn` opens a new
- * TCP connection (as the kernel reuses a TIME_WAIT tuple for a new SYN).
- * Without this, closing flows held the range for their whole closing
- * timeout and a busy guest ran out of ports to one remote endpoint. */
+ * gone (reaped) or is now another flow's, its sandbox was released or the
+ * address has a new owner (generation), or it is a TCP flow that saw
+ * FIN/RST and `syn` opens a new TCP connection (as the kernel reuses a
+ * TIME_WAIT tuple for a new SYN). Without the last, closing flows held the
+ * range for their whole closing timeout and a busy guest ran out of ports
+ * to one remote endpoint. */
 static __always_inline int snat_port_reusable(const struct dp_rev_key *rk, int syn)
 {
 	struct dp_rev_val *old = bpf_map_lookup_elem(&ct_rev, rk);
 	if (!old)
 		return 1;
+	__u32 old_ip = old->sandbox_ip;
+	__u64 old_gen = old->gen;
 	struct dp_ct_key ok = {
-		.sandbox_ip = old->sandbox_ip,
+		.sandbox_ip = old_ip,
 		.remote_ip = rk->remote_ip,
 		.guest_port = old->guest_port,
 		.remote_port = rk->remote_port,
 		.proto = rk->proto,
 	};
 	struct dp_ct_val *ov = bpf_map_lookup_elem(&ct, &ok);
-	if (ov && !(syn && rk->proto == IPPROTO_TCP && ov->state == DP_TCP_CLOSING))
+	if (!ov || ov->gen != old_gen || ov->nat_port != rk->nat_port || ov->kind != DP_CT_SNAT)
+		return 1; /* the reverse entry outlived its flow */
+	struct dp_tap *owner = bpf_map_lookup_elem(&by_ip, &old_ip);
+	if (owner && owner->gen == old_gen &&
+	    !(syn && rk->proto == IPPROTO_TCP && ov->state == DP_TCP_CLOSING))
 		return 0;
-	if (ov)
-		bpf_map_delete_elem(&ct, &ok);
+	bpf_map_delete_elem(&ct, &ok);
 	return 1;
 }
 
@@ -446,7 +486,8 @@ static __always_inline int snat_port_reusable(const struct dp_rev_key *rk, int s
  * reply tuple (asked only for the port just claimed: a socket lookup costs
  * more than a map update). */
 static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_config *c,
-				      const struct dp_ct_key *key, int syn, __u16 *nat_port)
+				      const struct dp_ct_key *key, __u64 gen, int syn,
+				      __u16 *nat_port)
 {
 	__u32 range = (__u32)c->snat_port_max - c->snat_port_min + 1;
 	if (c->snat_port_max < c->snat_port_min || range == 0)
@@ -464,6 +505,7 @@ static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_con
 	struct dp_rev_val rv = {
 		.sandbox_ip = key->sandbox_ip,
 		.guest_port = key->guest_port,
+		.gen = gen,
 	};
 	for (int i = 0; i < 32; i++) {
 		__u16 p = bpf_htons(c->snat_port_min + (h + i * 7919u) % range);
@@ -575,7 +617,7 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 		.proto = l4->proto,
 	};
 	__u16 nat_port;
-	struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
+	struct dp_ct_val *v = flow_of(&key, sb->gen);
 	if (!(v && v->kind == DP_CT_PORTMAP) && !policy_allows(sb, ip->daddr)) {
 		count(DP_C_POLICY_DROP);
 		return TC_ACT_SHOT;
@@ -586,11 +628,11 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	} else {
 		int syn = l4->proto == IPPROTO_TCP &&
 			  (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
-		if (snat_alloc(skb, c, &key, syn, &nat_port)) {
+		if (snat_alloc(skb, c, &key, sb->gen, syn, &nat_port)) {
 			count(DP_C_NO_PORT);
 			return TC_ACT_SHOT;
 		}
-		struct dp_ct_val nv = {.nat_port = nat_port, .kind = DP_CT_SNAT};
+		struct dp_ct_val nv = {.nat_port = nat_port, .kind = DP_CT_SNAT, .gen = sb->gen};
 		touch(&nv, l4);
 		bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
 	}
@@ -669,6 +711,7 @@ int from_uplink(struct __sk_buff *skb)
 
 	__u32 sandbox_ip;
 	__u16 guest_port;
+	struct dp_tap *tap;
 	struct dp_rev_key rk = {
 		.remote_ip = ip.saddr,
 		.remote_port = l4.proto == IPPROTO_ICMP ? 0 : l4.sport,
@@ -679,6 +722,7 @@ int from_uplink(struct __sk_buff *skb)
 	if (rv) {
 		sandbox_ip = rv->sandbox_ip;
 		guest_port = rv->guest_port;
+		__u64 gen = rv->gen;
 		struct dp_ct_key key = {
 			.sandbox_ip = sandbox_ip,
 			.remote_ip = ip.saddr,
@@ -687,9 +731,17 @@ int from_uplink(struct __sk_buff *skb)
 			.proto = l4.proto,
 		};
 		struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
-		if (!v) {
-			/* The forward entry was reaped: the flow is over. */
+		if (!v || v->gen != gen || v->nat_port != rk.nat_port || v->kind != DP_CT_SNAT) {
+			/* The forward entry was reaped (or is another flow's
+			 * now): the flow is over. */
 			bpf_map_delete_elem(&ct_rev, &rk);
+			return TC_ACT_OK;
+		}
+		tap = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
+		if (!tap || tap->gen != gen) {
+			/* The flow of a released sandbox, or of an earlier owner
+			 * of this address: never delivered to the new owner. */
+			drop_stale(&key, v);
 			return TC_ACT_OK;
 		}
 		if (host_socket(skb, l4.proto, ip.saddr, l4.sport, ip.daddr, l4.dport, 0)) {
@@ -713,6 +765,9 @@ int from_uplink(struct __sk_buff *skb)
 			return TC_ACT_OK; /* the host's own traffic */
 		sandbox_ip = pm->sandbox_ip;
 		guest_port = pm->container_port;
+		tap = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
+		if (!tap)
+			return TC_ACT_SHOT;
 		struct dp_ct_key key = {
 			.sandbox_ip = sandbox_ip,
 			.remote_ip = ip.saddr,
@@ -720,7 +775,7 @@ int from_uplink(struct __sk_buff *skb)
 			.remote_port = l4.sport,
 			.proto = l4.proto,
 		};
-		struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
+		struct dp_ct_val *v = flow_of(&key, tap->gen);
 		if (opens_flow(v, &l4) &&
 		    host_socket(skb, l4.proto, ip.saddr, l4.sport, ip.daddr, l4.dport, 1)) {
 			/* A host socket listens on (or is bound to) this port: the
@@ -734,20 +789,19 @@ int from_uplink(struct __sk_buff *skb)
 		if (v) {
 			touch(v, &l4);
 		} else {
-			struct dp_ct_val nv = {.nat_port = l4.dport, .kind = DP_CT_PORTMAP};
+			struct dp_ct_val nv = {.nat_port = l4.dport, .kind = DP_CT_PORTMAP,
+					       .gen = tap->gen};
 			touch(&nv, &l4);
 			bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
 		}
 		count(DP_C_PORTMAP);
 	}
-	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
-	if (!tap)
-		return TC_ACT_SHOT;
+	__u32 tap_ifindex = tap->ifindex;
 	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
 	    set_port(skb, dst_port_off(&l4), l4.dport, guest_port, &l4) ||
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
-	return bpf_redirect(tap->ifindex, 0);
+	return bpf_redirect(tap_ifindex, 0);
 }
 
 /* The reply side of a port-mapped flow leaves with the mapped host port. */
@@ -812,7 +866,7 @@ int from_host(struct __sk_buff *skb)
 		.remote_port = l4.sport,
 		.proto = l4.proto,
 	};
-	struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
+	struct dp_ct_val *v = flow_of(&key, tap->gen);
 	if (opens_flow(v, &l4) &&
 	    host_socket(skb, l4.proto, ip.saddr, l4.sport, ip.daddr, l4.dport, 1)) {
 		/* A host socket listens there: the host wins (new flows). */
@@ -825,7 +879,7 @@ int from_host(struct __sk_buff *skb)
 		touch(v, &l4);
 	} else {
 		struct dp_ct_val nv = {.nat_port = l4.dport, .kind = DP_CT_LOCAL,
-				       .local_addr = ip.daddr};
+				       .local_addr = ip.daddr, .gen = tap->gen};
 		touch(&nv, &l4);
 		bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
 	}

@@ -22,17 +22,29 @@ struct dp_config {
 	__u16 pad;
 }; /* 48 bytes */
 
+/* Generations: every owner of a sandbox address gets a generation of its
+ * own (written by the agent when an address is attached with no `by_ip`
+ * entry, kept by every later attach of the same owner; unique per boot,
+ * which is as long as pinned maps live). Each flow records the generation
+ * of the owner that created it; a lookup that finds a flow of another
+ * generation treats it as no flow and deletes it, so a released sandbox's
+ * flows never reach the next owner of its address, and release does not
+ * have to walk the flow maps (the reaper removes them later). */
+
 /* TAP ifindex -> sandbox */
 struct dp_sandbox {
 	__u32 sandbox_ip;
 	__u32 flags;           /* DP_F_* */
-}; /* 8 bytes */
+	__u64 gen;             /* the owner's generation (as in by_ip) */
+}; /* 16 bytes */
 #define DP_F_INTERNET 1u
 
 /* sandbox ip -> TAP */
 struct dp_tap {
 	__u32 ifindex;
-}; /* 4 bytes */
+	__u32 pad;
+	__u64 gen;             /* the owner's generation */
+}; /* 16 bytes */
 
 /* policy tries: 64-bit key = sandbox ip (32 bits) + destination prefix */
 struct dp_policy_key {
@@ -72,7 +84,8 @@ struct dp_ct_val {
 	__u8 kind;             /* DP_CT_* */
 	__u8 state;            /* DP_TCP_* */
 	__u32 local_addr;      /* DP_CT_LOCAL: the address the host dialled */
-}; /* 16 bytes */
+	__u64 gen;             /* generation of the sandbox that owns the flow */
+}; /* 24 bytes */
 #define DP_CT_SNAT 0
 #define DP_CT_PORTMAP 1
 #define DP_CT_LOCAL 2     /* host -> 127.x / uplink IP : host port, via lo */
@@ -91,7 +104,8 @@ struct dp_rev_val {
 	__u32 sandbox_ip;
 	__u16 guest_port;
 	__u16 pad;
-}; /* 8 bytes */
+	__u64 gen;             /* as in the forward entry */
+}; /* 16 bytes */
 
 /* counters (per CPU) */
 enum dp_counter {

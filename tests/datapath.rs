@@ -472,3 +472,272 @@ async fn release_clears_the_datapath_before_the_tap_is_reused() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// The pinned flow map: (key, value) of every flow.
+fn pinned_flows(
+    env: &Env,
+) -> Vec<(
+    cube_network_agent::datapath::maps::DpCtKey,
+    cube_network_agent::datapath::maps::DpCtVal,
+)> {
+    let ct: aya::maps::HashMap<_, cube_network_agent::datapath::maps::DpCtKey, _> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
+            aya::maps::MapData::from_pin(env.dir.join("bpf/ct")).unwrap(),
+        ))
+        .unwrap();
+    ct.iter().flatten().collect()
+}
+
+/// The generation that owns `ip` in the pinned `by_ip` map.
+fn generation_of(env: &Env, ip: Ipv4Addr) -> Option<u64> {
+    let by_ip: aya::maps::HashMap<_, u32, cube_network_agent::datapath::maps::DpTap> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(
+            aya::maps::MapData::from_pin(env.dir.join("bpf/by_ip")).unwrap(),
+        ))
+        .unwrap();
+    by_ip
+        .get(&u32::from_ne_bytes(ip.octets()), 0)
+        .ok()
+        .map(|t| t.generation)
+}
+
+fn ip_of(net: &common::Dict) -> Ipv4Addr {
+    s(net, "sandbox_ip").parse().unwrap()
+}
+
+/// Release does not walk the flow maps: a released sandbox's flows stay
+/// until the reaper's next pass. The next owner of the same address (a /30
+/// pool has one) must never see them: late replies from the world to the
+/// old SNAT ports (UDP and an open TCP connection) and to the old mapped
+/// port from the old remote port do not reach the new guest, and the new
+/// guest's packets on the old flows' tuples open flows of its own (a port
+/// mapping it does not have is not used for them); the reaper then drops
+/// the old generation's flows and keeps the new ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reused_address_never_sees_the_released_sandboxs_flows() {
+    use std::io::Write;
+    use std::net::{TcpListener, UdpSocket};
+    require_root!();
+    let (env, world) = node(&["--pool-cidr", "10.77.0.0/30"]);
+    let c = env.client().await;
+    let ns_w = world.ns.clone();
+    let udp = world::in_netns(&ns_w, || UdpSocket::bind("0.0.0.0:5360")).unwrap();
+    let udp_pm = world::in_netns(&ns_w, || UdpSocket::bind("0.0.0.0:5361")).unwrap();
+    let tcp = world::in_netns(&ns_w, || TcpListener::bind("0.0.0.0:9494")).unwrap();
+    for u in [&udp, &udp_pm] {
+        u.set_read_timeout(Some(T)).unwrap();
+    }
+
+    let (net, old) = guest_for(
+        &c,
+        "old",
+        opts(vec![("port_mappings", ports(&[("udp", 53, 0, "")]))]),
+    )
+    .await;
+    let ip = ip_of(&net);
+    let host_port = mappings(&net)[0].2;
+    old.udp_echo(53).unwrap();
+    // An open TCP connection through SNAT.
+    let accept = std::thread::spawn(move || {
+        let (mut s, peer) = tcp.accept().unwrap();
+        s.write_all(b"hello").unwrap();
+        (s, peer)
+    });
+    let got = old
+        .tcp_exchange(
+            World::world_addr(9494),
+            b"hi",
+            guest::TcpOpts {
+                half_close: false,
+                max_bytes: Some(5),
+            },
+            T,
+        )
+        .unwrap();
+    assert_eq!(got, b"hello");
+    let (mut conn, tcp_peer) = accept.join().unwrap();
+    // A UDP flow through SNAT.
+    let old_src = SocketAddrV4::new(GUEST_IP, 40000);
+    old.send_raw_frame(&guest::udp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        old_src,
+        World::world_addr(5360),
+        b"old-udp",
+    ))
+    .unwrap();
+    let mut buf = [0u8; 1500];
+    let (n, udp_peer) = udp.recv_from(&mut buf).unwrap();
+    assert_eq!(&buf[..n], b"old-udp");
+    // A UDP flow the world opened through the port mapping.
+    udp_pm.send_to(b"pm", World::node_addr(host_port)).unwrap();
+    let (n, from) = udp_pm.recv_from(&mut buf).unwrap();
+    assert_eq!((&buf[..n], from.port()), (&b"pm"[..], host_port));
+    let old_gen = generation_of(&env, ip).expect("by_ip entry of the old sandbox");
+    drop(old);
+    assert!(c.release("old").await.unwrap());
+
+    // The next sandbox gets the same address (and no port mapping).
+    let (net2, new) = guest_for(&c, "new", opts(vec![])).await;
+    assert_eq!(ip_of(&net2), ip, "a /30 pool has one address");
+    let new_gen = generation_of(&env, ip).unwrap();
+    assert_ne!(new_gen, old_gen, "a new owner gets a new generation");
+    std::thread::sleep(Duration::from_millis(50));
+    new.clear_raw_frames();
+
+    // Late replies to the old flows.
+    udp.send_to(b"late-udp", udp_peer).unwrap();
+    udp_pm
+        .send_to(b"late-pm", World::node_addr(host_port))
+        .unwrap();
+    // (The connection may already be reset by the node's stack, which is
+    // fine: then no late segment exists to leak.)
+    let _ = conn.write_all(b"late-tcp");
+    let leaked: Vec<_> = new
+        .recv_raw_frames(Duration::from_millis(800))
+        .into_iter()
+        .filter(|f| {
+            guest::parse_ipv4(f).is_some_and(|(src, _, _, l4)| {
+                src == world::WORLD_IP
+                    && l4.len() >= 2
+                    && [5360, 5361, 9494].contains(&u16::from_be_bytes([l4[0], l4[1]]))
+            })
+        })
+        .collect();
+    assert!(
+        leaked.is_empty(),
+        "the old flows' packets reached the new owner of {ip} (old SNAT port {}, TCP {tcp_peer}): {leaked:?}",
+        udp_peer.port()
+    );
+
+    // The new guest's own packets on the very tuples of the old flows open
+    // flows of their own and work.
+    new.send_raw_frame(&guest::udp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        old_src,
+        World::world_addr(5360),
+        b"new-udp",
+    ))
+    .unwrap();
+    let (n, peer) = loop {
+        let (n, peer) = udp.recv_from(&mut buf).unwrap();
+        if &buf[..n] == b"new-udp" {
+            break (n, peer);
+        }
+    };
+    assert_eq!(&buf[..n], b"new-udp");
+    udp.send_to(b"ans", peer).unwrap();
+    new.wait_raw_frame(T, |f| {
+        guest::parse_ipv4(f).is_some_and(|(src, dst, p, l4)| {
+            src == world::WORLD_IP
+                && dst == GUEST_IP
+                && p == 17
+                && l4.len() >= 8
+                && u16::from_be_bytes([l4[2], l4[3]]) == 40000
+                && l4.ends_with(b"ans")
+        })
+    })
+    .expect("the reply to the new guest's own flow");
+    // From the old mapping's container port to the old remote: an ordinary
+    // SNAT flow now, never the old mapped port.
+    new.send_raw_frame(&guest::udp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        SocketAddrV4::new(GUEST_IP, 53),
+        World::world_addr(5361),
+        b"new-53",
+    ))
+    .unwrap();
+    let peer = loop {
+        let (n, peer) = udp_pm.recv_from(&mut buf).unwrap();
+        if &buf[..n] == b"new-53" {
+            break peer;
+        }
+    };
+    assert_ne!(
+        peer.port(),
+        host_port,
+        "the new guest's packet left through the released sandbox's port mapping"
+    );
+    let echo = world.udp_echo(5362);
+    assert_eq!(new.udp_send_recv(echo, b"u", T).unwrap(), b"world:u");
+    let tcp2 = world.tcp_server(9495);
+    assert_eq!(
+        new.tcp_connect_send_recv(tcp2, b"t", T).unwrap(),
+        b"world:t"
+    );
+
+    // The reaper drops what is left of the old generation and keeps the
+    // new owner's flows.
+    let deadline = std::time::Instant::now() + Duration::from_secs(6);
+    loop {
+        let flows = pinned_flows(&env);
+        let mine = |g: u64| {
+            flows
+                .iter()
+                .filter(|(k, v)| {
+                    k.sandbox_ip == u32::from_ne_bytes(ip.octets()) && v.generation == g
+                })
+                .count()
+        };
+        if mine(old_gen) == 0 {
+            assert!(mine(new_gen) >= 2, "the new owner's flows stay: {flows:?}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "flows of the released sandbox remain: {flows:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(conn);
+}
+
+/// Release leaves the flows to the reaper, which removes every flow of a
+/// released sandbox on its next pass (UDP flows would otherwise stay for
+/// their 60 s timeout) and keeps the others'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reaper_drops_a_released_sandboxs_flows() {
+    require_root!();
+    let (env, world) = node(&[]);
+    let c = env.client().await;
+    let echo = world.udp_echo(5370);
+    let tcp = world.tcp_server(9496);
+    let (net_keep, keep) = guest_for(&c, "keep", opts(vec![])).await;
+    let (net_gone, gone) = guest_for(&c, "gone", opts(vec![])).await;
+    for g in [&keep, &gone] {
+        assert_eq!(g.udp_send_recv(echo, b"u", T).unwrap(), b"world:u");
+        assert_eq!(g.tcp_connect_send_recv(tcp, b"t", T).unwrap(), b"world:t");
+    }
+    let (ip_keep, ip_gone) = (
+        u32::from_ne_bytes(ip_of(&net_keep).octets()),
+        u32::from_ne_bytes(ip_of(&net_gone).octets()),
+    );
+    let count = |flows: &[(
+        cube_network_agent::datapath::maps::DpCtKey,
+        cube_network_agent::datapath::maps::DpCtVal,
+    )],
+                 ip: u32| flows.iter().filter(|(k, _)| k.sandbox_ip == ip).count();
+    let before = pinned_flows(&env);
+    let kept = count(&before, ip_keep);
+    assert!(kept >= 2 && count(&before, ip_gone) >= 2, "{before:?}");
+    drop(gone);
+    assert!(c.release("gone").await.unwrap());
+    let deadline = std::time::Instant::now() + Duration::from_secs(6);
+    loop {
+        let flows = pinned_flows(&env);
+        let (_, checks) = c.health().await;
+        let dp = checks.iter().find(|c| c.0 == "datapath").unwrap().2.clone();
+        if count(&flows, ip_gone) == 0 && dp.contains(&format!(" {} flows", flows.len())) {
+            assert_eq!(count(&flows, ip_keep), kept, "{flows:?}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "flows of the released sandbox remain: {flows:?} ({dp})"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(keep);
+}

@@ -743,6 +743,93 @@ async fn fill(conn: &Connection, n: usize) -> Result<Duration> {
     Ok(start.elapsed())
 }
 
+/// Release cost and pair throughput at one size of the flow map.
+struct FlowPoint {
+    flows: usize,
+    release: Lat,
+    pairs: f64,
+}
+
+/// Fills the agent's pinned `ct` map with synthetic flows (0, 10k, 100k)
+/// and measures ReleaseNetwork and ensure+release pairs/s at each size.
+/// The flows belong to a few live sandboxes (their generation read from
+/// `by_ip`): the reaper drops flows of addresses nobody owns. None when the
+/// agent runs without the eBPF datapath.
+async fn flow_load(
+    conn: &Connection,
+    pins: &Path,
+    samples: usize,
+    secs: f64,
+) -> Result<Option<Vec<FlowPoint>>> {
+    use aya::maps::{HashMap as BpfMap, Map, MapData};
+    use cube_network_agent::datapath::maps::{DP_CT_SNAT, DpCtKey, DpCtVal, DpTap};
+    if !pins.join("ct").exists() {
+        return Ok(None);
+    }
+    for i in 0..16 {
+        ensure(conn, &format!("bench-flow-owner-{i}")).await?;
+    }
+    let open = |name: &str| {
+        MapData::from_pin(pins.join(name)).map_err(|e| format!("opening the pinned {name}: {e}"))
+    };
+    let by_ip: BpfMap<MapData, u32, DpTap> =
+        BpfMap::try_from(Map::HashMap(open("by_ip")?)).map_err(|e| e.to_string())?;
+    let owners: Vec<(u32, u64)> = by_ip
+        .iter()
+        .flatten()
+        .map(|(ip, t)| (ip, t.generation))
+        .collect();
+    if owners.is_empty() {
+        return Err("no sandbox in the pinned by_ip map".into());
+    }
+    let mut ct: BpfMap<MapData, DpCtKey, DpCtVal> =
+        BpfMap::try_from(Map::LruHashMap(open("ct")?)).map_err(|e| e.to_string())?;
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
+        .map_err(|e| e.to_string())?;
+    let mut points = vec![];
+    let mut filled = 0usize;
+    for flows in [0usize, 10_000, 100_000] {
+        while filled < flows {
+            let i = filled as u32;
+            let (sandbox_ip, generation) = owners[filled % owners.len()];
+            // 100.64.0.0/10 remotes, one per flow: no key repeats.
+            let remote = 0x6440_0000u32 + i;
+            let key = DpCtKey {
+                sandbox_ip,
+                remote_ip: u32::from_ne_bytes(remote.to_be_bytes()),
+                guest_port: (40000 + (i % 20000) as u16).to_be(),
+                remote_port: 443u16.to_be(),
+                proto: libc::IPPROTO_TCP as u8,
+                pad: [0; 3],
+            };
+            let val = DpCtVal {
+                last_seen_ns: now,
+                nat_port: (40000 + (i % 20000) as u16).to_be(),
+                kind: DP_CT_SNAT,
+                state: 0,
+                local_addr: 0,
+                generation,
+            };
+            ct.insert(key, val, 0)
+                .map_err(|e| format!("filling ct ({filled} flows): {e}"))?;
+            filled += 1;
+        }
+        let warm = warm_ensure_release(conn, samples).await?;
+        let pairs = pair_rate(conn, CONCURRENT_CALLERS, secs).await?;
+        eprintln!(
+            "  {flows} flows: release p50 {:.0} µs, {pairs:.0} pairs/s",
+            warm.release.p50()
+        );
+        points.push(FlowPoint {
+            flows,
+            release: warm.release,
+            pairs,
+        });
+    }
+    Ok(Some(points))
+}
+
 // ------------------------------------------------------------------ report
 
 struct Row {
@@ -868,12 +955,12 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
     let n = args.networks;
     let conn = env.connect().await?;
 
-    eprintln!("[1/7] floors: durable write, TAP create");
+    eprintln!("[1/8] floors: durable write, TAP create");
     let disk = floor_durable_write(&env.tmp, (s / 4).max(10))?;
     let journal = floor_journal_append(&env.tmp, (s / 4).max(10))?;
     let tap = floor_tap_create(200.min(s))?;
 
-    eprintln!("[2/7] agent --warm-pool 64: start");
+    eprintln!("[2/8] agent --warm-pool 64: start");
     let (ns, dir) = env.new_instance()?;
     let start_empty = env.start_agent(&ns, &dir, 64, n).await?;
     let zbus = floor_ping(&conn, s).await?;
@@ -936,7 +1023,7 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         "-",
     ));
 
-    eprintln!("[3/7] warm EnsureNetwork / ReleaseNetwork x{s}");
+    eprintln!("[3/8] warm EnsureNetwork / ReleaseNetwork x{s}");
     for i in 0..20 {
         let id = format!("bench-warmup-{i}");
         ensure(&conn, &id).await?;
@@ -967,7 +1054,7 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
     );
 
     eprintln!(
-        "[4/7] throughput, 1 and {CONCURRENT_CALLERS} callers, {:.0} s each",
+        "[4/8] throughput, 1 and {CONCURRENT_CALLERS} callers, {:.0} s each",
         args.throughput_secs
     );
     let t1 = pair_rate(&conn, 1, args.throughput_secs).await?;
@@ -990,9 +1077,71 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         )
         .met(t16 >= 10_000.0),
     );
+
+    eprintln!("[5/8] ReleaseNetwork and pairs/s with 0, 10k and 100k flows in ct");
+    match flow_load(
+        &conn,
+        &dir.join("bpf"),
+        (s / 4).max(20),
+        args.throughput_secs,
+    )
+    .await?
+    {
+        None => rows.push(row(
+            "release with flows in ct",
+            "skipped (no eBPF datapath: no pinned ct map)",
+            "-",
+            "-",
+            "-",
+        )),
+        Some(points) => {
+            for p in &points {
+                rows.push(row(
+                    format!("ReleaseNetwork p50 / p99, {} flows in ct", p.flows),
+                    p.release.show(),
+                    "-",
+                    "-",
+                    "-",
+                ));
+                rows.push(row(
+                    format!(
+                        "ensure+release pairs/s, {CONCURRENT_CALLERS} callers, {} flows in ct",
+                        p.flows
+                    ),
+                    format!("{:.0}/s", p.pairs),
+                    "-",
+                    "-",
+                    "-",
+                ));
+            }
+            let (first, last) = (&points[0], &points[points.len() - 1]);
+            let r = last.release.p50() / first.release.p50();
+            rows.push(
+                row(
+                    format!("release p50, {} flows / {} flows", last.flows, first.flows),
+                    format!("{r:.2}"),
+                    "-",
+                    "-",
+                    "<= 1.2",
+                )
+                .met(r <= 1.2),
+            );
+            let r = last.pairs / first.pairs;
+            rows.push(
+                row(
+                    format!("pairs/s, {} flows / {} flows", last.flows, first.flows),
+                    format!("{r:.2}"),
+                    "-",
+                    "-",
+                    ">= 0.8",
+                )
+                .met(r >= 0.8),
+            );
+        }
+    }
     env.stop_agent(nix::sys::signal::Signal::SIGTERM).await?;
 
-    eprintln!("[5/7] agent --warm-pool 0: cold EnsureNetwork x{s} with 0 networks");
+    eprintln!("[6/8] agent --warm-pool 0: cold EnsureNetwork x{s} with 0 networks");
     let (ns, dir) = env.new_instance()?;
     env.start_agent(&ns, &dir, 0, n).await?;
     let floor_cold = zbus.p50() + disk_now(env)? + tap.p50();
@@ -1009,7 +1158,7 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         .met(cold0.p50() <= 1500.0),
     );
 
-    eprintln!("[6/7] fill to {n} networks with {CONCURRENT_CALLERS} callers");
+    eprintln!("[7/8] fill to {n} networks with {CONCURRENT_CALLERS} callers");
     let fill_time = fill(&conn, n).await?;
     rows.push(row(
         format!("fill to {n} networks ({CONCURRENT_CALLERS} callers)"),
@@ -1047,7 +1196,7 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         .met(rss as f64 / 1024.0 <= 50.0),
     );
 
-    eprintln!("[7/7] restart with {n} networks");
+    eprintln!("[8/8] restart with {n} networks");
     let killed = env.stop_agent(nix::sys::signal::Signal::SIGKILL).await?;
     rows.push(row(
         format!("SIGKILL -> agent process gone, {n} nets"),

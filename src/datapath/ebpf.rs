@@ -175,8 +175,6 @@ struct Maps {
     allow: LpmTrie<MapData, DpPolicyData, u8>,
     deny: LpmTrie<MapData, DpPolicyData, u8>,
     portmap: HashMap<MapData, DpPortmapKey, DpPortmapVal>,
-    ct: HashMap<MapData, DpCtKey, DpCtVal>,
-    ct_rev: HashMap<MapData, DpRevKey, DpRevVal>,
     attached: HashMap<MapData, u32, u32>,
 }
 
@@ -209,6 +207,99 @@ struct Reaper {
     ct: HashMap<MapData, DpCtKey, DpCtVal>,
     ct_rev: HashMap<MapData, DpRevKey, DpRevVal>,
     attached: HashMap<MapData, u32, u32>,
+    /// Read only: which generation owns each address now.
+    by_ip: HashMap<MapData, u32, DpTap>,
+    /// `ct` once more, for batched dumps (BPF_MAP_LOOKUP_BATCH).
+    ct_dump: MapData,
+}
+
+/// Every (key, value) of the flow map `map`, a few thousand per
+/// BPF_MAP_LOOKUP_BATCH call: the reaper's pass over 100k flows costs a
+/// few dozen syscalls instead of two per flow (aya's iterator), so it takes
+/// little CPU from the request path on a busy node. None if the kernel
+/// refuses batched lookups; the caller then walks entry by entry.
+fn dump_flows(map: &MapData) -> Option<Vec<(DpCtKey, DpCtVal)>> {
+    use std::os::fd::{AsFd, AsRawFd};
+    const CHUNK: usize = 4096;
+    #[repr(C)]
+    #[derive(Default)]
+    struct BatchAttr {
+        in_batch: u64,
+        out_batch: u64,
+        keys: u64,
+        values: u64,
+        count: u32,
+        map_fd: u32,
+        elem_flags: u64,
+        flags: u64,
+    }
+    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+    let fd = map.fd().as_fd().as_raw_fd();
+    let mut out = Vec::new();
+    let mut keys = vec![DpCtKey::default(); CHUNK];
+    let mut vals = vec![DpCtVal::default(); CHUNK];
+    // Hash maps use a u32 bucket index as the batch token.
+    let (mut token_in, mut token_out) = (0u32, 0u32);
+    let mut first = true;
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { &raw const token_in as u64 },
+            out_batch: &raw mut token_out as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: vals.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: fd as u32,
+            ..Default::default()
+        };
+        // SAFETY: bpf(2) BPF_MAP_LOOKUP_BATCH with an attr that points at
+        // buffers of CHUNK keys and values of the map's sizes (checked by
+        // check_pins against these types) and at two u32 batch tokens, all
+        // alive for the call; the kernel writes at most `count` entries.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_LOOKUP_BATCH,
+                &raw mut attr,
+                size_of::<BatchAttr>() as u32,
+            )
+        };
+        let errno = std::io::Error::last_os_error().raw_os_error();
+        let n = (attr.count as usize).min(CHUNK);
+        if rc == 0 || errno == Some(libc::ENOENT) {
+            out.extend(keys[..n].iter().copied().zip(vals[..n].iter().copied()));
+        }
+        if rc != 0 {
+            return (errno == Some(libc::ENOENT)).then_some(out);
+        }
+        token_in = token_out;
+        first = false;
+    }
+}
+
+/// The last generation handed out by this process (see [`new_generation`]).
+static LAST_GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// A generation for a new owner of a sandbox address: CLOCK_MONOTONIC in
+/// nanoseconds, strictly above every generation this process handed out
+/// or found in `by_ip` at load. The clock only moves forward within a
+/// boot and pinned maps (bpffs) do not outlive one, so a generation is
+/// never handed out twice, across agent restarts included, and nothing
+/// but the pinned entries is needed to interpret one.
+fn new_generation() -> u64 {
+    let now = monotonic_ns();
+    let mut last = LAST_GENERATION.load(Ordering::Relaxed);
+    loop {
+        let next = now.max(last + 1);
+        match LAST_GENERATION.compare_exchange_weak(
+            last,
+            next,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        ) {
+            Ok(_) => return next,
+            Err(seen) => last = seen,
+        }
+    }
 }
 
 /// Counts refreshed by `maintain`, read by `checks` without touching maps.
@@ -290,8 +381,6 @@ impl EbpfDatapath {
             allow: take(&mut bpf, "policy_allow")?,
             deny: take(&mut bpf, "policy_deny")?,
             portmap: take(&mut bpf, "portmap")?,
-            ct: take(&mut bpf, "ct")?,
-            ct_rev: take(&mut bpf, "ct_rev")?,
             attached: take(&mut bpf, "tap_attached")?,
         };
         let (uplink_ip, uplink_ifindex) = node
@@ -360,6 +449,10 @@ impl EbpfDatapath {
         for (k, v) in maps.portmap.iter().flatten() {
             portmaps.entry(v.sandbox_ip).or_default().push(k);
         }
+        // New generations stay above the pinned ones (guards against a
+        // clock that is not this boot's, e.g. another time namespace).
+        let newest = maps.by_ip.iter().flatten().map(|(_, t)| t.generation).max();
+        LAST_GENERATION.fetch_max(newest.unwrap_or(0), Ordering::Relaxed);
         let reopen = |name: &str| {
             MapData::from_pin(node.pin_dir.join(name))
                 .map_err(|e| err("re-opening a pinned map", format!("{name}: {e}")))
@@ -371,6 +464,9 @@ impl EbpfDatapath {
                 .map_err(|e| err("opening ct_rev", e))?,
             attached: HashMap::try_from(aya::maps::Map::HashMap(reopen("tap_attached")?))
                 .map_err(|e| err("opening tap_attached", e))?,
+            by_ip: HashMap::try_from(aya::maps::Map::HashMap(reopen("by_ip")?))
+                .map_err(|e| err("opening by_ip", e))?,
+            ct_dump: reopen("ct")?,
         };
         let names: Vec<String> = node_hooks.iter().map(Hook::to_string).collect();
         info!(pin_dir = %node.pin_dir.display(), node_programs = ?names, "eBPF datapath loaded");
@@ -412,21 +508,8 @@ impl EbpfDatapath {
             .collect()
     }
 
-    /// Removes every flow of a sandbox (both directions).
-    fn drop_flows(inner: &mut Inner, sandbox_ip: u32) -> usize {
-        let doomed: Vec<(DpCtKey, DpCtVal)> = inner
-            .maps
-            .ct
-            .iter()
-            .flatten()
-            .filter(|(k, _)| k.sandbox_ip == sandbox_ip)
-            .collect();
-        for (k, v) in &doomed {
-            Self::remove_flow(&mut inner.maps.ct, &mut inner.maps.ct_rev, k, v);
-        }
-        doomed.len()
-    }
-
+    /// Removes a flow, and its SNAT reverse entry if that still points at
+    /// it (a port may have gone to another flow since).
     fn remove_flow(
         ct: &mut HashMap<MapData, DpCtKey, DpCtVal>,
         ct_rev: &mut HashMap<MapData, DpRevKey, DpRevVal>,
@@ -442,7 +525,13 @@ impl EbpfDatapath {
                 proto: k.proto,
                 pad: [0; 3],
             };
-            let _ = ct_rev.remove(&rk);
+            if ct_rev.get(&rk, 0).is_ok_and(|r| {
+                r.sandbox_ip == k.sandbox_ip
+                    && r.guest_port == k.guest_port
+                    && r.generation == v.generation
+            }) {
+                let _ = ct_rev.remove(&rk);
+            }
         }
     }
 
@@ -473,6 +562,14 @@ impl EbpfDatapath {
         want_ports: &[(DpPortmapKey, DpPortmapVal)],
     ) -> Result<(), DatapathError> {
         let maps = &mut inner.maps;
+        // The address's owner keeps its generation (converge, recovery,
+        // Reconcile, a TAP recreated under a new ifindex); an address with
+        // no entry has a new owner: released sandboxes leave their flows
+        // to the reaper, and this generation tells them apart.
+        let generation = match maps.by_ip.get(&ip, 0) {
+            Ok(t) if t.generation != 0 => t.generation,
+            _ => new_generation(),
+        };
         // A TAP recreated under a new ifindex leaves an old entry behind.
         if let Ok(old) = maps.by_ip.get(&ip, 0)
             && old.ifindex != ifindex
@@ -489,6 +586,7 @@ impl EbpfDatapath {
         let entry = DpSandbox {
             sandbox_ip: ip,
             flags,
+            generation,
         };
         let prev = maps.sandboxes.get(&ifindex, 0).ok();
         if prev != Some(entry) {
@@ -497,7 +595,11 @@ impl EbpfDatapath {
                 .insert(ifindex, entry, 0)
                 .map_err(|e| map_err("writing the sandboxes map", &e))?;
         }
-        let tap = DpTap { ifindex };
+        let tap = DpTap {
+            ifindex,
+            pad: 0,
+            generation,
+        };
         let prev = maps.by_ip.get(&ip, 0).ok();
         if prev != Some(tap) {
             journal.push(Undo::ByIp(ip, prev));
@@ -832,11 +934,12 @@ impl Datapath for EbpfDatapath {
                 let _ = inner.maps.portmap.remove(&k);
             }
         }
-        let flows = Self::drop_flows(inner, ip);
-        debug!(
-            sandbox_id = sb.sandbox_id,
-            flows, "datapath entries removed"
-        );
+        // The flows stay for the reaper: no walk of the flow maps here (it
+        // cost ~3 µs per flow on the node, under this lock). Without the
+        // `sandboxes`/`by_ip` entries nothing reaches or leaves the TAP, and
+        // the next owner of the address gets another generation, so none of
+        // these flows ever matches its packets.
+        debug!(sandbox_id = sb.sandbox_id, "datapath entries removed");
         Ok(())
     }
 
@@ -845,23 +948,50 @@ impl Datapath for EbpfDatapath {
         let t = self.node.timeouts;
         let mut guard = self.reaper.lock().unwrap_or_else(|p| p.into_inner());
         let r = &mut *guard;
+        // Which generation owns each address now: a flow of another one
+        // belongs to a released sandbox (or an earlier owner).
+        let owners: StdHashMap<u32, u64> = r
+            .by_ip
+            .iter()
+            .flatten()
+            .map(|(ip, t)| (ip, t.generation))
+            .collect();
         let mut flows = 0usize;
-        let expired: Vec<(DpCtKey, DpCtVal)> =
-            r.ct.iter()
-                .flatten()
-                .inspect(|_| flows += 1)
-                .filter(|(k, v)| {
-                    let limit = match (k.proto as i32, v.state) {
-                        (libc::IPPROTO_TCP, DP_TCP_CLOSING) => t.tcp_closing,
-                        (libc::IPPROTO_TCP, _) => t.tcp,
-                        (libc::IPPROTO_UDP, _) => t.udp,
-                        _ => t.icmp,
-                    };
-                    now.saturating_sub(v.last_seen_ns) > limit.as_nanos() as u64
-                })
-                .collect();
-        for (k, v) in &expired {
+        let mut stale_n = 0usize;
+        let all = dump_flows(&r.ct_dump).unwrap_or_else(|| r.ct.iter().flatten().collect());
+        let doomed: Vec<(DpCtKey, DpCtVal, bool)> = all
+            .into_iter()
+            .inspect(|_| flows += 1)
+            .filter_map(|(k, v)| {
+                let limit = match (k.proto as i32, v.state) {
+                    (libc::IPPROTO_TCP, DP_TCP_CLOSING) => t.tcp_closing,
+                    (libc::IPPROTO_TCP, _) => t.tcp,
+                    (libc::IPPROTO_UDP, _) => t.udp,
+                    _ => t.icmp,
+                };
+                let stale = owners.get(&k.sandbox_ip) != Some(&v.generation);
+                let expired = now.saturating_sub(v.last_seen_ns) > limit.as_nanos() as u64;
+                (stale || expired).then_some((k, v, stale && !expired))
+            })
+            .collect();
+        let mut removed = 0usize;
+        for (k, v, stale) in &doomed {
+            if *stale {
+                // The owners were read before the walk: an owner attached
+                // since then (and its flows) must not be taken for stale.
+                if r.by_ip
+                    .get(&k.sandbox_ip, 0)
+                    .is_ok_and(|o| o.generation == v.generation)
+                    || r.ct
+                        .get(k, 0)
+                        .is_ok_and(|now| now.generation != v.generation)
+                {
+                    continue;
+                }
+                stale_n += 1;
+            }
             Self::remove_flow(&mut r.ct, &mut r.ct_rev, k, v);
+            removed += 1;
         }
         // Attachment records of TAPs that no longer exist.
         let mut taps = 0usize;
@@ -875,15 +1005,17 @@ impl Datapath for EbpfDatapath {
         for i in &gone {
             let _ = r.attached.remove(i);
         }
-        self.stats
-            .flows
-            .store(flows - expired.len(), Ordering::Relaxed);
+        self.stats.flows.store(flows - removed, Ordering::Relaxed);
         self.stats.taps.store(taps - gone.len(), Ordering::Relaxed);
         self.stats
             .reaped
-            .fetch_add(expired.len() as u64, Ordering::Relaxed);
-        if !expired.is_empty() {
-            debug!(flows = expired.len(), "expired flows reaped");
+            .fetch_add(removed as u64, Ordering::Relaxed);
+        if removed > 0 {
+            debug!(
+                flows = removed,
+                of_released_sandboxes = stale_n,
+                "expired flows and flows of released sandboxes reaped"
+            );
         }
     }
 

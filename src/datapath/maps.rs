@@ -26,6 +26,8 @@ pub struct DpConfig {
 pub struct DpSandbox {
     pub sandbox_ip: u32,
     pub flags: u32,
+    /// The owner's generation (the same as in `by_ip`), see [`DpTap::generation`].
+    pub generation: u64,
 }
 pub const DP_F_INTERNET: u32 = 1;
 
@@ -33,6 +35,15 @@ pub const DP_F_INTERNET: u32 = 1;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DpTap {
     pub ifindex: u32,
+    pub pad: u32,
+    /// Generation of the address's current owner: set when an address is
+    /// attached with no `by_ip` entry (a new owner), kept by every later
+    /// attach of it (converge, recovery, Reconcile, agent restarts: it is
+    /// read back from this pinned map). Every flow records the generation
+    /// that created it; the datapath ignores (and deletes) a flow of
+    /// another generation, the reaper removes them, so a released
+    /// sandbox's flows never reach the next owner of the address.
+    pub generation: u64,
 }
 
 /// The data part of an LPM key (aya adds the 4-byte prefix length).
@@ -81,6 +92,8 @@ pub struct DpCtVal {
     pub kind: u8,
     pub state: u8,
     pub local_addr: u32,
+    /// Generation of the owner that created the flow ([`DpTap::generation`]).
+    pub generation: u64,
 }
 pub const DP_CT_SNAT: u8 = 0;
 pub const DP_CT_PORTMAP: u8 = 1;
@@ -103,6 +116,8 @@ pub struct DpRevVal {
     pub sandbox_ip: u32,
     pub guest_port: u16,
     pub pad: u16,
+    /// As in the forward entry.
+    pub generation: u64,
 }
 
 // Each type below is #[repr(C)], Copy, made only of integers and byte
@@ -132,15 +147,15 @@ unsafe impl aya::Pod for DpRevVal {}
 // The C side's sizes (ebpf/datapath.h comments); a mismatch fails the build.
 const _: () = {
     assert!(size_of::<DpConfig>() == 48);
-    assert!(size_of::<DpSandbox>() == 8);
-    assert!(size_of::<DpTap>() == 4);
+    assert!(size_of::<DpSandbox>() == 16);
+    assert!(size_of::<DpTap>() == 16);
     assert!(size_of::<DpPolicyData>() + 4 == 12);
     assert!(size_of::<DpPortmapKey>() == 8);
     assert!(size_of::<DpPortmapVal>() == 8);
     assert!(size_of::<DpCtKey>() == 16);
-    assert!(size_of::<DpCtVal>() == 16);
+    assert!(size_of::<DpCtVal>() == 24);
     assert!(size_of::<DpRevKey>() == 12);
-    assert!(size_of::<DpRevVal>() == 8);
+    assert!(size_of::<DpRevVal>() == 16);
 };
 
 /// Entries of the per-sandbox maps (`max_entries` in ebpf/datapath.bpf.c).
