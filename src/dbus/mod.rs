@@ -344,7 +344,15 @@ impl Manager {
     /// replies.
     async fn mirrored(&self, seq: u64) {
         let mut done = self.mirrored.clone();
-        let _ = done.wait_for(|at| *at >= seq).await;
+        // Bounded: a stuck mirror must not hold every caller (the change
+        // itself is done and durable; only its signals would be late).
+        let wait = done.wait_for(|at| *at >= seq);
+        if tokio::time::timeout(std::time::Duration::from_secs(5), wait)
+            .await
+            .is_err()
+        {
+            tracing::warn!(seq, "the bus mirror is behind; replying before its signals");
+        }
     }
 }
 
