@@ -215,6 +215,37 @@ pub struct TcRemoval {
     pub what: String,
 }
 
+/// Which of `hooks` ((ifindex, hook) each) carry no `bpf` filter of
+/// `priority`, checked with `parallel` dumps in flight on connections of
+/// their own (one dump at a time per socket; recovery checks thousands of
+/// TAPs and should not wait for each round trip in turn). Indexes into
+/// `hooks`, in order.
+pub async fn missing_bpf_filters(
+    hooks: &[(u32, TcHook)],
+    priority: u16,
+    parallel: usize,
+) -> Result<Vec<usize>, NetlinkError> {
+    let conns: Vec<Netlink> = (0..parallel.clamp(1, 16).min(hooks.len().max(1)))
+        .map(|_| Netlink::new())
+        .collect::<Result<_, _>>()?;
+    let n = conns.len();
+    let lanes = conns.iter().enumerate().map(|(lane, nl)| async move {
+        let mut missing = vec![];
+        for (i, (ifindex, hook)) in hooks.iter().enumerate().skip(lane).step_by(n) {
+            if !nl.has_bpf_filter(*ifindex, *hook, priority).await? {
+                missing.push(i);
+            }
+        }
+        Ok::<_, NetlinkError>(missing)
+    });
+    let mut all = vec![];
+    for lane in futures::future::join_all(lanes).await {
+        all.extend(lane?);
+    }
+    all.sort_unstable();
+    Ok(all)
+}
+
 /// Subscribes to the kernel's tc notifications (RTNLGRP_TC) and sends every
 /// qdisc or filter removal to `tx`. The subscription is active when this
 /// returns (nothing deleted after it is missed); the reader task ends when

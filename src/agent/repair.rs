@@ -101,7 +101,7 @@ impl Agent {
                             let neighbour_ok = neighbours.iter().any(|(ip, mac, _)| {
                                 *ip == net.rec.sandbox_ip && *mac == Some(self.d.guest_mac)
                             });
-                            let done = self.repair_ladder(net, link, neighbour_ok).await;
+                            let done = self.repair_ladder(net, link, neighbour_ok, true).await;
                             report.errors.extend(done.errors);
                             if !done.repairs.is_empty() {
                                 self.set_view(net);
@@ -151,11 +151,14 @@ impl Agent {
     /// the network's slot held: missing TAP -> MTU/up -> neighbour ->
     /// datapath filter (checked in the kernel) and entries -> the agent's
     /// TAP fd. `link` is the kernel's TAP of that name (None: gone).
+    /// `check_filter`: ask the kernel for the TAP's filter here (recovery
+    /// asks for all TAPs at once afterwards, in parallel).
     pub(super) async fn repair_ladder(
         &self,
         net: &mut Network,
         link: Option<LinkInfo>,
         neighbour_ok: bool,
+        check_filter: bool,
     ) -> Ladder {
         let id = net.rec.sandbox_id.clone();
         let mut out = Ladder::default();
@@ -214,10 +217,12 @@ impl Agent {
         if net.ifindex != 0 {
             // The kernel check first: `attach` alone would quietly put back
             // a filter the tc watcher reported removed, unreported.
-            match self.repair_tap_hook(net).await {
-                Ok(Some(what)) => out.repairs.push(what),
-                Ok(None) => {}
-                Err(e) => out.errors.push(format!("{id}: {e}")),
+            if check_filter {
+                match self.repair_tap_hook(net).await {
+                    Ok(Some(what)) => out.repairs.push(what),
+                    Ok(None) => {}
+                    Err(e) => out.errors.push(format!("{id}: {e}")),
+                }
             }
             if let Err(e) = self.datapath.attach(&net.path()) {
                 out.errors.push(format!("{id}: {e}"));

@@ -6,7 +6,7 @@
 //! properties are re-read when a batch of events says node facts may have
 //! changed, and Health at most once per [`HEALTH_EVERY`].
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,8 +28,9 @@ pub struct Mirror {
     agent: Arc<Agent>,
     /// Sequence number of the last event applied, for method replies.
     done: watch::Sender<u64>,
-    /// What is on the bus: sandbox id -> the view its object shows.
-    objects: HashMap<String, NetworkView>,
+    /// The sandbox ids that have an object on the bus (each object holds
+    /// the view it shows; no second copy here).
+    objects: HashSet<String>,
     /// Manager properties as last signalled.
     counters: (u32, u32, u32),
     healthy: Option<bool>,
@@ -42,7 +43,7 @@ impl Mirror {
             conn,
             agent,
             done,
-            objects: HashMap::new(),
+            objects: HashSet::new(),
             counters,
             healthy: None,
         }
@@ -62,16 +63,15 @@ impl Mirror {
         let id = view.record.sandbox_id.clone();
         let path = network_path(&id);
         let server = self.conn.object_server();
-        let old = self.objects.insert(id, view.clone());
+        if self.objects.insert(id) {
+            server.at(&path, NetworkObject { view }).await?;
+            return Ok(true);
+        }
+        let iface = server.interface::<_, NetworkObject>(&path).await?;
+        let old = std::mem::replace(&mut iface.get_mut().await.view, view.clone());
         match old {
-            None => {
-                server.at(&path, NetworkObject { view }).await?;
-                Ok(true)
-            }
-            Some(old) if old == view => Ok(false),
-            Some(old) => {
-                let iface = server.interface::<_, NetworkObject>(&path).await?;
-                iface.get_mut().await.view = view.clone();
+            old if old == view => Ok(false),
+            old => {
                 let obj = iface.get().await;
                 let e = iface.signal_emitter();
                 let (a, b) = (&old, &view);
@@ -108,7 +108,7 @@ impl Mirror {
     }
 
     async fn remove(&mut self, id: &str) -> zbus::Result<()> {
-        if self.objects.remove(id).is_some() {
+        if self.objects.remove(id) {
             self.conn
                 .object_server()
                 .remove::<NetworkObject, _>(network_path(id))
@@ -147,7 +147,7 @@ impl Mirror {
             views.iter().map(|v| v.record.sandbox_id.clone()).collect();
         let gone: Vec<String> = self
             .objects
-            .keys()
+            .iter()
             .filter(|id| !live.contains(*id))
             .cloned()
             .collect();
