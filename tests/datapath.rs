@@ -8,33 +8,11 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
 
 use common::guest::{self, GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_MAC, Guest, RawGuest};
-use common::world::{self, World};
+use common::world::{self, World, counter, guest_for, node};
 use common::{Env, mappings, opts, ports, s};
 use zbus::zvariant::Value;
 
 const T: Duration = Duration::from_secs(5);
-
-/// An agent whose uplink is up0 (198.51.100.1) facing the world.
-fn node(args: &[&str]) -> (Env, World) {
-    let mut env = Env::new(args);
-    let world = World::attach_and_restart(&mut env);
-    (env, world)
-}
-
-async fn guest_for(c: &common::Client, id: &str, o: common::Dict) -> (common::Dict, Guest) {
-    let net = c.ensure(id, o).await.unwrap();
-    let fd = c.open_tap(id).await.unwrap();
-    (net, Guest::start_default(fd))
-}
-
-fn counter(checks: &[(String, bool, String)], name: &str) -> u64 {
-    let detail = &checks.iter().find(|c| c.0 == "datapath").unwrap().2;
-    detail
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{name}=")))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn egress_snat_tcp_udp_icmp_for_two_sandboxes_with_the_same_guest_address() {

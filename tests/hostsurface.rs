@@ -21,35 +21,13 @@ use cube_network_agent::datapath::maps::{
 };
 use zbus::zvariant::Value;
 
-use common::guest::Guest;
-use common::world::{self, NODE_IP, World};
+use common::world::{self, NODE_IP, World, counter, guest_for, node};
 use common::{Env, mappings, opts, ports, s};
 
 const T: Duration = Duration::from_secs(5);
 /// How long a negative check waits for an answer that must not come.
 const NO: Duration = Duration::from_millis(700);
 const LOCALHOST: Ipv4Addr = Ipv4Addr::LOCALHOST;
-
-fn node(args: &[&str]) -> (Env, World) {
-    let mut env = Env::new(args);
-    let world = World::attach_and_restart(&mut env);
-    (env, world)
-}
-
-async fn guest_for(c: &common::Client, id: &str, o: common::Dict) -> (common::Dict, Guest) {
-    let net = c.ensure(id, o).await.unwrap();
-    let fd = c.open_tap(id).await.unwrap();
-    (net, Guest::start_default(fd))
-}
-
-fn counter(checks: &[(String, bool, String)], name: &str) -> u64 {
-    let detail = &checks.iter().find(|c| c.0 == "datapath").unwrap().2;
-    detail
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{name}=")))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
-}
 
 fn at(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
     SocketAddrV4::new(ip, port)

@@ -11,16 +11,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::guest::Guest;
-use common::world::{self, World};
+use common::world::{self, World, node};
 use common::{Client, Dict, Env, mappings, opts, ports};
 
 const T: Duration = Duration::from_secs(5);
-
-fn node(args: &[&str]) -> (Env, World) {
-    let mut env = Env::new(args);
-    let world = World::attach_and_restart(&mut env);
-    (env, world)
-}
 
 fn check<'a>(checks: &'a [(String, bool, String)], name: &str) -> &'a (String, bool, String) {
     checks

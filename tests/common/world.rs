@@ -427,3 +427,31 @@ impl Drop for World {
         self.cleanup();
     }
 }
+
+/// An agent whose uplink is up0 (198.51.100.1) facing a world namespace.
+pub fn node(args: &[&str]) -> (super::Env, World) {
+    let mut env = super::Env::new(args);
+    let world = World::attach_and_restart(&mut env);
+    (env, world)
+}
+
+/// Ensures `id` with options `o` and starts a smoltcp guest on its TAP.
+pub async fn guest_for(
+    c: &super::Client,
+    id: &str,
+    o: super::Dict,
+) -> (super::Dict, super::guest::Guest) {
+    let net = c.ensure(id, o).await.unwrap();
+    let fd = c.open_tap(id).await.unwrap();
+    (net, super::guest::Guest::start_default(fd))
+}
+
+/// A datapath drop/forward counter from Health's `datapath` check.
+pub fn counter(checks: &[(String, bool, String)], name: &str) -> u64 {
+    let detail = &checks.iter().find(|c| c.0 == "datapath").unwrap().2;
+    detail
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{name}=")))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
