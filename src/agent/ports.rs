@@ -31,20 +31,25 @@ impl Agent {
         }
     }
 
-    /// Checks each mapping's host address (a node address, loopback or the
-    /// wildcard) and, when the request may claim a host port, takes a
-    /// snapshot of the host's sockets, outside every lock.
+    /// Checks the host address of each mapping that is new or moved (a
+    /// node address, loopback or the wildcard) and, when there is one, takes
+    /// a snapshot of the host's sockets, outside every lock. What counts as
+    /// new is decided by the same plan `resolve_ports` follows.
     pub(super) async fn host_sockets(
         &self,
         spec: &NetworkSpec,
         existing: &[PortMapping],
     ) -> Result<Box<SocketCheck>, AgentError> {
-        let specific: Vec<(usize, Ipv4Addr)> = spec
-            .port_mappings
+        let checked = crate::alloc::mapping::to_check(&spec.port_mappings, existing);
+        if checked.is_empty() {
+            return Ok(Box::new(|_, _, _| None));
+        }
+        let specific: Vec<(usize, Ipv4Addr)> = checked
             .iter()
-            .enumerate()
-            .filter_map(|(i, m)| m.host_ip.parse::<Ipv4Addr>().ok().map(|a| (i, a)))
-            .filter(|(_, a)| !a.is_unspecified() && !a.is_loopback())
+            .filter_map(|&i| {
+                let a = spec.port_mappings[i].host_ip.parse::<Ipv4Addr>().ok()?;
+                (!a.is_unspecified() && !a.is_loopback()).then_some((i, a))
+            })
             .collect();
         if !specific.is_empty() {
             let local = self
@@ -63,20 +68,6 @@ impl Agent {
                         .join(", ")
                 )));
             }
-        }
-        // Every wanted mapping already held by this network: nothing new
-        // is claimed, no need to read the kernel's tables.
-        let all_kept = spec.port_mappings.iter().all(|m| {
-            existing.iter().any(|e| {
-                e.protocol == m.protocol
-                    && (e.host_port == m.host_port
-                        || (m.host_port == 0
-                            && e.container_port == m.container_port
-                            && e.host_ip == m.host_ip))
-            })
-        });
-        if all_kept {
-            return Ok(Box::new(|_, _, _| None));
         }
         let table = tokio::task::spawn_blocking(HostSockets::scan)
             .await

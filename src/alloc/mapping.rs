@@ -86,32 +86,20 @@ pub struct Resolved {
 /// the request is refused (each probe is a bitmap step, not a syscall).
 const HOST_OWNED_PROBES: usize = 1024;
 
-/// Resolves requested port mappings against the ones a network already has.
-/// Explicit host ports are claimed first, then `host_port = 0` requests
-/// reuse the existing mapping with the same (protocol, container port,
-/// host ip) or get a new port. Kept mappings are not checked again (they
-/// are this network's already). On error everything claimed here is given
-/// back.
-pub fn resolve_ports(
-    ports: &mut PortAllocator,
-    requested: &[PortMapping],
-    existing: &[PortMapping],
-    rules: &HostPortRules<'_>,
-) -> Result<Resolved, MappingError> {
+/// For each requested mapping, the index of the existing mapping it keeps,
+/// or `None` when it needs a host port of its own. Explicit host ports are
+/// matched first (same protocol and host port), then automatic ones (same
+/// protocol, container port and host address); each existing mapping is
+/// kept at most once.
+pub fn reuse_plan(requested: &[PortMapping], existing: &[PortMapping]) -> Vec<Option<usize>> {
     let mut kept = vec![false; existing.len()];
-    let mut out: Vec<Option<PortMapping>> = vec![None; requested.len()];
-    let mut claimed: Vec<PortMapping> = vec![];
-    let undo = |ports: &mut PortAllocator, claimed: &[PortMapping]| {
-        for m in claimed {
-            ports.release(m.protocol, m.host_port);
-        }
-    };
+    let mut plan = vec![None; requested.len()];
     for pass_explicit in [true, false] {
         for (index, req) in requested.iter().enumerate() {
             if (req.host_port != 0) != pass_explicit {
                 continue;
             }
-            let reuse = existing.iter().enumerate().position(|(j, e)| {
+            plan[index] = existing.iter().enumerate().position(|(j, e)| {
                 !kept[j]
                     && e.protocol == req.protocol
                     && if pass_explicit {
@@ -120,29 +108,71 @@ pub fn resolve_ports(
                         e.container_port == req.container_port && e.host_ip == req.host_ip
                     }
             });
-            let host_ip: Ipv4Addr = req.host_ip.parse().unwrap_or(Ipv4Addr::UNSPECIFIED);
-            let host_port = if let Some(j) = reuse {
+            if let Some(j) = plan[index] {
                 kept[j] = true;
-                existing[j].host_port
-            } else {
-                let got = if pass_explicit {
-                    claim_explicit(ports, rules, index, req, host_ip)
-                } else {
-                    claim_automatic(ports, rules, index, req.protocol, host_ip)
-                };
-                match got {
-                    Ok(p) => p,
-                    Err(e) => {
-                        undo(ports, &claimed);
-                        return Err(e);
-                    }
+            }
+        }
+    }
+    plan
+}
+
+/// The requested mappings the host-port rules must look at: those that
+/// need a new host port, and kept ones whose host address changed.
+pub fn to_check(requested: &[PortMapping], existing: &[PortMapping]) -> Vec<usize> {
+    reuse_plan(requested, existing)
+        .iter()
+        .enumerate()
+        .filter(|(i, j)| j.is_none_or(|j| existing[j].host_ip != requested[*i].host_ip))
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// Resolves requested port mappings against the ones a network already has
+/// ([`reuse_plan`]). A kept mapping keeps its host port; one whose host
+/// address changed is checked against the host's sockets again. On error
+/// everything claimed here is given back.
+pub fn resolve_ports(
+    ports: &mut PortAllocator,
+    requested: &[PortMapping],
+    existing: &[PortMapping],
+    rules: &HostPortRules<'_>,
+) -> Result<Resolved, MappingError> {
+    let plan = reuse_plan(requested, existing);
+    let mut out: Vec<Option<PortMapping>> = vec![None; requested.len()];
+    let mut claimed: Vec<PortMapping> = vec![];
+    let undo = |ports: &mut PortAllocator, claimed: &[PortMapping]| {
+        for m in claimed {
+            ports.release(m.protocol, m.host_port);
+        }
+    };
+    // Explicit ports first, so an automatic one cannot take a port asked
+    // for by name in the same request.
+    for pass_explicit in [true, false] {
+        for (index, req) in requested.iter().enumerate() {
+            if (req.host_port != 0) != pass_explicit {
+                continue;
+            }
+            let host_ip: Ipv4Addr = req.host_ip.parse().unwrap_or(Ipv4Addr::UNSPECIFIED);
+            let got = match plan[index] {
+                Some(j) if existing[j].host_ip == req.host_ip => Ok(existing[j].host_port),
+                Some(j) => {
+                    host_socket_free(rules, index, req.protocol, host_ip, existing[j].host_port)
+                }
+                None if pass_explicit => claim_explicit(ports, rules, index, req, host_ip),
+                None => claim_automatic(ports, rules, index, req.protocol, host_ip),
+            };
+            let host_port = match got {
+                Ok(p) => p,
+                Err(e) => {
+                    undo(ports, &claimed);
+                    return Err(e);
                 }
             };
             let m = PortMapping {
                 host_port,
                 ..req.clone()
             };
-            if reuse.is_none() {
+            if plan[index].is_none() {
                 claimed.push(m.clone());
             }
             out[index] = Some(m);
@@ -150,15 +180,34 @@ pub fn resolve_ports(
     }
     let stale = existing
         .iter()
-        .zip(&kept)
-        .filter(|(_, k)| !**k)
-        .map(|(e, _)| e.clone())
+        .enumerate()
+        .filter(|(j, _)| !plan.contains(&Some(*j)))
+        .map(|(_, e)| e.clone())
         .collect();
     Ok(Resolved {
         mappings: out.into_iter().flatten().collect(),
         claimed,
         stale,
     })
+}
+
+/// `port` unless a host socket owns it for `host_ip`.
+fn host_socket_free(
+    rules: &HostPortRules<'_>,
+    index: usize,
+    protocol: Protocol,
+    host_ip: Ipv4Addr,
+    port: u16,
+) -> Result<u16, MappingError> {
+    match (rules.host_socket)(protocol, host_ip, port) {
+        Some(owner) => Err(MappingError::HostSocket {
+            index,
+            protocol,
+            port,
+            owner,
+        }),
+        None => Ok(port),
+    }
 }
 
 fn claim_explicit(
@@ -177,14 +226,7 @@ fn claim_explicit(
             range: rules.range,
         });
     }
-    if let Some(owner) = (rules.host_socket)(protocol, host_ip, port) {
-        return Err(MappingError::HostSocket {
-            index,
-            protocol,
-            port,
-            owner,
-        });
-    }
+    host_socket_free(rules, index, protocol, host_ip, port)?;
     ports
         .reserve(protocol, port)
         .map_err(|_| MappingError::MappedElsewhere {
@@ -344,6 +386,48 @@ mod tests {
             resolve_ports(&mut ports, &[pm(Protocol::Tcp, 80, p)], &[], &r).unwrap();
         }
         assert_eq!(ports.used_count(Protocol::Tcp), 4);
+    }
+
+    #[test]
+    fn what_needs_the_host_rules() {
+        let existing = vec![pm(Protocol::Tcp, 80, 100)];
+        // Kept as is: nothing to check.
+        assert!(to_check(&[pm(Protocol::Tcp, 80, 0)], &existing).is_empty());
+        assert!(to_check(&[pm(Protocol::Tcp, 81, 100)], &existing).is_empty());
+        // A second mapping of the same container port needs a port of its
+        // own (each existing mapping is kept once).
+        assert_eq!(
+            to_check(
+                &[pm(Protocol::Tcp, 80, 0), pm(Protocol::Tcp, 80, 0)],
+                &existing
+            ),
+            vec![1]
+        );
+        // A kept port on another address is checked again.
+        let mut moved = pm(Protocol::Tcp, 80, 100);
+        moved.host_ip = "127.0.0.1".into();
+        assert_eq!(to_check(&[moved.clone()], &existing), vec![0]);
+        let mut ports = PortAllocator::new(100, 101, PortSet::default());
+        ports.reserve(Protocol::Tcp, 100).unwrap();
+        let none = PortSet::default();
+        let host = |_: Protocol, ip: Ipv4Addr, port: u16| {
+            (ip.is_loopback() && port == 100).then(|| "a host socket on 127.0.0.1:100".to_owned())
+        };
+        let e = resolve_ports(
+            &mut ports,
+            &[moved],
+            &existing,
+            &rules((100, 101), &none, &host),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, MappingError::HostSocket { port: 100, .. }),
+            "{e:?}"
+        );
+        assert!(
+            ports.is_used(Protocol::Tcp, 100),
+            "the kept port stays the network's"
+        );
     }
 
     #[test]
