@@ -156,28 +156,35 @@ impl Agent {
     /// dump per such device, none in the normal case); what is still
     /// missing is reported until Reconcile (or a restart) re-attaches it.
     pub(super) async fn filter_check(&self) -> Vec<Check> {
-        let mut wanted = self.datapath.node_hooks();
-        if wanted.is_empty() {
+        let node_hooks = self.datapath.node_hooks();
+        if node_hooks.is_empty() {
             return vec![];
         }
+        let node_count = node_hooks.len();
         let drifted: BTreeMap<u32, String> =
             self.drift.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let owners: HashMap<u32, String> = {
+        // The hooks to ask the kernel about (drifted devices only) and who
+        // owns them; nothing to walk when nothing drifted.
+        let (wanted, owners, total_taps) = {
             let views = self.views.read().unwrap_or_else(|p| p.into_inner());
-            for v in views
-                .values()
-                .filter(|v| drifted.contains_key(&v.tap_ifindex))
-            {
-                wanted.extend(self.datapath.tap_hook(&v.record.tap_name, v.tap_ifindex));
+            let mut wanted: Vec<_> = node_hooks
+                .into_iter()
+                .filter(|h| drifted.contains_key(&h.ifindex))
+                .collect();
+            let mut owners: HashMap<u32, String> = HashMap::new();
+            if !drifted.is_empty() {
+                for v in views
+                    .values()
+                    .filter(|v| drifted.contains_key(&v.tap_ifindex))
+                {
+                    wanted.extend(self.datapath.tap_hook(&v.record.tap_name, v.tap_ifindex));
+                    owners.insert(v.tap_ifindex, v.record.sandbox_id.clone());
+                }
             }
-            views
-                .values()
-                .map(|v| (v.tap_ifindex, v.record.sandbox_id.clone()))
-                .collect()
+            (wanted, owners, views.len())
         };
-        let total_taps = owners.len();
         let mut missing = vec![];
-        for hook in wanted.iter().filter(|h| drifted.contains_key(&h.ifindex)) {
+        for hook in &wanted {
             match self
                 .nl
                 .has_bpf_filter(hook.ifindex, hook.hook, FILTER_PRIORITY)
@@ -200,16 +207,16 @@ impl Agent {
                 Err(e) => missing.push(format!("{hook}: cannot check: {}", crate::error_chain(&e))),
             }
         }
-        // Devices that are neither node devices nor live TAPs any more.
+        // Drifted devices that are neither node devices nor live TAPs (a
+        // pool TAP, a deleted device): nothing to report for them.
         {
-            let node: HashSet<u32> = wanted.iter().map(|h| h.ifindex).collect();
+            let ours: HashSet<u32> = wanted.iter().map(|h| h.ifindex).collect();
             let mut drift = self.drift.lock().unwrap_or_else(|p| p.into_inner());
-            drift.retain(|i, _| node.contains(i) || owners.contains_key(i));
+            drift.retain(|i, _| !drifted.contains_key(i) || ours.contains(i));
         }
         let detail = if missing.is_empty() {
             format!(
-                "the kernel has every datapath filter ({} node hooks, from_guest on {total_taps} sandbox TAPs)",
-                self.datapath.node_hooks().len()
+                "the kernel has every datapath filter ({node_count} node hooks, from_guest on {total_taps} sandbox TAPs)"
             )
         } else {
             format!(

@@ -14,8 +14,13 @@ use crate::datapath::{FILTER_PRIORITY, Hook};
 use crate::netlink::{LinkChange, LinkInfo};
 
 impl Agent {
-    /// The kernel announced a qdisc or filter removal on `r.ifindex`.
+    /// The kernel announced a qdisc or filter removal on `r.ifindex`. Only
+    /// the kinds the datapath uses matter (the host's own tc use of other
+    /// kinds costs nothing here).
     pub(super) fn note_tc_removal(&self, r: crate::netlink::TcRemoval) {
+        if !matches!(r.what.as_str(), "qdisc clsact" | "filter bpf") {
+            return;
+        }
         self.datapath.forget_attachment(r.ifindex);
         self.drift
             .lock()
