@@ -516,6 +516,12 @@ static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_con
 			if (!snat_port_reusable(&rk, syn) ||
 			    bpf_map_update_elem(&ct_rev, &rk, &rv, BPF_ANY) != 0)
 				continue;
+			/* Another CPU may have taken the same port over at the
+			 * same time: the port is ours only if the entry says so. */
+			struct dp_rev_val *won = bpf_map_lookup_elem(&ct_rev, &rk);
+			if (!won || won->sandbox_ip != rv.sandbox_ip ||
+			    won->guest_port != rv.guest_port || won->gen != rv.gen)
+				continue;
 		}
 		if (host_socket(skb, key->proto, key->remote_ip, key->remote_port, c->uplink_ip,
 				p, 1)) {

@@ -882,9 +882,13 @@ impl Datapath for EbpfDatapath {
     fn reattach(&self, hook: &Hook) -> Result<(), DatapathError> {
         let mut guard = self.lock();
         let inner = &mut *guard;
-        let _ = inner.maps.attached.remove(&hook.ifindex);
+        // Only TAP filters are recorded in `tap_attached`.
+        let tap = hook.program == "from_guest";
+        if tap {
+            let _ = inner.maps.attached.remove(&hook.ifindex);
+        }
         attach_hook(&mut inner.bpf, hook)?;
-        if hook.program == "from_guest" {
+        if tap {
             inner
                 .maps
                 .attached
@@ -976,15 +980,18 @@ impl Datapath for EbpfDatapath {
             .collect();
         let mut removed = 0usize;
         for (k, v, stale) in &doomed {
+            // Re-read right before deleting: a flow touched or replaced since
+            // the dump (still live, or the new owner's) waits for the next
+            // pass, whichever way it was doomed.
+            if r.ct.get(k, 0).ok().as_ref() != Some(v) {
+                continue;
+            }
             if *stale {
                 // The owners were read before the walk: an owner attached
-                // since then (and its flows) must not be taken for stale.
+                // since then must not have its flows taken for stale.
                 if r.by_ip
                     .get(&k.sandbox_ip, 0)
                     .is_ok_and(|o| o.generation == v.generation)
-                    || r.ct
-                        .get(k, 0)
-                        .is_ok_and(|now| now.generation != v.generation)
                 {
                     continue;
                 }
