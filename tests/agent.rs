@@ -302,16 +302,6 @@ async fn host_ports_of_the_node_are_never_taken() {
     );
 }
 
-/// Peak resident set of a process, in KiB.
-fn vm_hwm_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_and_mistyped_calls_are_refused_before_decoding() {
     require_root!();
@@ -320,7 +310,7 @@ async fn oversized_and_mistyped_calls_are_refused_before_decoding() {
     c.ensure("ok", opts(vec![])).await.unwrap();
     let before = snapshot(&env, &c).await;
     let pid = env.agent_pid();
-    let h0 = vm_hwm_kib(pid);
+    let h0 = common::proc_status_kib(pid, "VmHWM");
     // 100,000 port mappings (~2.4 MB on the wire; decoded, ~90 MB).
     let many: Vec<(&str, u16, u16, &str)> = (0..100_000u32)
         .map(|i| ("tcp", 1 + (i % 60_000) as u16, 0, ""))
@@ -344,7 +334,7 @@ async fn oversized_and_mistyped_calls_are_refused_before_decoding() {
         .await
         .unwrap_err();
     assert_eq!(e.name, "org.freedesktop.DBus.Error.LimitsExceeded", "{e:?}");
-    let grown = vm_hwm_kib(pid) - h0;
+    let grown = common::proc_status_kib(pid, "VmHWM") - h0;
     eprintln!("peak RSS grew by {grown} KiB for two refused multi-MB calls");
     assert!(grown < 16 * 1024, "peak RSS grew by {grown} KiB");
     // Wrong signatures: the standard error, naming the expected one.

@@ -53,23 +53,31 @@ fn spec_for(rng: &mut Rng, idx: usize) -> common::Dict {
     }
 }
 
+/// A number from the environment, or `default`.
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// CRASH_SEED, or one from the clock (printed by the tests, to replay).
+fn seed() -> u64 {
+    env_or(
+        "CRASH_SEED",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64
+            | 1,
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_during_storm_loses_nothing_acknowledged() {
     require_root!();
-    let iterations: u32 = std::env::var("CRASH_ITERATIONS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(15);
-    let seed = std::env::var("CRASH_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        });
+    let iterations: u32 = env_or("CRASH_ITERATIONS", 15);
+    let seed = seed();
     eprintln!("crash test: {iterations} iterations, CRASH_SEED={seed}");
     let mut rng = Rng(seed);
     let mut env = Env::new(&["--warm-pool", "4"]);
@@ -399,7 +407,8 @@ async fn storm_round(
 fn check_removals(round: &StormRound, iter: u32) {
     for (what, stable) in &round.removals {
         let ip = if let Some(tap) = what.strip_prefix("orphan TAP ctap") {
-            let n = u32::from_str_radix(tap, 16).unwrap_or(0);
+            let n = u32::from_str_radix(tap, 16)
+                .unwrap_or_else(|e| panic!("round {iter}: TAP name {what}: {e}"));
             std::net::Ipv4Addr::from(n).to_string()
         } else if let Some(ip) = what.strip_prefix("stale neighbour ") {
             ip.to_owned()
@@ -466,20 +475,8 @@ async fn check_datapath_and_pool(env: &Env, c: &common::Client, iter: u32) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn storm_with_parallel_reconcile_and_kill_9() {
     require_root!();
-    let seconds: u64 = std::env::var("STORM_SECONDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(30);
-    let seed = std::env::var("CRASH_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        });
+    let seconds: u64 = env_or("STORM_SECONDS", 30);
+    let seed = seed();
     eprintln!("storm: {seconds} s of storm, CRASH_SEED={seed}");
     let mut rng = Rng(seed);
     let mut env = Env::new(&["--warm-pool", "4"]);

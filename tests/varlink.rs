@@ -461,15 +461,6 @@ async fn errors_and_malformed_input() {
     assert!(env.agent_running(), "the agent survived:\n{}", env.log());
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
 /// The agent's varlink budget: connections per uid, and bytes of
 /// unfinished messages over all connections, each refused with a clear
 /// error; idle connections cost little; the agent stays responsive.
@@ -478,7 +469,7 @@ async fn connection_and_buffer_budgets() {
     require_root!();
     let env = Env::new(&["--datapath", "none"]);
     let pid = env.agent_pid();
-    let r0 = rss_kib(pid);
+    let r0 = common::proc_status_kib(pid, "VmRSS");
     // 256 idle connections (the per-uid limit), each after one call.
     let mut idle: Vec<Varlink> = (0..256)
         .map(|_| {
@@ -487,7 +478,7 @@ async fn connection_and_buffer_budgets() {
             v
         })
         .collect();
-    let r1 = rss_kib(pid);
+    let r1 = common::proc_status_kib(pid, "VmRSS");
     eprintln!("256 idle connections: +{} KiB", r1.saturating_sub(r0));
     assert!(
         r1.saturating_sub(r0) < 8 * 1024,
@@ -509,8 +500,24 @@ async fn connection_and_buffer_budgets() {
     assert!(extra.recv().is_none(), "closed after the error");
     drop(extra);
     idle.truncate(8);
-    // The agent sees the closed connections asynchronously.
-    std::thread::sleep(Duration::from_millis(300));
+    // The agent sees the closed connections asynchronously: wait until 41
+    // more connections of this uid are served.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let served = (0..41).all(|_| {
+            let mut probe = Varlink::connect(&env);
+            probe.send(&json!({"method": "org.cube.NetworkAgent.ListNetworks"}));
+            probe.recv().is_some_and(|(r, _)| r.get("error").is_none())
+        });
+        if served {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "closed connections never freed their slots"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 
     // 40 connections each sending 900 KB without a NUL: together more than
     // the 16 MiB budget for unfinished messages.
@@ -541,7 +548,7 @@ async fn connection_and_buffer_budgets() {
             refused += 1;
         }
     }
-    let r2 = rss_kib(pid);
+    let r2 = common::proc_status_kib(pid, "VmRSS");
     eprintln!(
         "40 x 900 KB unfinished: {refused} refused, RSS +{} KiB",
         r2.saturating_sub(r0)
@@ -556,9 +563,19 @@ async fn connection_and_buffer_budgets() {
     idle[0].agent("ListNetworks", json!({})).unwrap();
     drop(hogs);
     drop(idle);
-    std::thread::sleep(Duration::from_millis(200));
-    let mut v = Varlink::connect(&env);
-    v.agent("Health", json!({})).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut v = Varlink::connect(&env);
+        v.send(&json!({"method": "org.cube.NetworkAgent.ListNetworks"}));
+        match v.recv() {
+            Some((r, _)) if r.get("error").is_none() => {
+                assert_eq!(r["parameters"]["networks"], json!([]), "{r}");
+                break;
+            }
+            other => assert!(Instant::now() < deadline, "not served again: {other:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// What a D-Bus listener saw, in order: (signal, sandbox id or object path).
@@ -742,8 +759,17 @@ async fn every_edge_sees_every_change_in_one_order() {
     );
     assert_ne!(events[4].2["network"]["tap_ifindex"], net["tap_ifindex"]);
 
-    // The D-Bus listener saw the same changes in the same order.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The D-Bus listener saw the same changes in the same order (signals
+    // arrive asynchronously: wait for the last one, NetworkReleased v1).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !signals
+        .lock()
+        .unwrap()
+        .contains(&("NetworkReleased".to_owned(), "v1".to_owned()))
+    {
+        assert!(Instant::now() < deadline, "no NetworkReleased for v1");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let seen = signals.lock().unwrap().clone();
     listener.abort();
     let network_signals: Vec<(String, String)> = seen

@@ -22,6 +22,16 @@ pub const NAME: &str = "org.cube.NetworkAgent";
 pub const PATH: &str = "/org/cube/NetworkAgent";
 pub const IFACE: &str = "org.cube.NetworkAgent";
 
+/// A `/proc/<pid>/status` field in KiB (`VmRSS`, `VmHWM`...).
+pub fn proc_status_kib(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() == 0 }
