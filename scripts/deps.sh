@@ -7,14 +7,20 @@
 # real-kernel guest test in tests/vm: qemu-system-x86_64, the guest's
 # busybox, the GSO capture, host-side HTTP, the world web server),
 # polkitd + python3 (tests/polkit), iperf3 + nftables (cube-dpbench and its
-# nft baseline); coreutils (md5sum, timeout), mount + util-linux (mount,
-# umount, mountpoint, unshare, setpriv, flock) are essential packages and
-# listed so that a stripped image still fails loudly here. systemd-nspawn
-# (systemd-container, pinned to the host's systemd) is installed by
-# tests/systemd/nspawn_up.sh. Idempotent; needs root.
+# nft baseline); golang-go + golang-github-appc-cni-dev (libcni) +
+# golang-github-containerd-go-cni-dev (go-cni) to build tests/cni/cnirun
+# offline in GOPATH mode, containernetworking-plugins (/usr/lib/cni: tuning
+# chained after cube-cni, the bridge+host-local+portmap baseline),
+# containerd + runc (tests/cni/ctr-run.sh: a real runtime, ctr run --cni of
+# a busybox-static rootfs); coreutils (md5sum, timeout), mount + util-linux
+# (mount, umount, mountpoint, findmnt, unshare, nsenter, setpriv, flock) are
+# essential packages and listed so that a stripped image still fails loudly
+# here. systemd-nspawn (systemd-container, pinned to the host's systemd) is
+# installed by tests/systemd/nspawn_up.sh. Idempotent; needs root.
 set -euo pipefail
 want=(dbus-daemon iproute2 systemd clang-19 libbpf-dev make qemu-system-x86 busybox-static tcpdump
-    curl python3 polkitd iperf3 nftables coreutils mount util-linux)
+    curl python3 polkitd iperf3 nftables golang-go golang-github-appc-cni-dev golang-github-containerd-go-cni-dev
+    containernetworking-plugins containerd runc coreutils mount util-linux)
 missing=()
 for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -8,11 +8,13 @@
 pub mod agent;
 pub mod alloc;
 pub mod auth;
+pub mod cni;
 pub mod config;
 pub mod datapath;
 pub mod dbus;
 pub mod hostsock;
 pub mod netlink;
+pub mod netns;
 pub mod store;
 pub mod sysctl;
 pub mod systemd;

@@ -58,6 +58,15 @@ pub enum NetlinkError {
         #[source]
         source: rtnetlink::Error,
     },
+    #[error("failed to create veth {host} (peer {peer} in the container's namespace)")]
+    VethAdd {
+        host: String,
+        peer: String,
+        #[source]
+        source: rtnetlink::Error,
+    },
+    #[error("veth {name} vanished right after creation")]
+    VethMissing { name: String },
     #[error("refusing to delete link group 0 (the default group of every link)")]
     GroupZero,
     #[error("failed to delete link group {group}")]
@@ -79,6 +88,13 @@ pub enum NetlinkError {
         index: u32,
         addr: IpAddr,
         prefix_len: u8,
+        #[source]
+        source: rtnetlink::Error,
+    },
+    #[error("failed to add the default route via {gateway} on link {oif}")]
+    RouteAdd {
+        gateway: Ipv4Addr,
+        oif: u32,
         #[source]
         source: rtnetlink::Error,
     },
@@ -432,6 +448,51 @@ impl Netlink {
             .map_err(|source| NetlinkError::LinkSet { index, source })
     }
 
+    /// Creates a veth pair in one RTM_NEWLINK: the host end `host` here
+    /// (down, MTU `mtu`), the peer `peer` directly in the network namespace
+    /// `netns` (IFLA_NET_NS_FD in the peer's message: the agent never
+    /// enters that namespace) with MAC `peer_mac` and the same MTU. Returns
+    /// the host end's ifindex. EEXIST: `host` here or `peer` there exists.
+    pub async fn create_veth(
+        &self,
+        host: &str,
+        mtu: u32,
+        peer: &str,
+        peer_mac: [u8; 6],
+        netns: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<u32, NetlinkError> {
+        use rtnetlink::packet_route::link::{InfoData, InfoVeth};
+        use std::os::fd::AsRawFd;
+        debug!(host, peer, mtu, "create veth");
+        let peer_msg = LinkMessageBuilder::<LinkUnspec>::new()
+            .name(peer.to_string())
+            .mtu(mtu)
+            .address(peer_mac.to_vec())
+            .setns_by_fd(netns.as_raw_fd())
+            .build();
+        let msg = LinkMessageBuilder::<rtnetlink::LinkVeth>::new_with_info_kind(
+            rtnetlink::packet_route::link::InfoKind::Veth,
+        )
+        .name(host.to_string())
+        .mtu(mtu)
+        .set_info_data(InfoData::Veth(InfoVeth::Peer(peer_msg)))
+        .build();
+        self.handle
+            .link()
+            .add(msg)
+            .execute()
+            .await
+            .map_err(|source| NetlinkError::VethAdd {
+                host: host.into(),
+                peer: peer.into(),
+                source,
+            })?;
+        match self.link_by_name(host).await? {
+            Some(l) => Ok(l.index),
+            None => Err(NetlinkError::VethMissing { name: host.into() }),
+        }
+    }
+
     /// Deletes one link (RTM_DELLINK). ENODEV is reported as an error.
     pub async fn delete_link(&self, index: u32) -> Result<(), NetlinkError> {
         debug!(index, "delete link");
@@ -516,25 +577,7 @@ impl Netlink {
             .await?
             .contains(&(addr, prefix_len))
         {
-            debug!(index = link.index, %addr, prefix_len, "add address");
-            let res = self
-                .handle
-                .address()
-                .add(link.index, IpAddr::V4(addr), prefix_len)
-                .execute()
-                .await;
-            match res {
-                Ok(()) => {}
-                Err(e) if is_errno(&e, libc::EEXIST) => {}
-                Err(source) => {
-                    return Err(NetlinkError::AddrAdd {
-                        index: link.index,
-                        addr: IpAddr::V4(addr),
-                        prefix_len,
-                        source,
-                    });
-                }
-            }
+            self.add_ipv4_addr(link.index, addr, prefix_len).await?;
         }
 
         let link =
@@ -544,6 +587,72 @@ impl Netlink {
                     name: name.to_string(),
                 })?;
         Ok((link, kind))
+    }
+
+    /// Adds `addr/prefix_len` to `index`; present already counts as done.
+    pub async fn add_ipv4_addr(
+        &self,
+        index: u32,
+        addr: Ipv4Addr,
+        prefix_len: u8,
+    ) -> Result<(), NetlinkError> {
+        debug!(index, %addr, prefix_len, "add address");
+        let res = self
+            .handle
+            .address()
+            .add(index, IpAddr::V4(addr), prefix_len)
+            .execute()
+            .await;
+        match res {
+            Ok(()) => Ok(()),
+            Err(e) if is_errno(&e, libc::EEXIST) => Ok(()),
+            Err(source) => Err(NetlinkError::AddrAdd {
+                index,
+                addr: IpAddr::V4(addr),
+                prefix_len,
+                source,
+            }),
+        }
+    }
+
+    /// Adds (or replaces) the IPv4 default route via `gateway` on `oif`.
+    pub async fn replace_default_route(
+        &self,
+        gateway: Ipv4Addr,
+        oif: u32,
+    ) -> Result<(), NetlinkError> {
+        debug!(%gateway, oif, "replace default route");
+        let msg = RouteMessageBuilder::<Ipv4Addr>::new()
+            .destination_prefix(Ipv4Addr::UNSPECIFIED, 0)
+            .gateway(gateway)
+            .output_interface(oif)
+            .build();
+        self.handle
+            .route()
+            .add(msg)
+            .replace()
+            .execute()
+            .await
+            .map_err(|source| NetlinkError::RouteAdd {
+                gateway,
+                oif,
+                source,
+            })
+    }
+
+    /// Whether an IPv4 default route via `gateway` on `oif` exists.
+    pub async fn default_route_via(
+        &self,
+        gateway: Ipv4Addr,
+        oif: u32,
+    ) -> Result<bool, NetlinkError> {
+        Ok(self.ipv4_routes().await?.iter().any(|r| {
+            r.header.destination_prefix_length == 0
+                && route_oif(r) == Some(oif)
+                && r.attributes.iter().any(|a| {
+                    matches!(a, RouteAttribute::Gateway(RouteAddress::Inet(g)) if *g == gateway)
+                })
+        }))
     }
 
     /// Creates `name` as a dummy, falling back to a port-less bridge when the kernel

@@ -120,6 +120,7 @@ impl Agent {
             detail,
         ));
         checks.push(self.tap_fd_check());
+        checks.push(self.veth_check());
         checks.extend(self.datapath.checks());
         checks.extend(filters);
         (checks.iter().all(|c| c.1), checks)
@@ -132,23 +133,48 @@ impl Agent {
     /// views, so a released network leaves no trace.
     pub(super) fn tap_fd_check(&self) -> Check {
         let views = self.views.read().unwrap_or_else(|p| p.into_inner());
-        let held: Vec<&str> = views
-            .values()
+        let taps = views.values().filter(|v| v.record.attach.is_tap());
+        let total = taps.clone().count();
+        let held: Vec<&str> = taps
             .filter(|v| !v.tap_fd_held)
             .map(|v| v.record.sandbox_id.as_str())
             .collect();
         let detail = if held.is_empty() {
-            format!("the agent holds the TAP fd of all {} networks", views.len())
+            format!("the agent holds the TAP fd of all {total} TAP networks")
         } else {
             format!(
                 "{} of {} TAPs held only by another process since a restart without the fd store \
                  (OpenTap answers TapBusy until it closes them): {}",
                 held.len(),
-                views.len(),
+                total,
                 held.join(", ")
             )
         };
         ("tap_fds".into(), true, detail)
+    }
+
+    /// CNI attachments whose veth went away with their container's
+    /// namespace: not a fault of the node (the runtime's DEL, or GC,
+    /// releases them), listed so an operator sees them.
+    pub(super) fn veth_check(&self) -> Check {
+        let views = self.views.read().unwrap_or_else(|p| p.into_inner());
+        let veths = views.values().filter(|v| !v.record.attach.is_tap());
+        let total = veths.clone().count();
+        let gone: Vec<&str> = veths
+            .filter(|v| v.tap_ifindex == 0)
+            .map(|v| v.record.sandbox_id.as_str())
+            .collect();
+        let detail = if gone.is_empty() {
+            format!("{total} veth (CNI) networks, all with their veth")
+        } else {
+            format!(
+                "{} of {total} veth (CNI) networks lost their veth with their container's \
+                 namespace and wait for ReleaseNetwork (CNI DEL or GC): {}",
+                gone.len(),
+                gone.join(", ")
+            )
+        };
+        ("veths".into(), true, detail)
     }
 
     /// The datapath's filters as the kernel has them: every device the
@@ -165,13 +191,14 @@ impl Agent {
             self.drift.lock().unwrap_or_else(|p| p.into_inner()).clone();
         // The hooks to ask the kernel about (drifted devices only) and who
         // owns them; nothing to walk when nothing drifted.
-        let (wanted, owners, total_taps) = {
+        let (wanted, owners, veths, total_taps) = {
             let views = self.views.read().unwrap_or_else(|p| p.into_inner());
             let mut wanted: Vec<_> = node_hooks
                 .into_iter()
                 .filter(|h| drifted.contains_key(&h.ifindex))
                 .collect();
             let mut owners: HashMap<u32, String> = HashMap::new();
+            let mut veths: HashSet<u32> = HashSet::new();
             if !drifted.is_empty() {
                 for v in views
                     .values()
@@ -179,9 +206,12 @@ impl Agent {
                 {
                     wanted.extend(self.datapath.tap_hook(&v.record.tap_name, v.tap_ifindex));
                     owners.insert(v.tap_ifindex, v.record.sandbox_id.clone());
+                    if !v.record.attach.is_tap() {
+                        veths.insert(v.tap_ifindex);
+                    }
                 }
             }
-            (wanted, owners, views.len())
+            (wanted, owners, veths, views.len())
         };
         let mut missing = vec![];
         for hook in &wanted {
@@ -204,6 +234,9 @@ impl Agent {
                         .unwrap_or_default(),
                     drifted[&hook.ifindex]
                 )),
+                // A veth went with its container's namespace: not a
+                // missing filter (the `veths` check names the network).
+                Err(e) if e.errno() == Some(libc::ENODEV) && veths.contains(&hook.ifindex) => {}
                 Err(e) => missing.push(format!("{hook}: cannot check: {}", crate::error_chain(&e))),
             }
         }

@@ -11,7 +11,10 @@ use tracing::{debug, info, warn};
 
 use super::events::Change;
 use super::pool::{self, PoolTap, create_tap};
-use super::spec::{self, NetworkRecord, NetworkSpec, RECORD_VERSION, validate_sandbox_id};
+use super::spec::{
+    self, Attach, AttachRecord, NetnsFd, NetworkRecord, NetworkSpec, RECORD_VERSION,
+    validate_sandbox_id,
+};
 use super::{Agent, AgentError, Ensured, Network, Outcome, failed, new_handle, now_unix};
 use crate::alloc::mapping::{Resolved, resolve_ports};
 use crate::netlink::LinkChange;
@@ -75,6 +78,10 @@ impl Agent {
     }
 
     pub(super) async fn create(&self, id: &str, spec: NetworkSpec) -> Result<Network, AgentError> {
+        if let Attach::Veth { netns, .. } = &spec.attach {
+            crate::netns::check_foreign_netns(std::os::fd::AsFd::as_fd(&*netns.0))
+                .map_err(|why| AgentError::InvalidArgument(format!("netns_fd: {why}")))?;
+        }
         let sockets = self.host_sockets(&spec, &[]).await?;
         let (ip, mappings) = {
             let mut a = self.allocs();
@@ -112,8 +119,13 @@ impl Agent {
             metadata: spec.metadata,
             idempotency_key: spec.idempotency_key,
             created_unix: now_unix(),
+            attach: spec.attach.record(),
         };
-        let net = match self.bring_up(rec).await {
+        let netns = match &spec.attach {
+            Attach::Veth { netns, .. } => Some(netns),
+            Attach::Tap => None,
+        };
+        let net = match self.bring_up(rec, netns).await {
             Ok(net) => net,
             Err((rec, e)) => {
                 self.release_allocs(&rec);
@@ -138,43 +150,39 @@ impl Agent {
         }
     }
 
-    /// TAP (warm or cold) → name, MTU, up → neighbour → datapath. Undoes its
-    /// own partial work on failure.
+    /// TAP (warm or cold) or veth → name, MTU, up → neighbour → datapath.
+    /// Undoes its own partial work on failure.
     pub(super) async fn bring_up(
         &self,
         rec: NetworkRecord,
+        netns: Option<&NetnsFd>,
     ) -> Result<Network, (NetworkRecord, AgentError)> {
-        let pt = match self.pool.take() {
-            Some(pt) => {
-                let change = LinkChange {
-                    name: Some(rec.tap_name.clone()),
-                    mtu: Some(rec.mtu),
-                    up: Some(true),
-                    group: None,
-                };
-                if let Err(e) = self.nl.set_link(pt.ifindex, change).await {
-                    let err = failed(&format!("configuring pool TAP {}", pt.tap.name()), &e);
-                    self.pool.give_back(pt).await;
-                    return Err((rec, err));
+        let mut net = match (&rec.attach, netns) {
+            (AttachRecord::Veth { ifname }, Some(netns)) => {
+                let ifname = ifname.clone();
+                match self.create_veth(&rec, &ifname, netns).await {
+                    Ok(ifindex) => Network {
+                        rec,
+                        ifindex,
+                        tap: None,
+                    },
+                    Err(e) => return Err((rec, e)),
                 }
-                let mut pt = pt;
-                pt.tap.set_name(rec.tap_name.clone());
-                debug!(
-                    sandbox_id = rec.sandbox_id,
-                    tap = rec.tap_name,
-                    "warm TAP taken from pool"
-                );
-                pt
             }
-            None => match self.cold_tap(&rec.tap_name, rec.mtu).await {
-                Ok(pt) => pt,
+            (AttachRecord::Veth { .. }, None) => {
+                return Err((
+                    rec,
+                    AgentError::InvalidArgument("attach 'veth' needs netns_fd".into()),
+                ));
+            }
+            (AttachRecord::Tap, _) => match self.tap_for(&rec).await {
+                Ok(pt) => Network {
+                    rec,
+                    ifindex: pt.ifindex,
+                    tap: Some(pt.tap),
+                },
                 Err(e) => return Err((rec, e)),
             },
-        };
-        let mut net = Network {
-            rec,
-            ifindex: pt.ifindex,
-            tap: Some(pt.tap),
         };
         if let Err(e) = self
             .nl
@@ -194,6 +202,101 @@ impl Agent {
             return Err((rec, err));
         }
         Ok(net)
+    }
+
+    /// The veth of a CNI attachment: host end named like a sandbox TAP,
+    /// peer `ifname` (MAC = the guest MAC the datapath expects) created
+    /// directly in the caller's namespace, host end up with IPv6 off.
+    async fn create_veth(
+        &self,
+        rec: &NetworkRecord,
+        ifname: &str,
+        netns: &NetnsFd,
+    ) -> Result<u32, AgentError> {
+        use std::os::fd::AsFd;
+        let host = rec.tap_name.as_str();
+        let ifindex = match self
+            .nl
+            .create_veth(host, rec.mtu, ifname, self.d.guest_mac, netns.0.as_fd())
+            .await
+        {
+            Ok(i) => i,
+            Err(e) if e.errno() == Some(libc::EEXIST) => {
+                return Err(AgentError::InvalidArgument(format!(
+                    "ifname: an interface named '{ifname}' already exists in the container's \
+                     network namespace (or the host device {host} is left over; Reconcile \"\" \
+                     removes it)"
+                )));
+            }
+            Err(e) => return Err(failed(&format!("creating veth {host}"), &e)),
+        };
+        if let Err(error) = crate::sysctl::disable_ipv6(host) {
+            debug!(veth = host, %error, "could not disable IPv6 on the veth");
+        }
+        let up = LinkChange {
+            up: Some(true),
+            ..Default::default()
+        };
+        if let Err(e) = self.nl.set_link(ifindex, up).await {
+            let err = failed(&format!("setting veth {host} up"), &e);
+            self.delete_veth(host, ifindex).await;
+            return Err(err);
+        }
+        debug!(sandbox_id = rec.sandbox_id, veth = host, "veth created");
+        Ok(ifindex)
+    }
+
+    /// Deletes a veth host end (its peer goes with it) if `ifindex` still
+    /// names it: the container's namespace may be gone already, and with
+    /// it the pair. Best effort.
+    pub(super) async fn delete_veth(&self, name: &str, ifindex: u32) {
+        match self.nl.link_by_index(ifindex).await {
+            Ok(Some(l)) if l.name == name => {
+                if let Err(e) = self.nl.delete_link(ifindex).await
+                    && e.errno() != Some(libc::ENODEV)
+                {
+                    warn!(
+                        veth = name,
+                        error = crate::error_chain(&e),
+                        "deleting the veth"
+                    );
+                }
+            }
+            Ok(_) => debug!(veth = name, "veth already gone (its namespace was deleted)"),
+            Err(e) => warn!(
+                veth = name,
+                error = crate::error_chain(&e),
+                "looking up the veth"
+            ),
+        }
+    }
+
+    /// A TAP for a new network: warm from the pool (renamed), else cold.
+    async fn tap_for(&self, rec: &NetworkRecord) -> Result<PoolTap, AgentError> {
+        Ok(match self.pool.take() {
+            Some(pt) => {
+                let change = LinkChange {
+                    name: Some(rec.tap_name.clone()),
+                    mtu: Some(rec.mtu),
+                    up: Some(true),
+                    group: None,
+                };
+                if let Err(e) = self.nl.set_link(pt.ifindex, change).await {
+                    let err = failed(&format!("configuring pool TAP {}", pt.tap.name()), &e);
+                    self.pool.give_back(pt).await;
+                    return Err(err);
+                }
+                let mut pt = pt;
+                pt.tap.set_name(rec.tap_name.clone());
+                debug!(
+                    sandbox_id = rec.sandbox_id,
+                    tap = rec.tap_name,
+                    "warm TAP taken from pool"
+                );
+                pt
+            }
+            None => self.cold_tap(&rec.tap_name, rec.mtu).await?,
+        })
     }
 
     /// Creates a TAP with its final name (pool empty, or recovery repair).
@@ -230,8 +333,15 @@ impl Agent {
         errors
     }
 
-    /// Returns the TAP to the pool (or deletes it if we hold no fd).
+    /// Returns the TAP to the pool (or deletes it if we hold no fd); deletes
+    /// a veth.
     pub(super) async fn recycle(&self, net: &mut Network) {
+        if !net.rec.attach.is_tap() {
+            if net.ifindex != 0 {
+                self.delete_veth(&net.rec.tap_name, net.ifindex).await;
+            }
+            return;
+        }
         match net.tap.take() {
             Some(tap) => {
                 self.pool
@@ -266,6 +376,19 @@ impl Agent {
         net: &mut Network,
         spec: NetworkSpec,
     ) -> Result<Ensured, AgentError> {
+        let attach = spec.attach.record();
+        if attach != net.rec.attach {
+            return Err(AgentError::InvalidArgument(format!(
+                "attach: sandbox '{}' is attached with a {}{}; the attachment cannot change \
+                 (release the network first)",
+                net.rec.sandbox_id,
+                net.rec.attach.name(),
+                match &net.rec.attach {
+                    AttachRecord::Veth { ifname } => format!(" (ifname '{ifname}')"),
+                    AttachRecord::Tap => String::new(),
+                }
+            )));
+        }
         if spec.idempotency_key.is_some() && spec.idempotency_key == net.rec.idempotency_key {
             return Ok(Ensured::Unchanged);
         }
@@ -398,6 +521,9 @@ impl Agent {
             let mut guard = slot.lock().await;
             match guard.as_mut() {
                 None => Err(AgentError::NotFound(id.to_owned())),
+                Some(net) if !net.rec.attach.is_tap() => Err(AgentError::InvalidArgument(format!(
+                    "sandbox '{id}' is attached with a veth (CNI); it has no TAP to open"
+                ))),
                 Some(net) => match self.reattach_fd(net) {
                     Err(e) => Err(e),
                     Ok(reattached) => match &net.tap {
@@ -426,7 +552,7 @@ impl Agent {
     /// `Ok(true)` if it re-attached now, `Ok(false)` if the fd was there.
     /// Called with the network's slot held.
     pub(super) fn reattach_fd(&self, net: &mut Network) -> Result<bool, AgentError> {
-        if net.tap.is_some() {
+        if net.tap.is_some() || !net.rec.attach.is_tap() {
             return Ok(false);
         }
         match Tap::open_existing(&net.rec.tap_name) {

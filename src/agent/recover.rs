@@ -68,13 +68,22 @@ pub fn classify(
     }
 
     let mut link_of: Vec<Option<LinkInfo>> = vec![None; accepted.len()];
-    for link in links.iter().filter(|l| l.kind.as_deref() == Some("tun")) {
-        if let Some(&i) = by_tap.get(&link.name) {
+    for link in links
+        .iter()
+        .filter(|l| matches!(l.kind.as_deref(), Some("tun" | "veth")))
+    {
+        if let Some(&i) = by_tap.get(&link.name)
+            && link.kind.as_deref() == Some(accepted[i].attach.link_kind())
+        {
             link_of[i] = Some(link.clone());
             continue;
         }
         match classify_tap_name(tap_prefix, &link.name) {
             _ if link.group == retire_group => plan.retire.push(link.clone()),
+            TapNameKind::Pool(n) if link.kind.as_deref() == Some("veth") => {
+                let _ = n;
+                plan.retire.push(link.clone())
+            }
             TapNameKind::Pool(n) => {
                 plan.max_pool_name = plan.max_pool_name.max(Some(n));
                 plan.pool.push(link.clone());
@@ -159,6 +168,7 @@ mod tests {
             metadata: Default::default(),
             idempotency_key: None,
             created_unix: created,
+            attach: Default::default(),
         }
     }
 

@@ -108,6 +108,11 @@ impl Agent {
                             });
                             let done = self.repair_ladder(net, link, neighbour_ok, true).await;
                             report.errors.extend(done.errors);
+                            if let Some(gone) = done.gone {
+                                // Health's `veths` check reads the view.
+                                self.set_view(net);
+                                report.errors.push(gone);
+                            }
                             if !done.repairs.is_empty() {
                                 self.set_view(net);
                                 self.events.publish(Change::Repaired {
@@ -168,6 +173,18 @@ impl Agent {
         let id = net.rec.sandbox_id.clone();
         let mut out = Ladder::default();
         match link {
+            None if !net.rec.attach.is_tap() => {
+                // A veth cannot be made again: its peer lived in the
+                // container's namespace, which the agent cannot reach any
+                // more (deleted with the container, most likely). The
+                // address stays reserved until ReleaseNetwork (CNI DEL/GC).
+                net.ifindex = 0;
+                out.gone = Some(format!(
+                    "{id}: veth {} is gone (its container's network namespace was deleted?); \
+                     ReleaseNetwork (CNI DEL or GC) frees the network",
+                    net.rec.tap_name
+                ));
+            }
             None => {
                 // The TAP vanished (deleted by hand): make a new one.
                 if net.tap.take().is_some() && net.ifindex != 0 {
@@ -268,7 +285,10 @@ impl Agent {
         let let_go = |ip: Ipv4Addr| {
             self.allocs().ips.release(ip);
         };
-        for link in links.iter().filter(|l| l.kind.as_deref() == Some("tun")) {
+        for link in links
+            .iter()
+            .filter(|l| matches!(l.kind.as_deref(), Some("tun" | "veth")))
+        {
             let spec::TapNameKind::Sandbox(ip) =
                 spec::classify_tap_name(&self.cfg.tap_prefix, &link.name)
             else {
@@ -282,7 +302,15 @@ impl Agent {
             match self.nl.link_by_index(link.index).await {
                 Ok(Some(now)) if now.name == link.name => {
                     match self.nl.delete_link(link.index).await {
-                        Ok(()) => report.removed.push(format!("orphan TAP {}", link.name)),
+                        Ok(()) => report.removed.push(format!(
+                            "orphan {} {}",
+                            if link.kind.as_deref() == Some("veth") {
+                                "veth"
+                            } else {
+                                "TAP"
+                            },
+                            link.name
+                        )),
                         Err(e) => report.errors.push(crate::error_chain(&e)),
                     }
                 }
@@ -311,4 +339,7 @@ impl Agent {
 pub(super) struct Ladder {
     pub repairs: Vec<String>,
     pub errors: Vec<String>,
+    /// A veth whose pair is gone with its container's namespace: nothing
+    /// to repair, the network waits for its release.
+    pub gone: Option<String>,
 }

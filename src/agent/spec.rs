@@ -66,6 +66,95 @@ pub struct NetworkSpec {
     pub metadata: BTreeMap<String, String>,
     pub idempotency_key: Option<String>,
     pub mtu: Option<u32>,
+    /// What carries the sandbox's traffic on the host (default: a TAP).
+    pub attach: Attach,
+}
+
+/// How a sandbox is attached to the node.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Attach {
+    /// A TAP from the warm pool, handed to a VMM with OpenTap.
+    #[default]
+    Tap,
+    /// A veth pair (CNI): the host end plays the TAP's role in the
+    /// datapath; the peer is created as `ifname` directly in the network
+    /// namespace `netns` (the agent never enters it).
+    Veth { ifname: String, netns: NetnsFd },
+}
+
+/// A network namespace fd passed by the caller. Two requests are equal
+/// whatever fd they carry: the namespace is only used at creation.
+#[derive(Debug, Clone)]
+pub struct NetnsFd(pub std::sync::Arc<std::os::fd::OwnedFd>);
+
+impl PartialEq for NetnsFd {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+impl Eq for NetnsFd {}
+
+/// The attachment as recorded (no fd: the namespace is the kernel's).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "kind")]
+pub enum AttachRecord {
+    #[default]
+    Tap,
+    Veth {
+        /// The peer's name inside the container's namespace.
+        ifname: String,
+    },
+}
+
+impl AttachRecord {
+    pub fn is_tap(&self) -> bool {
+        matches!(self, AttachRecord::Tap)
+    }
+
+    /// The kernel's link kind of the host-side device.
+    pub fn link_kind(&self) -> &'static str {
+        match self {
+            AttachRecord::Tap => "tun",
+            AttachRecord::Veth { .. } => "veth",
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            AttachRecord::Tap => "tap",
+            AttachRecord::Veth { .. } => "veth",
+        }
+    }
+}
+
+impl Attach {
+    pub fn record(&self) -> AttachRecord {
+        match self {
+            Attach::Tap => AttachRecord::Tap,
+            Attach::Veth { ifname, .. } => AttachRecord::Veth {
+                ifname: ifname.clone(),
+            },
+        }
+    }
+}
+
+/// A network interface name the kernel accepts (`dev_valid_name`): 1-15
+/// bytes, not "." or "..", no '/', ':' or whitespace.
+pub fn validate_ifname(key: &str, name: &str) -> Result<(), AgentError> {
+    let bad = |why: String| Err(invalid(format!("{key}: '{name}' {why}")));
+    if name.is_empty() || name.len() > 15 {
+        return bad(format!("must be 1-15 bytes, is {}", name.len()));
+    }
+    if name == "." || name == ".." {
+        return bad("is not a valid interface name".into());
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| *c == '/' || *c == ':' || c.is_whitespace() || c.is_control())
+    {
+        return bad(format!("contains {c:?}, which interface names cannot"));
+    }
+    Ok(())
 }
 
 fn invalid(msg: String) -> AgentError {
@@ -176,6 +265,9 @@ impl NetworkSpec {
                 "mtu: {mtu} is out of range {MIN_MTU}-{MAX_MTU}"
             )));
         }
+        if let Attach::Veth { ifname, .. } = &self.attach {
+            validate_ifname("ifname", ifname)?;
+        }
         Ok(self)
     }
 }
@@ -198,6 +290,9 @@ pub struct NetworkRecord {
     #[serde(default)]
     pub idempotency_key: Option<String>,
     pub created_unix: u64,
+    /// TAP (the default, and what older records mean) or veth.
+    #[serde(default, skip_serializing_if = "AttachRecord::is_tap")]
+    pub attach: AttachRecord,
 }
 
 impl NetworkRecord {
@@ -377,6 +472,7 @@ mod tests {
             metadata: [("k".to_string(), "v".to_string())].into(),
             idempotency_key: Some("req-1".into()),
             created_unix: 1,
+            attach: Default::default(),
         };
         let bytes = rec.to_bytes();
         assert_eq!(NetworkRecord::from_bytes("sbx-1", &bytes).unwrap(), rec);

@@ -404,8 +404,9 @@ impl Agent {
         let neighbour_ok = neigh_ok.contains(&rec.sandbox_ip);
         // The fd the service manager handed back, else the device itself
         // (a plain adoption, not a repair; EBUSY: a VMM holds it).
-        let tap = inherited.or_else(|| {
-            let link = link.as_ref()?;
+        let is_tap = rec.attach.is_tap();
+        let tap = inherited.filter(|_| is_tap).or_else(|| {
+            let link = link.as_ref().filter(|_| is_tap)?;
             Tap::open_existing(&link.name)
                 .inspect(|tap| pool::store_fd(link.index, tap))
                 .ok()
@@ -418,7 +419,7 @@ impl Agent {
         let done = self
             .repair_ladder(&mut net, link, neighbour_ok, false)
             .await;
-        if net.tap.is_none() && done.errors.is_empty() {
+        if is_tap && net.tap.is_none() && done.errors.is_empty() {
             warn!(
                 sandbox_id = id,
                 tap = net.rec.tap_name,
@@ -426,7 +427,7 @@ impl Agent {
             );
             report.fd_lost.push(id.clone());
         }
-        for what in &done.repairs {
+        for what in done.repairs.iter().chain(&done.gone) {
             warn!(sandbox_id = id, "recovery: {what}");
         }
         report.errors.extend(done.errors);

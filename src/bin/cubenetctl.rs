@@ -65,8 +65,9 @@ const COMMANDS: &[CommandDef] = &[
         name: "list",
         args: "",
         summary: "List sandbox networks (the default command)",
-        help: "Prints one line per network: SANDBOX, SANDBOX-IP, TAP, MTU and PORTS
-(container port → host port), then 'N networks.'. With --json, a JSON
+        help: "Prints one line per network: SANDBOX, SANDBOX-IP, TAP, MTU, PORTS
+(container port → host port) and CNI (for networks made by cube-cni:
+CONTAINER/IFNAME@NETNS; '-' otherwise), then 'N networks.'. With --json, a JSON
 array of network objects (the agent's a{sv} with the same keys).",
     },
     CommandDef {
@@ -832,6 +833,20 @@ fn key_values(obj: &Map<String, Json>, fields: &[(&str, &str)]) -> String {
 }
 
 /// Columns padded to their widest cell; the last column is not padded.
+/// Where a CNI attachment came from, from the metadata cube-cni records:
+/// `CONTAINER/IFNAME@NETNS` (container id shortened to 12 characters, as
+/// runtimes show it); "-" for networks made by VMM launchers.
+fn cni_text(metadata: Option<&Json>) -> String {
+    let m = |k: &str| metadata.and_then(|m| m.get(k)).and_then(Json::as_str);
+    match (m("cni.container_id"), m("cni.ifname"), m("cni.netns")) {
+        (Some(c), Some(i), netns) => {
+            let short: String = c.chars().take(12).collect();
+            format!("{short}/{i}@{}", netns.unwrap_or("-"))
+        }
+        _ => "-".into(),
+    }
+}
+
 fn table(header: Option<&[&str]>, rows: &[Vec<String>]) -> String {
     let ncols = header
         .map(|h| h.len())
@@ -937,10 +952,11 @@ async fn run(g: &Global, cmd: Cmd) -> Res<Outcome> {
                         f("tap_name"),
                         f("mtu"),
                         ports_text(n.get("port_mappings")),
+                        cni_text(n.get("metadata")),
                     ]
                 })
                 .collect();
-            let header: &[&str] = &["SANDBOX", "SANDBOX-IP", "TAP", "MTU", "PORTS"];
+            let header: &[&str] = &["SANDBOX", "SANDBOX-IP", "TAP", "MTU", "PORTS", "CNI"];
             if g.legend {
                 print!("{}", table(Some(header), &rows));
                 println!("\n{} networks.", rows.len());

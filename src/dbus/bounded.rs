@@ -41,7 +41,12 @@ pub const MAX_ENSURE_BYTES: usize = HEADER_ALLOWANCE
     + 2 * MAX_CIDRS * (8 + 19)
     + MAX_METADATA * (ENTRY + MAX_METADATA_KEY + MAX_METADATA_VALUE)
     + ENTRY
-    + MAX_IDEMPOTENCY_KEY;
+    + MAX_IDEMPOTENCY_KEY
+    // attach ("veth"), ifname (15 bytes), netns_fd (an index)
+    + 3 * ENTRY
+    + 8
+    + 16
+    + 4;
 const _: () = assert!(MAX_ENSURE_BYTES < 128 * 1024);
 /// Every other method takes at most one sandbox id.
 pub const MAX_SMALL_CALL_BYTES: usize = HEADER_ALLOWANCE + 8 + MAX_ID_LEN + 64;

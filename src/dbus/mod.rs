@@ -17,7 +17,7 @@ use zbus::object_server::SignalEmitter;
 use zbus::zvariant::{OwnedObjectPath, OwnedValue, Value};
 use zbus::{Connection, DBusError, fdo, interface};
 
-use crate::agent::spec::{NetworkSpec, PortMapping};
+use crate::agent::spec::{Attach, AttachRecord, NetnsFd, NetworkSpec, PortMapping};
 use crate::agent::{Agent, AgentError, NetworkInfo, ReconcileReport};
 use crate::auth::{Action, AuthError, Authority};
 use crate::config::BusChoice;
@@ -163,6 +163,9 @@ pub const OPTION_KEYS: &[&str] = &[
     "metadata",
     "idempotency_key",
     "mtu",
+    "attach",
+    "netns_fd",
+    "ifname",
 ];
 
 fn bad(msg: String) -> AgentError {
@@ -190,6 +193,9 @@ where
 /// `a{sv}` options → a spec. Unknown keys and wrong types name the key.
 pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpec, AgentError> {
     let mut spec = NetworkSpec::default();
+    let mut attach: Option<String> = None;
+    let mut netns: Option<std::os::fd::OwnedFd> = None;
+    let mut ifname: Option<String> = None;
     let mut keys: Vec<&String> = options.keys().collect();
     keys.sort();
     for key in keys {
@@ -221,6 +227,20 @@ pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpe
             }
             "idempotency_key" => spec.idempotency_key = Some(typed(key, v, "s")?),
             "mtu" => spec.mtu = Some(typed(key, v, "u")?),
+            "attach" => attach = Some(typed(key, v, "s")?),
+            "ifname" => ifname = Some(typed(key, v, "s")?),
+            "netns_fd" => {
+                let Value::Fd(fd) = &**v else {
+                    return Err(bad(format!(
+                        "option {key}: expected type 'h', got '{}'",
+                        v.value_signature()
+                    )));
+                };
+                let fd = std::os::fd::AsFd::as_fd(fd)
+                    .try_clone_to_owned()
+                    .map_err(|e| bad(format!("option {key}: {e}")))?;
+                netns = Some(fd);
+            }
             other => {
                 return Err(bad(format!(
                     "unknown option '{other}' (known: {})",
@@ -229,6 +249,35 @@ pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpe
             }
         }
     }
+    spec.attach = match (attach.as_deref().unwrap_or("tap"), netns, ifname) {
+        ("tap", None, None) => Attach::Tap,
+        ("tap", _, _) => {
+            return Err(bad(
+                "options netns_fd and ifname belong to attach 'veth' (a TAP has neither)".into(),
+            ));
+        }
+        ("veth", Some(fd), Some(ifname)) => Attach::Veth {
+            ifname,
+            netns: NetnsFd(std::sync::Arc::new(fd)),
+        },
+        ("veth", None, _) => {
+            return Err(bad(
+                "option netns_fd: attach 'veth' needs the fd of the container's network \
+                 namespace (type 'h')"
+                    .into(),
+            ));
+        }
+        ("veth", _, None) => {
+            return Err(bad(
+                "option ifname: attach 'veth' needs the interface name inside the container".into(),
+            ));
+        }
+        (other, _, _) => {
+            return Err(bad(format!(
+                "option attach: '{other}' is not 'tap' or 'veth'"
+            )));
+        }
+    };
     Ok(spec)
 }
 
@@ -288,6 +337,10 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
     put("created_unix", Value::from(r.created_unix));
     if let Some(k) = r.idempotency_key {
         put("idempotency_key", Value::from(k));
+    }
+    put("attach", Value::from(r.attach.name()));
+    if let AttachRecord::Veth { ifname } = r.attach {
+        put("ifname", Value::from(ifname));
     }
     d
 }

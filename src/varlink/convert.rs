@@ -164,6 +164,10 @@ pub fn network(info: NetworkInfo) -> Value {
     if let Some(k) = r.idempotency_key {
         o["idempotency_key"] = Value::String(k);
     }
+    o["attach"] = Value::String(r.attach.name().into());
+    if let crate::agent::spec::AttachRecord::Veth { ifname } = r.attach {
+        o["ifname"] = Value::String(ifname);
+    }
     o
 }
 

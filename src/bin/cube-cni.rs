@@ -1,0 +1,576 @@
+//! cube-cni: the CNI 1.1 front end of cube-network-agent (ADD, DEL, CHECK,
+//! STATUS, GC, VERSION). A thin client: no state files, no locks; the
+//! agent's store is the only state. See `src/cni/mod.rs` for the model and
+//! docs/cni.md for the contract.
+//!
+//! The runtime runs it as root in its own network namespace. The agent
+//! (hardened, no CAP_SYS_ADMIN) cannot enter the container's namespace, so
+//! the plugin passes an fd of it with EnsureNetwork; the agent creates the
+//! veth pair with the peer directly in there; the plugin then configures
+//! the inside (address, link up, route, gateway neighbour) through a
+//! netlink socket it opened inside the namespace.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{Read, Write};
+use std::net::Ipv4Addr;
+use std::os::fd::{AsFd, OwnedFd};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use serde_json::Value;
+use zbus::zvariant::{OwnedValue, Value as ZValue};
+
+use cube_network_agent::cni::{
+    self, CniError, Command, META_CONTAINER_ID, META_IFNAME, META_NETNS, META_NETWORK, NetConf,
+    NetFacts, code,
+};
+use cube_network_agent::config::parse_mac;
+use cube_network_agent::netlink::Netlink;
+
+const NAME: &str = "org.cube.NetworkAgent";
+const PATH: &str = "/org/cube/NetworkAgent";
+const IFACE: &str = "org.cube.NetworkAgent";
+
+type Dict = HashMap<String, OwnedValue>;
+
+fn main() -> ExitCode {
+    let mut version = "1.1.0".to_owned();
+    match run(&mut version) {
+        Ok(Some(out)) => {
+            let mut stdout = std::io::stdout().lock();
+            let _ = serde_json::to_writer(&mut stdout, &out);
+            let _ = stdout.write_all(b"\n");
+            ExitCode::SUCCESS
+        }
+        Ok(None) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cube-cni: {} (code {})", e.msg, e.code);
+            let mut stdout = std::io::stdout().lock();
+            let _ = serde_json::to_writer(&mut stdout, &e.to_json(&version));
+            let _ = stdout.write_all(b"\n");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+/// The verb's environment, checked: every missing variable is named.
+struct Env {
+    command: Command,
+    container_id: String,
+    netns: String,
+    ifname: String,
+    args: String,
+}
+
+impl Env {
+    fn read() -> Result<Env, CniError> {
+        let raw = env("CNI_COMMAND").ok_or_else(|| {
+            CniError::new(
+                code::INVALID_ENV,
+                "required env variables [CNI_COMMAND] missing",
+            )
+        })?;
+        let command = Command::parse(&raw)?;
+        let missing: Vec<&str> = command
+            .required_env()
+            .iter()
+            .copied()
+            .filter(|v| env(v).is_none())
+            .collect();
+        if !missing.is_empty() {
+            return Err(CniError::new(
+                code::INVALID_ENV,
+                format!("required env variables [{}] missing", missing.join(",")),
+            ));
+        }
+        let ifname = env("CNI_IFNAME").unwrap_or_default();
+        if !ifname.is_empty()
+            && let Err(e) = cube_network_agent::agent::spec::validate_ifname("CNI_IFNAME", &ifname)
+        {
+            return Err(CniError::new(code::INVALID_ENV, e.to_string()));
+        }
+        Ok(Env {
+            command,
+            container_id: env("CNI_CONTAINERID").unwrap_or_default(),
+            netns: env("CNI_NETNS").unwrap_or_default(),
+            ifname,
+            args: env("CNI_ARGS").unwrap_or_default(),
+        })
+    }
+}
+
+fn run(version: &mut String) -> Result<Option<Value>, CniError> {
+    let env = Env::read()?;
+    let mut stdin = Vec::new();
+    std::io::stdin()
+        .read_to_end(&mut stdin)
+        .map_err(|e| CniError::new(code::IO, format!("reading stdin: {e}")))?;
+    if env.command == Command::Version {
+        // No agent, no full config: only the version the caller speaks.
+        let input: Option<String> = serde_json::from_slice::<Value>(&stdin)
+            .ok()
+            .and_then(|v| v.get("cniVersion")?.as_str().map(str::to_owned));
+        return Ok(Some(cni::version_info(input.as_deref())));
+    }
+    let conf = NetConf::parse(&stdin)?;
+    *version = conf.cni_version.clone();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| CniError::new(code::IO, format!("starting the runtime: {e}")))?;
+    rt.block_on(async {
+        match env.command {
+            Command::Add => add(&env, &conf).await.map(Some),
+            Command::Del => del(&env, &conf).await.map(|()| None),
+            Command::Check => check(&env, &conf).await.map(|()| None),
+            Command::Status => status(&conf).await.map(|()| None),
+            Command::Gc => gc(&conf).await.map(|()| None),
+            Command::Version => unreachable!("answered above"),
+        }
+    })
+}
+
+/// The agent over D-Bus, every call bounded by the config's timeout.
+struct Agent {
+    conn: zbus::Connection,
+    timeout: Duration,
+}
+
+fn unreachable_agent(what: &str, e: impl std::fmt::Display) -> CniError {
+    CniError::new(
+        code::TRY_AGAIN_LATER,
+        format!("cube-network-agent is not reachable ({what}): {e}"),
+    )
+}
+
+impl Agent {
+    async fn connect(conf: &NetConf) -> Result<Agent, CniError> {
+        let timeout = Duration::from_millis(conf.timeout_ms);
+        let connect = async {
+            match &conf.dbus_address {
+                Some(a) => {
+                    zbus::connection::Builder::address(a.as_str())?
+                        .build()
+                        .await
+                }
+                None => zbus::Connection::system().await,
+            }
+        };
+        let conn = tokio::time::timeout(timeout, connect)
+            .await
+            .map_err(|_| unreachable_agent("connecting to the bus", "timed out"))?
+            .map_err(|e| unreachable_agent("connecting to the bus", e))?;
+        Ok(Agent { conn, timeout })
+    }
+
+    async fn call<B, R>(&self, method: &str, body: &B) -> Result<R, CniError>
+    where
+        B: serde::Serialize + zbus::zvariant::DynamicType,
+        R: for<'d> serde::Deserialize<'d> + zbus::zvariant::Type,
+    {
+        let call = self
+            .conn
+            .call_method(Some(NAME), PATH, Some(IFACE), method, body);
+        let reply = match tokio::time::timeout(self.timeout, call).await {
+            Err(_) => {
+                return Err(unreachable_agent(
+                    method,
+                    format!("no answer within {} ms", self.timeout.as_millis()),
+                ));
+            }
+            Ok(Err(zbus::Error::MethodError(name, msg, _))) => {
+                return Err(cni::agent_error(
+                    name.as_str(),
+                    msg.as_deref().unwrap_or(name.as_str()),
+                ));
+            }
+            Ok(Err(e)) => return Err(unreachable_agent(method, e)),
+            Ok(Ok(m)) => m,
+        };
+        reply.body().deserialize::<R>().map_err(|e| {
+            CniError::new(
+                code::AGENT_FAILED,
+                format!("{method}: unexpected answer from the agent: {e}"),
+            )
+        })
+    }
+
+    async fn active_networks(&self) -> Result<u32, CniError> {
+        let call = self.conn.call_method(
+            Some(NAME),
+            PATH,
+            Some("org.freedesktop.DBus.Properties"),
+            "Get",
+            &(IFACE, "ActiveNetworks"),
+        );
+        let m = tokio::time::timeout(self.timeout, call)
+            .await
+            .map_err(|_| unreachable_agent("ActiveNetworks", "timed out"))?
+            .map_err(|e| unreachable_agent("ActiveNetworks", e))?;
+        let v: OwnedValue = m
+            .body()
+            .deserialize()
+            .map_err(|e| unreachable_agent("ActiveNetworks", e))?;
+        u32::try_from(v).map_err(|e| unreachable_agent("ActiveNetworks", e))
+    }
+}
+
+fn field<T: TryFrom<OwnedValue>>(d: &Dict, key: &str) -> Result<T, CniError> {
+    d.get(key)
+        .and_then(|v| v.try_clone().ok())
+        .and_then(|v| T::try_from(v).ok())
+        .ok_or_else(|| {
+            CniError::new(
+                code::AGENT_FAILED,
+                format!("the agent's network has no usable '{key}'"),
+            )
+        })
+}
+
+fn facts(d: &Dict) -> Result<NetFacts, CniError> {
+    Ok(NetFacts {
+        host_ifname: field(d, "tap_name")?,
+        sandbox_ip: field(d, "sandbox_ip")?,
+        guest_ip: field(d, "guest_ip")?,
+        gateway_ip: field(d, "gateway_ip")?,
+        guest_mac: field(d, "guest_mac")?,
+        mtu: field(d, "mtu")?,
+    })
+}
+
+fn netns_err(what: &str, e: impl std::fmt::Display) -> CniError {
+    CniError::new(code::NETNS, format!("{what}: {e}"))
+}
+
+/// A netlink socket inside the container's namespace (opened there, used
+/// from here) and an fd of that namespace for the agent.
+struct Inside {
+    nl: Netlink,
+    ns: OwnedFd,
+}
+
+fn open_netns(path: &str) -> Result<OwnedFd, CniError> {
+    std::fs::File::open(path).map(OwnedFd::from).map_err(|e| {
+        CniError::new(
+            code::INVALID_ENV,
+            format!("CNI_NETNS {path} cannot be opened: {e}"),
+        )
+    })
+}
+
+impl Inside {
+    /// Must run on the runtime's (only) thread: setns changes the thread's
+    /// namespace, the socket is made there, and the thread goes back.
+    fn enter(path: &str) -> Result<Inside, CniError> {
+        use nix::sched::{CloneFlags, setns};
+        let ns = open_netns(path)?;
+        let home = std::fs::File::open("/proc/thread-self/ns/net")
+            .map_err(|e| netns_err("opening the plugin's own namespace", e))?;
+        setns(ns.as_fd(), CloneFlags::CLONE_NEWNET)
+            .map_err(|e| netns_err(&format!("entering {path}"), e))?;
+        let nl = Netlink::new();
+        setns(home.as_fd(), CloneFlags::CLONE_NEWNET)
+            .map_err(|e| netns_err("returning to the plugin's namespace", e))?;
+        let nl = nl.map_err(|e| netns_err(&format!("netlink in {path}"), e))?;
+        Ok(Inside { nl, ns })
+    }
+}
+
+fn parse_cidr(s: &str) -> Option<(Ipv4Addr, u8)> {
+    let (a, p) = s.split_once('/')?;
+    Some((a.parse().ok()?, p.parse().ok()?))
+}
+
+async fn add(env: &Env, conf: &NetConf) -> Result<Value, CniError> {
+    if conf.prev_result.is_some() {
+        return Err(CniError::new(
+            code::INVALID_CONFIG,
+            "cube-cni creates the interface: it must be the first plugin of the chain \
+             (prevResult given)",
+        ));
+    }
+    let inside = Inside::enter(&env.netns)?;
+    let existing = inside
+        .nl
+        .link_by_name(&env.ifname)
+        .await
+        .map_err(|e| netns_err("looking for CNI_IFNAME", e))?;
+    if existing.is_some() {
+        return Err(CniError::new(
+            code::INTERFACE_EXISTS,
+            format!(
+                "an interface named {} already exists in {}",
+                env.ifname, env.netns
+            ),
+        ));
+    }
+    let agent = Agent::connect(conf).await?;
+    let id = cni::sandbox_id(&env.container_id, &env.ifname);
+    let mut metadata = cni::args_metadata(&env.args);
+    metadata.insert(META_NETWORK.into(), conf.name.clone());
+    metadata.insert(META_CONTAINER_ID.into(), env.container_id.clone());
+    metadata.insert(META_IFNAME.into(), env.ifname.clone());
+    metadata.insert(META_NETNS.into(), env.netns.clone());
+    let mappings: Vec<(String, u16, u16, String)> = conf
+        .port_mappings
+        .iter()
+        .map(|m| {
+            (
+                m.protocol.clone(),
+                m.container_port,
+                m.host_port,
+                m.host_ip.clone(),
+            )
+        })
+        .collect();
+    let mut opts: HashMap<&str, ZValue<'_>> = HashMap::new();
+    opts.insert("attach", ZValue::from("veth"));
+    opts.insert(
+        "netns_fd",
+        ZValue::from(zbus::zvariant::Fd::from(inside.ns.as_fd())),
+    );
+    opts.insert("ifname", ZValue::from(env.ifname.as_str()));
+    opts.insert(
+        "metadata",
+        ZValue::from(metadata.into_iter().collect::<HashMap<_, _>>()),
+    );
+    if !mappings.is_empty() {
+        opts.insert("port_mappings", ZValue::from(mappings));
+    }
+    if let Some(b) = conf.allow_internet_access {
+        opts.insert("allow_internet_access", ZValue::from(b));
+    }
+    if !conf.allow_out.is_empty() {
+        opts.insert("allow_out", ZValue::from(conf.allow_out.clone()));
+    }
+    if !conf.deny_out.is_empty() {
+        opts.insert("deny_out", ZValue::from(conf.deny_out.clone()));
+    }
+    if let Some(mtu) = conf.mtu {
+        opts.insert("mtu", ZValue::from(mtu));
+    }
+    let net: Dict = agent.call("EnsureNetwork", &(id.as_str(), opts)).await?;
+    let f = facts(&net)?;
+    let gw_mac: String = field(&net, "gateway_mac")?;
+    if let Err(e) = configure_inside(&inside.nl, &env.ifname, &f, &gw_mac).await {
+        // Leave nothing behind: the runtime DELs after a failed ADD, but a
+        // network whose inside is not set up must not live until then.
+        let _: Result<bool, _> = agent.call("ReleaseNetwork", &(id.as_str(),)).await;
+        return Err(e);
+    }
+    Ok(cni::result(
+        &conf.cni_version,
+        &f,
+        &env.ifname,
+        &env.netns,
+        &conf.dns,
+    ))
+}
+
+/// Inside the container: address, link up, default route via the gateway,
+/// the gateway's MAC as a permanent neighbour (no ARP round trip on the
+/// first packet; the datapath's proxy ARP answers anyway), lo up.
+async fn configure_inside(
+    nl: &Netlink,
+    ifname: &str,
+    f: &NetFacts,
+    gw_mac: &str,
+) -> Result<(), CniError> {
+    let link = nl
+        .link_by_name(ifname)
+        .await
+        .map_err(|e| netns_err("looking up the new interface", e))?
+        .ok_or_else(|| {
+            netns_err(
+                "the new interface",
+                format!("{ifname} is not in the namespace"),
+            )
+        })?;
+    let (addr, len) = parse_cidr(&f.guest_ip)
+        .ok_or_else(|| netns_err("guest_ip", format!("'{}' is not a CIDR", f.guest_ip)))?;
+    let gw: Ipv4Addr = f
+        .gateway_ip
+        .parse()
+        .map_err(|e| netns_err("gateway_ip", e))?;
+    let mac = parse_mac(gw_mac)
+        .ok_or_else(|| netns_err("gateway_mac", format!("'{gw_mac}' is not a MAC")))?;
+    nl.add_ipv4_addr(link.index, addr, len)
+        .await
+        .map_err(|e| netns_err("adding the address", e))?;
+    let up = cube_network_agent::netlink::LinkChange {
+        up: Some(true),
+        ..Default::default()
+    };
+    nl.set_link(link.index, up.clone())
+        .await
+        .map_err(|e| netns_err("setting the interface up", e))?;
+    nl.neigh_replace_permanent(link.index, std::net::IpAddr::V4(gw), mac)
+        .await
+        .map_err(|e| netns_err("adding the gateway neighbour", e))?;
+    nl.replace_default_route(gw, link.index)
+        .await
+        .map_err(|e| netns_err("adding the default route", e))?;
+    if let Some(lo) = nl
+        .link_by_name("lo")
+        .await
+        .map_err(|e| netns_err("looking up lo", e))?
+        && !lo.up
+    {
+        nl.set_link(lo.index, up)
+            .await
+            .map_err(|e| netns_err("setting lo up", e))?;
+    }
+    Ok(())
+}
+
+async fn del(env: &Env, conf: &NetConf) -> Result<(), CniError> {
+    let agent = Agent::connect(conf).await?;
+    let id = cni::sandbox_id(&env.container_id, &env.ifname);
+    // false (no such network) is success: DEL is repeatable, and the
+    // namespace may be gone (the veth went with it; the agent deletes
+    // whatever is left of the host end).
+    let _released: bool = agent.call("ReleaseNetwork", &(id.as_str(),)).await?;
+    Ok(())
+}
+
+async fn check(env: &Env, conf: &NetConf) -> Result<(), CniError> {
+    let agent = Agent::connect(conf).await?;
+    let id = cni::sandbox_id(&env.container_id, &env.ifname);
+    let net: Dict = agent
+        .call("GetNetwork", &(id.as_str(),))
+        .await
+        .map_err(|e| match e.code {
+            code::NOT_FOUND => CniError::new(
+                code::NOT_FOUND,
+                format!(
+                    "no network for container {} interface {} (agent id {id})",
+                    env.container_id, env.ifname
+                ),
+            ),
+            _ => e,
+        })?;
+    let attach: String = field(&net, "attach")?;
+    if attach != "veth" {
+        return Err(CniError::new(
+            code::CHECK_FAILED,
+            format!("network {id} is a {attach} network, not a CNI attachment"),
+        ));
+    }
+    let f = facts(&net)?;
+    // The agent's own check (TAP/veth, neighbour, datapath filter and
+    // entries), repairing drift it can repair.
+    let report: Dict = agent.call("ReconcileNetwork", &(id.as_str(),)).await?;
+    let errors: Vec<String> = field(&report, "errors").unwrap_or_default();
+    if !errors.is_empty() {
+        return Err(CniError::new(
+            code::CHECK_FAILED,
+            format!("the agent cannot serve {id}: {}", errors.join("; ")),
+        ));
+    }
+    if let Some(prev) = &conf.prev_result {
+        let want = format!("{}/32", f.sandbox_ip);
+        let listed = prev
+            .get("ips")
+            .and_then(Value::as_array)
+            .is_some_and(|ips| ips.iter().any(|ip| ip["address"] == want.as_str()));
+        if !listed {
+            return Err(CniError::new(
+                code::CHECK_FAILED,
+                format!("prevResult does not list the attachment's address {want}"),
+            ));
+        }
+    }
+    let inside = Inside::enter(&env.netns)?;
+    let nl = &inside.nl;
+    let fail = |what: String| CniError::new(code::CHECK_FAILED, what);
+    let link = nl
+        .link_by_name(&env.ifname)
+        .await
+        .map_err(|e| netns_err("looking up CNI_IFNAME", e))?
+        .ok_or_else(|| fail(format!("{} is missing in {}", env.ifname, env.netns)))?;
+    if !link.up {
+        return Err(fail(format!("{} is down in {}", env.ifname, env.netns)));
+    }
+    let (addr, len) = parse_cidr(&f.guest_ip)
+        .ok_or_else(|| fail(format!("guest_ip '{}' is not a CIDR", f.guest_ip)))?;
+    let addrs = nl
+        .ipv4_addrs(link.index)
+        .await
+        .map_err(|e| netns_err("listing addresses", e))?;
+    if !addrs.contains(&(addr, len)) {
+        return Err(fail(format!(
+            "{} lacks its address {}/{len} in {}",
+            env.ifname, addr, env.netns
+        )));
+    }
+    let gw: Ipv4Addr = f.gateway_ip.parse().map_err(|e| fail(format!("{e}")))?;
+    if !nl
+        .default_route_via(gw, link.index)
+        .await
+        .map_err(|e| netns_err("listing routes", e))?
+    {
+        return Err(fail(format!(
+            "no default route via {gw} on {} in {}",
+            env.ifname, env.netns
+        )));
+    }
+    Ok(())
+}
+
+async fn status(conf: &NetConf) -> Result<(), CniError> {
+    let agent = Agent::connect(conf)
+        .await
+        .map_err(|e| CniError::new(code::NOT_READY, e.msg))?;
+    let (_healthy, checks): (bool, Vec<(String, bool, String)>) =
+        agent
+            .call("Health", &())
+            .await
+            .map_err(|e| CniError::new(code::NOT_READY, e.msg))?;
+    let active = agent.active_networks().await.unwrap_or(1);
+    match cni::status_verdict(&checks, active) {
+        None => Ok(()),
+        Some(e) => Err(e),
+    }
+}
+
+async fn gc(conf: &NetConf) -> Result<(), CniError> {
+    let valid = conf.valid_attachments.as_ref().ok_or_else(|| {
+        CniError::new(
+            code::INVALID_CONFIG,
+            "GC needs cni.dev/valid-attachments (refusing to treat a missing list as empty)",
+        )
+    })?;
+    let agent = Agent::connect(conf).await?;
+    let nets: Vec<Dict> = agent.call("ListNetworks", &()).await?;
+    let nets: Vec<(String, BTreeMap<String, String>)> = nets
+        .iter()
+        .filter_map(|d| {
+            let id: String = field(d, "sandbox_id").ok()?;
+            let meta: HashMap<String, String> = field(d, "metadata").unwrap_or_default();
+            Some((id, meta.into_iter().collect()))
+        })
+        .collect();
+    let mut failures = vec![];
+    for id in cni::gc_victims(&conf.name, valid, &nets) {
+        match agent
+            .call::<_, bool>("ReleaseNetwork", &(id.as_str(),))
+            .await
+        {
+            Ok(_) => eprintln!("cube-cni: GC released {id}"),
+            Err(e) => failures.push(format!("{id}: {}", e.msg)),
+        }
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(CniError::new(
+            code::GC_INCOMPLETE,
+            format!("GC could not release {} networks", failures.len()),
+        )
+        .with_details(failures.join("; ")))
+    }
+}

@@ -1,0 +1,778 @@
+//! The CNI edge (`cube-cni`), pure part: the plugin configuration, the
+//! attachment's identity, results in each spec version, error JSON and the
+//! rules that turn the agent's answers into CNI verdicts. The binary
+//! (`src/bin/cube-cni.rs`) does the I/O: environment, stdin, the agent
+//! over D-Bus, and the work inside the container's namespace.
+//!
+//! Model (docs/cni.md): a veth per attachment; the agent creates the pair
+//! (the peer directly in `CNI_NETNS`, from an fd the plugin passes), and the
+//! host end plays a TAP's role in the datapath. Inside the container the
+//! interface carries the fixed guest address (169.254.68.6/30, gateway
+//! .5), exactly what a VM guest sees; the pod IP the runtime reports is the
+//! sandbox address (unique on the node, routed to the container by the
+//! datapath), listed first in `ips`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde_json::{Map, Value, json};
+
+/// Spec versions this plugin speaks, oldest first.
+pub const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
+
+/// CNI error codes (spec §"Error"); 100 and up are this plugin's own.
+pub mod code {
+    pub const INCOMPATIBLE_VERSION: u32 = 1;
+    pub const UNSUPPORTED_FIELD: u32 = 2;
+    pub const UNKNOWN_CONTAINER: u32 = 3;
+    pub const INVALID_ENV: u32 = 4;
+    pub const IO: u32 = 5;
+    pub const DECODE: u32 = 6;
+    pub const INVALID_CONFIG: u32 = 7;
+    pub const TRY_AGAIN_LATER: u32 = 11;
+    pub const NOT_READY: u32 = 50;
+    pub const LIMITED_CONNECTIVITY: u32 = 51;
+    /// The agent failed the request (its message follows).
+    pub const AGENT_FAILED: u32 = 100;
+    /// A port mapping's host port belongs to someone else (the host or
+    /// another sandbox): not transient, retrying does not help.
+    pub const PORT_IN_USE: u32 = 101;
+    /// polkit said no.
+    pub const ACCESS_DENIED: u32 = 102;
+    /// CHECK: the agent has no network for this attachment.
+    pub const NOT_FOUND: u32 = 103;
+    /// ADD: `CNI_IFNAME` already exists in the namespace.
+    pub const INTERFACE_EXISTS: u32 = 104;
+    /// CHECK: something the attachment needs is missing or different.
+    pub const CHECK_FAILED: u32 = 105;
+    /// GC: some releases failed (details list them).
+    pub const GC_INCOMPLETE: u32 = 106;
+    /// The container's namespace could not be configured.
+    pub const NETNS: u32 = 107;
+}
+
+/// A CNI error: printed as `{cniVersion, code, msg, details}` on stdout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CniError {
+    pub code: u32,
+    pub msg: String,
+    pub details: String,
+}
+
+impl CniError {
+    pub fn new(code: u32, msg: impl Into<String>) -> Self {
+        CniError {
+            code,
+            msg: msg.into(),
+            details: String::new(),
+        }
+    }
+
+    pub fn with_details(mut self, details: impl Into<String>) -> Self {
+        self.details = details.into();
+        self
+    }
+
+    pub fn to_json(&self, version: &str) -> Value {
+        let mut o = json!({"cniVersion": version, "code": self.code, "msg": self.msg});
+        if !self.details.is_empty() {
+            o["details"] = Value::String(self.details.clone());
+        }
+        o
+    }
+}
+
+/// The verbs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Command {
+    Add,
+    Del,
+    Check,
+    Status,
+    Gc,
+    Version,
+}
+
+impl Command {
+    pub fn parse(s: &str) -> Result<Self, CniError> {
+        Ok(match s {
+            "ADD" => Command::Add,
+            "DEL" => Command::Del,
+            "CHECK" => Command::Check,
+            "STATUS" => Command::Status,
+            "GC" => Command::Gc,
+            "VERSION" => Command::Version,
+            other => {
+                return Err(CniError::new(
+                    code::INVALID_ENV,
+                    format!(
+                        "CNI_COMMAND '{other}' is not one of ADD, DEL, CHECK, STATUS, GC, VERSION"
+                    ),
+                ));
+            }
+        })
+    }
+
+    /// The environment variables the spec requires for this verb.
+    pub fn required_env(self) -> &'static [&'static str] {
+        match self {
+            Command::Add | Command::Check => {
+                &["CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME", "CNI_PATH"]
+            }
+            Command::Del => &["CNI_CONTAINERID", "CNI_IFNAME", "CNI_PATH"],
+            Command::Gc => &["CNI_PATH"],
+            Command::Status | Command::Version => &[],
+        }
+    }
+}
+
+/// One requested port mapping (`runtimeConfig.portMappings`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortMapping {
+    pub host_port: u16,
+    pub container_port: u16,
+    pub protocol: String,
+    pub host_ip: String,
+}
+
+/// The plugin's configuration (stdin), checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NetConf {
+    pub cni_version: String,
+    pub name: String,
+    /// D-Bus address of the agent's bus; None = the system bus.
+    pub dbus_address: Option<String>,
+    pub timeout_ms: u64,
+    pub mtu: Option<u32>,
+    pub allow_internet_access: Option<bool>,
+    pub allow_out: Vec<String>,
+    pub deny_out: Vec<String>,
+    pub dns: Option<Value>,
+    pub port_mappings: Vec<PortMapping>,
+    pub prev_result: Option<Value>,
+    /// GC: the attachments to keep, (container id, ifname).
+    pub valid_attachments: Option<BTreeSet<(String, String)>>,
+}
+
+pub const DEFAULT_TIMEOUT_MS: u64 = 10_000;
+
+/// Keys of the spec (and of runtimes) a plugin configuration may carry.
+const SPEC_KEYS: &[&str] = &[
+    "cniVersion",
+    "cniVersions",
+    "name",
+    "type",
+    "capabilities",
+    "runtimeConfig",
+    "args",
+    "prevResult",
+    "dns",
+    "disableCheck",
+    "disableGC",
+];
+/// cube-cni's own keys.
+const PLUGIN_KEYS: &[&str] = &[
+    "dbusAddress",
+    "timeoutMs",
+    "mtu",
+    "allowInternetAccess",
+    "allowOut",
+    "denyOut",
+];
+
+fn config_err(msg: String) -> CniError {
+    CniError::new(code::INVALID_CONFIG, msg)
+}
+
+fn string_list(key: &str, v: &Value) -> Result<Vec<String>, CniError> {
+    let arr = v
+        .as_array()
+        .ok_or_else(|| config_err(format!("{key}: must be a list of strings")))?;
+    arr.iter()
+        .enumerate()
+        .map(|(i, s)| {
+            s.as_str()
+                .map(str::to_owned)
+                .ok_or_else(|| config_err(format!("{key}[{i}]: must be a string")))
+        })
+        .collect()
+}
+
+impl NetConf {
+    /// Parses stdin. Decoding errors are code 6, bad values 7, an unknown
+    /// key 2 (naming it and its value), an unsupported version 1.
+    pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
+        let v: Value = serde_json::from_slice(stdin).map_err(|e| {
+            CniError::new(
+                code::DECODE,
+                format!("the network configuration on stdin is not JSON: {e}"),
+            )
+        })?;
+        let obj = v.as_object().ok_or_else(|| {
+            CniError::new(
+                code::DECODE,
+                "the network configuration on stdin is not a JSON object",
+            )
+        })?;
+        for (k, val) in obj {
+            if !SPEC_KEYS.contains(&k.as_str())
+                && !PLUGIN_KEYS.contains(&k.as_str())
+                && !k.starts_with("cni.dev/")
+            {
+                let shown = serde_json::to_string(val).unwrap_or_default();
+                return Err(CniError::new(
+                    code::UNSUPPORTED_FIELD,
+                    format!(
+                        "unsupported field '{k}' (value {shown}); cube-cni knows {} and the \
+                         spec's keys",
+                        PLUGIN_KEYS.join(", ")
+                    ),
+                )
+                .with_details(k.clone()));
+            }
+        }
+        let cni_version = match obj.get("cniVersion") {
+            Some(Value::String(s)) => s.clone(),
+            Some(_) => return Err(config_err("cniVersion: must be a string".into())),
+            None => return Err(config_err("cniVersion: missing".into())),
+        };
+        if !SUPPORTED_VERSIONS.contains(&cni_version.as_str()) {
+            return Err(CniError::new(
+                code::INCOMPATIBLE_VERSION,
+                format!(
+                    "incompatible CNI versions; config is \"{cni_version}\", plugin supports {:?}",
+                    SUPPORTED_VERSIONS
+                ),
+            ));
+        }
+        let name = match obj.get("name") {
+            Some(Value::String(s)) if !s.is_empty() => s.clone(),
+            _ => return Err(config_err("name: missing or not a non-empty string".into())),
+        };
+        let dbus_address = match obj.get("dbusAddress") {
+            None => None,
+            Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+            Some(_) => return Err(config_err("dbusAddress: must be a D-Bus address".into())),
+        };
+        let timeout_ms = match obj.get("timeoutMs") {
+            None => DEFAULT_TIMEOUT_MS,
+            Some(v) => match v.as_u64() {
+                Some(n) if (1..=600_000).contains(&n) => n,
+                _ => {
+                    return Err(config_err(format!(
+                        "timeoutMs: {v} is not a number of milliseconds in 1-600000"
+                    )));
+                }
+            },
+        };
+        let mtu = match obj.get("mtu") {
+            None => None,
+            Some(v) => Some(
+                v.as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| config_err(format!("mtu: {v} is not an MTU")))?,
+            ),
+        };
+        let allow_internet_access = match obj.get("allowInternetAccess") {
+            None => None,
+            Some(Value::Bool(b)) => Some(*b),
+            Some(v) => {
+                return Err(config_err(format!(
+                    "allowInternetAccess: {v} is not true or false"
+                )));
+            }
+        };
+        let allow_out = obj
+            .get("allowOut")
+            .map(|v| string_list("allowOut", v))
+            .transpose()?
+            .unwrap_or_default();
+        let deny_out = obj
+            .get("denyOut")
+            .map(|v| string_list("denyOut", v))
+            .transpose()?
+            .unwrap_or_default();
+        let dns = obj.get("dns").cloned();
+        let port_mappings = match obj.get("runtimeConfig").and_then(|r| r.get("portMappings")) {
+            None | Some(Value::Null) => vec![],
+            Some(v) => parse_port_mappings(v)?,
+        };
+        let prev_result = obj.get("prevResult").filter(|v| !v.is_null()).cloned();
+        let valid_attachments = match obj.get("cni.dev/valid-attachments") {
+            None => None,
+            Some(v) => Some(parse_valid_attachments(v)?),
+        };
+        Ok(NetConf {
+            cni_version,
+            name,
+            dbus_address,
+            timeout_ms,
+            mtu,
+            allow_internet_access,
+            allow_out,
+            deny_out,
+            dns,
+            port_mappings,
+            prev_result,
+            valid_attachments,
+        })
+    }
+}
+
+fn parse_port_mappings(v: &Value) -> Result<Vec<PortMapping>, CniError> {
+    let key = "runtimeConfig.portMappings";
+    let arr = v
+        .as_array()
+        .ok_or_else(|| config_err(format!("{key}: must be a list")))?;
+    arr.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            // containerd's CRI marshals go-cni's PortMapping, which has no
+            // JSON tags: its keys arrive capitalised (HostPort, HostIP).
+            let get = |field: &str| {
+                m.as_object().and_then(|o| {
+                    o.iter()
+                        .find(|(k, _)| k.eq_ignore_ascii_case(field))
+                        .map(|(_, v)| v)
+                })
+            };
+            let port = |field: &str| -> Result<u16, CniError> {
+                let v =
+                    get(field).ok_or_else(|| config_err(format!("{key}[{i}].{field}: missing")))?;
+                match v.as_u64() {
+                    Some(p) if (1..=65535).contains(&p) => Ok(p as u16),
+                    _ => Err(config_err(format!(
+                        "{key}[{i}].{field}: {v} is not a port (1-65535)"
+                    ))),
+                }
+            };
+            let protocol = match get("protocol") {
+                None => "tcp".to_owned(),
+                Some(Value::String(p)) => match p.to_ascii_lowercase().as_str() {
+                    p @ ("tcp" | "udp") => p.to_owned(),
+                    "sctp" => {
+                        return Err(config_err(format!(
+                            "{key}[{i}].protocol: sctp is not supported (tcp or udp)"
+                        )));
+                    }
+                    _ => {
+                        return Err(config_err(format!(
+                            "{key}[{i}].protocol: '{p}' is not tcp or udp"
+                        )));
+                    }
+                },
+                Some(v) => {
+                    return Err(config_err(format!(
+                        "{key}[{i}].protocol: {v} is not a string"
+                    )));
+                }
+            };
+            let host_ip = match get("hostIP") {
+                None | Some(Value::Null) => String::new(),
+                Some(Value::String(s)) => s.clone(),
+                Some(v) => {
+                    return Err(config_err(format!(
+                        "{key}[{i}].hostIP: {v} is not a string"
+                    )));
+                }
+            };
+            Ok(PortMapping {
+                host_port: port("hostPort")?,
+                container_port: port("containerPort")?,
+                protocol,
+                host_ip,
+            })
+        })
+        .collect()
+}
+
+fn parse_valid_attachments(v: &Value) -> Result<BTreeSet<(String, String)>, CniError> {
+    let key = "cni.dev/valid-attachments";
+    let arr = v
+        .as_array()
+        .ok_or_else(|| config_err(format!("{key}: must be a list")))?;
+    arr.iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let field = |f: &str| {
+                a.get(f)
+                    .and_then(Value::as_str)
+                    .map(str::to_owned)
+                    .ok_or_else(|| config_err(format!("{key}[{i}].{f}: missing or not a string")))
+            };
+            Ok((field("containerID")?, field("ifname")?))
+        })
+        .collect()
+}
+
+/// The agent's sandbox id of an attachment: readable when the container id
+/// and ifname fit the agent's charset, a hash of both otherwise. The same
+/// (container id, ifname) always gives the same id, so DEL, CHECK and GC
+/// need no state of their own.
+pub fn sandbox_id(container_id: &str, ifname: &str) -> String {
+    let plain = format!("cni-{container_id}-{ifname}");
+    let ok = plain.len() <= 128
+        && plain
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-'));
+    if ok {
+        return plain;
+    }
+    // FNV-1a, two lanes of 64 bits: stable across releases and platforms.
+    let lane = |seed: u64| {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ seed;
+        for b in container_id
+            .bytes()
+            .chain(std::iter::once(0))
+            .chain(ifname.bytes())
+        {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h
+    };
+    format!("cni-{:016x}{:016x}", lane(0), lane(0x9e37_79b9_7f4a_7c15))
+}
+
+/// Metadata keys the plugin records on each network.
+pub const META_NETWORK: &str = "cni.network";
+pub const META_CONTAINER_ID: &str = "cni.container_id";
+pub const META_IFNAME: &str = "cni.ifname";
+pub const META_NETNS: &str = "cni.netns";
+
+/// What the result needs from the agent's network.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetFacts {
+    pub host_ifname: String,
+    pub sandbox_ip: String,
+    /// CIDR, e.g. 169.254.68.6/30.
+    pub guest_ip: String,
+    pub gateway_ip: String,
+    pub guest_mac: String,
+    pub mtu: u32,
+}
+
+fn version_at_least(v: &str, major: u32, minor: u32) -> bool {
+    let mut it = v.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let (a, b) = (it.next().unwrap_or(0), it.next().unwrap_or(0));
+    (a, b) >= (major, minor)
+}
+
+/// The ADD result in `version`: the host end and the container interface;
+/// the pod IP (sandbox address, /32, no interface: assigned outside the
+/// container, reachable from the host) first, then the container's own
+/// address with its gateway; the default route; `dns` from the config.
+pub fn result(
+    version: &str,
+    facts: &NetFacts,
+    ifname: &str,
+    netns: &str,
+    dns: &Option<Value>,
+) -> Value {
+    let new = version_at_least(version, 1, 0);
+    let mut container = json!({"name": ifname, "mac": facts.guest_mac, "sandbox": netns});
+    if version_at_least(version, 1, 1) {
+        container["mtu"] = json!(facts.mtu);
+    }
+    let ip = |address: &str, gateway: Option<&str>, interface: Option<u32>| {
+        let mut o = Map::new();
+        if !new {
+            o.insert("version".into(), json!("4"));
+        }
+        o.insert("address".into(), json!(address));
+        if let Some(g) = gateway {
+            o.insert("gateway".into(), json!(g));
+        }
+        if let Some(i) = interface {
+            o.insert("interface".into(), json!(i));
+        }
+        Value::Object(o)
+    };
+    let mut r = json!({
+        "cniVersion": version,
+        "interfaces": [{"name": facts.host_ifname}, container],
+        "ips": [
+            ip(&format!("{}/32", facts.sandbox_ip), None, None),
+            ip(&facts.guest_ip, Some(&facts.gateway_ip), Some(1)),
+        ],
+        "routes": [{"dst": "0.0.0.0/0", "gw": facts.gateway_ip}],
+    });
+    r["dns"] = dns.clone().unwrap_or_else(|| json!({}));
+    r
+}
+
+/// The VERSION answer.
+pub fn version_info(input_version: Option<&str>) -> Value {
+    json!({
+        "cniVersion": input_version.unwrap_or("1.1.0"),
+        "supportedVersions": SUPPORTED_VERSIONS,
+    })
+}
+
+/// `CNI_ARGS` (`K=V;K=V`): the Kubernetes pod identity, if given, for the
+/// network's metadata. Other keys are ignored (as every reference plugin
+/// does with `IgnoreUnknown`).
+pub fn args_metadata(cni_args: &str) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for kv in cni_args.split(';') {
+        let Some((k, v)) = kv.split_once('=') else {
+            continue;
+        };
+        let key = match k {
+            "K8S_POD_NAMESPACE" => "k8s.pod_namespace",
+            "K8S_POD_NAME" => "k8s.pod_name",
+            "K8S_POD_UID" => "k8s.pod_uid",
+            _ => continue,
+        };
+        if !v.is_empty() && v.len() <= 253 {
+            out.insert(key.to_owned(), v.to_owned());
+        }
+    }
+    out
+}
+
+/// The agent's D-Bus error (its name's last component and message) as a
+/// CNI error.
+pub fn agent_error(name: &str, msg: &str) -> CniError {
+    let short = name.rsplit('.').next().unwrap_or(name);
+    let c = match short {
+        "InvalidArgument" => code::INVALID_CONFIG,
+        "NotFound" => code::NOT_FOUND,
+        "AddressesExhausted" | "PortsExhausted" | "LimitsExceeded" | "ServiceUnknown"
+        | "NameHasNoOwner" | "NoReply" | "Timeout" | "TimedOut" => code::TRY_AGAIN_LATER,
+        "PortInUse" => code::PORT_IN_USE,
+        "AccessDenied" | "InteractiveAuthorizationRequired" => code::ACCESS_DENIED,
+        _ => code::AGENT_FAILED,
+    };
+    CniError::new(c, format!("cube-network-agent: {msg}")).with_details(name.to_owned())
+}
+
+/// STATUS from Health's checks: `None` = ready. An address pool with no
+/// free address, or a store that cannot write, only stops new ADDs (50);
+/// a datapath, uplink or gateway problem also hurts the containers that
+/// run (51) when there are any.
+pub fn status_verdict(checks: &[(String, bool, String)], active_networks: u32) -> Option<CniError> {
+    let failed: Vec<&(String, bool, String)> = checks.iter().filter(|c| !c.1).collect();
+    if failed.is_empty() {
+        return None;
+    }
+    let list = failed
+        .iter()
+        .map(|(n, _, d)| format!("{n}: {d}"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    let connectivity = failed
+        .iter()
+        .any(|(n, _, _)| n.starts_with("datapath") || n == "uplink" || n == "gateway_device");
+    let c = if connectivity && active_networks > 0 {
+        code::LIMITED_CONNECTIVITY
+    } else {
+        code::NOT_READY
+    };
+    Some(CniError::new(
+        c,
+        format!("cube-network-agent is not healthy: {list}"),
+    ))
+}
+
+/// GC: the networks of `network` to release, given each network's
+/// (sandbox id, metadata). Networks without CNI metadata (made by VMM
+/// launchers over D-Bus or varlink) and those of other CNI networks are
+/// never chosen.
+pub fn gc_victims(
+    network: &str,
+    valid: &BTreeSet<(String, String)>,
+    networks: &[(String, BTreeMap<String, String>)],
+) -> Vec<String> {
+    networks
+        .iter()
+        .filter(|(_, m)| m.get(META_NETWORK).map(String::as_str) == Some(network))
+        .filter(
+            |(_, m)| match (m.get(META_CONTAINER_ID), m.get(META_IFNAME)) {
+                (Some(c), Some(i)) => !valid.contains(&(c.clone(), i.clone())),
+                _ => false,
+            },
+        )
+        .map(|(id, _)| id.clone())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conf(extra: &str) -> Result<NetConf, CniError> {
+        NetConf::parse(
+            format!(r#"{{"cniVersion":"1.0.0","name":"cube","type":"cube-cni"{extra}}}"#)
+                .as_bytes(),
+        )
+    }
+
+    #[test]
+    fn config_errors_carry_spec_codes() {
+        assert_eq!(NetConf::parse(b"{").unwrap_err().code, code::DECODE);
+        assert_eq!(NetConf::parse(b"[]").unwrap_err().code, code::DECODE);
+        let e = conf(r#","bridge":"br0""#).unwrap_err();
+        assert_eq!(e.code, code::UNSUPPORTED_FIELD);
+        assert!(
+            e.msg.contains("'bridge'") && e.msg.contains("\"br0\""),
+            "{e:?}"
+        );
+        let e = NetConf::parse(br#"{"cniVersion":"2.0.0","name":"x"}"#).unwrap_err();
+        assert_eq!(e.code, code::INCOMPATIBLE_VERSION);
+        let e = NetConf::parse(br#"{"cniVersion":"1.0.0"}"#).unwrap_err();
+        assert_eq!(e.code, code::INVALID_CONFIG);
+        let e = conf(r#","timeoutMs":0"#).unwrap_err();
+        assert!(e.msg.starts_with("timeoutMs"), "{e:?}");
+        let e = conf(r#","runtimeConfig":{"portMappings":[{"hostPort":0,"containerPort":80}]}"#)
+            .unwrap_err();
+        assert_eq!(e.code, code::INVALID_CONFIG);
+        assert!(e.msg.contains("portMappings[0].hostPort"), "{e:?}");
+        let e = conf(
+            r#","runtimeConfig":{"portMappings":[{"hostPort":80,"containerPort":80,"protocol":"sctp"}]}"#,
+        )
+        .unwrap_err();
+        assert!(e.msg.contains("sctp"), "{e:?}");
+    }
+
+    #[test]
+    fn cri_port_mappings_with_go_field_names() {
+        let c = conf(
+            r#","runtimeConfig":{"portMappings":[{"HostPort":8080,"ContainerPort":80,"Protocol":"udp","HostIP":""}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.port_mappings,
+            vec![PortMapping {
+                host_port: 8080,
+                container_port: 80,
+                protocol: "udp".into(),
+                host_ip: String::new()
+            }]
+        );
+    }
+
+    #[test]
+    fn config_reads_everything() {
+        let c = conf(
+            r#","cniVersions":["1.0.0","1.1.0"],"dbusAddress":"unix:path=/x","timeoutMs":500,
+            "mtu":1400,"allowInternetAccess":false,"allowOut":["10.0.0.0/8"],"denyOut":["1.1.1.1"],
+            "capabilities":{"portMappings":true},
+            "runtimeConfig":{"portMappings":[{"hostPort":8080,"containerPort":80,"protocol":"TCP","hostIP":"127.0.0.1"}]},
+            "cni.dev/valid-attachments":[{"containerID":"a","ifname":"eth0"}],
+            "prevResult":null,"dns":{"nameservers":["10.0.0.53"]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.dbus_address.as_deref(), Some("unix:path=/x"));
+        assert_eq!(c.timeout_ms, 500);
+        assert_eq!(c.mtu, Some(1400));
+        assert_eq!(c.allow_internet_access, Some(false));
+        assert_eq!(c.port_mappings[0].protocol, "tcp");
+        assert_eq!(c.port_mappings[0].host_ip, "127.0.0.1");
+        assert!(c.prev_result.is_none());
+        assert!(
+            c.valid_attachments
+                .unwrap()
+                .contains(&("a".into(), "eth0".into()))
+        );
+    }
+
+    #[test]
+    fn sandbox_ids_are_stable_and_valid() {
+        assert_eq!(sandbox_id("abc", "eth0"), "cni-abc-eth0");
+        let odd = sandbox_id("a/b c", "eth0");
+        assert_eq!(odd, sandbox_id("a/b c", "eth0"));
+        assert_ne!(odd, sandbox_id("a/b c", "eth1"));
+        assert_eq!(odd.len(), 36);
+        let long = "f".repeat(200);
+        assert!(sandbox_id(&long, "eth0").len() <= 128);
+        crate::agent::spec::validate_sandbox_id(&odd).unwrap();
+    }
+
+    fn facts() -> NetFacts {
+        NetFacts {
+            host_ifname: "ctapc0a80002".into(),
+            sandbox_ip: "192.168.0.2".into(),
+            guest_ip: "169.254.68.6/30".into(),
+            gateway_ip: "169.254.68.5".into(),
+            guest_mac: "20:90:6f:fc:fc:fc".into(),
+            mtu: 1300,
+        }
+    }
+
+    #[test]
+    fn results_per_version() {
+        let r = result("1.1.0", &facts(), "eth0", "/run/netns/x", &None);
+        assert_eq!(r["interfaces"][1]["mtu"], 1300);
+        assert_eq!(r["interfaces"][1]["sandbox"], "/run/netns/x");
+        assert_eq!(r["ips"][0]["address"], "192.168.0.2/32");
+        assert!(r["ips"][0].get("interface").is_none());
+        assert_eq!(r["ips"][1]["interface"], 1);
+        assert_eq!(r["ips"][1]["gateway"], "169.254.68.5");
+        assert!(r["ips"][1].get("version").is_none());
+        let r = result("1.0.0", &facts(), "eth0", "/n", &None);
+        assert!(r["interfaces"][1].get("mtu").is_none());
+        let r = result(
+            "0.4.0",
+            &facts(),
+            "eth0",
+            "/n",
+            &Some(json!({"nameservers":["1.1.1.1"]})),
+        );
+        assert_eq!(r["ips"][0]["version"], "4");
+        assert_eq!(r["dns"]["nameservers"][0], "1.1.1.1");
+    }
+
+    #[test]
+    fn status_and_gc_rules() {
+        let ok = vec![("store".to_string(), true, String::new())];
+        assert!(status_verdict(&ok, 3).is_none());
+        let addr = vec![("addresses".to_string(), false, "0 of 10 free".to_string())];
+        assert_eq!(status_verdict(&addr, 3).unwrap().code, code::NOT_READY);
+        let dp = vec![("datapath_filters".to_string(), false, "x".to_string())];
+        assert_eq!(
+            status_verdict(&dp, 3).unwrap().code,
+            code::LIMITED_CONNECTIVITY
+        );
+        assert_eq!(status_verdict(&dp, 0).unwrap().code, code::NOT_READY);
+
+        let meta = |net: &str, c: &str| {
+            BTreeMap::from([
+                (META_NETWORK.to_string(), net.to_string()),
+                (META_CONTAINER_ID.to_string(), c.to_string()),
+                (META_IFNAME.to_string(), "eth0".to_string()),
+            ])
+        };
+        let nets = vec![
+            ("cni-a-eth0".to_string(), meta("cube", "a")),
+            ("cni-b-eth0".to_string(), meta("cube", "b")),
+            ("cni-c-eth0".to_string(), meta("other", "c")),
+            ("vm-1".to_string(), BTreeMap::new()),
+        ];
+        let valid = BTreeSet::from([("a".to_string(), "eth0".to_string())]);
+        assert_eq!(gc_victims("cube", &valid, &nets), vec!["cni-b-eth0"]);
+        assert_eq!(
+            gc_victims("cube", &BTreeSet::new(), &nets),
+            vec!["cni-a-eth0", "cni-b-eth0"]
+        );
+    }
+
+    #[test]
+    fn agent_errors_map_to_codes() {
+        assert_eq!(
+            agent_error("org.cube.NetworkAgent.Error.PortInUse", "x").code,
+            code::PORT_IN_USE
+        );
+        assert_eq!(
+            agent_error("org.cube.NetworkAgent.Error.AddressesExhausted", "x").code,
+            code::TRY_AGAIN_LATER
+        );
+        assert_eq!(
+            agent_error("org.freedesktop.DBus.Error.AccessDenied", "x").code,
+            code::ACCESS_DENIED
+        );
+        assert_eq!(
+            agent_error("org.cube.NetworkAgent.Error.Failed", "x").code,
+            code::AGENT_FAILED
+        );
+    }
+}

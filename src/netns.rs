@@ -1,0 +1,42 @@
+//! Network namespace fds passed by callers (CNI attachments): checked to
+//! be a network namespace, and not the agent's own, before the kernel is
+//! asked to create anything in them. The agent never enters one.
+
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::unix::fs::MetadataExt;
+
+/// `NS_GET_NSTYPE` from linux/nsfs.h: `_IO(0xb7, 0x3)`.
+const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
+
+/// Why a namespace fd cannot be used, or Ok.
+pub fn check_foreign_netns(fd: BorrowedFd<'_>) -> Result<(), String> {
+    // SAFETY: NS_GET_NSTYPE takes no argument and only reads the fd, which
+    // is valid for the duration of the borrow.
+    let kind = unsafe { libc::ioctl(fd.as_raw_fd(), NS_GET_NSTYPE as _) };
+    if kind < 0 {
+        return Err(format!(
+            "not a namespace file ({})",
+            std::io::Error::last_os_error()
+        ));
+    }
+    if kind != libc::CLONE_NEWNET {
+        return Err(format!(
+            "a namespace of another type (0x{kind:x}), not a network namespace"
+        ));
+    }
+    let theirs = stat_fd(fd)?;
+    let ours = std::fs::metadata("/proc/self/ns/net")
+        .map_err(|e| format!("cannot stat the agent's own namespace: {e}"))?;
+    if theirs == (ours.dev(), ours.ino()) {
+        return Err(
+            "is the node's own network namespace; a container's interface must live in its own"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+fn stat_fd(fd: BorrowedFd<'_>) -> Result<(u64, u64), String> {
+    let st = nix::sys::stat::fstat(fd).map_err(|e| format!("fstat: {e}"))?;
+    Ok((st.st_dev, st.st_ino))
+}

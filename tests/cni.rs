@@ -1,0 +1,831 @@
+//! cube-cni end to end: the raw protocol (env + stdin) for every verb and
+//! error code, a real libcni client (tests/cni/cnirun, Debian's libcni
+//! 1.1.2 and go-cni 1.1.7) with a chained stock plugin, a real runtime
+//! (containerd 1.6 + `ctr run --cni`), restart continuity across kill -9,
+//! and Kata's tcfilter model on top of the veth. The agent runs in its own
+//! node namespace facing a world namespace; every container namespace is
+//! made here and deleted even on failure.
+
+mod common;
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::world::{self, NODE_IP, Server, World, in_netns};
+use common::{Env, opts, s};
+use serde_json::{Value, json};
+
+const GUEST: &str = "169.254.68.6/30";
+const GATEWAY: &str = "169.254.68.5";
+
+/// A container network namespace, deleted on drop.
+struct Ctr {
+    name: String,
+}
+
+impl Ctr {
+    fn new(tag: &str) -> Ctr {
+        let name = format!("cnic-{}-{tag}", std::process::id());
+        let _ = Command::new("ip")
+            .args(["netns", "del", &name])
+            .stderr(Stdio::null())
+            .status();
+        assert!(
+            Command::new("ip")
+                .args(["netns", "add", &name])
+                .status()
+                .unwrap()
+                .success()
+        );
+        Ctr { name }
+    }
+
+    fn path(&self) -> String {
+        format!("/run/netns/{}", self.name)
+    }
+
+    fn ip_json(&self, args: &[&str]) -> Value {
+        let out = Command::new("ip")
+            .args(["-n", &self.name, "-j"])
+            .args(args)
+            .output()
+            .unwrap();
+        serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+    }
+
+    fn sh(&self, cmd: &str) -> String {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.name, "sh", "-c", cmd])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Ctr {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// One run of the plugin: exit status, stdout as JSON (Null if empty),
+/// stderr.
+#[derive(Debug)]
+struct Out {
+    ok: bool,
+    json: Value,
+    /// Shown by `{:?}` in assertion messages.
+    #[allow(dead_code)]
+    stderr: String,
+}
+
+impl Out {
+    fn code(&self) -> u64 {
+        self.json["code"].as_u64().unwrap_or(0)
+    }
+}
+
+fn conf(env: &Env, version: &str, extra: Value) -> Value {
+    let mut c = json!({
+        "cniVersion": version,
+        "name": "cube",
+        "type": "cube-cni",
+        "dbusAddress": env.address,
+        "timeoutMs": 3000,
+    });
+    for (k, v) in extra.as_object().cloned().unwrap_or_default() {
+        c[k] = v;
+    }
+    c
+}
+
+/// Runs cube-cni inside the node namespace (where runtimes run plugins).
+fn cni(env: &Env, vars: &[(&str, &str)], stdin: &[u8]) -> Out {
+    use std::io::Write;
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &env.ns])
+        .arg(env!("CARGO_BIN_EXE_cube-cni"))
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    Out {
+        ok: out.status.success(),
+        json: if text.trim().is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("stdout not JSON ({e}): {text}"))
+        },
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn verb(env: &Env, command: &str, cid: &str, ctr: Option<&Ctr>, conf: &Value) -> Out {
+    let netns = ctr.map(Ctr::path).unwrap_or_default();
+    cni(
+        env,
+        &[
+            ("CNI_COMMAND", command),
+            ("CNI_CONTAINERID", cid),
+            ("CNI_NETNS", &netns),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_PATH", "/opt/cni/bin"),
+        ],
+        conf.to_string().as_bytes(),
+    )
+}
+
+fn add_ok(env: &Env, cid: &str, ctr: &Ctr, conf: &Value) -> Value {
+    let out = verb(env, "ADD", cid, Some(ctr), conf);
+    assert!(out.ok, "ADD {cid} failed: {out:?}");
+    out.json
+}
+
+/// The in-container view: (addresses of eth0, default gateway, eth0 up).
+fn inside(ctr: &Ctr) -> (Vec<String>, Option<String>, bool) {
+    let links = ctr.ip_json(&["addr", "show", "dev", "eth0"]);
+    let link = &links[0];
+    let addrs = link["addr_info"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter(|x| x["family"] == "inet")
+                .map(|x| format!("{}/{}", x["local"].as_str().unwrap(), x["prefixlen"]))
+                .collect()
+        })
+        .unwrap_or_default();
+    let up = link["flags"]
+        .as_array()
+        .is_some_and(|f| f.iter().any(|x| x == "UP"));
+    let routes = ctr.ip_json(&["route", "show", "default"]);
+    let gw = routes[0]["gateway"].as_str().map(str::to_owned);
+    (addrs, gw, up)
+}
+
+fn sandbox_links(env: &Env) -> Vec<String> {
+    env.links()
+        .into_iter()
+        .filter(|(n, l)| l.kind == "veth" && n.starts_with("ctap"))
+        .map(|(n, _)| n)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_protocol_every_verb_and_error() {
+    require_root!();
+    let (mut env, world) = world::node(&[]);
+    let c = env.client().await;
+    let echo = world.udp_echo(0);
+
+    // VERSION: no agent needed; echoes the caller's version.
+    let v = cni(
+        &env,
+        &[("CNI_COMMAND", "VERSION")],
+        br#"{"cniVersion":"0.4.0"}"#,
+    );
+    assert!(v.ok, "{v:?}");
+    assert_eq!(v.json["cniVersion"], "0.4.0");
+    for want in ["0.4.0", "1.0.0", "1.1.0"] {
+        assert!(
+            v.json["supportedVersions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|x| x == want),
+            "{v:?}"
+        );
+    }
+
+    // ADD in each version: result shape, the namespace, the agent's view.
+    let mut pod_ips = vec![];
+    for (i, version) in ["1.1.0", "1.0.0", "0.4.0"].iter().enumerate() {
+        let ctr = Ctr::new(&format!("v{i}"));
+        let cid = format!("ver{i}");
+        let cf = conf(&env, version, json!({}));
+        let r = add_ok(&env, &cid, &ctr, &cf);
+        assert_eq!(r["cniVersion"], *version);
+        let ifs = r["interfaces"].as_array().unwrap();
+        assert_eq!(ifs.len(), 2, "{r}");
+        assert_eq!(ifs[1]["name"], "eth0");
+        assert_eq!(ifs[1]["sandbox"], ctr.path());
+        assert_eq!(ifs[1]["mac"], "20:90:6f:fc:fc:fc");
+        assert_eq!(ifs[1].get("mtu").is_some(), *version == "1.1.0", "{r}");
+        let net = c.get(&format!("cni-{cid}-eth0")).await.unwrap();
+        let pod_ip = format!("{}/32", s(&net, "sandbox_ip"));
+        assert_eq!(r["ips"][0]["address"], pod_ip.as_str(), "pod IP first: {r}");
+        assert!(r["ips"][0].get("interface").is_none());
+        assert_eq!(r["ips"][1]["address"], GUEST);
+        assert_eq!(r["ips"][1]["gateway"], GATEWAY);
+        assert_eq!(r["ips"][1]["interface"], 1);
+        assert_eq!(r["ips"][0].get("version").is_some(), *version == "0.4.0");
+        assert_eq!(r["routes"][0]["dst"], "0.0.0.0/0");
+        assert_eq!(s(&net, "attach"), "veth");
+        assert_eq!(s(&net, "ifname"), "eth0");
+        let meta: std::collections::HashMap<String, String> =
+            net["metadata"].try_clone().unwrap().try_into().unwrap();
+        assert_eq!(meta["cni.network"], "cube");
+        assert_eq!(meta["cni.container_id"], cid);
+        assert_eq!(meta["cni.netns"], ctr.path());
+        let (addrs, gw, up) = inside(&ctr);
+        assert_eq!(addrs, vec![GUEST.to_string()]);
+        assert_eq!(gw.as_deref(), Some(GATEWAY));
+        assert!(up);
+        pod_ips.push(pod_ip);
+        // The container reaches the world through SNAT (the world sees
+        // the node's address).
+        let got = world::udp_exchange_in(&ctr.name, echo, b"hi", Duration::from_secs(3))
+            .unwrap_or_else(|e| panic!("container -> world: {e}"));
+        assert_eq!(got, b"world:hi");
+        assert!(
+            world
+                .peers(echo.port())
+                .iter()
+                .all(|p| p.ip() == std::net::IpAddr::V4(NODE_IP)),
+            "{:?}",
+            world.peers(echo.port())
+        );
+        let del = verb(&env, "DEL", &cid, Some(&ctr), &cf);
+        assert!(del.ok && del.json.is_null(), "{del:?}");
+    }
+    pod_ips.dedup();
+    assert_eq!(pod_ips.len(), 3, "pod IPs must differ: {pod_ips:?}");
+
+    let cf = conf(&env, "1.0.0", json!({}));
+    let a = Ctr::new("a");
+    let r = add_ok(&env, "a", &a, &cf);
+    // The host reaches the container at its pod IP.
+    let pod = r["ips"][0]["address"]
+        .as_str()
+        .unwrap()
+        .trim_end_matches("/32");
+    let pod: Ipv4Addr = pod.parse().unwrap();
+    let _srv = Server::tcp(
+        &a.name,
+        SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 7000),
+        b"ctr:",
+    );
+    let got = world::tcp_exchange_in(
+        &env.ns,
+        SocketAddrV4::new(pod, 7000),
+        b"x",
+        Duration::from_secs(3),
+    )
+    .unwrap();
+    assert_eq!(got, b"ctr:x");
+
+    // cubenetctl list names the attachment.
+    let out = Command::new(env!("CARGO_BIN_EXE_cubenetctl"))
+        .args(["--bus", &env.address, "list"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.lines().next().unwrap_or("").contains("CNI"), "{text}");
+    assert!(
+        text.contains(&format!("a/eth0@{}", a.path())),
+        "cubenetctl list: {text}"
+    );
+
+    // A second ADD of a live attachment is an error and changes nothing.
+    let again = verb(&env, "ADD", "a", Some(&a), &cf);
+    assert!(!again.ok);
+    assert_eq!(again.code(), 104, "{again:?}");
+    assert_eq!(c.list().await.len(), 1);
+
+    // CHECK: ok, then fails when the interface is down, ok again.
+    let chk = verb(&env, "CHECK", "a", Some(&a), &cf);
+    assert!(chk.ok, "{chk:?}");
+    a.sh("ip link set eth0 down");
+    let chk = verb(&env, "CHECK", "a", Some(&a), &cf);
+    assert_eq!(chk.code(), 105, "{chk:?}");
+    assert!(chk.json["msg"].as_str().unwrap().contains("down"));
+    a.sh("ip link set eth0 up");
+    a.sh("ip route replace default via 169.254.68.5 dev eth0");
+    let chk = verb(&env, "CHECK", "a", Some(&a), &cf);
+    assert!(chk.ok, "{chk:?}");
+    // The datapath's filter is a dependency CHECK verifies (and the agent
+    // repairs): removed by hand, CHECK still passes after the repair.
+    let host_end = s(&c.get("cni-a-eth0").await.unwrap(), "tap_name");
+    env.ns_cmd(&["tc", "qdisc", "del", "dev", &host_end, "clsact"]);
+    let chk = verb(&env, "CHECK", "a", Some(&a), &cf);
+    assert!(chk.ok, "{chk:?}");
+    assert!(
+        env.ns_cmd(&["tc", "filter", "show", "dev", &host_end, "ingress"])
+            .contains("bpf")
+    );
+
+    // Error shapes.
+    let bad = cni(&env, &[("CNI_COMMAND", "BOGUS")], b"{}");
+    assert_eq!(bad.code(), 4, "{bad:?}");
+    let bad = cni(
+        &env,
+        &[
+            ("CNI_COMMAND", "ADD"),
+            ("CNI_CONTAINERID", "x"),
+            ("CNI_NETNS", &a.path()),
+            ("CNI_PATH", "/x"),
+        ],
+        cf.to_string().as_bytes(),
+    );
+    assert_eq!(bad.code(), 4, "{bad:?}");
+    assert!(bad.json["msg"].as_str().unwrap().contains("CNI_IFNAME"));
+    let unknown = conf(&env, "1.0.0", json!({"bridge": "br0"}));
+    let bad = verb(&env, "ADD", "x", Some(&a), &unknown);
+    assert_eq!(bad.code(), 2, "{bad:?}");
+    assert!(bad.json["msg"].as_str().unwrap().contains("'bridge'"));
+    let bad = cni(
+        &env,
+        &[
+            ("CNI_COMMAND", "ADD"),
+            ("CNI_CONTAINERID", "x"),
+            ("CNI_NETNS", &a.path()),
+            ("CNI_IFNAME", "eth1"),
+            ("CNI_PATH", "/x"),
+        ],
+        b"not json",
+    );
+    assert_eq!(bad.code(), 6, "{bad:?}");
+    let bad = verb(&env, "ADD", "x", Some(&a), &conf(&env, "9.9.9", json!({})));
+    assert_eq!(bad.code(), 1, "{bad:?}");
+    let no_ns = cni(
+        &env,
+        &[
+            ("CNI_COMMAND", "ADD"),
+            ("CNI_CONTAINERID", "x"),
+            ("CNI_NETNS", "/run/netns/does-not-exist"),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_PATH", "/x"),
+        ],
+        cf.to_string().as_bytes(),
+    );
+    assert_eq!(no_ns.code(), 4, "{no_ns:?}");
+    // The node's own namespace is refused by the agent itself.
+    let own = cni(
+        &env,
+        &[
+            ("CNI_COMMAND", "ADD"),
+            ("CNI_CONTAINERID", "own"),
+            ("CNI_NETNS", &format!("/run/netns/{}", env.ns)),
+            ("CNI_IFNAME", "evil0"),
+            ("CNI_PATH", "/x"),
+        ],
+        cf.to_string().as_bytes(),
+    );
+    assert_eq!(own.code(), 7, "{own:?}");
+    assert!(
+        own.json["msg"].as_str().unwrap().contains("netns_fd"),
+        "{own:?}"
+    );
+    assert_eq!(c.list().await.len(), 1, "bad input changed nothing");
+
+    // GC: B and another network's attachment and a VMM network exist; only
+    // B (this network, not valid) goes.
+    let b = Ctr::new("b");
+    add_ok(&env, "b", &b, &cf);
+    let o = Ctr::new("o");
+    let other = json!({"cniVersion": "1.0.0", "name": "other", "type": "cube-cni",
+        "dbusAddress": env.address});
+    add_ok(&env, "o", &o, &other);
+    c.ensure("vm-1", opts(vec![])).await.unwrap();
+    let gc_conf = conf(
+        &env,
+        "1.1.0",
+        json!({"cni.dev/valid-attachments": [{"containerID": "a", "ifname": "eth0"}]}),
+    );
+    let gc = cni(
+        &env,
+        &[("CNI_COMMAND", "GC"), ("CNI_PATH", "/x")],
+        gc_conf.to_string().as_bytes(),
+    );
+    assert!(gc.ok, "{gc:?}");
+    let mut ids: Vec<String> = c.list().await.iter().map(|d| s(d, "sandbox_id")).collect();
+    ids.sort();
+    assert_eq!(ids, vec!["cni-a-eth0", "cni-o-eth0", "vm-1"]);
+    assert!(
+        b.ip_json(&["link", "show", "eth0"]).is_null(),
+        "B's veth gone"
+    );
+    let gc_bad = cni(
+        &env,
+        &[("CNI_COMMAND", "GC"), ("CNI_PATH", "/x")],
+        conf(&env, "1.1.0", json!({})).to_string().as_bytes(),
+    );
+    assert_eq!(gc_bad.code(), 7, "no list is not an empty list: {gc_bad:?}");
+    assert_eq!(c.list().await.len(), 3);
+
+    // DEL three times; then the veth is gone on both sides.
+    for _ in 0..3 {
+        let del = verb(&env, "DEL", "a", Some(&a), &cf);
+        assert!(del.ok, "{del:?}");
+    }
+    assert!(c.get("cni-a-eth0").await.is_err());
+    assert!(a.ip_json(&["link", "show", "eth0"]).is_null());
+    // DEL after the namespace vanished (the pair went with it).
+    drop(o);
+    let del = verb(&env, "DEL", "o", None, &other);
+    assert!(del.ok, "{del:?}");
+    assert!(sandbox_links(&env).is_empty(), "{:?}", sandbox_links(&env));
+    c.release("vm-1").await.unwrap();
+    assert!(c.list().await.is_empty());
+
+    // STATUS: ready with a healthy agent; 50 and 11 when it is down.
+    let st = cni(
+        &env,
+        &[("CNI_COMMAND", "STATUS")],
+        cf.to_string().as_bytes(),
+    );
+    assert!(st.ok && st.json.is_null(), "{st:?}");
+    let (healthy, checks) = c.health().await;
+    assert!(healthy, "{checks:?}");
+    env.kill_agent();
+    let st = cni(
+        &env,
+        &[("CNI_COMMAND", "STATUS")],
+        cf.to_string().as_bytes(),
+    );
+    assert_eq!(st.code(), 50, "{st:?}");
+    let c2 = Ctr::new("down");
+    let add = verb(&env, "ADD", "down", Some(&c2), &cf);
+    assert_eq!(add.code(), 11, "{add:?}");
+    let del = verb(&env, "DEL", "down", Some(&c2), &cf);
+    assert_eq!(del.code(), 11, "agent down: DEL must be retried: {del:?}");
+    env.start_agent();
+    let del = verb(&env, "DEL", "down", Some(&c2), &cf);
+    assert!(del.ok, "{del:?}");
+    drop(world);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn port_mapping_and_traffic_across_kill_9() {
+    require_root!();
+    let (mut env, world) = world::node(&[]);
+    let c = env.client().await;
+    let echo = world.udp_echo(0);
+    let ctr = Ctr::new("pm");
+    // CRI's spelling of port mappings (go-cni's struct has no JSON tags).
+    let cf = conf(
+        &env,
+        "1.0.0",
+        json!({"runtimeConfig": {"portMappings": [
+            {"HostPort": 20080, "ContainerPort": 80, "Protocol": "tcp", "HostIP": ""}]}}),
+    );
+    add_ok(&env, "pm", &ctr, &cf);
+    let net = c.get("cni-pm-eth0").await.unwrap();
+    assert_eq!(
+        common::mappings(&net),
+        vec![("tcp".to_string(), 80, 20080, "0.0.0.0".to_string())]
+    );
+    let srv = Server::tcp(
+        &ctr.name,
+        SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 80),
+        b"ctr:",
+    );
+    let got = world
+        .tcp_connect(World::node_addr(20080), b"in", Duration::from_secs(3))
+        .unwrap();
+    assert_eq!(got, b"ctr:in");
+
+    // A steady flow from the container to the world across kill -9 and a
+    // restart of the agent: nothing lost.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (sent, lost) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let flow = {
+        let (stop, sent, lost, ns) = (stop.clone(), sent.clone(), lost.clone(), ctr.name.clone());
+        std::thread::spawn(move || {
+            let sock = in_netns(&ns, || std::net::UdpSocket::bind("0.0.0.0:0").unwrap());
+            sock.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+            let mut buf = [0u8; 64];
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                n += 1;
+                let msg = format!("{n}");
+                sock.send_to(msg.as_bytes(), echo).unwrap();
+                sent.fetch_add(1, Ordering::Relaxed);
+                let deadline = Instant::now() + Duration::from_secs(1);
+                loop {
+                    match sock.recv(&mut buf) {
+                        Ok(k) if &buf[..k] == format!("world:{n}").as_bytes() => break,
+                        Ok(_) if Instant::now() < deadline => continue,
+                        _ => {
+                            lost.fetch_add(1, Ordering::Relaxed);
+                            break;
+                        }
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    env.kill_agent();
+    std::thread::sleep(Duration::from_millis(700));
+    env.start_agent();
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    flow.join().unwrap();
+    let (sent, lost) = (sent.load(Ordering::Relaxed), lost.load(Ordering::Relaxed));
+    eprintln!("container -> world across kill -9: sent {sent}, lost {lost}");
+    assert!(sent > 50, "the flow ran: {sent}");
+    assert_eq!(lost, 0, "datagrams lost across kill -9 ({sent} sent)");
+
+    // The restarted agent adopted the veth network: Health true, CHECK ok,
+    // the mapping still works, DEL cleans up.
+    let c = env.client().await;
+    let (healthy, checks) = c.health().await;
+    assert!(healthy, "{checks:?}");
+    let veths = checks.iter().find(|c| c.0 == "veths").unwrap();
+    assert!(veths.2.contains("1 veth"), "{veths:?}");
+    let chk = verb(&env, "CHECK", "pm", Some(&ctr), &cf);
+    assert!(chk.ok, "{chk:?}");
+    let got = world
+        .tcp_connect(World::node_addr(20080), b"again", Duration::from_secs(3))
+        .unwrap();
+    assert_eq!(got, b"ctr:again");
+    // OpenTap on a veth network is refused, naming why.
+    let e = c.open_tap("cni-pm-eth0").await.unwrap_err();
+    assert!(e.message.contains("veth"), "{e:?}");
+
+    // The container's namespace vanishes without a DEL: Health stays true
+    // and names the network; Reconcile reports it; DEL then frees it.
+    // (A socket keeps its namespace alive: the listener goes first.)
+    drop(srv);
+    drop(ctr);
+    // The kernel destroys a deleted namespace's devices from a work queue.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sandbox_links(&env).is_empty() {
+        assert!(Instant::now() < deadline, "the veth outlived its namespace");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (healthy, checks) = c.health().await;
+    assert!(
+        healthy,
+        "a container gone without DEL is not a node fault: {checks:?}"
+    );
+    let r = c.reconcile("cni-pm-eth0").await.unwrap();
+    let errors: Vec<String> = r["errors"].try_clone().unwrap().try_into().unwrap();
+    assert!(errors.iter().any(|e| e.contains("is gone")), "{errors:?}");
+    let (healthy, checks) = c.health().await;
+    assert!(healthy, "{checks:?}");
+    let veths = checks.iter().find(|c| c.0 == "veths").unwrap();
+    assert!(veths.2.contains("cni-pm-eth0"), "{veths:?}");
+    let del = verb(&env, "DEL", "pm", None, &cf);
+    assert!(del.ok, "{del:?}");
+    assert!(c.list().await.is_empty());
+    assert!(sandbox_links(&env).is_empty());
+}
+
+/// Kata's tcfilter model: inside the container's namespace a TAP plus two
+/// tc mirred redirects (eth0 <-> tap0_kata), and a guest on that TAP with
+/// eth0's address and MAC. The agent's veth carries it unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kata_tcfilter_on_top_of_the_veth() {
+    require_root!();
+    let (env, world) = world::node(&[]);
+    let echo = world.udp_echo(0);
+    let ctr = Ctr::new("kata");
+    add_ok(&env, "kata", &ctr, &conf(&env, "1.0.0", json!({})));
+    let tap = in_netns(&ctr.name, || {
+        cube_network_agent::tap::Tap::create("tap0_kata").unwrap()
+    });
+    for cmd in [
+        "ip link set tap0_kata up",
+        "tc qdisc add dev eth0 ingress",
+        "tc filter add dev eth0 parent ffff: protocol all u32 match u8 0 0 action mirred egress redirect dev tap0_kata",
+        "tc qdisc add dev tap0_kata ingress",
+        "tc filter add dev tap0_kata parent ffff: protocol all u32 match u8 0 0 action mirred egress redirect dev eth0",
+    ] {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &ctr.name, "sh", "-c", cmd])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{cmd}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let fd = tap.dup().unwrap();
+    drop(tap);
+    let guest = common::guest::Guest::start_default(fd);
+    guest
+        .ping(GATEWAY.parse().unwrap(), Duration::from_secs(3))
+        .expect("guest -> gateway through mirred + veth");
+    let got = guest
+        .udp_send_recv(echo, b"kata", Duration::from_secs(3))
+        .expect("guest -> world");
+    assert_eq!(got, b"world:kata");
+    let del = verb(
+        &env,
+        "DEL",
+        "kata",
+        Some(&ctr),
+        &conf(&env, "1.0.0", json!({})),
+    );
+    assert!(del.ok, "{del:?}");
+}
+
+fn cnirun() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = root.join("target/cnirun/cnirun");
+    let st = Command::new(root.join("tests/cni/build-cnirun.sh"))
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(st.success(), "building the libcni client failed");
+    out
+}
+
+/// A plugin dir: cube-cni plus the named stock plugins.
+fn bin_dir(dir: &Path, stock: &[&str]) -> PathBuf {
+    let bin = dir.join("cnibin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let link = |target: &Path, name: &str| {
+        let _ = std::fs::remove_file(bin.join(name));
+        std::os::unix::fs::symlink(target, bin.join(name)).unwrap();
+    };
+    link(Path::new(env!("CARGO_BIN_EXE_cube-cni")), "cube-cni");
+    for p in stock {
+        link(&Path::new("/usr/lib/cni").join(p), p);
+    }
+    bin
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libcni_client_with_a_chained_stock_plugin() {
+    require_root!();
+    let (env, world) = world::node(&[]);
+    let c = env.client().await;
+    let cnirun = cnirun();
+    let bin = bin_dir(&env.dir, &["tuning"]);
+    let confdir = env.dir.join("netd");
+    std::fs::create_dir_all(&confdir).unwrap();
+    let list = json!({
+        "cniVersion": "1.0.0", "cniVersions": ["1.0.0", "1.1.0"], "name": "cube",
+        "plugins": [
+            {"type": "cube-cni", "dbusAddress": env.address, "capabilities": {"portMappings": true}},
+            {"type": "tuning", "sysctl": {"net.ipv4.conf.eth0.rp_filter": "0"}}
+        ]
+    });
+    std::fs::write(confdir.join("10-cube.conflist"), list.to_string()).unwrap();
+    let run = |verb: &str, cid: &str, ctr: &Ctr, cap: &str| {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &env.ns])
+            .arg(&cnirun)
+            .args([verb, "cube", &ctr.path()])
+            .env("NETCONFPATH", &confdir)
+            .env("CNI_PATH", &bin)
+            .env("CNI_CACHE_DIR", env.dir.join("cnicache"))
+            .env("CNI_CONTAINERID", cid)
+            .env("CAP_ARGS", cap)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let ctr = Ctr::new("lib");
+    a_sysctl_default(&ctr);
+    let cap = r#"{"portMappings":[{"hostPort":20081,"containerPort":80,"protocol":"tcp"}]}"#;
+    let (ok, out, err) = run("add", "lib1", &ctr, cap);
+    assert!(ok, "libcni ADD: {out} {err}");
+    let r: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(r["cniVersion"], "1.0.0");
+    assert_eq!(r["ips"][1]["address"], GUEST, "{r}");
+    assert_eq!(
+        ctr.sh("cat /proc/sys/net/ipv4/conf/eth0/rp_filter").trim(),
+        "0",
+        "tuning ran after cube-cni on its prevResult"
+    );
+    let net = c.get("cni-lib1-eth0").await.unwrap();
+    assert_eq!(common::mappings(&net)[0].2, 20081);
+    let (ok, out, err) = run("check", "lib1", &ctr, cap);
+    assert!(
+        ok,
+        "libcni CHECK (cached result as prevResult): {out} {err}"
+    );
+    for _ in 0..2 {
+        let (ok, out, err) = run("del", "lib1", &ctr, cap);
+        assert!(ok, "libcni DEL: {out} {err}");
+    }
+    assert!(c.list().await.is_empty());
+
+    // What containerd's CRI takes as the pod IP (go-cni's attribution of
+    // the result): the node-unique sandbox address.
+    let ctr2 = Ctr::new("lib2");
+    let (ok, out, err) = run("podip", "lib2", &ctr2, cap);
+    assert!(ok, "go-cni Setup: {out} {err}");
+    let net = c.get("cni-lib2-eth0").await.unwrap();
+    assert_eq!(
+        out.lines().next().unwrap_or(""),
+        s(&net, "sandbox_ip"),
+        "{out}"
+    );
+    assert_eq!(
+        common::mappings(&net)[0].2,
+        20081,
+        "CRI-style port mappings arrive"
+    );
+    let (ok, out, err) = run("del", "lib2", &ctr2, cap);
+    assert!(ok, "{out} {err}");
+    assert!(c.list().await.is_empty());
+    drop(world);
+}
+
+fn a_sysctl_default(ctr: &Ctr) {
+    // A new namespace starts with the host's default rp_filter; make it
+    // non-zero so that tuning's 0 is visible.
+    ctr.sh("echo 2 > /proc/sys/net/ipv4/conf/default/rp_filter");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn containerd_ctr_run_with_cube_cni() {
+    require_root!();
+    let (env, world) = world::node(&[]);
+    let c = env.client().await;
+    let bin = bin_dir(&env.dir, &["loopback"]);
+    let confdir = env.dir.join("netd");
+    std::fs::create_dir_all(&confdir).unwrap();
+    // ctr has no port flags: a static mapping in the plugin's config.
+    let list = json!({
+        "cniVersion": "1.0.0", "cniVersions": ["1.0.0", "1.1.0"], "name": "cube",
+        "plugins": [{"type": "cube-cni", "dbusAddress": env.address,
+            "capabilities": {"portMappings": true},
+            "runtimeConfig": {"portMappings": [{"hostPort": 20082, "containerPort": 80, "protocol": "tcp"}]}}]
+    });
+    std::fs::write(confdir.join("10-cube.conflist"), list.to_string()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cni/ctr-run.sh");
+    let ctr = |mode: &str, arg: &str| {
+        Command::new(&script)
+            .args([mode, arg])
+            .env("NODE_NS", &env.ns)
+            .env("CONF_DIR", &confdir)
+            .env("BIN_DIR", &bin)
+            .output()
+            .unwrap()
+    };
+    // One-shot: the container sees its address, reaches the gateway and
+    // the world (SNAT); --rm releases the network.
+    let out = ctr(
+        "run",
+        "ip -o -4 addr show eth0; ping -c1 -W2 169.254.68.5 && ping -c1 -W2 198.51.100.2 && echo REACHED",
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "ctr run: {text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains(GUEST), "{text}");
+    assert!(text.contains("REACHED"), "{text}");
+    assert!(c.list().await.is_empty(), "--rm ran DEL");
+
+    // Long-running: the port mapping reaches a listener inside it.
+    let out = ctr("start", "while true; do echo pong | nc -l -p 80; done");
+    let vars = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "ctr start: {vars} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let state = vars
+        .lines()
+        .find_map(|l| l.strip_prefix("CTR_RUN_STATE="))
+        .map(|v| v.trim_matches(|c| c == '\'' || c == '"').to_owned())
+        .expect("CTR_RUN_STATE");
+    let listed = c.list().await;
+    assert_eq!(listed.len(), 1);
+    assert_eq!(s(&listed[0], "attach"), "veth");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let got = loop {
+        match world.tcp_connect(World::node_addr(20082), b"", Duration::from_secs(2)) {
+            Ok(g) if !g.is_empty() => break g,
+            r if Instant::now() > deadline => panic!("port mapping into the container: {r:?}"),
+            _ => std::thread::sleep(Duration::from_millis(200)),
+        }
+    };
+    assert_eq!(got, b"pong\n");
+    let out = ctr("stop", &state);
+    assert!(
+        out.status.success(),
+        "ctr stop: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(c.list().await.is_empty(), "the task's end ran DEL");
+    assert!(sandbox_links(&env).is_empty());
+}
