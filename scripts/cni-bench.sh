@@ -464,7 +464,7 @@ echo "net of the floor: (stock - floor) / (cube-cni - floor). ceiling: the best 
 echo "could show through this client (a plugin that costs nothing); below ${TARGET}x the target"
 echo "cannot be met on this machine whatever cube-cni does."
 echo
-printf "timed phase %.1f s; whole run %.1f s (setup, warm-up, checks included)\n" \
+printf "measurement loop %.1f s; whole run %.1f s (setup, warm-up, final checks included)\n" \
     "$(awk -v a="${t_loop/./}" -v b="${t_timed/./}" 'BEGIN{print (b-a)/1e6}')" \
     "$(awk -v a="${t_start/./}" -v b="${t_end/./}" 'BEGIN{print (b-a)/1e6}')"
 if [ ${#missed[@]} -gt 0 ]; then

@@ -70,7 +70,36 @@ pub struct HostSockets {
 impl HostSockets {
     /// Reads the kernel's socket tables. A table that cannot be read (no
     /// IPv6 in this kernel) is skipped; the others still count.
+    ///
+    /// TCP listeners come from sock_diag asking for LISTEN sockets only:
+    /// the kernel then walks just its listening hash. `/proc/net/tcp[6]`
+    /// walks the whole established hash of the machine (262,144 buckets by
+    /// default) even in an empty namespace, ~1.7 ms per file; it is the
+    /// fallback when sock_diag is unavailable. UDP has one table, read
+    /// from `/proc/net/udp[6]` (~0.1 ms).
     pub fn scan() -> HostSockets {
+        let mut sockets = vec![];
+        let mut tables = vec![
+            ("/proc/net/udp", Protocol::Udp),
+            ("/proc/net/udp6", Protocol::Udp),
+        ];
+        match diag::tcp_listeners() {
+            Ok(listeners) => sockets.extend(listeners),
+            Err(_) => tables.extend([
+                ("/proc/net/tcp", Protocol::Tcp),
+                ("/proc/net/tcp6", Protocol::Tcp),
+            ]),
+        }
+        for (file, protocol) in tables {
+            if let Ok(text) = std::fs::read_to_string(file) {
+                sockets.extend(parse(&text, protocol));
+            }
+        }
+        HostSockets { sockets }
+    }
+
+    /// [`HostSockets::scan`] from the `/proc` tables only.
+    pub fn scan_proc() -> HostSockets {
         let mut sockets = vec![];
         for (file, protocol) in [
             ("/proc/net/tcp", Protocol::Tcp),
@@ -137,6 +166,141 @@ fn parse_addr(hex: &str) -> Option<IpAddr> {
             Some(IpAddr::V6(Ipv6Addr::from(b)))
         }
         _ => None,
+    }
+}
+
+/// Listening TCP sockets through NETLINK_SOCK_DIAG (`inet_diag`).
+mod diag {
+    use std::io;
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    use super::{HostSocket, TCP_LISTEN};
+    use crate::alloc::Protocol;
+
+    const SOCK_DIAG_BY_FAMILY: u16 = 20;
+    const NLMSG_ERROR: u16 = 2;
+    const NLMSG_DONE: u16 = 3;
+    const NLMSG_HDR: usize = 16;
+    /// `struct inet_diag_req_v2`: family, protocol, ext, pad, states, and a
+    /// 48-byte `inet_diag_sockid`.
+    const REQ_LEN: usize = 4 + 4 + 48;
+    /// `struct inet_diag_msg`: 4 bytes, the 48-byte sockid, expires, rqueue,
+    /// wqueue, uid, inode.
+    const MSG_LEN: usize = 4 + 48 + 20;
+
+    pub fn tcp_listeners() -> io::Result<Vec<HostSocket>> {
+        // SAFETY: plain socket(2); the result is checked before use.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_NETLINK,
+                libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
+                libc::NETLINK_SOCK_DIAG,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh socket we own from here on.
+        let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+        let mut out = vec![];
+        for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
+            dump(&sock, family, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn dump(sock: &OwnedFd, family: u8, out: &mut Vec<HostSocket>) -> io::Result<()> {
+        let mut req = [0u8; NLMSG_HDR + REQ_LEN];
+        let len = req.len() as u32;
+        req[0..4].copy_from_slice(&len.to_ne_bytes());
+        req[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+        let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
+        req[6..8].copy_from_slice(&flags.to_ne_bytes());
+        req[8..12].copy_from_slice(&1u32.to_ne_bytes());
+        let body = &mut req[NLMSG_HDR..];
+        body[0] = family;
+        body[1] = libc::IPPROTO_TCP as u8;
+        body[4..8].copy_from_slice(&(1u32 << TCP_LISTEN).to_ne_bytes());
+        // SAFETY: sends req.len() initialised bytes from a live buffer on a
+        // socket we own; the kernel address is all zeros (nl_pid 0).
+        let sent = unsafe {
+            let mut addr: libc::sockaddr_nl = std::mem::zeroed();
+            addr.nl_family = libc::AF_NETLINK as u16;
+            libc::sendto(
+                sock.as_raw_fd(),
+                req.as_ptr().cast(),
+                req.len(),
+                0,
+                (&raw const addr).cast(),
+                std::mem::size_of::<libc::sockaddr_nl>() as u32,
+            )
+        };
+        if sent < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut buf = vec![0u8; 32 * 1024];
+        loop {
+            // SAFETY: the kernel writes at most buf.len() bytes into buf.
+            let n = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            let mut rest = &buf[..n as usize];
+            while rest.len() >= NLMSG_HDR {
+                let mlen = u32::from_ne_bytes(rest[0..4].try_into().unwrap()) as usize;
+                let mtype = u16::from_ne_bytes(rest[4..6].try_into().unwrap());
+                if mlen < NLMSG_HDR || mlen > rest.len() {
+                    return Err(io::Error::other("truncated sock_diag message"));
+                }
+                match mtype {
+                    NLMSG_DONE => return Ok(()),
+                    NLMSG_ERROR => {
+                        let errno = rest
+                            .get(NLMSG_HDR..NLMSG_HDR + 4)
+                            .map(|b| i32::from_ne_bytes(b.try_into().unwrap()))
+                            .unwrap_or(-libc::EIO);
+                        if errno == 0 {
+                            return Ok(());
+                        }
+                        return Err(io::Error::from_raw_os_error(-errno));
+                    }
+                    SOCK_DIAG_BY_FAMILY => {
+                        if let Some(s) = parse_msg(&rest[NLMSG_HDR..mlen]) {
+                            out.push(s);
+                        }
+                    }
+                    _ => {}
+                }
+                let aligned = (mlen + 3) & !3;
+                rest = rest.get(aligned..).unwrap_or(&[]);
+            }
+        }
+    }
+
+    fn parse_msg(m: &[u8]) -> Option<HostSocket> {
+        if m.len() < MSG_LEN || m[1] != TCP_LISTEN {
+            return None;
+        }
+        let port = u16::from_be_bytes([m[4], m[5]]);
+        let src = &m[8..24];
+        let addr = match i32::from(m[0]) {
+            libc::AF_INET => IpAddr::V4(Ipv4Addr::new(src[0], src[1], src[2], src[3])),
+            libc::AF_INET6 => IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(src).ok()?)),
+            _ => return None,
+        };
+        let word = |i: usize| u32::from_ne_bytes(m[i..i + 4].try_into().unwrap());
+        Some(HostSocket {
+            protocol: Protocol::Tcp,
+            addr,
+            port,
+            uid: word(52 + 12),
+            inode: u64::from(word(52 + 16)),
+        })
     }
 }
 
@@ -211,6 +375,35 @@ mod tests {
                 .is_some()
         );
         assert!(s.owner(Protocol::Udp, other, 5000).is_none());
+    }
+
+    #[test]
+    fn sock_diag_agrees_with_proc() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let l6 = std::net::TcpListener::bind("[::]:0").ok();
+        let mut diag = diag::tcp_listeners().expect("sock_diag");
+        let mut proc: Vec<HostSocket> = HostSockets::scan_proc()
+            .sockets
+            .into_iter()
+            .filter(|s| s.protocol == Protocol::Tcp)
+            .collect();
+        let key = |s: &HostSocket| (s.addr, s.port, s.inode);
+        diag.sort_by_key(key);
+        proc.sort_by_key(key);
+        // Sockets may come and go between the two reads (other tests):
+        // ours are in both, with the same owner.
+        let port = l.local_addr().unwrap().port();
+        let find = |v: &[HostSocket], p: u16| v.iter().find(|s| s.port == p).cloned();
+        assert_eq!(find(&diag, port), find(&proc, port));
+        assert!(find(&diag, port).is_some());
+        if let Some(l6) = l6 {
+            let p6 = l6.local_addr().unwrap().port();
+            assert_eq!(find(&diag, p6), find(&proc, p6));
+            assert_eq!(
+                find(&diag, p6).unwrap().addr,
+                IpAddr::V6(Ipv6Addr::UNSPECIFIED)
+            );
+        }
     }
 
     #[test]

@@ -148,6 +148,8 @@ pub struct LinkInfo {
     /// `IFF_UP` (administrative state).
     pub up: bool,
     pub mtu: u32,
+    /// `IFLA_ADDRESS`, for Ethernet-like links.
+    pub mac: Option<[u8; 6]>,
 }
 
 impl LinkInfo {
@@ -159,12 +161,14 @@ impl LinkInfo {
             group: 0,
             up: msg.header.flags.contains(LinkFlags::Up),
             mtu: 0,
+            mac: None,
         };
         for attr in &msg.attributes {
             match attr {
                 LinkAttribute::IfName(n) => info.name.clone_from(n),
                 LinkAttribute::Mtu(m) => info.mtu = *m,
                 LinkAttribute::Group(g) => info.group = *g,
+                LinkAttribute::Address(a) => info.mac = <[u8; 6]>::try_from(a.as_slice()).ok(),
                 LinkAttribute::LinkInfo(infos) => {
                     for i in infos {
                         if let NlLinkInfo::Kind(k) = i {

@@ -177,12 +177,40 @@ fn inside(ctr: &Ctr) -> (Vec<String>, Option<String>, bool) {
     (addrs, gw, up)
 }
 
+/// Host ends of live CNI networks (named like sandbox TAPs).
 fn sandbox_links(env: &Env) -> Vec<String> {
     env.links()
         .into_iter()
-        .filter(|(n, l)| l.kind == "veth" && n.starts_with("ctap"))
+        .filter(|(n, l)| {
+            l.kind == "veth"
+                && n.strip_prefix("ctap")
+                    .is_some_and(|h| h.len() == 8 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+        })
         .map(|(n, _)| n)
         .collect()
+}
+
+/// Host ends of released CNI networks waiting for the pool's batched
+/// deletion (`ctapx…`).
+fn retired_links(env: &Env) -> Vec<String> {
+    env.links()
+        .into_iter()
+        .filter(|(n, l)| l.kind == "veth" && n.starts_with("ctapx"))
+        .map(|(n, _)| n)
+        .collect()
+}
+
+/// Released veths are deleted off the reply path, within a few seconds.
+fn wait_retired_gone(env: &Env) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !retired_links(env).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "retired veths not deleted: {:?}",
+            retired_links(env)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -415,6 +443,9 @@ async fn raw_protocol_every_verb_and_error() {
     let mut ids: Vec<String> = c.list().await.iter().map(|d| s(d, "sandbox_id")).collect();
     ids.sort();
     assert_eq!(ids, vec!["cni-a-eth0", "cni-o-eth0", "vm-1"]);
+    // GC has no namespace to work in: B's pair goes with the batched
+    // deletion of retired veths.
+    wait_retired_gone(&env);
     assert!(
         b.ip_json(&["link", "show", "eth0"]).is_null(),
         "B's veth gone"
@@ -434,6 +465,12 @@ async fn raw_protocol_every_verb_and_error() {
     }
     assert!(c.get("cni-a-eth0").await.is_err());
     assert!(a.ip_json(&["link", "show", "eth0"]).is_null());
+    // A runtime retrying ADD right after a DEL finds CNI_IFNAME free
+    // (the old peer stepped aside; the pair is deleted in the background).
+    let r = verb(&env, "ADD", "a", Some(&a), &cf);
+    assert!(r.ok, "ADD right after DEL: {r:?}");
+    let del = verb(&env, "DEL", "a", Some(&a), &cf);
+    assert!(del.ok, "{del:?}");
     // DEL after the namespace vanished (the pair went with it).
     drop(o);
     let del = verb(&env, "DEL", "o", None, &other);
@@ -441,6 +478,14 @@ async fn raw_protocol_every_verb_and_error() {
     assert!(sandbox_links(&env).is_empty(), "{:?}", sandbox_links(&env));
     c.release("vm-1").await.unwrap();
     assert!(c.list().await.is_empty());
+    wait_retired_gone(&env);
+    assert!(
+        a.ip_json(&["-o", "link"])
+            .as_array()
+            .is_some_and(|l| l.len() == 1),
+        "only lo left in the container's namespace: {}",
+        a.ip_json(&["link"])
+    );
 
     // STATUS: ready with a healthy agent; 50 and 11 when it is down.
     let st = cni(
@@ -586,6 +631,7 @@ async fn port_mapping_and_traffic_across_kill_9() {
     assert!(del.ok, "{del:?}");
     assert!(c.list().await.is_empty());
     assert!(sandbox_links(&env).is_empty());
+    wait_retired_gone(&env);
 }
 
 /// Kata's tcfilter model: inside the container's namespace a TAP plus two

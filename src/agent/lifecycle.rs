@@ -271,6 +271,43 @@ impl Agent {
         }
     }
 
+    /// Takes a released veth off the reply path: one RTM_NEWLINK renames
+    /// the host end out of the sandbox's name (the next network on this
+    /// address needs it), sets it down (the peer loses its carrier) and
+    /// moves it into the retire group, which the pool deletes in batches
+    /// (a veth delete waits ~15 ms for RCU; batched, the wait is shared).
+    /// Recovery deletes the retire group's leftovers after a crash. Falls
+    /// back to deleting it at once.
+    pub(super) async fn retire_veth(&self, name: &str, ifindex: u32) {
+        match self.nl.link_by_index(ifindex).await {
+            Ok(Some(l)) if l.name == name => {
+                let change = LinkChange {
+                    name: Some(spec::retired_veth_name(&self.cfg.tap_prefix, ifindex)),
+                    up: Some(false),
+                    group: Some(self.cfg.retire_group),
+                    ..Default::default()
+                };
+                match self.nl.set_link(ifindex, change).await {
+                    Ok(()) => self.pool.retire_link(ifindex),
+                    Err(e) => {
+                        debug!(
+                            veth = name,
+                            error = crate::error_chain(&e),
+                            "retiring the veth"
+                        );
+                        self.delete_veth(name, ifindex).await;
+                    }
+                }
+            }
+            Ok(_) => debug!(veth = name, "veth already gone (its namespace was deleted)"),
+            Err(e) => warn!(
+                veth = name,
+                error = crate::error_chain(&e),
+                "looking up the veth"
+            ),
+        }
+    }
+
     /// A TAP for a new network: warm from the pool (renamed), else cold.
     async fn tap_for(&self, rec: &NetworkRecord) -> Result<PoolTap, AgentError> {
         Ok(match self.pool.take() {
@@ -333,12 +370,12 @@ impl Agent {
         errors
     }
 
-    /// Returns the TAP to the pool (or deletes it if we hold no fd); deletes
+    /// Returns the TAP to the pool (or deletes it if we hold no fd); retires
     /// a veth.
     pub(super) async fn recycle(&self, net: &mut Network) {
         if !net.rec.attach.is_tap() {
             if net.ifindex != 0 {
-                self.delete_veth(&net.rec.tap_name, net.ifindex).await;
+                self.retire_veth(&net.rec.tap_name, net.ifindex).await;
             }
             return;
         }

@@ -457,8 +457,11 @@ impl TapPool {
             if group_ok && grouped.contains(&index) {
                 continue;
             }
-            if let Err(e) = self.nl_bg.delete_link(index).await {
-                errors.push(crate::error_chain(&e));
+            match self.nl_bg.delete_link(index).await {
+                // Gone already (a retired veth whose namespace was deleted).
+                Err(e) if e.errno() == Some(libc::ENODEV) => {}
+                Err(e) => errors.push(crate::error_chain(&e)),
+                Ok(()) => {}
             }
         }
         let deleted = indexes.len() - errors.len();

@@ -180,6 +180,7 @@ mod tests {
             group,
             up: true,
             mtu: 1300,
+            mac: None,
         }
     }
 

@@ -334,6 +334,13 @@ pub fn pool_tap_name(prefix: &str, n: u32) -> String {
     format!("{prefix}w{:07x}", n & 0x0fff_ffff)
 }
 
+/// A released veth's host end while it waits for deletion: prefix + 'x' +
+/// its ifindex (unique while it exists; 'x' is not a hex digit, so it never
+/// looks like a sandbox or pool name).
+pub fn retired_veth_name(prefix: &str, ifindex: u32) -> String {
+    format!("{prefix}x{:07x}", ifindex & 0x0fff_ffff)
+}
+
 /// What a TAP name of ours says about it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TapNameKind {

@@ -59,7 +59,7 @@ impl Agent {
                 "no uplink; egress and port mappings are unavailable"
             ),
         }
-        let datapath = Self::build_datapath(&cfg, &d, &cfg.gateway_device, gw_link.index, &uplink);
+        let datapath = Self::build_datapath(&cfg, &d, &gw_link, &uplink);
         let mut excluded = d.reserved_ports.clone();
         excluded.extend(&kernel_reserved_ports());
         let allocs = Allocs {
@@ -156,17 +156,23 @@ impl Agent {
     pub(super) fn build_datapath(
         cfg: &Config,
         d: &Derived,
-        gwdev: &str,
-        gwdev_ifindex: u32,
+        gw: &LinkInfo,
         uplink: &Uplink,
     ) -> Arc<dyn Datapath> {
         if cfg.datapath == crate::config::DatapathKind::None {
             return Arc::new(crate::datapath::NoopDatapath::configured());
         }
-        let gwdev_mac = std::fs::read_to_string(format!("/sys/class/net/{gwdev}/address"))
-            .ok()
-            .and_then(|s| crate::config::parse_mac(s.trim()))
-            .unwrap_or([0; 6]);
+        // From netlink, not /sys/class/net: a sysfs mounted for another
+        // namespace (systemd-nspawn's) has no such file, and a zero MAC
+        // made the kernel drop every guest -> host packet as not ours.
+        let (gwdev, gwdev_ifindex) = (gw.name.as_str(), gw.index);
+        let gwdev_mac = gw.mac.unwrap_or([0; 6]);
+        if gwdev_mac == [0; 6] {
+            warn!(
+                device = gwdev,
+                "the gateway device has no MAC address: guest -> host traffic will be dropped"
+            );
+        }
         let secs = |s: u32| std::time::Duration::from_secs(s.into());
         let node = crate::datapath::ebpf::NodeInfo {
             guest_ip: d.guest_ip,

@@ -433,8 +433,41 @@ async fn del(env: &Env, conf: &NetConf) -> Result<(), CniError> {
     // false (no such network) is success: DEL is repeatable, and the
     // namespace may be gone (the veth went with it; the agent deletes
     // whatever is left of the host end).
-    let _released: bool = agent.call("ReleaseNetwork", &(id.as_str(),)).await?;
+    let released: bool = agent.call("ReleaseNetwork", &(id.as_str(),)).await?;
+    if released && !env.netns.is_empty() {
+        free_ifname(&env.netns, &env.ifname).await;
+    }
     Ok(())
+}
+
+/// The agent deletes a released veth in the background (off its reply
+/// path); until then the peer would keep `CNI_IFNAME` taken in the
+/// namespace, and an ADD right after this DEL (a runtime retrying) would
+/// find it. So the peer steps aside: down, then renamed (a veth cannot be
+/// renamed while up). Best effort: the namespace may be gone, or the pair
+/// deleted already.
+async fn free_ifname(netns: &str, ifname: &str) {
+    let Ok(inside) = Inside::enter(netns) else {
+        return;
+    };
+    let nl = &inside.nl;
+    let Ok(Some(link)) = nl.link_by_name(ifname).await else {
+        return;
+    };
+    if link.kind.as_deref() != Some("veth") {
+        return;
+    }
+    let down = cube_network_agent::netlink::LinkChange {
+        up: Some(false),
+        ..Default::default()
+    };
+    let rename = cube_network_agent::netlink::LinkChange {
+        name: Some(format!("cnigone{:08x}", link.index)),
+        ..Default::default()
+    };
+    if nl.set_link(link.index, down).await.is_ok() {
+        let _ = nl.set_link(link.index, rename).await;
+    }
 }
 
 async fn check(env: &Env, conf: &NetConf) -> Result<(), CniError> {

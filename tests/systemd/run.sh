@@ -589,6 +589,29 @@ if [ $rc = 0 ] && wait_restarted "$pid7"; then :; else not_ok "7j systemctl rest
 after_restart "7j restart after the re-attach"
 flow_window "7j restart after the re-attach: the new guest's flow kept going, nothing lost" "$a"
 
+# ---- 9: CNI through the installed unit ------------------------------------
+# The installed cube-cni against the hardened service on the real system bus:
+# the agent (no CAP_SYS_ADMIN) creates the veth's peer in a namespace it only
+# gets as an fd; the container's interface reaches the gateway; CHECK, DEL.
+CNICONF='{"cniVersion":"1.0.0","name":"cube","type":"cube-cni"}'
+cni() {  # cni VERB: runs the installed plugin in the container for attachment sd9/eth0
+  cx "echo '$CNICONF' | CNI_COMMAND=$1 CNI_CONTAINERID=sd9 CNI_NETNS=/run/netns/cnisd CNI_IFNAME=eth0 CNI_PATH=/opt/cni/bin /opt/cni/bin/cube-cni"
+}
+cx 'ip netns del cnisd 2>/dev/null; ip netns add cnisd' >/dev/null 2>&1
+out=$(cni ADD 2>&1); rc=$?
+if [ $rc = 0 ] && printf '%s' "$out" | grep -q '"169.254.68.6/30"' &&
+   ping9=$(cx 'ip netns exec cnisd busybox ping -c1 -W2 169.254.68.5' 2>&1); then
+  ok "9a cube-cni ADD through the installed unit: veth in the container namespace, gateway answers"
+else
+  not_ok "9a cube-cni ADD through the installed unit: veth in the container namespace, gateway answers" "rc=$rc $out" "${ping9:-}" \
+    "$(cx "journalctl -u $UNIT --no-pager -o cat -n 20 | grep -iE 'cni|veth|error' | tail -6" 2>&1)"
+fi
+check "9b cube-cni CHECK passes" cni CHECK
+out=$(cni DEL 2>&1); rc=$?
+left=$(cx 'ip netns exec cnisd ip -o link show eth0 2>/dev/null | wc -l')
+if [ $rc = 0 ] && [ "$left" = 0 ]; then ok "9c cube-cni DEL releases it (the peer is gone)"; else not_ok "9c cube-cni DEL releases it (the peer is gone)" "rc=$rc $out" "eth0 still there: $left"; fi
+cx 'ip netns del cnisd' >/dev/null 2>&1
+
 # ---- 8: verify the installed units ----------------------------------------
 out=$(cx 'systemd-analyze verify /usr/lib/systemd/system/cube-network-agent.socket /usr/lib/systemd/system/cube-network-agent.service 2>&1; echo "rc=$?"')
 if [ "$out" = "rc=0" ]; then
