@@ -723,6 +723,49 @@ async fn pair_rate(conn: &Connection, callers: usize, secs: f64) -> Result<f64> 
     .await
 }
 
+/// Counts the agent's signals on a connection of its own (a match rule
+/// for every signal the agent's name sends), in the background.
+struct SignalCounter {
+    count: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+    _conn: Connection,
+}
+
+impl SignalCounter {
+    async fn start(env: &Env) -> Result<SignalCounter> {
+        use futures::StreamExt;
+        let conn = env.connect().await?;
+        let rule = zbus::MatchRule::builder()
+            .msg_type(zbus::message::Type::Signal)
+            .sender(BUS_NAME)
+            .map_err(|e| format!("match rule: {e}"))?
+            .build();
+        let mut stream = zbus::MessageStream::for_match_rule(rule, &conn, Some(65_536))
+            .await
+            .map_err(|e| format!("AddMatch: {e}"))?;
+        let count = Arc::new(AtomicU64::new(0));
+        let c = count.clone();
+        let task = tokio::spawn(async move {
+            while let Some(Ok(_)) = stream.next().await {
+                c.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        Ok(SignalCounter {
+            count,
+            task,
+            _conn: conn,
+        })
+    }
+
+    /// Stops counting once the signals of the last calls had time to
+    /// arrive; the total.
+    async fn stop(self) -> u64 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        self.task.abort();
+        self.count.load(Ordering::Relaxed)
+    }
+}
+
 /// Ensures `n` networks with concurrent callers; returns the wall time.
 async fn fill(conn: &Connection, n: usize) -> Result<Duration> {
     let next = Arc::new(AtomicUsize::new(0));
@@ -1058,7 +1101,11 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         args.throughput_secs
     );
     let t1 = pair_rate(&conn, 1, args.throughput_secs).await?;
+    // Every signal the agent emits while 16 callers run pairs, counted by a
+    // second connection that asked the bus for all of them.
+    let signals = SignalCounter::start(env).await?;
     let t16 = pair_rate(&conn, CONCURRENT_CALLERS, args.throughput_secs).await?;
+    let (signal_count, pairs_done) = (signals.stop().await, t16 * args.throughput_secs);
     let serial_cap = 1e6 / (2.0 * floor_warm);
     rows.push(row(
         "ensure+release pairs/s, 1 caller",
@@ -1077,6 +1124,28 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         )
         .met(t16 >= 10_000.0),
     );
+    let efficiency = 2.0 * t16 / ping16;
+    rows.push(
+        row(
+            format!("efficiency: 2·pairs/s ÷ Ping calls/s, {CONCURRENT_CALLERS} callers"),
+            format!("{efficiency:.2}"),
+            format!("Ping {ping16:.0}/s"),
+            "-",
+            ">= 0.5",
+        )
+        .met(efficiency >= 0.5),
+    );
+    let per_pair = signal_count as f64 / pairs_done.max(1.0);
+    rows.push(row(
+        "bus messages per ensure+release pair",
+        format!(
+            "{:.1} (4 calls/replies + {per_pair:.1} signals)",
+            4.0 + per_pair
+        ),
+        "-",
+        "-",
+        "-",
+    ));
 
     eprintln!("[5/8] ReleaseNetwork and pairs/s with 0, 10k and 100k flows in ct");
     match flow_load(

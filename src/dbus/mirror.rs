@@ -6,7 +6,8 @@
 //! properties are re-read when a batch of events says node facts may have
 //! changed, and Health at most once per [`HEALTH_EVERY`].
 
-use std::collections::HashSet;
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,14 +15,19 @@ use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 use zbus::Connection;
+use zbus::names::InterfaceName;
+use zbus::zvariant::Value;
 
-use super::{MANAGER_PATH, Manager, NetworkObject, bounded::Bounded, network_dict, network_path};
+use super::{BUS_NAME, MANAGER_PATH, Manager, NetworkObject, network_dict, network_path};
 use crate::agent::events::{Change, Event};
 use crate::agent::{Agent, NetworkView};
 
 /// Health is a full evaluation (datapath counters, kernel checks of
 /// drifted filters): not more often than this.
 const HEALTH_EVERY: Duration = Duration::from_millis(500);
+/// The manager's counters (ActiveNetworks, IdleTaps, FreeAddresses) are
+/// signalled at most this often.
+const NODE_EVERY: Duration = Duration::from_millis(100);
 
 pub struct Mirror {
     conn: Connection,
@@ -166,33 +172,35 @@ impl Mirror {
 
     /// Signals the manager properties that changed since last time.
     async fn node(&mut self, health: bool) {
-        let Ok(iface) = self
-            .conn
-            .object_server()
-            .interface::<_, Bounded<Manager>>(MANAGER_PATH)
-            .await
-        else {
+        let Ok(e) = zbus::object_server::SignalEmitter::new(&self.conn, MANAGER_PATH) else {
             return;
         };
-        let guard = iface.get().await;
-        let m = &guard.0;
-        let e = iface.signal_emitter();
         let now = counters(&self.agent);
         let last = std::mem::replace(&mut self.counters, now);
+        // One PropertiesChanged carrying every property that changed (the
+        // generated `*_changed` would send one signal each).
+        let mut changed: HashMap<&str, Value<'_>> = HashMap::new();
         if now.0 != last.0 {
-            let _ = m.active_networks_changed(e).await;
+            changed.insert("ActiveNetworks", Value::from(now.0));
         }
         if now.1 != last.1 {
-            let _ = m.idle_taps_changed(e).await;
+            changed.insert("IdleTaps", Value::from(now.1));
         }
         if now.2 != last.2 {
-            let _ = m.free_addresses_changed(e).await;
+            changed.insert("FreeAddresses", Value::from(now.2));
         }
         if health {
             let healthy = self.agent.health().await.0;
             if self.healthy.replace(healthy).is_some_and(|h| h != healthy) {
-                let _ = m.healthy_changed(e).await;
+                changed.insert("Healthy", Value::from(healthy));
             }
+        }
+        if !changed.is_empty()
+            && let Ok(name) = InterfaceName::try_from(BUS_NAME)
+        {
+            let _ =
+                zbus::fdo::Properties::properties_changed(&e, name, changed, Cow::Borrowed(&[]))
+                    .await;
         }
     }
 
@@ -201,13 +209,23 @@ impl Mirror {
         self.healthy = Some(self.agent.health().await.0);
         let mut last_health = Instant::now();
         let mut health_due: Option<Instant> = None;
+        let mut last_node = Instant::now();
+        let mut node_due: Option<Instant> = None;
         loop {
             let first = tokio::select! {
                 got = rx.recv() => got,
                 _ = sleep_until(health_due) => {
                     health_due = None;
                     last_health = Instant::now();
+                    node_due = None;
+                    last_node = Instant::now();
                     self.node(true).await;
+                    continue;
+                }
+                _ = sleep_until(node_due) => {
+                    node_due = None;
+                    last_node = Instant::now();
+                    self.node(false).await;
                     continue;
                 }
             };
@@ -249,7 +267,11 @@ impl Mirror {
                 self.resync().await;
             }
             if node {
-                self.node(false).await;
+                // The manager's counters at most every NODE_EVERY: under
+                // load one PropertiesChanged covers many calls.
+                if node_due.is_none() {
+                    node_due = Some((last_node + NODE_EVERY).max(Instant::now()));
+                }
                 if health_due.is_none() {
                     health_due = Some((last_health + HEALTH_EVERY).max(Instant::now()));
                 }
