@@ -72,6 +72,11 @@ pub fn classify(
         .iter()
         .filter(|l| matches!(l.kind.as_deref(), Some("tun" | "veth")))
     {
+        // Sandboxes' TAPs keep their pool names: new names must not
+        // collide with those either.
+        if let TapNameKind::Pool(n) = classify_tap_name(tap_prefix, &link.name) {
+            plan.max_pool_name = plan.max_pool_name.max(Some(n));
+        }
         if let Some(&i) = by_tap.get(&link.name)
             && link.kind.as_deref() == Some(accepted[i].attach.link_kind())
         {
@@ -80,14 +85,10 @@ pub fn classify(
         }
         match classify_tap_name(tap_prefix, &link.name) {
             _ if link.group == retire_group => plan.retire.push(link.clone()),
-            TapNameKind::Pool(n) if link.kind.as_deref() == Some("veth") => {
-                let _ = n;
+            TapNameKind::Pool(_) if link.kind.as_deref() == Some("veth") => {
                 plan.retire.push(link.clone())
             }
-            TapNameKind::Pool(n) => {
-                plan.max_pool_name = plan.max_pool_name.max(Some(n));
-                plan.pool.push(link.clone());
-            }
+            TapNameKind::Pool(_) => plan.pool.push(link.clone()),
             TapNameKind::Sandbox(_) => plan.retire.push(link.clone()),
             TapNameKind::Foreign => {}
         }

@@ -248,19 +248,22 @@ impl Env {
             .collect()
     }
 
-    /// TAPs whose name says they belong to a sandbox (prefix + 8 hex).
+    /// TAPs in use by sandboxes: the agent's TAPs that are up (a TAP keeps
+    /// its pool name `ctapw…` for life; older records name theirs after the
+    /// sandbox address, `ctap` + 8 hex). Pool TAPs are down.
     pub fn sandbox_taps(&self) -> BTreeSet<String> {
         self.links()
             .into_iter()
-            .filter(|(n, l)| l.kind == "tun" && n.starts_with("ctap") && !n.starts_with("ctapw"))
+            .filter(|(n, l)| l.kind == "tun" && n.starts_with("ctap") && l.up)
             .map(|(n, _)| n)
             .collect()
     }
 
+    /// Idle pool TAPs: pool-named and down.
     pub fn pool_taps(&self) -> BTreeSet<String> {
         self.links()
             .into_iter()
-            .filter(|(n, l)| l.kind == "tun" && n.starts_with("ctapw"))
+            .filter(|(n, l)| l.kind == "tun" && n.starts_with("ctapw") && !l.up)
             .map(|(n, _)| n)
             .collect()
     }
@@ -450,6 +453,30 @@ impl Client {
 }
 
 /// TUNGETIFF on a received fd.
+/// Pids of the processes holding an fd attached to the TAP `name` (from
+/// `/proc/*/fdinfo`, whose `iff:` line names a tun/tap device).
+pub fn tap_holders(name: &str) -> Vec<u32> {
+    let want = format!("iff:\t{name}");
+    let mut pids = vec![];
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return pids;
+    };
+    for p in procs.flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(p.path().join("fdinfo")) else {
+            continue;
+        };
+        if fds.flatten().any(|fd| {
+            std::fs::read_to_string(fd.path()).is_ok_and(|t| t.lines().any(|l| l == want))
+        }) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
 pub fn tap_info(fd: &std::os::fd::OwnedFd) -> cube_network_agent::tap::TapFdInfo {
     cube_network_agent::tap::query_fd(fd.as_fd()).unwrap()
 }
