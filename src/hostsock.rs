@@ -78,39 +78,19 @@ impl HostSockets {
     /// fallback when sock_diag is unavailable. UDP has one table, read
     /// from `/proc/net/udp[6]` (~0.1 ms).
     pub fn scan() -> HostSockets {
-        let mut sockets = vec![];
-        let mut tables = vec![
-            ("/proc/net/udp", Protocol::Udp),
-            ("/proc/net/udp6", Protocol::Udp),
-        ];
         match diag::tcp_listeners() {
-            Ok(listeners) => sockets.extend(listeners),
-            Err(_) => tables.extend([
-                ("/proc/net/tcp", Protocol::Tcp),
-                ("/proc/net/tcp6", Protocol::Tcp),
-            ]),
-        }
-        for (file, protocol) in tables {
-            if let Ok(text) = std::fs::read_to_string(file) {
-                sockets.extend(parse(&text, protocol));
+            Ok(mut sockets) => {
+                sockets.extend(read_tables(&UDP_TABLES));
+                HostSockets { sockets }
             }
+            Err(_) => HostSockets::scan_proc(),
         }
-        HostSockets { sockets }
     }
 
     /// [`HostSockets::scan`] from the `/proc` tables only.
     pub fn scan_proc() -> HostSockets {
-        let mut sockets = vec![];
-        for (file, protocol) in [
-            ("/proc/net/tcp", Protocol::Tcp),
-            ("/proc/net/tcp6", Protocol::Tcp),
-            ("/proc/net/udp", Protocol::Udp),
-            ("/proc/net/udp6", Protocol::Udp),
-        ] {
-            if let Ok(text) = std::fs::read_to_string(file) {
-                sockets.extend(parse(&text, protocol));
-            }
-        }
+        let mut sockets = read_tables(&TCP_TABLES);
+        sockets.extend(read_tables(&UDP_TABLES));
         HostSockets { sockets }
     }
 
@@ -120,6 +100,25 @@ impl HostSockets {
             .iter()
             .find(|s| s.covers(protocol, host_ip, port))
     }
+}
+
+const TCP_TABLES: [(&str, Protocol); 2] = [
+    ("/proc/net/tcp", Protocol::Tcp),
+    ("/proc/net/tcp6", Protocol::Tcp),
+];
+const UDP_TABLES: [(&str, Protocol); 2] = [
+    ("/proc/net/udp", Protocol::Udp),
+    ("/proc/net/udp6", Protocol::Udp),
+];
+
+/// The sockets of each readable table (one that cannot be read, e.g. no
+/// IPv6 in this kernel, is skipped).
+fn read_tables(tables: &[(&str, Protocol)]) -> Vec<HostSocket> {
+    tables
+        .iter()
+        .filter_map(|(file, protocol)| Some(parse(&std::fs::read_to_string(file).ok()?, *protocol)))
+        .flatten()
+        .collect()
 }
 
 /// Parses one `/proc/net/{tcp,udp}[6]` table: listening TCP sockets and

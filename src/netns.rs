@@ -24,16 +24,25 @@ pub fn check_foreign_netns(fd: BorrowedFd<'_>) -> Result<(), String> {
             "a namespace of another type (0x{kind:x}), not a network namespace"
         ));
     }
-    let theirs = stat_fd(fd)?;
-    let ours = std::fs::metadata("/proc/self/ns/net")
-        .map_err(|e| format!("cannot stat the agent's own namespace: {e}"))?;
-    if theirs == (ours.dev(), ours.ino()) {
+    if stat_fd(fd)? == own_netns()? {
         return Err(
             "is the node's own network namespace; a container's interface must live in its own"
                 .into(),
         );
     }
     Ok(())
+}
+
+/// The agent's own network namespace (device, inode), read once: a
+/// process's namespace does not change under it.
+fn own_netns() -> Result<(u64, u64), String> {
+    static OWN: std::sync::OnceLock<Result<(u64, u64), String>> = std::sync::OnceLock::new();
+    OWN.get_or_init(|| {
+        std::fs::metadata("/proc/self/ns/net")
+            .map(|m| (m.dev(), m.ino()))
+            .map_err(|e| format!("cannot stat the agent's own namespace: {e}"))
+    })
+    .clone()
 }
 
 fn stat_fd(fd: BorrowedFd<'_>) -> Result<(u64, u64), String> {

@@ -255,28 +255,38 @@ impl Agent {
         Ok(ifindex)
     }
 
-    /// Deletes a veth host end (its peer goes with it) if `ifindex` still
-    /// names it: the container's namespace may be gone already, and with
-    /// it the pair. Best effort.
-    pub(super) async fn delete_veth(&self, name: &str, ifindex: u32) {
+    /// Whether `ifindex` is still the link named `name` (the container's
+    /// namespace may be gone already, and with it the pair).
+    async fn still_named(&self, name: &str, ifindex: u32) -> bool {
         match self.nl.link_by_index(ifindex).await {
-            Ok(Some(l)) if l.name == name => {
-                if let Err(e) = self.nl.delete_link(ifindex).await
-                    && e.errno() != Some(libc::ENODEV)
-                {
-                    warn!(
-                        veth = name,
-                        error = crate::error_chain(&e),
-                        "deleting the veth"
-                    );
-                }
+            Ok(Some(l)) if l.name == name => true,
+            Ok(_) => {
+                debug!(veth = name, "veth already gone (its namespace was deleted)");
+                false
             }
-            Ok(_) => debug!(veth = name, "veth already gone (its namespace was deleted)"),
-            Err(e) => warn!(
+            Err(e) => {
+                warn!(
+                    veth = name,
+                    error = crate::error_chain(&e),
+                    "looking up the veth"
+                );
+                false
+            }
+        }
+    }
+
+    /// Deletes a veth host end (its peer goes with it) if it is still
+    /// there. Best effort.
+    pub(super) async fn delete_veth(&self, name: &str, ifindex: u32) {
+        if self.still_named(name, ifindex).await
+            && let Err(e) = self.nl.delete_link(ifindex).await
+            && e.errno() != Some(libc::ENODEV)
+        {
+            warn!(
                 veth = name,
                 error = crate::error_chain(&e),
-                "looking up the veth"
-            ),
+                "deleting the veth"
+            );
         }
     }
 
@@ -288,32 +298,25 @@ impl Agent {
     /// Recovery deletes the retire group's leftovers after a crash. Falls
     /// back to deleting it at once.
     pub(super) async fn retire_veth(&self, name: &str, ifindex: u32) {
-        match self.nl.link_by_index(ifindex).await {
-            Ok(Some(l)) if l.name == name => {
-                let change = LinkChange {
-                    name: Some(spec::retired_veth_name(&self.cfg.tap_prefix, ifindex)),
-                    up: Some(false),
-                    group: Some(self.cfg.retire_group),
-                    ..Default::default()
-                };
-                match self.nl.set_link(ifindex, change).await {
-                    Ok(()) => self.pool.retire_link(ifindex),
-                    Err(e) => {
-                        debug!(
-                            veth = name,
-                            error = crate::error_chain(&e),
-                            "retiring the veth"
-                        );
-                        self.delete_veth(name, ifindex).await;
-                    }
-                }
+        if !self.still_named(name, ifindex).await {
+            return;
+        }
+        let change = LinkChange {
+            name: Some(spec::retired_veth_name(&self.cfg.tap_prefix, ifindex)),
+            up: Some(false),
+            group: Some(self.cfg.retire_group),
+            ..Default::default()
+        };
+        match self.nl.set_link(ifindex, change).await {
+            Ok(()) => self.pool.retire_link(ifindex),
+            Err(e) => {
+                debug!(
+                    veth = name,
+                    error = crate::error_chain(&e),
+                    "retiring the veth"
+                );
+                self.delete_veth(name, ifindex).await;
             }
-            Ok(_) => debug!(veth = name, "veth already gone (its namespace was deleted)"),
-            Err(e) => warn!(
-                veth = name,
-                error = crate::error_chain(&e),
-                "looking up the veth"
-            ),
         }
     }
 

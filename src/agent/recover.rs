@@ -72,9 +72,10 @@ pub fn classify(
         .iter()
         .filter(|l| matches!(l.kind.as_deref(), Some("tun" | "veth")))
     {
+        let named = classify_tap_name(tap_prefix, &link.name);
         // Sandboxes' TAPs keep their pool names: new names must not
         // collide with those either.
-        if let TapNameKind::Pool(n) = classify_tap_name(tap_prefix, &link.name) {
+        if let TapNameKind::Pool(n) = named {
             plan.max_pool_name = plan.max_pool_name.max(Some(n));
         }
         if let Some(&i) = by_tap.get(&link.name)
@@ -83,7 +84,7 @@ pub fn classify(
             link_of[i] = Some(link.clone());
             continue;
         }
-        match classify_tap_name(tap_prefix, &link.name) {
+        match named {
             _ if link.group == retire_group => plan.retire.push(link.clone()),
             TapNameKind::Pool(_) if link.kind.as_deref() == Some("veth") => {
                 plan.retire.push(link.clone())

@@ -183,18 +183,27 @@ fn config_err(msg: String) -> CniError {
     CniError::new(code::INVALID_CONFIG, msg)
 }
 
-fn string_list(key: &str, v: &Value) -> Result<Vec<String>, CniError> {
-    let arr = v
-        .as_array()
-        .ok_or_else(|| config_err(format!("{key}: must be a list of strings")))?;
-    arr.iter()
+/// Each item of the list `v` (the config key `key`) through `item`, which
+/// gets the item's index for its error messages.
+fn each<T, C: FromIterator<T>>(
+    key: &str,
+    v: &Value,
+    item: impl FnMut((usize, &Value)) -> Result<T, CniError>,
+) -> Result<C, CniError> {
+    v.as_array()
+        .ok_or_else(|| config_err(format!("{key}: must be a list")))?
+        .iter()
         .enumerate()
-        .map(|(i, s)| {
-            s.as_str()
-                .map(str::to_owned)
-                .ok_or_else(|| config_err(format!("{key}[{i}]: must be a string")))
-        })
+        .map(item)
         .collect()
+}
+
+fn string_list(key: &str, v: &Value) -> Result<Vec<String>, CniError> {
+    each(key, v, |(i, s)| {
+        s.as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| config_err(format!("{key}[{i}]: must be a string")))
+    })
 }
 
 impl NetConf {
@@ -320,88 +329,75 @@ impl NetConf {
 
 fn parse_port_mappings(v: &Value) -> Result<Vec<PortMapping>, CniError> {
     let key = "runtimeConfig.portMappings";
-    let arr = v
-        .as_array()
-        .ok_or_else(|| config_err(format!("{key}: must be a list")))?;
-    arr.iter()
-        .enumerate()
-        .map(|(i, m)| {
-            // containerd's CRI marshals go-cni's PortMapping, which has no
-            // JSON tags: its keys arrive capitalised (HostPort, HostIP).
-            let get = |field: &str| {
-                m.as_object().and_then(|o| {
-                    o.iter()
-                        .find(|(k, _)| k.eq_ignore_ascii_case(field))
-                        .map(|(_, v)| v)
-                })
-            };
-            let port = |field: &str| -> Result<u16, CniError> {
-                let v =
-                    get(field).ok_or_else(|| config_err(format!("{key}[{i}].{field}: missing")))?;
-                match v.as_u64() {
-                    Some(p) if (1..=65535).contains(&p) => Ok(p as u16),
-                    _ => Err(config_err(format!(
-                        "{key}[{i}].{field}: {v} is not a port (1-65535)"
-                    ))),
-                }
-            };
-            let protocol = match get("protocol") {
-                None => "tcp".to_owned(),
-                Some(Value::String(p)) => match p.to_ascii_lowercase().as_str() {
-                    p @ ("tcp" | "udp") => p.to_owned(),
-                    "sctp" => {
-                        return Err(config_err(format!(
-                            "{key}[{i}].protocol: sctp is not supported (tcp or udp)"
-                        )));
-                    }
-                    _ => {
-                        return Err(config_err(format!(
-                            "{key}[{i}].protocol: '{p}' is not tcp or udp"
-                        )));
-                    }
-                },
-                Some(v) => {
-                    return Err(config_err(format!(
-                        "{key}[{i}].protocol: {v} is not a string"
-                    )));
-                }
-            };
-            let host_ip = match get("hostIP") {
-                None | Some(Value::Null) => String::new(),
-                Some(Value::String(s)) => s.clone(),
-                Some(v) => {
-                    return Err(config_err(format!(
-                        "{key}[{i}].hostIP: {v} is not a string"
-                    )));
-                }
-            };
-            Ok(PortMapping {
-                host_port: port("hostPort")?,
-                container_port: port("containerPort")?,
-                protocol,
-                host_ip,
+    each(key, v, |(i, m)| {
+        // containerd's CRI marshals go-cni's PortMapping, which has no
+        // JSON tags: its keys arrive capitalised (HostPort, HostIP).
+        let get = |field: &str| {
+            m.as_object().and_then(|o| {
+                o.iter()
+                    .find(|(k, _)| k.eq_ignore_ascii_case(field))
+                    .map(|(_, v)| v)
             })
+        };
+        let port = |field: &str| -> Result<u16, CniError> {
+            let v = get(field).ok_or_else(|| config_err(format!("{key}[{i}].{field}: missing")))?;
+            match v.as_u64() {
+                Some(p) if (1..=65535).contains(&p) => Ok(p as u16),
+                _ => Err(config_err(format!(
+                    "{key}[{i}].{field}: {v} is not a port (1-65535)"
+                ))),
+            }
+        };
+        let protocol = match get("protocol") {
+            None => "tcp".to_owned(),
+            Some(Value::String(p)) => match p.to_ascii_lowercase().as_str() {
+                p @ ("tcp" | "udp") => p.to_owned(),
+                "sctp" => {
+                    return Err(config_err(format!(
+                        "{key}[{i}].protocol: sctp is not supported (tcp or udp)"
+                    )));
+                }
+                _ => {
+                    return Err(config_err(format!(
+                        "{key}[{i}].protocol: '{p}' is not tcp or udp"
+                    )));
+                }
+            },
+            Some(v) => {
+                return Err(config_err(format!(
+                    "{key}[{i}].protocol: {v} is not a string"
+                )));
+            }
+        };
+        let host_ip = match get("hostIP") {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(v) => {
+                return Err(config_err(format!(
+                    "{key}[{i}].hostIP: {v} is not a string"
+                )));
+            }
+        };
+        Ok(PortMapping {
+            host_port: port("hostPort")?,
+            container_port: port("containerPort")?,
+            protocol,
+            host_ip,
         })
-        .collect()
+    })
 }
 
 fn parse_valid_attachments(v: &Value) -> Result<BTreeSet<(String, String)>, CniError> {
     let key = "cni.dev/valid-attachments";
-    let arr = v
-        .as_array()
-        .ok_or_else(|| config_err(format!("{key}: must be a list")))?;
-    arr.iter()
-        .enumerate()
-        .map(|(i, a)| {
-            let field = |f: &str| {
-                a.get(f)
-                    .and_then(Value::as_str)
-                    .map(str::to_owned)
-                    .ok_or_else(|| config_err(format!("{key}[{i}].{f}: missing or not a string")))
-            };
-            Ok((field("containerID")?, field("ifname")?))
-        })
-        .collect()
+    each(key, v, |(i, a)| {
+        let field = |f: &str| {
+            a.get(f)
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+                .ok_or_else(|| config_err(format!("{key}[{i}].{f}: missing or not a string")))
+        };
+        Ok((field("containerID")?, field("ifname")?))
+    })
 }
 
 /// The agent's sandbox id of an attachment: readable when the container id
