@@ -8,9 +8,13 @@
 //! action that failed plus the underlying [`rtnetlink::Error`]; use
 //! [`NetlinkError::errno`] to inspect the kernel errno.
 //!
-//! [`Netlink::new`] must be called from inside a tokio runtime: it spawns the
-//! netlink connection task on the current runtime. The socket lives in the
-//! network namespace of the *thread* that calls `new`.
+//! [`Netlink::new`] runs the socket on a thread of its own (`netlink`): a
+//! request to NETLINK_ROUTE does its kernel work, RTNL lock included, inside
+//! the `sendmsg` of the sender, so that call must not run on the async
+//! workers that serve the bus (a slow or contended RTNL would stall every
+//! caller). The thread inherits, and the socket lives in, the network
+//! namespace of the *thread* that calls `new`; it ends when the last handle
+//! is dropped.
 
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -314,12 +318,41 @@ pub fn watch_tc_removals(
 }
 
 impl Netlink {
-    /// Opens a NETLINK_ROUTE socket and spawns its connection task on the current tokio runtime.
+    /// Opens a NETLINK_ROUTE socket served by a thread of its own (see the
+    /// module documentation), in the calling thread's network namespace.
     pub fn new() -> Result<Self, NetlinkError> {
-        let rt = tokio::runtime::Handle::try_current().map_err(|_| NetlinkError::NoRuntime)?;
-        let (conn, handle, _messages) =
-            rtnetlink::new_connection().map_err(NetlinkError::Connect)?;
-        rt.spawn(conn);
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        std::thread::Builder::new()
+            .name("netlink".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_io()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    match rtnetlink::new_connection() {
+                        Ok((conn, handle, _messages)) => {
+                            let _ = tx.send(Ok(handle));
+                            // Ends once every handle is gone.
+                            conn.await;
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                        }
+                    }
+                });
+            })
+            .map_err(NetlinkError::Connect)?;
+        let handle = rx
+            .recv()
+            .map_err(|_| NetlinkError::Connect(std::io::Error::other("netlink thread died")))?
+            .map_err(NetlinkError::Connect)?;
         debug!("netlink connection opened");
         Ok(Self {
             handle,

@@ -829,6 +829,10 @@ async fn signals_properties_and_object_manager() {
                     let (id, dict): (String, common::Dict) = msg.body().deserialize().unwrap();
                     assert_eq!(id, "sig-1");
                     assert_eq!(s(&dict, "tap_name"), s(&net, "tap_name"));
+                    assert_eq!(s(&dict, "network_handle"), s(&net, "network_handle"));
+                    assert_eq!(s(&dict, "change"), "created");
+                    // Slim: who and what happened; the object carries the rest.
+                    assert!(!dict.contains_key("routes"), "{dict:?}");
                 }
                 "NetworkReleased" => {
                     let (id,): (String,) = msg.body().deserialize().unwrap();
@@ -896,6 +900,30 @@ async fn signals_properties_and_object_manager() {
         String::try_from(props["SandboxId"].try_clone().unwrap()).unwrap(),
         "sig.2"
     );
+
+    // A converged network: NetworkEnsured says "updated" and which keys
+    // changed.
+    c.ensure("sig.2", opts(vec![("mtu", Value::from(1400u32))]))
+        .await
+        .unwrap();
+    loop {
+        let msg = tokio::time::timeout(std::time::Duration::from_secs(5), signals.next())
+            .await
+            .expect("NetworkEnsured for the update")
+            .unwrap()
+            .unwrap();
+        if msg.header().member().map(|m| m.as_str()) != Some("NetworkEnsured") {
+            continue;
+        }
+        let (id, dict): (String, common::Dict) = msg.body().deserialize().unwrap();
+        if id != "sig.2" || s(&dict, "change") == "created" {
+            continue;
+        }
+        assert_eq!(s(&dict, "change"), "updated");
+        let changed: Vec<String> = dict["changed"].try_clone().unwrap().try_into().unwrap();
+        assert_eq!(changed, ["mtu"], "{dict:?}");
+        break;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

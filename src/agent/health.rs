@@ -121,7 +121,8 @@ impl Agent {
         ));
         checks.push(self.tap_fd_check());
         checks.push(self.veth_check());
-        checks.extend(self.datapath.checks());
+        let dp = self.datapath.clone();
+        checks.extend(super::off_worker(move || dp.checks()).await);
         checks.extend(filters);
         (checks.iter().all(|c| c.1), checks)
     }

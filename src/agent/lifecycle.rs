@@ -203,7 +203,7 @@ impl Agent {
             self.recycle(&mut net).await;
             return Err((rec, err));
         }
-        if let Err(e) = self.datapath.attach(&net.path()) {
+        if let Err(e) = self.dp_attach(&net).await {
             let err = failed("programming the datapath", &e);
             let rec = net.rec.clone();
             self.unwire(&net).await;
@@ -239,7 +239,8 @@ impl Agent {
             }
             Err(e) => return Err(failed(&format!("creating veth {host}"), &e)),
         };
-        if let Err(error) = crate::sysctl::disable_ipv6(host) {
+        let name = host.to_owned();
+        if let Err(error) = super::off_worker(move || crate::sysctl::disable_ipv6(&name)).await {
             debug!(veth = host, %error, "could not disable IPv6 on the veth");
         }
         let up = LinkChange {
@@ -347,7 +348,10 @@ impl Agent {
 
     /// Creates a TAP with its final name (pool empty, or recovery repair).
     pub(super) async fn cold_tap(&self, name: &str, mtu: u32) -> Result<PoolTap, AgentError> {
-        let pt = create_tap(name).map_err(|e| failed(&format!("creating TAP {name}"), &e))?;
+        let owned = name.to_owned();
+        let pt = super::off_worker(move || create_tap(&owned))
+            .await
+            .map_err(|e| failed(&format!("creating TAP {name}"), &e))?;
         let change = LinkChange {
             mtu: Some(mtu),
             up: Some(true),
@@ -366,7 +370,7 @@ impl Agent {
     /// are returned for the caller to report.
     pub(super) async fn unwire(&self, net: &Network) -> Vec<String> {
         let mut errors = vec![];
-        if let Err(e) = self.datapath.detach(&net.path()) {
+        if let Err(e) = self.dp_detach(net).await {
             errors.push(crate::error_chain(&e));
         }
         if let Err(e) = self
@@ -512,8 +516,8 @@ impl Agent {
                 .await
                 .map_err(|e| failed(&format!("setting the MTU of {}", net.rec.tap_name), &e))?;
         }
-        self.datapath
-            .attach(&net.path())
+        self.dp_attach(net)
+            .await
             .map_err(|e| failed("programming the datapath", &e))
     }
 
@@ -570,7 +574,7 @@ impl Agent {
                 Some(net) if !net.rec.attach.is_tap() => Err(AgentError::InvalidArgument(format!(
                     "sandbox '{id}' is attached with a veth (CNI); it has no TAP to open"
                 ))),
-                Some(net) => match self.reattach_fd(net) {
+                Some(net) => match self.reattach_fd(net).await {
                     Err(e) => Err(e),
                     Ok(reattached) => match &net.tap {
                         Some(tap) if reattached => {
@@ -597,13 +601,18 @@ impl Agent {
     /// device succeeds once no other process holds its (single) queue.
     /// `Ok(true)` if it re-attached now, `Ok(false)` if the fd was there.
     /// Called with the network's slot held.
-    pub(super) fn reattach_fd(&self, net: &mut Network) -> Result<bool, AgentError> {
+    pub(super) async fn reattach_fd(&self, net: &mut Network) -> Result<bool, AgentError> {
         if net.tap.is_some() || !net.rec.attach.is_tap() {
             return Ok(false);
         }
-        match Tap::open_existing(&net.rec.tap_name) {
+        // TUNSETIFF takes RTNL: off the async workers.
+        let (name, ifindex) = (net.rec.tap_name.clone(), net.ifindex);
+        let opened = super::off_worker(move || {
+            Tap::open_existing(&name).inspect(|tap| pool::store_fd(ifindex, tap))
+        })
+        .await;
+        match opened {
             Ok(tap) => {
-                pool::store_fd(net.ifindex, &tap);
                 net.tap = Some(tap);
                 self.set_view(net);
                 info!(

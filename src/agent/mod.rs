@@ -91,20 +91,37 @@ struct Network {
     ifindex: u32,
 }
 
-impl Network {
-    fn path(&self) -> SandboxPath<'_> {
-        SandboxPath {
-            sandbox_id: &self.rec.sandbox_id,
-            tap_name: &self.rec.tap_name,
-            tap_ifindex: self.ifindex,
-            sandbox_ip: self.rec.sandbox_ip,
-            port_mappings: &self.rec.port_mappings,
-            allow_internet_access: self.rec.allow_internet_access,
-            allow_out: &self.rec.allow_out,
-            deny_out: &self.rec.deny_out,
-        }
+/// What the datapath needs of a network.
+fn sandbox_path(rec: &NetworkRecord, ifindex: u32) -> SandboxPath<'_> {
+    SandboxPath {
+        sandbox_id: &rec.sandbox_id,
+        tap_name: &rec.tap_name,
+        tap_ifindex: ifindex,
+        sandbox_ip: rec.sandbox_ip,
+        port_mappings: &rec.port_mappings,
+        allow_internet_access: rec.allow_internet_access,
+        allow_out: &rec.allow_out,
+        deny_out: &rec.deny_out,
     }
+}
 
+/// Runs blocking kernel work (bpf syscalls under the datapath's lock,
+/// TUNSETIFF and tc attach, which take RTNL, sysctl writes, the last close
+/// of a TAP fd, which waits for an RCU grace period) on tokio's blocking
+/// pool: the async workers that serve the bus never wait for it. Netlink
+/// requests run on the netlink thread (see [`crate::netlink`]) and the
+/// store's writes and fsyncs on its writer thread.
+pub(crate) async fn off_worker<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(v) => v,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // Only when the runtime shuts down before the task ran; whoever
+        // awaited this is being dropped with it.
+        Err(e) => panic!("blocking kernel work cancelled: {e}"),
+    }
+}
+
+impl Network {
     fn view(&self) -> NetworkView {
         NetworkView {
             record: self.rec.clone(),
@@ -280,6 +297,18 @@ fn kernel_reserved_ports() -> PortSet {
 impl Agent {
     pub fn config(&self) -> &Config {
         &self.cfg
+    }
+
+    /// Programs the network into the datapath, off the async workers.
+    async fn dp_attach(&self, net: &Network) -> Result<(), crate::datapath::DatapathError> {
+        let (dp, rec, ifindex) = (self.datapath.clone(), net.rec.clone(), net.ifindex);
+        off_worker(move || dp.attach(&sandbox_path(&rec, ifindex))).await
+    }
+
+    /// Removes the network from the datapath, off the async workers.
+    async fn dp_detach(&self, net: &Network) -> Result<(), crate::datapath::DatapathError> {
+        let (dp, rec, ifindex) = (self.datapath.clone(), net.rec.clone(), net.ifindex);
+        off_worker(move || dp.detach(&sandbox_path(&rec, ifindex))).await
     }
 
     fn allocs(&self) -> std::sync::MutexGuard<'_, Allocs> {

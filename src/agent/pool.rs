@@ -360,7 +360,10 @@ impl TapPool {
     }
 
     async fn create_idle(&self, name: &str) -> Result<PoolTap, String> {
-        let pt = create_tap(name).map_err(|e| crate::error_chain(&e))?;
+        let owned = name.to_owned();
+        let pt = super::off_worker(move || create_tap(&owned))
+            .await
+            .map_err(|e| crate::error_chain(&e))?;
         let res = self
             .nl
             .set_link(
@@ -373,7 +376,8 @@ impl TapPool {
             .await;
         match res {
             Ok(()) => {
-                if let Err(e) = self.datapath.prepare_tap(name, pt.ifindex) {
+                let (dp, owned, ifindex) = (self.datapath.clone(), name.to_owned(), pt.ifindex);
+                if let Err(e) = super::off_worker(move || dp.prepare_tap(&owned, ifindex)).await {
                     warn!(tap = name, error = %e, "preparing the TAP's datapath failed; ensure will retry");
                 }
                 debug!(tap = name, ifindex = pt.ifindex, "pool TAP created");
@@ -454,10 +458,16 @@ impl TapPool {
         }
         let mut indexes: Vec<u32> = taps.iter().map(|t| t.ifindex).collect();
         indexes.extend(links);
-        drop(taps); // close our fds first, and the fd store's copies
-        for &index in &indexes {
-            crate::systemd::remove_tap_fd(index);
-        }
+        // Close our fds first, and the fd store's copies. The last close of
+        // a TAP fd waits for an RCU grace period: off the async workers.
+        let closing = indexes.clone();
+        super::off_worker(move || {
+            drop(taps);
+            for index in closing {
+                crate::systemd::remove_tap_fd(index);
+            }
+        })
+        .await;
         let mut grouped = vec![];
         for &index in &indexes {
             let change = LinkChange {

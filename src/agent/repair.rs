@@ -38,8 +38,9 @@ impl Agent {
             .await
             .map_err(|e| format!("checking {hook}: {}", crate::error_chain(&e)))?;
         if !present {
-            self.datapath
-                .reattach(hook)
+            let (dp, owned) = (self.datapath.clone(), hook.clone());
+            super::off_worker(move || dp.reattach(&owned))
+                .await
                 .map_err(|e| format!("re-attaching {hook}: {e}"))?;
         }
         self.drift
@@ -246,13 +247,13 @@ impl Agent {
                     Err(e) => out.errors.push(format!("{id}: {e}")),
                 }
             }
-            if let Err(e) = self.datapath.attach(&net.path()) {
+            if let Err(e) = self.dp_attach(net).await {
                 out.errors.push(format!("{id}: {e}"));
             }
         }
         // A TAP adopted without an fd: take it back if its holder let go
         // (still held is not an error: the VMM is running).
-        match self.reattach_fd(net) {
+        match self.reattach_fd(net).await {
             Ok(true) => out.repairs.push(format!(
                 "{id}: TAP {} re-attached (adopted without an fd, its holder let go)",
                 net.rec.tap_name

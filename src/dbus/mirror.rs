@@ -18,7 +18,7 @@ use zbus::Connection;
 use zbus::names::InterfaceName;
 use zbus::zvariant::Value;
 
-use super::{BUS_NAME, MANAGER_PATH, Manager, NetworkObject, network_dict, network_path};
+use super::{BUS_NAME, MANAGER_PATH, Manager, NetworkObject, network_path};
 use crate::agent::events::{Change, Event};
 use crate::agent::{Agent, NetworkView};
 
@@ -64,53 +64,40 @@ impl Mirror {
         Ok(self.objects.len())
     }
 
-    /// Creates or updates a network's object; true if it was new.
-    async fn put(&mut self, view: NetworkView) -> zbus::Result<bool> {
+    /// Creates or updates a network's object. `None` if it was new, else
+    /// the keys of the network dictionary that changed (their properties
+    /// are signalled).
+    async fn put(&mut self, view: NetworkView) -> zbus::Result<Option<Vec<&'static str>>> {
         let id = view.record.sandbox_id.clone();
         let path = network_path(&id);
         let server = self.conn.object_server();
         if self.objects.insert(id) {
             server.at(&path, NetworkObject { view }).await?;
-            return Ok(true);
+            return Ok(None);
         }
         let iface = server.interface::<_, NetworkObject>(&path).await?;
         let old = std::mem::replace(&mut iface.get_mut().await.view, view.clone());
-        match old {
-            old if old == view => Ok(false),
-            old => {
-                let obj = iface.get().await;
-                let e = iface.signal_emitter();
-                let (a, b) = (&old, &view);
-                if a.tap_ifindex != b.tap_ifindex {
-                    obj.tap_ifindex_changed(e).await?;
-                }
-                if a.record.tap_name != b.record.tap_name {
-                    obj.tap_name_changed(e).await?;
-                }
-                if a.record.network_handle != b.record.network_handle {
-                    obj.network_handle_changed(e).await?;
-                }
-                if a.record.sandbox_ip != b.record.sandbox_ip {
-                    obj.sandbox_ip_changed(e).await?;
-                }
-                if a.record.mtu != b.record.mtu {
-                    obj.mtu_changed(e).await?;
-                }
-                if a.record.port_mappings != b.record.port_mappings {
-                    obj.port_mappings_changed(e).await?;
-                }
-                if a.record.allow_internet_access != b.record.allow_internet_access {
-                    obj.allow_internet_access_changed(e).await?;
-                }
-                if a.record.allow_out != b.record.allow_out {
-                    obj.allow_out_changed(e).await?;
-                }
-                if a.record.deny_out != b.record.deny_out {
-                    obj.deny_out_changed(e).await?;
-                }
-                Ok(false)
+        let changed = changed_keys(&old, &view);
+        if changed.is_empty() {
+            return Ok(Some(changed));
+        }
+        let obj = iface.get().await;
+        let e = iface.signal_emitter();
+        for key in &changed {
+            match *key {
+                "tap_ifindex" => obj.tap_ifindex_changed(e).await?,
+                "tap_name" => obj.tap_name_changed(e).await?,
+                "network_handle" => obj.network_handle_changed(e).await?,
+                "sandbox_ip" => obj.sandbox_ip_changed(e).await?,
+                "mtu" => obj.mtu_changed(e).await?,
+                "port_mappings" => obj.port_mappings_changed(e).await?,
+                "allow_internet_access" => obj.allow_internet_access_changed(e).await?,
+                "allow_out" => obj.allow_out_changed(e).await?,
+                "deny_out" => obj.deny_out_changed(e).await?,
+                _ => {}
             }
         }
+        Ok(Some(changed))
     }
 
     async fn remove(&mut self, id: &str) -> zbus::Result<()> {
@@ -127,8 +114,8 @@ impl Mirror {
         let emitter = zbus::object_server::SignalEmitter::new(&self.conn, MANAGER_PATH)?;
         match &ev.change {
             Change::Ensured { view, .. } => {
-                self.put(view.clone()).await?;
-                let dict = network_dict(self.agent.describe(view.clone()));
+                let changed = self.put(view.clone()).await?;
+                let dict = ensured_dict(view, changed.as_deref());
                 Manager::network_ensured(&emitter, &view.record.sandbox_id, dict).await?;
             }
             Change::Repaired { view, .. } => {
@@ -285,6 +272,62 @@ async fn sleep_until(at: Option<Instant>) {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
     }
+}
+
+/// The keys of the network dictionary (see `network_dict`) whose values
+/// differ between two views of one network.
+fn changed_keys(a: &NetworkView, b: &NetworkView) -> Vec<&'static str> {
+    let (r, s) = (&a.record, &b.record);
+    [
+        ("tap_ifindex", a.tap_ifindex != b.tap_ifindex),
+        ("tap_name", r.tap_name != s.tap_name),
+        ("network_handle", r.network_handle != s.network_handle),
+        ("sandbox_ip", r.sandbox_ip != s.sandbox_ip),
+        ("mtu", r.mtu != s.mtu),
+        ("port_mappings", r.port_mappings != s.port_mappings),
+        (
+            "allow_internet_access",
+            r.allow_internet_access != s.allow_internet_access,
+        ),
+        ("allow_out", r.allow_out != s.allow_out),
+        ("deny_out", r.deny_out != s.deny_out),
+        ("metadata", r.metadata != s.metadata),
+        ("idempotency_key", r.idempotency_key != s.idempotency_key),
+    ]
+    .into_iter()
+    .filter_map(|(k, differs)| differs.then_some(k))
+    .collect()
+}
+
+/// NetworkEnsured's dictionary: what happened and who the network is, not
+/// the whole network (InterfacesAdded carries the new object's properties
+/// and PropertiesChanged the changed ones; GetNetwork has everything).
+/// `changed` is `None` for a new network.
+fn ensured_dict(view: &NetworkView, changed: Option<&[&str]>) -> super::Dict {
+    let r = &view.record;
+    let mut d = super::Dict::new();
+    let mut put = |k: &str, v: Value<'_>| {
+        d.insert(
+            k.to_owned(),
+            v.try_to_owned().expect("no fds in a NetworkEnsured dict"),
+        );
+    };
+    put(
+        "change",
+        Value::from(if changed.is_none() {
+            "created"
+        } else {
+            "updated"
+        }),
+    );
+    put("network_handle", Value::from(r.network_handle.as_str()));
+    put("tap_name", Value::from(r.tap_name.as_str()));
+    put("tap_ifindex", Value::from(view.tap_ifindex as i32));
+    put("sandbox_ip", Value::from(r.sandbox_ip.to_string()));
+    if let Some(keys) = changed {
+        put("changed", Value::from(keys.to_vec()));
+    }
+    d
 }
 
 fn counters(agent: &Agent) -> (u32, u32, u32) {
