@@ -86,13 +86,24 @@ fn main() -> ExitCode {
         ));
         return ExitCode::from(2);
     }
+    // glibc gives each thread that allocates an arena of its own (up to 8
+    // per core), each keeping what it freed; the agent's threads (tokio
+    // workers, blocking pool, netlink, store writer) share two.
+    // SAFETY: mallopt only changes allocator tunables; no thread exists yet.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
     // Before any thread exists: the fds systemd passed (activation socket,
     // fd store content) and the environment that describes them.
     // SAFETY: no other thread exists yet (the runtime starts below).
     let passed = unsafe { systemd::take_listen_fds() };
     init_logging(&cfg.log_level);
+    // Blocking kernel work (agent::off_worker) mostly waits for RTNL or the
+    // datapath's lock, which admit one at a time: a few threads suffice, and
+    // each extra one costs memory.
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        .max_blocking_threads(8)
         .build()
     {
         Ok(rt) => rt,

@@ -20,6 +20,21 @@ use crate::alloc::mapping::{Resolved, resolve_ports};
 use crate::netlink::LinkChange;
 use crate::tap::Tap;
 
+/// Which TAP a new network gets (see [`Agent::choose_tap`]).
+pub(super) enum TapChoice {
+    Warm(PoolTap),
+    Cold(String),
+}
+
+impl TapChoice {
+    fn name(&self) -> &str {
+        match self {
+            TapChoice::Warm(pt) => pt.tap.name(),
+            TapChoice::Cold(name) => name,
+        }
+    }
+}
+
 impl Agent {
     /// EnsureNetwork: creates the network, or converges an existing one to
     /// `spec` without changing its address or TAP. The read view and the
@@ -105,16 +120,21 @@ impl Agent {
                 }
             }
         };
+        // A TAP keeps its pool name (the warm one taken now, or the name a
+        // cold one will be created under); a veth's host end is created
+        // under the sandbox's name.
+        let tap = match spec.attach {
+            Attach::Tap => Some(self.choose_tap()),
+            Attach::Veth { .. } => None,
+        };
         let rec = NetworkRecord {
             version: RECORD_VERSION,
             sandbox_id: id.to_owned(),
             network_handle: new_handle(),
             sandbox_ip: IpAddr::V4(ip),
-            // A TAP keeps its pool name (set when one is taken, below); a
-            // veth's host end is created under the sandbox's name.
-            tap_name: match spec.attach {
-                Attach::Tap => String::new(),
-                Attach::Veth { .. } => spec::tap_name_for(&self.cfg.tap_prefix, IpAddr::V4(ip)),
+            tap_name: match &tap {
+                Some(choice) => choice.name().to_owned(),
+                None => spec::tap_name_for(&self.cfg.tap_prefix, IpAddr::V4(ip)),
             },
             mtu: spec.mtu.unwrap_or(self.cfg.mtu),
             port_mappings: mappings,
@@ -130,19 +150,46 @@ impl Agent {
             Attach::Veth { netns, .. } => Some(netns),
             Attach::Tap => None,
         };
-        let net = match self.bring_up(rec, netns).await {
-            Ok(net) => net,
-            Err((rec, e)) => {
-                self.release_allocs(&rec);
-                return Err(e);
+        // The record names everything the kernel work creates, so it is
+        // written while that work runs: a crash in between leaves a record
+        // whose TAP, neighbour or datapath entries are missing, which
+        // recovery's repair ladder completes (the caller had no reply yet
+        // and converges it again), or kernel state without a record, which
+        // recovery retires (docs/design.md, "Order of operations").
+        let bytes = rec.to_bytes();
+        let (built, stored) =
+            tokio::join!(self.bring_up(rec, netns, tap), self.store.put(id, bytes));
+        match (built, stored) {
+            (Ok(net), Ok(())) => Ok(net),
+            (Ok(net), Err(e)) => {
+                let err = failed("recording the network durably", &e);
+                self.tear_down(net).await;
+                Err(err)
             }
-        };
-        if let Err(e) = self.store.put(id, net.rec.to_bytes()).await {
-            let err = failed("recording the network durably", &e);
-            self.tear_down(net).await;
-            return Err(err);
+            (Err((rec, e)), stored) => {
+                if stored.is_ok()
+                    && let Err(de) = self.store.delete(id).await
+                {
+                    warn!(
+                        sandbox_id = id,
+                        error = crate::error_chain(&de),
+                        "removing the record of a network that failed to come up; \
+                         recovery will complete it at the next start"
+                    );
+                }
+                self.release_allocs(&rec);
+                Err(e)
+            }
         }
-        Ok(net)
+    }
+
+    /// The TAP a new network gets: a warm one from the pool, else the
+    /// fresh pool name a cold one will be created under.
+    fn choose_tap(&self) -> TapChoice {
+        match self.pool.take() {
+            Some(pt) => TapChoice::Warm(pt),
+            None => TapChoice::Cold(self.pool.next_pool_name()),
+        }
     }
 
     pub(super) fn release_allocs(&self, rec: &NetworkRecord) {
@@ -161,6 +208,7 @@ impl Agent {
         &self,
         rec: NetworkRecord,
         netns: Option<&NetnsFd>,
+        tap: Option<TapChoice>,
     ) -> Result<Network, (NetworkRecord, AgentError)> {
         let mut net = match (&rec.attach, netns) {
             (AttachRecord::Veth { ifname }, Some(netns)) => {
@@ -180,10 +228,9 @@ impl Agent {
                     AgentError::InvalidArgument("attach 'veth' needs netns_fd".into()),
                 ));
             }
-            (AttachRecord::Tap, _) => match self.tap_for(rec.mtu).await {
+            (AttachRecord::Tap, _) => match self.tap_for(tap, rec.mtu).await {
                 Ok(pt) => {
-                    let mut rec = rec;
-                    rec.tap_name = pt.tap.name().to_owned();
+                    debug_assert_eq!(rec.tap_name, pt.tap.name());
                     Network {
                         rec,
                         ifindex: pt.ifindex,
@@ -326,9 +373,9 @@ impl Agent {
     /// says whose it is): taking one is MTU + up in one RTM_NEWLINK, no
     /// rename (a rename re-registers the device's sysctls and waits for
     /// RCU under RTNL, ~250 µs measured, twice per ensure+release pair).
-    async fn tap_for(&self, mtu: u32) -> Result<PoolTap, AgentError> {
-        Ok(match self.pool.take() {
-            Some(pt) => {
+    async fn tap_for(&self, choice: Option<TapChoice>, mtu: u32) -> Result<PoolTap, AgentError> {
+        Ok(match choice.unwrap_or_else(|| self.choose_tap()) {
+            TapChoice::Warm(pt) => {
                 let change = LinkChange {
                     mtu: Some(mtu),
                     up: Some(true),
@@ -342,7 +389,7 @@ impl Agent {
                 debug!(tap = pt.tap.name(), "warm TAP taken from pool");
                 pt
             }
-            None => self.cold_tap(&self.pool.next_pool_name(), mtu).await?,
+            TapChoice::Cold(name) => self.cold_tap(&name, mtu).await?,
         })
     }
 
@@ -406,9 +453,26 @@ impl Agent {
         }
     }
 
+    /// Puts back what [`Self::unwire`] removed.
+    async fn rewire(&self, net: &Network) -> Result<(), AgentError> {
+        self.nl
+            .neigh_replace_permanent(self.gateway.ifindex, net.rec.sandbox_ip, self.d.guest_mac)
+            .await
+            .map_err(|e| failed("adding the neighbour entry", &e))?;
+        self.dp_attach(net)
+            .await
+            .map_err(|e| failed("programming the datapath", &e))
+    }
+
     /// Undoes a whole network: datapath, neighbour, TAP, address, ports.
-    pub(super) async fn tear_down(&self, mut net: Network) {
+    pub(super) async fn tear_down(&self, net: Network) {
         let errors = self.unwire(&net).await;
+        self.finish_tear_down(net, errors).await;
+    }
+
+    /// The rest of [`Self::tear_down`] once the network is unwired: TAP,
+    /// address, ports; reports the unwiring's errors.
+    async fn finish_tear_down(&self, mut net: Network, errors: Vec<String>) {
         self.recycle(&mut net).await;
         self.release_allocs(&net.rec);
         for error in errors {
@@ -532,18 +596,31 @@ impl Agent {
             let mut guard = slot.lock().await;
             match guard.take() {
                 None => Ok(None),
-                Some(net) => match self.store.delete(id).await {
-                    Err(e) => {
+                // The sandbox is cut off (datapath, neighbour) while its
+                // record's removal is made durable. A crash in between
+                // leaves the record, and recovery wires the network again
+                // (the caller had no reply); if the removal fails, the
+                // wiring is put back here and the network stays.
+                Some(net) => match tokio::join!(self.store.delete(id), self.unwire(&net)) {
+                    (Err(e), _) => {
+                        let err = failed("removing the record", &e);
+                        if let Err(e) = self.rewire(&net).await {
+                            warn!(
+                                sandbox_id = id,
+                                error = %e,
+                                "re-wiring a network whose release failed; Reconcile repairs it"
+                            );
+                        }
                         *guard = Some(net);
-                        Err(failed("removing the record", &e))
+                        Err(err)
                     }
-                    Ok(()) => {
+                    (Ok(()), errors) => {
                         self.remove_view(id);
                         let seq = self.events.publish(Change::Released {
                             sandbox_id: id.to_owned(),
                         });
                         let (tap, ip) = (net.rec.tap_name.clone(), net.rec.sandbox_ip);
-                        self.tear_down(net).await;
+                        self.finish_tear_down(net, errors).await;
                         self.events.publish(Change::Node);
                         info!(
                             sandbox_id = id,

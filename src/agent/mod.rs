@@ -238,6 +238,10 @@ pub struct Agent {
     /// Devices on which the kernel announced a qdisc or filter removal
     /// (ifindex -> what), until a kernel check finds our filter there again.
     drift: Mutex<BTreeMap<u32, String>>,
+    /// Set once start-up is done. Before that nothing is served, so
+    /// recovery runs datapath calls inline instead of paying a hop to the
+    /// blocking pool per network (~25 µs each, 10,000 at a restart).
+    serving: std::sync::atomic::AtomicBool,
 }
 
 fn now_unix() -> u64 {
@@ -301,6 +305,9 @@ impl Agent {
 
     /// Programs the network into the datapath, off the async workers.
     async fn dp_attach(&self, net: &Network) -> Result<(), crate::datapath::DatapathError> {
+        if !self.serving.load(std::sync::atomic::Ordering::Acquire) {
+            return self.datapath.attach(&sandbox_path(&net.rec, net.ifindex));
+        }
         let (dp, rec, ifindex) = (self.datapath.clone(), net.rec.clone(), net.ifindex);
         off_worker(move || dp.attach(&sandbox_path(&rec, ifindex))).await
     }

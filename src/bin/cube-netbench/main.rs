@@ -3,7 +3,7 @@
 //! and prints one table with the raw floors measured in the same run.
 //!
 //! Usage: `cube-netbench [--agent PATH] [--networks N] [--samples S]
-//! [--bus-config PATH] [--quick]`. Needs root (network namespaces, TAPs).
+//! [--bus-config PATH] [--quick] [--keep]`. Needs root (network namespaces, TAPs).
 //! Timing never fails a run: a missed SPEC §10 target is marked "(MISSED)"
 //! in the table and reported with its own exit code.
 //!
@@ -72,15 +72,18 @@ struct Args {
     samples: usize,
     bus_config: PathBuf,
     throughput_secs: f64,
+    /// Keep the temp dir (agent logs) also after a successful run.
+    keep: bool,
 }
 
 const USAGE: &str = "\
-Usage: cube-netbench [--agent PATH] [--networks N] [--samples S] [--bus-config PATH] [--quick]
+Usage: cube-netbench [--agent PATH] [--networks N] [--samples S] [--bus-config PATH] [--quick] [--keep]
   --agent PATH       agent binary [default: cube-network-agent next to this binary]
   --networks N       networks for the fill / restart phase [default: 10000]
   --samples S        latency samples per metric [default: 2000]
   --bus-config PATH  dbus-daemon config [default: tests/data/bus.conf]
   --quick            CI smoke run: N=300, S=200, 1 s throughput windows
+  --keep             keep the temp dir (agent logs, state) and print its path
 Must run as root.";
 
 fn default_agent() -> PathBuf {
@@ -107,6 +110,7 @@ fn parse_args() -> Result<Args> {
         samples: 2_000,
         bus_config: default_bus_config(),
         throughput_secs: 3.0,
+        keep: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -128,6 +132,7 @@ fn parse_args() -> Result<Args> {
                 args.samples = 200;
                 args.throughput_secs = 1.0;
             }
+            "--keep" => args.keep = true,
             "-h" | "--help" => return Err(USAGE.into()),
             _ => return Err(format!("unknown argument '{flag}'\n{USAGE}")),
         }
@@ -1061,8 +1066,9 @@ fn machine_facts() {
 async fn run(args: Args, rows: &mut Vec<Row>) -> std::result::Result<(), Failure> {
     let mut env = Env::new(&args).await.map_err(Failure::Setup)?;
     let result = phases(&mut env, &args, rows).await;
-    if result.is_err() {
+    if result.is_err() || args.keep {
         env.keep_tmp = true;
+        eprintln!("temp dir kept: {}", env.tmp.display());
     }
     result.map_err(|e| {
         Failure::Broken(format!(
