@@ -54,8 +54,23 @@ fn send_once(addr: &UnixAddr, state: &str, fds: &[RawFd]) -> nix::Result<()> {
 
 /// Notifications waiting for room in systemd's queue, in order.
 struct Backlog {
-    queue: Mutex<VecDeque<(String, Vec<OwnedFd>)>>,
+    queue: Mutex<Waiting>,
     wake: Condvar,
+}
+
+impl Waiting {
+    /// Nothing waiting and nothing being sent.
+    fn is_done(&self) -> bool {
+        self.entries.is_empty() && !self.in_flight
+    }
+}
+
+#[derive(Default)]
+struct Waiting {
+    entries: VecDeque<(String, Vec<OwnedFd>)>,
+    /// The background sender owns one entry it took off the queue (its fds
+    /// stay open until sent); a new notification must not overtake it.
+    in_flight: bool,
 }
 
 /// How many notifications may wait; beyond that the oldest are dropped.
@@ -65,7 +80,7 @@ const RETRY_FOR: Duration = Duration::from_secs(5);
 
 static BACKLOG: std::sync::LazyLock<&'static Backlog> = std::sync::LazyLock::new(|| {
     let b: &'static Backlog = Box::leak(Box::new(Backlog {
-        queue: Mutex::new(VecDeque::new()),
+        queue: Mutex::new(Waiting::default()),
         wake: Condvar::new(),
     }));
     std::thread::Builder::new()
@@ -77,37 +92,46 @@ static BACKLOG: std::sync::LazyLock<&'static Backlog> = std::sync::LazyLock::new
 
 /// The background sender: retries the oldest waiting notification until
 /// systemd takes it (or RETRY_FOR passes), then the next.
+/// It takes the entry off the queue and owns it (and its fds) while it
+/// sends, so nothing else can close those fds under it.
 fn drain(b: &'static Backlog) {
     loop {
         let (state, fds) = {
             let mut q = b.queue.lock().unwrap_or_else(|p| p.into_inner());
-            while q.is_empty() {
+            while q.entries.is_empty() {
                 q = b.wake.wait(q).unwrap_or_else(|p| p.into_inner());
             }
-            q.front()
-                .map(|(s, f)| {
-                    (
-                        s.clone(),
-                        f.iter().map(|f| f.as_raw_fd()).collect::<Vec<_>>(),
-                    )
-                })
-                .expect("not empty")
+            q.in_flight = true;
+            q.entries.pop_front().expect("not empty")
         };
+        let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
         let deadline = Instant::now() + RETRY_FOR;
         if let Some(addr) = notify_addr() {
-            while let Err(nix::errno::Errno::EAGAIN) = send_once(&addr, &state, &fds) {
-                if Instant::now() >= deadline {
-                    break;
+            loop {
+                match send_once(&addr, &state, &raw) {
+                    Err(nix::errno::Errno::EAGAIN) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Ok(()) => break,
+                    Err(e) => {
+                        tracing::warn!(
+                            notification = first_line(&state),
+                            error = %e,
+                            "the service manager did not take a notification; dropped"
+                        );
+                        break;
+                    }
                 }
-                std::thread::sleep(Duration::from_millis(1));
             }
         }
-        // The fds are closed with the entry, after the send.
-        b.queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop_front();
+        // The fds are closed here, after the send.
+        drop(fds);
+        b.queue.lock().unwrap_or_else(|p| p.into_inner()).in_flight = false;
     }
+}
+
+fn first_line(state: &str) -> &str {
+    state.lines().next().unwrap_or("")
 }
 
 /// Sends one notification with `fds` attached; `Ok(false)` when there is
@@ -118,7 +142,7 @@ pub fn notify_with_fds(state: &str, fds: &[BorrowedFd<'_>]) -> io::Result<bool> 
         return Ok(false);
     };
     let mut q = BACKLOG.queue.lock().unwrap_or_else(|p| p.into_inner());
-    if q.is_empty() {
+    if q.is_done() {
         let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
         match send_once(&addr, state, &raw) {
             Ok(()) => return Ok(true),
@@ -130,10 +154,16 @@ pub fn notify_with_fds(state: &str, fds: &[BorrowedFd<'_>]) -> io::Result<bool> 
         .iter()
         .map(|f| f.try_clone_to_owned())
         .collect::<io::Result<Vec<_>>>()?;
-    if q.len() >= BACKLOG_MAX {
-        q.pop_front();
+    if q.entries.len() >= BACKLOG_MAX
+        && let Some((dropped, _fds)) = q.entries.pop_front()
+    {
+        tracing::warn!(
+            notification = first_line(&dropped),
+            waiting = BACKLOG_MAX,
+            "the service manager is not reading notifications; dropped the oldest waiting one"
+        );
     }
-    q.push_back((state.to_owned(), owned));
+    q.entries.push_back((state.to_owned(), owned));
     BACKLOG.wake.notify_one();
     Ok(true)
 }
@@ -146,7 +176,7 @@ pub fn flush(timeout: Duration) {
         .queue
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .is_empty()
+        .is_done()
         && Instant::now() < deadline
     {
         std::thread::sleep(Duration::from_millis(5));
