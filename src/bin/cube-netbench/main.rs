@@ -491,11 +491,34 @@ async fn ping(conn: &Connection) -> Result<()> {
     .map_err(|e| format!("Ping: {e}"))
 }
 
+/// Who answers EnsureNetwork/ReleaseNetwork: the agent, or the bus floor
+/// server (see [`floor`]).
+#[derive(Clone, Copy)]
+struct Target<'a> {
+    dest: &'a str,
+    path: &'a str,
+    iface: &'a str,
+}
+
+const AGENT: Target<'static> = Target {
+    dest: BUS_NAME,
+    path: MANAGER_PATH,
+    iface: IFACE,
+};
+
 async fn ensure(conn: &Connection, id: &str) -> Result<()> {
+    ensure_at(conn, AGENT, id).await
+}
+
+async fn release(conn: &Connection, id: &str) -> Result<()> {
+    release_at(conn, AGENT, id).await
+}
+
+async fn ensure_at(conn: &Connection, t: Target<'_>, id: &str) -> Result<()> {
     conn.call_method(
-        Some(BUS_NAME),
-        MANAGER_PATH,
-        Some(IFACE),
+        Some(t.dest),
+        t.path,
+        Some(t.iface),
         "EnsureNetwork",
         &(id, empty_options()),
     )
@@ -507,12 +530,12 @@ async fn ensure(conn: &Connection, id: &str) -> Result<()> {
     .map_err(|e| format!("EnsureNetwork({id}) reply: {e}"))
 }
 
-async fn release(conn: &Connection, id: &str) -> Result<()> {
+async fn release_at(conn: &Connection, t: Target<'_>, id: &str) -> Result<()> {
     let released: bool = conn
         .call_method(
-            Some(BUS_NAME),
-            MANAGER_PATH,
-            Some(IFACE),
+            Some(t.dest),
+            t.path,
+            Some(t.iface),
             "ReleaseNetwork",
             &(id,),
         )
@@ -762,39 +785,15 @@ impl FloorProc {
 
     /// Ensure+release pairs/s against the floor server.
     async fn pair_rate(&self, conn: &Connection, callers: usize, secs: f64) -> Result<f64> {
-        let name = self.name.as_str();
+        let target = Target {
+            dest: self.name.as_str(),
+            path: floor::PATH,
+            iface: floor::IFACE,
+        };
         rate(conn, callers, secs, |conn, c, n| async move {
             let id = format!("bench-floor{callers}-{c}-{n}");
-            conn.call_method(
-                Some(name),
-                floor::PATH,
-                Some(floor::IFACE),
-                "EnsureNetwork",
-                &(id.as_str(), empty_options()),
-            )
-            .await
-            .map_err(|e| format!("floor EnsureNetwork: {e}"))?
-            .body()
-            .deserialize::<HashMap<String, OwnedValue>>()
-            .map_err(|e| format!("floor EnsureNetwork reply: {e}"))?;
-            let released: bool = conn
-                .call_method(
-                    Some(name),
-                    floor::PATH,
-                    Some(floor::IFACE),
-                    "ReleaseNetwork",
-                    &(id.as_str(),),
-                )
-                .await
-                .map_err(|e| format!("floor ReleaseNetwork: {e}"))?
-                .body()
-                .deserialize()
-                .map_err(|e| format!("floor ReleaseNetwork reply: {e}"))?;
-            if released {
-                Ok(())
-            } else {
-                Err("floor ReleaseNetwork returned false".into())
-            }
+            ensure_at(&conn, target, &id).await?;
+            release_at(&conn, target, &id).await
         })
         .await
     }
