@@ -29,6 +29,12 @@ const HEALTH_EVERY: Duration = Duration::from_millis(500);
 /// signalled at most this often.
 const NODE_EVERY: Duration = Duration::from_millis(100);
 
+/// A manager signal an event calls for.
+enum Signal {
+    Ensured(String, super::Dict),
+    Released(String),
+}
+
 pub struct Mirror {
     conn: Connection,
     agent: Arc<Agent>,
@@ -110,24 +116,35 @@ impl Mirror {
         Ok(())
     }
 
-    async fn apply(&mut self, ev: &Event) -> zbus::Result<()> {
-        let emitter = zbus::object_server::SignalEmitter::new(&self.conn, MANAGER_PATH)?;
-        match &ev.change {
+    /// Applies an event to the objects (the object exists, has its new
+    /// properties, or is gone: what a method reply waits for) and returns
+    /// the manager signal it calls for, to be sent after `done` moved on,
+    /// so the caller's reply does not wait for it.
+    async fn apply(&mut self, ev: &Event) -> zbus::Result<Option<Signal>> {
+        Ok(match &ev.change {
             Change::Ensured { view, .. } => {
                 let changed = self.put(view.clone()).await?;
                 let dict = ensured_dict(view, changed.as_deref());
-                Manager::network_ensured(&emitter, &view.record.sandbox_id, dict).await?;
+                Some(Signal::Ensured(view.record.sandbox_id.clone(), dict))
             }
             Change::Repaired { view, .. } => {
                 self.put(view.clone()).await?;
+                None
             }
             Change::Released { sandbox_id } => {
                 self.remove(sandbox_id).await?;
-                Manager::network_released(&emitter, sandbox_id).await?;
+                Some(Signal::Released(sandbox_id.clone()))
             }
-            Change::Node => {}
+            Change::Node => None,
+        })
+    }
+
+    async fn emit(&self, signal: Signal) -> zbus::Result<()> {
+        let emitter = zbus::object_server::SignalEmitter::new(&self.conn, MANAGER_PATH)?;
+        match signal {
+            Signal::Ensured(id, dict) => Manager::network_ensured(&emitter, &id, dict).await,
+            Signal::Released(id) => Manager::network_released(&emitter, &id).await,
         }
-        Ok(())
     }
 
     /// After falling behind the stream: make the objects equal the core's
@@ -244,10 +261,20 @@ impl Mirror {
             let mut node = false;
             for ev in &batch {
                 node |= !matches!(ev.change, Change::Repaired { .. });
-                if let Err(e) = self.apply(ev).await {
-                    warn!(seq = ev.seq, kind = ev.change.kind(), error = %e, "mirroring an event on the bus failed");
-                }
+                let signal = match self.apply(ev).await {
+                    Ok(signal) => signal,
+                    Err(e) => {
+                        warn!(seq = ev.seq, kind = ev.change.kind(), error = %e, "mirroring an event on the bus failed");
+                        None
+                    }
+                };
+                // The reply may go now; NetworkEnsured/Released follow it.
                 self.done.send_replace(ev.seq);
+                if let Some(signal) = signal
+                    && let Err(e) = self.emit(signal).await
+                {
+                    warn!(seq = ev.seq, error = %e, "emitting a signal failed");
+                }
             }
             debug!(events = batch.len(), "events mirrored on the bus");
             if lagged {

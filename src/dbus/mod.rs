@@ -392,9 +392,10 @@ impl Manager {
         network_dict(self.agent.describe(view))
     }
 
-    /// Waits until the bus mirror has applied event `seq` (the network's
-    /// object exists, or is gone, and its signals are out) before a method
-    /// replies.
+    /// Waits until the bus mirror has applied event `seq` to the objects
+    /// (the network's object exists with its properties, or is gone;
+    /// InterfacesAdded/Removed and PropertiesChanged are out) before a
+    /// method replies. NetworkEnsured/NetworkReleased follow the reply.
     async fn mirrored(&self, seq: u64) {
         let mut done = self.mirrored.clone();
         // Bounded: a stuck mirror must not hold every caller (the change
@@ -413,7 +414,8 @@ impl Manager {
 impl Manager {
     /// Creates the sandbox's network, or converges it to `options`. Its
     /// object, PropertiesChanged and NetworkEnsured come from the core's
-    /// event (whichever edge made the change); the reply waits for them.
+    /// event (whichever edge made the change); the reply waits for the
+    /// object, NetworkEnsured follows it.
     #[zbus(out_args("network"))]
     async fn ensure_network(
         &self,
