@@ -604,6 +604,33 @@ async fn port_mapping_and_traffic_across_kill_9() {
     let e = c.open_tap("cni-pm-eth0").await.unwrap_err();
     assert!(e.message.contains("veth"), "{e:?}");
 
+    // The veth's filter removed while the agent is down: recovery finds it
+    // missing in the kernel (not in its pinned record) and attaches it
+    // again, so the container's replies are translated once more.
+    let host_end = s(&c.get("cni-pm-eth0").await.unwrap(), "tap_name");
+    drop(c);
+    env.kill_agent();
+    env.ns_cmd(&["tc", "qdisc", "del", "dev", &host_end, "clsact"]);
+    env.start_agent();
+    let c = env.client().await;
+    assert!(
+        env.log()
+            .contains("was missing (clsact qdisc or filter removed), re-attached"),
+        "recovery did not report the veth's missing filter"
+    );
+    assert!(
+        env.ns_cmd(&["tc", "filter", "show", "dev", &host_end, "ingress"])
+            .contains("bpf")
+    );
+    let got = world
+        .tcp_connect(
+            World::node_addr(20080),
+            b"refiltered",
+            Duration::from_secs(3),
+        )
+        .unwrap();
+    assert_eq!(got, b"ctr:refiltered");
+
     // The container's namespace vanishes without a DEL: Health stays true
     // and names the network; Reconcile reports it; DEL then frees it.
     // (A socket keeps its namespace alive: the listener goes first.)

@@ -299,14 +299,15 @@ impl Agent {
         // each TAP still carries its filter: all TAPs at once, 8 dumps in
         // flight (one by one cost ~0.8 s at 10,000 networks), on a task of
         // its own while the networks are adopted below (~150 ms at 10,000
-        // that no longer add to the start). The TAPs are the ones the plan
-        // found; a TAP the ladder has to recreate gets its filter from the
-        // datapath attach there.
+        // that no longer add to the start). The devices are the ones the
+        // plan found; a TAP the ladder has to recreate gets its filter from
+        // the datapath attach there.
         let hooks: Vec<(String, Hook)> = plan
             .networks
             .iter()
             .filter_map(|(rec, link)| {
-                let link = link.as_ref().filter(|_| rec.attach.is_tap())?;
+                // TAPs and veth host ends alike carry the guest filter.
+                let link = link.as_ref()?;
                 let hook = self.datapath.tap_hook(&rec.tap_name, link.index)?;
                 Some((rec.sandbox_id.clone(), hook))
             })
