@@ -337,9 +337,12 @@ impl Netlink {
                 };
                 rt.block_on(async move {
                     match rtnetlink::new_connection() {
-                        Ok((conn, handle, _messages)) => {
+                        Ok((conn, handle, messages)) => {
                             let _ = tx.send(Ok(handle));
-                            // Ends once every handle is gone.
+                            // The connection ends once every handle is gone
+                            // *and* nobody takes unsolicited messages: kept,
+                            // this receiver would keep the thread forever.
+                            drop(messages);
                             conn.await;
                         }
                         Err(e) => {
@@ -1001,6 +1004,44 @@ fn route_dst(r: &RouteMessage) -> Ipv4Addr {
 
 #[cfg(test)]
 mod tests {
+    /// Thread ids of this process named `name`.
+    fn threads_named(name: &str) -> std::collections::BTreeSet<String> {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| {
+                let t = t.ok()?;
+                let comm = std::fs::read_to_string(t.path().join("comm")).ok()?;
+                (comm.trim() == name).then(|| t.file_name().to_string_lossy().into_owned())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_connection_thread_ends_with_its_last_handle() {
+        // Other tests of this binary may hold connections: follow ours.
+        let before = threads_named("netlink");
+        let nl = super::Netlink::new().unwrap();
+        let second = nl.clone();
+        let ours: Vec<String> = threads_named("netlink")
+            .difference(&before)
+            .cloned()
+            .collect();
+        assert!(!ours.is_empty(), "no netlink thread was started");
+        drop(nl);
+        drop(second);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while ours
+            .iter()
+            .any(|tid| std::path::Path::new("/proc/self/task").join(tid).exists())
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the netlink thread outlived its handles"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
     use super::*;
     use rtnetlink::LinkVeth;
     use std::future::Future;
