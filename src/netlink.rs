@@ -154,6 +154,8 @@ pub struct LinkInfo {
     pub mtu: u32,
     /// `IFLA_ADDRESS`, for Ethernet-like links.
     pub mac: Option<[u8; 6]>,
+    /// `IFLA_IFALIAS` (what `ip link` shows as "alias").
+    pub alias: Option<String>,
 }
 
 impl LinkInfo {
@@ -166,12 +168,14 @@ impl LinkInfo {
             up: msg.header.flags.contains(LinkFlags::Up),
             mtu: 0,
             mac: None,
+            alias: None,
         };
         for attr in &msg.attributes {
             match attr {
                 LinkAttribute::IfName(n) => info.name.clone_from(n),
                 LinkAttribute::Mtu(m) => info.mtu = *m,
                 LinkAttribute::Group(g) => info.group = *g,
+                LinkAttribute::IfAlias(a) => info.alias = Some(a.clone()),
                 LinkAttribute::Address(a) => info.mac = <[u8; 6]>::try_from(a.as_slice()).ok(),
                 LinkAttribute::LinkInfo(infos) => {
                     for i in infos {
@@ -194,11 +198,17 @@ pub struct LinkChange {
     pub mtu: Option<u32>,
     pub up: Option<bool>,
     pub group: Option<u32>,
+    /// `IFLA_IFALIAS`: the pool marks its TAPs with it (see `agent::pool`).
+    pub alias: Option<&'static str>,
 }
 
 impl LinkChange {
     fn is_empty(&self) -> bool {
-        self.name.is_none() && self.mtu.is_none() && self.up.is_none() && self.group.is_none()
+        self.name.is_none()
+            && self.mtu.is_none()
+            && self.up.is_none()
+            && self.group.is_none()
+            && self.alias.is_none()
     }
 }
 
@@ -472,6 +482,9 @@ impl Netlink {
         }
         if let Some(group) = change.group {
             b = b.link_group(group);
+        }
+        if let Some(alias) = change.alias {
+            b = b.alias(alias);
         }
         b = match change.up {
             Some(true) => b.up(),
@@ -1242,10 +1255,11 @@ mod tests {
                     mtu: Some(1400),
                     up: Some(true),
                     group: Some(42),
+                    alias: Some("cube test"),
                 },
             )
             .await
-            .expect("rename+mtu+up+group");
+            .expect("rename+mtu+up+group+alias");
             assert_eq!(nl.link_by_name("tb0").await.expect("get"), None);
             let after = nl
                 .link_by_name("tb-renamed")
@@ -1256,6 +1270,7 @@ mod tests {
                 (after.index, after.mtu, after.up, after.group),
                 (idx, 1400, true, 42)
             );
+            assert_eq!(after.alias.as_deref(), Some("cube test"));
             assert_eq!(after.kind.as_deref(), Some("bridge"));
             nl.set_link(idx, up(false)).await.expect("down");
             let down = nl.link_by_index(idx).await.expect("get").expect("exists");

@@ -6,6 +6,18 @@ mod common;
 use std::collections::{BTreeSet, HashMap};
 
 use common::{Env, mappings, opts, ports, s, tap_info, u};
+
+/// Polls until link `name` is gone (true) or 5 s passed (false).
+fn wait_gone(env: &Env, name: &str) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while std::time::Instant::now() < deadline {
+        if !env.links().contains_key(name) {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    false
+}
 use zbus::zvariant::Value;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -61,9 +73,34 @@ async fn lifecycle_ensure_open_tap_release() {
     assert_ne!(fd1.as_raw_fd(), fd2.as_raw_fd());
 
     assert!(c.release("sbx-1").await.unwrap());
+    // The TAP was handed out (OpenTap; fd1 and fd2 still refer to it): it
+    // never goes back to the pool, it is deleted off the reply path (down
+    // at once, gone with the next deletion batch, within ~1 s).
     assert!(
-        !env.sandbox_taps().contains(&tap) && env.links().get(&tap).is_none_or(|l| !l.up),
-        "the TAP went back to the pool (down, keeping its pool name {tap})"
+        env.links().get(&tap).is_none_or(|l| !l.up),
+        "released TAP {tap} is down at once"
+    );
+    assert!(
+        wait_gone(&env, &tap),
+        "a handed-out TAP ({tap}) is deleted, not pooled"
+    );
+    // The holder's fds are detached from any device: nothing to read, and
+    // a write goes nowhere (the kernel says the fd has no device).
+    let mut buf = [0u8; 2048];
+    // SAFETY: read(2) into a live buffer of the size passed.
+    let n = unsafe { libc::read(fd1.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+    assert_eq!(
+        (n, std::io::Error::last_os_error().raw_os_error()),
+        (-1, Some(libc::EBADFD)),
+        "read on a deleted TAP's fd"
+    );
+    // A TAP nobody but the agent held goes back to the pool as it is.
+    c.ensure("sbx-2", opts(vec![])).await.unwrap();
+    let tap2 = s(&c.get("sbx-2").await.unwrap(), "tap_name");
+    assert!(c.release("sbx-2").await.unwrap());
+    assert!(
+        env.pool_taps().contains(&tap2),
+        "{tap2} (never opened) is idle in the pool again"
     );
     assert!(env.neighbours().is_empty());
     let e = c.get("sbx-1").await.unwrap_err();

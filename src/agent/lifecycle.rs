@@ -218,6 +218,7 @@ impl Agent {
                         rec,
                         ifindex,
                         tap: None,
+                        handed_out: false,
                     },
                     Err(e) => return Err((rec, e)),
                 }
@@ -235,6 +236,7 @@ impl Agent {
                         rec,
                         ifindex: pt.ifindex,
                         tap: Some(pt.tap),
+                        handed_out: false,
                     }
                 }
                 Err(e) => return Err((rec, e)),
@@ -379,6 +381,7 @@ impl Agent {
                 let change = LinkChange {
                     mtu: Some(mtu),
                     up: Some(true),
+                    alias: Some(pool::IN_USE_ALIAS),
                     ..Default::default()
                 };
                 if let Err(e) = self.nl.set_link(pt.ifindex, change).await {
@@ -402,6 +405,7 @@ impl Agent {
         let change = LinkChange {
             mtu: Some(mtu),
             up: Some(true),
+            alias: Some(pool::IN_USE_ALIAS),
             ..Default::default()
         };
         if let Err(e) = self.nl.set_link(pt.ifindex, change).await {
@@ -430,7 +434,8 @@ impl Agent {
         errors
     }
 
-    /// Returns the TAP to the pool (or deletes it if we hold no fd); retires
+    /// Returns the TAP to the pool if nobody but the agent ever held it;
+    /// deletes it if it was handed out (OpenTap) or we hold no fd; retires
     /// a veth.
     pub(super) async fn recycle(&self, net: &mut Network) {
         if !net.rec.attach.is_tap() {
@@ -441,12 +446,15 @@ impl Agent {
         }
         match net.tap.take() {
             Some(tap) => {
-                self.pool
-                    .give_back(PoolTap {
-                        tap,
-                        ifindex: net.ifindex,
-                    })
-                    .await
+                let pt = PoolTap {
+                    tap,
+                    ifindex: net.ifindex,
+                };
+                if net.handed_out {
+                    self.pool.discard(pt).await
+                } else {
+                    self.pool.give_back(pt).await
+                }
             }
             None if net.ifindex != 0 => self.pool.retire_link(net.ifindex),
             None => {}
@@ -641,6 +649,9 @@ impl Agent {
     /// OpenTap: a fresh duplicate of the agent's TAP fd. A network adopted
     /// without an fd (the agent restarted without its fd store while a VMM
     /// held the TAP) gets its TAP re-attached here once the holder let go.
+    /// From the first duplicate on, the TAP counts as handed out: another
+    /// process may hold it until it exits, so release deletes it instead
+    /// of pooling it (docs/security.md).
     pub async fn open_tap(&self, id: &str) -> Result<OwnedFd, AgentError> {
         validate_sandbox_id(id)?;
         let slot = self.slot(id);
@@ -651,27 +662,33 @@ impl Agent {
                 Some(net) if !net.rec.attach.is_tap() => Err(AgentError::InvalidArgument(format!(
                     "sandbox '{id}' is attached with a veth (CNI); it has no TAP to open"
                 ))),
-                Some(net) => match self.reattach_fd(net).await {
-                    Err(e) => Err(e),
-                    Ok(reattached) => match &net.tap {
-                        Some(tap) if reattached => {
-                            self.events.publish(Change::Repaired {
-                                view: net.view(),
-                                repairs: vec![format!(
-                                    "{id}: TAP {} re-attached (adopted without an fd, its holder let go)",
-                                    net.rec.tap_name
-                                )],
-                            });
-                            tap.dup().map_err(|e| failed("duplicating the TAP fd", &e))
-                        }
-                        Some(tap) => tap.dup().map_err(|e| failed("duplicating the TAP fd", &e)),
-                        None => unreachable!("reattach_fd leaves an fd or fails"),
-                    },
-                },
+                Some(net) => self.hand_out(net).await,
             }
         };
         self.forget_slot(id, slot);
         result
+    }
+
+    /// A duplicate of the network's TAP fd (re-attaching the TAP first if
+    /// the network was adopted without one); marks the TAP handed out.
+    /// Called with the network's slot held.
+    async fn hand_out(&self, net: &mut Network) -> Result<OwnedFd, AgentError> {
+        let reattached = self.reattach_fd(net).await?;
+        let tap = net.tap.as_ref().expect("reattach_fd leaves an fd or fails");
+        if reattached {
+            self.events.publish(Change::Repaired {
+                view: net.view(),
+                repairs: vec![format!(
+                    "{}: TAP {} re-attached (adopted without an fd, its holder let go)",
+                    net.rec.sandbox_id, net.rec.tap_name
+                )],
+            });
+        }
+        let fd = tap
+            .dup()
+            .map_err(|e| failed("duplicating the TAP fd", &e))?;
+        net.handed_out = true;
+        Ok(fd)
     }
 
     /// Gives a network adopted without an fd its TAP back: TUNSETIFF on the

@@ -89,6 +89,9 @@ struct Network {
     /// a restart (another process holds its only queue).
     tap: Option<Tap>,
     ifindex: u32,
+    /// The TAP was handed to another process (OpenTap), or may have been
+    /// (adopted at start-up): release deletes it instead of pooling it.
+    handed_out: bool,
 }
 
 /// What the datapath needs of a network.

@@ -23,6 +23,13 @@ use crate::netlink::{LinkChange, Netlink};
 use crate::tap::Tap;
 
 pub const MAX_RESET_ATTEMPTS: u32 = 3;
+/// The `ip link` alias of an idle pool TAP, written by the same
+/// RTM_NEWLINK that creates or resets it for the pool. Recovery adopts
+/// only TAPs that carry it: a TAP that was in use when the agent died, or
+/// that an older version pooled after handing it out, is retired instead.
+pub const IDLE_ALIAS: &str = "cube-network-agent: idle";
+/// The alias of a TAP taken for a sandbox (set with its MTU and up).
+pub const IN_USE_ALIAS: &str = "cube-network-agent: in use";
 const RESET_BACKOFF: Duration = Duration::from_millis(200);
 const IDLE_TICK: Duration = Duration::from_millis(500);
 /// A deletion holds RTNL for an RCU grace period (~20 ms) whatever the batch
@@ -208,6 +215,23 @@ impl TapPool {
         self.wake.notify_one();
     }
 
+    /// Takes a TAP that was handed to another process (OpenTap: a VMM's fd
+    /// refers to the agent's own open file, which nothing can revoke) out
+    /// of service for good: down and into the retire group in one
+    /// RTM_NEWLINK, deleted with the next batch, off the caller's path.
+    /// Only deleting the device detaches every holder, so such a TAP never
+    /// goes back to the pool: a slow, hung or hostile VMM that kept its fd
+    /// would otherwise read the next sandbox's traffic and send as it.
+    /// The pool refills with fresh TAPs in the background.
+    pub async fn discard(&self, pt: PoolTap) {
+        if let Err(error) = self.reset(&pt, None, true).await {
+            // The batch deletion sets the group again, then deletes.
+            debug!(tap = pt.tap.name(), %error, "taking a handed-out TAP down");
+        }
+        debug!(tap = pt.tap.name(), "handed-out TAP retired");
+        self.retire(pt);
+    }
+
     /// Resets a released TAP (pool name, down, default MTU) and returns it
     /// to the pool. When the pool is already full the same netlink message
     /// also moves it into the retire group for batched deletion, so a TAP
@@ -259,7 +283,7 @@ impl TapPool {
     }
 
     /// Down, pool MTU, the new name if any, and the retire group if
-    /// `retire`: one RTM_NEWLINK. Without a rename it does not re-register
+    /// `retire` (else the idle mark): one RTM_NEWLINK. Without a rename it does not re-register
     /// the device's sysctls or wait for RCU under RTNL (~250 µs saved).
     async fn reset(&self, pt: &PoolTap, name: Option<&str>, retire: bool) -> Result<(), String> {
         self.nl
@@ -270,6 +294,7 @@ impl TapPool {
                     mtu: Some(self.mtu),
                     up: Some(false),
                     group: retire.then_some(self.retire_group),
+                    alias: (!retire).then_some(IDLE_ALIAS),
                 },
             )
             .await
@@ -370,6 +395,7 @@ impl TapPool {
                 pt.ifindex,
                 LinkChange {
                     mtu: Some(self.mtu),
+                    alias: Some(IDLE_ALIAS),
                     ..Default::default()
                 },
             )

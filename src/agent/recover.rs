@@ -89,7 +89,15 @@ pub fn classify(
             TapNameKind::Pool(_) if link.kind.as_deref() == Some("veth") => {
                 plan.retire.push(link.clone())
             }
-            TapNameKind::Pool(_) => plan.pool.push(link.clone()),
+            // Only a TAP the pool marked idle when it last reset it is
+            // clean: never handed to a VMM (handed-out TAPs are deleted at
+            // release, never pooled). Anything else — in use by a network
+            // whose record is gone, or pooled by a version before that
+            // rule — is retired.
+            TapNameKind::Pool(_) if link.alias.as_deref() == Some(super::pool::IDLE_ALIAS) => {
+                plan.pool.push(link.clone())
+            }
+            TapNameKind::Pool(_) => plan.retire.push(link.clone()),
             TapNameKind::Sandbox(_) => plan.retire.push(link.clone()),
             TapNameKind::Foreign => {}
         }
@@ -183,7 +191,14 @@ mod tests {
             up: true,
             mtu: 1300,
             mac: None,
+            alias: None,
         }
+    }
+
+    fn idle(mut l: LinkInfo) -> LinkInfo {
+        l.alias = Some(crate::agent::pool::IDLE_ALIAS.into());
+        l.up = false;
+        l
     }
 
     fn allocs() -> (IpAllocator, PortAllocator) {
@@ -207,8 +222,12 @@ mod tests {
             link(10, &a.tap_name, "tun", 0),
             // b's TAP is gone: repairable.
             link(11, "ctapc0a80009", "tun", 0), // orphan sandbox TAP
-            link(12, &pool_tap_name("ctap", 7), "tun", 0),
-            link(13, &pool_tap_name("ctap", 3), "tun", 0xc0be), // being retired
+            idle(link(12, &pool_tap_name("ctap", 7), "tun", 0)),
+            idle(link(13, &pool_tap_name("ctap", 3), "tun", 0xc0be)), // being retired
+            // A pool TAP without the pool's idle mark: in use when the
+            // agent died (its record gone), or pooled by an older version
+            // that pooled TAPs a VMM may still hold.
+            link(17, &pool_tap_name("ctap", 4), "tun", 0),
             link(14, "eth0", "veth", 0),
             link(15, "ctapc0a8000a", "bridge", 0), // not a TAP: not ours
             link(16, "othertap", "tun", 0),        // foreign TAP
@@ -238,7 +257,7 @@ mod tests {
         );
         let mut retired: Vec<u32> = plan.retire.iter().map(|l| l.index).collect();
         retired.sort();
-        assert_eq!(retired, vec![11, 13]);
+        assert_eq!(retired, vec![11, 13, 17]);
         assert_eq!(
             plan.stale_neighbours,
             vec!["192.168.0.9".parse::<IpAddr>().unwrap()]

@@ -195,6 +195,8 @@ impl Agent {
                     Ok(pt) => {
                         net.ifindex = pt.ifindex;
                         net.tap = Some(pt.tap);
+                        // A new device: only the agent has it.
+                        net.handed_out = false;
                         out.repairs.push(format!(
                             "{id}: TAP {} was missing, recreated",
                             net.rec.tap_name

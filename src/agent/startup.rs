@@ -454,6 +454,9 @@ impl Agent {
             rec,
             tap,
             ifindex: link.as_ref().map_or(0, |l| l.index),
+            // What an earlier run handed out is not known: a VMM may hold
+            // the TAP, so its release deletes it.
+            handed_out: is_tap,
         };
         let done = self
             .repair_ladder(&mut net, link, neighbour_ok, false)
