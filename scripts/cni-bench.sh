@@ -391,7 +391,7 @@ done
 # log lines), to split cube-cni's rows into agent and the rest
 for s in "${scen[@]}"; do
     for v in ensured released; do
-        samples[agent.$s.$v]=$(awk -v v="$v" -v id="sandbox_id=\"cni-bench-cube-$s-" '
+        samples[agent.$s.$v]=$(awk -v v="$v" -v id="sandbox_id=\"cni:bench-cube-$s-" '
             index($0, "network " v " ") && index($0, id) {
                 for (i = 1; i <= NF; i++) if ($i ~ /^elapsed_us=[0-9]+$/) { sub(/^elapsed_us=/, "", $i); printf "%s ", $i } }' "$D/agent.log")
     done

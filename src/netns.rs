@@ -2,8 +2,21 @@
 //! be a network namespace, and not the agent's own, before the kernel is
 //! asked to create anything in them. The agent never enters one.
 
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
+
+use crate::agent::spec::{NetnsFd, NetnsId};
+
+/// A caller's namespace fd with the namespace it names (what records and
+/// ownership checks compare). Whether it is a network namespace, and not
+/// the node's, is [`check_foreign_netns`]'s question.
+pub fn netns_fd(fd: OwnedFd) -> Result<NetnsFd, String> {
+    let (dev, ino) = stat_fd(fd.as_fd())?;
+    Ok(NetnsFd {
+        fd: std::sync::Arc::new(fd),
+        id: NetnsId { dev, ino },
+    })
+}
 
 /// `NS_GET_NSTYPE` from linux/nsfs.h: `_IO(0xb7, 0x3)`.
 const NS_GET_NSTYPE: libc::c_ulong = 0xb703;

@@ -253,7 +253,7 @@ async fn raw_protocol_every_verb_and_error() {
         assert_eq!(ifs[1]["sandbox"], ctr.path());
         assert_eq!(ifs[1]["mac"], "20:90:6f:fc:fc:fc");
         assert_eq!(ifs[1].get("mtu").is_some(), *version == "1.1.0", "{r}");
-        let net = c.get(&format!("cni-{cid}-eth0")).await.unwrap();
+        let net = c.get(&format!("cni:{cid}:eth0")).await.unwrap();
         let pod_ip = format!("{}/32", s(&net, "sandbox_ip"));
         assert_eq!(r["ips"][0]["address"], pod_ip.as_str(), "pod IP first: {r}");
         assert!(r["ips"][0].get("interface").is_none());
@@ -347,7 +347,7 @@ async fn raw_protocol_every_verb_and_error() {
     assert!(chk.ok, "{chk:?}");
     // The datapath's filter is a dependency CHECK verifies (and the agent
     // repairs): removed by hand, CHECK still passes after the repair.
-    let host_end = s(&c.get("cni-a-eth0").await.unwrap(), "tap_name");
+    let host_end = s(&c.get("cni:a:eth0").await.unwrap(), "tap_name");
     env.ns_cmd(&["tc", "qdisc", "del", "dev", &host_end, "clsact"]);
     let chk = verb(&env, "CHECK", "a", Some(&a), &cf);
     assert!(chk.ok, "{chk:?}");
@@ -442,7 +442,7 @@ async fn raw_protocol_every_verb_and_error() {
     assert!(gc.ok, "{gc:?}");
     let mut ids: Vec<String> = c.list().await.iter().map(|d| s(d, "sandbox_id")).collect();
     ids.sort();
-    assert_eq!(ids, vec!["cni-a-eth0", "cni-o-eth0", "vm-1"]);
+    assert_eq!(ids, vec!["cni:a:eth0", "cni:o:eth0", "vm-1"]);
     // GC has no namespace to work in: B's pair goes with the batched
     // deletion of retired veths.
     wait_retired_gone(&env);
@@ -463,7 +463,7 @@ async fn raw_protocol_every_verb_and_error() {
         let del = verb(&env, "DEL", "a", Some(&a), &cf);
         assert!(del.ok, "{del:?}");
     }
-    assert!(c.get("cni-a-eth0").await.is_err());
+    assert!(c.get("cni:a:eth0").await.is_err());
     assert!(a.ip_json(&["link", "show", "eth0"]).is_null());
     // A runtime retrying ADD right after a DEL finds CNI_IFNAME free
     // (the old peer stepped aside; the pair is deleted in the background).
@@ -529,7 +529,7 @@ async fn port_mapping_and_traffic_across_kill_9() {
             {"HostPort": 20080, "ContainerPort": 80, "Protocol": "tcp", "HostIP": ""}]}}),
     );
     add_ok(&env, "pm", &ctr, &cf);
-    let net = c.get("cni-pm-eth0").await.unwrap();
+    let net = c.get("cni:pm:eth0").await.unwrap();
     assert_eq!(
         common::mappings(&net),
         vec![("tcp".to_string(), 80, 20080, "0.0.0.0".to_string())]
@@ -601,13 +601,13 @@ async fn port_mapping_and_traffic_across_kill_9() {
         .unwrap();
     assert_eq!(got, b"ctr:again");
     // OpenTap on a veth network is refused, naming why.
-    let e = c.open_tap("cni-pm-eth0").await.unwrap_err();
+    let e = c.open_tap("cni:pm:eth0").await.unwrap_err();
     assert!(e.message.contains("veth"), "{e:?}");
 
     // The veth's filter removed while the agent is down: recovery finds it
     // missing in the kernel (not in its pinned record) and attaches it
     // again, so the container's replies are translated once more.
-    let host_end = s(&c.get("cni-pm-eth0").await.unwrap(), "tap_name");
+    let host_end = s(&c.get("cni:pm:eth0").await.unwrap(), "tap_name");
     drop(c);
     env.kill_agent();
     env.ns_cmd(&["tc", "qdisc", "del", "dev", &host_end, "clsact"]);
@@ -647,13 +647,13 @@ async fn port_mapping_and_traffic_across_kill_9() {
         healthy,
         "a container gone without DEL is not a node fault: {checks:?}"
     );
-    let r = c.reconcile("cni-pm-eth0").await.unwrap();
+    let r = c.reconcile("cni:pm:eth0").await.unwrap();
     let errors: Vec<String> = r["errors"].try_clone().unwrap().try_into().unwrap();
     assert!(errors.iter().any(|e| e.contains("is gone")), "{errors:?}");
     let (healthy, checks) = c.health().await;
     assert!(healthy, "{checks:?}");
     let veths = checks.iter().find(|c| c.0 == "veths").unwrap();
-    assert!(veths.2.contains("cni-pm-eth0"), "{veths:?}");
+    assert!(veths.2.contains("cni:pm:eth0"), "{veths:?}");
     let del = verb(&env, "DEL", "pm", None, &cf);
     assert!(del.ok, "{del:?}");
     assert!(c.list().await.is_empty());
@@ -754,7 +754,7 @@ async fn libcni_client_with_a_chained_stock_plugin() {
         ]
     });
     std::fs::write(confdir.join("10-cube.conflist"), list.to_string()).unwrap();
-    let run = |verb: &str, cid: &str, ctr: &Ctr, cap: &str| {
+    let run_if = |verb: &str, cid: &str, ctr: &Ctr, cap: &str, ifname: &str| {
         let out = Command::new("ip")
             .args(["netns", "exec", &env.ns])
             .arg(&cnirun)
@@ -763,6 +763,7 @@ async fn libcni_client_with_a_chained_stock_plugin() {
             .env("CNI_PATH", &bin)
             .env("CNI_CACHE_DIR", env.dir.join("cnicache"))
             .env("CNI_CONTAINERID", cid)
+            .env("CNI_IFNAME", ifname)
             .env("CAP_ARGS", cap)
             .output()
             .unwrap();
@@ -772,6 +773,7 @@ async fn libcni_client_with_a_chained_stock_plugin() {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
+    let run = |verb: &str, cid: &str, ctr: &Ctr, cap: &str| run_if(verb, cid, ctr, cap, "eth0");
     let ctr = Ctr::new("lib");
     a_sysctl_default(&ctr);
     let cap = r#"{"portMappings":[{"hostPort":20081,"containerPort":80,"protocol":"tcp"}]}"#;
@@ -785,13 +787,22 @@ async fn libcni_client_with_a_chained_stock_plugin() {
         "0",
         "tuning ran after cube-cni on its prevResult"
     );
-    let net = c.get("cni-lib1-eth0").await.unwrap();
+    let net = c.get("cni:lib1:eth0").await.unwrap();
     assert_eq!(common::mappings(&net)[0].2, 20081);
     let (ok, out, err) = run("check", "lib1", &ctr, cap);
     assert!(
         ok,
         "libcni CHECK (cached result as prevResult): {out} {err}"
     );
+    // A second attachment in the same namespace, and an ifname the kernel
+    // would expand, are refused with their codes; lib1 keeps working.
+    let (ok, _, err) = run_if("add", "lib1", &ctr, "{}", "eth1");
+    assert!(!ok && err.contains("code=108"), "second attachment: {err}");
+    let (ok, _, err) = run_if("add", "lib1", &ctr, "{}", "eth%d");
+    assert!(!ok && err.contains("code=4"), "eth%d: {err}");
+    assert_eq!(c.list().await.len(), 1);
+    let (ok, out, err) = run("check", "lib1", &ctr, cap);
+    assert!(ok, "lib1 after the refused ADDs: {out} {err}");
     for _ in 0..2 {
         let (ok, out, err) = run("del", "lib1", &ctr, cap);
         assert!(ok, "libcni DEL: {out} {err}");
@@ -803,7 +814,7 @@ async fn libcni_client_with_a_chained_stock_plugin() {
     let ctr2 = Ctr::new("lib2");
     let (ok, out, err) = run("podip", "lib2", &ctr2, cap);
     assert!(ok, "go-cni Setup: {out} {err}");
-    let net = c.get("cni-lib2-eth0").await.unwrap();
+    let net = c.get("cni:lib2:eth0").await.unwrap();
     assert_eq!(
         out.lines().next().unwrap_or(""),
         s(&net, "sandbox_ip"),
@@ -901,4 +912,145 @@ async fn containerd_ctr_run_with_cube_cni() {
     );
     assert!(c.list().await.is_empty(), "the task's end ran DEL");
     assert!(sandbox_links(&env).is_empty());
+}
+
+/// One verb with an explicit interface name and namespace path.
+fn verb_at(env: &Env, command: &str, cid: &str, netns: &str, ifname: &str, conf: &Value) -> Out {
+    cni(
+        env,
+        &[
+            ("CNI_COMMAND", command),
+            ("CNI_CONTAINERID", cid),
+            ("CNI_NETNS", netns),
+            ("CNI_IFNAME", ifname),
+            ("CNI_PATH", "/opt/cni/bin"),
+        ],
+        conf.to_string().as_bytes(),
+    )
+}
+
+/// Attachments are identified injectively and every verb acts only on the
+/// attachment whose recorded container id, ifname and namespace match
+/// (issue 16): ids that collided before, a VMM network under a CNI-looking
+/// id, DEL and CHECK pointed at another container's namespace, a second
+/// attachment in one namespace, and an ifname the kernel would expand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attachments_are_injective_and_verbs_act_only_on_their_own() {
+    require_root!();
+    let (env, world) = world::node(&[]);
+    let c = env.client().await;
+    let cf = conf(&env, "1.0.0", json!({}));
+    let ids = |c: &common::Client| {
+        let c = c.clone();
+        async move {
+            let mut v: Vec<String> = c.list().await.iter().map(|d| s(d, "sandbox_id")).collect();
+            v.sort();
+            v
+        }
+    };
+
+    // (my-app, eth0) and (my, app-eth0) were both "cni-my-app-eth0".
+    let x = Ctr::new("x");
+    let y = Ctr::new("y");
+    let out = verb_at(&env, "ADD", "my-app", &x.path(), "eth0", &cf);
+    assert!(out.ok, "{out:?}");
+    let out = verb_at(&env, "ADD", "my", &y.path(), "app-eth0", &cf);
+    assert!(out.ok, "two distinct attachments: {out:?}");
+    assert_eq!(ids(&c).await, vec!["cni:my-app:eth0", "cni:my:app-eth0"]);
+    let out = verb_at(&env, "DEL", "my", &y.path(), "app-eth0", &cf);
+    assert!(out.ok, "{out:?}");
+    assert_eq!(ids(&c).await, vec!["cni:my-app:eth0"]);
+    let chk = verb_at(&env, "CHECK", "my-app", &x.path(), "eth0", &cf);
+    assert!(chk.ok, "the other attachment is untouched: {chk:?}");
+
+    // A VMM's TAP network under the old scheme's id of (vmm, 1): DEL of
+    // that attachment leaves it alone; a TAP network cannot take a cni: id.
+    c.ensure("cni-vmm-1", opts(vec![])).await.unwrap();
+    let out = verb_at(&env, "DEL", "vmm", &y.path(), "1", &cf);
+    assert!(out.ok, "nothing of (vmm, 1) exists: {out:?}");
+    assert!(c.get("cni-vmm-1").await.is_ok(), "the TAP network survives");
+    let e = c.ensure("cni:vmm:1", opts(vec![])).await.unwrap_err();
+    assert_eq!(e.name, "org.cube.NetworkAgent.Error.InvalidArgument");
+    assert!(e.message.contains("cni:"), "{}", e.message);
+
+    // Containers a and b, both eth0. DEL and CHECK of a pointed at b's
+    // namespace change nothing and leave b's interface up.
+    let a = Ctr::new("a");
+    let b = Ctr::new("b");
+    add_ok(&env, "a", &a, &cf);
+    add_ok(&env, "b", &b, &cf);
+    let before = ids(&c).await;
+    let del = verb_at(&env, "DEL", "a", &b.path(), "eth0", &cf);
+    assert_eq!(del.code(), 108, "DEL into another namespace: {del:?}");
+    assert!(
+        del.json["msg"].as_str().unwrap().contains("netns_fd"),
+        "{del:?}"
+    );
+    assert_eq!(ids(&c).await, before, "nothing released");
+    let (addrs, gw, up) = inside(&b);
+    assert!(up && gw.as_deref() == Some(GATEWAY), "b untouched");
+    assert_eq!(addrs, vec![GUEST.to_string()]);
+    let chk = verb_at(&env, "CHECK", "a", &b.path(), "eth0", &cf);
+    assert_eq!(chk.code(), 105, "{chk:?}");
+    assert!(
+        chk.json["msg"].as_str().unwrap().contains("namespace"),
+        "{chk:?}"
+    );
+    // ADD of a's id into b's namespace (another eth1) is refused too.
+    let add = verb_at(&env, "ADD", "a", &b.path(), "eth1", &cf);
+    assert!(!add.ok, "{add:?}");
+
+    // A second attachment in a's namespace would take a's address and
+    // default route: refused, and a keeps working.
+    let second = verb_at(&env, "ADD", "a", &a.path(), "eth1", &cf);
+    assert_eq!(second.code(), 108, "{second:?}");
+    assert!(
+        second.json["msg"]
+            .as_str()
+            .unwrap()
+            .contains("already has an attachment"),
+        "{second:?}"
+    );
+    let second = verb_at(&env, "ADD", "other", &a.path(), "eth1", &cf);
+    assert_eq!(
+        second.code(),
+        108,
+        "another container id, same namespace: {second:?}"
+    );
+    assert!(
+        a.ip_json(&["link", "show", "eth1"]).is_null(),
+        "no eth1 left"
+    );
+    assert_eq!(ids(&c).await, before);
+    let chk = verb(&env, "CHECK", "a", Some(&a), &cf);
+    assert!(chk.ok, "{chk:?}");
+    let echo = world.udp_echo(0);
+    assert_eq!(
+        world::udp_exchange_in(&a.name, echo, b"a", Duration::from_secs(3)).unwrap(),
+        b"world:a"
+    );
+
+    // The kernel would expand "%d": refused before anything is made.
+    let pct = verb_at(&env, "ADD", "p", &y.path(), "eth%d", &cf);
+    assert_eq!(pct.code(), 4, "{pct:?}");
+    assert!(pct.json["msg"].as_str().unwrap().contains('%'), "{pct:?}");
+    assert_eq!(ids(&c).await, before);
+    let bad = verb_at(&env, "ADD", "a:b", &y.path(), "eth0", &cf);
+    assert_eq!(bad.code(), 4, "container ids have no ':': {bad:?}");
+
+    // The namespace of a released attachment is free again.
+    let del = verb(&env, "DEL", "a", Some(&a), &cf);
+    assert!(del.ok, "{del:?}");
+    let again = verb_at(&env, "ADD", "a2", &a.path(), "eth1", &cf);
+    assert!(again.ok, "{again:?}");
+    for (cid, ctr, ifname) in [
+        ("a2", &a, "eth1"),
+        ("b", &b, "eth0"),
+        ("my-app", &x, "eth0"),
+    ] {
+        let del = verb_at(&env, "DEL", cid, &ctr.path(), ifname, &cf);
+        assert!(del.ok, "{del:?}");
+    }
+    assert_eq!(ids(&c).await, vec!["cni-vmm-1"]);
+    drop(world);
 }

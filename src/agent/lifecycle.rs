@@ -12,7 +12,7 @@ use tracing::{debug, info, warn};
 use super::events::Change;
 use super::pool::{self, PoolTap, create_tap};
 use super::spec::{
-    self, Attach, AttachRecord, NetnsFd, NetworkRecord, NetworkSpec, RECORD_VERSION,
+    self, Attach, AttachRecord, Expect, NetnsFd, NetworkRecord, NetworkSpec, RECORD_VERSION,
     validate_sandbox_id,
 };
 use super::{Agent, AgentError, Ensured, Network, Outcome, failed, new_handle, now_unix};
@@ -44,6 +44,7 @@ impl Agent {
         let started = Instant::now();
         validate_sandbox_id(id)?;
         let spec = self.normalise(spec.validated()?);
+        spec.check_id(id)?;
         let slot = self.slot(id);
         let result = {
             let mut guard = slot.lock().await;
@@ -93,10 +94,67 @@ impl Agent {
     }
 
     pub(super) async fn create(&self, id: &str, spec: NetworkSpec) -> Result<Network, AgentError> {
-        if let Attach::Veth { netns, .. } = &spec.attach {
-            crate::netns::check_foreign_netns(std::os::fd::AsFd::as_fd(&*netns.0))
-                .map_err(|why| AgentError::InvalidArgument(format!("netns_fd: {why}")))?;
+        let claim = match &spec.attach {
+            Attach::Veth { netns, .. } => {
+                crate::netns::check_foreign_netns(std::os::fd::AsFd::as_fd(&*netns.fd))
+                    .map_err(|why| AgentError::InvalidArgument(format!("netns_fd: {why}")))?;
+                Some(self.claim_netns(id, netns.id).await?)
+            }
+            Attach::Tap => None,
+        };
+        let net = self.create_claimed(id, spec).await?;
+        if let Some(claim) = claim {
+            claim.keep();
         }
+        Ok(net)
+    }
+
+    /// Takes network namespace `ns` for the CNI attachment `id`: one
+    /// attachment per namespace, since each would put the same guest
+    /// address and default route in it (the second took the first's
+    /// route away). A namespace owned by a network whose veth is gone
+    /// (the namespace died without a DEL, and the kernel reused its inode)
+    /// is taken over. The claim is dropped unless kept.
+    async fn claim_netns(&self, id: &str, ns: spec::NetnsId) -> Result<NetnsClaim<'_>, AgentError> {
+        let owners = || self.netns_owners.lock().unwrap_or_else(|p| p.into_inner());
+        let holder = {
+            let mut o = owners();
+            match o.get(&ns) {
+                None => {
+                    o.insert(ns, id.to_owned());
+                    return Ok(NetnsClaim::new(self, ns, id));
+                }
+                Some(h) => h.clone(),
+            }
+        };
+        // The holder's interface, if it has a view (none yet: it is being
+        // created right now).
+        let iface = self
+            .views
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&holder)
+            .map(|v| (v.record.tap_name.clone(), v.tap_ifindex));
+        let alive = match iface {
+            None => true,
+            Some((_, 0)) => false,
+            Some((name, ifindex)) => self.still_named(&name, ifindex).await,
+        };
+        if !alive {
+            let mut o = owners();
+            if o.get(&ns) == Some(&holder) {
+                o.insert(ns, id.to_owned());
+                return Ok(NetnsClaim::new(self, ns, id));
+            }
+        }
+        Err(AgentError::Conflict(format!(
+            "netns_fd: network namespace {ns} already has an attachment ('{holder}'); one per \
+             namespace: a second would put the same address ({}) and default route in it",
+            self.d.guest_ip
+        )))
+    }
+
+    async fn create_claimed(&self, id: &str, spec: NetworkSpec) -> Result<Network, AgentError> {
         let sockets = self.host_sockets(&spec, &[]).await?;
         let (ip, mappings) = {
             let mut a = self.allocs();
@@ -211,7 +269,7 @@ impl Agent {
         tap: Option<TapChoice>,
     ) -> Result<Network, (NetworkRecord, AgentError)> {
         let mut net = match (&rec.attach, netns) {
-            (AttachRecord::Veth { ifname }, Some(netns)) => {
+            (AttachRecord::Veth { ifname, .. }, Some(netns)) => {
                 let ifname = ifname.clone();
                 match self.create_veth(&rec, &ifname, netns).await {
                     Ok(ifindex) => Network {
@@ -275,7 +333,7 @@ impl Agent {
         let host = rec.tap_name.as_str();
         let ifindex = match self
             .nl
-            .create_veth(host, rec.mtu, ifname, self.d.guest_mac, netns.0.as_fd())
+            .create_veth(host, rec.mtu, ifname, self.d.guest_mac, netns.fd.as_fd())
             .await
         {
             Ok(i) => i,
@@ -498,18 +556,35 @@ impl Agent {
         net: &mut Network,
         spec: NetworkSpec,
     ) -> Result<Ensured, AgentError> {
-        let attach = spec.attach.record();
-        if attach != net.rec.attach {
-            return Err(AgentError::InvalidArgument(format!(
-                "attach: sandbox '{}' is attached with a {}{}; the attachment cannot change \
+        if !same_attachment(&net.rec.attach, &spec.attach.record()) {
+            let (key, what, conflict) = match (&net.rec.attach, &spec.attach) {
+                (AttachRecord::Veth { ifname, netns }, Attach::Veth { ifname: want, .. })
+                    if ifname == want =>
+                {
+                    (
+                        "netns_fd",
+                        format!(
+                            "a veth in network namespace {}, not in the one passed",
+                            netns.map_or("(unknown)".into(), |n| n.to_string())
+                        ),
+                        true,
+                    )
+                }
+                (AttachRecord::Veth { ifname, .. }, _) => {
+                    ("attach", format!("a veth (ifname '{ifname}')"), false)
+                }
+                (AttachRecord::Tap, _) => ("attach", "a tap".to_owned(), false),
+            };
+            let msg = format!(
+                "{key}: sandbox '{}' is attached with {what}; the attachment cannot change \
                  (release the network first)",
                 net.rec.sandbox_id,
-                net.rec.attach.name(),
-                match &net.rec.attach {
-                    AttachRecord::Veth { ifname } => format!(" (ifname '{ifname}')"),
-                    AttachRecord::Tap => String::new(),
-                }
-            )));
+            );
+            return Err(if conflict {
+                AgentError::Conflict(msg)
+            } else {
+                AgentError::InvalidArgument(msg)
+            });
         }
         if spec.idempotency_key.is_some() && spec.idempotency_key == net.rec.idempotency_key {
             return Ok(Ensured::Unchanged);
@@ -593,15 +668,29 @@ impl Agent {
             .map_err(|e| failed("programming the datapath", &e))
     }
 
-    /// ReleaseNetwork: `Ok(false)` if there was no such network.
-    /// The `Released` event's sequence number, `None` if there was no such
-    /// network.
+    /// ReleaseNetwork: the `Released` event's sequence number, `None` if
+    /// there was no such network.
     pub async fn release(&self, id: &str) -> Result<Option<u64>, AgentError> {
+        self.release_if(id, &Expect::default()).await
+    }
+
+    /// ReleaseNetworkIf: releases the network only if it is what the
+    /// caller expects (its handle, attachment, interface, namespace,
+    /// metadata): checked and released in the network's slot, so nothing
+    /// can change the network between the check and the release.
+    pub async fn release_if(&self, id: &str, expect: &Expect) -> Result<Option<u64>, AgentError> {
         let started = Instant::now();
         validate_sandbox_id(id)?;
         let slot = self.slot(id);
         let result = {
             let mut guard = slot.lock().await;
+            if let Some(net) = guard.as_ref()
+                && let Err(e) = expect.check(&net.rec)
+            {
+                drop(guard);
+                self.forget_slot(id, slot);
+                return Err(e);
+            }
             match guard.take() {
                 None => Ok(None),
                 // The sandbox is cut off (datapath, neighbour) while its
@@ -628,6 +717,12 @@ impl Agent {
                             sandbox_id: id.to_owned(),
                         });
                         let (tap, ip) = (net.rec.tap_name.clone(), net.rec.sandbox_ip);
+                        if let AttachRecord::Veth {
+                            netns: Some(ns), ..
+                        } = &net.rec.attach
+                        {
+                            self.let_go_netns(*ns, id);
+                        }
                         self.finish_tear_down(net, errors).await;
                         self.events.publish(Change::Node);
                         info!(
@@ -720,6 +815,63 @@ impl Agent {
                 tap: net.rec.tap_name.clone(),
             }),
             Err(e) => Err(failed(&format!("re-opening TAP {}", net.rec.tap_name), &e)),
+        }
+    }
+}
+
+/// Whether a converge asks for the attachment the network has. A record
+/// from before namespaces were kept matches any namespace.
+fn same_attachment(have: &AttachRecord, want: &AttachRecord) -> bool {
+    match (have, want) {
+        (
+            AttachRecord::Veth { ifname, netns },
+            AttachRecord::Veth {
+                ifname: want_ifname,
+                netns: want_netns,
+            },
+        ) => ifname == want_ifname && (netns.is_none() || netns == want_netns),
+        _ => have == want,
+    }
+}
+
+/// A network namespace taken for a CNI attachment being created; given
+/// back on drop unless [`NetnsClaim::keep`] was called.
+struct NetnsClaim<'a> {
+    agent: &'a Agent,
+    ns: spec::NetnsId,
+    id: String,
+    kept: bool,
+}
+
+impl<'a> NetnsClaim<'a> {
+    fn new(agent: &'a Agent, ns: spec::NetnsId, id: &str) -> Self {
+        NetnsClaim {
+            agent,
+            ns,
+            id: id.to_owned(),
+            kept: false,
+        }
+    }
+
+    fn keep(mut self) {
+        self.kept = true;
+    }
+}
+
+impl Drop for NetnsClaim<'_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.agent.let_go_netns(self.ns, &self.id);
+        }
+    }
+}
+
+impl Agent {
+    /// Gives namespace `ns` up if `id` still owns it.
+    fn let_go_netns(&self, ns: spec::NetnsId, id: &str) {
+        let mut o = self.netns_owners.lock().unwrap_or_else(|p| p.into_inner());
+        if o.get(&ns).is_some_and(|h| h == id) {
+            o.remove(&ns);
         }
     }
 }

@@ -58,6 +58,11 @@ pub enum AgentError {
          restarted without its fd store; OpenTap re-attaches it once that process closes it"
     )]
     TapBusy { tap: String },
+    /// The request conflicts with the network (or namespace) it is about:
+    /// ReleaseNetworkIf found the network is not what the caller expected,
+    /// or a CNI attachment's namespace is someone else's. Nothing changed.
+    #[error("{0}")]
+    Conflict(String),
     #[error("{0}")]
     Failed(String),
 }
@@ -241,6 +246,10 @@ pub struct Agent {
     /// Devices on which the kernel announced a qdisc or filter removal
     /// (ifindex -> what), until a kernel check finds our filter there again.
     drift: Mutex<BTreeMap<u32, String>>,
+    /// Which CNI attachment owns each network namespace: one per
+    /// namespace (every attachment's interface has the same address and
+    /// default route inside it). See [`Agent::claim_netns`].
+    netns_owners: Mutex<HashMap<spec::NetnsId, String>>,
     /// Set once start-up is done. Before that nothing is served, so
     /// recovery runs datapath calls inline instead of paying a hop to the
     /// blocking pool per network (~25 µs each, 10,000 at a restart).

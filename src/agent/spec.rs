@@ -82,14 +82,35 @@ pub enum Attach {
     Veth { ifname: String, netns: NetnsFd },
 }
 
-/// A network namespace fd passed by the caller. Two requests are equal
-/// whatever fd they carry: the namespace is only used at creation.
+/// Which network namespace: the (device, inode) of its nsfs file, what
+/// `ip netns identify` and `readlink /proc/PID/ns/net` compare. Unique
+/// among live namespaces; an inode can be reused once its namespace is
+/// gone (the agent then also finds the attachment's veth gone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct NetnsId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+impl std::fmt::Display for NetnsId {
+    /// As the kernel names it (`readlink /proc/PID/ns/net`).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "net:[{}]", self.ino)
+    }
+}
+
+/// A network namespace fd passed by the caller, with the namespace it
+/// refers to. Two requests are equal when they name the same namespace,
+/// whatever fd they carry.
 #[derive(Debug, Clone)]
-pub struct NetnsFd(pub std::sync::Arc<std::os::fd::OwnedFd>);
+pub struct NetnsFd {
+    pub fd: std::sync::Arc<std::os::fd::OwnedFd>,
+    pub id: NetnsId,
+}
 
 impl PartialEq for NetnsFd {
-    fn eq(&self, _: &Self) -> bool {
-        true
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
     }
 }
 impl Eq for NetnsFd {}
@@ -103,8 +124,16 @@ pub enum AttachRecord {
     Veth {
         /// The peer's name inside the container's namespace.
         ifname: String,
+        /// The container's namespace (records from before it was kept
+        /// have none).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        netns: Option<NetnsId>,
     },
 }
+
+/// Ids starting with this name CNI attachments (`cni:<container id>:<ifname>`,
+/// see `cni::sandbox_id`); only veth networks may use them.
+pub const CNI_ID_PREFIX: &str = "cni:";
 
 impl AttachRecord {
     pub fn is_tap(&self) -> bool {
@@ -131,10 +160,101 @@ impl Attach {
     pub fn record(&self) -> AttachRecord {
         match self {
             Attach::Tap => AttachRecord::Tap,
-            Attach::Veth { ifname, .. } => AttachRecord::Veth {
+            Attach::Veth { ifname, netns } => AttachRecord::Veth {
                 ifname: ifname.clone(),
+                netns: Some(netns.id),
             },
         }
+    }
+}
+
+/// What ReleaseNetworkIf requires of the network before it releases it:
+/// every field given must match the record, so a caller acting on an id
+/// derived from its own view (a CNI DEL, GC, the cleanup of a failed ADD)
+/// never releases something else that happens to carry the id.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Expect {
+    pub network_handle: Option<String>,
+    /// "tap" or "veth".
+    pub attach: Option<String>,
+    pub ifname: Option<String>,
+    pub netns: Option<NetnsId>,
+    /// Each key must be present in the record's metadata with this value.
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl Expect {
+    /// Ok if `rec` is what the caller expects; else why not, naming the
+    /// first field that differs.
+    pub fn check(&self, rec: &NetworkRecord) -> Result<(), AgentError> {
+        let id = &rec.sandbox_id;
+        let differs = |key: &str, have: &dyn std::fmt::Display, want: &dyn std::fmt::Display| {
+            Err(AgentError::Conflict(format!(
+                "{key}: network '{id}' has {have}, not {want}; nothing was released"
+            )))
+        };
+        if let Some(h) = &self.network_handle
+            && *h != rec.network_handle
+        {
+            return differs(
+                "network_handle",
+                &format_args!("handle {}", rec.network_handle),
+                &format_args!("{h} (it was released and created again)"),
+            );
+        }
+        if let Some(a) = &self.attach
+            && a != rec.attach.name()
+        {
+            return differs(
+                "attach",
+                &format_args!("a {} attachment", rec.attach.name()),
+                &format_args!("'{a}'"),
+            );
+        }
+        let (have_ifname, have_netns) = match &rec.attach {
+            AttachRecord::Veth { ifname, netns } => (Some(ifname.as_str()), *netns),
+            AttachRecord::Tap => (None, None),
+        };
+        if let Some(want) = &self.ifname
+            && have_ifname != Some(want.as_str())
+        {
+            return differs(
+                "ifname",
+                &format_args!("interface '{}'", have_ifname.unwrap_or("(none: a TAP)")),
+                &format_args!("'{want}'"),
+            );
+        }
+        if let Some(want) = &self.netns {
+            match have_netns {
+                Some(have) if have == *want => {}
+                Some(have) => {
+                    return differs(
+                        "netns_fd",
+                        &format_args!("its interface in namespace {have}"),
+                        &format_args!("in {want}, the namespace passed"),
+                    );
+                }
+                // A record from before namespaces were kept: the other
+                // fields decide.
+                None if have_ifname.is_some() => {}
+                None => {
+                    return differs("netns_fd", &"no namespace (a TAP)", &want);
+                }
+            }
+        }
+        for (k, want) in &self.metadata {
+            match rec.metadata.get(k) {
+                Some(have) if have == want => {}
+                have => {
+                    return differs(
+                        &format!("metadata[{k}]"),
+                        &format_args!("{have:?}"),
+                        &format_args!("'{want}'"),
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -153,6 +273,12 @@ pub fn validate_ifname(key: &str, name: &str) -> Result<(), AgentError> {
         .find(|c| *c == '/' || *c == ':' || c.is_whitespace() || c.is_control())
     {
         return bad(format!("contains {c:?}, which interface names cannot"));
+    }
+    // The kernel expands "%d" in a new link's name to the first free
+    // number: the interface would get another name than the one asked for
+    // (and recorded).
+    if name.contains('%') {
+        return bad("contains '%', which the kernel would expand (eth%d)".into());
     }
     Ok(())
 }
@@ -269,6 +395,19 @@ impl NetworkSpec {
             validate_ifname("ifname", ifname)?;
         }
         Ok(self)
+    }
+
+    /// The id rule that ties ids to attachments: `cni:` ids name CNI
+    /// (veth) attachments and nothing else, so a CNI verb can never reach
+    /// a VMM's TAP network by its id.
+    pub fn check_id(&self, id: &str) -> Result<(), AgentError> {
+        if id.starts_with(CNI_ID_PREFIX) && matches!(self.attach, Attach::Tap) {
+            return Err(invalid(format!(
+                "sandbox_id: ids starting with '{CNI_ID_PREFIX}' name CNI attachments \
+                 (attach 'veth'); a TAP network needs another id"
+            )));
+        }
+        Ok(())
     }
 }
 

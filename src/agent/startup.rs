@@ -13,7 +13,7 @@ use tracing::{debug, info, warn};
 
 use super::events::Events;
 use super::pool::{self, PoolTap, TapPool};
-use super::spec::NetworkRecord;
+use super::spec::{AttachRecord, NetworkRecord};
 use super::{
     Agent, Allocs, Gateway, Network, RecoveryReport, StartError, Uplink, kernel_reserved_ports,
     recover,
@@ -109,6 +109,7 @@ impl Agent {
             recovery: RecoveryReport::default(),
             events,
             drift: Mutex::new(BTreeMap::new()),
+            netns_owners: Mutex::new(HashMap::new()),
             serving: std::sync::atomic::AtomicBool::new(false),
         };
         // Subscribe before recovery checks the kernel, so a filter removed
@@ -334,6 +335,15 @@ impl Agent {
                 crate::systemd::notify("EXTEND_TIMEOUT_USEC=10000000");
             }
             self.set_view(&net);
+            if let AttachRecord::Veth {
+                netns: Some(ns), ..
+            } = &net.rec.attach
+            {
+                self.netns_owners
+                    .get_mut()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(*ns, net.rec.sandbox_id.clone());
+            }
             self.slots
                 .get_mut()
                 .unwrap_or_else(|p| p.into_inner())

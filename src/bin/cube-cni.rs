@@ -308,8 +308,8 @@ async fn add(env: &Env, conf: &NetConf) -> Result<Value, CniError> {
             ),
         ));
     }
+    let id = cni::sandbox_id(&env.container_id, &env.ifname)?;
     let agent = Agent::connect(conf).await?;
-    let id = cni::sandbox_id(&env.container_id, &env.ifname);
     let mut metadata = cni::args_metadata(&env.args);
     metadata.insert(META_NETWORK.into(), conf.name.clone());
     metadata.insert(META_CONTAINER_ID.into(), env.container_id.clone());
@@ -359,7 +359,13 @@ async fn add(env: &Env, conf: &NetConf) -> Result<Value, CniError> {
     if let Err(e) = configure_inside(&inside.nl, &env.ifname, &f, &gw_mac).await {
         // Leave nothing behind: the runtime DELs after a failed ADD, but a
         // network whose inside is not set up must not live until then.
-        let _: Result<bool, _> = agent.call("ReleaseNetwork", &(id.as_str(),)).await;
+        // Only the very network this ADD got (its handle): never one a
+        // concurrent verb made under the same id since.
+        if let Ok(handle) = field::<String>(&net, "network_handle") {
+            let mut expect: HashMap<&str, ZValue<'_>> = HashMap::new();
+            expect.insert("network_handle", ZValue::from(handle));
+            let _: Result<bool, _> = agent.call("ReleaseNetworkIf", &(id.as_str(), expect)).await;
+        }
         return Err(e);
     }
     Ok(cni::result(
@@ -427,13 +433,56 @@ async fn configure_inside(
     Ok(())
 }
 
+/// What DEL, CHECK and GC require of the agent's network for this
+/// attachment: a veth, for this container and interface, in this namespace
+/// when the namespace still exists (the agent checks and releases
+/// atomically, ReleaseNetworkIf).
+fn expectations<'a>(
+    container_id: &'a str,
+    ifname: &'a str,
+    netns: Option<&'a OwnedFd>,
+) -> HashMap<&'static str, ZValue<'a>> {
+    let mut e: HashMap<&str, ZValue<'_>> = HashMap::new();
+    e.insert("attach", ZValue::from("veth"));
+    e.insert("ifname", ZValue::from(ifname));
+    let meta: HashMap<&str, &str> = [(META_CONTAINER_ID, container_id), (META_IFNAME, ifname)]
+        .into_iter()
+        .collect();
+    e.insert("metadata", ZValue::from(meta));
+    if let Some(fd) = netns {
+        e.insert(
+            "netns_fd",
+            ZValue::from(zbus::zvariant::Fd::from(fd.as_fd())),
+        );
+    }
+    e
+}
+
 async fn del(env: &Env, conf: &NetConf) -> Result<(), CniError> {
     let agent = Agent::connect(conf).await?;
-    let id = cni::sandbox_id(&env.container_id, &env.ifname);
-    // false (no such network) is success: DEL is repeatable, and the
-    // namespace may be gone (the veth went with it; the agent deletes
-    // whatever is left of the host end).
-    let released: bool = agent.call("ReleaseNetwork", &(id.as_str(),)).await?;
+    // The namespace may be gone (the veth went with it; the agent deletes
+    // whatever is left of the host end): then nothing ties DEL to one.
+    let netns = (!env.netns.is_empty())
+        .then(|| open_netns(&env.netns).ok())
+        .flatten();
+    let expect = expectations(&env.container_id, &env.ifname, netns.as_ref());
+    // false (no such network) is success: DEL is repeatable.
+    let mut released: bool = agent
+        .call(
+            "ReleaseNetworkIf",
+            &(cni::sandbox_id(&env.container_id, &env.ifname)?, &expect),
+        )
+        .await?;
+    if !released {
+        // A network made before the injective ids: released only if it is
+        // this very attachment; anything else under that id (a VMM's TAP
+        // network, another container's) is not this DEL's business.
+        let legacy = cni::legacy_sandbox_id(&env.container_id, &env.ifname);
+        released = match agent.call("ReleaseNetworkIf", &(legacy, &expect)).await {
+            Err(e) if e.code == code::NOT_THIS_ATTACHMENT => false,
+            other => other?,
+        };
+    }
     if released && !env.netns.is_empty() {
         free_ifname(&env.netns, &env.ifname).await;
     }
@@ -471,27 +520,69 @@ async fn free_ifname(netns: &str, ifname: &str) {
 }
 
 async fn check(env: &Env, conf: &NetConf) -> Result<(), CniError> {
+    let id = cni::sandbox_id(&env.container_id, &env.ifname)?;
     let agent = Agent::connect(conf).await?;
-    let id = cni::sandbox_id(&env.container_id, &env.ifname);
-    let net: Dict = agent
-        .call("GetNetwork", &(id.as_str(),))
-        .await
-        .map_err(|e| match e.code {
-            code::NOT_FOUND => CniError::new(
-                code::NOT_FOUND,
-                format!(
-                    "no network for container {} interface {} (agent id {id})",
-                    env.container_id, env.ifname
-                ),
-            ),
-            _ => e,
-        })?;
+    let get = |id: String| {
+        let agent = &agent;
+        async move {
+            agent
+                .call::<_, Dict>("GetNetwork", &(id.as_str(),))
+                .await
+                .map(|net| (id, net))
+        }
+    };
+    let (id, net) = match get(id.clone()).await {
+        Err(e) if e.code == code::NOT_FOUND => {
+            get(cni::legacy_sandbox_id(&env.container_id, &env.ifname))
+                .await
+                .map_err(|e| match e.code {
+                    code::NOT_FOUND => CniError::new(
+                        code::NOT_FOUND,
+                        format!(
+                            "no network for container {} interface {} (agent id {id})",
+                            env.container_id, env.ifname
+                        ),
+                    ),
+                    _ => e,
+                })?
+        }
+        other => other?,
+    };
     let attach: String = field(&net, "attach")?;
     if attach != "veth" {
         return Err(CniError::new(
             code::CHECK_FAILED,
             format!("network {id} is a {attach} network, not a CNI attachment"),
         ));
+    }
+    let meta: HashMap<String, String> = field(&net, "metadata").unwrap_or_default();
+    let ifname: String = field(&net, "ifname").unwrap_or_default();
+    if meta.get(META_CONTAINER_ID) != Some(&env.container_id) || ifname != env.ifname {
+        return Err(CniError::new(
+            code::CHECK_FAILED,
+            format!(
+                "network {id} belongs to container {:?} interface '{ifname}', not to {} {}",
+                meta.get(META_CONTAINER_ID),
+                env.container_id,
+                env.ifname
+            ),
+        ));
+    }
+    // The namespace the attachment lives in must be the one CHECK names:
+    // CHECK looks inside it below.
+    if let Ok(recorded) = field::<String>(&net, "netns") {
+        let passed = cube_network_agent::netns::netns_fd(open_netns(&env.netns)?)
+            .map(|n| n.id.to_string())
+            .map_err(|e| netns_err(&format!("CNI_NETNS {}", env.netns), e))?;
+        if passed != recorded {
+            return Err(CniError::new(
+                code::CHECK_FAILED,
+                format!(
+                    "network {id} lives in network namespace {recorded}, not in CNI_NETNS {} ({passed})",
+                    env.netns
+                ),
+            ));
+        }
     }
     let f = facts(&net)?;
     // The agent's own check (TAP/veth, neighbour, datapath filter and
@@ -588,9 +679,13 @@ async fn gc(conf: &NetConf) -> Result<(), CniError> {
         })
         .collect();
     let mut failures = vec![];
-    for id in cni::gc_victims(&conf.name, valid, &nets) {
+    for (id, meta) in cni::gc_victims(&conf.name, valid, &nets) {
+        // Released only if it still is that attachment of this network.
+        let mut expect: HashMap<&str, ZValue<'_>> = HashMap::new();
+        expect.insert("attach", ZValue::from("veth"));
+        expect.insert("metadata", ZValue::from(meta));
         match agent
-            .call::<_, bool>("ReleaseNetwork", &(id.as_str(),))
+            .call::<_, bool>("ReleaseNetworkIf", &(id.as_str(), expect))
             .await
         {
             Ok(_) => eprintln!("cube-cni: GC released {id}"),

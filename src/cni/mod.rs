@@ -12,7 +12,7 @@
 //! sandbox address (unique on the node, routed to the container by the
 //! datapath), listed first in `ips`.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde_json::{Map, Value, json};
 
@@ -46,6 +46,10 @@ pub mod code {
     pub const CHECK_FAILED: u32 = 105;
     /// GC: some releases failed (details list them).
     pub const GC_INCOMPLETE: u32 = 106;
+    /// ADD, DEL: the agent's network for this container and interface is
+    /// not this attachment (another namespace), or the namespace already
+    /// has an attachment (one per namespace); nothing was changed.
+    pub const NOT_THIS_ATTACHMENT: u32 = 108;
     /// The container's namespace could not be configured.
     pub const NETNS: u32 = 107;
 }
@@ -400,11 +404,67 @@ fn parse_valid_attachments(v: &Value) -> Result<BTreeSet<(String, String)>, CniE
     })
 }
 
-/// The agent's sandbox id of an attachment: readable when the container id
-/// and ifname fit the agent's charset, a hash of both otherwise. The same
+/// `CNI_CONTAINERID` as the spec defines it: at least one character of
+/// `[A-Za-z0-9_.-]`, starting with a letter or digit.
+pub fn validate_container_id(id: &str) -> Result<(), CniError> {
+    let bad = |why: &str| {
+        Err(CniError::new(
+            code::INVALID_ENV,
+            format!("CNI_CONTAINERID '{id}' {why}"),
+        ))
+    };
+    if !id.starts_with(|c: char| c.is_ascii_alphanumeric()) {
+        return bad("must start with a letter or digit");
+    }
+    if let Some(c) = id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-')))
+    {
+        return bad(&format!(
+            "contains {c:?}: container ids are letters, digits, '_', '.' and '-'"
+        ));
+    }
+    Ok(())
+}
+
+/// The agent's sandbox id of an attachment: `cni:<container id>:<ifname>`,
+/// injective in (container id, ifname). A container id has no ':'; the
+/// ifname keeps `[A-Za-z0-9_-]` and writes every other byte as `.xx`
+/// (hex), so `.` only ever starts an escape. `cni:` ids are reserved for
+/// CNI attachments (the agent refuses them for TAP networks), and the same
 /// (container id, ifname) always gives the same id, so DEL, CHECK and GC
-/// need no state of their own.
-pub fn sandbox_id(container_id: &str, ifname: &str) -> String {
+/// need no state of their own. Ids are at most 128 bytes: container ids up
+/// to 78 bytes always fit (containerd, CRI-O and podman use 64).
+pub fn sandbox_id(container_id: &str, ifname: &str) -> Result<String, CniError> {
+    validate_container_id(container_id)?;
+    let mut id = format!("{}{container_id}:", crate::agent::spec::CNI_ID_PREFIX);
+    for b in ifname.bytes() {
+        if b.is_ascii_alphanumeric() || b == b'_' || b == b'-' {
+            id.push(b as char);
+        } else {
+            id.push_str(&format!(".{b:02x}"));
+        }
+    }
+    if id.len() > crate::agent::spec::MAX_ID_LEN {
+        return Err(CniError::new(
+            code::INVALID_ENV,
+            format!(
+                "CNI_CONTAINERID is {} bytes: with CNI_IFNAME '{ifname}' the attachment's id \
+                 would be {} bytes, the agent's limit is {}",
+                container_id.len(),
+                id.len(),
+                crate::agent::spec::MAX_ID_LEN
+            ),
+        ));
+    }
+    Ok(id)
+}
+
+/// The id earlier releases gave an attachment (`cni-<container id>-<ifname>`,
+/// or a hash when that did not fit): DEL and CHECK still find networks
+/// made before the injective ids, and act on them only if their recorded
+/// container id, ifname and namespace match.
+pub fn legacy_sandbox_id(container_id: &str, ifname: &str) -> String {
     let plain = format!("cni-{container_id}-{ifname}");
     let ok = plain.len() <= 128
         && plain
@@ -536,6 +596,7 @@ pub fn agent_error(name: &str, msg: &str) -> CniError {
         "AddressesExhausted" | "PortsExhausted" | "LimitsExceeded" | "ServiceUnknown"
         | "NameHasNoOwner" | "NoReply" | "Timeout" | "TimedOut" => code::TRY_AGAIN_LATER,
         "PortInUse" => code::PORT_IN_USE,
+        "Conflict" => code::NOT_THIS_ATTACHMENT,
         "AccessDenied" | "InteractiveAuthorizationRequired" => code::ACCESS_DENIED,
         _ => code::AGENT_FAILED,
     };
@@ -578,17 +639,25 @@ pub fn gc_victims(
     network: &str,
     valid: &BTreeSet<(String, String)>,
     networks: &[(String, BTreeMap<String, String>)],
-) -> Vec<String> {
+) -> Vec<(String, HashMap<String, String>)> {
     networks
         .iter()
         .filter(|(_, m)| m.get(META_NETWORK).map(String::as_str) == Some(network))
-        .filter(
-            |(_, m)| match (m.get(META_CONTAINER_ID), m.get(META_IFNAME)) {
-                (Some(c), Some(i)) => !valid.contains(&(c.clone(), i.clone())),
-                _ => false,
-            },
-        )
-        .map(|(id, _)| id.clone())
+        .filter_map(|(id, m)| {
+            let (c, i) = (m.get(META_CONTAINER_ID)?, m.get(META_IFNAME)?);
+            (!valid.contains(&(c.clone(), i.clone()))).then(|| {
+                // What the release must find unchanged.
+                let expect = [
+                    (META_NETWORK, network),
+                    (META_CONTAINER_ID, c.as_str()),
+                    (META_IFNAME, i.as_str()),
+                ]
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect();
+                (id.clone(), expect)
+            })
+        })
         .collect()
 }
 
@@ -673,15 +742,40 @@ mod tests {
     }
 
     #[test]
-    fn sandbox_ids_are_stable_and_valid() {
-        assert_eq!(sandbox_id("abc", "eth0"), "cni-abc-eth0");
-        let odd = sandbox_id("a/b c", "eth0");
-        assert_eq!(odd, sandbox_id("a/b c", "eth0"));
-        assert_ne!(odd, sandbox_id("a/b c", "eth1"));
-        assert_eq!(odd.len(), 36);
-        let long = "f".repeat(200);
-        assert!(sandbox_id(&long, "eth0").len() <= 128);
-        crate::agent::spec::validate_sandbox_id(&odd).unwrap();
+    fn sandbox_ids_are_injective_and_valid() {
+        assert_eq!(sandbox_id("abc", "eth0").unwrap(), "cni:abc:eth0");
+        // The collisions of the old "cni-<id>-<ifname>" scheme.
+        assert_ne!(
+            sandbox_id("my", "app-eth0").unwrap(),
+            sandbox_id("my-app", "eth0").unwrap()
+        );
+        assert_ne!(
+            sandbox_id("a", "b.c").unwrap(),
+            sandbox_id("a.b", "c").unwrap()
+        );
+        // Bytes outside the id charset are escaped, '.' included.
+        assert_eq!(sandbox_id("c1", "e.1").unwrap(), "cni:c1:e.2e1");
+        assert_eq!(sandbox_id("c1", "e+1").unwrap(), "cni:c1:e.2b1");
+        assert_ne!(
+            sandbox_id("c1", "e.2e1").unwrap(),
+            sandbox_id("c1", "e.1").unwrap()
+        );
+        // Every id the plugin makes is a valid sandbox id.
+        for (c, i) in [("x", "eth0"), ("0-a_b.c", "veth@1"), ("z", "\u{e9}th")] {
+            crate::agent::spec::validate_sandbox_id(&sandbox_id(c, i).unwrap()).unwrap();
+        }
+        // 64-hex container ids (containerd, CRI-O, podman) fit with any ifname.
+        let hex = "f".repeat(64);
+        assert!(sandbox_id(&hex, &"+".repeat(15)).is_ok());
+        let e = sandbox_id(&"f".repeat(200), "eth0").unwrap_err();
+        assert_eq!(e.code, code::INVALID_ENV);
+        assert!(e.msg.contains("128"), "{}", e.msg);
+        for bad in ["", "-a", ".a", "a:b", "a/b", "a b"] {
+            let e = sandbox_id(bad, "eth0").unwrap_err();
+            assert_eq!(e.code, code::INVALID_ENV, "{bad}: {}", e.msg);
+            assert!(e.msg.contains("CNI_CONTAINERID"), "{}", e.msg);
+        }
+        assert_eq!(legacy_sandbox_id("abc", "eth0"), "cni-abc-eth0");
     }
 
     fn facts() -> NetFacts {
@@ -745,11 +839,18 @@ mod tests {
             ("vm-1".to_string(), BTreeMap::new()),
         ];
         let valid = BTreeSet::from([("a".to_string(), "eth0".to_string())]);
-        assert_eq!(gc_victims("cube", &valid, &nets), vec!["cni-b-eth0"]);
+        let ids = |v: Vec<(String, HashMap<String, String>)>| {
+            v.into_iter().map(|(id, _)| id).collect::<Vec<_>>()
+        };
+        assert_eq!(ids(gc_victims("cube", &valid, &nets)), vec!["cni-b-eth0"]);
         assert_eq!(
-            gc_victims("cube", &BTreeSet::new(), &nets),
+            ids(gc_victims("cube", &BTreeSet::new(), &nets)),
             vec!["cni-a-eth0", "cni-b-eth0"]
         );
+        // Each victim is released only if it is still that attachment.
+        let (_, expect) = &gc_victims("cube", &valid, &nets)[0];
+        let expect: BTreeMap<_, _> = expect.clone().into_iter().collect();
+        assert_eq!(expect, meta("cube", "b"));
     }
 
     #[test]

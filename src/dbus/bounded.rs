@@ -55,6 +55,8 @@ pub const MAX_SMALL_CALL_BYTES: usize = HEADER_ALLOWANCE + 8 + MAX_ID_LEN + 64;
 const METHODS: &[(&str, &str, usize)] = &[
     ("EnsureNetwork", "sa{sv}", MAX_ENSURE_BYTES),
     ("ReleaseNetwork", "s", MAX_SMALL_CALL_BYTES),
+    // Expectations are a subset of an EnsureNetwork's options.
+    ("ReleaseNetworkIf", "sa{sv}", MAX_ENSURE_BYTES),
     ("ReconcileNetwork", "s", MAX_SMALL_CALL_BYTES),
     ("GetNetwork", "s", MAX_SMALL_CALL_BYTES),
     ("ListNetworks", "", MAX_SMALL_CALL_BYTES),

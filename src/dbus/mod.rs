@@ -17,7 +17,7 @@ use zbus::object_server::SignalEmitter;
 use zbus::zvariant::{OwnedObjectPath, OwnedValue, Value};
 use zbus::{Connection, DBusError, fdo, interface};
 
-use crate::agent::spec::{Attach, AttachRecord, NetnsFd, NetworkSpec, PortMapping};
+use crate::agent::spec::{Attach, AttachRecord, Expect, NetworkSpec, PortMapping};
 use crate::agent::{Agent, AgentError, NetworkInfo, ReconcileReport};
 use crate::auth::{Action, AuthError, Authority};
 use crate::config::BusChoice;
@@ -40,6 +40,7 @@ pub enum Error {
     PortsExhausted(String),
     PortInUse(String),
     TapBusy(String),
+    Conflict(String),
     Failed(String),
     AccessDenied(String),
     InteractiveAuthorizationRequired(String),
@@ -55,6 +56,7 @@ impl DBusError for Error {
             Error::PortsExhausted(_) => "org.cube.NetworkAgent.Error.PortsExhausted",
             Error::PortInUse(_) => "org.cube.NetworkAgent.Error.PortInUse",
             Error::TapBusy(_) => "org.cube.NetworkAgent.Error.TapBusy",
+            Error::Conflict(_) => "org.cube.NetworkAgent.Error.Conflict",
             Error::Failed(_) => "org.cube.NetworkAgent.Error.Failed",
             Error::AccessDenied(_) => "org.freedesktop.DBus.Error.AccessDenied",
             Error::InteractiveAuthorizationRequired(_) => {
@@ -72,6 +74,7 @@ impl DBusError for Error {
             | Error::PortsExhausted(m)
             | Error::PortInUse(m)
             | Error::TapBusy(m)
+            | Error::Conflict(m)
             | Error::Failed(m)
             | Error::AccessDenied(m)
             | Error::InteractiveAuthorizationRequired(m) => Some(m),
@@ -129,6 +132,7 @@ impl From<AgentError> for Error {
             AgentError::PortsExhausted(m) => Error::PortsExhausted(m),
             AgentError::PortInUse(m) => Error::PortInUse(m),
             e @ AgentError::TapBusy { .. } => Error::TapBusy(e.to_string()),
+            AgentError::Conflict(m) => Error::Conflict(m),
             AgentError::Failed(m) => Error::Failed(m),
         }
     }
@@ -229,18 +233,7 @@ pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpe
             "mtu" => spec.mtu = Some(typed(key, v, "u")?),
             "attach" => attach = Some(typed(key, v, "s")?),
             "ifname" => ifname = Some(typed(key, v, "s")?),
-            "netns_fd" => {
-                let Value::Fd(fd) = &**v else {
-                    return Err(bad(format!(
-                        "option {key}: expected type 'h', got '{}'",
-                        v.value_signature()
-                    )));
-                };
-                let fd = std::os::fd::AsFd::as_fd(fd)
-                    .try_clone_to_owned()
-                    .map_err(|e| bad(format!("option {key}: {e}")))?;
-                netns = Some(fd);
-            }
+            "netns_fd" => netns = Some(fd_option(key, v)?),
             other => {
                 return Err(bad(format!(
                     "unknown option '{other}' (known: {})",
@@ -258,7 +251,7 @@ pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpe
         }
         ("veth", Some(fd), Some(ifname)) => Attach::Veth {
             ifname,
-            netns: NetnsFd(std::sync::Arc::new(fd)),
+            netns: crate::netns::netns_fd(fd).map_err(|e| bad(format!("option netns_fd: {e}")))?,
         },
         ("veth", None, _) => {
             return Err(bad(
@@ -279,6 +272,53 @@ pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpe
         }
     };
     Ok(spec)
+}
+
+/// Keys ReleaseNetworkIf's `expect` takes.
+pub const EXPECT_KEYS: &[&str] = &["network_handle", "attach", "ifname", "netns_fd", "metadata"];
+
+/// `a{sv}` expectations → [`Expect`]. Unknown keys and wrong types name the key.
+pub fn parse_expect(expect: &HashMap<String, OwnedValue>) -> Result<Expect, AgentError> {
+    let mut out = Expect::default();
+    for (key, v) in expect {
+        match key.as_str() {
+            "network_handle" => out.network_handle = Some(typed(key, v, "s")?),
+            "attach" => out.attach = Some(typed(key, v, "s")?),
+            "ifname" => out.ifname = Some(typed(key, v, "s")?),
+            "netns_fd" => {
+                let fd = fd_option(key, v)?;
+                out.netns = Some(
+                    crate::netns::netns_fd(fd)
+                        .map_err(|e| bad(format!("option {key}: {e}")))?
+                        .id,
+                );
+            }
+            "metadata" => {
+                let m: HashMap<String, String> = typed(key, v, "a{ss}")?;
+                out.metadata = m.into_iter().collect();
+            }
+            other => {
+                return Err(bad(format!(
+                    "unknown expectation '{other}' (known: {})",
+                    EXPECT_KEYS.join(", ")
+                )));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// An `h` option, duplicated so it outlives the message.
+fn fd_option(key: &str, v: &OwnedValue) -> Result<std::os::fd::OwnedFd, AgentError> {
+    let Value::Fd(fd) = &**v else {
+        return Err(bad(format!(
+            "option {key}: expected type 'h', got '{}'",
+            v.value_signature()
+        )));
+    };
+    std::os::fd::AsFd::as_fd(fd)
+        .try_clone_to_owned()
+        .map_err(|e| bad(format!("option {key}: {e}")))
 }
 
 fn mappings_value(m: &[PortMapping]) -> Vec<(String, u16, u16, String)> {
@@ -339,8 +379,11 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
         put("idempotency_key", Value::from(k));
     }
     put("attach", Value::from(r.attach.name()));
-    if let AttachRecord::Veth { ifname } = r.attach {
+    if let AttachRecord::Veth { ifname, netns } = r.attach {
         put("ifname", Value::from(ifname));
+        if let Some(ns) = netns {
+            put("netns", Value::from(ns.to_string()));
+        }
     }
     d
 }
@@ -439,6 +482,29 @@ impl Manager {
     ) -> Result<bool, Error> {
         self.authorize(&header, Action::Manage).await?;
         match self.agent.release(&sandbox_id).await? {
+            Some(seq) => {
+                self.mirrored(seq).await;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Releases the network only if it is what the caller expects: every key
+    /// of `expect` (network_handle s, attach s, ifname s, netns_fd h, metadata
+    /// a{ss}) must match, checked and released atomically; a mismatch is
+    /// InvalidArgument naming the key and releases nothing. False if there was
+    /// no such network. cube-cni's DEL, GC and failed-ADD cleanup use it.
+    #[zbus(out_args("released"))]
+    async fn release_network_if(
+        &self,
+        sandbox_id: String,
+        expect: HashMap<String, OwnedValue>,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<bool, Error> {
+        self.authorize(&header, Action::Manage).await?;
+        let expect = parse_expect(&expect)?;
+        match self.agent.release_if(&sandbox_id, &expect).await? {
             Some(seq) => {
                 self.mirrored(seq).await;
                 Ok(true)

@@ -6,7 +6,7 @@
 use serde_json::{Map, Value, json};
 
 use super::Failure;
-use crate::agent::spec::{NetworkSpec, PortMapping};
+use crate::agent::spec::{Expect, NetworkSpec, PortMapping};
 use crate::agent::{AgentError, NetworkInfo, ReconcileReport};
 use crate::datapath::Check;
 
@@ -121,6 +121,34 @@ pub fn options(v: Option<&Value>) -> Result<NetworkSpec, Failure> {
     Ok(spec)
 }
 
+/// ReleaseNetworkIf's `expect` (an `Expect` object) → [`Expect`]. No
+/// namespace here: a varlink call carries no fd (D-Bus does).
+pub fn expect(v: Option<&Value>) -> Result<Expect, Failure> {
+    let mut out = Expect::default();
+    let o = match v {
+        Some(Value::Object(o)) => o,
+        _ => return Err(invalid("expect")),
+    };
+    for (key, v) in o {
+        if v.is_null() {
+            continue;
+        }
+        match key.as_str() {
+            "network_handle" => out.network_handle = Some(as_string(v, key)?),
+            "attach" => out.attach = Some(as_string(v, key)?),
+            "ifname" => out.ifname = Some(as_string(v, key)?),
+            "metadata" => {
+                let m = v.as_object().ok_or_else(|| invalid(key))?;
+                for (k, val) in m {
+                    out.metadata.insert(k.clone(), as_string(val, key)?);
+                }
+            }
+            other => return Err(invalid(other)),
+        }
+    }
+    Ok(out)
+}
+
 fn mappings(m: &[PortMapping]) -> Value {
     m.iter()
         .map(|m| {
@@ -165,8 +193,11 @@ pub fn network(info: NetworkInfo) -> Value {
         o["idempotency_key"] = Value::String(k);
     }
     o["attach"] = Value::String(r.attach.name().into());
-    if let crate::agent::spec::AttachRecord::Veth { ifname } = r.attach {
+    if let crate::agent::spec::AttachRecord::Veth { ifname, netns } = r.attach {
         o["ifname"] = Value::String(ifname);
+        if let Some(ns) = netns {
+            o["netns"] = Value::String(ns.to_string());
+        }
     }
     o
 }

@@ -168,6 +168,7 @@ impl Failure {
                     AgentError::PortsExhausted(_) => "PortsExhausted",
                     AgentError::PortInUse(_) => "PortInUse",
                     AgentError::TapBusy { .. } => "TapBusy",
+                    AgentError::Conflict(_) => "Conflict",
                     AgentError::Failed(_) => "Failed",
                 };
                 (
@@ -216,6 +217,7 @@ pub const METHODS: &[&str] = &[
     "org.varlink.service.GetInterfaceDescription",
     "org.cube.NetworkAgent.EnsureNetwork",
     "org.cube.NetworkAgent.ReleaseNetwork",
+    "org.cube.NetworkAgent.ReleaseNetworkIf",
     "org.cube.NetworkAgent.ReconcileNetwork",
     "org.cube.NetworkAgent.GetNetwork",
     "org.cube.NetworkAgent.ListNetworks",
@@ -230,9 +232,10 @@ const WATCH: &str = "org.cube.NetworkAgent.WatchNetworks";
 /// Runs one call. Access is checked before parameters are looked at.
 async fn call(agent: &Agent, peer: &Peer, method: &str, p: Object) -> Result<Reply, Failure> {
     let op = match method.strip_prefix("org.cube.NetworkAgent.") {
-        Some("EnsureNetwork" | "ReleaseNetwork" | "ReconcileNetwork" | "OpenTap") => {
-            Some(Operation::Manage)
-        }
+        Some(
+            "EnsureNetwork" | "ReleaseNetwork" | "ReleaseNetworkIf" | "ReconcileNetwork"
+            | "OpenTap",
+        ) => Some(Operation::Manage),
         Some("GetNetwork" | "ListNetworks" | "Health") => Some(Operation::Read),
         _ => None,
     };
@@ -272,6 +275,13 @@ async fn call(agent: &Agent, peer: &Peer, method: &str, p: Object) -> Result<Rep
         }
         "org.cube.NetworkAgent.ReleaseNetwork" => {
             let released = agent.release(&id(&p)?).await?.is_some();
+            Reply::new(json!({ "released": released }))
+        }
+        "org.cube.NetworkAgent.ReleaseNetworkIf" => {
+            convert::only(&p, &["sandbox_id", "expect"])?;
+            let sandbox_id = convert::string(&p, "sandbox_id")?;
+            let expect = convert::expect(p.get("expect"))?;
+            let released = agent.release_if(&sandbox_id, &expect).await?.is_some();
             Reply::new(json!({ "released": released }))
         }
         "org.cube.NetworkAgent.ReconcileNetwork" => {
@@ -754,6 +764,7 @@ mod tests {
             "PortsExhausted",
             "PortInUse",
             "TapBusy",
+            "Conflict",
             "Failed",
             "AccessDenied",
         ] {
