@@ -35,8 +35,12 @@ enum Signal {
     Released(String),
 }
 
+/// A network's object as registered: reads of it need the read action.
+type Gated = super::gate::ReadGate<NetworkObject>;
+
 pub struct Mirror {
     conn: Connection,
+    authority: crate::auth::Authority,
     agent: Arc<Agent>,
     /// Sequence number of the last event applied, for method replies.
     done: watch::Sender<u64>,
@@ -49,10 +53,16 @@ pub struct Mirror {
 }
 
 impl Mirror {
-    pub fn new(conn: Connection, agent: Arc<Agent>, done: watch::Sender<u64>) -> Self {
+    pub fn new(
+        conn: Connection,
+        agent: Arc<Agent>,
+        done: watch::Sender<u64>,
+        authority: crate::auth::Authority,
+    ) -> Self {
         let counters = counters(&agent);
         Self {
             conn,
+            authority,
             agent,
             done,
             objects: HashSet::new(),
@@ -78,16 +88,18 @@ impl Mirror {
         let path = network_path(&id);
         let server = self.conn.object_server();
         if self.objects.insert(id) {
-            server.at(&path, NetworkObject { view }).await?;
+            let object = Gated::properties(NetworkObject { view }, self.authority.clone());
+            server.at(&path, object).await?;
             return Ok(None);
         }
-        let iface = server.interface::<_, NetworkObject>(&path).await?;
-        let old = std::mem::replace(&mut iface.get_mut().await.view, view.clone());
+        let iface = server.interface::<_, Gated>(&path).await?;
+        let old = std::mem::replace(&mut iface.get_mut().await.inner.view, view.clone());
         let changed = changed_keys(&old, &view);
         if changed.is_empty() {
             return Ok(Some(changed));
         }
-        let obj = iface.get().await;
+        let gated = iface.get().await;
+        let obj = &gated.inner;
         let e = iface.signal_emitter();
         for key in &changed {
             match *key {
@@ -110,7 +122,7 @@ impl Mirror {
         if self.objects.remove(id) {
             self.conn
                 .object_server()
-                .remove::<NetworkObject, _>(network_path(id))
+                .remove::<Gated, _>(network_path(id))
                 .await?;
         }
         Ok(())

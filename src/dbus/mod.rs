@@ -5,6 +5,7 @@
 //! asks [`Authority`] first (SPEC §5); properties stay readable by anyone.
 
 pub mod bounded;
+mod gate;
 mod mirror;
 
 use std::collections::{BTreeMap, HashMap};
@@ -703,28 +704,38 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
     let (events, at) = agent.subscribe();
     let (mirrored_tx, mirrored) = tokio::sync::watch::channel(at);
     // Nobody can address us by name before `request_name` below.
+    let authority = Authority::new(auth_conn);
     let manager = Manager {
         agent: agent.clone(),
-        authority: Authority::new(auth_conn),
+        authority: authority.clone(),
         mirrored,
     };
-    crate::auth::set_global(manager.authority.clone());
-    // Calls are size- and signature-checked before zbus decodes them.
+    crate::auth::set_global(authority.clone());
+    // Calls are size- and signature-checked before zbus decodes them;
+    // property reads need the read action like every other read.
     conn.object_server()
-        .at(MANAGER_PATH, bounded::Bounded(manager))
+        .at(
+            MANAGER_PATH,
+            gate::ReadGate::properties(bounded::Bounded(manager), authority.clone()),
+        )
         .await
         .map_err(ServeError::Register)?;
     // Recovered networks first, the ObjectManager after them: nobody can
     // listen yet (the name is not ours), and registering under an existing
     // ObjectManager would emit one InterfacesAdded per network at start.
     let started = std::time::Instant::now();
-    let mut mirror = mirror::Mirror::new(conn.clone(), agent.clone(), mirrored_tx);
+    let mut mirror =
+        mirror::Mirror::new(conn.clone(), agent.clone(), mirrored_tx, authority.clone());
     let objects = mirror
         .register_all(agent.list())
         .await
         .map_err(ServeError::Register)?;
+    // GetManagedObjects returns every network: a read like ListNetworks.
     conn.object_server()
-        .at(MANAGER_PATH, fdo::ObjectManager)
+        .at(
+            MANAGER_PATH,
+            gate::ReadGate::everything(fdo::ObjectManager, authority),
+        )
         .await
         .map_err(ServeError::Register)?;
     debug!(

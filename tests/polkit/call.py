@@ -8,6 +8,13 @@
 #           (python3-dbus cannot set that header flag)
 #   call.py --varlink SOCKET METHOD [ID]
 #           the same method over the agent's varlink socket
+#   call.py ObjectGet ID NAME | ObjectGetAll ID | ManagedObjects |
+#           ManagerGetAll | Introspect PATH
+#           reads through the object tree (per-network objects, the
+#           ObjectManager, introspection)
+#   call.py --signals SECONDS
+#           subscribes to every signal the agent sends for SECONDS and
+#           prints "OK n=N members..." (what reached this process)
 import os
 import sys
 
@@ -41,6 +48,19 @@ if m == "--varlink":
         print("OK", ",".join(sorted(n["sandbox_id"] for n in p["networks"])) or "-")
     else:
         print("OK", json.dumps(p, sort_keys=True))
+    sys.exit(0)
+if m == "--signals":
+    from gi.repository import Gio, GLib
+
+    bus = Gio.bus_get_sync(Gio.BusType.SYSTEM, None)
+    seen = []
+    bus.signal_subscribe(I, None, None, None, None, Gio.DBusSignalFlags.NONE,
+                         lambda c, snd, path, iface, member, params: seen.append(member))
+    print("READY", flush=True)
+    loop = GLib.MainLoop()
+    GLib.timeout_add(int(float(args[0]) * 1000), loop.quit)
+    loop.run()
+    print("OK n=%d %s" % (len(seen), ",".join(sorted(set(seen))) or "-"))
     sys.exit(0)
 if m == "--interactive":
     from gi.repository import Gio, GLib
@@ -79,6 +99,30 @@ try:
         os.close(fd)
     elif m == "Property":
         print("OK", o.Get(I, args[0], dbus_interface="org.freedesktop.DBus.Properties"))
+    elif m == "ManagerGetAll":
+        props = o.GetAll(I, dbus_interface="org.freedesktop.DBus.Properties")
+        print("OK", ",".join(sorted(str(k) for k in props)))
+    elif m in ("ObjectGet", "ObjectGetAll"):
+        # sd_bus_path_encode: bytes outside [A-Za-z0-9] (and a leading digit) as _xx
+        esc = "".join(c if c.isascii() and c.isalnum() and not (i == 0 and c.isdigit())
+                      else "_%02x" % ord(c) for i, c in enumerate(args[0]))
+        n = dbus.SystemBus().get_object(I, "/org/cube/NetworkAgent/network/" + esc,
+                                        introspect=False)
+        P = "org.freedesktop.DBus.Properties"
+        if m == "ObjectGet":
+            print("OK", n.Get(I + ".Network", args[1], dbus_interface=P))
+        else:
+            print("OK", n.GetAll(I + ".Network", dbus_interface=P)["SandboxIp"])
+    elif m == "ManagedObjects":
+        objs = o.GetManagedObjects(dbus_interface="org.freedesktop.DBus.ObjectManager")
+        ids = sorted(str(v[I + ".Network"]["SandboxId"]) for v in objs.values()
+                     if I + ".Network" in v)
+        print("OK", ",".join(ids) or "-")
+    elif m == "Introspect":
+        x = dbus.SystemBus().get_object(I, args[0], introspect=False)
+        xml = x.Introspect(dbus_interface="org.freedesktop.DBus.Introspectable")
+        import re
+        print("OK", ",".join(re.findall(r'<node name="([^"]+)"', xml)) or "-")
     else:
         sys.exit("unknown method " + m)
 except dbus.DBusException as e:

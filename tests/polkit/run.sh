@@ -79,11 +79,42 @@ check "cubereader: ReleaseNetwork -> AccessDenied" "$DENIED_MANAGE" "$(as cubere
 check "cubereader: OpenTap -> AccessDenied" "$DENIED_MANAGE" "$(as cubereader OpenTap sbx-root)"
 check "networks unchanged after cubereader's calls" "^${BEFORE}\$" "$(as root ListNetworks)"
 
-echo "# 5. outsider: reads denied too (properties stay readable)"
+echo "# 5. outsider: reads denied too, through every path (methods, objects, properties, signals)"
 check "outsider: GetNetwork -> AccessDenied naming read" "$DENIED_READ" "$(as outsider GetNetwork sbx-root)"
 check "outsider: ListNetworks -> AccessDenied" "$DENIED_READ" "$(as outsider ListNetworks)"
 check "outsider: Health -> AccessDenied" "$DENIED_READ" "$(as outsider Health)"
-check "outsider: property ActiveNetworks readable" '^OK 2$' "$(as outsider Property ActiveNetworks)"
+check "outsider: manager property -> AccessDenied" "$DENIED_READ" "$(as outsider Property ActiveNetworks)"
+check "outsider: manager GetAll -> AccessDenied" "$DENIED_READ" "$(as outsider ManagerGetAll)"
+check "outsider: GetManagedObjects -> AccessDenied" "$DENIED_READ" "$(as outsider ManagedObjects)"
+check "outsider: network object Get -> AccessDenied" "$DENIED_READ" "$(as outsider ObjectGet sbx-root SandboxIp)"
+check "outsider: network object GetAll -> AccessDenied" "$DENIED_READ" "$(as outsider ObjectGetAll sbx-root)"
+check "outsider: introspecting the network objects -> denied by the bus" \
+  '^ERR org\.freedesktop\.DBus\.Error\.AccessDenied' "$(as outsider Introspect /org/cube/NetworkAgent/network)"
+check "outsider: introspecting the manager -> denied (recursive: it lists every network)" \
+  '^ERR org\.freedesktop\.DBus\.Error\.AccessDenied' "$(as outsider Introspect /org/cube/NetworkAgent)"
+check "outsider: introspecting / -> denied" '^ERR org\.freedesktop\.DBus\.Error\.AccessDenied' "$(as outsider Introspect /)"
+check "cubereader: manager property" '^OK 2$' "$(as cubereader Property ActiveNetworks)"
+check "cubereader: GetManagedObjects" '^OK sbx-root,sbx-user$' "$(as cubereader ManagedObjects)"
+check "cubereader: network object Get" '^OK [0-9.]+$' "$(as cubereader ObjectGet sbx-root SandboxIp)"
+check "cubereader: network object GetAll" '^OK [0-9.]+$' "$(as cubereader ObjectGetAll sbx-root)"
+check "root: network object Get" '^OK [0-9.]+$' "$(as root ObjectGet sbx-root SandboxIp)"
+check "root: introspecting the network objects" '^OK sbx_2droot,sbx_2duser$' \
+  "$(as root Introspect /org/cube/NetworkAgent/network)"
+# Signals: listeners as outsider, cubereader and root while a network comes and goes.
+listen() { # USER OUTFILE: a listener for 3 s in the background; returns once it subscribed
+  if [ "$1" = root ]; then "$PY" "$S/call.py" --signals 3 >"$2" 2>&1 &
+  else setpriv --reuid="$1" --regid="$1" --init-groups env HOME=/ "$PY" "$S/call.py" --signals 3 >"$2" 2>&1 &
+  fi
+  for _ in $(seq 250); do grep -q READY "$2" 2>/dev/null && return; sleep 0.02; done
+}
+listen outsider "$S/sig.outsider"; listen cubereader "$S/sig.reader"; listen root "$S/sig.root"
+as root EnsureNetwork sbx-sig >/dev/null; as root ReleaseNetwork sbx-sig >/dev/null
+wait_listeners() { for _ in $(seq 300); do [ "$(grep -c '^OK' "$S"/sig.* | grep -c ':1$')" = 3 ] && return; sleep 0.02; done; }
+wait_listeners
+check "root receives the agent's signals" '^OK n=[1-9][0-9]* .*NetworkEnsured.*NetworkReleased' "$(tail -1 "$S/sig.root")"
+check "outsider receives none of them" '^OK n=0 -$' "$(tail -1 "$S/sig.outsider")"
+check "cubereader receives none of them (bus policy: root only unless a group is added)" '^OK n=0 -$' \
+  "$(tail -1 "$S/sig.reader")"
 
 echo "# extra: varlink (subject: the peer process, pid + start time + uid)"
 VL="$S/rt/org.cube.NetworkAgent"
