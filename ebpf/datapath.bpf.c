@@ -19,6 +19,14 @@
  *                 rewritten to the guest (source: the gateway) and
  *                 redirected to its TAP, unless a host socket listens
  *                 there; replies go back into lo.
+ *  to_uplink      egress of the uplink: a host connection whose tuple a
+ *                 live sandbox SNAT flow holds leaves with another source
+ *                 port (and its replies get theirs back), so neither side
+ *                 ever receives the other's packets.
+ *
+ * Every host <-> sandbox flow (host -> sandbox IP, host -> mapped port via
+ * lo, guest -> gateway) has a tuple of its own on the guest's side
+ * (hflow/hrev): the host's source port when free there, another one else.
  *
  * State lives in maps pinned by name, keyed by things that survive an agent
  * restart: TAP ifindex (a persistent TAP keeps it), sandbox IP, ports.
@@ -148,6 +156,43 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } ct_rev SEC(".maps");
 
+/* Host connections in the SNAT range: (remote, remote port, the host's
+ * own port) -> the port it leaves with (identity unless a sandbox flow
+ * held that tuple first), timestamps and TCP state. The same tuple space
+ * as SNAT: ct_rev holds (remote, remote port, port it leaves with) ->
+ * sandbox_ip 0, guest_port = the host's own port. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct dp_rev_key);
+	__type(value, struct dp_ct_val);
+	__uint(max_entries, 65536);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} host_nat SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct dp_hflow_key);
+	__type(value, struct dp_hflow_val);
+	__uint(max_entries, 65536);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} hflow SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct dp_hrev_key);
+	__type(value, struct dp_hrev_val);
+	__uint(max_entries, 65536);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} hrev SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct dp_frag_key);
+	__type(value, struct dp_frag_val);
+	__uint(max_entries, 8192);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} frags SEC(".maps");
+
 /* Bookkeeping for the agent: TAP ifindex -> 1 once the from_guest filter
  * is attached (filters outlive the agent, so a restart skips them). */
 struct {
@@ -166,8 +211,16 @@ struct l4info {
 	__u8 proto;
 	__u8 icmp_type;
 	__u8 tcp_flags; /* TCP_FIN | TCP_SYN | TCP_RST | TCP_ACK below */
-	__u8 frag;      /* 1 = a fragment (no usable L4 header) */
+	__u8 frag;      /* 1 = a fragment after the first (no L4 header) */
+	__u8 first_frag; /* 1 = the first fragment of several (L4 header parsed) */
 };
+
+/* Which way a packet goes relative to the flow's sandbox (or, for
+ * host_nat, the host). */
+#define DIR_OUT 0
+#define DIR_IN 1
+/* How long a fragment's first sibling is remembered (ipfrag_time). */
+#define FRAG_TTL_NS (30ULL * 1000000000ULL)
 
 static __always_inline void count(__u32 which)
 {
@@ -199,10 +252,12 @@ static __always_inline int parse_ipv4(struct __sk_buff *skb, struct iphdr *ip,
 	__builtin_memset(l4, 0, sizeof(*l4));
 	l4->proto = ip->protocol;
 	l4->off = ETH_HLEN + ip->ihl * 4;
-	if (ip->frag_off & bpf_htons(IP_MF | IP_OFFSET)) {
+	if (ip->frag_off & bpf_htons(IP_OFFSET)) {
 		l4->frag = 1;
 		return 0;
 	}
+	if (ip->frag_off & bpf_htons(IP_MF))
+		l4->first_frag = 1;
 	if (ip->protocol == IPPROTO_TCP) {
 		struct tcphdr th;
 		if (bpf_skb_load_bytes(skb, l4->off, &th, sizeof(th)))
@@ -284,13 +339,32 @@ static __always_inline int set_macs(struct __sk_buff *skb, const __u8 *dst, cons
 	return bpf_skb_store_bytes(skb, 0, macs, sizeof(macs), 0);
 }
 
-static __always_inline void touch(struct dp_ct_val *v, const struct l4info *l4)
+/* The TCP state after a packet going `dir`: a SYN (re)opens, FIN and RST
+ * add their bit. */
+static __always_inline __u8 tcp_state(__u8 state, const struct l4info *l4, int dir)
+{
+	if (l4->proto != IPPROTO_TCP)
+		return state;
+	if (l4->tcp_flags & TCP_SYN)
+		state = DP_TCP_OPEN;
+	if (l4->tcp_flags & TCP_RST)
+		state |= DP_TCP_RST;
+	if (l4->tcp_flags & TCP_FIN)
+		state |= dir == DIR_OUT ? DP_TCP_FIN_OUT : DP_TCP_FIN_IN;
+	return state;
+}
+
+/* Closed for good: reset, or finished both ways. */
+static __always_inline int tcp_closed(__u8 state)
+{
+	return (state & DP_TCP_RST) ||
+	       (state & (DP_TCP_FIN_OUT | DP_TCP_FIN_IN)) == (DP_TCP_FIN_OUT | DP_TCP_FIN_IN);
+}
+
+static __always_inline void touch(struct dp_ct_val *v, const struct l4info *l4, int dir)
 {
 	v->last_seen_ns = bpf_ktime_get_ns();
-	if (l4->proto == IPPROTO_TCP && (l4->tcp_flags & (TCP_FIN | TCP_RST)))
-		v->state = DP_TCP_CLOSING;
-	else if (l4->proto == IPPROTO_TCP && (l4->tcp_flags & TCP_SYN))
-		v->state = DP_TCP_OPEN;
+	v->state = tcp_state(v->state, l4, dir);
 }
 
 /* Removes a flow that belongs to an earlier owner of its sandbox address
@@ -367,49 +441,6 @@ static __always_inline int proxy_arp(struct __sk_buff *skb, const struct dp_conf
 	return bpf_redirect(skb->ifindex, 0);
 }
 
-/* guest -> 169.254.68.5: delivered to the host as sandbox IP -> host IP. */
-static __always_inline int guest_to_host(struct __sk_buff *skb, const struct dp_config *c,
-					 const struct dp_sandbox *sb, const struct iphdr *ip,
-					 const struct l4info *l4)
-{
-	if (set_addr(skb, IP_SRC_OFF, ip->saddr, sb->sandbox_ip, l4) ||
-	    set_addr(skb, IP_DST_OFF, ip->daddr, c->host_ip, l4) ||
-	    set_macs(skb, c->gwdev_mac, c->gateway_mac))
-		return TC_ACT_SHOT;
-	count(DP_C_HOST);
-	return bpf_redirect(c->gwdev_ifindex, BPF_F_INGRESS);
-}
-
-/* The guest answering a connection the host made through lo (see
- * from_host): back to the address and port the host dialled, into lo.
- * Returns -1 when the packet is not such a reply. */
-static __always_inline int local_reply(struct __sk_buff *skb, const struct dp_config *c,
-				       const struct dp_sandbox *sb, const struct iphdr *ip,
-				       const struct l4info *l4)
-{
-	if (l4->frag || (l4->proto != IPPROTO_TCP && l4->proto != IPPROTO_UDP))
-		return -1;
-	struct dp_ct_key key = {
-		.sandbox_ip = sb->sandbox_ip,
-		.remote_ip = c->gateway_ip,
-		.guest_port = l4->sport,
-		.remote_port = l4->dport,
-		.proto = l4->proto,
-	};
-	struct dp_ct_val *v = flow_of(&key, sb->gen);
-	if (!v || v->kind != DP_CT_LOCAL)
-		return -1;
-	touch(v, l4);
-	__u32 addr = v->local_addr;
-	__u16 port = v->nat_port;
-	__u8 zero[6] = {};
-	if (set_addr(skb, IP_SRC_OFF, ip->saddr, addr, l4) ||
-	    set_addr(skb, IP_DST_OFF, ip->daddr, addr, l4) ||
-	    set_port(skb, src_port_off(l4), l4->sport, port, l4) || set_macs(skb, zero, zero))
-		return TC_ACT_SHOT;
-	return bpf_redirect(LOOPBACK_IFINDEX, BPF_F_INGRESS);
-}
-
 /* Whether a socket of the host would receive a packet with this tuple
  * (saddr:sport -> daddr:dport, as it arrives): TCP established, request
  * and TIME-WAIT sockets, and listeners when `listeners` is set; any bound
@@ -444,19 +475,36 @@ static __always_inline int host_socket(struct __sk_buff *skb, __u8 proto, __u32 
 	return 0;
 }
 
-/* Whether the sandbox flow holding SNAT port rk->nat_port to this remote
- * endpoint is over, so a new flow may take the port: its forward entry is
- * gone (reaped) or is now another flow's, its sandbox was released or the
- * address has a new owner (generation), or it is a TCP flow that saw
- * FIN/RST and `syn` opens a new TCP connection (as the kernel reuses a
- * TIME_WAIT tuple for a new SYN). Without the last, closing flows held the
- * range for their whole closing timeout and a busy guest ran out of ports
- * to one remote endpoint. */
+/* Whether the flow holding port rk->nat_port to this remote endpoint is
+ * over, so a new flow may take the port: a sandbox flow whose forward
+ * entry is gone (reaped) or is now another flow's, whose sandbox was
+ * released or whose address has a new owner (generation), or a TCP flow
+ * that is closed (RST, or FIN both ways) when `syn` opens a new TCP
+ * connection (as the kernel reuses a TIME_WAIT tuple for a new SYN; not
+ * before: the remote may still hold the old connection). A host
+ * connection's tuple (sandbox_ip 0, see to_uplink) is held while its
+ * host_nat entry lives. */
 static __always_inline int snat_port_reusable(const struct dp_rev_key *rk, int syn)
 {
 	struct dp_rev_val *old = bpf_map_lookup_elem(&ct_rev, rk);
 	if (!old)
 		return 1;
+	int reopen = syn && rk->proto == IPPROTO_TCP;
+	if (old->sandbox_ip == 0) {
+		struct dp_rev_key hk = {
+			.remote_ip = rk->remote_ip,
+			.remote_port = rk->remote_port,
+			.nat_port = old->guest_port,
+			.proto = rk->proto,
+		};
+		struct dp_ct_val *hv = bpf_map_lookup_elem(&host_nat, &hk);
+		if (!hv || hv->nat_port != rk->nat_port)
+			return 1; /* the host connection is gone */
+		if (!(reopen && tcp_closed(hv->state)))
+			return 0;
+		bpf_map_delete_elem(&host_nat, &hk);
+		return 1;
+	}
 	__u32 old_ip = old->sandbox_ip;
 	__u64 old_gen = old->gen;
 	struct dp_ct_key ok = {
@@ -470,61 +518,49 @@ static __always_inline int snat_port_reusable(const struct dp_rev_key *rk, int s
 	if (!ov || ov->gen != old_gen || ov->nat_port != rk->nat_port || ov->kind != DP_CT_SNAT)
 		return 1; /* the reverse entry outlived its flow */
 	struct dp_tap *owner = bpf_map_lookup_elem(&by_ip, &old_ip);
-	if (owner && owner->gen == old_gen &&
-	    !(syn && rk->proto == IPPROTO_TCP && ov->state == DP_TCP_CLOSING))
+	if (owner && owner->gen == old_gen && !(reopen && tcp_closed(ov->state)))
 		return 0;
 	bpf_map_delete_elem(&ct, &ok);
 	return 1;
 }
 
-/* Picks the SNAT port of a new flow: only ever a port of the SNAT range
- * (never the guest's own source port, which could be one the host's own
- * connections use), up to 32 probes from a hash of the flow. A port is
- * free when no live sandbox flow to the same remote endpoint holds it
- * (ct_rev, claimed atomically with BPF_NOEXIST, or taken over from a flow
- * that is over) and no host socket (listeners included) would receive the
- * reply tuple (asked only for the port just claimed: a socket lookup costs
- * more than a map update). */
-static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_config *c,
-				      const struct dp_ct_key *key, __u64 gen, int syn,
-				      __u16 *nat_port)
+/* Claims a port of the SNAT range for (remote, remote port, proto) in
+ * ct_rev with value `rv`: up to 32 probes from `h` (then steps of 7919).
+ * A port is free when no live flow to the same remote endpoint holds it
+ * (claimed atomically with BPF_NOEXIST, or taken over from a flow that is
+ * over) and no host socket (listeners included) would receive the reply
+ * tuple (asked only for the port just claimed: a socket lookup costs more
+ * than a map update). */
+static __always_inline int tuple_alloc(struct __sk_buff *skb, const struct dp_config *c,
+				       __u32 remote_ip, __u16 remote_port, __u8 proto,
+				       const struct dp_rev_val *rv, __u32 h, int syn,
+				       __u16 *nat_port)
 {
 	__u32 range = (__u32)c->snat_port_max - c->snat_port_min + 1;
 	if (c->snat_port_max < c->snat_port_min || range == 0)
 		return -1;
-	/* The first probe follows the guest's own port (its kernel already
-	 * spreads reuse of a port to one destination out in time, which the
-	 * remote's TIME_WAIT handling relies on), offset per sandbox so two
-	 * sandboxes using the same guest port do not contend. */
-	__u32 h = bpf_ntohs(key->guest_port) + key->sandbox_ip * 2654435761u;
 	struct dp_rev_key rk = {
-		.remote_ip = key->remote_ip,
-		.remote_port = key->remote_port,
-		.proto = key->proto,
-	};
-	struct dp_rev_val rv = {
-		.sandbox_ip = key->sandbox_ip,
-		.guest_port = key->guest_port,
-		.gen = gen,
+		.remote_ip = remote_ip,
+		.remote_port = remote_port,
+		.proto = proto,
 	};
 	for (int i = 0; i < 32; i++) {
 		__u16 p = bpf_htons(c->snat_port_min + (h + i * 7919u) % range);
 		if (p == 0)
 			continue;
 		rk.nat_port = p;
-		if (bpf_map_update_elem(&ct_rev, &rk, &rv, BPF_NOEXIST) != 0) {
+		if (bpf_map_update_elem(&ct_rev, &rk, rv, BPF_NOEXIST) != 0) {
 			if (!snat_port_reusable(&rk, syn) ||
-			    bpf_map_update_elem(&ct_rev, &rk, &rv, BPF_ANY) != 0)
+			    bpf_map_update_elem(&ct_rev, &rk, rv, BPF_ANY) != 0)
 				continue;
 			/* Another CPU may have taken the same port over at the
 			 * same time: the port is ours only if the entry says so. */
 			struct dp_rev_val *won = bpf_map_lookup_elem(&ct_rev, &rk);
-			if (!won || won->sandbox_ip != rv.sandbox_ip ||
-			    won->guest_port != rv.guest_port || won->gen != rv.gen)
+			if (!won || won->sandbox_ip != rv->sandbox_ip ||
+			    won->guest_port != rv->guest_port || won->gen != rv->gen)
 				continue;
 		}
-		if (host_socket(skb, key->proto, key->remote_ip, key->remote_port, c->uplink_ip,
-				p, 1)) {
+		if (host_socket(skb, proto, remote_ip, remote_port, c->uplink_ip, p, 1)) {
 			bpf_map_delete_elem(&ct_rev, &rk);
 			continue;
 		}
@@ -532,6 +568,26 @@ static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_con
 		return 0;
 	}
 	return -1;
+}
+
+/* Picks the SNAT port of a new sandbox flow, only ever from the SNAT range
+ * (never the guest's own source port, which could be one the host's own
+ * connections use). The first probe follows the guest's own port (its
+ * kernel already spreads reuse of a port to one destination out in time),
+ * offset per sandbox so two sandboxes using the same guest port do not
+ * contend. */
+static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_config *c,
+				      const struct dp_ct_key *key, __u64 gen, int syn,
+				      __u16 *nat_port)
+{
+	struct dp_rev_val rv = {
+		.sandbox_ip = key->sandbox_ip,
+		.guest_port = key->guest_port,
+		.gen = gen,
+	};
+	__u32 h = bpf_ntohs(key->guest_port) + key->sandbox_ip * 2654435761u;
+	return tuple_alloc(skb, c, key->remote_ip, key->remote_port, key->proto, &rv, h, syn,
+			   nat_port);
 }
 
 /* The port mapping for a packet to daddr:dport: the mapping on exactly that
@@ -552,6 +608,252 @@ static __always_inline int opens_flow(const struct dp_ct_val *v, const struct l4
 {
 	return !v || (l4->proto == IPPROTO_TCP &&
 		      (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN);
+}
+
+static __always_inline int hkey_eq(const struct dp_hflow_key *a, const struct dp_hflow_key *b)
+{
+	return a->saddr == b->saddr && a->daddr == b->daddr && a->sport == b->sport &&
+	       a->dport == b->dport && a->proto == b->proto;
+}
+
+/* Removes a host flow and its guest-side entry if that still points at it. */
+static __always_inline void hflow_drop(const struct dp_hflow_key *hk, const struct dp_hflow_val *hv)
+{
+	struct dp_hrev_key rk = {
+		.sandbox_ip = hv->sandbox_ip,
+		.guest_port = hv->guest_port,
+		.gw_port = hv->gw_port,
+		.proto = hk->proto,
+	};
+	struct dp_hrev_val *rv = bpf_map_lookup_elem(&hrev, &rk);
+	if (rv && hkey_eq(&rv->host, hk))
+		bpf_map_delete_elem(&hrev, &rk);
+	bpf_map_delete_elem(&hflow, hk);
+}
+
+/* The host flow `hk` of the sandbox at `sandbox_ip` whose owner has
+ * generation `gen`; one an earlier owner left behind is no flow (and is
+ * deleted). */
+static __always_inline struct dp_hflow_val *hflow_of(const struct dp_hflow_key *hk,
+						     __u32 sandbox_ip, __u64 gen)
+{
+	struct dp_hflow_val *hv = bpf_map_lookup_elem(&hflow, hk);
+	if (hv && (hv->gen != gen || hv->sandbox_ip != sandbox_ip)) {
+		hflow_drop(hk, hv);
+		return NULL;
+	}
+	return hv;
+}
+
+/* Whether the guest-side tuple `rk` may go to a new host flow: nobody
+ * holds it, its holder is gone (or an earlier owner's), or `syn` opens a
+ * new TCP connection where the holder's is closed. */
+static __always_inline int hrev_reusable(const struct dp_hrev_key *rk, __u64 gen, int syn)
+{
+	struct dp_hrev_val *old = bpf_map_lookup_elem(&hrev, rk);
+	if (!old)
+		return 1;
+	struct dp_hflow_key ok = old->host;
+	struct dp_hflow_val *ov = bpf_map_lookup_elem(&hflow, &ok);
+	if (!ov || ov->sandbox_ip != rk->sandbox_ip || ov->guest_port != rk->guest_port ||
+	    ov->gw_port != rk->gw_port)
+		return 1; /* the holder's flow is gone */
+	if (ov->gen == gen && !(syn && rk->proto == IPPROTO_TCP && tcp_closed(ov->state)))
+		return 0;
+	bpf_map_delete_elem(&hflow, &ok);
+	return 1;
+}
+
+/* The gateway-side port a new host -> sandbox flow shows the guest: the
+ * host's own source port when no other flow to that guest port uses it
+ * (what the guest sees is what the host sent), else another one, so two
+ * host connections never share a tuple in the guest (the host's own
+ * connections from one port over different addresses or paths would). */
+static __always_inline int hflow_alloc(const struct dp_hflow_key *hk, __u32 sandbox_ip,
+				       __u16 guest_port, __u64 gen, int syn, __u16 *gw_port)
+{
+	struct dp_hrev_key rk = {
+		.sandbox_ip = sandbox_ip,
+		.guest_port = guest_port,
+		.proto = hk->proto,
+	};
+	struct dp_hrev_val rv = {.host = *hk, .gen = gen};
+	__u32 h = bpf_ntohs(hk->sport) + hk->saddr * 2654435761u;
+	for (int i = 0; i < 16; i++) {
+		__u16 p = i == 0 ? hk->sport : bpf_htons(1024 + (h + i * 7919u) % 64512);
+		rk.gw_port = p;
+		if (bpf_map_update_elem(&hrev, &rk, &rv, BPF_NOEXIST) != 0) {
+			if (!hrev_reusable(&rk, gen, syn) ||
+			    bpf_map_update_elem(&hrev, &rk, &rv, BPF_ANY) != 0)
+				continue;
+			/* Taken over on two CPUs at once: ours only if it says so. */
+			struct dp_hrev_val *won = bpf_map_lookup_elem(&hrev, &rk);
+			if (!won || !hkey_eq(&won->host, hk) || won->gen != gen)
+				continue;
+		}
+		*gw_port = p;
+		return 0;
+	}
+	return -1;
+}
+
+/* Starts or continues the host flow `hk` (the host sending to the
+ * sandbox's `guest_port`); its gateway-side port, or -1 when none is free. */
+static __always_inline int hflow_in(const struct dp_hflow_key *hk, __u32 sandbox_ip,
+				    __u16 guest_port, __u64 gen, __u8 kind,
+				    const struct l4info *l4, __u16 *gw_port)
+{
+	struct dp_hflow_val *hv = hflow_of(hk, sandbox_ip, gen);
+	if (hv && hv->guest_port == guest_port && hv->kind == kind) {
+		hv->last_seen_ns = bpf_ktime_get_ns();
+		hv->state = tcp_state(hv->state, l4, DIR_IN);
+		*gw_port = hv->gw_port;
+		return 0;
+	}
+	if (hv)
+		hflow_drop(hk, hv);
+	int syn = l4->proto == IPPROTO_TCP && (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
+	if (hflow_alloc(hk, sandbox_ip, guest_port, gen, syn, gw_port)) {
+		count(DP_C_NO_GW_PORT);
+		return -1;
+	}
+	struct dp_hflow_val nv = {
+		.last_seen_ns = bpf_ktime_get_ns(),
+		.gen = gen,
+		.sandbox_ip = sandbox_ip,
+		.guest_port = guest_port,
+		.gw_port = *gw_port,
+		.kind = kind,
+		.state = tcp_state(DP_TCP_OPEN, l4, DIR_IN),
+	};
+	bpf_map_update_elem(&hflow, hk, &nv, BPF_ANY);
+	return 0;
+}
+
+/* guest -> 169.254.68.5. A reply of a host flow goes back exactly where
+ * that flow came from (the sandbox IP via the gateway device, or a mapped
+ * address via lo); anything else is a flow the guest opens to the host,
+ * delivered as sandbox IP -> gateway-device IP with its ports kept. */
+static __always_inline int guest_to_host(struct __sk_buff *skb, const struct dp_config *c,
+					 const struct dp_sandbox *sb, const struct iphdr *ip,
+					 const struct l4info *l4)
+{
+	__u8 kind = DP_HF_GWDEV;
+	if (!l4->frag && !l4->first_frag &&
+	    (l4->proto == IPPROTO_TCP || l4->proto == IPPROTO_UDP)) {
+		struct dp_hrev_key rk = {
+			.sandbox_ip = sb->sandbox_ip,
+			.guest_port = l4->sport,
+			.gw_port = l4->dport,
+			.proto = l4->proto,
+		};
+		struct dp_hflow_key hk;
+		struct dp_hflow_val *hv = NULL;
+		struct dp_hrev_val *rv = bpf_map_lookup_elem(&hrev, &rk);
+		if (rv && rv->gen == sb->gen) {
+			hk = rv->host;
+			hv = hflow_of(&hk, sb->sandbox_ip, sb->gen);
+			if (hv && (hv->guest_port != l4->sport || hv->gw_port != l4->dport))
+				hv = NULL;
+		}
+		if (!hv) {
+			if (rv)
+				bpf_map_delete_elem(&hrev, &rk);
+			/* A flow the guest opens: the host sees sandbox IP ->
+			 * gateway-device IP, ports as the guest chose them. */
+			hk.saddr = c->host_ip;
+			hk.daddr = sb->sandbox_ip;
+			hk.sport = l4->dport;
+			hk.dport = l4->sport;
+			hk.proto = l4->proto;
+			hk.pad[0] = hk.pad[1] = hk.pad[2] = 0;
+			struct dp_hrev_val nrv = {.host = hk, .gen = sb->gen};
+			bpf_map_update_elem(&hrev, &rk, &nrv, BPF_ANY);
+			struct dp_hflow_val nv = {
+				.last_seen_ns = bpf_ktime_get_ns(),
+				.gen = sb->gen,
+				.sandbox_ip = sb->sandbox_ip,
+				.guest_port = l4->sport,
+				.gw_port = l4->dport,
+				.kind = DP_HF_GWDEV,
+				.state = tcp_state(DP_TCP_OPEN, l4, DIR_OUT),
+			};
+			bpf_map_update_elem(&hflow, &hk, &nv, BPF_ANY);
+		} else {
+			hv->last_seen_ns = bpf_ktime_get_ns();
+			hv->state = tcp_state(hv->state, l4, DIR_OUT);
+			kind = hv->kind;
+		}
+		/* The host's tuple, reversed. */
+		if (set_addr(skb, IP_SRC_OFF, ip->saddr, hk.daddr, l4) ||
+		    set_addr(skb, IP_DST_OFF, ip->daddr, hk.saddr, l4) ||
+		    set_port(skb, src_port_off(l4), l4->sport, hk.dport, l4) ||
+		    set_port(skb, dst_port_off(l4), l4->dport, hk.sport, l4))
+			return TC_ACT_SHOT;
+	} else if (set_addr(skb, IP_SRC_OFF, ip->saddr, sb->sandbox_ip, l4) ||
+		   set_addr(skb, IP_DST_OFF, ip->daddr, c->host_ip, l4)) {
+		return TC_ACT_SHOT;
+	}
+	if (kind == DP_HF_LO) {
+		__u8 zero[6] = {};
+		if (set_macs(skb, zero, zero))
+			return TC_ACT_SHOT;
+		count(DP_C_LOCAL);
+		return bpf_redirect(LOOPBACK_IFINDEX, BPF_F_INGRESS);
+	}
+	if (set_macs(skb, c->gwdev_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	count(DP_C_HOST);
+	return bpf_redirect(c->gwdev_ifindex, BPF_F_INGRESS);
+}
+
+/* The first fragment of a datagram that goes to a sandbox: the fragments
+ * after it (no ports) follow it there, with the same addresses. */
+static __always_inline void frag_note(const struct iphdr *ip, __u32 ifindex, __u64 gen,
+				      __u32 new_saddr, __u32 new_daddr)
+{
+	struct dp_frag_key fk = {
+		.saddr = ip->saddr,
+		.daddr = ip->daddr,
+		.id = ip->id,
+		.proto = ip->protocol,
+	};
+	struct dp_frag_val fv = {
+		.first_seen_ns = bpf_ktime_get_ns(),
+		.gen = gen,
+		.ifindex = ifindex,
+		.new_saddr = new_saddr,
+		.new_daddr = new_daddr,
+	};
+	bpf_map_update_elem(&frags, &fk, &fv, BPF_ANY);
+}
+
+/* A fragment after the first: where its first sibling went (still the same
+ * sandbox's TAP), else -1 (the host's own, or its first sibling has not
+ * arrived: the host's reassembly times out without an ICMP error). */
+static __always_inline int frag_follow(struct __sk_buff *skb, const struct dp_config *c,
+				       const struct iphdr *ip, const struct l4info *l4)
+{
+	struct dp_frag_key fk = {
+		.saddr = ip->saddr,
+		.daddr = ip->daddr,
+		.id = ip->id,
+		.proto = ip->protocol,
+	};
+	struct dp_frag_val *fv = bpf_map_lookup_elem(&frags, &fk);
+	if (!fv || bpf_ktime_get_ns() - fv->first_seen_ns > FRAG_TTL_NS)
+		return -1;
+	__u32 ifindex = fv->ifindex;
+	__u32 new_saddr = fv->new_saddr, new_daddr = fv->new_daddr;
+	struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
+	if (!sb || sb->gen != fv->gen)
+		return -1;
+	if (set_addr(skb, IP_SRC_OFF, ip->saddr, new_saddr, l4) ||
+	    set_addr(skb, IP_DST_OFF, ip->daddr, new_daddr, l4) ||
+	    set_macs(skb, c->guest_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	count(DP_C_FRAG);
+	return bpf_redirect(ifindex, 0);
 }
 
 static __always_inline int forward_out(struct __sk_buff *skb, const struct dp_config *c,
@@ -607,7 +909,8 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 					  const struct dp_sandbox *sb, const struct iphdr *ip,
 					  const struct l4info *l4)
 {
-	if (!c->uplink_ip || l4->frag) {
+	/* Guest fragments are dropped: NAT needs every piece's ports. */
+	if (!c->uplink_ip || l4->frag || l4->first_frag) {
 		count(DP_C_NO_ROUTE);
 		return TC_ACT_SHOT;
 	}
@@ -629,7 +932,7 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 		return TC_ACT_SHOT;
 	}
 	if (v) {
-		touch(v, l4);
+		touch(v, l4, DIR_OUT);
 		nat_port = v->nat_port;
 	} else {
 		int syn = l4->proto == IPPROTO_TCP &&
@@ -639,7 +942,7 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 			return TC_ACT_SHOT;
 		}
 		struct dp_ct_val nv = {.nat_port = nat_port, .kind = DP_CT_SNAT, .gen = sb->gen};
-		touch(&nv, l4);
+		touch(&nv, l4, DIR_OUT);
 		bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
 	}
 	if (set_addr(skb, IP_SRC_OFF, ip->saddr, c->uplink_ip, l4) ||
@@ -689,13 +992,31 @@ int from_guest(struct __sk_buff *skb)
 		count(DP_C_SPOOF_DROP);
 		return TC_ACT_SHOT;
 	}
-	if (ip.daddr == c->gateway_ip) {
-		int rc = local_reply(skb, c, sb, &ip, &l4);
-		if (rc >= 0)
-			return rc;
+	if (ip.daddr == c->gateway_ip)
 		return guest_to_host(skb, c, sb, &ip, &l4);
-	}
 	return guest_to_world(skb, c, sb, &ip, &l4);
+}
+
+/* A reply to a host connection that to_uplink moved off a sandbox flow's
+ * tuple gets its own port back; the host's stack takes it from there. */
+static __always_inline int host_nat_reply(struct __sk_buff *skb, const struct dp_rev_key *rk,
+					  const struct dp_rev_val *rv, const struct l4info *l4)
+{
+	struct dp_rev_key hk = {
+		.remote_ip = rk->remote_ip,
+		.remote_port = rk->remote_port,
+		.nat_port = rv->guest_port,
+		.proto = rk->proto,
+	};
+	struct dp_ct_val *hv = bpf_map_lookup_elem(&host_nat, &hk);
+	if (!hv || hv->nat_port != rk->nat_port) {
+		bpf_map_delete_elem(&ct_rev, rk);
+		return TC_ACT_OK;
+	}
+	touch(hv, l4, DIR_IN);
+	if (set_port(skb, dst_port_off(l4), rk->nat_port, hk.nat_port, l4))
+		return TC_ACT_SHOT;
+	return TC_ACT_OK;
 }
 
 SEC("classifier")
@@ -709,8 +1030,12 @@ int from_uplink(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	struct iphdr ip;
 	struct l4info l4;
-	if (parse_ipv4(skb, &ip, &l4) || l4.frag || ip.daddr != c->uplink_ip)
+	if (parse_ipv4(skb, &ip, &l4) || ip.daddr != c->uplink_ip)
 		return TC_ACT_OK;
+	if (l4.frag) {
+		int rc = frag_follow(skb, c, &ip, &l4);
+		return rc < 0 ? TC_ACT_OK : rc;
+	}
 	if (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP &&
 	    !(l4.proto == IPPROTO_ICMP && l4.icmp_type == ICMP_ECHOREPLY))
 		return TC_ACT_OK;
@@ -725,6 +1050,8 @@ int from_uplink(struct __sk_buff *skb)
 		.proto = l4.proto,
 	};
 	struct dp_rev_val *rv = bpf_map_lookup_elem(&ct_rev, &rk);
+	if (rv && rv->sandbox_ip == 0)
+		return host_nat_reply(skb, &rk, rv, &l4);
 	if (rv) {
 		sandbox_ip = rv->sandbox_ip;
 		guest_port = rv->guest_port;
@@ -750,16 +1077,10 @@ int from_uplink(struct __sk_buff *skb)
 			drop_stale(&key, v);
 			return TC_ACT_OK;
 		}
-		if (host_socket(skb, l4.proto, ip.saddr, l4.sport, ip.daddr, l4.dport, 0)) {
-			/* The host has a connection on this very tuple: the host
-			 * wins. The sandbox's flow is forgotten, so its next
-			 * packet takes another SNAT port. */
-			bpf_map_delete_elem(&ct, &key);
-			bpf_map_delete_elem(&ct_rev, &rk);
-			count(DP_C_SNAT_HOST_SOCKET);
-			return TC_ACT_OK;
-		}
-		touch(v, &l4);
+		/* A live sandbox flow owns its tuple: no host socket can take
+		 * its replies (to_uplink moves a host connection that would
+		 * use the same tuple to another port). */
+		touch(v, &l4, DIR_IN);
 		count(DP_C_SNAT_REPLY);
 	} else {
 		if (l4.proto == IPPROTO_ICMP)
@@ -793,16 +1114,18 @@ int from_uplink(struct __sk_buff *skb)
 			return TC_ACT_OK;
 		}
 		if (v) {
-			touch(v, &l4);
+			touch(v, &l4, DIR_IN);
 		} else {
 			struct dp_ct_val nv = {.nat_port = l4.dport, .kind = DP_CT_PORTMAP,
 					       .gen = tap->gen};
-			touch(&nv, &l4);
+			touch(&nv, &l4, DIR_IN);
 			bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
 		}
 		count(DP_C_PORTMAP);
 	}
 	__u32 tap_ifindex = tap->ifindex;
+	if (l4.first_frag)
+		frag_note(&ip, tap_ifindex, tap->gen, ip.saddr, c->guest_ip);
 	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
 	    set_port(skb, dst_port_off(&l4), l4.dport, guest_port, &l4) ||
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
@@ -810,7 +1133,8 @@ int from_uplink(struct __sk_buff *skb)
 	return bpf_redirect(tap_ifindex, 0);
 }
 
-/* The reply side of a port-mapped flow leaves with the mapped host port. */
+/* host -> sandbox IP (routed into the gateway device): to the guest, from
+ * the gateway, with a gateway-side port of its own (hflow). */
 SEC("classifier")
 int to_sandbox_ip(struct __sk_buff *skb)
 {
@@ -828,14 +1152,34 @@ int to_sandbox_ip(struct __sk_buff *skb)
 	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &dst);
 	if (!tap)
 		return TC_ACT_OK;
-	if (l4.frag) /* addresses cannot be rewritten without the L4 header */
-		return TC_ACT_SHOT;
+	if (l4.frag) {
+		int rc = frag_follow(skb, c, &ip, &l4);
+		return rc < 0 ? TC_ACT_SHOT : rc;
+	}
+	__u32 tap_ifindex = tap->ifindex;
+	__u64 gen = tap->gen;
+	if (l4.proto == IPPROTO_TCP || l4.proto == IPPROTO_UDP) {
+		struct dp_hflow_key hk = {
+			.saddr = ip.saddr,
+			.daddr = ip.daddr,
+			.sport = l4.sport,
+			.dport = l4.dport,
+			.proto = l4.proto,
+		};
+		__u16 gw_port;
+		if (hflow_in(&hk, dst, l4.dport, gen, DP_HF_GWDEV, &l4, &gw_port))
+			return TC_ACT_SHOT;
+		if (set_port(skb, src_port_off(&l4), l4.sport, gw_port, &l4))
+			return TC_ACT_SHOT;
+	}
+	if (l4.first_frag)
+		frag_note(&ip, tap_ifindex, gen, c->gateway_ip, c->guest_ip);
 	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
 	    set_addr(skb, IP_SRC_OFF, ip.saddr, c->gateway_ip, &l4) ||
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
 	count(DP_C_TO_SANDBOX_IP);
-	return bpf_redirect(tap->ifindex, 0);
+	return bpf_redirect(tap_ifindex, 0);
 }
 
 SEC("classifier")
@@ -849,7 +1193,7 @@ int from_host(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	struct iphdr ip;
 	struct l4info l4;
-	if (parse_ipv4(skb, &ip, &l4) || l4.frag ||
+	if (parse_ipv4(skb, &ip, &l4) || l4.frag || l4.first_frag ||
 	    (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP))
 		return TC_ACT_OK;
 	/* Everything leaving through lo is addressed to the node itself. A
@@ -865,35 +1209,101 @@ int from_host(struct __sk_buff *skb)
 	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
 	if (!tap)
 		return TC_ACT_OK;
-	struct dp_ct_key key = {
-		.sandbox_ip = sandbox_ip,
-		.remote_ip = c->gateway_ip,
-		.guest_port = container_port,
-		.remote_port = l4.sport,
+	__u32 tap_ifindex = tap->ifindex;
+	__u64 gen = tap->gen;
+	struct dp_hflow_key hk = {
+		.saddr = ip.saddr,
+		.daddr = ip.daddr,
+		.sport = l4.sport,
+		.dport = l4.dport,
 		.proto = l4.proto,
 	};
-	struct dp_ct_val *v = flow_of(&key, tap->gen);
-	if (opens_flow(v, &l4) &&
+	struct dp_hflow_val *hv = hflow_of(&hk, sandbox_ip, gen);
+	int opens = !hv || (l4.proto == IPPROTO_TCP &&
+			    (l4.tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN);
+	if (opens &&
 	    host_socket(skb, l4.proto, ip.saddr, l4.sport, ip.daddr, l4.dport, 1)) {
 		/* A host socket listens there: the host wins (new flows). */
-		if (v)
-			bpf_map_delete_elem(&ct, &key);
+		if (hv)
+			hflow_drop(&hk, hv);
 		count(DP_C_PORTMAP_HOST_SOCKET);
 		return TC_ACT_OK;
 	}
-	if (v) {
-		touch(v, &l4);
-	} else {
-		struct dp_ct_val nv = {.nat_port = l4.dport, .kind = DP_CT_LOCAL,
-				       .local_addr = ip.daddr, .gen = tap->gen};
-		touch(&nv, &l4);
-		bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
-	}
+	__u16 gw_port;
+	if (hflow_in(&hk, sandbox_ip, container_port, gen, DP_HF_LO, &l4, &gw_port))
+		return TC_ACT_SHOT;
 	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
 	    set_addr(skb, IP_SRC_OFF, ip.saddr, c->gateway_ip, &l4) ||
 	    set_port(skb, dst_port_off(&l4), l4.dport, container_port, &l4) ||
+	    set_port(skb, src_port_off(&l4), l4.sport, gw_port, &l4) ||
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
 	count(DP_C_LOCAL);
-	return bpf_redirect(tap->ifindex, 0);
+	return bpf_redirect(tap_ifindex, 0);
+}
+
+/* The host's own traffic leaving the uplink (and what the host forwards,
+ * e.g. netfilter-masqueraded containers): a connection whose source port
+ * lies in the SNAT range takes its tuple in the same space as sandbox
+ * flows (ct_rev), so a sandbox never gets its replies; if a live sandbox
+ * flow holds the tuple already, the host connection leaves with another
+ * port of the range instead (and from_uplink gives its replies their port
+ * back), as conntrack does for clashing connections. Sandbox packets
+ * (redirected here by from_guest, already translated) pass untouched. */
+SEC("classifier")
+int to_uplink(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!c || !c->uplink_ip)
+		return TC_ACT_OK;
+	struct ethhdr eth;
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) || eth.h_proto != bpf_htons(ETH_P_IP))
+		return TC_ACT_OK;
+	struct iphdr ip;
+	struct l4info l4;
+	if (parse_ipv4(skb, &ip, &l4) || l4.frag || ip.saddr != c->uplink_ip)
+		return TC_ACT_OK;
+	if (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP &&
+	    !(l4.proto == IPPROTO_ICMP && l4.icmp_type == ICMP_ECHO))
+		return TC_ACT_OK;
+	__u16 port = bpf_ntohs(l4.sport);
+	if (port < c->snat_port_min || port > c->snat_port_max)
+		return TC_ACT_OK;
+	__u32 iif = skb->ingress_ifindex;
+	if (iif && bpf_map_lookup_elem(&sandboxes, &iif))
+		return TC_ACT_OK;
+	struct dp_rev_key hk = {
+		.remote_ip = ip.daddr,
+		.remote_port = l4.proto == IPPROTO_ICMP ? 0 : l4.dport,
+		.nat_port = l4.sport,
+		.proto = l4.proto,
+	};
+	__u16 out;
+	struct dp_ct_val *hv = bpf_map_lookup_elem(&host_nat, &hk);
+	if (hv) {
+		touch(hv, &l4, DIR_OUT);
+		out = hv->nat_port;
+	} else {
+		struct dp_rev_val rv = {.sandbox_ip = 0, .guest_port = l4.sport, .gen = 0};
+		int syn = l4.proto == IPPROTO_TCP &&
+			  (l4.tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
+		if (bpf_map_update_elem(&ct_rev, &hk, &rv, BPF_NOEXIST) == 0 ||
+		    (snat_port_reusable(&hk, syn) &&
+		     bpf_map_update_elem(&ct_rev, &hk, &rv, BPF_ANY) == 0)) {
+			out = l4.sport;
+		} else if (tuple_alloc(skb, c, hk.remote_ip, hk.remote_port, hk.proto, &rv,
+				       port + ip.daddr * 2654435761u, syn, &out)) {
+			/* The whole range is held to this remote endpoint: the
+			 * connection keeps its port (as before this program). */
+			return TC_ACT_OK;
+		} else {
+			count(DP_C_HOST_REMAP);
+		}
+		struct dp_ct_val nv = {.nat_port = out, .kind = DP_CT_HOST};
+		touch(&nv, &l4, DIR_OUT);
+		bpf_map_update_elem(&host_nat, &hk, &nv, BPF_ANY);
+	}
+	if (out != l4.sport && set_port(skb, src_port_off(&l4), l4.sport, out, &l4))
+		return TC_ACT_SHOT;
+	return TC_ACT_OK;
 }

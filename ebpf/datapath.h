@@ -88,9 +88,15 @@ struct dp_ct_val {
 }; /* 24 bytes */
 #define DP_CT_SNAT 0
 #define DP_CT_PORTMAP 1
-#define DP_CT_LOCAL 2     /* host -> 127.x / uplink IP : host port, via lo */
+#define DP_CT_LOCAL 2     /* (earlier builds; host flows are in hflow now) */
+#define DP_CT_HOST 3      /* host_nat: a host connection in the SNAT range */
+/* TCP state bits of a flow; 0 = open. Any bit: closing (short timeout).
+ * RST, or a FIN each way: closed (its tuple may be taken by a new SYN of
+ * another flow, as the kernel reuses a TIME_WAIT tuple). */
 #define DP_TCP_OPEN 0
-#define DP_TCP_CLOSING 1  /* FIN or RST seen */
+#define DP_TCP_FIN_OUT 1  /* FIN from the sandbox (host_nat: from the host) */
+#define DP_TCP_FIN_IN 2   /* FIN from the other end */
+#define DP_TCP_RST 4
 
 /* SNAT replies: (remote, remote port, nat port) -> the sandbox's flow */
 struct dp_rev_key {
@@ -107,6 +113,60 @@ struct dp_rev_val {
 	__u64 gen;             /* as in the forward entry */
 }; /* 16 bytes */
 
+/* Host <-> sandbox flows (the host's own connections to a sandbox IP or a
+ * mapped port, and the guest's to the gateway): keyed by the host's tuple
+ * as the host sends it (host address and port -> sandbox side). */
+struct dp_hflow_key {
+	__u32 saddr;
+	__u32 daddr;
+	__u16 sport;
+	__u16 dport;
+	__u8 proto;
+	__u8 pad[3];
+}; /* 16 bytes */
+struct dp_hflow_val {
+	__u64 last_seen_ns;
+	__u64 gen;             /* the sandbox owner's generation */
+	__u32 sandbox_ip;
+	__u16 guest_port;      /* the guest's port */
+	__u16 gw_port;         /* the port the guest sees on 169.254.68.5 */
+	__u8 kind;             /* DP_HF_* */
+	__u8 state;            /* DP_TCP_* bits */
+	__u8 pad[6];
+}; /* 32 bytes */
+#define DP_HF_GWDEV 0     /* via the gateway device: to the sandbox IP, or the guest to the gateway */
+#define DP_HF_LO 1        /* via lo: the host to a mapped port */
+/* The guest's side of a host flow: every one has a tuple of its own. */
+struct dp_hrev_key {
+	__u32 sandbox_ip;
+	__u16 guest_port;
+	__u16 gw_port;
+	__u8 proto;
+	__u8 pad[3];
+}; /* 12 bytes */
+struct dp_hrev_val {
+	struct dp_hflow_key host;
+	__u64 gen;
+}; /* 24 bytes */
+
+/* IP fragments after the first carry no ports: the first fragment of a
+ * datagram for a sandbox records where the rest goes. */
+struct dp_frag_key {
+	__u32 saddr;
+	__u32 daddr;
+	__u16 id;
+	__u8 proto;
+	__u8 pad;
+}; /* 12 bytes */
+struct dp_frag_val {
+	__u64 first_seen_ns;
+	__u64 gen;             /* the TAP owner's generation (sandboxes) */
+	__u32 ifindex;         /* the sandbox's TAP */
+	__u32 new_saddr;
+	__u32 new_daddr;
+	__u32 pad;
+}; /* 32 bytes */
+
 /* counters (per CPU) */
 enum dp_counter {
 	DP_C_ARP_REPLY,
@@ -122,7 +182,10 @@ enum dp_counter {
 	DP_C_MALFORMED,
 	DP_C_LOCAL,
 	DP_C_PORTMAP_HOST_SOCKET, /* a new flow to a mapped port went to a host socket */
-	DP_C_SNAT_HOST_SOCKET,    /* a reply matching a SNAT flow went to a host socket */
+	DP_C_SNAT_HOST_SOCKET,    /* (earlier builds) */
+	DP_C_HOST_REMAP,          /* a host connection moved off a sandbox flow's tuple */
+	DP_C_FRAG,                /* an IP fragment after the first forwarded to a sandbox */
+	DP_C_NO_GW_PORT,          /* a host -> sandbox flow found no free gateway-side port */
 	DP_C_MAX,
 };
 

@@ -128,9 +128,12 @@ pub struct Config {
     pub datapath: DatapathKind,
     /// bpffs directory for this instance's pinned maps.
     pub bpf_pin_dir: PathBuf,
-    /// SNAT source ports for guest flows: outside `host_port_range`; by
-    /// default the range Linux guests pick their own source ports from, so
-    /// a guest port maps one-to-one onto a SNAT port (docs/datapath.md).
+    /// SNAT source ports for guest flows, "LO-HI" or "auto" (the default):
+    /// the largest range of ports 1024-65535 outside the host's own
+    /// ephemeral ports (`net.ipv4.ip_local_port_range`), `host_port_range`
+    /// and `allowed_host_ports`, so the host's own connections never pick a
+    /// port a sandbox flow uses (docs/datapath.md). An explicit range must
+    /// stay outside those too.
     pub snat_port_range: String,
     /// Idle timeouts of datapath flows, seconds.
     pub flow_timeout_tcp: u32,
@@ -165,7 +168,7 @@ impl Default for Config {
             retire_group: 0xc0be,
             datapath: DatapathKind::Ebpf,
             bpf_pin_dir: "/sys/fs/bpf/cube-network-agent".into(),
-            snat_port_range: "32768-60999".into(),
+            snat_port_range: "auto".into(),
             flow_timeout_tcp: 600,
             flow_timeout_tcp_closing: 10,
             flow_timeout_udp: 60,
@@ -257,7 +260,110 @@ pub fn valid_ifname(name: &str) -> bool {
             .any(|b| b == b'/' || b == b':' || b.is_ascii_whitespace())
 }
 
+/// The host's own ephemeral ports (`net.ipv4.ip_local_port_range` of the
+/// agent's network namespace), if readable.
+pub fn host_ephemeral_ports() -> Option<(u16, u16)> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let mut it = text.split_whitespace().map(|p| p.parse::<u16>().ok());
+    Some((it.next()??, it.next()??))
+}
+
+fn overlaps(a: (u16, u16), b: (u16, u16)) -> bool {
+    a.0 <= b.1 && b.0 <= a.1
+}
+
+/// The largest range of ports 1024-65535 that overlaps none of `taken`
+/// and holds no port of `points`; ties go to the lower range.
+pub fn largest_free_range(taken: &[(u16, u16)], points: &PortSet) -> Option<(u16, u16)> {
+    let mut best: Option<(u16, u16)> = None;
+    let mut start: Option<u16> = None;
+    for p in 1024..=u16::MAX {
+        let free = !points.contains(p) && !taken.iter().any(|r| (r.0..=r.1).contains(&p));
+        match (free, start) {
+            (true, None) => start = Some(p),
+            (false, Some(s)) => {
+                if best.is_none_or(|b| p - s > b.1 - b.0 + 1) {
+                    best = Some((s, p - 1));
+                }
+                start = None;
+            }
+            _ => {}
+        }
+    }
+    if let Some(s) = start
+        && best.is_none_or(|b| u16::MAX - s > b.1 - b.0)
+    {
+        best = Some((s, u16::MAX));
+    }
+    best
+}
+
 impl Config {
+    /// The SNAT port range: "auto" or an explicit one, never overlapping
+    /// the host's ephemeral ports (`ephemeral`, when known), the automatic
+    /// host ports of port mappings (`host_range`) or the explicitly allowed
+    /// ones: a SNAT port the host's own connections can pick is a sandbox
+    /// connection the host can reset, or a host reply a sandbox receives.
+    pub fn snat_ports(
+        &self,
+        ephemeral: Option<(u16, u16)>,
+        host_range: (u16, u16),
+        allowed: &PortSet,
+    ) -> Result<(u16, u16), ConfigError> {
+        let mut taken = vec![host_range];
+        taken.extend(ephemeral);
+        if self.snat_port_range == "auto" {
+            return largest_free_range(&taken, allowed)
+                .filter(|r| r.1 - r.0 >= 1023)
+                .ok_or_else(|| {
+                    invalid(
+                        "snat_port_range",
+                        format!(
+                            "auto: ports 1024-65535 outside the host's ephemeral ports {} and \
+                             host_port_range {} leave no range of 1024 ports; set one explicitly",
+                            ephemeral.map_or("(unknown)".into(), |(a, b)| format!("{a}-{b}")),
+                            self.host_port_range
+                        ),
+                    )
+                });
+        }
+        let snat = parse_range(&self.snat_port_range)
+            .map_err(|e| invalid("snat_port_range", e.to_string()))?;
+        if overlaps(snat, host_range) {
+            return Err(invalid(
+                "snat_port_range",
+                format!(
+                    "{} overlaps host_port_range {}",
+                    self.snat_port_range, self.host_port_range
+                ),
+            ));
+        }
+        if let Some(e) = ephemeral
+            && overlaps(snat, e)
+        {
+            return Err(invalid(
+                "snat_port_range",
+                format!(
+                    "{} overlaps the host's own ephemeral ports {}-{} \
+                     (net.ipv4.ip_local_port_range): the kernel would give the host's \
+                     connections ports that sandbox flows hold; use \"auto\" or a range \
+                     outside it",
+                    self.snat_port_range, e.0, e.1
+                ),
+            ));
+        }
+        if let Some(p) = (snat.0..=snat.1).find(|p| allowed.contains(*p)) {
+            return Err(invalid(
+                "snat_port_range",
+                format!(
+                    "{} contains port {p} of allowed_host_ports (mapped by sandboxes)",
+                    self.snat_port_range
+                ),
+            ));
+        }
+        Ok(snat)
+    }
+
     pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
         toml::from_str(text).map_err(|e| {
             // Say which line and key, so "invalid type" is actionable.
@@ -451,17 +557,8 @@ impl Config {
                 format!("'{}' must be an absolute path", self.bpf_pin_dir.display()),
             ));
         }
-        let snat_ports = parse_range(&self.snat_port_range)
-            .map_err(|e| invalid("snat_port_range", e.to_string()))?;
-        if snat_ports.0 <= port_high && port_low <= snat_ports.1 {
-            return Err(invalid(
-                "snat_port_range",
-                format!(
-                    "{} overlaps host_port_range {}",
-                    self.snat_port_range, self.host_port_range
-                ),
-            ));
-        }
+        let ephemeral = host_ephemeral_ports();
+        let snat_ports = self.snat_ports(ephemeral, (port_low, port_high), &allowed_ports)?;
         for (key, v) in [
             ("flow_timeout_tcp", self.flow_timeout_tcp),
             ("flow_timeout_tcp_closing", self.flow_timeout_tcp_closing),
@@ -515,7 +612,7 @@ Options (each overrides the same key of the config file):
   --runtime-dir PATH         runtime files [default: $RUNTIME_DIRECTORY or /run/cube-network-agent]
   --datapath ebpf|none       packet datapath [default: ebpf]
   --bpf-pin-dir PATH         bpffs directory for pinned maps [default: /sys/fs/bpf/cube-network-agent]
-  --snat-port-range LO-HI    SNAT source ports [default: 32768-60999]
+  --snat-port-range LO-HI    SNAT source ports, or auto [default: auto: outside the host's ephemeral ports]
   --flow-timeout-udp SECS    idle timeout of UDP flows [default: 60] (also -tcp, -tcp-closing, -icmp)
   --log-level FILTER         tracing filter [default: info]
   --print-config             print the effective configuration as TOML and exit
@@ -818,6 +915,14 @@ mod tests {
             ),
             (
                 Config {
+                    snat_port_range: "8000-9000".into(),
+                    allowed_host_ports: "8080".into(),
+                    ..Default::default()
+                },
+                "allowed_host_ports",
+            ),
+            (
+                Config {
                     flow_timeout_udp: 0,
                     ..Default::default()
                 },
@@ -828,6 +933,51 @@ mod tests {
             let e = err_of(cfg);
             assert!(e.contains(want), "error {e:?} should mention {want:?}");
         }
+    }
+
+    #[test]
+    fn snat_ports_stay_out_of_the_hosts_ports() {
+        let none = PortSet::default();
+        let eph = Some((32768, 60999));
+        let auto = Config::default();
+        // Defaults: the largest gap next to 20000-29999 and 32768-60999.
+        assert_eq!(
+            auto.snat_ports(eph, (20000, 29999), &none).unwrap(),
+            (1024, 19999)
+        );
+        // Another ephemeral range, allowed ports cut ranges.
+        assert_eq!(
+            auto.snat_ports(Some((1024, 50000)), (20000, 29999), &none)
+                .unwrap(),
+            (50001, 65535)
+        );
+        let allowed: PortSet = "10000".parse().unwrap();
+        assert_eq!(
+            auto.snat_ports(eph, (20000, 29999), &allowed).unwrap(),
+            (10001, 19999)
+        );
+        // Nothing left of 1024 ports: a clear error.
+        let e = auto
+            .snat_ports(Some((1024, 65535)), (20000, 29999), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("snat_port_range") && e.contains("auto"), "{e}");
+        // Explicit ranges must stay outside the host's ephemeral ports.
+        let explicit = Config {
+            snat_port_range: "32768-60999".into(),
+            ..Default::default()
+        };
+        let e = explicit
+            .snat_ports(eph, (20000, 29999), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("ip_local_port_range"), "{e}");
+        assert_eq!(
+            explicit
+                .snat_ports(Some((1024, 20000)), (20001, 29999), &none)
+                .unwrap(),
+            (32768, 60999)
+        );
     }
 
     #[test]

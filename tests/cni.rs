@@ -10,87 +10,18 @@ mod common;
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use common::ctr::{Ctr, Out, cni};
 use common::world::{self, NODE_IP, Server, World, in_netns};
 use common::{Env, opts, s};
 use serde_json::{Value, json};
 
 const GUEST: &str = "169.254.68.6/30";
 const GATEWAY: &str = "169.254.68.5";
-
-/// A container network namespace, deleted on drop.
-struct Ctr {
-    name: String,
-}
-
-impl Ctr {
-    fn new(tag: &str) -> Ctr {
-        let name = format!("cnic-{}-{tag}", std::process::id());
-        let _ = Command::new("ip")
-            .args(["netns", "del", &name])
-            .stderr(Stdio::null())
-            .status();
-        assert!(
-            Command::new("ip")
-                .args(["netns", "add", &name])
-                .status()
-                .unwrap()
-                .success()
-        );
-        Ctr { name }
-    }
-
-    fn path(&self) -> String {
-        format!("/run/netns/{}", self.name)
-    }
-
-    fn ip_json(&self, args: &[&str]) -> Value {
-        let out = Command::new("ip")
-            .args(["-n", &self.name, "-j"])
-            .args(args)
-            .output()
-            .unwrap();
-        serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
-    }
-
-    fn sh(&self, cmd: &str) -> String {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.name, "sh", "-c", cmd])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-}
-
-impl Drop for Ctr {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .stderr(Stdio::null())
-            .status();
-    }
-}
-
-/// One run of the plugin: exit status, stdout as JSON (Null if empty),
-/// stderr.
-#[derive(Debug)]
-struct Out {
-    ok: bool,
-    json: Value,
-    /// Shown by `{:?}` in assertion messages.
-    #[allow(dead_code)]
-    stderr: String,
-}
-
-impl Out {
-    fn code(&self) -> u64 {
-        self.json["code"].as_u64().unwrap_or(0)
-    }
-}
 
 fn conf(env: &Env, version: &str, extra: Value) -> Value {
     let mut c = json!({
@@ -104,35 +35,6 @@ fn conf(env: &Env, version: &str, extra: Value) -> Value {
         c[k] = v;
     }
     c
-}
-
-/// Runs cube-cni inside the node namespace (where runtimes run plugins).
-fn cni(env: &Env, vars: &[(&str, &str)], stdin: &[u8]) -> Out {
-    use std::io::Write;
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &env.ns])
-        .arg(env!("CARGO_BIN_EXE_cube-cni"))
-        .env_clear()
-        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    for (k, v) in vars {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().unwrap();
-    child.stdin.take().unwrap().write_all(stdin).unwrap();
-    let out = child.wait_with_output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    Out {
-        ok: out.status.success(),
-        json: if text.trim().is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_str(&text).unwrap_or_else(|e| panic!("stdout not JSON ({e}): {text}"))
-        },
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
 }
 
 fn verb(env: &Env, command: &str, cid: &str, ctr: Option<&Ctr>, conf: &Value) -> Out {

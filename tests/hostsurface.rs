@@ -1,6 +1,7 @@
 //! The host-facing surface of the datapath (issue "Safe host-facing
 //! surface"), with real packets: a port mapping's `host_ip` scopes it, a
-//! host socket wins over a mapping and over a SNAT flow on the same tuple,
+//! host socket wins over a mapping, a host connection never shares a tuple
+//! with a SNAT flow,
 //! SNAT ports come from `snat_port_range` only, replies of inbound flows
 //! are not subject to the sandbox's egress policy, and a failed attach
 //! leaves the previous datapath state in force. Root only.
@@ -293,46 +294,79 @@ async fn host_sockets_win_over_port_mappings() {
     assert_eq!(udp(w, at(NODE_IP, 22002), T).unwrap(), b"q");
 }
 
-/// SNAT ports come from snat_port_range only (here a single port), and a
-/// reply whose tuple belongs to a host socket reaches the host, not the
-/// sandbox whose flow uses the same (remote, SNAT port), TCP and UDP.
+/// SNAT ports come from snat_port_range only, and a host connection that
+/// would use the tuple of a live sandbox flow leaves with another port
+/// instead (to_uplink): the sandbox gets exactly its replies, the host
+/// exactly its own; a closed sandbox flow gives its tuple to the host.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn snat_uses_its_range_only_and_host_sockets_win_replies() {
+async fn snat_uses_its_range_only_and_host_connections_never_share_a_tuple() {
     require_root!();
-    let (env, world) = node(&["--snat-port-range", "61000-61000"]);
+    let (env, world) = node(&["--snat-port-range", "61000-61007"]);
     let c = env.client().await;
     let (_, g) = guest_for(&c, "snat", opts(vec![])).await;
-    let echo = world.udp_echo(5600);
-    assert_eq!(g.udp_send_recv(echo, b"g", T).unwrap(), b"world:g");
-    let peers = world.peers(5600);
-    assert_eq!(
-        peers,
-        vec![std::net::SocketAddr::V4(at(NODE_IP, 61000))],
-        "SNAT port from the range"
-    );
+    // The remote end of the sandbox's flow: a socket of this test in the
+    // world, so it can answer each side on its own.
+    let remote = at(world::WORLD_IP, 5601);
+    let w = udp_socket_in(&world.ns, remote);
+    w.set_read_timeout(Some(T)).unwrap();
+    std::thread::scope(|scope| {
+        // The guest sends and waits for an answer on its flow.
+        let guest = scope.spawn(|| g.udp_send_recv(remote, b"g", Duration::from_secs(10)));
+        let mut buf = [0u8; 64];
+        let (n, from) = w.recv_from(&mut buf).unwrap();
+        assert_eq!(&buf[..n], b"g");
+        let sandbox_port = from.port();
+        assert!(
+            (61000..=61007).contains(&sandbox_port),
+            "SNAT port from the range: {from}"
+        );
+        // A host socket bound to that very port (explicitly: the range is
+        // outside the host's ephemeral ports) talks to the same remote.
+        let mine = udp_socket_in(&env.ns, at(NODE_IP, sandbox_port));
+        mine.send_to(b"h", remote).unwrap();
+        let (n, host_from) = w.recv_from(&mut buf).unwrap();
+        assert_eq!(&buf[..n], b"h");
+        assert_ne!(
+            host_from.port(),
+            sandbox_port,
+            "the host connection left with another port"
+        );
+        assert!((61000..=61007).contains(&host_from.port()), "{host_from}");
+        // Each side gets its own answer, and only its own.
+        w.send_to(b"for-host", host_from).unwrap();
+        mine.set_read_timeout(Some(T)).unwrap();
+        let (n, _) = mine.recv_from(&mut buf).unwrap();
+        assert_eq!(&buf[..n], b"for-host", "the host got its reply on its port");
+        w.send_to(b"for-guest", from).unwrap();
+        assert_eq!(guest.join().unwrap().unwrap(), b"for-guest");
+        mine.set_read_timeout(Some(NO)).unwrap();
+        assert!(
+            mine.recv_from(&mut buf).is_err(),
+            "the sandbox's reply reached the host socket on its port"
+        );
+    });
 
-    // A host socket on the SNAT port the sandbox's flow to that remote uses:
-    // its replies reach the host.
-    let h = env.ns.as_str();
-    let mine = udp_socket_in(h, at(NODE_IP, 61000));
-    assert_eq!(udp_on(&mine, echo, b"h", T).unwrap(), b"world:h");
-
-    // TCP: the sandbox's flow to world:5700 holds SNAT port 61000 (the
-    // world refuses it, the flow entry stays); then the host connects from
-    // 61000 to the same remote.
+    // TCP: the sandbox's flow to world:5700 (refused: RST, closed) holds a
+    // port; a host connection from that port to the same remote takes the
+    // closed tuple as it is.
     let tcp_dst = World::world_addr(5700);
     assert!(
         g.tcp_connect_send_recv(tcp_dst, b"g", Duration::from_secs(2))
             .is_err()
     );
     world.tcp_server(5700);
-    assert_eq!(
-        tcp_from(h, at(NODE_IP, 61000), tcp_dst, T).unwrap(),
-        b"world:h"
-    );
+    // Whichever port the closed flow held: every port of the range serves
+    // a host connection to that remote.
+    for p in 61000..=61007 {
+        assert_eq!(
+            tcp_from(&env.ns, at(NODE_IP, p), tcp_dst, T).unwrap(),
+            b"world:h",
+            "host TCP from port {p}"
+        );
+    }
 
     let (_, checks) = c.health().await;
-    assert!(counter(&checks, "snat_host_socket") >= 2, "{checks:?}");
+    assert!(counter(&checks, "host_remap") >= 1, "{checks:?}");
 }
 
 /// With allow_internet_access=false, flows that come in (through a port

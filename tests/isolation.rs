@@ -4,12 +4,17 @@
 
 mod common;
 
-use std::net::SocketAddrV4;
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::ctr::{self, Ctr};
 use common::guest::{GATEWAY_MAC, GUEST_IP, GUEST_MAC, RawGuest, udp_frame};
-use common::world::{guest_for, node};
-use common::{Env, opts, s};
+use common::world::{NODE_IP, WORLD_IP, counter, guest_for, in_netns, node};
+use common::{Env, mappings, opts, ports, s};
+use serde_json::json;
+use zbus::zvariant::Value;
 
 const T: Duration = Duration::from_secs(5);
 
@@ -92,4 +97,388 @@ async fn a_tap_a_vmm_still_holds_never_reaches_the_next_sandbox() {
     assert!(wait_gone(&env, &tap_a), "{tap_a} was not deleted");
     let (healthy, checks) = c.health().await;
     assert!(healthy, "{checks:?}");
+}
+
+/// Raises this process's open-file limit to its hard limit (the tests below
+/// hold thousands of sockets).
+fn raise_nofile() {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write a live rlimit.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut l);
+        l.rlim_cur = l.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+    }
+}
+
+/// A TCP echo server in namespace `ns` on `addr`: every connection gets
+/// back what it sends, for as long as it stays open. Returns the peers it
+/// accepted, in order.
+fn echo_server(ns: &str, addr: SocketAddrV4) -> Arc<Mutex<Vec<SocketAddr>>> {
+    let listener = in_netns(ns, move || TcpListener::bind(addr)).unwrap();
+    let peers: Arc<Mutex<Vec<SocketAddr>>> = Arc::default();
+    let seen = peers.clone();
+    std::thread::spawn(move || {
+        for s in listener.incoming().flatten() {
+            if let Ok(p) = s.peer_addr() {
+                seen.lock().unwrap().push(p);
+            }
+            std::thread::Builder::new()
+                .stack_size(64 * 1024)
+                .spawn(move || {
+                    let mut s = s;
+                    let mut buf = [0u8; 256];
+                    while let Ok(n) = s.read(&mut buf) {
+                        if n == 0 || s.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                })
+                .unwrap();
+        }
+    });
+    peers
+}
+
+/// `n` TCP connections from namespace `ns` to `dst`, each from `bind` when
+/// given (else the kernel's choice).
+fn connections(ns: &str, dst: SocketAddrV4, n: usize) -> Vec<TcpStream> {
+    in_netns(ns, move || {
+        (0..n)
+            .map(|i| {
+                TcpStream::connect_timeout(&dst.into(), T)
+                    .unwrap_or_else(|e| panic!("connection {i} to {dst}: {e}"))
+            })
+            .collect::<Vec<_>>()
+    })
+}
+
+/// Which of `conns` no longer echo (reset, or silent for 5 s).
+fn broken(conns: &mut [TcpStream], tag: &str) -> Vec<String> {
+    let mut bad = vec![];
+    for (i, s) in conns.iter_mut().enumerate() {
+        let msg = format!("{tag}{i};");
+        let mut back = vec![0u8; msg.len()];
+        s.set_read_timeout(Some(T)).unwrap();
+        let r = s
+            .write_all(msg.as_bytes())
+            .and_then(|()| s.read_exact(&mut back));
+        match r {
+            Ok(()) if back == msg.as_bytes() => {}
+            Ok(()) => bad.push(format!(
+                "{tag}{i}: got {:?}",
+                String::from_utf8_lossy(&back)
+            )),
+            Err(e) => bad.push(format!("{tag}{i} ({:?}): {e}", s.local_addr())),
+        }
+    }
+    bad
+}
+
+/// With the default configuration, a sandbox's SNAT flows and the node's
+/// own connections to the same server never share a tuple: 1,000
+/// established container connections, then 1,000 from the node to the same
+/// server and port with ports the kernel picks, then 200 more bound on
+/// purpose to the very ports the server saw for sandbox connections (a
+/// local process that binds into the SNAT range); every one of the 2,200
+/// still works. (With the SNAT range inside the host's ephemeral ports, the
+/// node's connect() could pick ports that sandbox flows held, and a host
+/// connection on a sandbox flow's tuple took its replies and reset it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_flows_and_the_nodes_own_connections_never_collide() {
+    require_root!();
+    raise_nofile();
+    let (env, world) = node(&[]);
+    let c = env.client().await;
+    let ctr = Ctr::new("many");
+    ctr::add(&env, "many", &ctr, json!({}));
+    let server = SocketAddrV4::new(WORLD_IP, 7100);
+    let peers = echo_server(&world.ns, server);
+    let n = 1000;
+    let mut sandbox = connections(&ctr.name, server, n);
+    let mut node = connections(&env.ns, server, n);
+    let bad = broken(&mut sandbox, "s");
+    assert!(
+        bad.is_empty(),
+        "{} sandbox connections broken: {bad:?}",
+        bad.len()
+    );
+    let bad = broken(&mut node, "n");
+    assert!(
+        bad.is_empty(),
+        "{} node connections broken: {bad:?}",
+        bad.len()
+    );
+    // The sandbox's SNAT ports as the server saw them (the first n peers).
+    let taken: Vec<u16> = peers.lock().unwrap()[..n]
+        .iter()
+        .map(|p| p.port())
+        .collect();
+    let mut bound: Vec<TcpStream> = taken[..200]
+        .iter()
+        .map(|&p| {
+            let src = SocketAddrV4::new(NODE_IP, p);
+            in_netns(&env.ns, move || tcp_from(src, server))
+                .unwrap_or_else(|e| panic!("{src} -> {server}: {e}"))
+        })
+        .collect();
+    let bad = broken(&mut bound, "b");
+    assert!(
+        bad.is_empty(),
+        "{} bound node connections broken: {bad:?}",
+        bad.len()
+    );
+    // And after the node's connections: the sandbox's still work.
+    let bad = broken(&mut sandbox, "t");
+    assert!(
+        bad.is_empty(),
+        "{} sandbox connections broken: {bad:?}",
+        bad.len()
+    );
+    let (healthy, checks) = c.health().await;
+    assert!(healthy, "{checks:?}");
+    drop(world);
+}
+
+/// Every host -> sandbox path gets a guest-side tuple of its own: the
+/// host talks to one sandbox service from the same source port over the
+/// sandbox IP, 127.0.0.1 and the uplink address at once (interleaved), UDP
+/// to a TAP guest and TCP to a container; each exchange gets its own
+/// answers. (Before, all three reached the guest as 169.254.68.5:<port>
+/// and the later flow took the earlier one's replies.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_paths_from_one_source_port_never_share_a_guest_tuple() {
+    require_root!();
+    let (env, world) = node(&[]);
+    let c = env.client().await;
+    let gw_dev: Ipv4Addr = "192.168.0.1".parse().unwrap();
+
+    // UDP to a TAP guest's echo service.
+    let (net, g) = guest_for(
+        &c,
+        "hp",
+        opts(vec![("port_mappings", ports(&[("udp", 5353, 0, "")]))]),
+    )
+    .await;
+    g.udp_echo(5353).unwrap();
+    let sandbox_ip: Ipv4Addr = s(&net, "sandbox_ip").parse().unwrap();
+    let host_port = mappings(&net)[0].2;
+    let paths = [
+        (gw_dev, SocketAddrV4::new(sandbox_ip, 5353)),
+        (
+            Ipv4Addr::LOCALHOST,
+            SocketAddrV4::new(Ipv4Addr::LOCALHOST, host_port),
+        ),
+        (NODE_IP, SocketAddrV4::new(NODE_IP, host_port)),
+    ];
+    let socks: Vec<UdpSocket> = paths
+        .iter()
+        .map(|(src, _)| {
+            let src = SocketAddrV4::new(*src, 40000);
+            in_netns(&env.ns, move || UdpSocket::bind(src)).unwrap()
+        })
+        .collect();
+    for round in 0..3 {
+        for (i, (sock, (_, dst))) in socks.iter().zip(&paths).enumerate() {
+            sock.send_to(format!("udp{i}-{round}").as_bytes(), dst)
+                .unwrap();
+        }
+        for (i, sock) in socks.iter().enumerate() {
+            sock.set_read_timeout(Some(T)).unwrap();
+            let mut buf = [0u8; 64];
+            let (n, _) = sock
+                .recv_from(&mut buf)
+                .unwrap_or_else(|e| panic!("path {i}, round {round}: {e}"));
+            assert_eq!(
+                String::from_utf8_lossy(&buf[..n]),
+                format!("udp{i}-{round}"),
+                "path {i} got another path's answer"
+            );
+        }
+    }
+
+    // TCP to a container's echo service, three connections established at
+    // once, then used in turns.
+    let ctr = Ctr::new("hp");
+    let r = ctr::add(
+        &env,
+        "hp",
+        &ctr,
+        json!({"runtimeConfig": {"portMappings": [
+            {"hostPort": 20500, "containerPort": 7000, "protocol": "tcp"}]}}),
+    );
+    let pod: Ipv4Addr = r["ips"][0]["address"]
+        .as_str()
+        .unwrap()
+        .trim_end_matches("/32")
+        .parse()
+        .unwrap();
+    echo_server(&ctr.name, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 7000));
+    let paths = [
+        (gw_dev, SocketAddrV4::new(pod, 7000)),
+        (
+            Ipv4Addr::LOCALHOST,
+            SocketAddrV4::new(Ipv4Addr::LOCALHOST, 20500),
+        ),
+        (NODE_IP, SocketAddrV4::new(NODE_IP, 20500)),
+    ];
+    let mut conns: Vec<TcpStream> = paths
+        .iter()
+        .map(|(src, dst)| {
+            let (src, dst) = (SocketAddrV4::new(*src, 40001), *dst);
+            in_netns(&env.ns, move || tcp_from(src, dst))
+                .unwrap_or_else(|e| panic!("{src} -> {dst}: {e}"))
+        })
+        .collect();
+    for round in 0..3 {
+        for (i, s) in conns.iter_mut().enumerate() {
+            s.write_all(format!("tcp{i}-{round};").as_bytes()).unwrap();
+        }
+        for (i, s) in conns.iter_mut().enumerate() {
+            let want = format!("tcp{i}-{round};");
+            let mut back = vec![0u8; want.len()];
+            s.set_read_timeout(Some(T)).unwrap();
+            s.read_exact(&mut back)
+                .unwrap_or_else(|e| panic!("path {i}, round {round}: {e}"));
+            assert_eq!(String::from_utf8_lossy(&back), want);
+        }
+    }
+    let (healthy, checks) = c.health().await;
+    assert!(healthy, "{checks:?}");
+    drop(world);
+}
+
+/// A TCP connection from `src` (bound explicitly, SO_REUSEADDR) to `dst`;
+/// runs in the caller's namespace.
+fn tcp_from(src: SocketAddrV4, dst: SocketAddrV4) -> std::io::Result<TcpStream> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: socket(2) with constant arguments; the fd is checked, then
+    // owned by the TcpStream.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh socket nobody else owns.
+    let stream = unsafe { TcpStream::from_raw_fd(fd) };
+    let one: libc::c_int = 1;
+    let sa = |a: SocketAddrV4| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: a.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(a.ip().octets()),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    let (s, d) = (sa(src), sa(dst));
+    // SAFETY: setsockopt reads a live c_int; bind and connect read a
+    // sockaddr_in of the size passed.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            (&one as *const libc::c_int).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        );
+        if libc::bind(fd, (&s as *const libc::sockaddr_in).cast(), len) != 0
+            || libc::connect(fd, (&d as *const libc::sockaddr_in).cast(), len) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(stream)
+}
+
+/// Replies fragmented on the way reach the sandbox whole (the fragments
+/// after the first follow it: they carry no ports), for a SNAT flow and a
+/// port mapping, and the node answers no fragment with an ICMP error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fragmented_replies_reach_the_sandbox() {
+    require_root!();
+    let (env, world) = node(&[]);
+    let c = env.client().await;
+    // The world's link is narrower: it fragments what it sends.
+    world.run(|| {
+        assert!(
+            std::process::Command::new("ip")
+                .args(["link", "set", "w0", "mtu", "1200"])
+                .status()
+                .unwrap()
+                .success()
+        )
+    });
+    let ctr = Ctr::new("frag");
+    ctr::add(
+        &env,
+        "frag",
+        &ctr,
+        json!({"runtimeConfig": {"portMappings": [
+            {"hostPort": 20600, "containerPort": 7300, "protocol": "udp"}]}}),
+    );
+    let big: Vec<u8> = (0..4000u32).map(|i| (i % 251) as u8).collect();
+
+    // SNAT: the container asks, the world answers with 4,000 bytes (four
+    // fragments) on a socket connected to the node's SNAT address, which
+    // would report an ICMP error the node sent back.
+    let server = SocketAddrV4::new(WORLD_IP, 7200);
+    let w = in_netns(&world.ns, move || UdpSocket::bind(server)).unwrap();
+    let csock = in_netns(&ctr.name, || UdpSocket::bind("0.0.0.0:0")).unwrap();
+    csock.set_read_timeout(Some(T)).unwrap();
+    csock.send_to(b"big?", server).unwrap();
+    w.set_read_timeout(Some(T)).unwrap();
+    let mut buf = vec![0u8; 8192];
+    let (_, from) = w.recv_from(&mut buf).unwrap();
+    w.connect(from).unwrap();
+    w.send(&big).unwrap();
+    let (n, _) = csock.recv_from(&mut buf).expect("the fragmented reply");
+    assert_eq!(&buf[..n], &big[..], "the reply arrived whole");
+    std::thread::sleep(Duration::from_millis(300));
+    w.set_nonblocking(true).unwrap();
+    let e = w.recv(&mut buf).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock,
+        "the world got an ICMP error: {e}"
+    );
+
+    // A port mapping: 4,000 bytes from the world to node:20600.
+    let inbound = in_netns(&ctr.name, || UdpSocket::bind("0.0.0.0:7300")).unwrap();
+    inbound.set_read_timeout(Some(T)).unwrap();
+    let wc = in_netns(&world.ns, || UdpSocket::bind("0.0.0.0:0")).unwrap();
+    wc.send_to(&big, SocketAddrV4::new(NODE_IP, 20600)).unwrap();
+    let (n, _) = inbound
+        .recv_from(&mut buf)
+        .expect("the fragmented datagram");
+    assert_eq!(&buf[..n], &big[..]);
+
+    let (_, checks) = c.health().await;
+    assert!(counter(&checks, "frag") >= 6, "{checks:?}");
+    drop(world);
+}
+
+/// A sandbox MTU above the uplink's is refused: its full-size packets could
+/// not leave the node, and nothing would tell the guest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mtu_above_the_uplinks_is_refused() {
+    require_root!();
+    let (env, _world) = node(&[]);
+    let c = env.client().await;
+    let e = c
+        .ensure("big", opts(vec![("mtu", Value::from(1600u32))]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.name, "org.cube.NetworkAgent.Error.InvalidArgument");
+    assert!(
+        e.message.contains("mtu") && e.message.contains("1500"),
+        "{}",
+        e.message
+    );
+    assert!(c.list().await.is_empty());
+    c.ensure("ok", opts(vec![("mtu", Value::from(1500u32))]))
+        .await
+        .unwrap();
 }

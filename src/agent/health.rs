@@ -52,8 +52,23 @@ impl Agent {
             Uplink::Found {
                 name,
                 addr: Some(a),
+                mtu,
                 ..
-            } => ("uplink".into(), true, format!("{name} {a}")),
+            } if *mtu < self.cfg.mtu => (
+                "uplink".into(),
+                false,
+                format!(
+                    "{name} {a}: its MTU {mtu} is below the sandboxes' default MTU {}: \
+                     their full-size packets cannot leave the node (set mtu <= {mtu})",
+                    self.cfg.mtu
+                ),
+            ),
+            Uplink::Found {
+                name,
+                addr: Some(a),
+                mtu,
+                ..
+            } => ("uplink".into(), true, format!("{name} {a}, MTU {mtu}")),
             Uplink::Found {
                 name, addr: None, ..
             } => (

@@ -45,6 +45,7 @@ impl Agent {
         validate_sandbox_id(id)?;
         let spec = self.normalise(spec.validated()?);
         spec.check_id(id)?;
+        self.check_mtu(&spec)?;
         let slot = self.slot(id);
         let result = {
             let mut guard = slot.lock().await;

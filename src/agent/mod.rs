@@ -219,6 +219,10 @@ enum Uplink {
         name: String,
         ifindex: u32,
         addr: Option<Ipv4Addr>,
+        /// Its MTU at start: no sandbox MTU may exceed it (a guest's
+        /// full-size packet could not leave, and the datapath sends no
+        /// "fragmentation needed").
+        mtu: u32,
     },
     Missing(String),
 }

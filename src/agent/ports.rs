@@ -22,6 +22,22 @@ impl Agent {
         spec
     }
 
+    /// A sandbox MTU above the uplink's: the guest's full-size packets to
+    /// the world could not leave the node (the kernel drops what exceeds
+    /// the uplink's MTU after the redirect; nothing tells the guest).
+    pub(super) fn check_mtu(&self, spec: &NetworkSpec) -> Result<(), super::AgentError> {
+        let mtu = spec.mtu.unwrap_or(self.cfg.mtu);
+        match &self.uplink {
+            super::Uplink::Found { name, mtu: up, .. } if mtu > *up => {
+                Err(super::AgentError::InvalidArgument(format!(
+                    "mtu: {mtu} is above the MTU of the uplink {name} ({up}): the sandbox's \
+                     full-size packets could not leave the node"
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// What a new mapping's host port must pass (see `alloc::mapping`).
     pub(super) fn port_rules<'a>(&'a self, sockets: &'a SocketCheck) -> HostPortRules<'a> {
         HostPortRules {

@@ -207,6 +207,7 @@ impl Agent {
                     name,
                     ifindex,
                     addr: Some(a),
+                    ..
                 } => Some((name.clone(), *ifindex, *a)),
                 _ => None,
             },
@@ -235,6 +236,7 @@ impl Agent {
                     name: link.name,
                     ifindex: link.index,
                     addr,
+                    mtu: link.mtu,
                 },
                 Ok(None) => Uplink::Missing("no IPv4 default route".into()),
                 Err(e) => Uplink::Missing(crate::error_chain(&e)),
@@ -251,6 +253,7 @@ impl Agent {
                     name: link.name,
                     ifindex: link.index,
                     addr,
+                    mtu: link.mtu,
                 }
             }
             Ok(None) => Uplink::Missing(format!("configured uplink '{configured}' does not exist")),

@@ -487,11 +487,12 @@ fn load_ebpf(topo: &Topo) -> Result<Loaded> {
     registry().mount = Some(bpffs.clone());
 
     let cfg = Config::default();
-    let (lo, hi) = cfg
-        .snat_port_range
-        .split_once('-')
-        .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
-        .ok_or("the default snat_port_range does not parse")?;
+    // The range the agent would choose in the node's namespace (its own
+    // ip_local_port_range there).
+    let probe = cfg.clone();
+    let (lo, hi) = in_netns(&topo.node, move || probe.validate())?
+        .map_err(|e| format!("the default configuration does not validate: {e}"))?
+        .snat_ports;
     let mac = |s: &str| parse_mac(s).ok_or_else(|| format!("bad default MAC {s}"));
     let (gw_ifindex, gw_mac) = link_info(&topo.node, GWDEV)?;
     let (n0_ifindex, _) = link_info(&topo.node, "n0")?;

@@ -51,6 +51,19 @@ pub struct FlowTimeouts {
     pub icmp: Duration,
 }
 
+impl FlowTimeouts {
+    /// How long a flow of `proto` in TCP state `state` may stay idle (any
+    /// FIN or RST: the closing timeout).
+    fn limit(&self, proto: u8, state: u8) -> Duration {
+        match proto as i32 {
+            libc::IPPROTO_TCP if state != 0 => self.tcp_closing,
+            libc::IPPROTO_TCP => self.tcp,
+            libc::IPPROTO_UDP => self.udp,
+            _ => self.icmp,
+        }
+    }
+}
+
 /// Node facts the datapath needs.
 #[derive(Debug, Clone)]
 pub struct NodeInfo {
@@ -211,6 +224,13 @@ struct Reaper {
     by_ip: HashMap<MapData, u32, DpTap>,
     /// `ct` once more, for batched dumps (BPF_MAP_LOOKUP_BATCH).
     ct_dump: MapData,
+    /// Host connections in the SNAT range (see `to_uplink`).
+    host_nat: HashMap<MapData, DpRevKey, DpCtVal>,
+    host_nat_dump: MapData,
+    /// Host <-> sandbox flows and their guest-side entries.
+    hflow: HashMap<MapData, DpHflowKey, DpHflowVal>,
+    hflow_dump: MapData,
+    hrev: HashMap<MapData, DpHrevKey, DpHrevVal>,
 }
 
 /// Every (key, value) of the flow map `map`, a few thousand per
@@ -218,7 +238,7 @@ struct Reaper {
 /// few dozen syscalls instead of two per flow (aya's iterator), so it takes
 /// little CPU from the request path on a busy node. None if the kernel
 /// refuses batched lookups; the caller then walks entry by entry.
-fn dump_flows(map: &MapData) -> Option<Vec<(DpCtKey, DpCtVal)>> {
+fn dump_flows<K: aya::Pod + Default, V: aya::Pod + Default>(map: &MapData) -> Option<Vec<(K, V)>> {
     use std::os::fd::{AsFd, AsRawFd};
     const CHUNK: usize = 4096;
     #[repr(C)]
@@ -236,8 +256,8 @@ fn dump_flows(map: &MapData) -> Option<Vec<(DpCtKey, DpCtVal)>> {
     const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
     let fd = map.fd().as_fd().as_raw_fd();
     let mut out = Vec::new();
-    let mut keys = vec![DpCtKey::default(); CHUNK];
-    let mut vals = vec![DpCtVal::default(); CHUNK];
+    let mut keys = vec![K::default(); CHUNK];
+    let mut vals = vec![V::default(); CHUNK];
     // Hash maps use a u32 bucket index as the batch token.
     let (mut token_in, mut token_out) = (0u32, 0u32);
     let mut first = true;
@@ -306,6 +326,8 @@ fn new_generation() -> u64 {
 #[derive(Default)]
 struct Stats {
     flows: AtomicUsize,
+    /// Host <-> sandbox flows and host connections in the SNAT range.
+    host_flows: AtomicUsize,
     taps: AtomicUsize,
     reaped: AtomicU64,
 }
@@ -360,7 +382,13 @@ impl EbpfDatapath {
         let mut bpf = loader
             .load(OBJECT)
             .map_err(|e| err("loading the eBPF object", crate::error_chain(&e)))?;
-        for prog in ["from_guest", "from_uplink", "to_sandbox_ip", "from_host"] {
+        for prog in [
+            "from_guest",
+            "from_uplink",
+            "to_sandbox_ip",
+            "from_host",
+            "to_uplink",
+        ] {
             let p: &mut SchedClassifier = bpf
                 .program_mut(prog)
                 .ok_or_else(|| err("finding the program", prog))?
@@ -426,6 +454,12 @@ impl EbpfDatapath {
                 hook: TcHook::Ingress,
                 program: "from_uplink",
             });
+            node_hooks.push(Hook {
+                device: name.clone(),
+                ifindex: *index,
+                hook: TcHook::Egress,
+                program: "to_uplink",
+            });
         }
         for h in &node_hooks {
             attach_hook(&mut bpf, h)?;
@@ -467,6 +501,14 @@ impl EbpfDatapath {
             by_ip: HashMap::try_from(aya::maps::Map::HashMap(reopen("by_ip")?))
                 .map_err(|e| err("opening by_ip", e))?,
             ct_dump: reopen("ct")?,
+            host_nat: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("host_nat")?))
+                .map_err(|e| err("opening host_nat", e))?,
+            host_nat_dump: reopen("host_nat")?,
+            hflow: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("hflow")?))
+                .map_err(|e| err("opening hflow", e))?,
+            hflow_dump: reopen("hflow")?,
+            hrev: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("hrev")?))
+                .map_err(|e| err("opening hrev", e))?,
         };
         let names: Vec<String> = node_hooks.iter().map(Hook::to_string).collect();
         info!(pin_dir = %node.pin_dir.display(), node_programs = ?names, "eBPF datapath loaded");
@@ -487,6 +529,75 @@ impl EbpfDatapath {
         // Counts for Health come from the first reaper pass (2 s after start);
         // walking every flow and TAP here would delay READY.
         Ok(dp)
+    }
+
+    /// The reaper's pass over host flows: host connections in the SNAT
+    /// range (`host_nat`) and host <-> sandbox flows (`hflow`), expired by
+    /// the same timeouts, host <-> sandbox flows also when their sandbox
+    /// was released (generation). Each is re-read right before it is
+    /// deleted (a flow touched since the dump waits for the next pass), and
+    /// its reverse entry goes with it only if that still points at it.
+    /// Returns (flows seen, flows removed).
+    fn reap_host_flows(
+        r: &mut Reaper,
+        owners: &StdHashMap<u32, u64>,
+        now: u64,
+        t: FlowTimeouts,
+    ) -> (usize, usize) {
+        let expired = |proto: u8, state: u8, last: u64| {
+            now.saturating_sub(last) > t.limit(proto, state).as_nanos() as u64
+        };
+        let (mut seen, mut removed) = (0, 0);
+        let nat: Vec<(DpRevKey, DpCtVal)> =
+            dump_flows(&r.host_nat_dump).unwrap_or_else(|| r.host_nat.iter().flatten().collect());
+        seen += nat.len();
+        for (k, v) in nat {
+            if !expired(k.proto, v.state, v.last_seen_ns)
+                || r.host_nat.get(&k, 0).ok().as_ref() != Some(&v)
+            {
+                continue;
+            }
+            let _ = r.host_nat.remove(&k);
+            let rk = DpRevKey {
+                nat_port: v.nat_port,
+                ..k
+            };
+            if r.ct_rev
+                .get(&rk, 0)
+                .is_ok_and(|rv| rv.sandbox_ip == 0 && rv.guest_port == k.nat_port)
+            {
+                let _ = r.ct_rev.remove(&rk);
+            }
+            removed += 1;
+        }
+        let hflows: Vec<(DpHflowKey, DpHflowVal)> =
+            dump_flows(&r.hflow_dump).unwrap_or_else(|| r.hflow.iter().flatten().collect());
+        seen += hflows.len();
+        for (k, v) in hflows {
+            let stale = owners.get(&v.sandbox_ip) != Some(&v.generation);
+            if !(stale || expired(k.proto, v.state, v.last_seen_ns))
+                || r.hflow.get(&k, 0).ok().as_ref() != Some(&v)
+                || (stale
+                    && r.by_ip
+                        .get(&v.sandbox_ip, 0)
+                        .is_ok_and(|o| o.generation == v.generation))
+            {
+                continue;
+            }
+            let _ = r.hflow.remove(&k);
+            let rk = DpHrevKey {
+                sandbox_ip: v.sandbox_ip,
+                guest_port: v.guest_port,
+                gw_port: v.gw_port,
+                proto: k.proto,
+                pad: [0; 3],
+            };
+            if r.hrev.get(&rk, 0).is_ok_and(|rv| rv.host == k) {
+                let _ = r.hrev.remove(&rk);
+            }
+            removed += 1;
+        }
+        (seen, removed)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -967,12 +1078,7 @@ impl Datapath for EbpfDatapath {
             .into_iter()
             .inspect(|_| flows += 1)
             .filter_map(|(k, v)| {
-                let limit = match (k.proto as i32, v.state) {
-                    (libc::IPPROTO_TCP, DP_TCP_CLOSING) => t.tcp_closing,
-                    (libc::IPPROTO_TCP, _) => t.tcp,
-                    (libc::IPPROTO_UDP, _) => t.udp,
-                    _ => t.icmp,
-                };
+                let limit = t.limit(k.proto, v.state);
                 let stale = owners.get(&k.sandbox_ip) != Some(&v.generation);
                 let expired = now.saturating_sub(v.last_seen_ns) > limit.as_nanos() as u64;
                 (stale || expired).then_some((k, v, stale && !expired))
@@ -1000,6 +1106,7 @@ impl Datapath for EbpfDatapath {
             Self::remove_flow(&mut r.ct, &mut r.ct_rev, k, v);
             removed += 1;
         }
+        let (host_flows, host_removed) = Self::reap_host_flows(r, &owners, now, t);
         // Attachment records of TAPs that no longer exist.
         let mut taps = 0usize;
         let gone: Vec<u32> = r
@@ -1013,14 +1120,18 @@ impl Datapath for EbpfDatapath {
             let _ = r.attached.remove(i);
         }
         self.stats.flows.store(flows - removed, Ordering::Relaxed);
+        self.stats
+            .host_flows
+            .store(host_flows - host_removed, Ordering::Relaxed);
         self.stats.taps.store(taps - gone.len(), Ordering::Relaxed);
         self.stats
             .reaped
-            .fetch_add(removed as u64, Ordering::Relaxed);
-        if removed > 0 {
+            .fetch_add((removed + host_removed) as u64, Ordering::Relaxed);
+        if removed + host_removed > 0 {
             debug!(
                 flows = removed,
                 of_released_sandboxes = stale_n,
+                host_flows = host_removed,
                 "expired flows and flows of released sandboxes reaped"
             );
         }
@@ -1030,6 +1141,7 @@ impl Datapath for EbpfDatapath {
         let inner = self.lock();
         let taps = self.stats.taps.load(Ordering::Relaxed);
         let flows = self.stats.flows.load(Ordering::Relaxed);
+        let host_flows = self.stats.host_flows.load(Ordering::Relaxed);
         let counters: Vec<String> = Self::counters(&inner)
             .into_iter()
             .filter(|(_, n)| *n > 0)
@@ -1039,7 +1151,8 @@ impl Datapath for EbpfDatapath {
             "datapath".to_string(),
             true,
             format!(
-                "eBPF: from_guest on {taps} TAPs, {}; {flows} flows, {} reaped; counters: {}",
+                "eBPF: from_guest on {taps} TAPs, {}; {flows} flows, {host_flows} host flows, \
+                 {} reaped; counters: {}",
                 self.node_hooks
                     .iter()
                     .map(Hook::to_string)

@@ -98,7 +98,11 @@ pub struct DpCtVal {
 pub const DP_CT_SNAT: u8 = 0;
 pub const DP_CT_PORTMAP: u8 = 1;
 pub const DP_CT_LOCAL: u8 = 2;
-pub const DP_TCP_CLOSING: u8 = 1;
+pub const DP_CT_HOST: u8 = 3;
+/// TCP state bits (0 = open; any bit = closing, the short timeout).
+pub const DP_TCP_FIN_OUT: u8 = 1;
+pub const DP_TCP_FIN_IN: u8 = 2;
+pub const DP_TCP_RST: u8 = 4;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -118,6 +122,71 @@ pub struct DpRevVal {
     pub pad: u16,
     /// As in the forward entry.
     pub generation: u64,
+}
+
+/// A host <-> sandbox flow, keyed by the host's tuple as the host sends it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DpHflowKey {
+    pub saddr: u32,
+    pub daddr: u32,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub pad: [u8; 3],
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpHflowVal {
+    pub last_seen_ns: u64,
+    pub generation: u64,
+    pub sandbox_ip: u32,
+    pub guest_port: u16,
+    /// The port the guest sees on the gateway side.
+    pub gw_port: u16,
+    pub kind: u8,
+    pub state: u8,
+    pub pad: [u8; 6],
+}
+
+/// The guest's side of a host flow.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DpHrevKey {
+    pub sandbox_ip: u32,
+    pub guest_port: u16,
+    pub gw_port: u16,
+    pub proto: u8,
+    pub pad: [u8; 3],
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpHrevVal {
+    pub host: DpHflowKey,
+    pub generation: u64,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DpFragKey {
+    pub saddr: u32,
+    pub daddr: u32,
+    pub id: u16,
+    pub proto: u8,
+    pub pad: u8,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpFragVal {
+    pub first_seen_ns: u64,
+    pub generation: u64,
+    pub ifindex: u32,
+    pub new_saddr: u32,
+    pub new_daddr: u32,
+    pub pad: u32,
 }
 
 // Each type below is #[repr(C)], Copy, made only of integers and byte
@@ -143,6 +212,18 @@ unsafe impl aya::Pod for DpCtVal {}
 unsafe impl aya::Pod for DpRevKey {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpRevVal {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpHflowKey {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpHflowVal {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpHrevKey {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpHrevVal {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpFragKey {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpFragVal {}
 
 // The C side's sizes (ebpf/datapath.h comments); a mismatch fails the build.
 const _: () = {
@@ -156,12 +237,22 @@ const _: () = {
     assert!(size_of::<DpCtVal>() == 24);
     assert!(size_of::<DpRevKey>() == 12);
     assert!(size_of::<DpRevVal>() == 16);
+    assert!(size_of::<DpHflowKey>() == 16);
+    assert!(size_of::<DpHflowVal>() == 32);
+    assert!(size_of::<DpHrevKey>() == 12);
+    assert!(size_of::<DpHrevVal>() == 24);
+    assert!(size_of::<DpFragKey>() == 12);
+    assert!(size_of::<DpFragVal>() == 32);
 };
 
 /// Entries of the per-sandbox maps (`max_entries` in ebpf/datapath.bpf.c).
 pub const SANDBOX_MAP_ENTRIES: u32 = 65536;
 /// Entries of the flow maps `ct` and `ct_rev`.
 pub const FLOW_MAP_ENTRIES: u32 = 262144;
+/// Entries of `host_nat`, `hflow` and `hrev`.
+pub const HOST_FLOW_ENTRIES: u32 = 65536;
+/// Entries of `frags`.
+pub const FRAG_ENTRIES: u32 = 8192;
 
 /// (map name, key size, value size, max entries) the loader checks pinned
 /// maps against; a pin that differs in any of them is recreated (a
@@ -203,6 +294,30 @@ pub const EXPECTED: &[(&str, usize, usize, u32)] = &[
         FLOW_MAP_ENTRIES,
     ),
     ("tap_attached", 4, 4, SANDBOX_MAP_ENTRIES),
+    (
+        "host_nat",
+        size_of::<DpRevKey>(),
+        size_of::<DpCtVal>(),
+        HOST_FLOW_ENTRIES,
+    ),
+    (
+        "hflow",
+        size_of::<DpHflowKey>(),
+        size_of::<DpHflowVal>(),
+        HOST_FLOW_ENTRIES,
+    ),
+    (
+        "hrev",
+        size_of::<DpHrevKey>(),
+        size_of::<DpHrevVal>(),
+        HOST_FLOW_ENTRIES,
+    ),
+    (
+        "frags",
+        size_of::<DpFragKey>(),
+        size_of::<DpFragVal>(),
+        FRAG_ENTRIES,
+    ),
 ];
 
 /// Counter indexes (enum dp_counter).
@@ -221,4 +336,7 @@ pub const COUNTER_NAMES: &[&str] = &[
     "local",
     "portmap_host_socket",
     "snat_host_socket",
+    "host_remap",
+    "frag",
+    "no_gw_port",
 ];

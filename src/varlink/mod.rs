@@ -72,13 +72,82 @@ error PermissionDenied ()
 error ExpectedMore ()
 ";
 
-/// The caller, from `SO_PEERCRED` at connect time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The caller, identified once, at connect time: `SO_PEERCRED`, the
+/// process's pidfd (`SO_PEERPIDFD`) and its start time read while that
+/// pidfd proved the pid still meant the process that connected. Every call
+/// on the connection is judged as that process; once it has exited, calls
+/// are refused (its pid may belong to another process by then, which must
+/// never be judged in its place).
+#[derive(Debug, Clone)]
 pub struct Peer {
     /// `None` if the kernel could not tell (peer in another pid namespace).
     pub pid: Option<i32>,
     pub uid: u32,
     pub gid: u32,
+    /// The process's start time (field 22 of /proc/PID/stat), what polkit
+    /// pairs with the pid to identify a process.
+    pub start_time: Option<u64>,
+    /// The connecting process itself (kernels without SO_PEERPIDFD: none).
+    pidfd: Option<std::sync::Arc<OwnedFd>>,
+}
+
+/// `SO_PEERPIDFD` (Linux 6.5).
+const SO_PEERPIDFD: libc::c_int = 77;
+
+impl Peer {
+    /// Identifies the process at the other end of `stream`.
+    pub fn of(stream: &UnixStream) -> io::Result<Peer> {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        let c = stream.peer_cred()?;
+        let mut fd: libc::c_int = -1;
+        let mut len = size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into a live c_int.
+        let rc = unsafe {
+            libc::getsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_PEERPIDFD,
+                (&raw mut fd).cast(),
+                &mut len,
+            )
+        };
+        // SAFETY: on success the kernel installed a new pidfd that nothing
+        // else owns.
+        let pidfd =
+            (rc == 0 && fd >= 0).then(|| std::sync::Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }));
+        let mut peer = Peer {
+            pid: c.pid(),
+            uid: c.uid(),
+            gid: c.gid(),
+            start_time: None,
+            pidfd,
+        };
+        if let Some(pid) = peer.pid.and_then(|p| u32::try_from(p).ok()) {
+            let start = crate::auth::process_start_time(pid).ok();
+            // Read after the pidfd was taken: if the process is still
+            // there now, the start time is its own.
+            peer.start_time = start.filter(|_| peer.alive());
+        }
+        Ok(peer)
+    }
+
+    /// Whether the process that connected still runs (true when the kernel
+    /// gave no pidfd: then only the start time guards against pid reuse).
+    fn alive(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        let Some(fd) = &self.pidfd else {
+            return true;
+        };
+        let mut p = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll(2) on one live pollfd with a zero timeout. A pidfd
+        // polls readable once its process has exited.
+        let rc = unsafe { libc::poll(&mut p, 1, 0) };
+        rc == 0
+    }
 }
 
 /// What a call wants to do, for [`authorize`].
@@ -121,11 +190,17 @@ pub async fn authorize(peer: &Peer, op: Operation) -> Result<(), Denied> {
             "not authorized for {action}: the caller's pid is unknown"
         )));
     };
-    let start_time = auth::process_start_time(pid).map_err(|e| {
-        Denied(format!(
-            "not authorized for {action}: cannot identify the caller ({e})"
-        ))
-    })?;
+    let Some(start_time) = peer.start_time else {
+        return Err(Denied(format!(
+            "not authorized for {action}: cannot identify the caller (no start time for pid {pid})"
+        )));
+    };
+    if !peer.alive() {
+        return Err(Denied(format!(
+            "not authorized for {action}: the process that connected (pid {pid}) has exited; \
+             its connection cannot act for another process"
+        )));
+    }
     authority
         .check_process(pid, start_time, peer.uid, action, false)
         .await
@@ -601,12 +676,8 @@ async fn refuse(stream: &mut UnixStream, peer: &Peer, why: String) {
 
 /// Serves one connection until EOF, an I/O error or malformed input.
 async fn connection(agent: Arc<Agent>, mut stream: UnixStream) {
-    let peer = match stream.peer_cred() {
-        Ok(c) => Peer {
-            pid: c.pid(),
-            uid: c.uid(),
-            gid: c.gid(),
-        },
+    let peer = match Peer::of(&stream) {
+        Ok(p) => p,
         Err(e) => {
             warn!(error = %e, "varlink: no peer credentials; closing");
             return;

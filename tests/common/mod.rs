@@ -5,6 +5,7 @@
 
 #![allow(dead_code)]
 
+pub mod ctr;
 pub mod guest;
 pub mod world;
 
@@ -71,6 +72,14 @@ macro_rules! require_root {
 }
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// The agent binary the tests run: this build's, or `CNA_TEST_AGENT` (an
+/// A/B run against another build, e.g. to see a test fail on the release
+/// before a fix).
+pub fn agent_binary() -> std::ffi::OsString {
+    std::env::var_os("CNA_TEST_AGENT")
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_cube-network-agent").into())
+}
 
 pub struct Env {
     pub ns: String,
@@ -155,7 +164,7 @@ impl Env {
         let log = std::fs::File::create(self.log_path()).unwrap();
         let child = Command::new("ip")
             .args(["netns", "exec", &self.ns])
-            .arg(env!("CARGO_BIN_EXE_cube-network-agent"))
+            .arg(agent_binary())
             .args(["--bus", &self.address])
             .arg("--state-dir")
             .arg(self.dir.join("state"))

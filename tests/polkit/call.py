@@ -8,6 +8,9 @@
 #           (python3-dbus cannot set that header flag)
 #   call.py --varlink SOCKET METHOD [ID]
 #           the same method over the agent's varlink socket
+#   call.py --varlink-orphan SOCKET METHOD [ID]
+#           the same, called by a child after the process that connected
+#           exited
 #   call.py ObjectGet ID NAME | ObjectGetAll ID | ManagedObjects |
 #           ManagerGetAll | Introspect PATH
 #           reads through the object tree (per-network objects, the
@@ -22,7 +25,7 @@ import dbus
 
 I = "org.cube.NetworkAgent"
 m, args = sys.argv[1], sys.argv[2:]
-if m == "--varlink":
+if m in ("--varlink", "--varlink-orphan"):
     import json
     import socket
 
@@ -30,6 +33,15 @@ if m == "--varlink":
     params = {"sandbox_id": args[2]} if len(args) > 2 else {}
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
+    if m == "--varlink-orphan":
+        # The process that connected exits; a child calls on its connection
+        # once it is gone (its pid could then be another process's).
+        parent = os.getpid()
+        if os.fork() != 0:
+            os._exit(0)
+        while os.getppid() == parent:
+            import time
+            time.sleep(0.01)
     s.sendall(json.dumps({"method": I + "." + method, "parameters": params}).encode() + b"\0")
     buf = b""
     while not buf.endswith(b"\0"):
@@ -122,7 +134,7 @@ try:
         x = dbus.SystemBus().get_object(I, args[0], introspect=False)
         xml = x.Introspect(dbus_interface="org.freedesktop.DBus.Introspectable")
         import re
-        print("OK", ",".join(re.findall(r'<node name="([^"]+)"', xml)) or "-")
+        print("OK", ",".join(sorted(re.findall(r'<node name="([^"]+)"', xml))) or "-")
     else:
         sys.exit("unknown method " + m)
 except dbus.DBusException as e:

@@ -127,6 +127,11 @@ check "outsider, varlink: EnsureNetwork -> AccessDenied" "$VDENIED" "$(as outsid
 check "outsider, varlink: ListNetworks -> AccessDenied naming read" \
   '^ERR org\.cube\.NetworkAgent\.AccessDenied .*org\.cube\.NetworkAgent\.read' "$(as outsider --varlink "$VL" ListNetworks)"
 check "cubeuser, varlink: ReleaseNetwork" '^OK .*"released": true' "$(as cubeuser --varlink "$VL" ReleaseNetwork sbx-vl)"
+# The caller is the process that connected, identified once (pidfd + start
+# time): after it exits, nothing on its connection is judged as another.
+check "cubereader, varlink: a call after the connecting process exited -> AccessDenied" \
+  '^ERR org\.cube\.NetworkAgent\.AccessDenied .*has exited' \
+  "$(as cubereader --varlink-orphan "$VL" ListNetworks; sleep 0.5)"
 
 echo "# 7. interactive authorization (polkitd running, no authentication agent)"
 # outsider: polkit says plainly no (no challenge) -> AccessDenied even when interactive
