@@ -213,6 +213,9 @@ struct l4info {
 	__u8 tcp_flags; /* TCP_FIN | TCP_SYN | TCP_RST | TCP_ACK below */
 	__u8 frag;      /* 1 = a fragment after the first (no L4 header) */
 	__u8 first_frag; /* 1 = the first fragment of several (L4 header parsed) */
+	__u8 tcp_doff;  /* TCP header length in 32-bit words */
+	__u32 tcp_seq;  /* host order */
+	__u32 tcp_end;  /* host order: the sequence number after this segment */
 };
 
 /* Which way a packet goes relative to the flow's sandbox (or, for
@@ -267,6 +270,11 @@ static __always_inline int parse_ipv4(struct __sk_buff *skb, struct iphdr *ip,
 		l4->csum_off = l4->off + __builtin_offsetof(struct tcphdr, check);
 		l4->tcp_flags = (th.fin ? TCP_FIN : 0) | (th.rst ? TCP_RST : 0) |
 				(th.syn ? TCP_SYN : 0) | (th.ack ? TCP_ACK : 0);
+		l4->tcp_doff = th.doff;
+		l4->tcp_seq = bpf_ntohl(th.seq);
+		__u32 hdrs = ip->ihl * 4 + th.doff * 4;
+		__u32 tot = bpf_ntohs(ip->tot_len);
+		l4->tcp_end = l4->tcp_seq + (tot > hdrs ? tot - hdrs : 0) + th.fin + th.syn;
 	} else if (ip->protocol == IPPROTO_UDP) {
 		struct udphdr uh;
 		if (bpf_skb_load_bytes(skb, l4->off, &uh, sizeof(uh)))
@@ -340,7 +348,8 @@ static __always_inline int set_macs(struct __sk_buff *skb, const __u8 *dst, cons
 }
 
 /* The TCP state after a packet going `dir`: a SYN (re)opens, FIN and RST
- * add their bit. */
+ * add their bit; a FIN from the other end before ours means the other end
+ * closes first and keeps the tuple in TIME_WAIT. */
 static __always_inline __u8 tcp_state(__u8 state, const struct l4info *l4, int dir)
 {
 	if (l4->proto != IPPROTO_TCP)
@@ -349,9 +358,85 @@ static __always_inline __u8 tcp_state(__u8 state, const struct l4info *l4, int d
 		state = DP_TCP_OPEN;
 	if (l4->tcp_flags & TCP_RST)
 		state |= DP_TCP_RST;
-	if (l4->tcp_flags & TCP_FIN)
-		state |= dir == DIR_OUT ? DP_TCP_FIN_OUT : DP_TCP_FIN_IN;
+	if (l4->tcp_flags & TCP_FIN) {
+		if (dir == DIR_OUT)
+			state |= DP_TCP_FIN_OUT;
+		else if (!(state & DP_TCP_FIN_OUT))
+			state |= DP_TCP_FIN_IN | DP_TCP_REMOTE_TW;
+		else
+			state |= DP_TCP_FIN_IN;
+	}
 	return state;
+}
+
+/* The TCP timestamp value (TSval, host order; 0 = none) in the `len`
+ * bytes of options at `base`, walked with one small load each (at most 20
+ * options). A global function: the verifier checks it once, on its own,
+ * instead of along every path of its callers. */
+__noinline __u32 tcp_options_tsval(struct __sk_buff *skb, __u32 base, __u32 len)
+{
+	if (!skb || len > 40)
+		return 0;
+	__u32 i = 0;
+	for (int n = 0; n < 20; n++) {
+		if (i + 2 > len)
+			break;
+		__u8 kl[2];
+		if (bpf_skb_load_bytes(skb, base + i, kl, 2))
+			break;
+		if (kl[0] == 0)
+			break;
+		if (kl[0] == 1) {
+			i += 1;
+			continue;
+		}
+		if (kl[0] == 8 && kl[1] == 10 && i + 10 <= len) {
+			__u32 ts;
+			if (bpf_skb_load_bytes(skb, base + i + 2, &ts, 4))
+				break;
+			return bpf_ntohl(ts);
+		}
+		if (kl[1] < 2)
+			break;
+		i += kl[1];
+	}
+	return 0;
+}
+
+static __always_inline __u32 tcp_tsval(struct __sk_buff *skb, const struct l4info *l4)
+{
+	__u32 len = l4->tcp_doff * 4;
+	return len > 20 ? tcp_options_tsval(skb, l4->off + 20, len - 20) : 0;
+}
+
+/* What a closing flow sent last: the remote's TIME_WAIT judges a new SYN
+ * on the same tuple against it. */
+static __always_inline void note_close(struct __sk_buff *skb, struct dp_ct_val *v,
+				       const struct l4info *l4)
+{
+	if (l4->proto != IPPROTO_TCP ||
+	    !(v->state || (l4->tcp_flags & (TCP_FIN | TCP_RST))))
+		return;
+	__u32 ts = tcp_tsval(skb, l4);
+	if (ts)
+		v->ts_last = ts;
+	v->seq_last = l4->tcp_end;
+}
+
+/* Whether a SYN (timestamp `syn_ts`, 0 = none; sequence `syn_seq`) would
+ * be accepted on the tuple of the closed flow `v`: where the remote closed
+ * first it keeps TIME_WAIT, and takes a new SYN there only with a newer
+ * timestamp (without timestamps: a later sequence number). Each
+ * connection's timestamps start at a random offset, so a closed flow's
+ * tuple suits only some new connections (others take another port). */
+static __always_inline int time_wait_accepts(const struct dp_ct_val *v, __u32 syn_ts,
+					      __u32 syn_seq)
+{
+	if (!(v->state & DP_TCP_REMOTE_TW))
+		return 1;
+	if (syn_ts && v->ts_last)
+		return (__s32)(syn_ts - v->ts_last) > 0;
+	return (__s32)(syn_seq - v->seq_last) > 0;
 }
 
 /* Closed for good: reset, or finished both ways. */
@@ -484,8 +569,18 @@ static __always_inline int host_socket(struct __sk_buff *skb, __u8 proto, __u32 
  * before: the remote may still hold the old connection). A host
  * connection's tuple (sandbox_ip 0, see to_uplink) is held while its
  * host_nat entry lives. */
-static __always_inline int snat_port_reusable(const struct dp_rev_key *rk, int syn)
+/* A new flow's SYN, what tuple reuse needs of it (see time_wait_accepts);
+ * `syn` 0 = not a TCP SYN. */
+struct syn_info {
+	int syn;
+	__u32 ts;
+	__u32 seq;
+};
+
+static __always_inline int snat_port_reusable(const struct dp_rev_key *rk,
+					      const struct syn_info *si)
 {
+	int syn = si->syn;
 	struct dp_rev_val *old = bpf_map_lookup_elem(&ct_rev, rk);
 	if (!old)
 		return 1;
@@ -518,7 +613,8 @@ static __always_inline int snat_port_reusable(const struct dp_rev_key *rk, int s
 	if (!ov || ov->gen != old_gen || ov->nat_port != rk->nat_port || ov->kind != DP_CT_SNAT)
 		return 1; /* the reverse entry outlived its flow */
 	struct dp_tap *owner = bpf_map_lookup_elem(&by_ip, &old_ip);
-	if (owner && owner->gen == old_gen && !(reopen && tcp_closed(ov->state)))
+	if (owner && owner->gen == old_gen &&
+	    !(reopen && tcp_closed(ov->state) && time_wait_accepts(ov, si->ts, si->seq)))
 		return 0;
 	bpf_map_delete_elem(&ct, &ok);
 	return 1;
@@ -533,8 +629,8 @@ static __always_inline int snat_port_reusable(const struct dp_rev_key *rk, int s
  * than a map update). */
 static __always_inline int tuple_alloc(struct __sk_buff *skb, const struct dp_config *c,
 				       __u32 remote_ip, __u16 remote_port, __u8 proto,
-				       const struct dp_rev_val *rv, __u32 h, int syn,
-				       __u16 *nat_port)
+				       const struct dp_rev_val *rv, __u32 h,
+				       const struct syn_info *si, __u16 *nat_port)
 {
 	__u32 range = (__u32)c->snat_port_max - c->snat_port_min + 1;
 	if (c->snat_port_max < c->snat_port_min || range == 0)
@@ -550,7 +646,7 @@ static __always_inline int tuple_alloc(struct __sk_buff *skb, const struct dp_co
 			continue;
 		rk.nat_port = p;
 		if (bpf_map_update_elem(&ct_rev, &rk, rv, BPF_NOEXIST) != 0) {
-			if (!snat_port_reusable(&rk, syn) ||
+			if (!snat_port_reusable(&rk, si) ||
 			    bpf_map_update_elem(&ct_rev, &rk, rv, BPF_ANY) != 0)
 				continue;
 			/* Another CPU may have taken the same port over at the
@@ -577,8 +673,8 @@ static __always_inline int tuple_alloc(struct __sk_buff *skb, const struct dp_co
  * offset per sandbox so two sandboxes using the same guest port do not
  * contend. */
 static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_config *c,
-				      const struct dp_ct_key *key, __u64 gen, int syn,
-				      __u16 *nat_port)
+				      const struct dp_ct_key *key, __u64 gen,
+				      const struct syn_info *si, __u16 *nat_port)
 {
 	struct dp_rev_val rv = {
 		.sandbox_ip = key->sandbox_ip,
@@ -586,7 +682,7 @@ static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_con
 		.gen = gen,
 	};
 	__u32 h = bpf_ntohs(key->guest_port) + key->sandbox_ip * 2654435761u;
-	return tuple_alloc(skb, c, key->remote_ip, key->remote_port, key->proto, &rv, h, syn,
+	return tuple_alloc(skb, c, key->remote_ip, key->remote_port, key->proto, &rv, h, si,
 			   nat_port);
 }
 
@@ -933,11 +1029,17 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	}
 	if (v) {
 		touch(v, l4, DIR_OUT);
+		note_close(skb, v, l4);
 		nat_port = v->nat_port;
 	} else {
-		int syn = l4->proto == IPPROTO_TCP &&
-			  (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
-		if (snat_alloc(skb, c, &key, sb->gen, syn, &nat_port)) {
+		struct syn_info si = {
+			.syn = l4->proto == IPPROTO_TCP &&
+			       (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN,
+			.seq = l4->tcp_seq,
+		};
+		if (si.syn)
+			si.ts = tcp_tsval(skb, l4);
+		if (snat_alloc(skb, c, &key, sb->gen, &si, &nat_port)) {
 			count(DP_C_NO_PORT);
 			return TC_ACT_SHOT;
 		}
@@ -1285,14 +1387,19 @@ int to_uplink(struct __sk_buff *skb)
 		out = hv->nat_port;
 	} else {
 		struct dp_rev_val rv = {.sandbox_ip = 0, .guest_port = l4.sport, .gen = 0};
-		int syn = l4.proto == IPPROTO_TCP &&
-			  (l4.tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
+		struct syn_info si = {
+			.syn = l4.proto == IPPROTO_TCP &&
+			       (l4.tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN,
+			.seq = l4.tcp_seq,
+		};
+		if (si.syn)
+			si.ts = tcp_tsval(skb, &l4);
 		if (bpf_map_update_elem(&ct_rev, &hk, &rv, BPF_NOEXIST) == 0 ||
-		    (snat_port_reusable(&hk, syn) &&
+		    (snat_port_reusable(&hk, &si) &&
 		     bpf_map_update_elem(&ct_rev, &hk, &rv, BPF_ANY) == 0)) {
 			out = l4.sport;
 		} else if (tuple_alloc(skb, c, hk.remote_ip, hk.remote_port, hk.proto, &rv,
-				       port + ip.daddr * 2654435761u, syn, &out)) {
+				       port + ip.daddr * 2654435761u, &si, &out)) {
 			/* The whole range is held to this remote endpoint: the
 			 * connection keeps its port (as before this program). */
 			return TC_ACT_OK;

@@ -83,9 +83,14 @@ struct dp_ct_val {
 	__u16 nat_port;        /* SNAT port / echo id, or the mapped host port */
 	__u8 kind;             /* DP_CT_* */
 	__u8 state;            /* DP_TCP_* */
-	__u32 local_addr;      /* DP_CT_LOCAL: the address the host dialled */
+	/* TCP, once closing: the last timestamp value and the sequence number
+	 * after the last segment the flow sent (what the remote's TIME_WAIT
+	 * compares a new SYN on the same tuple with; 0 = none seen). */
+	__u32 ts_last;
 	__u64 gen;             /* generation of the sandbox that owns the flow */
-}; /* 24 bytes */
+	__u32 seq_last;
+	__u32 pad;
+}; /* 32 bytes */
 #define DP_CT_SNAT 0
 #define DP_CT_PORTMAP 1
 #define DP_CT_LOCAL 2     /* (earlier builds; host flows are in hflow now) */
@@ -97,6 +102,7 @@ struct dp_ct_val {
 #define DP_TCP_FIN_OUT 1  /* FIN from the sandbox (host_nat: from the host) */
 #define DP_TCP_FIN_IN 2   /* FIN from the other end */
 #define DP_TCP_RST 4
+#define DP_TCP_REMOTE_TW 8 /* the other end closed first: it keeps TIME_WAIT */
 
 /* SNAT replies: (remote, remote port, nat port) -> the sandbox's flow */
 struct dp_rev_key {

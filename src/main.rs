@@ -93,6 +93,20 @@ fn main() -> ExitCode {
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 2);
     }
+    // One fd per TAP: take the whole open-file allowance the service
+    // manager (LimitNOFILE=) or the shell granted, as systemd's own
+    // services do; Health's fd_limits check says when it is too small.
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write one live rlimit.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
     // Before any thread exists: the fds systemd passed (activation socket,
     // fd store content) and the environment that describes them.
     // SAFETY: no other thread exists yet (the runtime starts below).

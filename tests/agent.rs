@@ -985,3 +985,47 @@ async fn cold_path_without_a_warm_pool() {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
+
+/// Health says when the agent's descriptors cannot hold a full pool (one
+/// TAP fd per network): RLIMIT_NOFILE lowered under it flips `fd_limits`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_reports_descriptor_limits_below_a_full_pool() {
+    require_root!();
+    let (env, _world) = common::world::node(&[]);
+    let c = env.client().await;
+    let fd_check = |checks: &[(String, bool, String)]| {
+        checks
+            .iter()
+            .find(|c| c.0 == "fd_limits")
+            .cloned()
+            .unwrap_or_else(|| panic!("no fd_limits check: {checks:?}"))
+    };
+    let (healthy, checks) = c.health().await;
+    let ok = fd_check(&checks);
+    assert!(healthy && ok.1, "{checks:?}");
+    let pid = env.agent_pid().to_string();
+    let set = |limit: &str| {
+        let st = std::process::Command::new("prlimit")
+            .args(["--pid", &pid, &format!("--nofile={limit}")])
+            .status()
+            .unwrap();
+        assert!(st.success(), "prlimit {limit}");
+    };
+    let hard = std::fs::read_to_string(format!("/proc/{pid}/limits"))
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(4).map(str::to_owned))
+        .unwrap();
+    set(&format!("4096:{hard}"));
+    let (healthy, checks) = c.health().await;
+    let low = fd_check(&checks);
+    assert!(!healthy && !low.1, "{checks:?}");
+    assert!(
+        low.2.contains("RLIMIT_NOFILE 4096") && low.2.contains("LimitNOFILE"),
+        "{low:?}"
+    );
+    set(&format!("{hard}:{hard}"));
+    let (_, checks) = c.health().await;
+    assert!(fd_check(&checks).1, "{checks:?}");
+}

@@ -7,7 +7,58 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use super::{Agent, Uplink};
 use crate::datapath::{Check, FILTER_PRIORITY};
 
+/// Descriptors the agent needs besides one per TAP: buses, varlink
+/// connections, netlink and bpf maps, the store, journald.
+const FD_OVERHEAD: u64 = 1024;
+
 impl Agent {
+    /// Whether a full pool fits the agent's descriptors: one TAP fd per
+    /// network plus the warm pool (kept up to twice its size) against
+    /// RLIMIT_NOFILE, and the same TAP fds against the service manager's
+    /// fd store when it says its size ($FDSTORE, systemd 254+). A node
+    /// that runs out of either fails EnsureNetwork (EMFILE) or loses TAP
+    /// fds at a restart.
+    fn fd_limit_check(&self, pool_capacity: u32) -> Check {
+        let taps = u64::from(pool_capacity) + 2 * u64::from(self.cfg.warm_pool);
+        let need = taps + FD_OVERHEAD;
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes one rlimit into a live struct.
+        let nofile = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+            lim.rlim_cur
+        } else {
+            u64::MAX
+        };
+        let fdstore: Option<u64> = std::env::var("FDSTORE").ok().and_then(|v| v.parse().ok());
+        let mut problems = vec![];
+        if nofile < need {
+            problems.push(format!(
+                "RLIMIT_NOFILE {nofile} is below the {need} descriptors a full pool needs \
+                 ({taps} TAPs + {FD_OVERHEAD}): raise LimitNOFILE="
+            ));
+        }
+        if let Some(max) = fdstore.filter(|m| *m > 0 && *m < taps) {
+            problems.push(format!(
+                "the fd store holds {max}, a full pool parks {taps} TAP fds: raise \
+                 FileDescriptorStoreMax="
+            ));
+        }
+        (
+            "fd_limits".into(),
+            problems.is_empty(),
+            if problems.is_empty() {
+                format!(
+                    "a full pool needs {need} descriptors; RLIMIT_NOFILE {nofile}{}",
+                    fdstore.map_or(String::new(), |m| format!(", fd store {m}"))
+                )
+            } else {
+                problems.join("; ")
+            },
+        )
+    }
+
     pub fn active_networks(&self) -> u32 {
         self.views.read().unwrap_or_else(|p| p.into_inner()).len() as u32
     }
@@ -134,6 +185,7 @@ impl Agent {
             r.quarantined.is_empty() && r.store_problems.is_empty() && r.errors.is_empty(),
             detail,
         ));
+        checks.push(self.fd_limit_check(cap));
         checks.push(self.tap_fd_check());
         checks.push(self.veth_check());
         let dp = self.datapath.clone();

@@ -77,6 +77,7 @@ const EXIT_TARGET_MISSED: u8 = 3;
 
 const USAGE: &str = "\
 Usage: cube-dpbench [--secs N] [--rounds N] [--quick] [--ebpf-no-forward] [--guest-no-gso] [--hold]
+                    [--snat-port-range LO-HI]
   --secs N           seconds per iperf3 / connect-rate run [default: 3]
   --rounds N         alternating rounds of (nft, eBPF) [default: 3]
   --quick            CI smoke run: 1 round of 1 s
@@ -84,6 +85,9 @@ Usage: cube-dpbench [--secs N] [--rounds N] [--quick] [--ebpf-no-forward] [--gue
                      (the programs then hand packets to bpf_redirect_neigh)
   --guest-no-gso     turn TSO/GSO off on the guest's g0 in both topologies
                      (MTU-sized frames, like a VM without offloads; needs ethtool)
+  --snat-port-range LO-HI
+                     the eBPF side's SNAT ports [default: the agent's default,
+                     chosen outside the node namespace's ephemeral ports]
   --hold             debugging: build both topologies, print their names, measure
                      nothing and wait for Ctrl-C (which removes everything)
 Must run as root; needs iperf3 and nft (bpftool optional).";
@@ -123,6 +127,9 @@ struct Args {
     ebpf_forward: bool,
     guest_no_gso: bool,
     hold: bool,
+    /// `snat_port_range` for the eBPF side (default: what the agent's
+    /// default configuration chooses in the node namespace).
+    snat_port_range: Option<String>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -132,6 +139,7 @@ fn parse_args() -> Result<Args> {
         ebpf_forward: true,
         guest_no_gso: false,
         hold: false,
+        snat_port_range: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -151,6 +159,12 @@ fn parse_args() -> Result<Args> {
             "--ebpf-no-forward" => a.ebpf_forward = false,
             "--guest-no-gso" => a.guest_no_gso = true,
             "--hold" => a.hold = true,
+            "--snat-port-range" => {
+                a.snat_port_range = Some(
+                    it.next()
+                        .ok_or_else(|| format!("--snat-port-range needs LO-HI\n{USAGE}"))?,
+                )
+            }
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -477,7 +491,7 @@ impl Drop for Loaded {
     }
 }
 
-fn load_ebpf(topo: &Topo) -> Result<Loaded> {
+fn load_ebpf(topo: &Topo, snat_port_range: Option<&str>) -> Result<Loaded> {
     let tmp = std::env::temp_dir().join(format!("cube-dpbench-{}", std::process::id()));
     let bpffs = tmp.join("bpffs");
     std::fs::create_dir_all(&bpffs).map_err(|e| format!("mkdir {}: {e}", bpffs.display()))?;
@@ -486,9 +500,13 @@ fn load_ebpf(topo: &Topo) -> Result<Loaded> {
     run("mount", &["-t", "bpf", "bpf", &bpffs_s])?;
     registry().mount = Some(bpffs.clone());
 
-    let cfg = Config::default();
+    let mut cfg = Config::default();
+    if let Some(r) = snat_port_range {
+        cfg.snat_port_range = r.to_owned();
+    }
     // The range the agent would choose in the node's namespace (its own
-    // ip_local_port_range there).
+    // ip_local_port_range there), or the one asked for (checked the same
+    // way).
     let probe = cfg.clone();
     let (lo, hi) = in_netns(&topo.node, move || probe.validate())?
         .map_err(|e| format!("the default configuration does not validate: {e}"))?
@@ -791,7 +809,7 @@ fn bench(args: &Args) -> std::result::Result<bool, Failure> {
     nft.build(true, args.guest_no_gso).map_err(Setup)?;
     bpf.build(args.ebpf_forward, args.guest_no_gso)
         .map_err(Setup)?;
-    let loaded = load_ebpf(&bpf).map_err(Setup)?;
+    let loaded = load_ebpf(&bpf, args.snat_port_range.as_deref()).map_err(Setup)?;
     nft.start_servers().map_err(Setup)?;
     bpf.start_servers().map_err(Setup)?;
     std::thread::sleep(Duration::from_millis(500));

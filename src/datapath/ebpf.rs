@@ -56,6 +56,9 @@ impl FlowTimeouts {
     /// FIN or RST: the closing timeout).
     fn limit(&self, proto: u8, state: u8) -> Duration {
         match proto as i32 {
+            libc::IPPROTO_TCP if state & DP_TCP_REMOTE_TW != 0 => {
+                self.tcp_closing.max(REMOTE_TIME_WAIT)
+            }
             libc::IPPROTO_TCP if state != 0 => self.tcp_closing,
             libc::IPPROTO_TCP => self.tcp,
             libc::IPPROTO_UDP => self.udp,

@@ -91,9 +91,13 @@ pub struct DpCtVal {
     pub nat_port: u16,
     pub kind: u8,
     pub state: u8,
-    pub local_addr: u32,
+    /// TCP, once closing: the last timestamp value the flow sent.
+    pub ts_last: u32,
     /// Generation of the owner that created the flow ([`DpTap::generation`]).
     pub generation: u64,
+    /// TCP, once closing: the sequence number after its last segment.
+    pub seq_last: u32,
+    pub pad: u32,
 }
 pub const DP_CT_SNAT: u8 = 0;
 pub const DP_CT_PORTMAP: u8 = 1;
@@ -103,6 +107,12 @@ pub const DP_CT_HOST: u8 = 3;
 pub const DP_TCP_FIN_OUT: u8 = 1;
 pub const DP_TCP_FIN_IN: u8 = 2;
 pub const DP_TCP_RST: u8 = 4;
+/// The other end closed first and keeps the tuple in TIME_WAIT.
+pub const DP_TCP_REMOTE_TW: u8 = 8;
+/// How long a remote keeps TIME_WAIT (Linux's TCP_TIMEWAIT_LEN): a flow
+/// whose remote closed first is kept at least this long, so a new flow on
+/// its tuple is judged against what it sent last.
+pub const REMOTE_TIME_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -234,7 +244,7 @@ const _: () = {
     assert!(size_of::<DpPortmapKey>() == 8);
     assert!(size_of::<DpPortmapVal>() == 8);
     assert!(size_of::<DpCtKey>() == 16);
-    assert!(size_of::<DpCtVal>() == 24);
+    assert!(size_of::<DpCtVal>() == 32);
     assert!(size_of::<DpRevKey>() == 12);
     assert!(size_of::<DpRevVal>() == 16);
     assert!(size_of::<DpHflowKey>() == 16);

@@ -934,8 +934,8 @@ async fn flow_load(
                 nat_port: (40000 + (i % 20000) as u16).to_be(),
                 kind: DP_CT_SNAT,
                 state: 0,
-                local_addr: 0,
                 generation,
+                ..Default::default()
             };
             ct.insert(key, val, 0)
                 .map_err(|e| format!("filling ct ({filled} flows): {e}"))?;
