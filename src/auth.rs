@@ -151,6 +151,15 @@ impl Authority {
             .await
     }
 
+    /// The uid of bus name `sender` if an earlier call looked it up.
+    pub fn known_uid(&self, sender: &UniqueName<'_>) -> Option<u32> {
+        self.uids
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(sender.as_str())
+            .copied()
+    }
+
     async fn bus_caller_uid(
         &self,
         sender: &UniqueName<'_>,

@@ -142,6 +142,11 @@ pub struct Config {
     pub flow_timeout_icmp: u32,
     /// `tracing` filter, e.g. "info" or "cube_network_agent=debug".
     pub log_level: String,
+    /// varlink connections open at once, and per peer uid (systemd's
+    /// sd-varlink defaults); a connection beyond either is refused with
+    /// LimitsExceeded.
+    pub varlink_max_connections: u32,
+    pub varlink_max_connections_per_uid: u32,
 }
 
 impl Default for Config {
@@ -174,6 +179,8 @@ impl Default for Config {
             flow_timeout_udp: 60,
             flow_timeout_icmp: 30,
             log_level: "info".into(),
+            varlink_max_connections: 4096,
+            varlink_max_connections_per_uid: 1024,
         }
     }
 }
@@ -569,10 +576,30 @@ impl Config {
                 return Err(invalid(key, "must be at least 1 second"));
             }
         }
+        if self.varlink_max_connections == 0 || self.varlink_max_connections_per_uid == 0 {
+            return Err(invalid(
+                if self.varlink_max_connections == 0 {
+                    "varlink_max_connections"
+                } else {
+                    "varlink_max_connections_per_uid"
+                },
+                "must be at least 1",
+            ));
+        }
         if self.retire_group == 0 {
             return Err(invalid(
                 "retire_group",
                 "0 is the default group of every link; pick another",
+            ));
+        }
+        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log_level) {
+            return Err(invalid(
+                "log_level",
+                format!(
+                    "'{}' is not a tracing filter ({e}); e.g. info, debug, \
+                     cube_network_agent=debug",
+                    self.log_level
+                ),
             ));
         }
         Ok(Derived {
@@ -615,6 +642,8 @@ Options (each overrides the same key of the config file):
   --snat-port-range LO-HI    SNAT source ports, or auto [default: auto: outside the host's ephemeral ports]
   --flow-timeout-udp SECS    idle timeout of UDP flows [default: 60] (also -tcp, -tcp-closing, -icmp)
   --log-level FILTER         tracing filter [default: info]
+  --varlink-max-connections N          varlink connections at once [default: 4096]
+  --varlink-max-connections-per-uid N  ... of one peer uid [default: 1024]
   --print-config             print the effective configuration as TOML and exit
   -h, --help                 this help
   -V, --version              version
@@ -655,6 +684,11 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command, Con
                 "unexpected argument '{arg}' (see --help)"
             )));
         }
+        if flag != "--config" && !VALUE_FLAGS.contains(&flag.as_str()) {
+            return Err(ConfigError::Usage(format!(
+                "unknown option '{flag}' (see --help)"
+            )));
+        }
         let value = match inline {
             Some(v) => v,
             None => it
@@ -679,6 +713,33 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command, Con
         Command::Run(Box::new(cfg))
     })
 }
+
+/// Every option that takes a value (besides `--config`); `apply_flag`
+/// handles exactly these.
+const VALUE_FLAGS: &[&str] = &[
+    "--bus",
+    "--pool-cidr",
+    "--gateway-device",
+    "--uplink",
+    "--tap-prefix",
+    "--warm-pool",
+    "--mtu",
+    "--host-port-range",
+    "--reserved-host-ports",
+    "--allowed-host-ports",
+    "--state-dir",
+    "--runtime-dir",
+    "--log-level",
+    "--datapath",
+    "--bpf-pin-dir",
+    "--snat-port-range",
+    "--flow-timeout-tcp",
+    "--flow-timeout-tcp-closing",
+    "--flow-timeout-udp",
+    "--flow-timeout-icmp",
+    "--varlink-max-connections",
+    "--varlink-max-connections-per-uid",
+];
 
 fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigError> {
     let number = |key: &'static str, v: &str| -> Result<u32, ConfigError> {
@@ -711,6 +772,12 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
         }
         "--flow-timeout-udp" => cfg.flow_timeout_udp = number("flow_timeout_udp", &value)?,
         "--flow-timeout-icmp" => cfg.flow_timeout_icmp = number("flow_timeout_icmp", &value)?,
+        "--varlink-max-connections" => {
+            cfg.varlink_max_connections = number("varlink_max_connections", &value)?
+        }
+        "--varlink-max-connections-per-uid" => {
+            cfg.varlink_max_connections_per_uid = number("varlink_max_connections_per_uid", &value)?
+        }
         _ => {
             return Err(ConfigError::Usage(format!(
                 "unknown option {flag} (see --help)"
@@ -1011,12 +1078,15 @@ mod tests {
 
     #[test]
     fn usage_errors() {
-        assert!(
-            parse_args(args(&["--bogus", "1"]))
-                .unwrap_err()
-                .to_string()
-                .contains("--bogus")
-        );
+        for bogus in [&["--bogus"][..], &["--bogus", "1"], &["--bogus=1"]] {
+            let e = parse_args(args(bogus)).unwrap_err().to_string();
+            assert_eq!(e, "unknown option '--bogus' (see --help)", "{bogus:?}");
+        }
+        let e = err_of(Config {
+            log_level: "info,=[".into(),
+            ..Default::default()
+        });
+        assert!(e.starts_with("log_level:"), "{e}");
         assert!(
             parse_args(args(&["--mtu"]))
                 .unwrap_err()

@@ -15,6 +15,7 @@ pub mod dbus;
 pub mod hostsock;
 pub mod netlink;
 pub mod netns;
+pub mod refusals;
 pub mod store;
 pub mod sysctl;
 pub mod systemd;

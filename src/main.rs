@@ -59,8 +59,25 @@ fn main() -> ExitCode {
     let cfg = match config::parse_args(std::env::args().skip(1)) {
         Ok(Command::Run(cfg)) => cfg,
         Ok(Command::PrintConfig(cfg)) => {
-            print!("{}", toml::to_string(&*cfg).expect("config serialises"));
-            return ExitCode::SUCCESS;
+            // Checked exactly as a start would: a configuration the agent
+            // would refuse is reported (exit 2) instead of printed.
+            return match cfg.validate() {
+                Ok(d) => {
+                    print!("{}", toml::to_string(&*cfg).expect("config serialises"));
+                    println!(
+                        "# snat_port_range resolves to {}-{} here",
+                        d.snat_ports.0, d.snat_ports.1
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!(
+                        "cube-network-agent: invalid configuration: {}",
+                        error_chain(&e)
+                    );
+                    ExitCode::from(2)
+                }
+            };
         }
         Ok(Command::Help) => {
             print!("{}", config::USAGE);

@@ -1029,3 +1029,67 @@ async fn health_reports_descriptor_limits_below_a_full_pool() {
     let (_, checks) = c.health().await;
     assert!(fd_check(&checks).1, "{checks:?}");
 }
+
+/// Every refused request is logged once at the default level with who
+/// asked, the method, the sandbox id and the error; a flood from one
+/// caller is cut to a burst (the journal cannot be filled by one uid).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_requests_are_logged_and_rate_limited() {
+    require_root!();
+    let env = Env::new(&[]);
+    let c = env.client().await;
+    let e = c.get("nope").await.unwrap_err();
+    assert_eq!(e.name, "org.cube.NetworkAgent.Error.NotFound");
+    let e = c
+        .ensure(
+            "bad",
+            opts(vec![("mtu", zbus::zvariant::Value::from(5u32))]),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.name, "org.cube.NetworkAgent.Error.InvalidArgument");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let lines = loop {
+        let log = env.log();
+        let lines: Vec<String> = log
+            .lines()
+            .filter(|l| l.contains("request refused"))
+            .map(str::to_owned)
+            .collect();
+        if lines.len() >= 2 || std::time::Instant::now() > deadline {
+            break lines;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(lines.len(), 2, "{lines:#?}");
+    for (l, method, id, err) in [
+        (&lines[0], "GetNetwork", "nope", "NotFound"),
+        (&lines[1], "EnsureNetwork", "bad", "InvalidArgument"),
+    ] {
+        assert!(l.contains(" INFO "), "{l}");
+        for want in [
+            format!("method=\"{method}\""),
+            format!("sandbox_id=\"{id}\""),
+            format!("error=\"{err}\""),
+            "edge=\"dbus\"".into(),
+            "uid=0".into(),
+        ] {
+            assert!(l.contains(&want), "{want} missing in {l}");
+        }
+    }
+    // A flood: 100 refusals, at most the burst is logged.
+    for i in 0..100 {
+        let _ = c.get(&format!("flood-{i}")).await;
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let flood = env
+        .log()
+        .lines()
+        .filter(|l| l.contains("request refused") && l.contains("flood-"))
+        .count();
+    assert_eq!(
+        flood,
+        cube_network_agent::refusals::BURST as usize - 2,
+        "the burst per window minus the two refusals above"
+    );
+}

@@ -122,6 +122,24 @@ async fn raw_protocol_every_verb_and_error() {
     let c = env.client().await;
     let echo = world.udp_echo(0);
 
+    // Run by hand (no CNI_COMMAND), like the reference plugins: what it is
+    // and the versions it speaks, exit 0.
+    for args in [&["--version"][..], &["--help"]] {
+        let out = Command::new(env!("CARGO_BIN_EXE_cube-cni"))
+            .args(args)
+            .env_remove("CNI_COMMAND")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        assert!(
+            text.starts_with("CNI cube-cni plugin v")
+                && text
+                    .contains("CNI protocol versions supported: 0.3.0, 0.3.1, 0.4.0, 1.0.0, 1.1.0"),
+            "{args:?}: {text}"
+        );
+    }
+
     // VERSION: no agent needed; echoes the caller's version.
     let v = cni(
         &env,

@@ -467,7 +467,14 @@ async fn errors_and_malformed_input() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_and_buffer_budgets() {
     require_root!();
-    let env = Env::new(&["--datapath", "none"]);
+    // A per-uid limit of 256 (the default is sd-varlink's 1024), so the
+    // test stays quick.
+    let env = Env::new(&[
+        "--datapath",
+        "none",
+        "--varlink-max-connections-per-uid",
+        "256",
+    ]);
     let pid = env.agent_pid();
     let r0 = common::proc_status_kib(pid, "VmRSS");
     // 256 idle connections (the per-uid limit), each after one call.
@@ -485,8 +492,10 @@ async fn connection_and_buffer_budgets() {
         "idle connections cost {} KiB",
         r1 - r0
     );
-    // The 257th connection of this uid is refused, saying why.
+    // The 257th connection of this uid is refused, saying why, also when
+    // it sends its request at once (no broken pipe instead of the error).
     let mut extra = Varlink::connect(&env);
+    extra.send(&json!({"method": "org.cube.NetworkAgent.ListNetworks"}));
     let (reply, _) = extra.recv().expect("an error reply before closing");
     assert_eq!(
         reply["error"], "org.cube.NetworkAgent.LimitsExceeded",
@@ -497,6 +506,7 @@ async fn connection_and_buffer_budgets() {
         why.contains("256 varlink connections open, the limit is 256"),
         "{why}"
     );
+    assert!(why.contains("varlink_max_connections_per_uid"), "{why}");
     assert!(extra.recv().is_none(), "closed after the error");
     drop(extra);
     idle.truncate(8);
@@ -796,4 +806,35 @@ async fn every_edge_sees_every_change_in_one_order() {
     .map(|(a, b)| (a.to_owned(), b))
     .collect();
     assert_eq!(network_signals, expect, "all signals: {seen:#?}");
+}
+
+/// 500 concurrent calls from one uid (root) are all served with the
+/// default limits (sd-varlink's: 4,096 connections, 1,024 per uid).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_hundred_concurrent_callers_are_served() {
+    require_root!();
+    let env = Env::new(&["--datapath", "none"]);
+    let failures: Vec<String> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..500)
+            .map(|i| {
+                let env = &env;
+                scope.spawn(move || {
+                    let mut v = Varlink::connect(env);
+                    v.send(&json!({"method": "org.cube.NetworkAgent.ListNetworks"}));
+                    // Hold every connection until all were answered.
+                    match v.recv() {
+                        Some((r, _)) if r.get("error").is_none() => Ok(v),
+                        other => Err(format!("caller {i}: {other:?}")),
+                    }
+                })
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        results.into_iter().filter_map(Result::err).collect()
+    });
+    assert!(
+        failures.is_empty(),
+        "{} failed: {failures:?}",
+        failures.len()
+    );
 }

@@ -33,7 +33,38 @@ const IFACE: &str = "org.cube.NetworkAgent";
 
 type Dict = HashMap<String, OwnedValue>;
 
+/// What the reference plugins print without CNI_COMMAND (skel's "about").
+fn about() -> String {
+    format!(
+        "CNI cube-cni plugin v{}\nCNI protocol versions supported: {}\n",
+        env!("CARGO_PKG_VERSION"),
+        cni::SUPPORTED_VERSIONS.join(", ")
+    )
+}
+
 fn main() -> ExitCode {
+    // Run by hand (no CNI_COMMAND), like the reference plugins: say what
+    // this is and exit 0. --help adds how it is meant to be run.
+    if env("CNI_COMMAND").is_none() {
+        let asked: Vec<String> = std::env::args().skip(1).collect();
+        let help = asked.iter().any(|a| a == "-h" || a == "--help");
+        let text = if help {
+            format!(
+                "{}\ncube-cni is run by container runtimes (containerd, CRI-O, libcni) with \
+                 CNI_COMMAND=ADD|DEL|CHECK|STATUS|GC|VERSION and the network configuration on \
+                 stdin; see cube-cni(8).\n",
+                about()
+            )
+        } else {
+            about()
+        };
+        if asked.is_empty() {
+            eprint!("{text}");
+        } else {
+            print!("{text}");
+        }
+        return ExitCode::SUCCESS;
+    }
     let mut version = "1.1.0".to_owned();
     match run(&mut version) {
         Ok(Some(out)) => {

@@ -12,7 +12,6 @@
 use std::collections::HashMap;
 use std::fmt::Write;
 
-use tracing::info;
 use zbus::message::{Flags, Header, Message};
 use zbus::names::{InterfaceName, MemberName};
 use zbus::object_server::{DispatchResult2, Interface, SignalEmitter};
@@ -72,12 +71,23 @@ async fn allow_read(authority: &Authority, header: Option<&Header<'_>>) -> fdo::
     {
         Ok(()) => Ok(()),
         Err(e) => {
-            info!(
-                sender = %sender,
-                member = header.member().map(|m| m.as_str()).unwrap_or(""),
-                path = header.path().map(|p| p.as_str()).unwrap_or(""),
-                error = %e,
-                "read denied"
+            crate::refusals::note(
+                crate::refusals::Caller {
+                    edge: "dbus",
+                    name: sender.as_str(),
+                    uid: authority.known_uid(sender),
+                    pid: None,
+                },
+                crate::refusals::Refusal {
+                    method: header.member().map(|m| m.as_str()).unwrap_or(""),
+                    sandbox_id: "",
+                    error: "AccessDenied",
+                    message: &format!(
+                        "{} on {}: {e}",
+                        header.member().map(|m| m.as_str()).unwrap_or(""),
+                        header.path().map(|p| p.as_str()).unwrap_or("")
+                    ),
+                },
             );
             Err(match e {
                 e @ AuthError::InteractionRequired { .. } => {

@@ -421,15 +421,40 @@ impl Manager {
             .primary()
             .flags()
             .contains(Flags::AllowInteractiveAuth);
-        if let Err(e) = self
-            .authority
+        self.authority
             .check_bus_caller(sender, action, interactive)
             .await
-        {
-            info!(sender = %sender, action = action.id(), error = %e, "call denied");
-            return Err(e.into());
+            .map_err(Error::from)
+    }
+
+    /// Passes `result` on; a refusal is logged first (who, what, why;
+    /// rate-limited per uid, see [`crate::refusals`]).
+    fn logged<T>(
+        &self,
+        header: &Header<'_>,
+        method: &str,
+        sandbox_id: &str,
+        result: Result<T, Error>,
+    ) -> Result<T, Error> {
+        if let Err(e) = &result {
+            let name = header.sender().map(|s| s.as_str()).unwrap_or("");
+            let error = e.name();
+            crate::refusals::note(
+                crate::refusals::Caller {
+                    edge: "dbus",
+                    name,
+                    uid: header.sender().and_then(|s| self.authority.known_uid(s)),
+                    pid: None,
+                },
+                crate::refusals::Refusal {
+                    method,
+                    sandbox_id,
+                    error: error.rsplit('.').next().unwrap_or(&error),
+                    message: &e.to_string(),
+                },
+            );
         }
-        Ok(())
+        result
     }
 
     fn info(&self, view: crate::agent::NetworkView) -> Dict {
@@ -467,11 +492,15 @@ impl Manager {
         options: HashMap<String, OwnedValue>,
         #[zbus(header)] header: Header<'_>,
     ) -> Result<Dict, Error> {
-        self.authorize(&header, Action::Manage).await?;
-        let spec = parse_options(&options)?;
-        let out = self.agent.ensure(&sandbox_id, spec).await?;
-        self.mirrored(out.seq).await;
-        Ok(self.info(out.view))
+        let result = async {
+            self.authorize(&header, Action::Manage).await?;
+            let spec = parse_options(&options)?;
+            let out = self.agent.ensure(&sandbox_id, spec).await?;
+            self.mirrored(out.seq).await;
+            Ok(self.info(out.view))
+        }
+        .await;
+        self.logged(&header, "EnsureNetwork", &sandbox_id, result)
     }
 
     /// Returns everything; false if there was no such network.
@@ -481,14 +510,18 @@ impl Manager {
         sandbox_id: String,
         #[zbus(header)] header: Header<'_>,
     ) -> Result<bool, Error> {
-        self.authorize(&header, Action::Manage).await?;
-        match self.agent.release(&sandbox_id).await? {
-            Some(seq) => {
-                self.mirrored(seq).await;
-                Ok(true)
+        let result = async {
+            self.authorize(&header, Action::Manage).await?;
+            match self.agent.release(&sandbox_id).await? {
+                Some(seq) => {
+                    self.mirrored(seq).await;
+                    Ok(true)
+                }
+                None => Ok(false),
             }
-            None => Ok(false),
         }
+        .await;
+        self.logged(&header, "ReleaseNetwork", &sandbox_id, result)
     }
 
     /// Releases the network only if it is what the caller expects: every key
@@ -503,15 +536,19 @@ impl Manager {
         expect: HashMap<String, OwnedValue>,
         #[zbus(header)] header: Header<'_>,
     ) -> Result<bool, Error> {
-        self.authorize(&header, Action::Manage).await?;
-        let expect = parse_expect(&expect)?;
-        match self.agent.release_if(&sandbox_id, &expect).await? {
-            Some(seq) => {
-                self.mirrored(seq).await;
-                Ok(true)
+        let result = async {
+            self.authorize(&header, Action::Manage).await?;
+            let expect = parse_expect(&expect)?;
+            match self.agent.release_if(&sandbox_id, &expect).await? {
+                Some(seq) => {
+                    self.mirrored(seq).await;
+                    Ok(true)
+                }
+                None => Ok(false),
             }
-            None => Ok(false),
         }
+        .await;
+        self.logged(&header, "ReleaseNetworkIf", &sandbox_id, result)
     }
 
     /// Re-checks one network ("" = all) against the kernel and repairs it.
@@ -521,8 +558,12 @@ impl Manager {
         sandbox_id: String,
         #[zbus(header)] header: Header<'_>,
     ) -> Result<Dict, Error> {
-        self.authorize(&header, Action::Manage).await?;
-        Ok(report_dict(self.agent.reconcile(&sandbox_id).await?))
+        let result = async {
+            self.authorize(&header, Action::Manage).await?;
+            Ok(report_dict(self.agent.reconcile(&sandbox_id).await?))
+        }
+        .await;
+        self.logged(&header, "ReconcileNetwork", &sandbox_id, result)
     }
 
     #[zbus(out_args("network"))]
@@ -531,19 +572,27 @@ impl Manager {
         sandbox_id: String,
         #[zbus(header)] header: Header<'_>,
     ) -> Result<Dict, Error> {
-        self.authorize(&header, Action::Read).await?;
-        Ok(self.info(self.agent.get(&sandbox_id)?))
+        let result = async {
+            self.authorize(&header, Action::Read).await?;
+            Ok(self.info(self.agent.get(&sandbox_id)?))
+        }
+        .await;
+        self.logged(&header, "GetNetwork", &sandbox_id, result)
     }
 
     #[zbus(out_args("networks"))]
     async fn list_networks(&self, #[zbus(header)] header: Header<'_>) -> Result<Vec<Dict>, Error> {
-        self.authorize(&header, Action::Read).await?;
-        Ok(self
-            .agent
-            .list()
-            .into_iter()
-            .map(|v| self.info(v))
-            .collect())
+        let result = async {
+            self.authorize(&header, Action::Read).await?;
+            Ok(self
+                .agent
+                .list()
+                .into_iter()
+                .map(|v| self.info(v))
+                .collect())
+        }
+        .await;
+        self.logged(&header, "ListNetworks", "", result)
     }
 
     /// A fresh duplicate of the TAP fd for the VMM.
@@ -553,8 +602,12 @@ impl Manager {
         sandbox_id: String,
         #[zbus(header)] header: Header<'_>,
     ) -> Result<zbus::zvariant::OwnedFd, Error> {
-        self.authorize(&header, Action::Manage).await?;
-        Ok(self.agent.open_tap(&sandbox_id).await?.into())
+        let result = async {
+            self.authorize(&header, Action::Manage).await?;
+            Ok(self.agent.open_tap(&sandbox_id).await?.into())
+        }
+        .await;
+        self.logged(&header, "OpenTap", &sandbox_id, result)
     }
 
     #[zbus(out_args("healthy", "checks"))]
@@ -562,8 +615,12 @@ impl Manager {
         &self,
         #[zbus(header)] header: Header<'_>,
     ) -> Result<(bool, Vec<(String, bool, String)>), Error> {
-        self.authorize(&header, Action::Read).await?;
-        Ok(self.agent.health().await)
+        let result = async {
+            self.authorize(&header, Action::Read).await?;
+            Ok(self.agent.health().await)
+        }
+        .await;
+        self.logged(&header, "Health", "", result)
     }
 
     #[zbus(property)]

@@ -432,11 +432,41 @@ async fn message(agent: &Agent, peer: &Peer, stream: &mut UnixStream, msg: &[u8]
     }
     // "more" needs no handling elsewhere: only WatchNetworks streams, so
     // any other single reply (without "continues") is the whole answer.
-    let result = match m.remove("parameters") {
-        None | Some(Value::Null) => call(agent, peer, &method, Map::new()).await,
-        Some(Value::Object(p)) => call(agent, peer, &method, p).await,
+    let params = match m.remove("parameters") {
+        None | Some(Value::Null) => Ok(Map::new()),
+        Some(Value::Object(p)) => Ok(p),
         Some(_) => Err(Failure::InvalidParameter("parameters".into())),
     };
+    let sandbox_id = params
+        .as_ref()
+        .ok()
+        .and_then(|p| p.get("sandbox_id"))
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_owned();
+    let result = match params {
+        Ok(p) => call(agent, peer, &method, p).await,
+        Err(f) => Err(f),
+    };
+    let result = result.map_err(|f| {
+        let reply = f.reply();
+        let error = reply["error"].as_str().unwrap_or("");
+        crate::refusals::note(
+            crate::refusals::Caller {
+                edge: "varlink",
+                name: "",
+                uid: Some(peer.uid),
+                pid: peer.pid,
+            },
+            crate::refusals::Refusal {
+                method: &method,
+                sandbox_id: &sandbox_id,
+                error: error.rsplit('.').next().unwrap_or(error),
+                message: &reply["parameters"].to_string(),
+            },
+        );
+        reply
+    });
     debug!(
         method,
         uid = peer.uid,
@@ -449,7 +479,7 @@ async fn message(agent: &Agent, peer: &Peer, stream: &mut UnixStream, msg: &[u8]
     }
     let (reply, fd) = match result {
         Ok(r) => (json!({ "parameters": r.parameters }), r.fd),
-        Err(f) => (f.reply(), None),
+        Err(reply) => (reply, None),
     };
     let mut bytes = serde_json::to_vec(&reply).expect("a reply always serialises");
     bytes.push(0);
@@ -576,8 +606,6 @@ async fn send_with_fd(stream: &mut UnixStream, data: &[u8], fd: &OwnedFd) -> io:
 
 /// Bytes all connections together may hold in their receive buffers.
 pub const MAX_BUFFERED_TOTAL: usize = 16 << 20;
-/// Open connections per peer uid (root included).
-pub const MAX_CONNECTIONS_PER_UID: u32 = 256;
 /// What an idle connection keeps for reading; a larger buffer is given
 /// back once its message is handled.
 const IDLE_BUFFER: usize = 4096;
@@ -587,17 +615,34 @@ const IDLE_BUFFER: usize = 4096;
 struct Budget {
     buffered: std::sync::atomic::AtomicUsize,
     per_uid: std::sync::Mutex<std::collections::HashMap<u32, u32>>,
+    /// Connection limits (config `varlink_max_connections`,
+    /// `varlink_max_connections_per_uid`), set by [`serve`].
+    max_total: std::sync::atomic::AtomicU32,
+    max_per_uid: std::sync::atomic::AtomicU32,
 }
 
 static BUDGET: std::sync::LazyLock<Budget> = std::sync::LazyLock::new(Budget::default);
 
 impl Budget {
     fn open(&'static self, uid: u32) -> Result<Share, String> {
+        use std::sync::atomic::Ordering;
+        let (max_total, max_per_uid) = (
+            self.max_total.load(Ordering::Relaxed),
+            self.max_per_uid.load(Ordering::Relaxed),
+        );
         let mut m = self.per_uid.lock().unwrap_or_else(|p| p.into_inner());
-        let n = m.entry(uid).or_default();
-        if *n >= MAX_CONNECTIONS_PER_UID {
+        let total: u32 = m.values().sum();
+        if total >= max_total {
             return Err(format!(
-                "uid {uid} has {n} varlink connections open, the limit is {MAX_CONNECTIONS_PER_UID}"
+                "the agent has {total} varlink connections open, the limit is {max_total} \
+                 (varlink_max_connections)"
+            ));
+        }
+        let n = m.entry(uid).or_default();
+        if *n >= max_per_uid {
+            return Err(format!(
+                "uid {uid} has {n} varlink connections open, the limit is {max_per_uid} \
+                 (varlink_max_connections_per_uid)"
             ));
         }
         *n += 1;
@@ -657,13 +702,25 @@ impl Drop for Share {
     }
 }
 
-/// Tells the peer why it is cut off, then closes.
+/// Tells the peer why it is cut off, then closes. The refusal is logged
+/// (rate-limited). What the peer already sent is read and dropped for a
+/// moment first: closing with unread data would reset the connection, and
+/// a client that was still writing its request would see a broken pipe
+/// instead of the error.
 async fn refuse(stream: &mut UnixStream, peer: &Peer, why: String) {
-    debug!(
-        uid = peer.uid,
-        pid = peer.pid,
-        why,
-        "varlink: over budget; closing"
+    crate::refusals::note(
+        crate::refusals::Caller {
+            edge: "varlink",
+            name: "",
+            uid: Some(peer.uid),
+            pid: peer.pid,
+        },
+        crate::refusals::Refusal {
+            method: "(connection)",
+            sandbox_id: "",
+            error: "LimitsExceeded",
+            message: &why,
+        },
     );
     let reply = json!({
         "error": format!("{INTERFACE}.LimitsExceeded"),
@@ -671,7 +728,21 @@ async fn refuse(stream: &mut UnixStream, peer: &Peer, why: String) {
     });
     let mut bytes = serde_json::to_vec(&reply).expect("a reply always serialises");
     bytes.push(0);
-    let _ = stream.write_all(&bytes).await;
+    if stream.write_all(&bytes).await.is_err() {
+        return;
+    }
+    let _ = stream.shutdown().await;
+    let mut sink = [0u8; 4096];
+    let drain = async {
+        let mut left: usize = 64 * 1024;
+        while left > 0 {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_millis(500), drain).await;
 }
 
 /// Serves one connection until EOF, an I/O error or malformed input.
@@ -804,7 +875,15 @@ pub fn serve(
     agent: Arc<Agent>,
     passed: Option<std::os::unix::net::UnixListener>,
 ) -> Result<(), ServeError> {
-    let l = listener(&agent.config().runtime_dir, passed)?;
+    use std::sync::atomic::Ordering;
+    let cfg = agent.config();
+    BUDGET
+        .max_total
+        .store(cfg.varlink_max_connections, Ordering::Relaxed);
+    BUDGET
+        .max_per_uid
+        .store(cfg.varlink_max_connections_per_uid, Ordering::Relaxed);
+    let l = listener(&cfg.runtime_dir, passed)?;
     tokio::spawn(accept_loop(agent, l));
     Ok(())
 }
