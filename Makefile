@@ -3,6 +3,14 @@
 #   make install                      build (cargo build --release --bins) and install into /
 #   make install NO_BUILD=1 DESTDIR=/some/root   install already-built binaries under a root
 #   make uninstall                    remove exactly what install put there
+#                                     (the same DESTDIR and directory variables)
+#
+# Installed: the daemon, cubenetctl and cube-cni (stripped), the man pages
+# cubenetctl(1), cube-network-agent(8) and cube-cni(8), bash and zsh
+# completions for cubenetctl, the systemd units, the D-Bus policy and
+# activation file, the polkit actions, and docs with the example polkit
+# rule and CNI configuration. The state and runtime directories come from
+# the unit (StateDirectory=, RuntimeDirectory=); nothing else is created.
 #   make check-units                  systemd-analyze verify + security exposure score
 #   make test-systemd                 tests/systemd/run.sh (throw-away systemd container)
 #
@@ -22,7 +30,11 @@ DBUSPOLICYDIR ?= /usr/share/dbus-1/system.d
 DBUSSERVICEDIR ?= /usr/share/dbus-1/system-services
 POLKITACTIONDIR ?= /usr/share/polkit-1/actions
 DOCDIR        ?= /usr/share/doc/cube-network-agent
+MANDIR        ?= $(PREFIX)/share/man
+BASHCOMPDIR   ?= $(PREFIX)/share/bash-completion/completions
+ZSHCOMPDIR    ?= $(PREFIX)/share/zsh/vendor-completions
 CNIBINDIR     ?= /opt/cni/bin
+STRIP         ?= strip
 CARGO         ?= cargo
 TARGETDIR     ?= target/release
 NO_BUILD      ?=
@@ -35,6 +47,9 @@ DAEMON        := $(LIBEXECDIR)/cube-network-agent
 UNITS         := systemd/cube-network-agent.service systemd/cube-network-agent.socket
 POLKIT_POLICIES = $(wildcard polkit/*.policy)
 POLKIT_EXAMPLES = $(wildcard polkit/*.rules.example)
+MAN1          := $(wildcard man/*.1)
+MAN8          := $(wildcard man/*.8)
+DOCS          := docs/systemd.md docs/security.md
 
 .PHONY: all build install uninstall check-units test-systemd
 
@@ -45,9 +60,13 @@ build:
 
 install: $(if $(NO_BUILD),,build)
 	@test -x $(TARGETDIR)/cube-network-agent || { echo "$(TARGETDIR)/cube-network-agent is not built (drop NO_BUILD=1 or run cargo build --release --bins)" >&2; exit 1; }
-	install -D -m 0755 $(TARGETDIR)/cube-network-agent $(DESTDIR)$(DAEMON)
-	if [ -x $(TARGETDIR)/cubenetctl ]; then install -D -m 0755 $(TARGETDIR)/cubenetctl $(DESTDIR)$(BINDIR)/cubenetctl; fi
-	if [ -x $(TARGETDIR)/cube-cni ]; then install -D -m 0755 $(TARGETDIR)/cube-cni $(DESTDIR)$(CNIBINDIR)/cube-cni; fi
+	install -D -m 0755 --strip --strip-program=$(STRIP) $(TARGETDIR)/cube-network-agent $(DESTDIR)$(DAEMON)
+	install -D -m 0755 --strip --strip-program=$(STRIP) $(TARGETDIR)/cubenetctl $(DESTDIR)$(BINDIR)/cubenetctl
+	install -D -m 0755 --strip --strip-program=$(STRIP) $(TARGETDIR)/cube-cni $(DESTDIR)$(CNIBINDIR)/cube-cni
+	for m in $(MAN1); do install -D -m 0644 $$m $(DESTDIR)$(MANDIR)/man1/$${m##*/} || exit 1; done
+	for m in $(MAN8); do install -D -m 0644 $$m $(DESTDIR)$(MANDIR)/man8/$${m##*/} || exit 1; done
+	if [ -f completions/cubenetctl.bash ]; then install -D -m 0644 completions/cubenetctl.bash $(DESTDIR)$(BASHCOMPDIR)/cubenetctl; fi
+	if [ -f completions/_cubenetctl ]; then install -D -m 0644 completions/_cubenetctl $(DESTDIR)$(ZSHCOMPDIR)/_cubenetctl; fi
 	install -D -m 0644 examples/cni/10-cube.conflist $(DESTDIR)$(DOCDIR)/10-cube.conflist
 	install -d -m 0755 $(DESTDIR)$(UNITDIR)
 	for u in $(UNITS); do \
@@ -58,7 +77,7 @@ install: $(if $(NO_BUILD),,build)
 	install -D -m 0644 dbus/org.cube.NetworkAgent.service $(DESTDIR)$(DBUSSERVICEDIR)/org.cube.NetworkAgent.service
 	for p in $(POLKIT_POLICIES); do install -D -m 0644 $$p $(DESTDIR)$(POLKITACTIONDIR)/$${p##*/} || exit 1; done
 	for r in $(POLKIT_EXAMPLES); do install -D -m 0644 $$r $(DESTDIR)$(DOCDIR)/$${r##*/} || exit 1; done
-	install -D -m 0644 docs/systemd.md $(DESTDIR)$(DOCDIR)/systemd.md
+	for d in $(DOCS); do install -D -m 0644 $$d $(DESTDIR)$(DOCDIR)/$${d##*/} || exit 1; done
 	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then \
 	    echo "systemctl daemon-reload"; systemctl daemon-reload; \
 	else \
@@ -69,11 +88,14 @@ uninstall:
 	rm -f $(DESTDIR)$(DAEMON)
 	rm -f $(DESTDIR)$(BINDIR)/cubenetctl
 	rm -f $(DESTDIR)$(CNIBINDIR)/cube-cni
+	rm -f $(addprefix $(DESTDIR)$(MANDIR)/man1/,$(notdir $(MAN1)))
+	rm -f $(addprefix $(DESTDIR)$(MANDIR)/man8/,$(notdir $(MAN8)))
+	rm -f $(DESTDIR)$(BASHCOMPDIR)/cubenetctl $(DESTDIR)$(ZSHCOMPDIR)/_cubenetctl
 	rm -f $(addprefix $(DESTDIR)$(UNITDIR)/,$(notdir $(UNITS)))
 	rm -f $(DESTDIR)$(DBUSPOLICYDIR)/org.cube.NetworkAgent.conf
 	rm -f $(DESTDIR)$(DBUSSERVICEDIR)/org.cube.NetworkAgent.service
 	rm -f $(addprefix $(DESTDIR)$(POLKITACTIONDIR)/,$(notdir $(POLKIT_POLICIES)))
-	rm -f $(addprefix $(DESTDIR)$(DOCDIR)/,$(notdir $(POLKIT_EXAMPLES)) systemd.md 10-cube.conflist)
+	rm -f $(addprefix $(DESTDIR)$(DOCDIR)/,$(notdir $(POLKIT_EXAMPLES)) $(notdir $(DOCS)) 10-cube.conflist)
 	-rmdir $(DESTDIR)$(DOCDIR) 2>/dev/null || true
 	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then \
 	    echo "systemctl daemon-reload"; systemctl daemon-reload; \

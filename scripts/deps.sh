@@ -1,26 +1,52 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the agent and its tests need, if missing:
-# dbus-daemon (private and system buses), iproute2 (ip: namespaces, links),
-# systemd (busctl, systemd-analyze), clang-19 + libbpf-dev (eBPF build,
-# checked reproducible in CI), make (ebpf/Makefile, make check-units),
-# qemu-system-x86 + busybox-static + tcpdump + curl + python3 (the
-# real-kernel guest test in tests/vm: qemu-system-x86_64, the guest's
-# busybox, the GSO capture, host-side HTTP, the world web server),
-# polkitd + python3 (tests/polkit), iperf3 + nftables (cube-dpbench and its
-# nft baseline); golang-go + golang-github-appc-cni-dev (libcni) +
-# golang-github-containerd-go-cni-dev (go-cni) to build tests/cni/cnirun
-# offline in GOPATH mode, containernetworking-plugins (/usr/lib/cni: tuning
-# chained after cube-cni, the bridge+host-local+portmap baseline),
-# containerd + runc (tests/cni/ctr-run.sh: a real runtime, ctr run --cni of
-# a busybox-static rootfs); coreutils (md5sum, timeout), mount + util-linux
-# (mount, umount, mountpoint, findmnt, unshare, nsenter, setpriv, flock) are
-# essential packages and listed so that a stripped image still fails loudly
-# here. systemd-nspawn (systemd-container, pinned to the host's systemd) is
-# installed by tests/systemd/nspawn_up.sh. Idempotent; needs root.
+# Installs the Debian packages cube-network-agent needs, if missing.
+#
+#   scripts/deps.sh [--runtime] [--build] [--test]    (no flag: all three)
+#
+# --runtime  what running the agent and the README's commands needs:
+#            dbus-daemon (a system bus where none runs), iproute2 (ip, tc),
+#            systemd (busctl), socat (the varlink examples).
+# --build    what building it needs besides the machine's cargo: make, and
+#            clang-19 + libbpf-dev to compile the eBPF datapath (without
+#            them build.rs uses the committed object).
+# --test     what the test suite and the benchmarks need:
+#            qemu-system-x86 + busybox-static + tcpdump + curl + python3
+#            (the real-kernel guest in tests/vm: qemu-system-x86_64, the
+#            guest's busybox, the GSO capture, host-side HTTP, the world web
+#            server); polkitd (tests/polkit); iperf3 + nftables (cube-dpbench
+#            and its nft baseline); golang-go + golang-github-appc-cni-dev
+#            (libcni) + golang-github-containerd-go-cni-dev (go-cni) to build
+#            tests/cni/cnirun offline in GOPATH mode; containernetworking-
+#            plugins (/usr/lib/cni: tuning chained after cube-cni, the
+#            bridge+host-local+portmap baseline); containerd + runc
+#            (tests/cni/ctr-run.sh); bpftool (program tags in the upgrade
+#            test); man-db + groff-base (man -l in tests/install) and zsh (the
+#            zsh completion's syntax check); coreutils (md5sum, timeout),
+#            mount + util-linux (mount, umount, mountpoint, findmnt, unshare,
+#            nsenter, setpriv, flock) are essential packages and listed so
+#            that a stripped image still fails loudly here. systemd-nspawn
+#            (systemd-container, pinned to the host's systemd) is installed
+#            by tests/systemd/nspawn_up.sh.
+# Idempotent; needs root.
 set -euo pipefail
-want=(dbus-daemon iproute2 systemd clang-19 libbpf-dev make qemu-system-x86 busybox-static tcpdump
-    curl python3 polkitd iperf3 nftables golang-go golang-github-appc-cni-dev golang-github-containerd-go-cni-dev
-    containernetworking-plugins containerd runc coreutils mount util-linux)
+runtime=(dbus-daemon iproute2 systemd socat)
+build=(make clang-19 libbpf-dev)
+test=(qemu-system-x86 busybox-static tcpdump curl python3 polkitd iperf3 nftables golang-go
+    golang-github-appc-cni-dev golang-github-containerd-go-cni-dev containernetworking-plugins
+    containerd runc bpftool man-db groff-base zsh coreutils mount util-linux)
+want=()
+for a in "$@"; do
+    case $a in
+    --runtime) want+=("${runtime[@]}") ;;
+    --build) want+=("${build[@]}") ;;
+    --test) want+=("${test[@]}") ;;
+    *)
+        echo "deps.sh: unknown argument '$a' (--runtime, --build, --test)" >&2
+        exit 2
+        ;;
+    esac
+done
+[ $# -gt 0 ] || want=("${runtime[@]}" "${build[@]}" "${test[@]}")
 missing=()
 for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

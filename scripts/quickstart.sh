@@ -1,41 +1,175 @@
 #!/usr/bin/env bash
-# Builds cube-network-agent and runs it in the foreground with its built-in
-# defaults on the system bus, in this host's network namespace: it creates
-# the gateway device cube-dev (192.168.0.1/18) and a warm pool of 16 TAPs
-# (ctapw*), and keeps its records in /var/lib/cube-network-agent.
-# If no system bus is running (machines without systemd as PID 1), it
-# starts one. The bus policy file is installed so root may own the name.
-# The eBPF datapath attaches tc programs to the uplink (ingress), to lo and
-# cube-dev (egress) and to each TAP, pins its maps under
-# /sys/fs/bpf/cube-network-agent (a bpffs is mounted there if none is), and
-# sets route_localnet/accept_local on lo. Pass --datapath none to skip it.
-# Stop with Ctrl-C: networks and the datapath stay for the next start. To
-# remove everything:
-#   ip link del cube-dev; for t in $(ip -o link | grep -o 'ctap[0-9a-fw]*'); do ip link del $t; done
-#   tc qdisc del dev lo clsact; tc qdisc del dev "$(ip -o route show default | awk '{print $5; exit}')" clsact
-#   sysctl -w net.ipv4.conf.lo.route_localnet=0 net.ipv4.conf.lo.accept_local=0
-#   rm -rf /var/lib/cube-network-agent /sys/fs/bpf/cube-network-agent
+# Quick start: build cube-network-agent and run it in the foreground with its
+# built-in defaults on the system bus, in this host's network namespace.
+#
+#   scripts/quickstart.sh [--no-deps] [--no-build] [AGENT OPTIONS...]
+#   scripts/quickstart.sh --remove
+#
+# The agent creates the gateway device cube-dev (192.168.0.1/18) and a warm
+# pool of 16 TAPs (ctapw*), keeps its records in /var/lib/cube-network-agent
+# and its varlink socket in /run/cube-network-agent, pins its eBPF maps in
+# /sys/fs/bpf/cube-network-agent, attaches tc programs to the uplink (the
+# default route's interface), to lo and cube-dev, and sets route_localnet
+# and accept_local on lo (docs/datapath.md, "Host settings"). Pass
+# --datapath none to skip the datapath.
+#
+# This script itself: installs the run-time and build packages
+# (scripts/deps.sh --runtime --build; --no-deps skips it), builds the three
+# binaries (--no-build skips it), puts a symlink to cubenetctl in
+# /usr/local/bin, installs the bus policy in /etc/dbus-1/system.d so root may
+# own the name, mounts a bpffs on /sys/fs/bpf if none is mounted, and starts
+# `dbus-daemon --system` if no system bus runs. It records what it created
+# (and what the host had before) in target/quickstart.state; Ctrl-C stops
+# the agent (networks and the datapath stay for the next start), and
+# `scripts/quickstart.sh --remove` removes exactly what this script and the
+# agent created, and nothing else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
+REC=$ROOT/target/quickstart.state
+AGENT_DIRS=(/var/lib/cube-network-agent /run/cube-network-agent /sys/fs/bpf/cube-network-agent)
+POLICY=/etc/dbus-1/system.d/org.cube.NetworkAgent.conf
+CTL_LINK=/usr/local/bin/cubenetctl
+LO_SYSCTLS=(net.ipv4.conf.lo.route_localnet net.ipv4.conf.lo.accept_local)
+
 [ "$(id -u)" = 0 ] || { echo "quickstart: run as root (the agent creates TAPs and a gateway device)" >&2; exit 1; }
-scripts/deps.sh
-cargo build --release --bins
-install -D -m 0644 dbus/org.cube.NetworkAgent.conf /etc/dbus-1/system.d/org.cube.NetworkAgent.conf
-mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf
+
+uplink() { ip -o -4 route show default 2>/dev/null | awk '{for (i = 1; i < NF; i++) if ($i == "dev") { print $(i + 1); exit }}'; }
+has_clsact() { tc qdisc show dev "$1" 2>/dev/null | grep -q '^qdisc clsact'; }
+# Links the agent makes: cube-dev and the TAPs/veths of prefix ctap.
+agent_links() { ip -o link show 2>/dev/null | awk -F': ' '{sub(/@.*/, "", $2); print $2}' | grep -E '^(cube-dev|ctap)' || true; }
+
+remove() {
+    [ -f "$REC" ] || { echo "quickstart --remove: nothing recorded in $REC (nothing to remove)"; return 0; }
+    echo "quickstart: removing what the quick start created (recorded in $REC)"
+    local kind a b
+    # The agent first (SIGTERM: it leaves its state; everything goes below).
+    while read -r kind a b; do
+        [ "$kind" = agent ] || continue
+        if kill -0 "$a" 2>/dev/null && grep -q cube-network-agent "/proc/$a/cmdline" 2>/dev/null; then
+            kill -TERM "$a"
+            for _ in $(seq 100); do kill -0 "$a" 2>/dev/null || break; sleep 0.05; done
+            kill -KILL "$a" 2>/dev/null || true
+            echo "  stopped the agent (pid $a)"
+        fi
+    done <"$REC"
+    while read -r kind a b; do
+        case $kind in
+        link-before) ;;
+        clsact)
+            if has_clsact "$a"; then tc qdisc del dev "$a" clsact && echo "  removed the clsact qdisc of $a"; fi
+            ;;
+        sysctl)
+            sysctl -qw "$a=$b" && echo "  restored $a=$b"
+            ;;
+        dir)
+            if [ -e "$a" ]; then rm -rf "$a" && echo "  removed $a"; fi
+            ;;
+        file)
+            if [ -e "$a" ] || [ -L "$a" ]; then rm -f "$a" && echo "  removed $a"; fi
+            ;;
+        esac
+    done <"$REC"
+    # Links the agent made (those that were not there before).
+    local before now l
+    before=$(awk '$1 == "link-before" {print $2}' "$REC")
+    now=$(agent_links)
+    for l in $now; do
+        if ! grep -qx -- "$l" <<<"$before"; then ip link del "$l" 2>/dev/null && echo "  deleted link $l"; fi
+    done
+    # The bus: reload without our policy, or stop the daemon we started (and
+    # what it activated).
+    local reload=1
+    while read -r kind a b; do
+        case $kind in
+        dbus-daemon)
+            reload=0
+            local kids
+            kids=$(ps -o pid= --ppid "$a" 2>/dev/null || true)
+            kill -TERM "$a" 2>/dev/null && echo "  stopped the dbus-daemon it started (pid $a)"
+            for k in $kids; do kill -TERM "$k" 2>/dev/null && echo "  stopped $(cat /proc/"$k"/comm 2>/dev/null || echo pid) $k, started by that bus"; done
+            for _ in $(seq 100); do kill -0 "$a" 2>/dev/null || break; sleep 0.05; done
+            rm -f /run/dbus/pid /run/dbus/system_bus_socket
+            ;;
+        mount)
+            umount "$a" && echo "  unmounted $a"
+            ;;
+        esac
+    done <"$REC"
+    while read -r kind a b; do
+        if [ "$kind" = dir-bus ]; then rmdir "$a" 2>/dev/null && echo "  removed $a"; fi
+    done <"$REC"
+    if [ "$reload" = 1 ] && busctl --system status >/dev/null 2>&1; then
+        busctl --system call org.freedesktop.DBus /org/freedesktop/DBus org.freedesktop.DBus ReloadConfig >/dev/null || true
+    fi
+    rm -f "$REC"
+    echo "quickstart: removed. (Packages installed by scripts/deps.sh and target/ stay.)"
+}
+
+deps=1 build=1
+args=()
+for a in "$@"; do
+    case $a in
+    --remove) remove; exit 0 ;;
+    --no-deps) deps=0 ;;
+    --no-build) build=0 ;;
+    *) args+=("$a") ;;
+    esac
+done
+
+[ "$deps" = 0 ] || scripts/deps.sh --runtime --build
+[ "$build" = 0 ] || cargo build --release --bin cube-network-agent --bin cubenetctl --bin cube-cni
+for b in cube-network-agent cubenetctl; do
+    [ -x "target/release/$b" ] || { echo "quickstart: target/release/$b is not built (drop --no-build)" >&2; exit 1; }
+done
+
+# What the host has before the agent touches it (appended: a second start
+# keeps the first record's "before").
+mkdir -p "$(dirname "$REC")"
+first=0
+[ -f "$REC" ] || first=1
+rec() { echo "$*" >>"$REC"; }
+if [ "$first" = 1 ]; then
+    : >"$REC"
+    for l in $(agent_links); do rec link-before "$l"; done
+    for d in "${AGENT_DIRS[@]}"; do [ -e "$d" ] || rec dir "$d"; done
+    for k in "${LO_SYSCTLS[@]}"; do rec sysctl "$k" "$(sysctl -n "$k")"; done
+    has_clsact lo || rec clsact lo
+    up=$(uplink)
+    if [ -n "$up" ] && ! has_clsact "$up"; then rec clsact "$up"; fi
+fi
+if [ ! -e "$POLICY" ]; then
+    install -D -m 0644 dbus/org.cube.NetworkAgent.conf "$POLICY"
+    rec file "$POLICY"
+fi
+if [ ! -e "$CTL_LINK" ]; then
+    ln -s "$ROOT/target/release/cubenetctl" "$CTL_LINK"
+    rec file "$CTL_LINK"
+fi
+if ! mountpoint -q /sys/fs/bpf; then
+    mount -t bpf bpf /sys/fs/bpf
+    rec mount /sys/fs/bpf
+fi
 if busctl --system status >/dev/null 2>&1; then
     busctl --system call org.freedesktop.DBus /org/freedesktop/DBus org.freedesktop.DBus ReloadConfig >/dev/null
 else
     echo "quickstart: no system bus running; starting dbus-daemon --system"
-    mkdir -p /run/dbus
+    [ -d /run/dbus ] || { mkdir -p /run/dbus && rec dir-bus /run/dbus; }
     rm -f /run/dbus/pid
-    dbus-daemon --system --fork
+    pid=$(dbus-daemon --system --fork --print-pid)
+    rec dbus-daemon "$pid"
 fi
-cat <<'TXT'
-quickstart: starting the agent. In another shell try:
-  busctl call org.cube.NetworkAgent /org/cube/NetworkAgent org.cube.NetworkAgent \
-    EnsureNetwork 'sa{sv}' sbx-1 1 port_mappings 'a(sqqs)' 1 tcp 80 0 ""
+rec agent $$
+
+cat <<TXT
+quickstart: starting the agent (Ctrl-C stops it; networks stay for the next start).
+  cubenetctl is $CTL_LINK -> $ROOT/target/release/cubenetctl
+In another shell, try README's "Using it", e.g.:
+  cubenetctl ensure sbx-1 --port tcp:80
+  cubenetctl list
   busctl --json=short call org.cube.NetworkAgent /org/cube/NetworkAgent org.cube.NetworkAgent Health
-  busctl tree org.cube.NetworkAgent
-  busctl call org.cube.NetworkAgent /org/cube/NetworkAgent org.cube.NetworkAgent ReleaseNetwork s sbx-1
+  cubenetctl release sbx-1
+Remove everything it created (links, datapath, records, bus setup, the symlink):
+  scripts/quickstart.sh --remove
 TXT
-exec target/release/cube-network-agent "$@"
+exec target/release/cube-network-agent ${args[@]+"${args[@]}"}

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: unit tests, and (as root) the end-to-end tests
 # that run the real agent in throw-away network namespaces over private
-# dbus-daemons, including the kill -9 crash-injection loop; then the polkit
+# dbus-daemons, including the kill -9 crash-injection loop; then `make
+# install` into a throw-away root (tests/install), a newcomer's quick start
+# with README's commands and --remove (tests/newcomer), the polkit
 # suite (real system bus + polkitd) and the systemd suite (systemd as PID 1
 # in nspawn: activation, notify, watchdog, fd store, journald) and a real
 # Linux guest under QEMU/TCG on an agent TAP (tests/vm).
@@ -26,6 +28,8 @@ if [ "$(id -u)" = 0 ]; then
     # Real system bus + real polkitd (private namespaces), then real systemd
     # as PID 1 in a throw-away nspawn container. Both need the release build.
     cargo build --release --bins
+    tests/install/run.sh
+    tests/newcomer/run.sh
     tests/polkit/run.sh
     tests/vm/run.sh
     CNA_BUILD=0 tests/systemd/run.sh

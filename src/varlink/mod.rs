@@ -536,11 +536,20 @@ async fn watch(agent: &Agent, peer: &Peer, stream: &mut UnixStream, more: bool, 
         return Next::Close(why);
     }
     let mut probe = [0u8; 1];
+    // A client that shut down only its writing side (`printf ... | socat`)
+    // still reads: keep streaming; a write to a peer that closed ends it.
+    let mut half_closed = false;
     loop {
         let ev = tokio::select! {
             ev = rx.recv() => ev,
-            // The client hung up (or broke protocol by sending mid-stream).
-            _ = stream.read(&mut probe) => return Next::Close("watcher left"),
+            read = stream.read(&mut probe), if !half_closed => match read {
+                Ok(0) => {
+                    half_closed = true;
+                    continue;
+                }
+                // Data mid-stream breaks the protocol; an error: gone.
+                _ => return Next::Close("watcher left"),
+            },
         };
         let ev = match ev {
             Ok(ev) => ev,

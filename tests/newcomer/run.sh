@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# A newcomer's first hour, on a machine of its own: README's quick start
+# (`scripts/quickstart.sh`), then every command of README's "Using it"
+# examples verbatim, then `scripts/quickstart.sh --remove`, which must
+# leave the machine as it was (files, mounts, links, addresses, routes,
+# qdiscs, sysctls, processes, bpffs pins: compared before and after).
+#
+# The "machine" is a private mount + pid + network namespace (as root): /run
+# and /tmp are fresh tmpfs, /etc, /var/lib and /usr/local are overlays on
+# tmpfs, /sys is the new namespace's sysfs (so no bpffs is mounted on
+# /sys/fs/bpf), and a "world" namespace behind a veth is its default route.
+# No system bus runs there, so the quick start starts one. The host is not
+# touched. Needs the release binaries (cargo build --release --bins) and
+# the packages of scripts/deps.sh. Prints "ok - ..." / "not ok - ..." and
+# "N passed, M failed"; exits non-zero on a failure.
+set -u
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+. "$ROOT/tests/root.sh"
+require_root newcomer "namespaces, mounts, TAPs"
+
+if [ "${NEWCOMER_INNER:-}" != 1 ]; then
+    exec env NEWCOMER_INNER=1 unshare --mount --propagation private --pid --fork --mount-proc \
+        --net "$0" "$@"
+fi
+
+# ---- inside: make the fresh machine -----------------------------------------
+S=$(mktemp -d /tmp/cube-newcomer.XXXXXX)
+mount -t tmpfs tmpfs "$S"
+ovl() { # an overlay whose upper layer lives on tmpfs: writes vanish with us
+    local n; n=$(echo "$1" | tr / _)
+    mkdir -p "$S/$n.up" "$S/$n.wk"
+    mount -t overlay overlay -o "lowerdir=$1,upperdir=$S/$n.up,workdir=$S/$n.wk" "$1"
+}
+for d in /etc /var/lib /usr/local; do ovl "$d"; done
+mount -t tmpfs -o mode=755 tmpfs /run
+mount -t sysfs sysfs /sys
+# The repository: target/quickstart.state is written there.
+mkdir -p "$S/repo.up" "$S/repo.wk"
+mount -t overlay overlay -o "lowerdir=$ROOT,upperdir=$S/repo.up,workdir=$S/repo.wk" "$ROOT"
+ip link set lo up
+mkdir -p /run/netns
+ip netns add world
+ip link add up0 type veth peer name w0 netns world
+sysctl -qw net.ipv6.conf.up0.disable_ipv6=1
+ip addr add 198.51.100.1/24 dev up0
+ip link set up0 up
+ip -n world addr add 198.51.100.2/24 dev w0
+ip -n world link set w0 up
+ip -n world link set lo up
+ip route add default via 198.51.100.2 dev up0
+cd "$ROOT"
+
+PASS=0 FAIL=0
+ok() { echo "ok - $*"; PASS=$((PASS + 1)); }
+nok() { echo "not ok - $*"; FAIL=$((FAIL + 1)); }
+A="org.cube.NetworkAgent /org/cube/NetworkAgent org.cube.NetworkAgent"
+
+snapshot() {
+    echo "## files"
+    find /etc /var/lib /usr/local /run -xdev 2>/dev/null | grep -v '^/run/netns' | sort
+    echo "## mounts"
+    findmnt -rn -o TARGET,FSTYPE | sort
+    echo "## links"
+    ip -o link show | awk -F': ' '{print $2}' | sort
+    echo "## addresses"
+    ip -o addr show | awk '{print $2, $3, $4}' | sort
+    echo "## routes"
+    ip route show table all | sort
+    echo "## qdiscs"
+    tc qdisc show | sort
+    echo "## sysctls"
+    sysctl net.ipv4.conf.lo.route_localnet net.ipv4.conf.lo.accept_local net.ipv4.ip_forward
+    echo "## processes"
+    ps -eo comm= | grep -vxE 'ps|sort|bash|run.sh|grep|unshare|awk|sed|find|sysctl' | sort
+}
+snapshot >"$S/before"
+
+# ---- README's quick start (the first command; deps and build are done) ------
+LOG=$S/quickstart.log
+scripts/quickstart.sh --no-deps --no-build >"$LOG" 2>&1 &
+QS=$!
+for _ in $(seq 300); do
+    busctl --system call $A Health >/dev/null 2>&1 && break
+    kill -0 $QS 2>/dev/null || break
+    sleep 0.05
+done
+if busctl --system call $A Health >/dev/null 2>&1; then
+    ok "scripts/quickstart.sh: the agent answers on a system bus it started"
+else
+    nok "the quick start did not come up: $(tail -5 "$LOG")"
+    echo "$PASS passed, $FAIL failed"
+    exit 1
+fi
+grep -q "cubenetctl is /usr/local/bin/cubenetctl" "$LOG" && ok "the quick start says where cubenetctl is" ||
+    nok "the banner does not say where cubenetctl is"
+[ "$(command -v cubenetctl)" = /usr/local/bin/cubenetctl ] && ok "cubenetctl is on PATH" || nok "cubenetctl not on PATH"
+health=$(busctl --system --json=short call $A Health)
+[[ "$health" == *'"data":[true'* ]] && ok "Health is true" || nok "Health: $health"
+
+# ---- README "Using it": every command, verbatim ------------------------------
+# The sh blocks from "## Using it" to "### API summary".
+blocks=$(awk '/^## Using it/ {on = 1} /^### API summary/ {on = 0}
+    on && /^```sh/ {inb = 1; next} on && inb && /^```/ {inb = 0; next} on && inb {print}' README.md)
+[ -n "$blocks" ] && ok "README's Using it has $(grep -cv '^\s*\(#\|$\)' <<<"$blocks") commands" || nok "no commands found in README"
+# Commands that follow changes until stopped run in the background while a
+# network comes and goes; they must stay open and show the change.
+follows() { [[ "$1" == *"busctl monitor"* || "$1" == *WatchNetworks* || "$1" == *"cubenetctl watch"* ]]; }
+n=0
+while IFS= read -r line; do
+    [[ -z "${line// /}" || "$line" =~ ^[[:space:]]*# ]] && continue
+    n=$((n + 1))
+    if [[ "$line" == A=* ]]; then eval "$line"; ok "README: $line"; continue; fi
+    if follows "$line"; then
+        out=$S/follow.$n
+        setsid bash -c "$line" >"$out" 2>&1 &
+        f=$!
+        sleep 1
+        cubenetctl ensure follow-$n >/dev/null && cubenetctl release follow-$n >/dev/null
+        sleep 1
+        if kill -0 $f 2>/dev/null && grep -q "follow-$n" "$out"; then
+            ok "README (follows, still open, showed the change): $line"
+        else
+            nok "README (follows): $line: $(kill -0 $f 2>/dev/null && echo running || echo exited); output: $(head -c 400 "$out")"
+        fi
+        kill -- -$f 2>/dev/null
+        wait $f 2>/dev/null
+        continue
+    fi
+    if out=$(A="$A" bash -c "$line" 2>&1 | tr -d "\0"; exit "${PIPESTATUS[0]}"); then
+        ok "README: $line"
+    else
+        nok "README: $line -> exit $?: $(head -c 400 <<<"$out")"
+    fi
+done <<<"$blocks"
+busctl --system call $A ReleaseNetwork s sbx-1 >/dev/null 2>&1
+
+# ---- Ctrl-C, then --remove ----------------------------------------------------
+kill -INT $QS 2>/dev/null
+for _ in $(seq 100); do kill -0 $QS 2>/dev/null || break; sleep 0.05; done
+kill -0 $QS 2>/dev/null && nok "the agent did not stop on Ctrl-C (SIGINT)" || ok "Ctrl-C stops the agent"
+if out=$(scripts/quickstart.sh --remove 2>&1); then ok "scripts/quickstart.sh --remove"; else nok "--remove: $out"; fi
+echo "$out" | sed 's/^/# /'
+snapshot >"$S/after"
+if diff -u "$S/before" "$S/after" >"$S/diff"; then
+    ok "--remove left the machine as it was (files, mounts, links, addresses, routes, qdiscs, sysctls, processes)"
+else
+    nok "the machine differs after --remove:"
+    sed 's/^/#   /' "$S/diff"
+fi
+echo "$PASS passed, $FAIL failed"
+[ "$FAIL" = 0 ]
