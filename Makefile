@@ -7,12 +7,13 @@
 #   make test-systemd                 tests/systemd/run.sh (throw-away systemd container)
 #
 # The daemon goes to $(LIBEXECDIR) (it is started by systemd, D-Bus or the
-# varlink socket, not by hand); the CLI to $(BINDIR). Units, the bus policy,
-# the activation file and polkit files go to the fixed directories systemd,
-# dbus-daemon and polkitd read, whatever PREFIX is. The CNI plugin goes to
-# $(CNIBINDIR), where runtimes look for plugins; its example conflist goes
-# to $(DOCDIR) (installing it into /etc/cni/net.d is the operator's choice:
-# runtimes use the first file there).
+# varlink socket, not by hand); the CLI to $(BINDIR), its man page to
+# $(MANDIR). Units, the bus policy, the activation file and polkit files go
+# to the fixed directories systemd, dbus-daemon and polkitd read, whatever
+# PREFIX is. The CNI plugin goes to $(CNIBINDIR), where runtimes look for
+# plugins; its example conflist goes to $(DOCDIR) (installing it into
+# /etc/cni/net.d is the operator's choice: runtimes use the first file
+# there).
 
 PREFIX        ?= /usr
 BINDIR        ?= $(PREFIX)/bin
@@ -22,6 +23,7 @@ DBUSPOLICYDIR ?= /usr/share/dbus-1/system.d
 DBUSSERVICEDIR ?= /usr/share/dbus-1/system-services
 POLKITACTIONDIR ?= /usr/share/polkit-1/actions
 DOCDIR        ?= /usr/share/doc/cube-network-agent
+MANDIR        ?= $(PREFIX)/share/man
 CNIBINDIR     ?= /opt/cni/bin
 CARGO         ?= cargo
 TARGETDIR     ?= target/release
@@ -47,6 +49,7 @@ install: $(if $(NO_BUILD),,build)
 	@test -x $(TARGETDIR)/cube-network-agent || { echo "$(TARGETDIR)/cube-network-agent is not built (drop NO_BUILD=1 or run cargo build --release --bins)" >&2; exit 1; }
 	install -D -m 0755 $(TARGETDIR)/cube-network-agent $(DESTDIR)$(DAEMON)
 	if [ -x $(TARGETDIR)/cubenetctl ]; then install -D -m 0755 $(TARGETDIR)/cubenetctl $(DESTDIR)$(BINDIR)/cubenetctl; fi
+	install -D -m 0644 man/cubenetctl.1 $(DESTDIR)$(MANDIR)/man1/cubenetctl.1
 	if [ -x $(TARGETDIR)/cube-cni ]; then install -D -m 0755 $(TARGETDIR)/cube-cni $(DESTDIR)$(CNIBINDIR)/cube-cni; fi
 	install -D -m 0644 examples/cni/10-cube.conflist $(DESTDIR)$(DOCDIR)/10-cube.conflist
 	install -d -m 0755 $(DESTDIR)$(UNITDIR)
@@ -68,6 +71,7 @@ install: $(if $(NO_BUILD),,build)
 uninstall:
 	rm -f $(DESTDIR)$(DAEMON)
 	rm -f $(DESTDIR)$(BINDIR)/cubenetctl
+	rm -f $(DESTDIR)$(MANDIR)/man1/cubenetctl.1
 	rm -f $(DESTDIR)$(CNIBINDIR)/cube-cni
 	rm -f $(addprefix $(DESTDIR)$(UNITDIR)/,$(notdir $(UNITS)))
 	rm -f $(DESTDIR)$(DBUSPOLICYDIR)/org.cube.NetworkAgent.conf

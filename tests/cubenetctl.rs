@@ -1,12 +1,12 @@
 //! End-to-end tests of `cubenetctl`: the real binary against the real agent
 //! (in its own network namespace, on a private bus, varlink on its socket;
-//! root only), plus its help (no root needed).
+//! root only), plus its help and man page (no root needed).
 
 mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -15,6 +15,8 @@ use common::Env;
 use serde_json::{Value, json};
 
 const CTL: &str = env!("CARGO_BIN_EXE_cubenetctl");
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
 struct Out {
     code: i32,
     stdout: String,
@@ -875,6 +877,14 @@ const COMMANDS: &[&str] = &[
     "watch",
 ];
 
+/// Every `--long-option` a help text names.
+fn long_options(text: &str) -> std::collections::BTreeSet<String> {
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+        .filter(|w| w.starts_with("--") && w.len() > 2)
+        .map(str::to_owned)
+        .collect()
+}
+
 #[test]
 fn help_and_version() {
     let o = ctl(None, &["--help"]);
@@ -929,6 +939,100 @@ fn help_and_version() {
             (o.code, o.stdout.as_str()),
             (0, want.as_str()),
             "{v}: {o:?}"
+        );
+    }
+}
+
+/// A tool the test needs: missing is a skip on a developer's machine and a
+/// failure under CI (scripts/deps.sh installs it there).
+fn tool_or_skip(name: &str) -> bool {
+    let found = Command::new("sh")
+        .args(["-c", &format!("command -v {name}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(
+            !common::in_ci(),
+            "{name} is missing (scripts/deps.sh installs it)"
+        );
+        eprintln!("skipping: {name} is not installed");
+    }
+    found
+}
+
+#[test]
+fn man_page_renders_cleanly_and_covers_everything() {
+    if !tool_or_skip("man") {
+        return;
+    }
+    let page = Path::new(ROOT).join("man/cubenetctl.1");
+    for width in ["60", "80", "120"] {
+        let o = Command::new("man")
+            .args(["--warnings", "-l"])
+            .arg(&page)
+            .env("MANWIDTH", width)
+            .env("LANG", "C.UTF-8")
+            .stdout(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{o:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.is_empty(), "MANWIDTH={width}: {err}");
+    }
+    let o = Command::new("man")
+        .args(["-l"])
+        .arg(&page)
+        .env("MANWIDTH", "200")
+        .env("LANG", "C.UTF-8")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).replace('\u{2010}', "-");
+    for section in [
+        "NAME",
+        "SYNOPSIS",
+        "DESCRIPTION",
+        "COMMANDS",
+        "OPTIONS",
+        "JSON OUTPUT",
+        "EXIT STATUS",
+        "ENVIRONMENT",
+        "EXAMPLES",
+        "SEE ALSO",
+    ] {
+        assert!(text.contains(&format!("\n{section}\n")), "{section}");
+    }
+    for c in COMMANDS {
+        assert!(text.contains(&format!("\n       {c}")), "command {c}");
+    }
+    // Options are checked in the source (a rendered page may hyphenate).
+    let src = std::fs::read_to_string(&page).unwrap();
+    let mut opts = long_options(&ctl(None, &["--help"]).stdout);
+    opts.extend(long_options(&ctl(None, &["ensure", "--help"]).stdout));
+    assert!(opts.len() >= 15, "{opts:?}");
+    for o in &opts {
+        let roff = o.replace('-', "\\-");
+        assert!(
+            src.contains(&roff),
+            "option {o} ({roff}) not in the man page"
+        );
+    }
+    for s in [
+        "-j",
+        "-q, --quiet",
+        "-V, --version",
+        "CUBENETCTL_BUS",
+        "CUBENETCTL_VARLINK",
+        "cube-network-agent(8)",
+        "cube-cni(8)",
+        "busctl(1)",
+        "networkctl(1)",
+    ] {
+        assert!(text.contains(s), "{s} not in the man page");
+    }
+    for code in ["0", "1", "2", "3", "4"] {
+        assert!(
+            text.contains(&format!("\n       {code}      ")),
+            "exit {code}"
         );
     }
 }
