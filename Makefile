@@ -8,12 +8,12 @@
 #
 # The daemon goes to $(LIBEXECDIR) (it is started by systemd, D-Bus or the
 # varlink socket, not by hand); the CLI to $(BINDIR), its man page to
-# $(MANDIR). Units, the bus policy, the activation file and polkit files go
-# to the fixed directories systemd, dbus-daemon and polkitd read, whatever
-# PREFIX is. The CNI plugin goes to $(CNIBINDIR), where runtimes look for
-# plugins; its example conflist goes to $(DOCDIR) (installing it into
-# /etc/cni/net.d is the operator's choice: runtimes use the first file
-# there).
+# $(MANDIR), its completions to $(BASHCOMPDIR) and $(ZSHCOMPDIR). Units, the
+# bus policy, the activation file and polkit files go to the fixed
+# directories systemd, dbus-daemon and polkitd read, whatever PREFIX is.
+# The CNI plugin goes to $(CNIBINDIR), where runtimes look for plugins; its
+# example conflist goes to $(DOCDIR) (installing it into /etc/cni/net.d is
+# the operator's choice: runtimes use the first file there).
 
 PREFIX        ?= /usr
 BINDIR        ?= $(PREFIX)/bin
@@ -24,6 +24,8 @@ DBUSSERVICEDIR ?= /usr/share/dbus-1/system-services
 POLKITACTIONDIR ?= /usr/share/polkit-1/actions
 DOCDIR        ?= /usr/share/doc/cube-network-agent
 MANDIR        ?= $(PREFIX)/share/man
+BASHCOMPDIR   ?= $(PREFIX)/share/bash-completion/completions
+ZSHCOMPDIR    ?= $(PREFIX)/share/zsh/vendor-completions
 CNIBINDIR     ?= /opt/cni/bin
 CARGO         ?= cargo
 TARGETDIR     ?= target/release
@@ -50,6 +52,8 @@ install: $(if $(NO_BUILD),,build)
 	install -D -m 0755 $(TARGETDIR)/cube-network-agent $(DESTDIR)$(DAEMON)
 	if [ -x $(TARGETDIR)/cubenetctl ]; then install -D -m 0755 $(TARGETDIR)/cubenetctl $(DESTDIR)$(BINDIR)/cubenetctl; fi
 	install -D -m 0644 man/cubenetctl.1 $(DESTDIR)$(MANDIR)/man1/cubenetctl.1
+	install -D -m 0644 completions/cubenetctl.bash $(DESTDIR)$(BASHCOMPDIR)/cubenetctl
+	install -D -m 0644 completions/_cubenetctl $(DESTDIR)$(ZSHCOMPDIR)/_cubenetctl
 	if [ -x $(TARGETDIR)/cube-cni ]; then install -D -m 0755 $(TARGETDIR)/cube-cni $(DESTDIR)$(CNIBINDIR)/cube-cni; fi
 	install -D -m 0644 examples/cni/10-cube.conflist $(DESTDIR)$(DOCDIR)/10-cube.conflist
 	install -d -m 0755 $(DESTDIR)$(UNITDIR)
@@ -72,6 +76,7 @@ uninstall:
 	rm -f $(DESTDIR)$(DAEMON)
 	rm -f $(DESTDIR)$(BINDIR)/cubenetctl
 	rm -f $(DESTDIR)$(MANDIR)/man1/cubenetctl.1
+	rm -f $(DESTDIR)$(BASHCOMPDIR)/cubenetctl $(DESTDIR)$(ZSHCOMPDIR)/_cubenetctl
 	rm -f $(DESTDIR)$(CNIBINDIR)/cube-cni
 	rm -f $(addprefix $(DESTDIR)$(UNITDIR)/,$(notdir $(UNITS)))
 	rm -f $(DESTDIR)$(DBUSPOLICYDIR)/org.cube.NetworkAgent.conf

@@ -16,12 +16,13 @@
 # (mount, umount, mountpoint, findmnt, unshare, nsenter, setpriv, flock) are
 # essential packages and listed so that a stripped image still fails loudly
 # here; man-db + groff-base (tests/cubenetctl.rs: man/cubenetctl.1 renders
-# without warnings). systemd-nspawn (systemd-container, pinned to the host's
+# without warnings); zsh (tests/cubenetctl.rs: zsh -n on the zsh completion
+# completions/_cubenetctl). systemd-nspawn (systemd-container, pinned to the host's
 # systemd) is installed by tests/systemd/nspawn_up.sh. Idempotent; needs root.
 set -euo pipefail
 want=(dbus-daemon iproute2 systemd clang-19 libbpf-dev make qemu-system-x86 busybox-static tcpdump
     curl python3 polkitd iperf3 nftables golang-go golang-github-appc-cni-dev golang-github-containerd-go-cni-dev
-    containernetworking-plugins containerd runc coreutils mount util-linux man-db groff-base)
+    containernetworking-plugins containerd runc coreutils mount util-linux man-db groff-base zsh)
 missing=()
 for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,6 +1,7 @@
 //! End-to-end tests of `cubenetctl`: the real binary against the real agent
 //! (in its own network namespace, on a private bus, varlink on its socket;
-//! root only), plus its help and man page (no root needed).
+//! root only), plus its help, man page and shell completions (no root
+//! needed).
 
 mod common;
 
@@ -1035,4 +1036,182 @@ fn man_page_renders_cleanly_and_covers_everything() {
             "exit {code}"
         );
     }
+}
+
+/// Runs `script` in `bash --norc -c` after sourcing the completion file.
+fn bash(script: &str, envs: &[(&str, &str)]) -> String {
+    let file = Path::new(ROOT).join("completions/cubenetctl.bash");
+    let mut cmd = Command::new("bash");
+    cmd.args(["--norc", "--noprofile", "-c"])
+        .arg(format!("source {}\n{script}", file.display()));
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let o = cmd.output().expect("running bash");
+    assert!(o.status.success(), "{script}: {o:?}");
+    assert!(o.stderr.is_empty(), "{script}: {o:?}");
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Completes `line` (cursor at its end) the way bash splits it: words at
+/// whitespace, and `=` and `:` (COMP_WORDBREAKS) as words of their own.
+fn complete(line: &str, envs: &[(&str, &str)]) -> Vec<String> {
+    let mut words: Vec<String> = vec![];
+    for w in line.split_whitespace() {
+        let mut cur = String::new();
+        for c in w.chars() {
+            if c == '=' || c == ':' {
+                if !cur.is_empty() {
+                    words.push(std::mem::take(&mut cur));
+                }
+                words.push(c.to_string());
+            } else {
+                cur.push(c);
+            }
+        }
+        if !cur.is_empty() {
+            words.push(cur);
+        }
+    }
+    if line.ends_with(' ') {
+        words.push(String::new());
+    }
+    let quoted: Vec<String> = words.iter().map(|w| format!("'{w}'")).collect();
+    let script = format!(
+        "COMP_WORDS=({})\nCOMP_CWORD={}\nCOMP_LINE='{line}'\nCOMP_POINT=${{#COMP_LINE}}\n\
+         _cubenetctl cubenetctl \"${{COMP_WORDS[COMP_CWORD]}}\" \"${{COMP_WORDS[COMP_CWORD-1]}}\"\n\
+         printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+        quoted.join(" "),
+        words.len() - 1
+    );
+    let mut out: Vec<String> = bash(&script, envs)
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(str::to_owned)
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn bash_completion_completes_commands_options_and_values() {
+    if !tool_or_skip("bash") {
+        return;
+    }
+    let reg = bash("complete -p cubenetctl", &[]);
+    assert_eq!(reg.trim(), "complete -F _cubenetctl cubenetctl");
+    // Also when driven through COMP_WORDS/COMP_CWORD alone (no COMP_LINE).
+    let out = bash(
+        "COMP_WORDS=(cubenetctl sta); COMP_CWORD=1; _cubenetctl cubenetctl sta cubenetctl; \
+         printf '%s\\n' \"${COMPREPLY[@]}\"",
+        &[],
+    );
+    assert_eq!(out, "status\n");
+    let none = [("CUBENETCTL_BUS", "unix:path=/nonexistent")];
+    assert_eq!(complete("cubenetctl sta", &none), ["status"]);
+    assert_eq!(complete("cubenetctl re", &none), ["reconcile", "release"]);
+    let mut all = COMMANDS.to_vec();
+    all.sort();
+    assert_eq!(complete("cubenetctl ", &none), all);
+    assert_eq!(complete("cubenetctl -q w", &none), ["watch"]);
+    assert_eq!(complete("cubenetctl --no-l", &none), ["--no-legend"]);
+    assert_eq!(
+        complete("cubenetctl --json=", &none),
+        ["off", "pretty", "short"]
+    );
+    assert_eq!(complete("cubenetctl --json=p", &none), ["pretty"]);
+    assert_eq!(complete("cubenetctl ensure x --p", &none), ["--port="]);
+    assert_eq!(complete("cubenetctl list --p", &none), Vec::<String>::new());
+    assert_eq!(
+        complete("cubenetctl ensure x --no-i", &none),
+        ["--no-internet"]
+    );
+    assert_eq!(
+        complete("cubenetctl ensure x --port=", &none),
+        ["tcp:", "udp:"]
+    );
+    assert_eq!(complete("cubenetctl --bus s", &none), ["session", "system"]);
+    assert_eq!(complete("cubenetctl open-tap x ", &none), ["--"]);
+    // Every global option is offered.
+    let opts = complete("cubenetctl -", &none);
+    for o in [
+        "--help",
+        "--version",
+        "--bus=",
+        "--varlink=",
+        "--json=",
+        "-j",
+        "-q",
+        "--quiet",
+        "--no-legend",
+        "--no-pager",
+        "-V",
+        "-h",
+    ] {
+        assert!(opts.iter().any(|x| x == o), "{o}: {opts:?}");
+    }
+    // Ids: the agent cannot be asked, so none, and no error.
+    assert_eq!(complete("cubenetctl status ", &none), Vec::<String>::new());
+}
+
+/// Sandbox ids come from `cubenetctl list --no-legend -q` on the bus of
+/// the command line (or $CUBENETCTL_BUS).
+#[test]
+fn bash_completion_offers_sandbox_ids() {
+    require_root!();
+    let env = Env::new(&["--datapath", "none"]);
+    let bus = Some(env.address.as_str());
+    for id in ["sbx-1", "sbx-2", "web"] {
+        assert_eq!(ctl(bus, &["ensure", id]).code, 0);
+    }
+    let dir = Path::new(CTL)
+        .parent()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let path = format!("{dir}:{}", std::env::var("PATH").unwrap_or_default());
+    let envs = [
+        ("PATH", path.as_str()),
+        ("CUBENETCTL_BUS", env.address.as_str()),
+    ];
+    for verb in ["status", "release", "reconcile", "open-tap", "ensure"] {
+        assert_eq!(
+            complete(&format!("cubenetctl {verb} "), &envs),
+            ["sbx-1", "sbx-2", "web"],
+            "{verb}"
+        );
+    }
+    assert_eq!(complete("cubenetctl status sb", &envs), ["sbx-1", "sbx-2"]);
+    assert_eq!(
+        complete("cubenetctl status web ", &envs),
+        Vec::<String>::new()
+    );
+    // The --bus of the command line wins over the environment.
+    let envs = [
+        ("PATH", path.as_str()),
+        ("CUBENETCTL_BUS", "unix:path=/nonexistent"),
+    ];
+    assert_eq!(
+        complete(
+            &format!("cubenetctl --bus {} release w", env.address),
+            &envs
+        ),
+        ["web"]
+    );
+}
+
+#[test]
+fn zsh_completion_parses() {
+    if !tool_or_skip("zsh") {
+        return;
+    }
+    let file = Path::new(ROOT).join("completions/_cubenetctl");
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(text.starts_with("#compdef cubenetctl\n"));
+    for c in COMMANDS {
+        assert!(text.contains(&format!("'{c}:")), "command {c}");
+    }
+    let o = Command::new("zsh").arg("-n").arg(&file).output().unwrap();
+    assert!(o.status.success() && o.stderr.is_empty(), "{o:?}");
 }
