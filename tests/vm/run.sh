@@ -195,7 +195,7 @@ log "agent up (pid $AGENT_PID)"
 read -r SIP TAP HP < <("$PY" -c '
 import json, sys
 n = json.load(open(sys.argv[1]))
-hp = [m[2] for m in n["port_mappings"] if m[0] == "tcp" and m[1] == 80]
+hp = [m["host_port"] for m in n["port_mappings"] if m["protocol"] == "tcp" and m["container_port"] == 80]
 print(n["sandbox_ip"], n["tap_name"], hp[0] if hp else "")' "$T/ensure.json") ||
     die "unexpected ensure output: $(cat "$T/ensure.json")"
 [ -n "$HP" ] && [ "$HP" != 0 ] || die "no host port for tcp/80: $(cat "$T/ensure.json")"

@@ -1,0 +1,646 @@
+//! The command line → [`Parsed`]. Hand-written (the grammar is small and
+//! every error names what the user typed), getopt-like: global options may
+//! appear anywhere before `--`, short options bundle (`-qj`), options that
+//! take a value accept `--opt=VALUE` and `--opt VALUE`, `--json` takes its
+//! value only as `--json=MODE`.
+
+use std::path::PathBuf;
+
+use crate::failure::{Failure, Res};
+use crate::help::{COMMANDS, CommandDef, find_command};
+use crate::output::{JsonMode, Output};
+
+/// Where the agent's varlink socket is unless `--varlink` or
+/// `$CUBENETCTL_VARLINK` says otherwise (its `runtime_dir` default).
+pub const DEFAULT_VARLINK: &str = "/run/cube-network-agent/org.cube.NetworkAgent";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Bus {
+    System,
+    Session,
+    Address(String),
+}
+
+impl Bus {
+    pub fn describe(&self) -> String {
+        match self {
+            Bus::System => "system bus".into(),
+            Bus::Session => "session bus".into(),
+            Bus::Address(a) => format!("bus at {a}"),
+        }
+    }
+}
+
+/// What the process environment contributes to the options.
+#[derive(Debug, Clone, Default)]
+pub struct Environment {
+    /// `$CUBENETCTL_BUS`
+    pub bus: Option<String>,
+    /// `$CUBENETCTL_VARLINK`
+    pub varlink: Option<String>,
+    /// `-j` means pretty on a terminal, short otherwise.
+    pub stdout_is_tty: bool,
+    /// The locale's character set is UTF-8 (else output is ASCII-only).
+    pub utf8: bool,
+}
+
+impl Environment {
+    pub fn from_process() -> Environment {
+        use std::io::IsTerminal;
+        let var = |k: &str| std::env::var(k).ok();
+        Environment {
+            bus: var("CUBENETCTL_BUS"),
+            varlink: var("CUBENETCTL_VARLINK"),
+            stdout_is_tty: std::io::stdout().is_terminal(),
+            utf8: crate::output::locale_is_utf8(var),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Global {
+    pub bus: Bus,
+    pub varlink: PathBuf,
+    pub out: Output,
+}
+
+/// One `--port` flag: what was typed (errors quote it) and its parts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortArg {
+    pub typed: String,
+    pub protocol: String,
+    pub container_port: u16,
+    pub host_port: u16,
+    pub host_ip: String,
+}
+
+#[derive(Debug, Default)]
+pub struct EnsureOpts {
+    pub ports: Vec<PortArg>,
+    pub allow_out: Vec<String>,
+    pub deny_out: Vec<String>,
+    pub no_internet: bool,
+    pub mtu: Option<u32>,
+    pub metadata: Vec<(String, String)>,
+    pub idempotency_key: Option<String>,
+}
+
+#[derive(Debug)]
+pub enum Cmd {
+    List,
+    Status(String),
+    Ensure(String, Box<EnsureOpts>),
+    Release(String),
+    Reconcile(String),
+    Health,
+    OpenTap(String, Vec<String>),
+    Watch,
+}
+
+#[derive(Debug)]
+pub enum Parsed {
+    Help(Option<&'static CommandDef>),
+    Version,
+    Run(Global, Cmd),
+}
+
+/// Raw `ensure` flag values, checked only after `--help` had its chance.
+#[derive(Default)]
+struct RawEnsure {
+    ports: Vec<String>,
+    allow_out: Vec<String>,
+    deny_out: Vec<String>,
+    no_internet: bool,
+    mtu: Option<String>,
+    metadata: Vec<String>,
+    idempotency_key: Option<String>,
+}
+
+/// The options of `ensure` (accepted only after the command name).
+pub const ENSURE_FLAGS: &[&str] = &[
+    "--port",
+    "--allow-out",
+    "--deny-out",
+    "--no-internet",
+    "--mtu",
+    "--metadata",
+    "--idempotency-key",
+];
+
+fn parse_bus(s: &str, origin: &str) -> Res<Bus> {
+    match s {
+        "system" => Ok(Bus::System),
+        "session" => Ok(Bus::Session),
+        a if a.contains(':') && a.contains('=') => Ok(Bus::Address(a.to_owned())),
+        other => Err(Failure::usage(format!(
+            "{origin} '{other}': expected system, session or a D-Bus address (unix:path=...)"
+        ))),
+    }
+}
+
+fn parse_json_mode(v: Option<&str>) -> Res<JsonMode> {
+    match v {
+        None | Some("short") => Ok(JsonMode::Short),
+        Some("pretty") => Ok(JsonMode::Pretty),
+        Some("off") => Ok(JsonMode::Off),
+        Some(o) => Err(Failure::usage(format!(
+            "--json={o}: expected pretty, short or off"
+        ))),
+    }
+}
+
+/// A port number in `min..=65535`, with the agent's wording for the range.
+fn port_number(what: &str, s: &str, min: u16) -> Result<u16, String> {
+    if s.is_empty() {
+        return Err(format!("{what} is empty"));
+    }
+    if !s.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("{what} '{s}' is not a number"));
+    }
+    match s.parse::<u16>() {
+        Ok(n) if n >= min => Ok(n),
+        _ => Err(format!("{what} {s} is out of range ({min}-65535)")),
+    }
+}
+
+/// `PROTO:CONTAINER[:HOST[:HOSTIP]]`: the container port 1-65535, the host
+/// port 0-65535 (0 or empty: the agent picks one).
+pub fn parse_port(s: &str) -> Result<PortArg, String> {
+    let fail = |m: String| format!("--port {s}: {m}");
+    let mut parts = s.splitn(4, ':');
+    let proto = parts.next().unwrap_or_default();
+    if proto.is_empty() {
+        return Err(fail(
+            "protocol is empty (expected PROTO:CONTAINER[:HOST[:HOSTIP]], e.g. tcp:80)".into(),
+        ));
+    }
+    let proto = proto.to_ascii_lowercase();
+    if proto != "tcp" && proto != "udp" {
+        return Err(fail(format!("protocol '{proto}' is not 'tcp' or 'udp'")));
+    }
+    let Some(container) = parts.next() else {
+        return Err(fail(
+            "container port is missing (expected PROTO:CONTAINER[:HOST[:HOSTIP]], e.g. tcp:80)"
+                .into(),
+        ));
+    };
+    let container_port = port_number("container port", container, 1).map_err(fail)?;
+    let host_port = match parts.next() {
+        None | Some("") => 0,
+        Some(h) => port_number("host port", h, 0).map_err(fail)?,
+    };
+    let ip = parts.next().unwrap_or_default();
+    if !ip.is_empty() && ip.parse::<std::net::IpAddr>().is_err() {
+        return Err(fail(format!("host IP '{ip}' is not an IP address")));
+    }
+    Ok(PortArg {
+        typed: s.to_owned(),
+        protocol: proto,
+        container_port,
+        host_port,
+        host_ip: ip.to_owned(),
+    })
+}
+
+fn build_ensure(raw: RawEnsure) -> Res<EnsureOpts> {
+    let mut o = EnsureOpts {
+        allow_out: raw.allow_out,
+        deny_out: raw.deny_out,
+        no_internet: raw.no_internet,
+        idempotency_key: raw.idempotency_key,
+        ..EnsureOpts::default()
+    };
+    for p in &raw.ports {
+        o.ports.push(parse_port(p).map_err(Failure::usage)?);
+    }
+    if let Some(m) = raw.mtu {
+        if m.is_empty() || !m.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(Failure::usage(format!("--mtu '{m}' is not a number")));
+        }
+        o.mtu = Some(
+            m.parse()
+                .map_err(|_| Failure::usage(format!("--mtu {m} is out of range")))?,
+        );
+    }
+    for kv in &raw.metadata {
+        match kv.split_once('=') {
+            Some((k, v)) if !k.is_empty() => o.metadata.push((k.to_owned(), v.to_owned())),
+            _ => {
+                return Err(Failure::usage(format!(
+                    "--metadata {kv}: expected KEY=VALUE with a non-empty KEY"
+                )));
+            }
+        }
+    }
+    Ok(o)
+}
+
+/// Short options, which may be bundled (`-qj`).
+const SHORT: &str = "hjqV";
+
+pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
+    let mut it = args.into_iter();
+    let mut command: Option<&'static CommandDef> = None;
+    let mut positional: Vec<String> = vec![];
+    let mut trailing: Option<Vec<String>> = None;
+    let mut help = false;
+    let mut version = false;
+    let mut json = JsonMode::Off;
+    let mut legend = true;
+    let mut quiet = false;
+    let mut bus: Option<Bus> = None;
+    let mut varlink: Option<String> = None;
+    let mut raw = RawEnsure::default();
+    let auto_json = if env.stdout_is_tty {
+        JsonMode::Pretty
+    } else {
+        JsonMode::Short
+    };
+
+    while let Some(arg) = it.next() {
+        if arg == "--" {
+            trailing = Some(it.by_ref().collect());
+            break;
+        }
+        if let Some(shorts) = arg.strip_prefix('-')
+            && !shorts.is_empty()
+            && !shorts.starts_with('-')
+        {
+            if !shorts.chars().all(|c| SHORT.contains(c)) {
+                return Err(Failure::usage(format!("unknown option '{arg}'")));
+            }
+            for c in shorts.chars() {
+                match c {
+                    'h' => help = true,
+                    'j' => json = auto_json,
+                    'q' => quiet = true,
+                    _ => version = true,
+                }
+            }
+            continue;
+        }
+        if arg.len() > 2 && arg.starts_with("--") {
+            let (flag, inline) = match arg.split_once('=') {
+                Some((f, v)) => (f.to_owned(), Some(v.to_owned())),
+                None => (arg.clone(), None),
+            };
+            // Flags that take a value: `--flag=V` or `--flag V`.
+            let mut value = |inline: Option<String>| -> Res<String> {
+                match inline {
+                    Some(v) => Ok(v),
+                    None => it
+                        .next()
+                        .ok_or_else(|| Failure::usage(format!("{flag} needs a value"))),
+                }
+            };
+            let no_value = |inline: &Option<String>| -> Res<()> {
+                match inline {
+                    Some(_) => Err(Failure::usage(format!("{flag} takes no value"))),
+                    None => Ok(()),
+                }
+            };
+            let is_ensure = command.is_some_and(|c| c.name == "ensure");
+            match flag.as_str() {
+                "--help" => {
+                    no_value(&inline)?;
+                    help = true;
+                }
+                "--version" => {
+                    no_value(&inline)?;
+                    version = true;
+                }
+                "--json" => json = parse_json_mode(inline.as_deref())?,
+                "--quiet" => {
+                    no_value(&inline)?;
+                    quiet = true;
+                }
+                "--no-legend" => {
+                    no_value(&inline)?;
+                    legend = false;
+                }
+                // Nothing to turn off: cubenetctl never pages.
+                "--no-pager" => no_value(&inline)?,
+                "--bus" => bus = Some(parse_bus(&value(inline)?, "--bus")?),
+                "--varlink" => {
+                    let v = value(inline)?;
+                    if v.is_empty() {
+                        return Err(Failure::usage("--varlink needs a socket path"));
+                    }
+                    varlink = Some(v);
+                }
+                "--port" if is_ensure => raw.ports.push(value(inline)?),
+                "--allow-out" if is_ensure => raw.allow_out.push(value(inline)?),
+                "--deny-out" if is_ensure => raw.deny_out.push(value(inline)?),
+                "--no-internet" if is_ensure => {
+                    no_value(&inline)?;
+                    raw.no_internet = true;
+                }
+                "--mtu" if is_ensure => raw.mtu = Some(value(inline)?),
+                "--metadata" if is_ensure => raw.metadata.push(value(inline)?),
+                "--idempotency-key" if is_ensure => raw.idempotency_key = Some(value(inline)?),
+                f if ENSURE_FLAGS.contains(&f) => {
+                    return Err(Failure::usage(format!(
+                        "{flag} is an option of 'ensure' (after the command: cubenetctl ensure ID {flag} ...)"
+                    )));
+                }
+                _ => return Err(Failure::usage(format!("unknown option '{flag}'"))),
+            }
+            continue;
+        }
+        match command {
+            None => {
+                command = Some(
+                    find_command(&arg)
+                        .ok_or_else(|| Failure::usage(format!("unknown command '{arg}'")))?,
+                );
+            }
+            Some(c) if c.name == "open-tap" && positional.len() == 1 => {
+                // `open-tap ID COMMAND ...` without `--`: the rest is COMMAND's.
+                let mut rest = vec![arg];
+                rest.extend(it.by_ref());
+                trailing = Some(rest);
+                break;
+            }
+            Some(_) => positional.push(arg),
+        }
+    }
+
+    if help {
+        return Ok(Parsed::Help(command));
+    }
+    if version {
+        return Ok(Parsed::Version);
+    }
+    let bus = match (bus, &env.bus) {
+        (Some(b), _) => b,
+        (None, Some(e)) if !e.is_empty() => parse_bus(e, "$CUBENETCTL_BUS")?,
+        _ => Bus::System,
+    };
+    let varlink = varlink
+        .or_else(|| env.varlink.clone().filter(|v| !v.is_empty()))
+        .unwrap_or_else(|| DEFAULT_VARLINK.to_owned())
+        .into();
+    let global = Global {
+        bus,
+        varlink,
+        out: Output {
+            json,
+            legend,
+            quiet,
+            ascii: !env.utf8,
+        },
+    };
+    let c = command.unwrap_or(&COMMANDS[0]);
+    if trailing.is_some() && c.name != "open-tap" {
+        return Err(Failure::usage(format!(
+            "'{}' takes no command after '--'",
+            c.name
+        )));
+    }
+    let want = |n: usize| -> Res<()> {
+        if positional.len() < n {
+            Err(Failure::usage(format!(
+                "'{}' needs {} (usage: cubenetctl {} {})",
+                c.name,
+                c.args.split_whitespace().next().unwrap_or("an argument"),
+                c.name,
+                c.args
+            )))
+        } else if positional.len() > n {
+            Err(Failure::usage(format!(
+                "'{}': unexpected argument '{}'",
+                c.name, positional[n]
+            )))
+        } else {
+            Ok(())
+        }
+    };
+    let cmd = match c.name {
+        "list" => {
+            want(0)?;
+            Cmd::List
+        }
+        "health" => {
+            want(0)?;
+            Cmd::Health
+        }
+        "watch" => {
+            want(0)?;
+            Cmd::Watch
+        }
+        "status" => {
+            want(1)?;
+            Cmd::Status(positional.remove(0))
+        }
+        "release" => {
+            want(1)?;
+            Cmd::Release(positional.remove(0))
+        }
+        "reconcile" => {
+            if positional.len() > 1 {
+                want(1)?;
+            }
+            Cmd::Reconcile(positional.pop().unwrap_or_default())
+        }
+        "ensure" => {
+            want(1)?;
+            Cmd::Ensure(positional.remove(0), Box::new(build_ensure(raw)?))
+        }
+        "open-tap" => {
+            want(1)?;
+            let argv = trailing.unwrap_or_default();
+            if argv.is_empty() {
+                return Err(Failure::usage(
+                    "'open-tap' needs a command to run (usage: cubenetctl open-tap ID -- COMMAND [ARGS...])",
+                ));
+            }
+            Cmd::OpenTap(positional.remove(0), argv)
+        }
+        other => unreachable!("command table entry {other} not handled"),
+    };
+    Ok(Parsed::Run(global, cmd))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::failure::EXIT_USAGE;
+
+    fn parse_env(args: &[&str], env: &Environment) -> Res<Parsed> {
+        parse_args(args.iter().map(|s| s.to_string()).collect(), env)
+    }
+
+    fn parse(args: &[&str]) -> Res<Parsed> {
+        parse_env(args, &Environment::default())
+    }
+
+    fn global(args: &[&str], env: &Environment) -> Global {
+        match parse_env(args, env) {
+            Ok(Parsed::Run(g, _)) => g,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn ports_parse_with_specific_errors() {
+        let p = parse_port("tcp:80").unwrap();
+        assert_eq!(
+            (p.protocol.as_str(), p.container_port, p.host_port),
+            ("tcp", 80, 0)
+        );
+        assert_eq!(p.typed, "tcp:80");
+        let p = parse_port("UDP:53:25053:127.0.0.1").unwrap();
+        assert_eq!(
+            (
+                p.protocol.as_str(),
+                p.container_port,
+                p.host_port,
+                p.host_ip.as_str()
+            ),
+            ("udp", 53, 25053, "127.0.0.1")
+        );
+        assert_eq!(parse_port("tcp:80::10.0.0.1").unwrap().host_port, 0);
+        assert_eq!(parse_port("tcp:1:65535").unwrap().host_port, 65535);
+        let e = parse_port("tcp:80:x").unwrap_err();
+        assert_eq!(e, "--port tcp:80:x: host port 'x' is not a number");
+        assert_eq!(
+            parse_port("tcp:70000").unwrap_err(),
+            "--port tcp:70000: container port 70000 is out of range (1-65535)"
+        );
+        assert_eq!(
+            parse_port("tcp:0").unwrap_err(),
+            "--port tcp:0: container port 0 is out of range (1-65535)"
+        );
+        assert_eq!(
+            parse_port("tcp:80:65536").unwrap_err(),
+            "--port tcp:80:65536: host port 65536 is out of range (0-65535)"
+        );
+        assert!(
+            parse_port("tcp:99999999999999999999")
+                .unwrap_err()
+                .contains("out of range (1-65535)")
+        );
+        assert!(
+            parse_port("sctp:80")
+                .unwrap_err()
+                .contains("protocol 'sctp'")
+        );
+        assert!(
+            parse_port("tcp")
+                .unwrap_err()
+                .contains("container port is missing")
+        );
+        assert!(
+            parse_port("tcp:80:1:nope")
+                .unwrap_err()
+                .contains("host IP 'nope'")
+        );
+    }
+
+    #[test]
+    fn parses_commands_and_global_options_anywhere() {
+        match parse(&["ensure", "a", "--json", "--port=tcp:80", "--mtu", "1400"]).unwrap() {
+            Parsed::Run(g, Cmd::Ensure(id, o)) => {
+                assert_eq!(g.out.json, JsonMode::Short);
+                assert_eq!(id, "a");
+                assert_eq!(o.ports.len(), 1);
+                assert_eq!(o.mtu, Some(1400));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(parse(&[]).unwrap(), Parsed::Run(_, Cmd::List)));
+        assert!(matches!(
+            parse(&["watch", "--no-pager"]).unwrap(),
+            Parsed::Run(_, Cmd::Watch)
+        ));
+        assert!(matches!(
+            parse(&["ensure", "--help", "--port", "bad"]).unwrap(),
+            Parsed::Help(Some(c)) if c.name == "ensure"
+        ));
+        assert!(matches!(parse(&["-V"]).unwrap(), Parsed::Version));
+        assert!(matches!(parse(&["-qV"]).unwrap(), Parsed::Version));
+        match parse(&["open-tap", "x", "--", "sh", "-c", "true"]).unwrap() {
+            Parsed::Run(_, Cmd::OpenTap(id, argv)) => {
+                assert_eq!(id, "x");
+                assert_eq!(argv, ["sh", "-c", "true"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = parse(&["status"]).unwrap_err();
+        assert_eq!(e.code, EXIT_USAGE);
+        assert_eq!(parse(&["bogus"]).unwrap_err().code, EXIT_USAGE);
+        assert_eq!(parse(&["watch", "x"]).unwrap_err().code, EXIT_USAGE);
+        assert_eq!(
+            parse(&["list", "--port=tcp:1"]).unwrap_err().code,
+            EXIT_USAGE
+        );
+        assert_eq!(
+            parse(&["--bus", "nope", "list"]).unwrap_err().code,
+            EXIT_USAGE
+        );
+        assert!(
+            parse(&["-x"])
+                .unwrap_err()
+                .msg
+                .contains("unknown option '-x'")
+        );
+        assert!(
+            parse(&["ensure", "-bad-id"])
+                .unwrap_err()
+                .msg
+                .contains("unknown option '-bad-id'")
+        );
+        assert!(
+            parse(&["--json=long"])
+                .unwrap_err()
+                .msg
+                .contains("expected pretty, short or off")
+        );
+        assert!(
+            parse(&["ensure", "a", "--metadata", "novalue"])
+                .unwrap_err()
+                .msg
+                .contains("--metadata")
+        );
+    }
+
+    #[test]
+    fn output_options() {
+        let tty = Environment {
+            stdout_is_tty: true,
+            utf8: true,
+            ..Environment::default()
+        };
+        let pipe = Environment::default();
+        assert_eq!(global(&["-j"], &tty).out.json, JsonMode::Pretty);
+        assert_eq!(global(&["-j"], &pipe).out.json, JsonMode::Short);
+        assert_eq!(global(&["--json=pretty"], &pipe).out.json, JsonMode::Pretty);
+        assert_eq!(global(&["-j", "--json=off"], &tty).out.json, JsonMode::Off);
+        assert_eq!(global(&[], &tty).out.json, JsonMode::Off);
+        let g = global(&["-qj", "--no-legend"], &pipe);
+        assert!(g.out.quiet && !g.out.legend);
+        assert_eq!(g.out.json, JsonMode::Short);
+        assert!(global(&["--quiet"], &pipe).out.quiet);
+        assert!(!global(&[], &tty).out.ascii);
+        assert!(global(&[], &pipe).out.ascii);
+    }
+
+    #[test]
+    fn bus_and_varlink_from_flags_or_environment() {
+        let env = Environment {
+            bus: Some("session".into()),
+            varlink: Some("/tmp/agent.sock".into()),
+            ..Environment::default()
+        };
+        let g = global(&[], &env);
+        assert_eq!(g.bus, Bus::Session);
+        assert_eq!(g.varlink, PathBuf::from("/tmp/agent.sock"));
+        let g = global(&["--bus=system", "--varlink", "/x"], &env);
+        assert_eq!(g.bus, Bus::System);
+        assert_eq!(g.varlink, PathBuf::from("/x"));
+        let g = global(&[], &Environment::default());
+        assert_eq!(g.bus, Bus::System);
+        assert_eq!(g.varlink, PathBuf::from(DEFAULT_VARLINK));
+        assert_eq!(parse(&["--varlink="]).unwrap_err().code, EXIT_USAGE);
+    }
+}

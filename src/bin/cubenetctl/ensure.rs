@@ -1,0 +1,179 @@
+//! `cubenetctl ensure ID [OPTIONS...]`: the options → EnsureNetwork's
+//! `a{sv}`, and the agent's errors → errors that name the flag typed.
+
+use std::collections::HashMap;
+
+use zbus::zvariant::Value;
+
+use crate::args::EnsureOpts;
+use crate::dbus::Agent;
+use crate::failure::{EXIT_OK, Res};
+use crate::json::Dict;
+use crate::output::Output;
+
+fn options(o: &EnsureOpts) -> HashMap<&'static str, Value<'static>> {
+    let mut m: HashMap<&'static str, Value<'static>> = HashMap::new();
+    if !o.ports.is_empty() {
+        let ports: Vec<(String, u16, u16, String)> = o
+            .ports
+            .iter()
+            .map(|p| {
+                (
+                    p.protocol.clone(),
+                    p.container_port,
+                    p.host_port,
+                    p.host_ip.clone(),
+                )
+            })
+            .collect();
+        m.insert("port_mappings", Value::from(ports));
+    }
+    if !o.allow_out.is_empty() {
+        m.insert("allow_out", Value::from(o.allow_out.clone()));
+    }
+    if !o.deny_out.is_empty() {
+        m.insert("deny_out", Value::from(o.deny_out.clone()));
+    }
+    if o.no_internet {
+        m.insert("allow_internet_access", Value::from(false));
+    }
+    if let Some(mtu) = o.mtu {
+        m.insert("mtu", Value::from(mtu));
+    }
+    if !o.metadata.is_empty() {
+        let md: HashMap<String, String> = o.metadata.iter().cloned().collect();
+        m.insert("metadata", Value::from(md));
+    }
+    if let Some(k) = &o.idempotency_key {
+        m.insert("idempotency_key", Value::from(k.clone()));
+    }
+    m
+}
+
+/// The agent names the option key (`port_mappings[1]: ...`); the user
+/// typed a flag. Each `KEY[i]` the user's flags produced becomes
+/// `--flag VALUE (KEY[i])`, and a message about a whole option
+/// (`mtu: ...`) starts with the flag: `--mtu 50 (mtu): ...`.
+pub fn explain(o: &EnsureOpts, msg: &str) -> String {
+    let item = |key: &str, idx: &str| -> Option<(&'static str, String)> {
+        let i = idx.parse::<usize>().ok();
+        match key {
+            "port_mappings" => Some(("--port", o.ports.get(i?)?.typed.clone())),
+            "allow_out" => Some(("--allow-out", o.allow_out.get(i?)?.clone())),
+            "deny_out" => Some(("--deny-out", o.deny_out.get(i?)?.clone())),
+            "metadata" => o
+                .metadata
+                .iter()
+                .find(|(k, _)| k == idx)
+                .map(|(k, v)| ("--metadata", format!("{k}={v}"))),
+            _ => None,
+        }
+    };
+    let whole = |key: &str| -> Option<String> {
+        match key {
+            "port_mappings" if !o.ports.is_empty() => Some("--port".into()),
+            "allow_out" if !o.allow_out.is_empty() => Some("--allow-out".into()),
+            "deny_out" if !o.deny_out.is_empty() => Some("--deny-out".into()),
+            "metadata" if !o.metadata.is_empty() => Some("--metadata".into()),
+            "idempotency_key" if o.idempotency_key.is_some() => Some("--idempotency-key".into()),
+            "mtu" => o.mtu.map(|m| format!("--mtu {m}")),
+            _ => None,
+        }
+    };
+    let mut out = String::with_capacity(msg.len() + 32);
+    let mut rest = msg;
+    if let Some((key, tail)) = msg.split_once(": ")
+        && let Some(flag) = whole(key)
+    {
+        out.push_str(&format!("{flag} ({key}): "));
+        rest = tail;
+    }
+    let keys = ["port_mappings", "allow_out", "deny_out", "metadata"];
+    let mut prev: Option<char> = out.chars().last();
+    'scan: while let Some(c) = rest.chars().next() {
+        let at_word = !prev.is_some_and(|p| p.is_ascii_alphanumeric() || p == '_');
+        if at_word {
+            for key in keys {
+                if let Some(after) = rest.strip_prefix(key).and_then(|a| a.strip_prefix('['))
+                    && let Some(end) = after.find(']')
+                    && let Some((flag, value)) = item(key, &after[..end])
+                {
+                    out.push_str(&format!("{flag} {value} ({key}[{}])", &after[..end]));
+                    rest = &after[end + 1..];
+                    prev = Some(')');
+                    continue 'scan;
+                }
+            }
+        }
+        out.push(c);
+        prev = Some(c);
+        rest = &rest[c.len_utf8()..];
+    }
+    out
+}
+
+pub async fn run(agent: &Agent, out: &Output, id: &str, o: &EnsureOpts) -> Res<u8> {
+    let net: Dict = agent
+        .call_explained("EnsureNetwork", &(id, options(o)), &|m| explain(o, m))
+        .await?;
+    crate::status::show(&net, out);
+    Ok(EXIT_OK)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::args::parse_port;
+
+    fn opts() -> EnsureOpts {
+        EnsureOpts {
+            ports: vec![
+                parse_port("tcp:80:8080").unwrap(),
+                parse_port("tcp:81:8080").unwrap(),
+            ],
+            deny_out: vec!["10.0.0.0/8".into(), "10.0.0.1/8".into()],
+            mtu: Some(50),
+            metadata: vec![("k".into(), "v".into())],
+            ..EnsureOpts::default()
+        }
+    }
+
+    #[test]
+    fn agent_keys_become_the_flags_typed() {
+        let o = opts();
+        assert_eq!(
+            explain(
+                &o,
+                "port_mappings[1]: tcp host port 8080 is also used by port_mappings[0]"
+            ),
+            "--port tcp:81:8080 (port_mappings[1]): tcp host port 8080 is also used by \
+             --port tcp:80:8080 (port_mappings[0])"
+        );
+        assert_eq!(
+            explain(&o, "deny_out[1]: address 10.0.0.1/8 has host bits set"),
+            "--deny-out 10.0.0.1/8 (deny_out[1]): address 10.0.0.1/8 has host bits set"
+        );
+        assert_eq!(
+            explain(&o, "mtu: 50 is out of range 68-65535"),
+            "--mtu 50 (mtu): 50 is out of range 68-65535"
+        );
+        assert_eq!(
+            explain(&o, "metadata[k]: value is 9999 bytes"),
+            "--metadata k=v (metadata[k]): value is 9999 bytes"
+        );
+        // Nothing the user typed: left alone.
+        assert_eq!(explain(&o, "port_mappings[7]: x"), "port_mappings[7]: x");
+        assert_eq!(
+            explain(
+                &EnsureOpts::default(),
+                "mtu: 1500 is above the MTU of the uplink"
+            ),
+            "mtu: 1500 is above the MTU of the uplink"
+        );
+        assert_eq!(
+            explain(&o, "sandbox_id: must not be empty"),
+            "sandbox_id: must not be empty"
+        );
+        assert_eq!(explain(&o, "xdeny_out[0]"), "xdeny_out[0]");
+    }
+}

@@ -1,0 +1,225 @@
+//! The command table and the help texts (`--help`, `COMMAND --help`). The
+//! man page (man/cubenetctl.1) says the same at length; the tests check
+//! that it names every command and option listed here. ASCII only: help is
+//! read in every locale.
+
+#[derive(Debug)]
+pub struct CommandDef {
+    pub name: &'static str,
+    pub args: &'static str,
+    pub summary: &'static str,
+    /// What the command prints and its exit status.
+    pub help: &'static str,
+    /// The command's own options (after the command name); "" if none.
+    pub options: &'static str,
+}
+
+/// The first entry is the default command.
+pub const COMMANDS: &[CommandDef] = &[
+    CommandDef {
+        name: "list",
+        args: "",
+        summary: "List sandbox networks (the default command)",
+        help: "Prints one line per network, sorted by sandbox id: SANDBOX, SANDBOX-IP,
+TAP, MTU, PORTS and CNI, then 'N networks.'. No cell contains spaces:
+PORTS is a comma-separated list of PROTO:CONTAINER:HOST[:HOSTIP] (the
+--port syntax of 'ensure'; HOSTIP only when not 0.0.0.0), '-' if none;
+CNI is CONTAINER/IFNAME@NETNS for networks made by cube-cni, '-'
+otherwise. With --no-legend, only the rows: six fields split by
+whitespace. With --json, an array of network objects.",
+        options: "",
+    },
+    CommandDef {
+        name: "status",
+        args: "ID",
+        summary: "Show everything about one network",
+        help: "Prints every field of network ID as aligned 'Key: value' lines. With
+--json, the network object (the same object varlink's GetNetwork
+returns). Exit status 3 if there is no such network.",
+        options: "",
+    },
+    CommandDef {
+        name: "ensure",
+        args: "ID [OPTIONS...]",
+        summary: "Create a network, or converge it to OPTIONS",
+        help: "Calls EnsureNetwork and prints the resulting network like 'status'.
+EnsureNetwork is declarative: an option left out means its default, so
+repeating the command returns the same network and a changed one
+converges it (same address and TAP). Errors name the option, e.g.
+'--port tcp:80:8080 (port_mappings[0]): ...'.",
+        options: "  --port=PROTO:CONTAINER[:HOST[:HOSTIP]]
+                          Map a port (repeatable). PROTO is tcp or udp;
+                          CONTAINER 1-65535; HOST 0-65535, 0 or empty: the
+                          agent picks one; HOSTIP empty: the agent's default
+                          bind address.
+                          e.g. --port tcp:80  --port udp:53:25053:127.0.0.1
+  --allow-out=CIDR        Allow egress to CIDR (repeatable)
+  --deny-out=CIDR         Deny egress to CIDR (repeatable)
+  --no-internet           No internet access
+  --mtu=N                 TAP MTU (default: the agent's)
+  --metadata=KEY=VALUE    Attach metadata (repeatable)
+  --idempotency-key=KEY   A repeat with the same key returns the stored
+                          network without re-applying anything",
+    },
+    CommandDef {
+        name: "release",
+        args: "ID",
+        summary: "Release a network",
+        help: "Calls ReleaseNetwork. Prints 'released ID' (not with --quiet) and exits
+0, or prints 'cubenetctl: ID: no such network' on stderr and exits 3 if
+it did not exist. With --json, {\"sandbox_id\": ID, \"released\": BOOL}
+(same exit status).",
+        options: "",
+    },
+    CommandDef {
+        name: "reconcile",
+        args: "[ID]",
+        summary: "Re-check networks against the kernel, repair drift",
+        help: "Calls ReconcileNetwork for ID, or for every network without ID, and
+prints the report: checked, repaired, removed, errors. Exit status 1 if
+the report lists errors.",
+        options: "",
+    },
+    CommandDef {
+        name: "health",
+        args: "",
+        summary: "Show the agent's health checks",
+        help: "Prints a CHECK / OK / DETAIL table (DETAIL is the rest of the line) and
+'healthy' or 'degraded' (not with --quiet or --no-legend). Exit status 0
+if healthy, 1 if degraded. With --json,
+{\"healthy\": BOOL, \"checks\": [{\"name\", \"ok\", \"detail\"}...]}.",
+        options: "",
+    },
+    CommandDef {
+        name: "open-tap",
+        args: "ID -- COMMAND [ARGS...]",
+        summary: "Run COMMAND with the network's TAP as fd 3",
+        help: "Calls OpenTap (a fresh duplicate of the agent's TAP fd: IFF_TAP,
+IFF_NO_PI, 12-byte virtio-net header) and execs COMMAND with it as
+file descriptor 3, e.g.
+
+  cubenetctl open-tap sbx-1 -- qemu-system-x86_64 -netdev tap,id=n0,fd=3,vnet_hdr=on ...
+
+COMMAND's exit status is then the status; if COMMAND cannot be
+executed: 127 (not found) or 126 (other errors).",
+        options: "",
+    },
+    CommandDef {
+        name: "watch",
+        args: "",
+        summary: "Follow every change, one line per event",
+        help: "Subscribes to the agent's varlink WatchNetworks stream (socket:
+--varlink) and prints one line per event until interrupted:
+SEQ KIND SANDBOX SANDBOX-IP TAP PORTS, where KIND is current (the
+networks at the start, one line each), created, updated, repaired
+(followed by what was repaired) or released ('-' for the address, TAP
+and ports). With --json, one JSON object per line: the event as varlink
+sends it ({\"seq\", \"kind\", \"sandbox_id\", \"network\", \"repairs\",
+\"networks\"}). Exit status 1 if the agent ends the stream (it stops, or
+this watcher fell behind: EventsLost), 4 if the socket cannot be reached.",
+        options: "",
+    },
+];
+
+pub fn find_command(name: &str) -> Option<&'static CommandDef> {
+    COMMANDS.iter().find(|c| c.name == name)
+}
+
+const OPTIONS_HELP: &str = "Options:
+  -h --help               Show this help ('COMMAND --help': that command's)
+  -V --version            Show the version
+     --bus=BUS            system (default), session, or a D-Bus address such as
+                          unix:path=/run/dbus/system_bus_socket; default from
+                          $CUBENETCTL_BUS
+     --varlink=PATH       The agent's varlink socket (watch); default from
+                          $CUBENETCTL_VARLINK, else
+                          /run/cube-network-agent/org.cube.NetworkAgent
+     --json=pretty|short|off
+                          JSON output: pretty (indented), short (one line
+                          each), off (text, the default); --json alone: short
+  -j                      --json=pretty on a terminal, --json=short otherwise
+  -q --quiet              No informational lines ('N networks.', 'released
+                          ID', health's verdict); errors still go to stderr
+     --no-legend          No column headers and summary lines
+     --no-pager           Accepted for compatibility: cubenetctl never pages";
+
+const EXIT_HELP: &str = "Exit status:
+  0  success (health: healthy)
+  1  the agent returned an error, printed as 'cubenetctl: NAME: MESSAGE'
+     (health: degraded; reconcile: the report lists errors)
+  2  usage error
+  3  no such network (NotFound, or release of a network that did not exist)
+  4  the agent is unreachable (no bus or socket, name not owned, access denied)";
+
+fn usage_line(c: &CommandDef) -> String {
+    if c.args.is_empty() {
+        c.name.to_owned()
+    } else {
+        format!("{} {}", c.name, c.args)
+    }
+}
+
+pub fn main_help() -> String {
+    let mut s = String::from(
+        "cubenetctl [OPTIONS...] COMMAND [ARGS...]\n\n\
+         Query and control cube-network-agent (org.cube.NetworkAgent).\n\nCommands:\n",
+    );
+    for c in COMMANDS {
+        let head = usage_line(c);
+        if head.len() > 22 {
+            s.push_str(&format!("  {head}\n  {:22}  {}\n", "", c.summary));
+        } else {
+            s.push_str(&format!("  {head:22}  {}\n", c.summary));
+        }
+    }
+    s.push('\n');
+    s.push_str(OPTIONS_HELP);
+    s.push_str("\n\n");
+    s.push_str(EXIT_HELP);
+    s.push_str("\n\nSee 'man cubenetctl' for more.\n");
+    s
+}
+
+/// One command's usage, what it does and its own options; the global
+/// options and the exit status table are in `cubenetctl --help`.
+pub fn command_help(c: &CommandDef) -> String {
+    let mut s = format!(
+        "cubenetctl [OPTIONS...] {}\n\n{}.\n\n{}\n",
+        usage_line(c),
+        c.summary,
+        c.help
+    );
+    if !c.options.is_empty() {
+        s.push_str(&format!("\nOptions:\n{}\n", c.options));
+    }
+    s.push_str(
+        "\nSee 'cubenetctl --help' for the global options and the exit status,\n\
+         'man cubenetctl' for more.\n",
+    );
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn help_is_ascii_and_commands_are_unique() {
+        assert!(main_help().is_ascii());
+        for c in COMMANDS {
+            assert!(command_help(c).is_ascii(), "{}", c.name);
+            assert_eq!(find_command(c.name).map(|f| f.name), Some(c.name));
+            assert!(main_help().contains(&format!("  {}", usage_line(c))));
+        }
+    }
+
+    #[test]
+    fn command_help_does_not_repeat_the_global_tables() {
+        for c in COMMANDS {
+            let h = command_help(c);
+            assert!(!h.contains("Exit status:"), "{}", c.name);
+            assert!(!h.contains("--bus=BUS"), "{}", c.name);
+            assert!(h.contains("cubenetctl --help"), "{}", c.name);
+        }
+    }
+}
