@@ -10,6 +10,7 @@
 
 pub mod ebpf;
 pub mod maps;
+pub mod tc;
 
 use std::net::IpAddr;
 

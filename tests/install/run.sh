@@ -32,7 +32,7 @@ expect=$(printf '%s\n' "${want[@]}" | sort)
 if [ "$have" = "$expect" ]; then ok "exactly the expected ${#want[@]} files"; else
   nok "installed files differ: $(diff <(echo "$expect") <(echo "$have") | grep '^[<>]' | tr '\n' ' ')"; fi
 for b in usr/libexec/cube-network-agent usr/bin/cubenetctl opt/cni/bin/cube-cni; do
-  if [ -f "$D/$b" ] && ! readelf -S "$D/$b" 2>/dev/null | grep -q '\.symtab\|\.debug_'; then
+  if [ -f "$D/$b" ] && ! readelf -S "$D/$b" 2>/dev/null | grep -qE '\.symtab|\.debug_info'; then
     ok "$b is stripped ($(stat -c %s "$D/$b") bytes)"
   else nok "$b is not stripped"; fi
 done
