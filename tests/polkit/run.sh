@@ -17,23 +17,14 @@ fi
 
 # ---- inside the namespace: system bus + polkitd are up ----------------------
 S=$HARNESS_DIR
-PY=/usr/bin/python3
 install -m755 "$HERE/call.py" "$S/call.py"   # readable by the test users
+CALL=$S/call.py; . "$HERE/callers.sh"         # as USER METHOD [ARG], listen, DENIED_*
 A=(org.cube.NetworkAgent /org/cube/NetworkAgent org.cube.NetworkAgent)
 PASS=0 FAIL=0
 ok() { echo "ok - $*"; PASS=$((PASS + 1)); }
 nok() { echo "not ok - $*"; FAIL=$((FAIL + 1)); }
 # check DESC EXPECTED-REGEX OUTPUT
 check() { if [[ "$3" =~ $2 ]]; then ok "$1"; else nok "$1 (got: $3)"; fi; }
-# as USER METHOD [ARG]  -> one line "OK ..." / "ERR name message"
-as() {
-  local u=$1; shift
-  if [ "$u" = root ]; then "$PY" "$S/call.py" "$@" 2>&1 | tail -1
-  else setpriv --reuid="$u" --regid="$u" --init-groups env HOME=/ "$PY" "$S/call.py" "$@" 2>&1 | tail -1
-  fi
-}
-DENIED_MANAGE='^ERR org\.freedesktop\.DBus\.Error\.AccessDenied .*org\.cube\.NetworkAgent\.manage'
-DENIED_READ='^ERR org\.freedesktop\.DBus\.Error\.AccessDenied .*org\.cube\.NetworkAgent\.read'
 
 # the agent, as root, in a fresh network namespace, on the system bus
 ip netns add cubepk && ip -n cubepk link set lo up
@@ -101,16 +92,9 @@ check "root: network object Get" '^OK [0-9.]+$' "$(as root ObjectGet sbx-root Sa
 check "root: introspecting the network objects" '^OK sbx_2droot,sbx_2duser$' \
   "$(as root Introspect /org/cube/NetworkAgent/network)"
 # Signals: listeners as outsider, cubereader and root while a network comes and goes.
-listen() { # USER OUTFILE: a listener for 3 s in the background; returns once it subscribed
-  if [ "$1" = root ]; then "$PY" "$S/call.py" --signals 3 >"$2" 2>&1 &
-  else setpriv --reuid="$1" --regid="$1" --init-groups env HOME=/ "$PY" "$S/call.py" --signals 3 >"$2" 2>&1 &
-  fi
-  for _ in $(seq 250); do grep -q READY "$2" 2>/dev/null && return; sleep 0.02; done
-}
-listen outsider "$S/sig.outsider"; listen cubereader "$S/sig.reader"; listen root "$S/sig.root"
+listen outsider "$S/sig.outsider" 3; listen cubereader "$S/sig.reader" 3; listen root "$S/sig.root" 3
 as root EnsureNetwork sbx-sig >/dev/null; as root ReleaseNetwork sbx-sig >/dev/null
-wait_listeners() { for _ in $(seq 300); do [ "$(grep -c '^OK' "$S"/sig.* | grep -c ':1$')" = 3 ] && return; sleep 0.02; done; }
-wait_listeners
+wait_listeners "$S"/sig.*
 check "root receives the agent's signals" '^OK n=[1-9][0-9]* .*NetworkEnsured.*NetworkReleased' "$(tail -1 "$S/sig.root")"
 check "outsider receives none of them" '^OK n=0 -$' "$(tail -1 "$S/sig.outsider")"
 check "cubereader receives none of them (bus policy: root only unless a group is added)" '^OK n=0 -$' \

@@ -18,8 +18,14 @@
 #    without bpf; --system-call-filter=bpf adds it.
 #  - bpffs: nspawn's /sys has none at /sys/fs/bpf. A bpffs mounted in the
 #    private mount namespace (state dir) is bind-mounted there.
+#  - the system bus: BUS=dbus-daemon (default) or BUS=dbus-broker picks the
+#    unit that serves dbus.socket, set before boot with `systemctl --root=
+#    enable|disable dbus-broker.service` (its Alias=dbus.service symlink in
+#    /etc), whatever the host has: Debian's dbus-broker package enables
+#    itself that way when installed.
 #
-# Usage: nspawn_up.sh NAME     prints "container=NAME leader_pid=... state=..."
+# Usage: [BUS=dbus-daemon|dbus-broker] nspawn_up.sh NAME
+#        prints "container=NAME leader_pid=... state=... bus=..."
 # State (pids, console log) lives in $CNA_NSPAWN_DIR/state-NAME
 # (default /tmp/cube-network-agent-nspawn). Run nspawn_exec.sh NAME CMD to
 # run commands inside; nspawn_down.sh NAME to tear it down.
@@ -32,6 +38,13 @@ NAME=${1:?usage: nspawn_up.sh NAME}
 HERE=$(cd "$(dirname "$0")" && pwd)
 BASE=${CNA_NSPAWN_DIR:-/tmp/cube-network-agent-nspawn}
 STATE=$BASE/state-$NAME
+BUS=${BUS:-dbus-daemon}
+case $BUS in
+  dbus-daemon) BUS_ENABLE=disable ;;
+  dbus-broker) BUS_ENABLE=enable
+    [ -x /usr/bin/dbus-broker-launch ] || { echo "BUS=dbus-broker: dbus-broker is not installed (scripts/deps.sh installs it)" >&2; exit 1; } ;;
+  *) echo "BUS=$BUS: want dbus-daemon or dbus-broker" >&2; exit 2 ;;
+esac
 if ! command -v systemd-nspawn >/dev/null; then
   # Pinned to the installed systemd's version, never a literal one: the newer
   # candidate drags a libsystemd-shared upgrade, and literals break after a
@@ -74,6 +87,11 @@ for u in postgresql.service postgresql@15-main.service e2scrub_reap.service syst
          apt-daily.timer apt-daily-upgrade.timer man-db.timer e2scrub_all.timer dpkg-db-backup.timer fstrim.timer; do
   ln -sf /dev/null \$R/etc/systemd/system/\$u
 done
+# The system bus asked for (see the header); the container's own systemctl
+# on its root, before boot.
+if [ -e \$R/lib/systemd/system/dbus-broker.service ] || [ $BUS_ENABLE = enable ]; then
+  systemctl --root=\$R --quiet $BUS_ENABLE dbus-broker.service
+fi
 # Start from a clean slate: no agent files inherited from the host.
 rm -rf \$R/var/lib/cube-network-agent \$R/etc/cube-network-agent
 tr -d - < /proc/sys/kernel/random/uuid > \$R/etc/machine-id   # a machine-id of its own
@@ -119,5 +137,5 @@ for i in $(seq 300); do   # /run/systemd/private appears a moment after PID 1 st
   case "$S" in running|degraded) break;; esac; sleep 0.1
 done
 T1=$(date +%s.%N)
-echo "container=$NAME nspawn_pid=$NS leader_pid=$L state=$S boot_seconds=$(echo "$T1 - $T0" | bc) node_netns=$NODE world_netns=$WORLD"
+echo "container=$NAME nspawn_pid=$NS leader_pid=$L state=$S boot_seconds=$(echo "$T1 - $T0" | bc) node_netns=$NODE world_netns=$WORLD bus=$BUS"
 case "$S" in running|degraded) ;; *) exit 1;; esac

@@ -6,7 +6,9 @@
 # install NO_BUILD=1 DESTDIR=/proc/<container pid 1>/root` (the shipped
 # units, unchanged, no drop-ins), and checks activation, notify STATUS,
 # hardening, that the eBPF datapath is loaded and attached (Health),
-# journald fields, and — with a live guest on sbx-1's TAP — that traffic
+# journald fields, the agent's callers through the system bus (polkit for a
+# non-root user, fd passing, signals only for root; see "bus:" below), and —
+# with a live guest on sbx-1's TAP — that traffic
 # through SNAT and through a UDP port mapping loses nothing across a kill -9,
 # a watchdog abort, `systemctl restart` and `systemctl stop` + `start`,
 # that Health and OpenTap work after each, and unit verification. Nothing
@@ -25,7 +27,10 @@
 # lost = not echoed within 1 s) to status files; a loss check compares two
 # snapshots taken before an event and 1.3 s after the agent is back.
 #
-# Usage (root): tests/systemd/run.sh
+# Usage (root): [BUS=dbus-daemon|dbus-broker] tests/systemd/run.sh
+#   BUS=          the container's system bus (nspawn_up.sh): dbus-daemon
+#                 (default; Debian's) or dbus-broker (Fedora's, Arch's,
+#                 RHEL's); every check runs on either
 #   CNA_BUILD=1   run `cargo build --release --bins` and `cargo build
 #                 --release --example flow-guest` first (default: only when
 #                 target/release/cube-network-agent or
@@ -43,6 +48,9 @@ if [ "$(id -u)" != 0 ]; then   # developer run: skip; under CI (CI set): fail
   . "$ROOT/tests/root.sh"; require_root tests/systemd/run.sh systemd-nspawn
 fi
 
+export BUS=${BUS:-dbus-daemon}
+case $BUS in dbus-daemon|dbus-broker) ;; *) echo "BUS=$BUS: want dbus-daemon or dbus-broker"; exit 2;; esac
+
 BIN=target/release/cube-network-agent
 GUEST_BIN=target/release/examples/flow-guest
 if [ "${CNA_BUILD:-}" = 1 ] || [ ! -x "$BIN" ]; then
@@ -51,7 +59,7 @@ fi
 if [ "${CNA_BUILD:-}" = 1 ] || [ ! -x "$GUEST_BIN" ]; then
   cargo build --release --example flow-guest || { echo "build failed (flow-guest)"; exit 1; }
 fi
-echo "# binary: $BIN ($(stat -c %y "$BIN" | cut -d. -f1)), guest: $GUEST_BIN ($(stat -c %y "$GUEST_BIN" | cut -d. -f1))"
+echo "# bus: $BUS, binary: $BIN ($(stat -c %y "$BIN" | cut -d. -f1)), guest: $GUEST_BIN ($(stat -c %y "$GUEST_BIN" | cut -d. -f1))"
 
 NAME=cna-$$
 WORLD=cna-world-$NAME   # created by nspawn_up.sh: 198.51.100.2 on w0
@@ -81,6 +89,8 @@ ok()     { PASS=$((PASS + 1)); echo "ok - $1"; }
 not_ok() { FAIL=$((FAIL + 1)); FAILED+=("$1"); echo "not ok - $1"; shift; for l in "$@"; do printf '%s\n' "$l" | sed 's/^/#   /'; done; }
 # check NAME CMD...: ok if CMD exits 0; its output becomes the diagnostic otherwise
 check() { local name=$1 out; shift; if out=$("$@" 2>&1); then ok "$name"; else not_ok "$name" "$out"; fi; }
+# expect NAME REGEX OUTPUT: ok if OUTPUT matches REGEX
+expect() { if [[ "$3" =~ $2 ]]; then ok "$1"; else not_ok "$1" "got: $3"; fi; }
 # in: run a shell snippet inside the container
 cx() { $X bash -c "$1"; }
 prop() { $X systemctl show -P "$1" "${2:-$UNIT}" 2>/dev/null; }
@@ -244,8 +254,11 @@ if ! up=$("$HERE/nspawn_up.sh" "$NAME" 2>&1); then
 fi
 echo "# $up"
 L=$(cat "${CNA_NSPAWN_DIR:-/tmp/cube-network-agent-nspawn}/state-$NAME/leader.pid")
-# The test guest (not part of what users install): into the container's overlay.
+# The test guest and bus caller (not part of what users install): into the container's overlay.
 install -D -m 0755 "$GUEST_BIN" /proc/$L/root/usr/local/bin/flow-guest
+CALL=/usr/local/lib/cube-network-agent-test/call.py IN=$X
+install -D -m 0755 tests/polkit/call.py /proc/$L/root$CALL
+. tests/polkit/callers.sh   # as USER METHOD [ARG], listen, DENIED_* (python3-dbus callers)
 
 if out=$(make -s install NO_BUILD=1 DESTDIR=/proc/$L/root 2>&1) &&
    out2=$(cx 'systemctl daemon-reload && systemctl enable cube-network-agent.service 2>&1 &&
@@ -257,7 +270,39 @@ else
   not_ok "make install into the container, enable (Alias=, Also=), start the socket" "${out:-}" "${out2:-}"
 fi
 
-check "0 system bus runs in the container (dbus.socket)" cx 'systemctl is-active dbus.socket'
+# ---- 0: the system bus is $BUS ---------------------------------------------
+# Which process serves /run/dbus/system_bus_socket: the peer of a connection
+# to it (after the SASL handshake, so the bus has accepted it), from ss -xp.
+# (dbus.socket is held by PID 1 and, for dbus-broker, by its launcher too.)
+BUS_PY='
+import os, re, socket, subprocess
+p = "/run/dbus/system_bus_socket"
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(10)
+s.connect(p)
+s.sendall(b"\0AUTH EXTERNAL %s\r\n" % str(os.getuid()).encode().hex().encode())
+print(s.recv(4096).decode().strip(), end=": ")
+ino = str(os.fstat(s.fileno()).st_ino)
+for l in subprocess.run(["ss", "-xpn"], capture_output=True, text=True).stdout.splitlines():
+    f = l.split()
+    if len(f) > 8 and f[4] == p and f[7] == ino:
+        m = re.search(r"\(\"([^\"]+)\",pid=([0-9]+)", l)
+        print(m.group(1), "pid", m.group(2), os.readlink("/proc/%s/exe" % m.group(2)))
+'
+BUS_UNIT=$(prop Id dbus.service)
+served=$($X python3 -c "$BUS_PY" 2>&1)
+if [ "$(cx 'systemctl is-active dbus.socket')" = active ] && [[ "$served" =~ ^OK\ [0-9a-f]+:\ $BUS\ pid\ [0-9]+\ /usr/bin/$BUS$ ]]; then
+  ok "0 the system bus in the container is $BUS (dbus.service is $BUS_UNIT; the peer of a connection to /run/dbus/system_bus_socket: ${served#*: })"
+else
+  not_ok "0 the system bus in the container is $BUS" "dbus.socket: $(cx 'systemctl is-active dbus.socket' 2>&1), dbus.service is $BUS_UNIT" \
+    "a connection's peer: $served" "$(cx 'ss -xlp src /run/dbus/system_bus_socket' 2>&1)"
+fi
+if out=$(cx 'groupadd -f cube-network && useradd -M -G cube-network cubeuser && useradd -M outsider &&
+    install -m 0644 /usr/share/doc/cube-network-agent/50-cube-network-agent.rules.example /etc/polkit-1/rules.d/50-cube-network-agent.rules' 2>&1); then
+  ok "0b test users outsider (no group) and cubeuser (group cube-network), the example polkit rule installed"
+else
+  not_ok "0b test users outsider (no group) and cubeuser (group cube-network), the example polkit rule installed" "$out"
+fi
 
 # ---- 1: socket active, service waiting ---------------------------------
 s1=$(cx 'systemctl is-active cube-network-agent.socket'); s2=$(cx "systemctl is-active $UNIT")
@@ -611,6 +656,46 @@ out=$(cni DEL 2>&1); rc=$?
 left=$(cx 'ip netns exec cnisd ip -o link show eth0 2>/dev/null | wc -l')
 if [ $rc = 0 ] && [ "$left" = 0 ]; then ok "9c cube-cni DEL releases it (the peer is gone)"; else not_ok "9c cube-cni DEL releases it (the peer is gone)" "rc=$rc $out" "eth0 still there: $left"; fi
 cx 'ip netns del cnisd' >/dev/null 2>&1
+
+# ---- bus: polkit, fd passing and signals through the system bus --------------
+# The agent's callers on this bus ($BUS), through tests/polkit/call.py
+# (python3-dbus): root, "outsider" (no group: polkit says no) and "cubeuser"
+# (group cube-network: the example rule says yes; polkitd, itself D-Bus
+# activated, resolves the caller through the bus, root never asks it). The
+# bus policy dbus/org.cube.NetworkAgent.conf lets only root receive the
+# agent's signals; the bus enforces that, the agent cannot.
+# (An OpenTap fd's path reads "/" here: the agent opened /dev/net/tun in its
+# own mount namespace, PrivateDevices=; its tun "iff:" names the TAP.)
+ens=$(as root EnsureNetwork sbx-bus)
+expect "bus a root: EnsureNetwork sbx-bus" '^OK sbx-bus [0-9.]+ [^ ]+$' "$ens"
+expect "bus b root: OpenTap sbx-bus passes a TAP fd over the bus (python3-dbus; the fd is sbx-bus's TAP)" \
+  "^OK fd [0-9]+ [^ ]+ iff: ${ens##* }\$" "$(as root OpenTap sbx-bus)"
+expect "bus c root: Health is true" '^OK True$' "$(as root Health)"
+expect "bus d outsider: EnsureNetwork -> AccessDenied naming manage (polkit)" "$DENIED_MANAGE" "$(as outsider EnsureNetwork sbx-out)"
+expect "bus e outsider: OpenTap sbx-bus -> AccessDenied naming manage" "$DENIED_MANAGE" "$(as outsider OpenTap sbx-bus)"
+expect "bus f outsider: Health -> AccessDenied naming read" "$DENIED_READ" "$(as outsider Health)"
+expect "bus g cubeuser (granted by the rule): Health is true" '^OK True$' "$(as cubeuser Health)"
+ens=$(as cubeuser EnsureNetwork sbx-busu)
+expect "bus h cubeuser: EnsureNetwork sbx-busu" '^OK sbx-busu [0-9.]+ [^ ]+$' "$ens"
+expect "bus i cubeuser: OpenTap sbx-busu passes its TAP fd" "^OK fd [0-9]+ [^ ]+ iff: ${ens##* }\$" "$(as cubeuser OpenTap sbx-busu)"
+expect "bus j no sbx-out network exists" '^ERR org\.cube\.NetworkAgent\.Error\.NotFound' "$(as root GetNetwork sbx-out)"
+# Signals: listeners as root, outsider and cubeuser while sbx-sig comes and goes.
+listen root "$TMPD/sig.root" 3; listen outsider "$TMPD/sig.outsider" 3; listen cubeuser "$TMPD/sig.cubeuser" 3
+as root EnsureNetwork sbx-sig >/dev/null; as root ReleaseNetwork sbx-sig >/dev/null
+wait_listeners "$TMPD"/sig.*
+expect "bus k root receives the agent's signals (InterfacesAdded, NetworkEnsured, NetworkReleased)" \
+  '^OK n=[1-9][0-9]* .*InterfacesAdded.*NetworkEnsured.*NetworkReleased' "$(tail -1 "$TMPD/sig.root")"
+expect "bus l outsider receives none of them (bus policy)" '^OK n=0 -$' "$(tail -1 "$TMPD/sig.outsider")"
+expect "bus m cubeuser receives none of them either (bus policy: root only)" '^OK n=0 -$' "$(tail -1 "$TMPD/sig.cubeuser")"
+expect "bus n root: ReleaseNetwork sbx-bus, sbx-busu" '^OK True OK True$' \
+  "$(as root ReleaseNetwork sbx-bus) $(as root ReleaseNetwork sbx-busu)"
+# Whatever the bus thought of our policy and activation files whenever it
+# (re)loaded them, from make install on (dbus-daemon and dbus-broker-launch
+# name the file in every complaint about it). A complaint here is a defect
+# even when a later reload healed it: nothing guarantees that later reload.
+out=$(cx "journalctl -u $BUS_UNIT --no-pager -o cat | grep -E 'org\.cube\.NetworkAgent\.(conf|service)'" 2>&1)
+if [ -z "$out" ]; then ok "bus o $BUS (re)loaded the bus policy and activation files without a complaint"
+else not_ok "bus o $BUS (re)loaded the bus policy and activation files without a complaint" "$out"; fi
 
 # ---- 8: verify the installed units ----------------------------------------
 out=$(cx 'systemd-analyze verify /usr/lib/systemd/system/cube-network-agent.socket /usr/lib/systemd/system/cube-network-agent.service 2>&1; echo "rc=$?"')
