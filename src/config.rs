@@ -128,6 +128,12 @@ pub struct Config {
     pub datapath: DatapathKind,
     /// bpffs directory for this instance's pinned maps.
     pub bpf_pin_dir: PathBuf,
+    /// The shared tc block every TAP's clsact ingress is bound to (its
+    /// one filter runs `from_guest` for all of them).
+    pub tc_block: u32,
+    /// A persistent, down TAP of the agent's that keeps the block alive
+    /// while no sandbox TAP exists.
+    pub tc_block_anchor: String,
     /// SNAT source ports for guest flows, "LO-HI" or "auto" (the default):
     /// the largest range of ports 1024-65535 outside the host's own
     /// ephemeral ports (`net.ipv4.ip_local_port_range`), `host_port_range`
@@ -173,6 +179,8 @@ impl Default for Config {
             retire_group: 0xc0be,
             datapath: DatapathKind::Ebpf,
             bpf_pin_dir: "/sys/fs/bpf/cube-network-agent".into(),
+            tc_block: 0xc0be,
+            tc_block_anchor: "cube-blk".into(),
             snat_port_range: "auto".into(),
             flow_timeout_tcp: 600,
             flow_timeout_tcp_closing: 10,
@@ -452,6 +460,41 @@ impl Config {
                 ),
             ));
         }
+        if !valid_ifname(&self.tc_block_anchor) {
+            return Err(invalid(
+                "tc_block_anchor",
+                format!(
+                    "'{}' is not a valid interface name (1-15 chars, no '/', ':' or spaces)",
+                    self.tc_block_anchor
+                ),
+            ));
+        }
+        for (what, other) in [
+            ("gateway_device", &self.gateway_device),
+            ("uplink", &self.uplink),
+        ] {
+            if &self.tc_block_anchor == other {
+                return Err(invalid(
+                    "tc_block_anchor",
+                    format!("'{other}' is the {what}; the anchor is a device of its own"),
+                ));
+            }
+        }
+        if self.tc_block == 0 {
+            return Err(invalid(
+                "tc_block",
+                "0 means no shared block to the kernel; pick 1-4294967295",
+            ));
+        }
+        if self.tc_block_anchor.starts_with(&self.tap_prefix) {
+            return Err(invalid(
+                "tap_prefix",
+                format!(
+                    "'{}' would also match the tc block anchor '{}'",
+                    self.tap_prefix, self.tc_block_anchor
+                ),
+            ));
+        }
         if self.gateway_device.starts_with(&self.tap_prefix) {
             return Err(invalid(
                 "tap_prefix",
@@ -639,6 +682,8 @@ Options (each overrides the same key of the config file):
   --runtime-dir PATH         runtime files [default: $RUNTIME_DIRECTORY or /run/cube-network-agent]
   --datapath ebpf|none       packet datapath [default: ebpf]
   --bpf-pin-dir PATH         bpffs directory for pinned maps [default: /sys/fs/bpf/cube-network-agent]
+  --tc-block N               shared tc block of every TAP's ingress [default: 49342]
+  --tc-block-anchor NAME     down TAP that keeps the block alive [default: cube-blk]
   --snat-port-range LO-HI    SNAT source ports, or auto [default: auto: outside the host's ephemeral ports]
   --flow-timeout-udp SECS    idle timeout of UDP flows [default: 60] (also -tcp, -tcp-closing, -icmp)
   --log-level FILTER         tracing filter [default: info]
@@ -732,6 +777,8 @@ const VALUE_FLAGS: &[&str] = &[
     "--log-level",
     "--datapath",
     "--bpf-pin-dir",
+    "--tc-block",
+    "--tc-block-anchor",
     "--snat-port-range",
     "--flow-timeout-tcp",
     "--flow-timeout-tcp-closing",
@@ -765,6 +812,8 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
                 DatapathKind::try_from(value.as_str()).map_err(|why| invalid("datapath", why))?
         }
         "--bpf-pin-dir" => cfg.bpf_pin_dir = value.into(),
+        "--tc-block" => cfg.tc_block = number("tc_block", &value)?,
+        "--tc-block-anchor" => cfg.tc_block_anchor = value,
         "--snat-port-range" => cfg.snat_port_range = value,
         "--flow-timeout-tcp" => cfg.flow_timeout_tcp = number("flow_timeout_tcp", &value)?,
         "--flow-timeout-tcp-closing" => {

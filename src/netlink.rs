@@ -249,37 +249,6 @@ pub struct TcRemoval {
     pub what: String,
 }
 
-/// Which of `hooks` ((ifindex, hook) each) carry no `bpf` filter of
-/// `priority`, checked with `parallel` dumps in flight on connections of
-/// their own (one dump at a time per socket; recovery checks thousands of
-/// TAPs and should not wait for each round trip in turn). Indexes into
-/// `hooks`, in order.
-pub async fn missing_bpf_filters(
-    hooks: &[(u32, TcHook)],
-    priority: u16,
-    parallel: usize,
-) -> Result<Vec<usize>, NetlinkError> {
-    let conns: Vec<Netlink> = (0..parallel.clamp(1, 16).min(hooks.len().max(1)))
-        .map(|_| Netlink::new())
-        .collect::<Result<_, _>>()?;
-    let n = conns.len();
-    let lanes = conns.iter().enumerate().map(|(lane, nl)| async move {
-        let mut missing = vec![];
-        for (i, (ifindex, hook)) in hooks.iter().enumerate().skip(lane).step_by(n) {
-            if !nl.has_bpf_filter(*ifindex, *hook, priority).await? {
-                missing.push(i);
-            }
-        }
-        Ok::<_, NetlinkError>(missing)
-    });
-    let mut all = vec![];
-    for lane in futures::future::join_all(lanes).await {
-        all.extend(lane?);
-    }
-    all.sort_unstable();
-    Ok(all)
-}
-
 /// Subscribes to the kernel's tc notifications (RTNLGRP_TC) and sends every
 /// qdisc or filter removal to `tx`. The subscription is active when this
 /// returns (nothing deleted after it is missed); the reader task ends when
@@ -371,39 +340,6 @@ impl Netlink {
             handle,
             dumps: Default::default(),
         })
-    }
-
-    /// Whether `ifindex` carries a `bpf` filter of priority `priority` on
-    /// its clsact `hook` (false when the clsact qdisc itself is missing).
-    pub async fn has_bpf_filter(
-        &self,
-        ifindex: u32,
-        hook: TcHook,
-        priority: u16,
-    ) -> Result<bool, NetlinkError> {
-        use rtnetlink::packet_route::tc::TcAttribute;
-        debug!(ifindex, %hook, "dump tc filters");
-        let _one = self.dumps.lock().await;
-        let req = self.handle.traffic_filter(ifindex as i32).get();
-        let req = match hook {
-            TcHook::Ingress => req.ingress(),
-            TcHook::Egress => req.egress(),
-        };
-        let res: Result<Vec<_>, _> = req.execute().try_collect().await;
-        match res {
-            Ok(msgs) => Ok(msgs.iter().any(|m| {
-                (m.header.info >> 16) as u16 == priority
-                    && m.attributes
-                        .iter()
-                        .any(|a| matches!(a, TcAttribute::Kind(k) if k == "bpf"))
-            })),
-            // No such qdisc/parent on this device.
-            Err(e) if is_errno(&e, libc::EINVAL) || is_errno(&e, libc::ENOENT) => Ok(false),
-            Err(source) => Err(NetlinkError::Dump {
-                what: "tc filters",
-                source,
-            }),
-        }
     }
 
     /// All links in the namespace.
@@ -1166,16 +1102,6 @@ mod tests {
             .execute()
             .await
             .expect("add default route");
-    }
-
-    #[test]
-    fn bpf_filter_query_without_clsact() {
-        in_netns("bpf_filter_query_without_clsact", |nl| async move {
-            // No clsact qdisc on lo: no filter, and no error either.
-            for hook in [TcHook::Ingress, TcHook::Egress] {
-                assert!(!nl.has_bpf_filter(1, hook, 1).await.expect("query"));
-            }
-        });
     }
 
     #[test]

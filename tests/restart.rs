@@ -278,10 +278,35 @@ async fn removed_qdiscs_and_filters_are_reported_and_repaired() {
     let r = c.reconcile("").await.unwrap();
     assert!(strings(&r, "repaired").is_empty(), "{r:?}");
 
+    // The shared block's filter (every TAP's from_guest at once).
+    let block = "49342";
+    env.ns_cmd(&["tc", "filter", "del", "block", block]);
+    let checks = health_until(&c, "Health reports the block's filter", |ok, checks| {
+        let f = check(checks, "datapath_filters");
+        !ok && f.2.contains("from_guest on tc block 49342: no bpf filter")
+    })
+    .await;
+    eprintln!("{:?}", check(&checks, "datapath_filters"));
+    assert!(
+        g.udp_send_recv(echo, b"e", Duration::from_millis(800))
+            .is_err()
+    );
+    let r = c.reconcile("").await.unwrap();
+    assert!(
+        strings(&r, "repaired")
+            .iter()
+            .any(|m| m.starts_with("node: from_guest on tc block 49342: no bpf filter")),
+        "{r:?}"
+    );
+    let (ok, checks) = c.health().await;
+    assert!(ok, "{checks:#?}");
+    assert_eq!(g.udp_send_recv(echo, b"f", T).unwrap(), b"world:f");
+
     // Removed while the agent is down: recovery checks the kernel, not
-    // its own record of what it attached.
+    // its own record of what it attached (the TAP's binding), and the load
+    // puts the block's filter back.
     env.kill_agent();
-    env.ns_cmd(&["tc", "filter", "del", "dev", &tap, "ingress"]);
+    env.ns_cmd(&["tc", "qdisc", "del", "dev", &tap, "clsact"]);
     env.start_agent();
     let c = env.client().await;
     let (ok, checks) = c.health().await;
@@ -291,6 +316,13 @@ async fn removed_qdiscs_and_filters_are_reported_and_repaired() {
         "{checks:?}"
     );
     assert_eq!(g.udp_send_recv(echo, b"d", T).unwrap(), b"world:d");
+    env.kill_agent();
+    env.ns_cmd(&["tc", "filter", "del", "block", block]);
+    env.start_agent();
+    let c = env.client().await;
+    let (ok, checks) = c.health().await;
+    assert!(ok, "{checks:#?}");
+    assert_eq!(g.udp_send_recv(echo, b"g", T).unwrap(), b"world:g");
 }
 
 /// Churned TAPs leave nothing behind in the pinned maps: no entry for a

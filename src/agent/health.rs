@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::{Agent, Uplink};
-use crate::datapath::{Check, FILTER_PRIORITY};
+use crate::datapath::Check;
 
 /// Descriptors the agent needs besides one per TAP: buses, varlink
 /// connections, netlink and bpf maps, the store, journald.
@@ -245,10 +245,12 @@ impl Agent {
         ("veths".into(), true, detail)
     }
 
-    /// The datapath's filters as the kernel has them: every device the
-    /// kernel announced a qdisc/filter removal on is checked again (a
-    /// dump per such device, none in the normal case); what is still
-    /// missing is reported until Reconcile (or a restart) re-attaches it.
+    /// The datapath's hooks as the kernel has them: the node hooks (the
+    /// shared block's filter, the anchor's binding, the node devices'
+    /// filters: a few requests) every time, with their program tags; TAPs
+    /// only where the kernel announced a qdisc or filter removal (none in
+    /// the normal case). What is missing is reported until Reconcile (or a
+    /// restart) attaches it again.
     pub(super) async fn filter_check(&self) -> Vec<Check> {
         let node_hooks = self.datapath.node_hooks();
         if node_hooks.is_empty() {
@@ -257,74 +259,98 @@ impl Agent {
         let node_count = node_hooks.len();
         let drifted: BTreeMap<u32, String> =
             self.drift.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        // The hooks to ask the kernel about (drifted devices only) and who
-        // owns them; nothing to walk when nothing drifted.
-        let (wanted, owners, veths, total_taps) = {
+        let (mut hooks, owners, total_taps) = {
             let views = self.views.read().unwrap_or_else(|p| p.into_inner());
-            let mut wanted: Vec<_> = node_hooks
-                .into_iter()
-                .filter(|h| drifted.contains_key(&h.ifindex))
-                .collect();
+            let mut hooks = node_hooks;
             let mut owners: HashMap<u32, String> = HashMap::new();
-            let mut veths: HashSet<u32> = HashSet::new();
             if !drifted.is_empty() {
                 for v in views
                     .values()
-                    .filter(|v| drifted.contains_key(&v.tap_ifindex))
+                    .filter(|v| v.tap_ifindex != 0 && drifted.contains_key(&v.tap_ifindex))
                 {
-                    wanted.extend(self.datapath.tap_hook(&v.record.tap_name, v.tap_ifindex));
+                    hooks.extend(self.datapath.tap_hook(&v.record.tap_name, v.tap_ifindex));
                     owners.insert(v.tap_ifindex, v.record.sandbox_id.clone());
-                    if !v.record.attach.is_tap() {
-                        veths.insert(v.tap_ifindex);
+                }
+            }
+            (hooks, owners, views.len())
+        };
+        let dp = self.datapath.clone();
+        let (checked, back) = super::off_worker(move || {
+            let r = dp.check(&hooks);
+            (r, hooks)
+        })
+        .await;
+        hooks = back;
+        let (mut missing, mut other_build) = (vec![], vec![]);
+        let mut bad: HashSet<u32> = HashSet::new();
+        match checked {
+            Ok(drift) => {
+                for (i, why) in drift {
+                    let hook = &hooks[i];
+                    bad.insert(hook.ifindex);
+                    let line = format!(
+                        "{hook}{}: {why}{}",
+                        owners
+                            .get(&hook.ifindex)
+                            .map(|id| format!(" of {id}"))
+                            .unwrap_or_default(),
+                        drifted
+                            .get(&hook.ifindex)
+                            .map(|r| format!(" ({r})"))
+                            .unwrap_or_default(),
+                    );
+                    if why.contains("not this build's") {
+                        other_build.push(line);
+                    } else {
+                        missing.push(line);
                     }
                 }
             }
-            (wanted, owners, veths, views.len())
-        };
-        let mut missing = vec![];
-        for hook in &wanted {
-            match self
-                .nl
-                .has_bpf_filter(hook.ifindex, hook.hook, FILTER_PRIORITY)
-                .await
-            {
-                Ok(true) => {
-                    self.drift
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&hook.ifindex);
-                }
-                Ok(false) => missing.push(format!(
-                    "{hook}{} ({} removed)",
-                    owners
-                        .get(&hook.ifindex)
-                        .map(|id| format!(" of {id}"))
-                        .unwrap_or_default(),
-                    drifted[&hook.ifindex]
-                )),
-                // A veth went with its container's namespace: not a
-                // missing filter (the `veths` check names the network).
-                Err(e) if e.errno() == Some(libc::ENODEV) && veths.contains(&hook.ifindex) => {}
-                Err(e) => missing.push(format!("{hook}: cannot check: {}", crate::error_chain(&e))),
-            }
+            Err(e) => missing.push(format!("cannot check: {e}")),
         }
-        // Drifted devices that are neither node devices nor live TAPs (a
-        // pool TAP, a deleted device): nothing to report for them.
-        {
-            let ours: HashSet<u32> = wanted.iter().map(|h| h.ifindex).collect();
-            let mut drift = self.drift.lock().unwrap_or_else(|p| p.into_inner());
-            drift.retain(|i, _| !drifted.contains_key(i) || ours.contains(i));
-        }
+        // Drifted devices that are fine again, or neither node devices nor
+        // live TAPs (a pool TAP, a deleted device): nothing to report.
+        self.drift
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|i, _| !drifted.contains_key(i) || bad.contains(i));
         let detail = if missing.is_empty() {
             format!(
-                "the kernel has every datapath filter ({node_count} node hooks, from_guest on {total_taps} sandbox TAPs)"
+                "the kernel has every datapath hook ({node_count} node hooks, from_guest for {total_taps} sandboxes)"
             )
         } else {
             format!(
-                "missing in the kernel: {}; ReconcileNetwork \"\" re-attaches them",
+                "missing in the kernel: {}; ReconcileNetwork \"\" attaches them again",
                 missing.join("; ")
             )
         };
-        vec![("datapath_filters".into(), missing.is_empty(), detail)]
+        let mut checks = vec![("datapath_filters".into(), missing.is_empty(), detail)];
+        let tags = self.datapath.program_tags();
+        if !tags.is_empty() {
+            let (bound, own) = self.datapath.tap_counts();
+            other_build.extend(self.datapath.stale());
+            let mut detail = format!(
+                "this build's programs: {}; from_guest runs on {bound} TAPs and veths bound to the shared tc block{}",
+                tags.iter()
+                    .map(|(p, t)| format!("{p} {t:016x}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                if own > 0 {
+                    format!(
+                        " and on {own} with an older build's own filter (this build's program in place until they are recycled)"
+                    )
+                } else {
+                    String::new()
+                }
+            );
+            if !other_build.is_empty() {
+                detail.push_str(&format!(
+                    "; running another build's program: {}",
+                    other_build.join("; ")
+                ));
+            }
+            checks.push(("datapath_programs".into(), other_build.is_empty(), detail));
+        }
+        checks
     }
 }

@@ -81,6 +81,10 @@ pub enum StartError {
     Store(#[from] crate::store::StoreError),
     #[error("netlink")]
     Netlink(#[from] crate::netlink::NetlinkError),
+    #[error("the eBPF datapath")]
+    Datapath(#[from] crate::datapath::DatapathError),
+    #[error("tc_block_anchor: {0}")]
+    Anchor(String),
 }
 
 fn failed(what: &str, e: &dyn std::error::Error) -> AgentError {

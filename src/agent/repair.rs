@@ -10,7 +10,7 @@ use tracing::info;
 use super::events::Change;
 use super::spec::{self, validate_sandbox_id};
 use super::{Agent, AgentError, Network, ReconcileReport, failed};
-use crate::datapath::{FILTER_PRIORITY, Hook};
+use crate::datapath::Hook;
 use crate::netlink::{LinkChange, LinkInfo};
 
 impl Agent {
@@ -29,25 +29,26 @@ impl Agent {
         self.events.publish(Change::Node);
     }
 
-    /// Compares the kernel with one filter the datapath keeps and attaches
-    /// it again when the kernel lost it. `Ok(true)` if it had to.
-    pub(super) async fn repair_hook(&self, hook: &Hook) -> Result<bool, String> {
-        let present = self
-            .nl
-            .has_bpf_filter(hook.ifindex, hook.hook, FILTER_PRIORITY)
-            .await
-            .map_err(|e| format!("checking {hook}: {}", crate::error_chain(&e)))?;
-        if !present {
-            let (dp, owned) = (self.datapath.clone(), hook.clone());
-            super::off_worker(move || dp.reattach(&owned))
-                .await
-                .map_err(|e| format!("re-attaching {hook}: {e}"))?;
-        }
+    /// Compares the kernel with one hook the datapath keeps and attaches it
+    /// again when the kernel lost it (or runs another program there).
+    /// `Some(why)` if it had to.
+    pub(super) async fn repair_hook(&self, hook: &Hook) -> Result<Option<String>, String> {
+        let (dp, owned) = (self.datapath.clone(), hook.clone());
+        let drift = super::off_worker(move || {
+            let drift = dp.check(std::slice::from_ref(&owned))?;
+            if let Some((_, why)) = drift.into_iter().next() {
+                dp.reattach(&owned)?;
+                return Ok(Some(why));
+            }
+            Ok(None)
+        })
+        .await
+        .map_err(|e: crate::datapath::DatapathError| format!("{hook}: {e}"))?;
         self.drift
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&hook.ifindex);
-        Ok(!present)
+        Ok(drift)
     }
 
     /// The kernel check of a network's TAP filter; a repair message if it
@@ -56,12 +57,10 @@ impl Agent {
         let Some(hook) = self.datapath.tap_hook(&net.rec.tap_name, net.ifindex) else {
             return Ok(None);
         };
-        Ok(self.repair_hook(&hook).await?.then(|| {
-            format!(
-                "{}: {hook} was missing (clsact qdisc or filter removed), re-attached",
-                net.rec.sandbox_id
-            )
-        }))
+        Ok(self
+            .repair_hook(&hook)
+            .await?
+            .map(|why| format!("{}: {hook}: {why}; attached again", net.rec.sandbox_id)))
     }
 
     /// ReconcileNetwork: re-checks one network ("" = all, plus the node's
@@ -131,10 +130,10 @@ impl Agent {
         if id.is_empty() {
             for hook in self.datapath.node_hooks() {
                 match self.repair_hook(&hook).await {
-                    Ok(true) => report.repaired.push(format!(
-                        "node: {hook} was missing (clsact qdisc or filter removed), re-attached"
-                    )),
-                    Ok(false) => {}
+                    Ok(Some(why)) => report
+                        .repaired
+                        .push(format!("node: {hook}: {why}; attached again")),
+                    Ok(None) => {}
                     Err(e) => report.errors.push(format!("node: {e}")),
                 }
             }

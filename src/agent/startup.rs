@@ -20,10 +20,13 @@ use super::{
 };
 use crate::alloc::{IpAllocator, PortAllocator};
 use crate::config::{Config, Derived};
-use crate::datapath::{Datapath, FILTER_PRIORITY, Hook};
+use crate::datapath::{Datapath, Hook};
 use crate::netlink::{LinkInfo, Netlink};
 use crate::store::Store;
 use crate::tap::Tap;
+
+/// The `ip link` alias of the tc block anchor.
+pub(super) const ANCHOR_ALIAS: &str = "cube-network-agent: tc block anchor";
 
 impl Agent {
     /// Validates the configuration, opens the store, sets up the gateway
@@ -62,14 +65,21 @@ impl Agent {
         // The verifier takes ~150 ms for the programs: they load on a
         // thread of their own while the kernel's links and neighbours are
         // dumped for recovery (~200 ms at 10,000 TAPs).
+        let anchor = if cfg.datapath == crate::config::DatapathKind::Ebpf {
+            Some(Self::block_anchor(&nl, &cfg.tc_block_anchor).await?)
+        } else {
+            None
+        };
         let loading = {
             let (cfg, d, gw, uplink) = (cfg.clone(), d.clone(), gw_link.clone(), uplink.clone());
-            tokio::task::spawn_blocking(move || Self::build_datapath(&cfg, &d, &gw, &uplink))
+            tokio::task::spawn_blocking(move || {
+                Self::build_datapath(&cfg, &d, &gw, &uplink, anchor.as_ref())
+            })
         };
         let links = nl.list_links().await?;
         let neighbours = nl.neigh_list(gw_link.index).await?;
         let datapath = match loading.await {
-            Ok(dp) => dp,
+            Ok(dp) => dp?,
             Err(e) => std::panic::resume_unwind(e.into_panic()),
         };
         let mut excluded = d.reserved_ports.clone();
@@ -170,17 +180,62 @@ impl Agent {
         Ok(agent)
     }
 
+    /// The device that keeps the shared tc block alive: a persistent TAP
+    /// of the agent's, never up, marked with [`ANCHOR_ALIAS`]. An existing
+    /// device of that name is adopted only if it is one (or a TAP without
+    /// an alias: created by an agent that stopped before marking it).
+    async fn block_anchor(nl: &Netlink, name: &str) -> Result<LinkInfo, StartError> {
+        let link = match nl.link_by_name(name).await? {
+            Some(link) => link,
+            None => {
+                Tap::create(name).map_err(|e| {
+                    StartError::Anchor(format!("creating '{name}': {}", crate::error_chain(&e)))
+                })?;
+                if let Err(error) = crate::sysctl::disable_ipv6(name) {
+                    debug!(device = name, %error, "could not disable IPv6 on the anchor");
+                }
+                nl.link_by_name(name).await?.ok_or_else(|| {
+                    StartError::Anchor(format!("'{name}' vanished right after it was created"))
+                })?
+            }
+        };
+        match (link.kind.as_deref(), link.alias.as_deref()) {
+            (_, Some(ANCHOR_ALIAS)) => Ok(link),
+            (Some("tun"), None) => {
+                nl.set_link(
+                    link.index,
+                    crate::netlink::LinkChange {
+                        alias: Some(ANCHOR_ALIAS),
+                        ..Default::default()
+                    },
+                )
+                .await?;
+                Ok(link)
+            }
+            (kind, alias) => Err(StartError::Anchor(format!(
+                "'{name}' exists ({}{}) and is not the agent's tc block anchor (alias \
+                 '{ANCHOR_ALIAS}'); remove it or set tc_block_anchor to a free name",
+                kind.unwrap_or("device"),
+                alias.map(|a| format!(", alias '{a}'")).unwrap_or_default()
+            ))),
+        }
+    }
+
     /// The configured datapath; if the eBPF one cannot load, networks still
-    /// get TAPs and addresses and Health says why packets do not flow.
+    /// get TAPs and addresses and Health says why packets do not flow —
+    /// unless the failure is fatal (a pinned map it cannot migrate), which
+    /// stops the start with the running datapath left as it is.
     pub(super) fn build_datapath(
         cfg: &Config,
         d: &Derived,
         gw: &LinkInfo,
         uplink: &Uplink,
-    ) -> Arc<dyn Datapath> {
-        if cfg.datapath == crate::config::DatapathKind::None {
-            return Arc::new(crate::datapath::NoopDatapath::configured());
-        }
+        anchor: Option<&LinkInfo>,
+    ) -> Result<Arc<dyn Datapath>, StartError> {
+        let Some(anchor) = anchor.filter(|_| cfg.datapath == crate::config::DatapathKind::Ebpf)
+        else {
+            return Ok(Arc::new(crate::datapath::NoopDatapath::configured()));
+        };
         // From netlink, not /sys/class/net: a sysfs mounted for another
         // namespace (systemd-nspawn's) has no such file, and a zero MAC
         // made the kernel drop every guest -> host packet as not ours.
@@ -219,12 +274,17 @@ impl Agent {
                 udp: secs(cfg.flow_timeout_udp),
                 icmp: secs(cfg.flow_timeout_icmp),
             },
+            block: cfg.tc_block,
+            anchor: (anchor.name.clone(), anchor.index),
         };
         match crate::datapath::ebpf::EbpfDatapath::load(node) {
-            Ok(dp) => Arc::new(dp),
+            Ok(dp) => Ok(Arc::new(dp)),
+            Err(e) if e.fatal => Err(e.into()),
             Err(e) => {
                 warn!(error = %e, "the eBPF datapath could not be loaded");
-                Arc::new(crate::datapath::NoopDatapath::failed(&e.to_string()))
+                Ok(Arc::new(crate::datapath::NoopDatapath::failed(
+                    &e.to_string(),
+                )))
             }
         }
     }
@@ -300,12 +360,9 @@ impl Agent {
         let mut max_ip: Option<Ipv4Addr> = None;
         let total = plan.networks.len();
         // The kernel, not the pinned record of attachments, says whether
-        // each TAP still carries its filter: all TAPs at once, 8 dumps in
-        // flight (one by one cost ~0.8 s at 10,000 networks), on a task of
-        // its own while the networks are adopted below (~150 ms at 10,000
-        // that no longer add to the start). The devices are the ones the
-        // plan found; a TAP the ladder has to recreate gets its filter from
-        // the datapath attach there.
+        // each TAP still runs `from_guest` (bound to the shared block: one
+        // qdisc dump for every TAP). The devices are the ones the plan
+        // found; a TAP the ladder has to recreate is attached there.
         let hooks: Vec<(String, Hook)> = plan
             .networks
             .iter()
@@ -316,13 +373,38 @@ impl Agent {
                 Some((rec.sandbox_id.clone(), hook))
             })
             .collect();
-        let wanted: Vec<(u32, crate::netlink::TcHook)> =
-            hooks.iter().map(|(_, h)| (h.ifindex, h.hook)).collect();
-        let check = tokio::spawn(async move {
-            crate::netlink::missing_bpf_filters(&wanted, FILTER_PRIORITY, 8).await
-        });
-        // Networks the adoption counted as repaired.
-        let mut repaired_ids: HashSet<String> = HashSet::new();
+        // Before the adoption: its attach would quietly bind a TAP whose
+        // binding went while the agent was down (`take_over_taps` forgot
+        // it), and the report must count that as a repair.
+        let checked = {
+            let dp = self.datapath.clone();
+            let wanted: Vec<Hook> = hooks.iter().map(|(_, h)| h.clone()).collect();
+            super::off_worker(move || dp.check(&wanted)).await
+        };
+        let mut hook_repaired: HashSet<String> = HashSet::new();
+        match checked {
+            Ok(missing) => {
+                for (i, why) in missing {
+                    let (id, hook) = &hooks[i];
+                    match self.datapath.reattach(hook) {
+                        Ok(()) => {
+                            warn!(
+                                sandbox_id = id.as_str(),
+                                "recovery: {hook}: {why}; attached again"
+                            );
+                            hook_repaired.insert(id.clone());
+                        }
+                        Err(e) => report
+                            .errors
+                            .push(format!("{id}: re-attaching {hook}: {e}")),
+                    }
+                }
+            }
+            Err(e) => report.errors.push(format!(
+                "checking the TAPs' filters: {}",
+                crate::error_chain(&e)
+            )),
+        }
         for (done, (rec, link)) in plan.networks.into_iter().enumerate() {
             if let IpAddr::V4(v4) = rec.sandbox_ip {
                 max_ip = max_ip.max(Some(v4));
@@ -330,8 +412,9 @@ impl Agent {
             let fd = link.as_ref().and_then(|l| inherited.remove(&l.name));
             let repaired_before = report.repaired;
             let net = self.adopt(rec, link, fd, &neigh_ok, &mut report).await;
-            if report.repaired > repaired_before {
-                repaired_ids.insert(net.rec.sandbox_id.clone());
+            if report.repaired == repaired_before && hook_repaired.contains(&net.rec.sandbox_id) {
+                report.adopted -= 1;
+                report.repaired += 1;
             }
             if total > 1024 && done % 1024 == 0 {
                 // Long recovery: ask systemd for more start-up time.
@@ -355,36 +438,6 @@ impl Agent {
                     Arc::new(AsyncMutex::new(Some(net))),
                 );
         }
-        let checked = match check.await {
-            Ok(result) => result,
-            Err(e) => std::panic::resume_unwind(e.into_panic()),
-        };
-        match checked {
-            Ok(missing) => {
-                for i in missing {
-                    let (id, hook) = &hooks[i];
-                    match self.datapath.reattach(hook) {
-                        Ok(()) => {
-                            warn!(
-                                sandbox_id = id.as_str(),
-                                "recovery: {hook} was missing (clsact qdisc or filter removed), re-attached"
-                            );
-                            if !repaired_ids.contains(id) {
-                                report.adopted -= 1;
-                                report.repaired += 1;
-                            }
-                        }
-                        Err(e) => report
-                            .errors
-                            .push(format!("{id}: re-attaching {hook}: {e}")),
-                    }
-                }
-            }
-            Err(e) => report.errors.push(format!(
-                "checking the TAPs' filters: {}",
-                crate::error_chain(&e)
-            )),
-        }
         if let Some(ip) = max_ip {
             self.allocs
                 .get_mut()
@@ -404,6 +457,19 @@ impl Agent {
             };
             match tap {
                 Ok(tap) if !link.up && link.mtu == self.cfg.mtu => {
+                    // An idle TAP an older build gave a qdisc and filter of
+                    // its own joins the shared block (nobody but this agent
+                    // ever held it: nothing can flow while it changes).
+                    if self
+                        .datapath
+                        .tap_hook(&link.name, link.index)
+                        .is_some_and(|h| matches!(h.place, crate::datapath::Place::Filter(_)))
+                    {
+                        self.datapath.forget_attachment(link.index);
+                        if let Err(e) = self.datapath.prepare_tap(&link.name, link.index) {
+                            warn!(tap = link.name, error = %e, "binding an idle TAP to the tc block failed");
+                        }
+                    }
                     self.pool.adopt_idle(PoolTap {
                         tap,
                         ifindex: link.index,

@@ -515,6 +515,13 @@ fn load_ebpf(topo: &Topo, snat_port_range: Option<&str>) -> Result<Loaded> {
     let (gw_ifindex, gw_mac) = link_info(&topo.node, GWDEV)?;
     let (n0_ifindex, _) = link_info(&topo.node, "n0")?;
     let (n1_ifindex, _) = link_info(&topo.node, "n1")?;
+    // The device that keeps the shared tc block alive (the agent creates
+    // the same at start).
+    run(
+        "ip",
+        &["-n", &topo.node, "tuntap", "add", "cube-blk", "mode", "tap"],
+    )?;
+    let (anchor_ifindex, _) = link_info(&topo.node, "cube-blk")?;
     let secs = |s: u32| Duration::from_secs(s.into());
     let node = NodeInfo {
         guest_ip: GUEST_IP,
@@ -534,6 +541,8 @@ fn load_ebpf(topo: &Topo, snat_port_range: Option<&str>) -> Result<Loaded> {
             udp: secs(cfg.flow_timeout_udp),
             icmp: secs(cfg.flow_timeout_icmp),
         },
+        block: cfg.tc_block,
+        anchor: ("cube-blk".into(), anchor_ifindex),
     };
     let dp = Arc::new(
         in_netns(&topo.node, move || EbpfDatapath::load(node))?

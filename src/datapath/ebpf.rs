@@ -3,22 +3,31 @@
 //! directory so they — and the filters, which outlive the agent — carry
 //! running flows across agent restarts.
 //!
-//! Restart continuity: tc filters are attached with a fixed priority and
-//! handle and never detached (not even when a TAP goes back to the pool:
-//! `from_guest` drops everything from a TAP with no `sandboxes` entry). On
-//! restart the maps are re-opened from their pins and an attach that finds
-//! the filter already there (EEXIST) keeps it; `tap_attached` remembers
-//! which TAPs have one so the ensure path does not ask the kernel. The
-//! kernel stays the truth: recovery and Reconcile dump each TAP's filters
-//! and re-attach what an admin or another tool removed, and the agent's
-//! RTNLGRP_TC watcher drops a TAP from `tap_attached` as soon as the kernel
-//! announces a qdisc or filter removal on it. Limitation: a new
-//! agent version keeps running the previous version's programs on existing
-//! TAPs until they are recycled (aya 0.14's netlink attach cannot replace a
-//! filter in place).
+//! Attach model (docs/datapath.md): `from_guest` is the one filter of a
+//! shared tc ingress block; every TAP (and CNI veth host end) joins the
+//! datapath by creating its clsact qdisc bound to that block — a flat
+//! ~0.1 ms, where a qdisc and filter of its own per TAP cost more with
+//! every TAP on the node. A persistent, down TAP (`tc_block_anchor`) keeps
+//! the block alive with no sandbox on the node. The node programs are
+//! filters on the uplink, lo and the gateway device.
+//!
+//! Upgrade in place: every filter is created or **replaced** at the same
+//! priority and handle (`tc.rs`), so a new build's programs take over the
+//! block (every bound TAP at once) and each node hook atomically, before
+//! READY, with no moment without a program. TAPs an older build gave a
+//! qdisc and filter of their own keep them, with this build's program put
+//! in place, until they are recycled. Pinned maps are reused, migrated or
+//! refused by layout (`pins.rs`). Filters are never detached (not even when
+//! a TAP goes back to the pool: `from_guest` drops everything from a TAP
+//! with no `sandboxes` entry); `tap_attached` records which devices are
+//! bound so the ensure path does not ask the kernel. The kernel stays the
+//! truth: recovery, Reconcile and Health compare it with [`Datapath::check`]
+//! and the agent's RTNLGRP_TC watcher forgets a device's binding as soon as
+//! the kernel announces a qdisc or filter removal on it.
 
 use std::collections::{HashMap as StdHashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -26,20 +35,38 @@ use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, MapData, PerCpuArray};
-use aya::programs::tc::{NlOptions, TcAttachOptions, TcHandle};
-use aya::programs::{ProgramError, SchedClassifier, TcAttachType};
+use aya::programs::{ProgramFd, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
 use tracing::{debug, info, warn};
 
 use super::maps::*;
-use super::{Check, Datapath, DatapathError, FILTER_PRIORITY, Hook, SandboxPath};
+use super::tc::{self, Target};
+use super::{
+    BLOCK_IFINDEX, Check, Datapath, DatapathError, FILTER_PRIORITY, Hook, Place, SandboxPath,
+};
 use crate::alloc::Protocol;
 use crate::netlink::TcHook;
 
 /// The compiled object (built by build.rs, committed in ebpf/).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/datapath.bpf.o"));
 
-const FILTER_HANDLE: TcHandle = TcHandle::new(0, 1);
+/// Handle of every filter (with [`FILTER_PRIORITY`]).
+const FILTER_HANDLE: u32 = 1;
+
+/// The programs, in the order they load.
+pub const PROGRAMS: [&str; 5] = [
+    "from_guest",
+    "from_uplink",
+    "to_sandbox_ip",
+    "from_host",
+    "to_uplink",
+];
+
+/// `tap_attached` values: how a TAP or veth carries `from_guest`.
+const BOUND: u32 = 2;
+/// A qdisc and filter of its own (attached by a build before the shared
+/// block; aya wrote 1).
+const OWN_FILTER: u32 = 1;
 
 /// Idle timeouts of flows (the reaper frees them; LRU maps also evict
 /// under pressure).
@@ -83,6 +110,10 @@ pub struct NodeInfo {
     pub snat_ports: (u16, u16),
     pub pin_dir: PathBuf,
     pub timeouts: FlowTimeouts,
+    /// The shared tc block of every TAP's ingress.
+    pub block: u32,
+    /// (name, ifindex) of the device that keeps the block alive.
+    pub anchor: (String, u32),
 }
 
 fn ip_be(ip: Ipv4Addr) -> u32 {
@@ -93,89 +124,128 @@ fn err(what: &'static str, e: impl std::fmt::Display) -> DatapathError {
     DatapathError {
         what,
         detail: e.to_string(),
+        fatal: false,
     }
 }
 
-fn errno_of(e: &ProgramError) -> Option<i32> {
-    match e {
-        ProgramError::TcError(aya::programs::tc::TcError::NetlinkError(n)) => n.raw_os_error(),
-        ProgramError::TcError(aya::programs::tc::TcError::IoError(io)) => io.raw_os_error(),
-        ProgramError::SyscallError(s) => s.io_error.raw_os_error(),
-        _ => None,
-    }
+fn tc_err(what: &'static str, target: impl std::fmt::Display, e: std::io::Error) -> DatapathError {
+    err(what, format!("{target}: {e}"))
 }
 
-/// Attaches `prog` to `ifname`; Ok(false) if our filter is already there.
-fn attach(
-    bpf: &mut Ebpf,
-    prog: &str,
-    ifname: &str,
-    kind: TcAttachType,
-) -> Result<bool, DatapathError> {
-    match aya::programs::tc::qdisc_add_clsact(ifname) {
-        Ok(()) => {}
-        Err(aya::programs::tc::TcError::NetlinkError(e))
-            if e.raw_os_error() == Some(libc::EEXIST) => {}
-        Err(aya::programs::tc::TcError::AlreadyAttached) => {}
-        Err(e) => return Err(err("adding the clsact qdisc", format!("{ifname}: {e}"))),
+/// This build's programs by name (fds: pinned or not, they stay loaded).
+type Programs = StdHashMap<&'static str, ProgramFd>;
+
+fn prog_fd<'a>(progs: &'a Programs, name: &str) -> Result<BorrowedFd<'a>, DatapathError> {
+    progs
+        .get(name)
+        .map(AsFd::as_fd)
+        .ok_or_else(|| err("finding the program", name))
+}
+
+/// Binds `ifindex`'s clsact ingress hook to `block` (creating the qdisc).
+/// A device with a clsact qdisc of its own gets it replaced by a bound one:
+/// callers only ask for devices that run no datapath program there.
+fn bind(ifindex: u32, block: u32) -> Result<(), DatapathError> {
+    let what = "binding the clsact qdisc to the tc block";
+    if tc::add_clsact(ifindex, Some(block)).map_err(|e| tc_err(what, ifindex, e))? {
+        return Ok(());
     }
-    let p: &mut SchedClassifier = bpf
-        .program_mut(prog)
-        .ok_or_else(|| err("finding the program", prog))?
-        .try_into()
-        .map_err(|e| err("program type", e))?;
-    let opts = TcAttachOptions::Netlink(NlOptions {
-        priority: FILTER_PRIORITY,
-        handle: FILTER_HANDLE,
-        ..Default::default()
-    });
-    match p.attach_with_options(ifname, kind, opts) {
-        Ok(id) => {
-            // Filters must outlive this process: never let aya detach them.
-            let link = p.take_link(id).map_err(|e| err("taking the tc link", e))?;
-            std::mem::forget(link);
-            Ok(true)
+    match tc::clsact_of(ifindex).map_err(|e| tc_err(what, ifindex, e))? {
+        Some(Some(b)) if b == block => Ok(()),
+        _ => {
+            tc::del_clsact(ifindex).map_err(|e| tc_err(what, ifindex, e))?;
+            tc::add_clsact(ifindex, Some(block))
+                .map(|_| ())
+                .map_err(|e| tc_err(what, ifindex, e))
         }
-        Err(e) if errno_of(&e) == Some(libc::EEXIST) => Ok(false),
-        Err(e) => Err(err(
-            "attaching the tc filter",
-            format!("{prog} on {ifname}: {e}"),
-        )),
     }
 }
 
-fn attach_hook(bpf: &mut Ebpf, h: &Hook) -> Result<bool, DatapathError> {
-    let kind = match h.hook {
-        TcHook::Ingress => TcAttachType::Ingress,
-        TcHook::Egress => TcAttachType::Egress,
+/// Puts `h` in the kernel: binds a device, or creates (or replaces in
+/// place) a filter with this build's program.
+fn install(progs: &Programs, h: &Hook) -> Result<(), DatapathError> {
+    let target = match h.place {
+        Place::Bound(block) => return bind(h.ifindex, block),
+        Place::Block(block) => Target::Block(block),
+        Place::Filter(hook) => {
+            tc::add_clsact(h.ifindex, None)
+                .map_err(|e| tc_err("adding the clsact qdisc", &h.device, e))?;
+            Target::Device {
+                ifindex: h.ifindex,
+                hook,
+            }
+        }
     };
-    attach(bpf, h.program, &h.device, kind)
+    tc::replace_filter(
+        target,
+        FILTER_PRIORITY,
+        FILTER_HANDLE,
+        prog_fd(progs, h.program)?,
+        h.program,
+    )
+    .map_err(|e| tc_err("attaching the tc filter", h, e))
 }
 
-/// Removes pins whose key/value sizes or capacity differ from what this
-/// build expects (an older layout): aya would silently reuse them.
-fn check_pins(dir: &Path) -> Vec<String> {
-    let mut removed = vec![];
-    for (name, key, value, entries) in EXPECTED {
-        let path = dir.join(name);
-        if !path.exists() {
-            continue;
-        }
-        let ok = MapData::from_pin(&path)
-            .and_then(|m| m.info())
-            .map(|i| {
-                i.key_size() as usize == *key
-                    && i.value_size() as usize == *value
-                    && i.max_entries() == *entries
-            })
-            .unwrap_or(false);
-        if !ok {
-            warn!(map = name, "pinned map has another layout; recreating it");
-            let _ = std::fs::remove_file(&path);
-            removed.push((*name).to_owned());
-        }
+/// What is wrong with the datapath's filter on `target`, if anything.
+fn filter_drift(target: Target, program: &str, tag: u64) -> std::io::Result<Option<String>> {
+    let filters = tc::bpf_filters(target)?;
+    Ok(
+        match filters.iter().find(|f| f.priority == FILTER_PRIORITY) {
+            None => Some("no bpf filter".into()),
+            Some(f) if f.tag == tag => None,
+            Some(f) => Some(format!(
+                "runs {} tag {:016x} (id {}), not this build's {program} tag {tag:016x}",
+                if f.name.is_empty() {
+                    "a program"
+                } else {
+                    &f.name
+                },
+                f.tag,
+                f.id
+            )),
+        },
+    )
+}
+
+/// Names this build's programs in the pin directory: a hash (FNV-1a) of
+/// the object they come from.
+fn build_id() -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in OBJECT {
+        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
     }
-    removed
+    format!("{h:016x}")
+}
+
+/// This build's programs as an earlier start of the same build pinned
+/// them, if all are there and use exactly the maps pinned now: a restart
+/// of the same build then skips the verifier (~1 s for these programs).
+fn pinned_programs(
+    dir: &Path,
+    pin_dir: &Path,
+) -> Option<StdHashMap<&'static str, SchedClassifier>> {
+    let maps: HashSet<u32> = PINNED
+        .iter()
+        .filter_map(|m| {
+            Some(
+                MapData::from_pin(pin_dir.join(m.name))
+                    .ok()?
+                    .info()
+                    .ok()?
+                    .id(),
+            )
+        })
+        .collect();
+    let mut out = StdHashMap::new();
+    for name in PROGRAMS {
+        let p = SchedClassifier::from_pin(dir.join(name)).ok()?;
+        let ids = p.info().ok()?.map_ids().ok()??;
+        if ids.is_empty() || !ids.iter().all(|i| maps.contains(i)) {
+            return None;
+        }
+        out.insert(name, p);
+    }
+    Some(out)
 }
 
 fn is_bpffs(dir: &Path) -> bool {
@@ -208,7 +278,6 @@ fn take<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
 type PolicyKeys = (Vec<Key<DpPolicyData>>, Vec<Key<DpPolicyData>>);
 
 struct Inner {
-    bpf: Ebpf,
     maps: Maps,
     /// sandbox ip -> policy keys installed for it (allow, deny).
     policies: StdHashMap<u32, PolicyKeys>,
@@ -337,11 +406,21 @@ struct Stats {
 
 pub struct EbpfDatapath {
     inner: Mutex<Inner>,
+    progs: Programs,
     reaper: Mutex<Reaper>,
     stats: Stats,
     node: NodeInfo,
     node_hooks: Vec<Hook>,
-    recreated: Vec<String>,
+    /// Tag of each program of this build (what `check` compares with).
+    tags: StdHashMap<&'static str, u64>,
+    /// TAPs and veths that keep an older build's qdisc and filter of their
+    /// own (this build's program replaced in place at load).
+    own_filter: Mutex<HashSet<u32>>,
+    /// Of those, the ones whose filter could not be replaced: they run
+    /// another build's program (Health says so until they go).
+    stale: Vec<String>,
+    /// Pinned maps migrated or recreated at load (layout changed).
+    migrated: Vec<String>,
     /// Whether host -> 127.x:host_port mappings can work.
     localnet: Result<(), String>,
 }
@@ -379,31 +458,19 @@ impl EbpfDatapath {
                 ),
             ));
         }
-        let recreated = check_pins(&node.pin_dir);
+        // Every decision about the pins is taken before anything changes: a
+        // layout this build cannot migrate leaves the running datapath alone.
+        let plan = super::pins::plan(&node.pin_dir)?;
+        let migrated = plan.changes();
+        plan.set_aside()?;
         let mut loader = EbpfLoader::new();
         loader.default_map_pin_directory(&node.pin_dir);
         let mut bpf = loader
             .load(OBJECT)
             .map_err(|e| err("loading the eBPF object", crate::error_chain(&e)))?;
-        for prog in [
-            "from_guest",
-            "from_uplink",
-            "to_sandbox_ip",
-            "from_host",
-            "to_uplink",
-        ] {
-            let p: &mut SchedClassifier = bpf
-                .program_mut(prog)
-                .ok_or_else(|| err("finding the program", prog))?
-                .try_into()
-                .map_err(|e| err("program type", e))?;
-            p.load().map_err(|e| {
-                err(
-                    "loading a program",
-                    format!("{prog}: {}", crate::error_chain(&e)),
-                )
-            })?;
-        }
+        let (progs, tags) = Self::programs(&mut bpf, &node.pin_dir, plan.changes().is_empty())?;
+        // The old entries, before the new programs see a packet.
+        plan.migrate()?;
         let mut maps = Maps {
             config: take(&mut bpf, "config")?,
             counters: take(&mut bpf, "counters")?,
@@ -436,17 +503,33 @@ impl EbpfDatapath {
         maps.config
             .set(0, cfg, 0)
             .map_err(|e| err("writing the config map", e))?;
+        // The anchor's binding first (a block exists while a qdisc binds
+        // it), then the block's filter: every bound TAP runs this build's
+        // `from_guest` from here on. Then the node devices, each replaced
+        // in place.
         let mut node_hooks = vec![
+            Hook {
+                device: node.anchor.0.clone(),
+                ifindex: node.anchor.1,
+                place: Place::Bound(node.block),
+                program: "from_guest",
+            },
+            Hook {
+                device: format!("tc block {}", node.block),
+                ifindex: BLOCK_IFINDEX,
+                place: Place::Block(node.block),
+                program: "from_guest",
+            },
             Hook {
                 device: node.gwdev_name.clone(),
                 ifindex: node.gwdev_ifindex,
-                hook: TcHook::Egress,
+                place: Place::Filter(TcHook::Egress),
                 program: "to_sandbox_ip",
             },
             Hook {
                 device: "lo".into(),
                 ifindex: 1,
-                hook: TcHook::Egress,
+                place: Place::Filter(TcHook::Egress),
                 program: "from_host",
             },
         ];
@@ -454,19 +537,24 @@ impl EbpfDatapath {
             node_hooks.push(Hook {
                 device: name.clone(),
                 ifindex: *index,
-                hook: TcHook::Ingress,
+                place: Place::Filter(TcHook::Ingress),
                 program: "from_uplink",
             });
             node_hooks.push(Hook {
                 device: name.clone(),
                 ifindex: *index,
-                hook: TcHook::Egress,
+                place: Place::Filter(TcHook::Egress),
                 program: "to_uplink",
             });
         }
         for h in &node_hooks {
-            attach_hook(&mut bpf, h)?;
+            install(&progs, h)?;
         }
+        let (own_filter, stale) = Self::take_over_taps(&progs, &mut maps.attached, node.block)?;
+        // The old programs run nowhere now: what they wrote meanwhile, then
+        // the old maps and programs go.
+        plan.finish()?;
+        Self::drop_other_builds(&node.pin_dir);
         // Replies to the host's own connections to 127.x:host_port are
         // redirected into lo as fresh packets that need a route lookup:
         // the kernel treats a 127/8 destination (route_localnet) and a
@@ -514,24 +602,99 @@ impl EbpfDatapath {
                 .map_err(|e| err("opening hrev", e))?,
         };
         let names: Vec<String> = node_hooks.iter().map(Hook::to_string).collect();
-        info!(pin_dir = %node.pin_dir.display(), node_programs = ?names, "eBPF datapath loaded");
+        info!(
+            pin_dir = %node.pin_dir.display(),
+            node_programs = ?names,
+            from_guest_tag = format!("{:016x}", tags["from_guest"]),
+            own_filter = own_filter.len(),
+            migrated = ?migrated,
+            "eBPF datapath loaded"
+        );
         let dp = Self {
             inner: Mutex::new(Inner {
-                bpf,
                 maps,
                 policies,
                 portmaps,
             }),
+            progs,
             reaper: Mutex::new(reaper),
             stats: Stats::default(),
             node,
             node_hooks,
-            recreated,
+            tags,
+            own_filter: Mutex::new(own_filter),
+            stale,
+            migrated,
             localnet,
         };
         // Counts for Health come from the first reaper pass (2 s after start);
         // walking every flow and TAP here would delay READY.
         Ok(dp)
+    }
+
+    /// This build's programs: the ones an earlier start of this build
+    /// pinned under `programs/<build id>` (same object, same maps: no
+    /// verifier pass), else loaded and verified now and pinned there for
+    /// the next start. Other builds' pins are removed once the switch is
+    /// done ([`Self::drop_other_builds`]).
+    fn programs(
+        bpf: &mut Ebpf,
+        pin_dir: &Path,
+        maps_kept: bool,
+    ) -> Result<(Programs, StdHashMap<&'static str, u64>), DatapathError> {
+        let (mut progs, mut tags) = (Programs::new(), StdHashMap::new());
+        let mut keep = |name: &'static str, p: &SchedClassifier| -> Result<(), DatapathError> {
+            let info = p.info().map_err(|e| err("reading a program's tag", e))?;
+            tags.insert(name, info.tag());
+            let fd = p
+                .fd()
+                .map_err(|e| err("program fd", e))?
+                .try_clone()
+                .map_err(|e| err("program fd", e))?;
+            progs.insert(name, fd);
+            Ok(())
+        };
+        let dir = pin_dir.join("programs").join(build_id());
+        if maps_kept && let Some(pinned) = pinned_programs(&dir, pin_dir) {
+            for (name, p) in &pinned {
+                keep(name, p)?;
+            }
+            debug!(dir = %dir.display(), "this build's pinned programs reused");
+            return Ok((progs, tags));
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| err("pinning the programs", e))?;
+        for name in PROGRAMS {
+            let p: &mut SchedClassifier = bpf
+                .program_mut(name)
+                .ok_or_else(|| err("finding the program", name))?
+                .try_into()
+                .map_err(|e| err("program type", e))?;
+            p.load().map_err(|e| {
+                err(
+                    "loading a program",
+                    format!("{name}: {}", crate::error_chain(&e)),
+                )
+            })?;
+            p.pin(dir.join(name))
+                .map_err(|e| err("pinning the programs", format!("{name}: {e}")))?;
+            keep(name, p)?;
+        }
+        Ok((progs, tags))
+    }
+
+    /// Unpins the programs of other builds: nothing runs them any more
+    /// (the kernel frees each with its last filter).
+    fn drop_other_builds(pin_dir: &Path) {
+        let mine = build_id();
+        let Ok(dirs) = std::fs::read_dir(pin_dir.join("programs")) else {
+            return;
+        };
+        for d in dirs.flatten() {
+            if d.file_name().to_string_lossy() != mine {
+                let _ = std::fs::remove_dir_all(d.path());
+            }
+        }
     }
 
     /// The reaper's pass over host flows: host connections in the SNAT
@@ -783,22 +946,83 @@ impl EbpfDatapath {
         }
     }
 
-    /// Attaches `from_guest` to a TAP unless it already carries it.
-    fn ensure_filter(inner: &mut Inner, tap_name: &str, ifindex: u32) -> Result<(), DatapathError> {
+    /// Binds a TAP's (or veth's) clsact qdisc to the shared block unless
+    /// it is recorded as running `from_guest` already (bound, or an older
+    /// build's filter of its own).
+    fn ensure_filter(&self, inner: &mut Inner, ifindex: u32) -> Result<(), DatapathError> {
         if inner.maps.attached.get(&ifindex, 0).is_err() {
-            attach(
-                &mut inner.bpf,
-                "from_guest",
-                tap_name,
-                TcAttachType::Ingress,
-            )?;
+            bind(ifindex, self.node.block)?;
+            self.own_filter
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&ifindex);
             inner
                 .maps
                 .attached
-                .insert(ifindex, 1, 0)
+                .insert(ifindex, BOUND, 0)
                 .map_err(|e| err("recording the attachment", e))?;
         }
         Ok(())
+    }
+
+    /// The TAPs and veths an earlier agent attached (`tap_attached`), as
+    /// the kernel has them now (one qdisc dump): bound to the block, they
+    /// run this build's `from_guest` already; with a qdisc and filter of
+    /// their own (a build before the shared block) the filter gets this
+    /// build's program in place; with neither they are forgotten (recovery
+    /// attaches the ones a network still uses). Returns the devices with a
+    /// filter of their own and the ones whose filter could not be replaced.
+    fn take_over_taps(
+        progs: &Programs,
+        attached: &mut HashMap<MapData, u32, u32>,
+        block: u32,
+    ) -> Result<(HashSet<u32>, Vec<String>), DatapathError> {
+        let recorded: Vec<u32> = attached.keys().flatten().collect();
+        let (mut own, mut stale) = (HashSet::new(), vec![]);
+        if recorded.is_empty() {
+            return Ok((own, stale));
+        }
+        let qdiscs = tc::clsact_qdiscs().map_err(|e| err("listing clsact qdiscs", e))?;
+        let fd = prog_fd(progs, "from_guest")?;
+        for ifindex in recorded {
+            let r = match qdiscs.get(&ifindex) {
+                Some(Some(b)) if *b == block => attached.insert(ifindex, BOUND, 0),
+                Some(None) => {
+                    let target = Target::Device {
+                        ifindex,
+                        hook: TcHook::Ingress,
+                    };
+                    match tc::replace_filter(
+                        target,
+                        FILTER_PRIORITY,
+                        FILTER_HANDLE,
+                        fd,
+                        "from_guest",
+                    ) {
+                        Ok(()) => {
+                            own.insert(ifindex);
+                            attached.insert(ifindex, OWN_FILTER, 0)
+                        }
+                        Err(e) => {
+                            warn!(ifindex, error = %e, "could not replace an older build's from_guest filter");
+                            stale.push(format!("ifindex {ifindex}: {e}"));
+                            Ok(())
+                        }
+                    }
+                }
+                _ => attached.remove(&ifindex),
+            };
+            if let Err(e) = r {
+                warn!(ifindex, error = %crate::error_chain(&e), "updating tap_attached failed");
+            }
+        }
+        if !own.is_empty() {
+            info!(
+                devices = own.len(),
+                "TAPs attached by an older build keep their own filter, now with this build's from_guest"
+            );
+        }
+        Ok((own, stale))
     }
 }
 
@@ -844,7 +1068,11 @@ fn map_err(what: &'static str, e: &aya::maps::MapError) -> DatapathError {
     {
         detail.push_str(" (the map is full)");
     }
-    DatapathError { what, detail }
+    DatapathError {
+        what,
+        detail,
+        fatal: false,
+    }
 }
 
 /// The port-map entries of a sandbox. `host_ip` "" or 0.0.0.0 is the
@@ -914,7 +1142,7 @@ impl Datapath for EbpfDatapath {
         let want_ports = portmap_entries(ip, sb.port_mappings)?;
         let mut guard = self.lock();
         let inner = &mut *guard;
-        Self::ensure_filter(inner, sb.tap_name, ifindex)?;
+        self.ensure_filter(inner, ifindex)?;
         let mut journal = Vec::new();
         let result = Self::write_entries(
             inner,
@@ -975,9 +1203,9 @@ impl Datapath for EbpfDatapath {
         Ok(())
     }
 
-    fn prepare_tap(&self, tap_name: &str, tap_ifindex: u32) -> Result<(), DatapathError> {
+    fn prepare_tap(&self, _tap_name: &str, tap_ifindex: u32) -> Result<(), DatapathError> {
         let mut guard = self.lock();
-        Self::ensure_filter(&mut guard, tap_name, tap_ifindex)
+        self.ensure_filter(&mut guard, tap_ifindex)
     }
 
     fn node_hooks(&self) -> Vec<Hook> {
@@ -985,37 +1213,129 @@ impl Datapath for EbpfDatapath {
     }
 
     fn tap_hook(&self, tap_name: &str, tap_ifindex: u32) -> Option<Hook> {
+        let own = self
+            .own_filter
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&tap_ifindex);
         Some(Hook {
             device: tap_name.to_owned(),
             ifindex: tap_ifindex,
-            hook: TcHook::Ingress,
+            place: if own {
+                Place::Filter(TcHook::Ingress)
+            } else {
+                Place::Bound(self.node.block)
+            },
             program: "from_guest",
         })
+    }
+
+    /// Bindings from one qdisc dump when many devices are asked about (a
+    /// request per device for a few); filters one dump each, compared by
+    /// program tag with this build's. Devices that no longer exist are not
+    /// reported (a missing TAP or veth is the caller's business).
+    fn check(&self, hooks: &[Hook]) -> Result<Vec<(usize, String)>, DatapathError> {
+        let bound = hooks
+            .iter()
+            .filter(|h| matches!(h.place, Place::Bound(_)))
+            .count();
+        let all = if bound > 16 {
+            Some(tc::clsact_qdiscs().map_err(|e| err("listing clsact qdiscs", e))?)
+        } else {
+            None
+        };
+        let mut out = vec![];
+        for (i, h) in hooks.iter().enumerate() {
+            let tag = self.tags.get(h.program).copied().unwrap_or(0);
+            let drift = match h.place {
+                Place::Bound(block) => {
+                    let binding = match &all {
+                        Some(all) => all.get(&h.ifindex).copied(),
+                        None => tc::clsact_of(h.ifindex)
+                            .map_err(|e| tc_err("reading the clsact qdisc", &h.device, e))?,
+                    };
+                    match binding {
+                        Some(Some(b)) if b == block => None,
+                        Some(Some(b)) => {
+                            Some(format!("ingress bound to tc block {b}, not {block}"))
+                        }
+                        Some(None) => Some(format!(
+                            "clsact qdisc of its own, not bound to tc block {block}"
+                        )),
+                        None => Some("no clsact qdisc".into()),
+                    }
+                }
+                Place::Block(block) => filter_drift(Target::Block(block), h.program, tag)
+                    .map_err(|e| tc_err("listing tc filters", &h.device, e))?,
+                Place::Filter(hook) => {
+                    let target = Target::Device {
+                        ifindex: h.ifindex,
+                        hook,
+                    };
+                    match filter_drift(target, h.program, tag) {
+                        Ok(d) => d,
+                        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => None,
+                        Err(e) => return Err(tc_err("listing tc filters", &h.device, e)),
+                    }
+                }
+            };
+            if let Some(d) = drift
+                && (h.ifindex == BLOCK_IFINDEX || link_exists(h.ifindex))
+            {
+                out.push((i, d));
+            }
+        }
+        Ok(out)
     }
 
     fn reattach(&self, hook: &Hook) -> Result<(), DatapathError> {
         let mut guard = self.lock();
         let inner = &mut *guard;
-        // Only TAP filters are recorded in `tap_attached`.
-        let tap = hook.program == "from_guest";
-        if tap {
+        let tap = hook.program == "from_guest" && !matches!(hook.place, Place::Block(_));
+        if tap && hook.ifindex != self.node.anchor.1 {
             let _ = inner.maps.attached.remove(&hook.ifindex);
         }
-        attach_hook(&mut inner.bpf, hook)?;
-        if tap {
+        install(&self.progs, hook)?;
+        if tap && hook.ifindex != self.node.anchor.1 {
+            let how = match hook.place {
+                Place::Bound(_) => BOUND,
+                _ => OWN_FILTER,
+            };
             inner
                 .maps
                 .attached
-                .insert(hook.ifindex, 1, 0)
+                .insert(hook.ifindex, how, 0)
                 .map_err(|e| err("recording the attachment", e))?;
         }
-        info!(%hook, "tc filter re-attached");
+        info!(%hook, "datapath hook attached again");
         Ok(())
     }
 
     fn forget_attachment(&self, ifindex: u32) {
         let mut guard = self.lock();
         let _ = guard.maps.attached.remove(&ifindex);
+        self.own_filter
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&ifindex);
+    }
+
+    fn program_tags(&self) -> Vec<(&'static str, u64)> {
+        PROGRAMS.iter().map(|p| (*p, self.tags[p])).collect()
+    }
+
+    fn tap_counts(&self) -> (usize, usize) {
+        let own = self
+            .own_filter
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len();
+        let taps = self.stats.taps.load(Ordering::Relaxed);
+        (taps.saturating_sub(own), own)
+    }
+
+    fn stale(&self) -> Vec<String> {
+        self.stale.clone()
     }
 
     fn detach(&self, sb: &SandboxPath<'_>) -> Result<(), DatapathError> {
@@ -1172,10 +1492,10 @@ impl Datapath for EbpfDatapath {
         checks.push(("datapath_pins".to_string(), true, {
             // load() refuses a pin directory that is not on bpffs.
             let mut s = format!("maps pinned in {}", self.node.pin_dir.display());
-            if !self.recreated.is_empty() {
+            if !self.migrated.is_empty() {
                 s.push_str(&format!(
-                    "; recreated (layout changed): {}",
-                    self.recreated.join(", ")
+                    "; layout changed at this start: {}",
+                    self.migrated.join(", ")
                 ));
             }
             s

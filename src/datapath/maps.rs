@@ -264,71 +264,154 @@ pub const HOST_FLOW_ENTRIES: u32 = 65536;
 /// Entries of `frags`.
 pub const FRAG_ENTRIES: u32 = 8192;
 
-/// (map name, key size, value size, max entries) the loader checks pinned
-/// maps against; a pin that differs in any of them is recreated (a
-/// `counters` map from a build with fewer counters would silently drop the
-/// new ones).
-pub const EXPECTED: &[(&str, usize, usize, u32)] = &[
-    ("config", 4, size_of::<DpConfig>(), 1),
-    ("counters", 4, 8, COUNTER_NAMES.len() as u32),
-    ("sandboxes", 4, size_of::<DpSandbox>(), SANDBOX_MAP_ENTRIES),
-    ("by_ip", 4, size_of::<DpTap>(), SANDBOX_MAP_ENTRIES),
-    (
-        "policy_allow",
-        size_of::<DpPolicyData>() + 4,
-        1,
-        SANDBOX_MAP_ENTRIES,
-    ),
-    (
-        "policy_deny",
-        size_of::<DpPolicyData>() + 4,
-        1,
-        SANDBOX_MAP_ENTRIES,
-    ),
-    (
-        "portmap",
-        size_of::<DpPortmapKey>(),
-        size_of::<DpPortmapVal>(),
-        SANDBOX_MAP_ENTRIES,
-    ),
-    (
-        "ct",
-        size_of::<DpCtKey>(),
-        size_of::<DpCtVal>(),
-        FLOW_MAP_ENTRIES,
-    ),
-    (
-        "ct_rev",
-        size_of::<DpRevKey>(),
-        size_of::<DpRevVal>(),
-        FLOW_MAP_ENTRIES,
-    ),
-    ("tap_attached", 4, 4, SANDBOX_MAP_ENTRIES),
-    (
-        "host_nat",
-        size_of::<DpRevKey>(),
-        size_of::<DpCtVal>(),
-        HOST_FLOW_ENTRIES,
-    ),
-    (
-        "hflow",
-        size_of::<DpHflowKey>(),
-        size_of::<DpHflowVal>(),
-        HOST_FLOW_ENTRIES,
-    ),
-    (
-        "hrev",
-        size_of::<DpHrevKey>(),
-        size_of::<DpHrevVal>(),
-        HOST_FLOW_ENTRIES,
-    ),
-    (
-        "frags",
-        size_of::<DpFragKey>(),
-        size_of::<DpFragVal>(),
-        FRAG_ENTRIES,
-    ),
-];
+/// What a pinned map whose layout differs from this build's may become.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keep {
+    /// Flows, addresses, generations, policies, port maps, counters: the
+    /// entries are migrated into the new layout (see `pins.rs`), or the
+    /// agent refuses to start.
+    Durable,
+    /// Rewritten at every start (`config`, `tap_attached`) or short-lived
+    /// (`frags`): a map of another layout is simply recreated.
+    Rebuilt,
+}
+
+/// A map this build pins, with its layout (what `pins.rs` compares a pin
+/// left by another build with).
+#[derive(Debug, Clone, Copy)]
+pub struct PinnedMap {
+    pub name: &'static str,
+    pub kind: aya::maps::MapType,
+    pub key: usize,
+    pub value: usize,
+    pub entries: u32,
+    pub keep: Keep,
+}
+
+const fn pinned(
+    name: &'static str,
+    kind: aya::maps::MapType,
+    key: usize,
+    value: usize,
+    entries: u32,
+    keep: Keep,
+) -> PinnedMap {
+    PinnedMap {
+        name,
+        kind,
+        key,
+        value,
+        entries,
+        keep,
+    }
+}
+
+/// Every map of ebpf/datapath.bpf.c with this build's layout.
+pub const PINNED: &[PinnedMap] = {
+    use Keep::*;
+    use aya::maps::MapType::*;
+    let policy_key = size_of::<DpPolicyData>() + 4;
+    &[
+        pinned("config", Array, 4, size_of::<DpConfig>(), 1, Rebuilt),
+        pinned(
+            "counters",
+            PerCpuArray,
+            4,
+            8,
+            COUNTER_NAMES.len() as u32,
+            Durable,
+        ),
+        pinned(
+            "sandboxes",
+            Hash,
+            4,
+            size_of::<DpSandbox>(),
+            SANDBOX_MAP_ENTRIES,
+            Durable,
+        ),
+        pinned(
+            "by_ip",
+            Hash,
+            4,
+            size_of::<DpTap>(),
+            SANDBOX_MAP_ENTRIES,
+            Durable,
+        ),
+        pinned(
+            "policy_allow",
+            LpmTrie,
+            policy_key,
+            1,
+            SANDBOX_MAP_ENTRIES,
+            Durable,
+        ),
+        pinned(
+            "policy_deny",
+            LpmTrie,
+            policy_key,
+            1,
+            SANDBOX_MAP_ENTRIES,
+            Durable,
+        ),
+        pinned(
+            "portmap",
+            Hash,
+            size_of::<DpPortmapKey>(),
+            size_of::<DpPortmapVal>(),
+            SANDBOX_MAP_ENTRIES,
+            Durable,
+        ),
+        pinned(
+            "ct",
+            LruHash,
+            size_of::<DpCtKey>(),
+            size_of::<DpCtVal>(),
+            FLOW_MAP_ENTRIES,
+            Durable,
+        ),
+        pinned(
+            "ct_rev",
+            LruHash,
+            size_of::<DpRevKey>(),
+            size_of::<DpRevVal>(),
+            FLOW_MAP_ENTRIES,
+            Durable,
+        ),
+        pinned("tap_attached", Hash, 4, 4, SANDBOX_MAP_ENTRIES, Rebuilt),
+        pinned(
+            "host_nat",
+            LruHash,
+            size_of::<DpRevKey>(),
+            size_of::<DpCtVal>(),
+            HOST_FLOW_ENTRIES,
+            Durable,
+        ),
+        pinned(
+            "hflow",
+            LruHash,
+            size_of::<DpHflowKey>(),
+            size_of::<DpHflowVal>(),
+            HOST_FLOW_ENTRIES,
+            Durable,
+        ),
+        pinned(
+            "hrev",
+            LruHash,
+            size_of::<DpHrevKey>(),
+            size_of::<DpHrevVal>(),
+            HOST_FLOW_ENTRIES,
+            Durable,
+        ),
+        pinned(
+            "frags",
+            LruHash,
+            size_of::<DpFragKey>(),
+            size_of::<DpFragVal>(),
+            FRAG_ENTRIES,
+            Rebuilt,
+        ),
+    ]
+};
 
 /// Counter indexes (enum dp_counter).
 pub const COUNTER_NAMES: &[&str] = &[

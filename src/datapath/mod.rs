@@ -10,6 +10,7 @@
 
 pub mod ebpf;
 pub mod maps;
+pub mod pins;
 pub mod tc;
 
 use std::net::IpAddr;
@@ -35,30 +36,58 @@ pub struct SandboxPath<'a> {
 pub struct DatapathError {
     pub what: &'static str,
     pub detail: String,
+    /// The agent must not start (a pinned map it cannot migrate): the
+    /// datapath in the kernel is left as it is. Otherwise a failed load
+    /// leaves the agent running without a datapath, Health saying why.
+    pub fatal: bool,
 }
 
 /// One line of Health: (name, ok, detail).
 pub type Check = (String, bool, String);
 
-/// Priority (and handle) of every filter the datapath attaches; the kernel
-/// check in recovery, Reconcile and Health looks for a `bpf` filter of this
-/// priority.
+/// Priority (and handle) of every filter the datapath attaches: an
+/// upgrade replaces the filter at the same priority and handle in place.
 pub const FILTER_PRIORITY: u16 = 1;
 
-/// A tc filter the datapath keeps on a device: the kernel is the truth
-/// (an admin or another tool may remove the clsact qdisc or the filter);
-/// recovery and Reconcile compare it with this and re-attach.
+/// Where one of the datapath's programs runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Place {
+    /// A bpf filter on the device's own clsact hook (node devices).
+    Filter(TcHook),
+    /// The bpf filter of a shared tc block (`from_guest`, for every TAP and
+    /// veth at once); `Hook::ifindex` is `BLOCK_IFINDEX`.
+    Block(u32),
+    /// The device's clsact ingress hook bound to the shared block (a TAP or
+    /// veth, and the anchor device that keeps the block alive).
+    Bound(u32),
+}
+
+/// `Hook::ifindex` of a block's filter (the kernel's TCM_IFINDEX_MAGIC_BLOCK).
+pub const BLOCK_IFINDEX: u32 = u32::MAX;
+
+/// What the datapath keeps attached in the kernel: the kernel is the truth
+/// (an admin or another tool may remove a qdisc or a filter); recovery,
+/// Reconcile and Health compare it with this (`Datapath::check`) and attach
+/// again (`Datapath::reattach`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hook {
     pub device: String,
     pub ifindex: u32,
-    pub hook: TcHook,
+    pub place: Place,
     pub program: &'static str,
 }
 
 impl std::fmt::Display for Hook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} on {} {}", self.program, self.device, self.hook)
+        match self.place {
+            Place::Filter(hook) => write!(f, "{} on {} {hook}", self.program, self.device),
+            Place::Block(b) => write!(f, "{} on tc block {b}", self.program),
+            Place::Bound(b) => write!(
+                f,
+                "{} on {} ingress (bound to tc block {b})",
+                self.program, self.device
+            ),
+        }
     }
 }
 
@@ -76,19 +105,40 @@ pub trait Datapath: Send + Sync {
     fn prepare_tap(&self, _tap_name: &str, _tap_ifindex: u32) -> Result<(), DatapathError> {
         Ok(())
     }
-    /// The filters this datapath keeps on node devices (uplink, lo, the
-    /// gateway device).
+    /// What this datapath keeps attached for the node: filters on node
+    /// devices (uplink, lo, the gateway device), the shared block's filter
+    /// and the anchor device's binding.
     fn node_hooks(&self) -> Vec<Hook> {
         vec![]
     }
-    /// The filter this datapath keeps on a sandbox or pool TAP, if any.
+    /// What it keeps on a sandbox or pool TAP (or veth), if anything.
     fn tap_hook(&self, _tap_name: &str, _tap_ifindex: u32) -> Option<Hook> {
         None
     }
-    /// Attaches `hook` again (clsact qdisc and filter) after the kernel
-    /// lost it; idempotent.
+    /// Asks the kernel about `hooks` (a few dumps for all of them): the
+    /// index and what is wrong of each hook that is missing or runs a
+    /// program other than this build's.
+    fn check(&self, _hooks: &[Hook]) -> Result<Vec<(usize, String)>, DatapathError> {
+        Ok(vec![])
+    }
+    /// Attaches `hook` again after the kernel lost it (or replaces an
+    /// older build's program there in place); idempotent.
     fn reattach(&self, _hook: &Hook) -> Result<(), DatapathError> {
         Ok(())
+    }
+    /// This build's programs and their tags (what `bpftool prog` shows).
+    fn program_tags(&self) -> Vec<(&'static str, u64)> {
+        vec![]
+    }
+    /// TAPs and veths running `from_guest`: (bound to the shared block,
+    /// with an older build's qdisc and filter of their own).
+    fn tap_counts(&self) -> (usize, usize) {
+        (0, 0)
+    }
+    /// Devices still running another build's program (their filter could
+    /// not be replaced at load).
+    fn stale(&self) -> Vec<String> {
+        vec![]
     }
     /// The kernel announced that a qdisc or filter on `ifindex` was removed:
     /// forget any belief that it still carries our filter, so the next

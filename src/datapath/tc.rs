@@ -163,6 +163,27 @@ pub fn del_clsact(ifindex: u32) -> io::Result<()> {
     }
 }
 
+/// A clsact qdisc message: (ifindex, the block its ingress hook is bound
+/// to); None for any other qdisc.
+fn clsact_binding(r: RouteNetlinkMessage) -> Option<(u32, Option<u32>)> {
+    let RouteNetlinkMessage::NewQueueDiscipline(m) = r else {
+        return None;
+    };
+    m.attributes
+        .iter()
+        .any(|a| matches!(a, TcAttribute::Kind(k) if k == "clsact"))
+        .then_some(())?;
+    let block = m.attributes.iter().find_map(|a| match a {
+        TcAttribute::Other(nla) if nla.kind() == TCA_INGRESS_BLOCK => {
+            let mut v = [0u8; 4];
+            nla.emit_value(&mut v);
+            Some(u32::from_ne_bytes(v))
+        }
+        _ => None,
+    });
+    Some((m.header.index as u32, block))
+}
+
 /// Every device's clsact qdisc: ifindex → the shared block its ingress
 /// hook is bound to (None: a qdisc of its own). One dump for the node.
 pub fn clsact_qdiscs() -> io::Result<HashMap<u32, Option<u32>>> {
@@ -170,29 +191,38 @@ pub fn clsact_qdiscs() -> io::Result<HashMap<u32, Option<u32>>> {
         RouteNetlinkMessage::GetQueueDiscipline(TcMessage::default()),
         NLM_F_DUMP,
     )?;
-    let mut out = HashMap::new();
-    for r in replies {
-        let RouteNetlinkMessage::NewQueueDiscipline(m) = r else {
-            continue;
-        };
-        let clsact = m
-            .attributes
-            .iter()
-            .any(|a| matches!(a, TcAttribute::Kind(k) if k == "clsact"));
-        if !clsact {
-            continue;
+    Ok(replies.into_iter().filter_map(clsact_binding).collect())
+}
+
+/// One device's clsact qdisc: None if it has none, else the block its
+/// ingress hook is bound to (None inside: a qdisc of its own). The kernel
+/// answers a qdisc request for one device with nothing for clsact and does
+/// not filter qdisc dumps by device, so this asks for the device's ingress
+/// filters instead: those of a bound hook come back addressed to the block
+/// (one short reply, whatever the number of devices). A hook without any
+/// filter tells nothing: then the node's qdisc dump decides.
+pub fn clsact_of(ifindex: u32) -> io::Result<Option<Option<u32>>> {
+    let m = tc_message(ifindex as i32, 0, HOOK_INGRESS, 0);
+    let replies = match request(RouteNetlinkMessage::GetTrafficFilter(m), NLM_F_DUMP) {
+        Ok(r) => r,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => {
+            return Ok(None);
         }
-        let block = m.attributes.iter().find_map(|a| match a {
-            TcAttribute::Other(nla) if nla.kind() == TCA_INGRESS_BLOCK => {
-                let mut v = [0u8; 4];
-                nla.emit_value(&mut v);
-                Some(u32::from_ne_bytes(v))
+        Err(e) => return Err(e),
+    };
+    let mut any = false;
+    for r in replies {
+        if let RouteNetlinkMessage::NewTrafficFilter(m) = r {
+            any = true;
+            if m.header.index == TcHeader::TCM_IFINDEX_MAGIC_BLOCK as i32 {
+                return Ok(Some(Some(m.header.parent.into())));
             }
-            _ => None,
-        });
-        out.insert(m.header.index as u32, block);
+        }
     }
-    Ok(out)
+    if any {
+        return Ok(Some(None));
+    }
+    Ok(clsact_qdiscs()?.get(&ifindex).copied())
 }
 
 /// Attaches `prog` as the direct-action bpf filter `priority`/`handle` on
