@@ -400,7 +400,10 @@ struct Stats {
     flows: AtomicUsize,
     /// Host <-> sandbox flows and host connections in the SNAT range.
     host_flows: AtomicUsize,
+    /// TAPs and veths running `from_guest`, and of those the ones with
+    /// an older build's filter of their own.
     taps: AtomicUsize,
+    own: AtomicUsize,
     reaped: AtomicU64,
 }
 
@@ -550,7 +553,8 @@ impl EbpfDatapath {
         for h in &node_hooks {
             install(&progs, h)?;
         }
-        let (own_filter, stale) = Self::take_over_taps(&progs, &mut maps.attached, node.block)?;
+        let (own_filter, stale, kept) =
+            Self::take_over_taps(&progs, &mut maps.attached, node.block)?;
         // The old programs run nowhere now: what they wrote meanwhile, then
         // the old maps and programs go.
         plan.finish()?;
@@ -618,7 +622,11 @@ impl EbpfDatapath {
             }),
             progs,
             reaper: Mutex::new(reaper),
-            stats: Stats::default(),
+            stats: Stats {
+                taps: AtomicUsize::new(kept),
+                own: AtomicUsize::new(own_filter.len()),
+                ..Default::default()
+            },
             node,
             node_hooks,
             tags,
@@ -976,17 +984,20 @@ impl EbpfDatapath {
         progs: &Programs,
         attached: &mut HashMap<MapData, u32, u32>,
         block: u32,
-    ) -> Result<(HashSet<u32>, Vec<String>), DatapathError> {
+    ) -> Result<(HashSet<u32>, Vec<String>, usize), DatapathError> {
         let recorded: Vec<u32> = attached.keys().flatten().collect();
-        let (mut own, mut stale) = (HashSet::new(), vec![]);
+        let (mut own, mut stale, mut kept) = (HashSet::new(), vec![], 0);
         if recorded.is_empty() {
-            return Ok((own, stale));
+            return Ok((own, stale, kept));
         }
         let qdiscs = tc::clsact_qdiscs().map_err(|e| err("listing clsact qdiscs", e))?;
         let fd = prog_fd(progs, "from_guest")?;
         for ifindex in recorded {
             let r = match qdiscs.get(&ifindex) {
-                Some(Some(b)) if *b == block => attached.insert(ifindex, BOUND, 0),
+                Some(Some(b)) if *b == block => {
+                    kept += 1;
+                    attached.insert(ifindex, BOUND, 0)
+                }
                 Some(None) => {
                     let target = Target::Device {
                         ifindex,
@@ -1001,6 +1012,7 @@ impl EbpfDatapath {
                     ) {
                         Ok(()) => {
                             own.insert(ifindex);
+                            kept += 1;
                             attached.insert(ifindex, OWN_FILTER, 0)
                         }
                         Err(e) => {
@@ -1022,7 +1034,7 @@ impl EbpfDatapath {
                 "TAPs attached by an older build keep their own filter, now with this build's from_guest"
             );
         }
-        Ok((own, stale))
+        Ok((own, stale, kept))
     }
 }
 
@@ -1325,11 +1337,7 @@ impl Datapath for EbpfDatapath {
     }
 
     fn tap_counts(&self) -> (usize, usize) {
-        let own = self
-            .own_filter
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .len();
+        let own = self.stats.own.load(Ordering::Relaxed);
         let taps = self.stats.taps.load(Ordering::Relaxed);
         (taps.saturating_sub(own), own)
     }
@@ -1431,17 +1439,27 @@ impl Datapath for EbpfDatapath {
         }
         let (host_flows, host_removed) = Self::reap_host_flows(r, &owners, now, t);
         // Attachment records of TAPs that no longer exist.
-        let mut taps = 0usize;
+        let (mut taps, mut own) = (0usize, 0usize);
         let gone: Vec<u32> = r
             .attached
-            .keys()
+            .iter()
             .flatten()
-            .inspect(|_| taps += 1)
+            .inspect(|(_, how)| {
+                taps += 1;
+                own += usize::from(*how == OWN_FILTER);
+            })
+            .map(|(i, _)| i)
             .filter(|i| !link_exists(*i))
             .collect();
         for i in &gone {
             let _ = r.attached.remove(i);
         }
+        {
+            let mut o = self.own_filter.lock().unwrap_or_else(|p| p.into_inner());
+            o.retain(|i| !gone.contains(i));
+            own = own.min(o.len());
+        }
+        self.stats.own.store(own, Ordering::Relaxed);
         self.stats.flows.store(flows - removed, Ordering::Relaxed);
         self.stats
             .host_flows

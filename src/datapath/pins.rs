@@ -15,12 +15,13 @@
 //! - anything else (a newer build's layout, a changed key): **refused**
 //!   before any change, so the running datapath stays as it is.
 //!
-//! A migrated map's old pin is renamed `<name>.old` (the programs still in
-//! the filters keep using it), the new map is created under the name and
-//! filled ([`migrate`]) before the new programs go live; after the filters
-//! run the new programs, the entries the old programs created meanwhile are
-//! copied too and the old pin is removed ([`finish`]). An upgrade
-//! interrupted between the two finds the `.old` pin at the next start and
+//! A migrated map's old pin is renamed `<name>_old` (bpffs allows no dot
+//! in a name; the programs still in the filters keep using the map), the
+//! new map is created under the name and filled ([`Plan::migrate`]) before
+//! the new programs go live; after the filters run the new programs, the
+//! entries the old programs created meanwhile are copied too and the old
+//! pin is removed ([`Plan::finish`]). An upgrade
+//! interrupted between the two finds the `_old` pin at the next start and
 //! migrates from it again.
 
 use std::io;
@@ -109,7 +110,7 @@ const CONVERSIONS: &[(&str, usize, Convert)] = &[("ct", 24, ct_v1)];
 enum Action {
     /// No pin, or one of this layout: the loader creates or reuses it.
     Keep,
-    /// The pin is set aside as `<name>.old` and its entries are carried
+    /// The pin is set aside as `<name>_old` and its entries are carried
     /// into a new map.
     Migrate { from: PathBuf, convert: Convert },
     /// A rebuilt map of another layout: its pin is removed.
@@ -124,7 +125,7 @@ pub struct Plan {
 }
 
 fn aside(dir: &Path, name: &str) -> PathBuf {
-    dir.join(format!("{name}.old"))
+    dir.join(format!("{name}_old"))
 }
 
 fn refused(m: &PinnedMap, path: &Path, found: Layout) -> DatapathError {
@@ -151,7 +152,7 @@ pub fn plan(dir: &Path) -> Result<Plan, DatapathError> {
         let want = Layout::of(m);
         let live = dir.join(m.name);
         let old = aside(dir, m.name);
-        // A `.old` pin: an earlier upgrade stopped before it finished.
+        // An `_old` pin: an earlier upgrade stopped before it finished.
         let source = if old.exists() {
             if live.exists() && Layout::read(&live).ok() != Some(want) {
                 let found = Layout::read(&live).map_err(|e| read_err(&live, e))?;
@@ -243,7 +244,7 @@ impl Plan {
 
     /// Copies (converting) the set-aside maps' entries into this build's;
     /// entries already there are kept (they are newer). Call once before
-    /// the new programs go live and once after ([`finish`]).
+    /// the new programs go live and once after ([`Plan::finish`]).
     pub fn migrate(&self) -> Result<Vec<String>, DatapathError> {
         self.copy(true)
     }

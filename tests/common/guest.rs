@@ -339,6 +339,8 @@ enum Cmd {
     },
     TcpListen {
         port: u16,
+        /// Echo what arrives and keep the connection (else: banner, close).
+        echo: bool,
         reply: Reply<()>,
     },
     UdpEcho {
@@ -346,6 +348,8 @@ enum Cmd {
         reply: Reply<()>,
     },
     UdpSendRecv {
+        /// The guest's port; None: a random free one.
+        src: Option<u16>,
         dst: SocketAddrV4,
         payload: Vec<u8>,
         deadline: StdInstant,
@@ -375,6 +379,7 @@ struct TcpClient {
 
 struct Listener {
     port: u16,
+    echo: bool,
     banner: Vec<u8>,
     /// (socket, banner already sent on the current connection)
     sockets: Vec<(SocketHandle, bool)>,
@@ -560,7 +565,7 @@ impl Worker {
                     reply,
                 });
             }
-            Cmd::TcpListen { port, reply } => {
+            Cmd::TcpListen { port, echo, reply } => {
                 if self.listeners.iter().any(|l| l.port == port) {
                     let _ = reply.send(Ok(()));
                     return;
@@ -576,6 +581,7 @@ impl Worker {
                 }
                 self.listeners.push(Listener {
                     port,
+                    echo,
                     banner: format!("guest:{port}").into_bytes(),
                     sockets,
                 });
@@ -592,12 +598,13 @@ impl Worker {
                 }
             }
             Cmd::UdpSendRecv {
+                src,
                 dst,
                 payload,
                 deadline,
                 reply,
             } => {
-                let port = self.free_port();
+                let port = src.unwrap_or_else(|| self.free_port());
                 let mut s = udp_socket();
                 if let Err(e) = s.bind(port) {
                     let _ = reply.send(Err(format!("udp bind {port}: {e}")));
@@ -742,6 +749,21 @@ impl Worker {
                     s.abort();
                     let _ = s.listen(l.port);
                     *banner_sent = false;
+                    continue;
+                }
+                if l.echo {
+                    if s.can_recv() && s.can_send() {
+                        let room = s.send_capacity() - s.send_queue();
+                        if let Ok(data) = s.recv(|d| {
+                            let n = d.len().min(room);
+                            (n, d[..n].to_vec())
+                        }) {
+                            let _ = s.send_slice(&data);
+                        }
+                    }
+                    if s.state() == tcp::State::CloseWait {
+                        s.close();
+                    }
                     continue;
                 }
                 while s.can_recv() {
@@ -1012,7 +1034,24 @@ impl Guest {
     /// and is closed (whatever the peer sends is read and discarded).
     pub fn tcp_listen(&self, port: u16) -> Result<(), String> {
         self.call(
-            |reply| Cmd::TcpListen { port, reply },
+            |reply| Cmd::TcpListen {
+                port,
+                echo: false,
+                reply,
+            },
+            Duration::from_secs(1),
+        )
+    }
+
+    /// Serves TCP `port`: every connection gets back what it sends and
+    /// stays open until the peer closes it.
+    pub fn tcp_echo(&self, port: u16) -> Result<(), String> {
+        self.call(
+            |reply| Cmd::TcpListen {
+                port,
+                echo: true,
+                reply,
+            },
             Duration::from_secs(1),
         )
     }
@@ -1041,9 +1080,22 @@ impl Guest {
         payload: &[u8],
         timeout: Duration,
     ) -> Result<(Vec<u8>, SocketAddrV4), String> {
+        self.udp_exchange(None, dst, payload, timeout)
+    }
+
+    /// [`Guest::udp_send_recv_from`] from the guest's port `src` (a flow
+    /// that lasts over many exchanges keeps its tuple).
+    pub fn udp_exchange(
+        &self,
+        src: Option<u16>,
+        dst: SocketAddrV4,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<(Vec<u8>, SocketAddrV4), String> {
         let deadline = self.deadline(timeout);
         self.call(
             |reply| Cmd::UdpSendRecv {
+                src,
                 dst,
                 payload: payload.to_vec(),
                 deadline,

@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod ctr;
+pub mod flow;
 pub mod guest;
 pub mod world;
 
@@ -89,6 +90,9 @@ pub struct Env {
     agent: Option<Child>,
     args: Vec<String>,
     starts: u32,
+    /// The binary the next start runs (default: [`agent_binary`]); the
+    /// upgrade test switches builds with it.
+    pub binary: Option<std::ffi::OsString>,
 }
 
 fn run(cmd: &mut Command) -> String {
@@ -144,6 +148,7 @@ impl Env {
             agent: None,
             args: args.iter().map(|s| s.to_string()).collect(),
             starts: 0,
+            binary: None,
         };
         env.start_agent();
         env
@@ -159,12 +164,20 @@ impl Env {
 
     /// Starts the agent and waits until it owns its name.
     pub fn start_agent(&mut self) {
+        if let Err((status, log)) = self.try_start_agent() {
+            panic!("agent exited with {status} during start:\n{log}");
+        }
+    }
+
+    /// [`Env::start_agent`], or how the agent exited during its start (and
+    /// its log).
+    pub fn try_start_agent(&mut self) -> Result<(), (std::process::ExitStatus, String)> {
         assert!(self.agent.is_none());
         self.starts += 1;
         let log = std::fs::File::create(self.log_path()).unwrap();
         let child = Command::new("ip")
             .args(["netns", "exec", &self.ns])
-            .arg(agent_binary())
+            .arg(self.binary.clone().unwrap_or_else(agent_binary))
             .args(["--bus", &self.address])
             .arg("--state-dir")
             .arg(self.dir.join("state"))
@@ -182,7 +195,8 @@ impl Env {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(status) = self.agent.as_mut().unwrap().try_wait().unwrap() {
-                panic!("agent exited with {status} during start:\n{}", self.log());
+                self.agent = None;
+                return Err((status, self.log()));
             }
             let out = Command::new("busctl")
                 .args(["--address", &self.address, "status", NAME])
@@ -191,7 +205,7 @@ impl Env {
                 .status()
                 .unwrap();
             if out.success() {
-                return;
+                return Ok(());
             }
             assert!(
                 Instant::now() < deadline,
@@ -488,4 +502,15 @@ pub fn tap_holders(name: &str) -> Vec<u32> {
 
 pub fn tap_info(fd: &std::os::fd::OwnedFd) -> cube_network_agent::tap::TapFdInfo {
     cube_network_agent::tap::query_fd(fd.as_fd()).unwrap()
+}
+
+/// The value size of a pinned map (bpftool).
+pub fn pin_value_size(path: &str) -> u64 {
+    let out = Command::new("bpftool")
+        .args(["-j", "map", "show", "pinned", path])
+        .output()
+        .expect("bpftool (apt-get install bpftool)");
+    assert!(out.status.success(), "bpftool map show pinned {path}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["bytes_value"].as_u64().expect("bytes_value")
 }

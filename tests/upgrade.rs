@@ -1,0 +1,439 @@
+//! Upgrade and downgrade in place with two real builds: this tree's agent
+//! and "the next release", a copy of the tree whose eBPF programs differ
+//! (every program has another tag; tests/upgrade/build-next.sh builds it,
+//! or `CNA_TEST_AGENT_NEXT` names one). A live guest counts datagrams both
+//! ways through SNAT and a port mapping while builds replace each other,
+//! and a TCP connection through a port mapping stays open throughout.
+//! Then the map layouts: a flow table of an older layout is migrated, one
+//! of an unknown layout stops the start and leaves the datapath running.
+//! Root only.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use common::flow::Flow;
+use common::guest::Guest;
+use common::world::{self, World, node};
+use common::{Client, Dict, Env, mappings, opts, ports};
+
+const T: Duration = Duration::from_secs(5);
+/// The guest's port of the long-lived UDP flow through SNAT.
+const LONG_FLOW_PORT: u16 = 40000;
+
+/// The next release's agent binary, built once per test run.
+fn next_build() -> OsString {
+    static NEXT: OnceLock<OsString> = OnceLock::new();
+    NEXT.get_or_init(|| {
+        if let Some(p) = std::env::var_os("CNA_TEST_AGENT_NEXT") {
+            return p;
+        }
+        let dir = env!("CARGO_MANIFEST_DIR");
+        let out = Command::new(format!("{dir}/tests/upgrade/build-next.sh"))
+            .current_dir(dir)
+            .output()
+            .expect("running tests/upgrade/build-next.sh");
+        assert!(
+            out.status.success(),
+            "building the next release failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        OsString::from(stdout.lines().last().expect("a path").trim())
+    })
+    .clone()
+}
+
+fn check<'a>(checks: &'a [(String, bool, String)], name: &str) -> &'a (String, bool, String) {
+    checks
+        .iter()
+        .find(|c| c.0 == name)
+        .unwrap_or_else(|| panic!("no {name} check in {checks:?}"))
+}
+
+/// The running build's programs and tags, as Health states them.
+fn claimed_tags(checks: &[(String, bool, String)]) -> BTreeMap<String, String> {
+    let d = &check(checks, "datapath_programs").2;
+    let list = d
+        .strip_prefix("this build's programs: ")
+        .and_then(|r| r.split(';').next())
+        .unwrap_or_else(|| panic!("unexpected datapath_programs: {d}"));
+    list.split(", ")
+        .map(|p| {
+            let (name, tag) = p.split_once(' ').unwrap();
+            (name.to_owned(), tag.to_owned())
+        })
+        .collect()
+}
+
+/// Every tc program attached in the node's namespace, read with bpftool:
+/// (device, hook) -> (program name, tag).
+fn attached(env: &Env) -> BTreeMap<(String, String), (String, String)> {
+    let net: serde_json::Value =
+        serde_json::from_str(&env.ns_cmd(&["bpftool", "-j", "net", "show"])).unwrap();
+    let mut out = BTreeMap::new();
+    for e in net[0]["tc"].as_array().expect("bpftool net: a tc list") {
+        let id = e["id"].as_u64().unwrap().to_string();
+        let prog: serde_json::Value =
+            serde_json::from_str(&env.ns_cmd(&["bpftool", "-j", "prog", "show", "id", &id]))
+                .unwrap();
+        out.insert(
+            (
+                e["devname"].as_str().unwrap().to_owned(),
+                e["kind"].as_str().unwrap().to_owned(),
+            ),
+            (
+                e["name"].as_str().unwrap().to_owned(),
+                prog["tag"].as_str().unwrap().to_owned(),
+            ),
+        );
+    }
+    out
+}
+
+/// Every attached program is one of `tags` (the running build's), and
+/// every hook the datapath needs is there.
+fn assert_runs(env: &Env, tags: &BTreeMap<String, String>, taps: &[String], when: &str) {
+    let got = attached(env);
+    for ((dev, kind), (name, tag)) in &got {
+        assert_eq!(
+            tags.get(name),
+            Some(tag),
+            "{when}: {dev} {kind} runs {name} tag {tag}, not the running build's {tags:?}"
+        );
+    }
+    let mut want: Vec<(String, &str, &str)> = vec![
+        ("lo".into(), "clsact/egress", "from_host"),
+        ("cube-dev".into(), "clsact/egress", "to_sandbox_ip"),
+        (world::UPLINK.into(), "clsact/ingress", "from_uplink"),
+        (world::UPLINK.into(), "clsact/egress", "to_uplink"),
+    ];
+    want.extend(
+        taps.iter()
+            .map(|t| (t.clone(), "clsact/ingress", "from_guest")),
+    );
+    for (dev, kind, name) in want {
+        assert_eq!(
+            got.get(&(dev.clone(), kind.to_owned()))
+                .map(|p| p.0.as_str()),
+            Some(name),
+            "{when}: no {name} on {dev} {kind}: {got:?}"
+        );
+    }
+}
+
+fn tcp_roundtrip(s: &mut TcpStream, msg: &str) {
+    s.write_all(msg.as_bytes()).unwrap();
+    let mut buf = vec![0u8; msg.len()];
+    s.read_exact(&mut buf).unwrap_or_else(|e| {
+        panic!("the TCP connection through the port mapping broke at {msg}: {e}")
+    });
+    assert_eq!(buf, msg.as_bytes());
+}
+
+async fn networks(c: &Client, ids: &[&str]) -> Vec<Dict> {
+    let mut out = vec![];
+    for id in ids {
+        out.push(c.get(id).await.unwrap());
+    }
+    out
+}
+
+fn host_port(net: &Dict, proto: &str) -> u16 {
+    mappings(net)
+        .into_iter()
+        .find(|m| m.0 == proto)
+        .unwrap_or_else(|| panic!("no {proto} mapping"))
+        .2
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrade_and_downgrade_in_place_keep_every_flow() {
+    require_root!();
+    let next = next_build();
+    let this = common::agent_binary();
+    let (mut env, world) = node(&[]);
+    let c = env.client().await;
+    let live = c
+        .ensure(
+            "live",
+            opts(vec![(
+                "port_mappings",
+                ports(&[("udp", 7000, 0, ""), ("tcp", 8000, 0, "")]),
+            )]),
+        )
+        .await
+        .unwrap();
+    let (udp_port, tcp_port) = (host_port(&live, "udp"), host_port(&live, "tcp"));
+    for id in ["b", "c"] {
+        c.ensure(
+            id,
+            opts(vec![("port_mappings", ports(&[("udp", 53, 0, "")]))]),
+        )
+        .await
+        .unwrap();
+    }
+    let ids = ["live", "b", "c"];
+    let before = networks(&c, &ids).await;
+    let taps: Vec<String> = before.iter().map(|n| common::s(n, "tap_name")).collect();
+    let g = Arc::new(Guest::start_default(c.open_tap("live").await.unwrap()));
+    g.udp_echo(7000).unwrap();
+    g.tcp_echo(8000).unwrap();
+    let echo = world.udp_echo(5454);
+    assert_eq!(
+        g.udp_exchange(Some(LONG_FLOW_PORT), echo, b"warm", T)
+            .unwrap()
+            .0,
+        b"world:warm"
+    );
+    let mut tcp = world::in_netns(&world.ns, move || {
+        TcpStream::connect_timeout(&World::node_addr(tcp_port).into(), T)
+    })
+    .expect("TCP through the port mapping");
+    tcp.set_read_timeout(Some(T)).unwrap();
+    tcp_roundtrip(&mut tcp, "before");
+    let (ok, checks) = c.health().await;
+    assert!(ok, "{checks:#?}");
+    let this_tags = claimed_tags(&checks);
+    assert_runs(&env, &this_tags, &taps, "this build at start");
+    drop(c);
+
+    let flow = Flow::start(g.clone(), echo, &world.ns, udp_port, Some(LONG_FLOW_PORT));
+    let mut next_tags = None;
+    for (step, (clean, to, name)) in [
+        (true, &next, "SIGTERM this build, start the next"),
+        (
+            false,
+            &this,
+            "SIGKILL the next build, start this one (downgrade)",
+        ),
+        (false, &next, "SIGKILL this build, start the next"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        std::thread::sleep(Duration::from_millis(400));
+        if clean {
+            assert!(env.stop_agent().success(), "{}", env.log());
+        } else {
+            env.kill_agent();
+        }
+        env.binary = Some(to.clone());
+        env.start_agent();
+        let c = env.client().await;
+        let (ok, checks) = c.health().await;
+        assert!(ok, "{name}: {checks:#?}");
+        let tags = claimed_tags(&checks);
+        if *to == next {
+            assert!(
+                tags.values().all(|t| !this_tags.values().any(|o| o == t)),
+                "the two builds must differ in every program: {this_tags:?} {tags:?}"
+            );
+            if let Some(n) = &next_tags {
+                assert_eq!(&tags, n, "{name}");
+            }
+            next_tags = Some(tags.clone());
+        } else {
+            assert_eq!(tags, this_tags, "{name}");
+        }
+        // At READY every hook already runs the started build's programs.
+        assert_runs(&env, &tags, &taps, name);
+        assert_eq!(
+            networks(&c, &ids).await,
+            before,
+            "{name}: GetNetwork changed"
+        );
+        tcp_roundtrip(&mut tcp, &format!("step{step}"));
+        eprintln!("{name}: ok, {}", check(&checks, "datapath_programs").2);
+    }
+    std::thread::sleep(Duration::from_millis(400));
+    let ((e_sent, e_back), (i_sent, i_back)) = flow.finish();
+    eprintln!("egress {e_back}/{e_sent}, ingress {i_back}/{i_sent} across 3 build switches");
+    assert!(e_sent > 20 && i_sent > 100, "{e_sent} {i_sent}");
+    assert_eq!(e_back, e_sent, "guest -> world datagrams lost");
+    assert_eq!(i_back, i_sent, "world -> host port -> guest datagrams lost");
+    // The long flow kept its SNAT port through every switch.
+    let snat: BTreeSet<u16> = world.peers(5454).iter().map(|p| p.port()).collect();
+    assert_eq!(
+        snat.len(),
+        1,
+        "the long flow changed its SNAT port: {snat:?}"
+    );
+    tcp_roundtrip(&mut tcp, "after");
+}
+
+/// Creates a map pin with bpftool.
+fn create_pin(env: &Env, path: &str, kind: &str, key: u32, value: u32, entries: u32, name: &str) {
+    env.ns_cmd(&[
+        "bpftool",
+        "map",
+        "create",
+        path,
+        "type",
+        kind,
+        "key",
+        &key.to_string(),
+        "value",
+        &value.to_string(),
+        "entries",
+        &entries.to_string(),
+        "name",
+        name,
+    ]);
+}
+
+/// (key bytes, value bytes) of every entry of a pinned map.
+fn dump(env: &Env, path: &str) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let v: serde_json::Value =
+        serde_json::from_str(&env.ns_cmd(&["bpftool", "-j", "map", "dump", "pinned", path]))
+            .unwrap();
+    let bytes = |a: &serde_json::Value| -> Vec<u8> {
+        a.as_array()
+            .unwrap()
+            .iter()
+            .map(|b| u8::from_str_radix(b.as_str().unwrap().trim_start_matches("0x"), 16).unwrap())
+            .collect()
+    };
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (bytes(&e["key"]), bytes(&e["value"])))
+        .collect()
+}
+
+fn hex(b: &[u8]) -> Vec<String> {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flow_table_of_the_older_layout_is_migrated_with_its_flows() {
+    require_root!();
+    let (mut env, world) = node(&[]);
+    let c = env.client().await;
+    c.ensure("m", opts(vec![])).await.unwrap();
+    let g = Guest::start_default(c.open_tap("m").await.unwrap());
+    let echo = world.udp_echo(5656);
+    g.udp_exchange(Some(LONG_FLOW_PORT), echo, b"one", T)
+        .unwrap();
+    drop(c);
+    env.kill_agent();
+    // Rewrite the pinned flow table as the builds up to d04b209 had it:
+    // 24-byte values (no seq_last/pad, local_addr where ts_last is).
+    let bpf = env.dir.join("bpf");
+    let ct = bpf.join("ct").display().to_string();
+    let entries = dump(&env, &ct);
+    assert!(!entries.is_empty(), "no flow in ct");
+    let v1 = bpf.join("ct_v1").display().to_string();
+    create_pin(&env, &v1, "lru_hash", 16, 24, 262144, "ct");
+    for (k, v) in &entries {
+        assert_eq!(v.len(), 32);
+        let mut args = vec![
+            "bpftool".to_owned(),
+            "map".into(),
+            "update".into(),
+            "pinned".into(),
+            v1.clone(),
+            "key".into(),
+            "hex".into(),
+        ];
+        args.extend(hex(k));
+        args.extend(["value".into(), "hex".into()]);
+        args.extend(hex(&v[..24]));
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        env.ns_cmd(&a);
+    }
+    std::fs::rename(&v1, &ct).unwrap();
+    assert_eq!(common::pin_value_size(&ct), 24);
+
+    env.start_agent();
+    let c = env.client().await;
+    let (ok, checks) = c.health().await;
+    assert!(ok, "{checks:#?}");
+    let pins = &check(&checks, "datapath_pins").2;
+    assert!(
+        pins.contains("ct migrated (was LruHash, key 16 B, value 24 B"),
+        "{pins}"
+    );
+    assert_eq!(
+        common::pin_value_size(&ct),
+        32,
+        "ct has this build's layout"
+    );
+    assert!(!bpf.join("ct_old").exists(), "the old pin was removed");
+    // Every flow arrived, with its SNAT port, generation and timestamps.
+    let migrated: BTreeMap<Vec<u8>, Vec<u8>> = dump(&env, &ct).into_iter().collect();
+    for (k, v) in &entries {
+        let m = migrated
+            .get(k)
+            .unwrap_or_else(|| panic!("flow {k:?} not migrated"));
+        assert_eq!(m[..12], v[..12], "last_seen, SNAT port, kind, state");
+        assert_eq!(m[16..24], v[16..24], "generation");
+    }
+    // And the flow goes on with the same SNAT port.
+    g.udp_exchange(Some(LONG_FLOW_PORT), echo, b"two", T)
+        .unwrap();
+    let snat: BTreeSet<u16> = world.peers(5656).iter().map(|p| p.port()).collect();
+    assert_eq!(snat.len(), 1, "{snat:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layout_it_cannot_migrate_stops_the_start_and_the_datapath_keeps_running() {
+    require_root!();
+    let (mut env, world) = node(&[]);
+    let c = env.client().await;
+    c.ensure("r", opts(vec![])).await.unwrap();
+    let g = Guest::start_default(c.open_tap("r").await.unwrap());
+    let echo = world.udp_echo(5757);
+    assert_eq!(g.udp_send_recv(echo, b"a", T).unwrap(), b"world:a");
+    drop(c);
+    env.kill_agent();
+    // A `sandboxes` map as a newer build might pin it.
+    let bpf = env.dir.join("bpf");
+    let pin = bpf.join("sandboxes");
+    let aside = bpf.join("sandboxes_mine");
+    std::fs::rename(&pin, &aside).unwrap();
+    create_pin(
+        &env,
+        &pin.display().to_string(),
+        "hash",
+        4,
+        99,
+        65536,
+        "sandboxes",
+    );
+    let before: BTreeSet<String> = std::fs::read_dir(&bpf)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let (status, log) = env
+        .try_start_agent()
+        .expect_err("the start must be refused");
+    assert!(!status.success());
+    assert!(
+        log.contains("sandboxes has layout (Hash, key 4 B, value 99 B, 65536 entries)")
+            && log.contains("cannot migrate it")
+            && log.contains("Nothing was changed"),
+        "{log}"
+    );
+    // Nothing changed: the pins, and the datapath still forwards.
+    let after: BTreeSet<String> = std::fs::read_dir(&bpf)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(before, after);
+    assert_eq!(g.udp_send_recv(echo, b"b", T).unwrap(), b"world:b");
+    // Put back, the agent starts and the network is still there.
+    std::fs::remove_file(&pin).unwrap();
+    std::fs::rename(&aside, &pin).unwrap();
+    env.start_agent();
+    let c = env.client().await;
+    let (ok, checks) = c.health().await;
+    assert!(ok, "{checks:#?}");
+    assert_eq!(g.udp_send_recv(echo, b"c", T).unwrap(), b"world:c");
+}
