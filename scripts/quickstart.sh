@@ -36,8 +36,9 @@ LO_SYSCTLS=(net.ipv4.conf.lo.route_localnet net.ipv4.conf.lo.accept_local)
 
 uplink() { ip -o -4 route show default 2>/dev/null | awk '{for (i = 1; i < NF; i++) if ($i == "dev") { print $(i + 1); exit }}'; }
 has_clsact() { tc qdisc show dev "$1" 2>/dev/null | grep -q '^qdisc clsact'; }
-# Links the agent makes: cube-dev and the TAPs/veths of prefix ctap.
-agent_links() { ip -o link show 2>/dev/null | awk -F': ' '{sub(/@.*/, "", $2); print $2}' | grep -E '^(cube-dev|ctap)' || true; }
+# Links the agent makes: cube-dev, the tc block anchor cube-blk and the
+# TAPs/veths of prefix ctap.
+agent_links() { ip -o link show 2>/dev/null | awk -F': ' '{sub(/@.*/, "", $2); print $2}' | grep -E '^(cube-dev|cube-blk|ctap)' || true; }
 
 remove() {
     [ -f "$REC" ] || { echo "quickstart --remove: nothing recorded in $REC (nothing to remove)"; return 0; }

@@ -129,7 +129,8 @@ pub struct Config {
     /// bpffs directory for this instance's pinned maps.
     pub bpf_pin_dir: PathBuf,
     /// The shared tc block every TAP's clsact ingress is bound to (its
-    /// one filter runs `from_guest` for all of them).
+    /// one filter runs `from_guest` for all of them); their egress hooks
+    /// share the (empty) block `tc_block + 1`.
     pub tc_block: u32,
     /// A persistent, down TAP of the agent's that keeps the block alive
     /// while no sandbox TAP exists.
@@ -480,10 +481,14 @@ impl Config {
                 ));
             }
         }
-        if self.tc_block == 0 {
+        if self.tc_block == 0 || self.tc_block == u32::MAX {
             return Err(invalid(
                 "tc_block",
-                "0 means no shared block to the kernel; pick 1-4294967295",
+                format!(
+                    "{} is not a block the agent can use: pick 1-4294967294 (it uses the block \
+                     and the next one)",
+                    self.tc_block
+                ),
             ));
         }
         if self.tc_block_anchor.starts_with(&self.tap_prefix) {
@@ -682,7 +687,7 @@ Options (each overrides the same key of the config file):
   --runtime-dir PATH         runtime files [default: $RUNTIME_DIRECTORY or /run/cube-network-agent]
   --datapath ebpf|none       packet datapath [default: ebpf]
   --bpf-pin-dir PATH         bpffs directory for pinned maps [default: /sys/fs/bpf/cube-network-agent]
-  --tc-block N               shared tc block of every TAP's ingress [default: 49342]
+  --tc-block N               shared tc block of every TAP's ingress (N+1: egress) [default: 49342]
   --tc-block-anchor NAME     down TAP that keeps the block alive [default: cube-blk]
   --snat-port-range LO-HI    SNAT source ports, or auto [default: auto: outside the host's ephemeral ports]
   --flow-timeout-udp SECS    idle timeout of UDP flows [default: 60] (also -tcp, -tcp-closing, -icmp)

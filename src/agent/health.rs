@@ -259,7 +259,7 @@ impl Agent {
         let node_count = node_hooks.len();
         let drifted: BTreeMap<u32, String> =
             self.drift.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let (mut hooks, owners, total_taps) = {
+        let (hooks, owners, total_taps) = {
             let views = self.views.read().unwrap_or_else(|p| p.into_inner());
             let mut hooks = node_hooks;
             let mut owners: HashMap<u32, String> = HashMap::new();
@@ -275,12 +275,18 @@ impl Agent {
             (hooks, owners, views.len())
         };
         let dp = self.datapath.clone();
-        let (checked, back) = super::off_worker(move || {
-            let r = dp.check(&hooks);
-            (r, hooks)
-        })
-        .await;
-        hooks = back;
+        let wanted = hooks.clone();
+        // Not `off_worker`: a Health call in flight when the agent stops
+        // answers "cannot check" instead of panicking the worker.
+        let checked = match tokio::task::spawn_blocking(move || dp.check(&wanted)).await {
+            Ok(r) => r,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => Err(crate::datapath::DatapathError {
+                what: "checking the datapath hooks",
+                detail: e.to_string(),
+                fatal: false,
+            }),
+        };
         let (mut missing, mut other_build) = (vec![], vec![]);
         let mut bad: HashSet<u32> = HashSet::new();
         match checked {

@@ -509,15 +509,20 @@ impl TapPool {
         let group_ok = self.nl_bg.delete_group(self.retire_group).await.is_ok();
         let mut errors = vec![];
         for &index in &indexes {
-            if group_ok && grouped.contains(&index) {
-                continue;
+            if !(group_ok && grouped.contains(&index)) {
+                match self.nl_bg.delete_link(index).await {
+                    // Gone already (a retired veth whose namespace was deleted).
+                    Err(e) if e.errno() == Some(libc::ENODEV) => {}
+                    Err(e) => {
+                        errors.push(crate::error_chain(&e));
+                        continue;
+                    }
+                    Ok(()) => {}
+                }
             }
-            match self.nl_bg.delete_link(index).await {
-                // Gone already (a retired veth whose namespace was deleted).
-                Err(e) if e.errno() == Some(libc::ENODEV) => {}
-                Err(e) => errors.push(crate::error_chain(&e)),
-                Ok(()) => {}
-            }
+            // The datapath's record of the device goes with it (the
+            // reaper only looks for leftovers now and then).
+            self.datapath.forget_attachment(index);
         }
         let deleted = indexes.len() - errors.len();
         info!(

@@ -186,6 +186,40 @@ fn install(progs: &Programs, h: &Hook) -> Result<(), DatapathError> {
     .map_err(|e| tc_err("attaching the tc filter", h, e))
 }
 
+/// The ingress binding of every `Place::Bound` hook (None for the others),
+/// a request per device on two sockets in parallel when there are many:
+/// linear in the devices, where a dump of every qdisc is quadratic.
+fn ingress_bindings(hooks: &[Hook]) -> Result<Vec<Option<tc::Binding>>, DatapathError> {
+    let ask = |part: &[Hook]| -> std::io::Result<Vec<Option<tc::Binding>>> {
+        if !part.iter().any(|h| matches!(h.place, Place::Bound(_))) {
+            return Ok(vec![None; part.len()]);
+        }
+        let mut conn = tc::Conn::new()?;
+        part.iter()
+            .map(|h| match h.place {
+                Place::Bound(_) => conn.ingress_binding(h.ifindex).map(Some),
+                _ => Ok(None),
+            })
+            .collect()
+    };
+    let r = if hooks.len() > 512 {
+        let (a, b) = hooks.split_at(hooks.len() / 2);
+        std::thread::scope(|sc| {
+            let other = sc.spawn(|| ask(b));
+            let mut first = ask(a)?;
+            first.extend(
+                other
+                    .join()
+                    .unwrap_or_else(|p| std::panic::resume_unwind(p))?,
+            );
+            Ok(first)
+        })
+    } else {
+        ask(hooks)
+    };
+    r.map_err(|e| err("reading the TAPs' clsact qdiscs", e))
+}
+
 /// What is wrong with the datapath's filter on `target`, if anything.
 fn filter_drift(target: Target, program: &str, tag: u64) -> std::io::Result<Option<String>> {
     let filters = tc::bpf_filters(target)?;
@@ -294,6 +328,12 @@ struct Reaper {
     attached: HashMap<MapData, u32, u32>,
     /// Read only: which generation owns each address now.
     by_ip: HashMap<MapData, u32, DpTap>,
+    /// `by_ip` and `tap_attached` once more, for batched dumps.
+    by_ip_dump: MapData,
+    attached_dump: MapData,
+    /// Passes so far: attachments of gone devices are looked for on
+    /// every [`GONE_CHECK_EVERY`]th (a lookup per device).
+    passes: u64,
     /// `ct` once more, for batched dumps (BPF_MAP_LOOKUP_BATCH).
     ct_dump: MapData,
     /// Host connections in the SNAT range (see `to_uplink`).
@@ -367,6 +407,10 @@ fn dump_flows<K: aya::Pod + Default, V: aya::Pod + Default>(map: &MapData) -> Op
         first = false;
     }
 }
+
+/// The reaper looks for attachments of devices that no longer exist on
+/// every this many passes (the first included): one lookup per TAP.
+const GONE_CHECK_EVERY: u64 = 15;
 
 /// The last generation handed out by this process (see [`new_generation`]).
 static LAST_GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -553,8 +597,7 @@ impl EbpfDatapath {
         for h in &node_hooks {
             install(&progs, h)?;
         }
-        let (own_filter, stale, kept) =
-            Self::take_over_taps(&progs, &mut maps.attached, node.block)?;
+        let (own_filter, stale, kept) = Self::take_over_taps(&progs, &mut maps.attached)?;
         // The old programs run nowhere now: what they wrote meanwhile, then
         // the old maps and programs go.
         plan.finish()?;
@@ -580,12 +623,16 @@ impl EbpfDatapath {
         }
         // New generations stay above the pinned ones (guards against a
         // clock that is not this boot's, e.g. another time namespace).
-        let newest = maps.by_ip.iter().flatten().map(|(_, t)| t.generation).max();
-        LAST_GENERATION.fetch_max(newest.unwrap_or(0), Ordering::Relaxed);
         let reopen = |name: &str| {
             MapData::from_pin(node.pin_dir.join(name))
                 .map_err(|e| err("re-opening a pinned map", format!("{name}: {e}")))
         };
+        let newest = dump_flows::<u32, DpTap>(&reopen("by_ip")?)
+            .unwrap_or_else(|| maps.by_ip.iter().flatten().collect())
+            .into_iter()
+            .map(|(_, t)| t.generation)
+            .max();
+        LAST_GENERATION.fetch_max(newest.unwrap_or(0), Ordering::Relaxed);
         let reaper = Reaper {
             ct: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("ct")?))
                 .map_err(|e| err("opening ct", e))?,
@@ -595,6 +642,9 @@ impl EbpfDatapath {
                 .map_err(|e| err("opening tap_attached", e))?,
             by_ip: HashMap::try_from(aya::maps::Map::HashMap(reopen("by_ip")?))
                 .map_err(|e| err("opening by_ip", e))?,
+            by_ip_dump: reopen("by_ip")?,
+            attached_dump: reopen("tap_attached")?,
+            passes: 0,
             ct_dump: reopen("ct")?,
             host_nat: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("host_nat")?))
                 .map_err(|e| err("opening host_nat", e))?,
@@ -973,56 +1023,60 @@ impl EbpfDatapath {
         Ok(())
     }
 
-    /// The TAPs and veths an earlier agent attached (`tap_attached`), as
-    /// the kernel has them now (one qdisc dump): bound to the block, they
-    /// run this build's `from_guest` already; with a qdisc and filter of
-    /// their own (a build before the shared block) the filter gets this
-    /// build's program in place; with neither they are forgotten (recovery
-    /// attaches the ones a network still uses). Returns the devices with a
-    /// filter of their own and the ones whose filter could not be replaced.
+    /// The TAPs and veths an earlier agent attached (`tap_attached`): bound
+    /// to the block (2), they run this build's `from_guest` already (and
+    /// recovery checks the binding); with a qdisc and filter of their own
+    /// (1: a build before the shared block) the filter gets this build's
+    /// program in place, one request each; gone from the kernel, they are
+    /// forgotten (recovery attaches the ones a network still uses). Returns
+    /// the devices with a filter of their own, the ones whose filter could
+    /// not be replaced, and how many devices run `from_guest`.
     fn take_over_taps(
         progs: &Programs,
         attached: &mut HashMap<MapData, u32, u32>,
-        block: u32,
     ) -> Result<(HashSet<u32>, Vec<String>, usize), DatapathError> {
-        let recorded: Vec<u32> = attached.keys().flatten().collect();
+        let recorded: Vec<(u32, u32)> = attached.iter().flatten().collect();
         let (mut own, mut stale, mut kept) = (HashSet::new(), vec![], 0);
-        if recorded.is_empty() {
-            return Ok((own, stale, kept));
-        }
-        let qdiscs = tc::clsact_qdiscs().map_err(|e| err("listing clsact qdiscs", e))?;
         let fd = prog_fd(progs, "from_guest")?;
-        for ifindex in recorded {
-            let r = match qdiscs.get(&ifindex) {
-                Some(Some(b)) if *b == block => {
+        for (ifindex, how) in recorded {
+            if how == BOUND {
+                kept += 1;
+                continue;
+            }
+            let target = Target::Device {
+                ifindex,
+                hook: TcHook::Ingress,
+            };
+            let r = match tc::replace_filter(
+                target,
+                FILTER_PRIORITY,
+                FILTER_HANDLE,
+                fd,
+                "from_guest",
+            ) {
+                Ok(()) => {
+                    own.insert(ifindex);
+                    kept += 1;
+                    attached.insert(ifindex, OWN_FILTER, 0)
+                }
+                // Bound to a shared block after all.
+                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
                     kept += 1;
                     attached.insert(ifindex, BOUND, 0)
                 }
-                Some(None) => {
-                    let target = Target::Device {
-                        ifindex,
-                        hook: TcHook::Ingress,
-                    };
-                    match tc::replace_filter(
-                        target,
-                        FILTER_PRIORITY,
-                        FILTER_HANDLE,
-                        fd,
-                        "from_guest",
-                    ) {
-                        Ok(()) => {
-                            own.insert(ifindex);
-                            kept += 1;
-                            attached.insert(ifindex, OWN_FILTER, 0)
-                        }
-                        Err(e) => {
-                            warn!(ifindex, error = %e, "could not replace an older build's from_guest filter");
-                            stale.push(format!("ifindex {ifindex}: {e}"));
-                            Ok(())
-                        }
-                    }
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINVAL | libc::ENOENT | libc::ENODEV)
+                    ) =>
+                {
+                    attached.remove(&ifindex)
                 }
-                _ => attached.remove(&ifindex),
+                Err(e) => {
+                    warn!(ifindex, error = %e, "could not replace an older build's from_guest filter");
+                    stale.push(format!("ifindex {ifindex}: {e}"));
+                    Ok(())
+                }
             };
             if let Err(e) = r {
                 warn!(ifindex, error = %crate::error_chain(&e), "updating tap_attached failed");
@@ -1247,24 +1301,28 @@ impl Datapath for EbpfDatapath {
     /// program tag with this build's. Devices that no longer exist are not
     /// reported (a missing TAP or veth is the caller's business).
     fn check(&self, hooks: &[Hook]) -> Result<Vec<(usize, String)>, DatapathError> {
-        let bound = hooks
-            .iter()
-            .filter(|h| matches!(h.place, Place::Bound(_)))
-            .count();
-        let all = if bound > 16 {
-            Some(tc::clsact_qdiscs().map_err(|e| err("listing clsact qdiscs", e))?)
-        } else {
-            None
-        };
+        let bindings = ingress_bindings(hooks)?;
+        // Hooks with no filter at all are told apart by the node's qdisc
+        // dump (taken once, only then).
+        let mut all: Option<StdHashMap<u32, Option<u32>>> = None;
         let mut out = vec![];
         for (i, h) in hooks.iter().enumerate() {
             let tag = self.tags.get(h.program).copied().unwrap_or(0);
             let drift = match h.place {
                 Place::Bound(block) => {
-                    let binding = match &all {
-                        Some(all) => all.get(&h.ifindex).copied(),
-                        None => tc::clsact_of(h.ifindex)
-                            .map_err(|e| tc_err("reading the clsact qdisc", &h.device, e))?,
+                    let binding = match bindings[i] {
+                        Some(tc::Binding::NoQdisc) | None => None,
+                        Some(tc::Binding::Block(b)) => Some(Some(b)),
+                        Some(tc::Binding::Own) => Some(None),
+                        Some(tc::Binding::NoFilter) => {
+                            if all.is_none() {
+                                all = Some(
+                                    tc::clsact_qdiscs()
+                                        .map_err(|e| err("listing clsact qdiscs", e))?,
+                                );
+                            }
+                            all.as_ref().and_then(|a| a.get(&h.ifindex).copied())
+                        }
                     };
                     match binding {
                         Some(Some(b)) if b == block => None,
@@ -1396,10 +1454,9 @@ impl Datapath for EbpfDatapath {
         let r = &mut *guard;
         // Which generation owns each address now: a flow of another one
         // belongs to a released sandbox (or an earlier owner).
-        let owners: StdHashMap<u32, u64> = r
-            .by_ip
-            .iter()
-            .flatten()
+        let owners: StdHashMap<u32, u64> = dump_flows::<u32, DpTap>(&r.by_ip_dump)
+            .unwrap_or_else(|| r.by_ip.iter().flatten().collect())
+            .into_iter()
             .map(|(ip, t)| (ip, t.generation))
             .collect();
         let mut flows = 0usize;
@@ -1440,16 +1497,17 @@ impl Datapath for EbpfDatapath {
         let (host_flows, host_removed) = Self::reap_host_flows(r, &owners, now, t);
         // Attachment records of TAPs that no longer exist.
         let (mut taps, mut own) = (0usize, 0usize);
-        let gone: Vec<u32> = r
-            .attached
-            .iter()
-            .flatten()
+        r.passes += 1;
+        let look = r.passes % GONE_CHECK_EVERY == 1;
+        let gone: Vec<u32> = dump_flows::<u32, u32>(&r.attached_dump)
+            .unwrap_or_else(|| r.attached.iter().flatten().collect())
+            .into_iter()
             .inspect(|(_, how)| {
                 taps += 1;
                 own += usize::from(*how == OWN_FILTER);
             })
             .map(|(i, _)| i)
-            .filter(|i| !link_exists(*i))
+            .filter(|i| look && !link_exists(*i))
             .collect();
         for i in &gone {
             let _ = r.attached.remove(i);

@@ -140,9 +140,9 @@ pub trait Datapath: Send + Sync {
     fn stale(&self) -> Vec<String> {
         vec![]
     }
-    /// The kernel announced that a qdisc or filter on `ifindex` was removed:
-    /// forget any belief that it still carries our filter, so the next
-    /// attach installs it again.
+    /// The kernel announced that a qdisc or filter on `ifindex` was removed
+    /// (or the agent deleted the device): forget any belief that it still
+    /// carries our filter, so the next attach installs it again.
     fn forget_attachment(&self, _ifindex: u32) {}
 }
 

@@ -28,8 +28,10 @@ const CLSACT_HANDLE: u32 = 0xFFFF_0000;
 /// Its ingress and egress hooks, as a filter's parent.
 const HOOK_INGRESS: u32 = 0xFFFF_FFF2;
 const HOOK_EGRESS: u32 = 0xFFFF_FFF3;
-/// `TCA_INGRESS_BLOCK`: the shared block a clsact's ingress hook uses.
+/// `TCA_INGRESS_BLOCK` / `TCA_EGRESS_BLOCK`: the shared blocks a clsact's
+/// hooks use.
 const TCA_INGRESS_BLOCK: u16 = 13;
+const TCA_EGRESS_BLOCK: u16 = 14;
 /// `htons(ETH_P_ALL)`, the protocol of every datapath filter.
 const ETH_P_ALL_BE: u16 = 0x0300;
 
@@ -80,45 +82,112 @@ pub struct Filter {
     pub id: u32,
 }
 
-/// One NETLINK_ROUTE request; its replies (a dump's messages, nothing for
-/// an acknowledged change). An error reply becomes its errno.
-fn request(msg: RouteNetlinkMessage, flags: u16) -> io::Result<Vec<RouteNetlinkMessage>> {
-    let mut sock = Socket::new(NETLINK_ROUTE)?;
-    sock.bind_auto()?;
-    sock.connect(&SocketAddr::new(0, 0))?;
-    let mut header = NetlinkHeader::default();
-    header.flags = NLM_F_REQUEST | flags;
-    header.sequence_number = 1;
-    let mut nl = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(msg));
-    nl.finalize();
-    let mut buf = vec![0u8; nl.buffer_len()];
-    nl.serialize(&mut buf);
-    sock.send(&buf, 0)?;
-    let dump = flags & NLM_F_DUMP == NLM_F_DUMP;
-    let mut out = vec![];
-    loop {
-        let (data, _) = sock.recv_from_full()?;
-        let mut at = 0;
-        while at < data.len() {
-            let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&data[at..])
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
-            let len = reply.header.length as usize;
-            match reply.payload {
-                NetlinkPayload::Error(e) => match e.code {
-                    Some(code) => return Err(io::Error::from_raw_os_error(-code.get())),
-                    None if !dump => return Ok(out),
-                    None => {}
-                },
-                NetlinkPayload::Done(_) => return Ok(out),
-                NetlinkPayload::InnerMessage(m) => out.push(m),
-                _ => {}
+/// A NETLINK_ROUTE socket for one request at a time (a check of thousands
+/// of devices asks on one socket instead of opening one per request).
+pub struct Conn {
+    sock: Socket,
+    seq: u32,
+}
+
+impl Conn {
+    pub fn new() -> io::Result<Self> {
+        let mut sock = Socket::new(NETLINK_ROUTE)?;
+        sock.bind_auto()?;
+        sock.connect(&SocketAddr::new(0, 0))?;
+        Ok(Self { sock, seq: 0 })
+    }
+
+    /// One request; its replies (a dump's messages, nothing for an
+    /// acknowledged change). An error reply becomes its errno.
+    fn request(
+        &mut self,
+        msg: RouteNetlinkMessage,
+        flags: u16,
+    ) -> io::Result<Vec<RouteNetlinkMessage>> {
+        self.seq = self.seq.wrapping_add(1);
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | flags;
+        header.sequence_number = self.seq;
+        let mut nl = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(msg));
+        nl.finalize();
+        let mut buf = vec![0u8; nl.buffer_len()];
+        nl.serialize(&mut buf);
+        self.sock.send(&buf, 0)?;
+        let dump = flags & NLM_F_DUMP == NLM_F_DUMP;
+        let mut out = vec![];
+        loop {
+            let (data, _) = self.sock.recv_from_full()?;
+            let mut at = 0;
+            while at < data.len() {
+                let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&data[at..])
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+                let len = reply.header.length as usize;
+                // A late reply to an earlier request of this socket.
+                let stale = reply.header.sequence_number != self.seq;
+                match reply.payload {
+                    _ if stale => {}
+                    NetlinkPayload::Error(e) => match e.code {
+                        Some(code) => return Err(io::Error::from_raw_os_error(-code.get())),
+                        None if !dump => return Ok(out),
+                        None => {}
+                    },
+                    NetlinkPayload::Done(_) => return Ok(out),
+                    NetlinkPayload::InnerMessage(m) => out.push(m),
+                    _ => {}
+                }
+                if len == 0 {
+                    break;
+                }
+                at += (len + 3) & !3;
             }
-            if len == 0 {
-                break;
-            }
-            at += (len + 3) & !3;
         }
     }
+
+    /// How `ifindex`'s ingress hook runs filters, from a dump of its
+    /// ingress filters (one short reply, whatever the number of devices:
+    /// the kernel neither answers a qdisc request for one device with a
+    /// clsact nor filters qdisc dumps by device, and a dump of every
+    /// qdisc restarts its device walk for each reply buffer, O(devices²)).
+    /// A bound hook's filters come back addressed to its block.
+    pub fn ingress_binding(&mut self, ifindex: u32) -> io::Result<Binding> {
+        let m = tc_message(ifindex as i32, 0, HOOK_INGRESS, 0);
+        let replies = match self.request(RouteNetlinkMessage::GetTrafficFilter(m), NLM_F_DUMP) {
+            Ok(r) => r,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => {
+                return Ok(Binding::NoQdisc);
+            }
+            Err(e) => return Err(e),
+        };
+        let mut any = false;
+        for r in replies {
+            if let RouteNetlinkMessage::NewTrafficFilter(m) = r {
+                any = true;
+                if m.header.index == TcHeader::TCM_IFINDEX_MAGIC_BLOCK as i32 {
+                    return Ok(Binding::Block(m.header.parent.into()));
+                }
+            }
+        }
+        Ok(if any { Binding::Own } else { Binding::NoFilter })
+    }
+}
+
+/// What a device's ingress hook is, as far as its filters tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Binding {
+    /// No clsact (or ingress) qdisc.
+    NoQdisc,
+    /// Bound to this shared block.
+    Block(u32),
+    /// A qdisc with filters of its own.
+    Own,
+    /// A qdisc whose hook has no filter at all: bound to a block without
+    /// one, or a qdisc of its own without one ([`clsact_qdiscs`] tells).
+    NoFilter,
+}
+
+/// One request on a socket of its own.
+fn request(msg: RouteNetlinkMessage, flags: u16) -> io::Result<Vec<RouteNetlinkMessage>> {
+    Conn::new()?.request(msg, flags)
 }
 
 fn tc_message(index: i32, handle: u32, parent: u32, info: u32) -> TcMessage {
@@ -131,16 +200,25 @@ fn tc_message(index: i32, handle: u32, parent: u32, info: u32) -> TcMessage {
 }
 
 /// Adds a clsact qdisc to `ifindex`, its ingress hook bound to shared block
-/// `block` when given. `Ok(false)`: the device has a clsact qdisc already
-/// (bound or not: see [`clsact_qdiscs`]).
+/// `block` when given, and then its (unused) egress hook to the shared
+/// block `block + 1`: a clsact's hook of its own registers a block of its
+/// own, and every registration walks the kernel's list of blocks
+/// (`flow_indr_dev_setup_offload`), O(devices on the node). `Ok(false)`:
+/// the device has a clsact qdisc already (bound or not: see
+/// [`clsact_qdiscs`]).
 pub fn add_clsact(ifindex: u32, block: Option<u32>) -> io::Result<bool> {
     let mut m = tc_message(ifindex as i32, CLSACT_HANDLE, TC_H_CLSACT, 0);
     m.attributes.push(TcAttribute::Kind("clsact".into()));
     if let Some(b) = block {
-        m.attributes.push(TcAttribute::Other(DefaultNla::new(
-            TCA_INGRESS_BLOCK,
-            b.to_ne_bytes().to_vec(),
-        )));
+        for (kind, index) in [
+            (TCA_INGRESS_BLOCK, b),
+            (TCA_EGRESS_BLOCK, b.wrapping_add(1)),
+        ] {
+            m.attributes.push(TcAttribute::Other(DefaultNla::new(
+                kind,
+                index.to_ne_bytes().to_vec(),
+            )));
+        }
     }
     match request(
         RouteNetlinkMessage::NewQueueDiscipline(m),
@@ -195,34 +273,16 @@ pub fn clsact_qdiscs() -> io::Result<HashMap<u32, Option<u32>>> {
 }
 
 /// One device's clsact qdisc: None if it has none, else the block its
-/// ingress hook is bound to (None inside: a qdisc of its own). The kernel
-/// answers a qdisc request for one device with nothing for clsact and does
-/// not filter qdisc dumps by device, so this asks for the device's ingress
-/// filters instead: those of a bound hook come back addressed to the block
-/// (one short reply, whatever the number of devices). A hook without any
-/// filter tells nothing: then the node's qdisc dump decides.
+/// ingress hook is bound to (None inside: a qdisc of its own). See
+/// [`Conn::ingress_binding`]; a hook without any filter is looked up in
+/// the node's qdisc dump.
 pub fn clsact_of(ifindex: u32) -> io::Result<Option<Option<u32>>> {
-    let m = tc_message(ifindex as i32, 0, HOOK_INGRESS, 0);
-    let replies = match request(RouteNetlinkMessage::GetTrafficFilter(m), NLM_F_DUMP) {
-        Ok(r) => r,
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => {
-            return Ok(None);
-        }
-        Err(e) => return Err(e),
-    };
-    let mut any = false;
-    for r in replies {
-        if let RouteNetlinkMessage::NewTrafficFilter(m) = r {
-            any = true;
-            if m.header.index == TcHeader::TCM_IFINDEX_MAGIC_BLOCK as i32 {
-                return Ok(Some(Some(m.header.parent.into())));
-            }
-        }
-    }
-    if any {
-        return Ok(Some(None));
-    }
-    Ok(clsact_qdiscs()?.get(&ifindex).copied())
+    Ok(match Conn::new()?.ingress_binding(ifindex)? {
+        Binding::NoQdisc => None,
+        Binding::Block(b) => Some(Some(b)),
+        Binding::Own => Some(None),
+        Binding::NoFilter => clsact_qdiscs()?.get(&ifindex).copied(),
+    })
 }
 
 /// Attaches `prog` as the direct-action bpf filter `priority`/`handle` on

@@ -68,7 +68,12 @@ const EXIT_INTERRUPTED: u8 = 130;
 #[derive(Debug)]
 struct Args {
     agent: PathBuf,
+    /// Another build (e.g. tests/upgrade/build-next.sh's) for the upgrade
+    /// restart; none: that phase is skipped.
+    next_agent: Option<PathBuf>,
     networks: usize,
+    /// Networks of the last cold-ensure point (the scale check).
+    networks_max: usize,
     samples: usize,
     bus_config: PathBuf,
     throughput_secs: f64,
@@ -77,9 +82,11 @@ struct Args {
 }
 
 const USAGE: &str = "\
-Usage: cube-netbench [--agent PATH] [--networks N] [--samples S] [--bus-config PATH] [--quick] [--keep]
+Usage: cube-netbench [--agent PATH] [--next-agent PATH] [--networks N] [--networks-max M] [--samples S] [--bus-config PATH] [--quick] [--keep]
   --agent PATH       agent binary [default: cube-network-agent next to this binary]
+  --next-agent PATH  another build to upgrade to in place at N networks [default: none, phase skipped]
   --networks N       networks for the fill / restart phase [default: 10000]
+  --networks-max M   networks of the last cold EnsureNetwork point [default: 3 x N]
   --samples S        latency samples per metric [default: 2000]
   --bus-config PATH  dbus-daemon config [default: tests/data/bus.conf]
   --quick            CI smoke run: N=300, S=200, 1 s throughput windows
@@ -106,7 +113,9 @@ fn default_bus_config() -> PathBuf {
 fn parse_args() -> Result<Args> {
     let mut args = Args {
         agent: default_agent(),
+        next_agent: None,
         networks: 10_000,
+        networks_max: 0,
         samples: 2_000,
         bus_config: default_bus_config(),
         throughput_secs: 3.0,
@@ -124,7 +133,9 @@ fn parse_args() -> Result<Args> {
         };
         match flag.as_str() {
             "--agent" => args.agent = value()?.into(),
+            "--next-agent" => args.next_agent = Some(value()?.into()),
             "--networks" => args.networks = number(value()?)?,
+            "--networks-max" => args.networks_max = number(value()?)?,
             "--samples" => args.samples = number(value()?)?,
             "--bus-config" => args.bus_config = value()?.into(),
             "--quick" => {
@@ -139,6 +150,12 @@ fn parse_args() -> Result<Args> {
     }
     if args.samples < 4 || args.networks == 0 {
         return Err("--samples must be >= 4 and --networks >= 1".into());
+    }
+    if args.networks_max == 0 {
+        args.networks_max = args.networks * 3;
+    }
+    if args.networks_max < args.networks {
+        return Err("--networks-max must be at least --networks".into());
     }
     Ok(args)
 }
@@ -850,8 +867,61 @@ impl SignalCounter {
 }
 
 /// Ensures `n` networks with concurrent callers; returns the wall time.
-async fn fill(conn: &Connection, n: usize) -> Result<Duration> {
-    let next = Arc::new(AtomicUsize::new(0));
+/// This process's (and so the agents') RLIMIT_NOFILE.
+fn nofile_limit() -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one live rlimit struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+        lim.rlim_cur
+    } else {
+        1024
+    }
+}
+
+/// Creates `n` persistent TAPs (not the agent's: another prefix) whose
+/// clsact qdiscs are bound to the agent's blocks, as a network's are; the
+/// namespace's deletion removes them.
+fn bound_taps(n: usize) -> Result<()> {
+    use cube_network_agent::datapath::tc;
+    let block = cube_network_agent::config::Config::default().tc_block;
+    for i in 0..n {
+        let name = format!("cnbx{i:06}");
+        drop(Tap::create(&name).map_err(|e| format!("creating {name}: {e}"))?);
+        let index =
+            nix::net::if_::if_nametoindex(name.as_str()).map_err(|e| format!("{name}: {e}"))?;
+        tc::add_clsact(index, Some(block)).map_err(|e| format!("binding {name}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Raises this process's (and so the agents') RLIMIT_NOFILE to `want`,
+/// hard limit included (root may), if it is lower.
+fn raise_nofile(want: u64) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write one live rlimit struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < want {
+            lim.rlim_cur = want;
+            lim.rlim_max = lim.rlim_max.max(want);
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                // No CAP_SYS_RESOURCE: up to the hard limit then.
+                let _ = libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+                lim.rlim_cur = lim.rlim_max;
+                libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+            }
+        }
+    }
+}
+
+/// Ensures networks `from..to` with 16 callers.
+async fn fill(conn: &Connection, from: usize, n: usize) -> Result<Duration> {
+    let next = Arc::new(AtomicUsize::new(from));
     let start = Instant::now();
     let tasks = (0..CONCURRENT_CALLERS).map(|_| {
         let (conn, next) = (conn.clone(), next.clone());
@@ -1082,12 +1152,12 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
     let n = args.networks;
     let conn = env.connect().await?;
 
-    eprintln!("[1/8] floors: durable write, TAP create");
+    eprintln!("[1/10] floors: durable write, TAP create");
     let disk = floor_durable_write(&env.tmp, (s / 4).max(10))?;
     let journal = floor_journal_append(&env.tmp, (s / 4).max(10))?;
     let tap = floor_tap_create(200.min(s))?;
 
-    eprintln!("[2/8] agent --warm-pool 64: start");
+    eprintln!("[2/10] agent --warm-pool 64: start");
     let (ns, dir) = env.new_instance()?;
     let start_empty = env.start_agent(&ns, &dir, 64, n).await?;
     let zbus = floor_ping(&conn, s).await?;
@@ -1150,7 +1220,7 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         "-",
     ));
 
-    eprintln!("[3/8] warm EnsureNetwork / ReleaseNetwork x{s}");
+    eprintln!("[3/10] warm EnsureNetwork / ReleaseNetwork x{s}");
     for i in 0..20 {
         let id = format!("bench-warmup-{i}");
         ensure(&conn, &id).await?;
@@ -1181,7 +1251,7 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
     );
 
     eprintln!(
-        "[4/8] throughput, 1 and {CONCURRENT_CALLERS} callers, {:.0} s each",
+        "[4/10] throughput, 1 and {CONCURRENT_CALLERS} callers, {:.0} s each",
         args.throughput_secs
     );
     let t1 = pair_rate(&conn, 1, args.throughput_secs).await?;
@@ -1264,7 +1334,7 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         "-",
     ));
 
-    eprintln!("[5/8] ReleaseNetwork and pairs/s with 0, 10k and 100k flows in ct");
+    eprintln!("[5/10] ReleaseNetwork and pairs/s with 0, 10k and 100k flows in ct");
     match flow_load(
         &conn,
         &dir.join("bpf"),
@@ -1327,9 +1397,10 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
     }
     env.stop_agent(nix::sys::signal::Signal::SIGTERM).await?;
 
-    eprintln!("[6/8] agent --warm-pool 0: cold EnsureNetwork x{s} with 0 networks");
+    let max = args.networks_max;
+    eprintln!("[6/10] agent --warm-pool 0: cold EnsureNetwork x{s} with 0 networks");
     let (ns, dir) = env.new_instance()?;
-    env.start_agent(&ns, &dir, 0, n).await?;
+    env.start_agent(&ns, &dir, 0, max).await?;
     let floor_cold = zbus.p50() + disk_now(env)? + tap.p50();
     let fc = format!("zbus+fdatasync+TAP {floor_cold:.0} µs");
     let cold0 = cold_ensures(&conn, "cold0", s).await?;
@@ -1344,8 +1415,8 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         .met(cold0.p50() <= 1500.0),
     );
 
-    eprintln!("[7/8] fill to {n} networks with {CONCURRENT_CALLERS} callers");
-    let fill_time = fill(&conn, n).await?;
+    eprintln!("[7/10] fill to {n} networks with {CONCURRENT_CALLERS} callers");
+    let fill_time = fill(&conn, 0, n).await?;
     rows.push(row(
         format!("fill to {n} networks ({CONCURRENT_CALLERS} callers)"),
         format!(
@@ -1357,19 +1428,16 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         "-",
         "-",
     ));
-    let floor_cold = zbus.p50() + disk_now(env)? + tap.p50();
-    let fc = format!("zbus+fdatasync+TAP {floor_cold:.0} µs");
-    let coldn = cold_ensures(&conn, "coldn", (s / 4).max(10)).await?;
-    rows.push(
-        row(
-            format!("cold EnsureNetwork, {n} nets, p50 / p99"),
-            coldn.show(),
-            fc,
-            ratio(coldn.p50(), floor_cold),
-            "p50 <= 2000 µs (10k)",
-        )
-        .met(coldn.p50() <= 2000.0),
-    );
+    cold_point(
+        env,
+        &conn,
+        rows,
+        &format!("{n} nets"),
+        &cold0,
+        (s / 4).max(10),
+        zbus.p50() + tap.p50(),
+    )
+    .await?;
     let rss = env.agent_rss_kb()?;
     rows.push(
         row(
@@ -1382,7 +1450,7 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         .met(rss as f64 / 1024.0 <= 50.0),
     );
 
-    eprintln!("[8/8] restart with {n} networks");
+    eprintln!("[8/10] restart with {n} networks");
     let killed = env.stop_agent(nix::sys::signal::Signal::SIGKILL).await?;
     rows.push(row(
         format!("SIGKILL -> agent process gone, {n} nets"),
@@ -1391,7 +1459,7 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         "-",
         "- (kernel closes every TAP fd)",
     ));
-    let after_kill = env.start_agent(&ns, &dir, 0, n).await?;
+    let after_kill = env.start_agent(&ns, &dir, 0, max).await?;
     ping(&conn).await?;
     rows.push(
         row(
@@ -1405,7 +1473,7 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
     );
     if killed < QUICK_EXIT {
         let stop = env.stop_agent(nix::sys::signal::Signal::SIGTERM).await?;
-        let after_term = env.start_agent(&ns, &dir, 0, n).await?;
+        let after_term = env.start_agent(&ns, &dir, 0, max).await?;
         rows.push(row(
             format!("SIGTERM -> exit, {n} nets"),
             ms(stop),
@@ -1432,10 +1500,226 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
             "-",
         ));
     }
+
+    if let Some(next) = &args.next_agent {
+        eprintln!(
+            "[9/10] upgrade in place to {} with {n} networks",
+            next.display()
+        );
+        let before = programs(&conn).await?;
+        env.stop_agent(nix::sys::signal::Signal::SIGTERM).await?;
+        let this = std::mem::replace(&mut env.agent_bin, next.clone());
+        let ready = env.start_agent(&ns, &dir, 0, max).await?;
+        let at_ready = Instant::now();
+        let after = programs(&conn).await?;
+        if after.get("from_guest") == before.get("from_guest") {
+            return Err(format!(
+                "--next-agent runs the same from_guest ({:?}): build one with tests/upgrade/build-next.sh",
+                after.get("from_guest")
+            ));
+        }
+        let switched = until_block_runs(&ns, &after["from_guest"], at_ready).await?;
+        env.agent_bin = this;
+        rows.push(row(
+            format!("upgrade (SIGTERM, new build): spawn -> READY, {n} nets"),
+            ms(ready),
+            "-",
+            "-",
+            "- (includes the verifier: ~1 s)",
+        ));
+        rows.push(
+            row(
+                format!("READY -> every TAP on the new from_guest, {n} nets"),
+                match switched {
+                    None => "0 ms (switched before READY)".into(),
+                    Some(d) => ms(d),
+                },
+                "-",
+                "-",
+                "<= 1000 ms",
+            )
+            .met(switched.is_none_or(|d| d <= Duration::from_secs(1))),
+        );
+    } else {
+        eprintln!("[9/10] upgrade in place: skipped (no --next-agent)");
+    }
+
+    if max > n {
+        // The agent holds one descriptor per TAP: past its RLIMIT_NOFILE
+        // (a hard limit only CAP_SYS_RESOURCE raises) the rest of the
+        // point's TAPs are the bench's own, bound to the same block, as
+        // the kernel cost that could grow is per TAP on the node.
+        let budget = nofile_limit().saturating_sub(2_000) as usize;
+        let nets = max.min(budget.max(n));
+        let extra = max - nets;
+        eprintln!(
+            "[10/10] fill to {nets} networks{}, cold EnsureNetwork again",
+            if extra > 0 {
+                format!(" + {extra} TAPs of the bench's bound to the block (RLIMIT_NOFILE)")
+            } else {
+                String::new()
+            }
+        );
+        let fill_time = fill(&conn, n, nets).await?;
+        rows.push(row(
+            format!("fill {n} -> {nets} networks ({CONCURRENT_CALLERS} callers)"),
+            format!("{:.2} s", fill_time.as_secs_f64()),
+            "-",
+            "-",
+            "-",
+        ));
+        if extra > 0 {
+            let ns2 = ns.clone();
+            tokio::task::spawn_blocking(move || in_netns(&ns2, || bound_taps(extra)))
+                .await
+                .map_err(|e| e.to_string())??;
+            rows.push(row(
+                format!(
+                    "(RLIMIT_NOFILE {} < {max}: + {extra} TAPs bound to the block by the bench)",
+                    nofile_limit()
+                ),
+                format!("{} TAPs", nets + extra),
+                "-",
+                "-",
+                "-",
+            ));
+        }
+        let label = if extra > 0 {
+            format!("{nets} nets + {extra} bound TAPs")
+        } else {
+            format!("{max} nets")
+        };
+        cold_point(
+            env,
+            &conn,
+            rows,
+            &label,
+            &cold0,
+            (s / 4).max(10),
+            zbus.p50() + tap.p50(),
+        )
+        .await?;
+    }
     // Still serving after the restarts. The agent is killed by Env's Drop
     // without waiting: with 10k TAPs its exit takes long and needs no timing.
     timed(ensure(&conn, "bench-final-0")).await?;
     Ok(())
+}
+
+/// Cold EnsureNetwork at `nets` networks, and its p50 against the same
+/// run's at 0 networks (the attach cost must not grow with the node).
+async fn cold_point(
+    env: &mut Env,
+    conn: &Connection,
+    rows: &mut Vec<Row>,
+    nets: &str,
+    cold0: &Lat,
+    samples: usize,
+    floor_no_disk: f64,
+) -> Result<()> {
+    let floor_cold = floor_no_disk + floor_journal_append(&env.tmp, (samples / 2).max(10))?.p50();
+    let phase: String = format!("cold{nets}")
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .collect();
+    let coldn = cold_ensures(conn, &phase, samples).await?;
+    rows.push(
+        row(
+            format!("cold EnsureNetwork, {nets}, p50 / p99"),
+            coldn.show(),
+            format!("zbus+fdatasync+TAP {floor_cold:.0} µs"),
+            ratio(coldn.p50(), floor_cold),
+            "p50 <= 2000 µs (10k)",
+        )
+        .met(coldn.p50() <= 2000.0),
+    );
+    let r = coldn.p50() / cold0.p50();
+    rows.push(
+        row(
+            format!("cold EnsureNetwork p50, {nets} / 0 nets"),
+            format!("{r:.2}"),
+            "-",
+            "-",
+            "<= 1.2",
+        )
+        .met(r <= 1.2),
+    );
+    Ok(())
+}
+
+/// The running agent's programs and tags (Health's datapath_programs).
+async fn programs(conn: &Connection) -> Result<HashMap<String, u64>> {
+    let (_, checks): (bool, Vec<(String, bool, String)>) = conn
+        .call_method(Some(BUS_NAME), MANAGER_PATH, Some(IFACE), "Health", &())
+        .await
+        .map_err(|e| format!("Health: {e}"))?
+        .body()
+        .deserialize()
+        .map_err(|e| format!("Health: {e}"))?;
+    let d = checks
+        .iter()
+        .find(|c| c.0 == "datapath_programs")
+        .map(|c| c.2.clone())
+        .ok_or("Health has no datapath_programs check")?;
+    let list = d
+        .strip_prefix("this build's programs: ")
+        .and_then(|r| r.split(';').next())
+        .ok_or_else(|| format!("unexpected datapath_programs: {d}"))?;
+    list.split(", ")
+        .map(|p| {
+            let (name, tag) = p.split_once(' ').ok_or_else(|| format!("bad entry {p}"))?;
+            let tag = u64::from_str_radix(tag, 16).map_err(|e| format!("{tag}: {e}"))?;
+            Ok((name.to_owned(), tag))
+        })
+        .collect()
+}
+
+/// How long after `since` the shared block's filter (every bound TAP's
+/// from_guest) ran the program tagged `tag`: None if it already did at
+/// the first look.
+async fn until_block_runs(ns: &str, tag: &u64, since: Instant) -> Result<Option<Duration>> {
+    let (ns, tag) = (ns.to_owned(), *tag);
+    let mut first = true;
+    loop {
+        let ns2 = ns.clone();
+        let now = tokio::task::spawn_blocking(move || in_netns(&ns2, block_tag))
+            .await
+            .map_err(|e| e.to_string())??;
+        if now == Some(tag) {
+            return Ok((!first).then(|| since.elapsed()));
+        }
+        first = false;
+        if since.elapsed() > Duration::from_secs(30) {
+            return Err(format!(
+                "the block still runs {now:?} 30 s after READY, not {tag:x}"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+fn block_tag() -> Result<Option<u64>> {
+    use cube_network_agent::datapath::tc;
+    let block = cube_network_agent::config::Config::default().tc_block;
+    Ok(tc::bpf_filters(tc::Target::Block(block))
+        .map_err(|e| format!("dumping the block's filters: {e}"))?
+        .first()
+        .map(|f| f.tag))
+}
+
+/// Runs `f` on a thread inside the network namespace `ns`.
+fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    let path = format!("/run/netns/{ns}");
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let fd = File::open(&path).map_err(|e| format!("{path}: {e}"))?;
+            nix::sched::setns(fd, nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(|e| format!("setns {path}: {e}"))?;
+            f()
+        })
+        .join()
+        .map_err(|_| "netns thread panicked".to_string())?
+    })
 }
 
 fn main() -> ExitCode {
@@ -1465,6 +1749,9 @@ fn main() -> ExitCode {
         eprintln!("cube-netbench: must run as root (network namespaces, TAPs)");
         return ExitCode::from(EXIT_SETUP);
     }
+    // The agents get the descriptors the shipped unit gives them
+    // (LimitNOFILE=65536) where the hard limit allows: one per TAP.
+    raise_nofile(65_536);
     machine_facts();
     println!(
         "agent: {}; N={} networks, S={} samples; bench, agent and dbus-daemon share the machine",
