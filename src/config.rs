@@ -951,10 +951,17 @@ mod tests {
             ),
             (
                 Config {
-                    tap_prefix: "cube".into(),
+                    tap_prefix: "cube-d".into(),
                     ..Default::default()
                 },
                 "gateway device",
+            ),
+            (
+                Config {
+                    tap_prefix: "cube".into(),
+                    ..Default::default()
+                },
+                "tc block anchor",
             ),
             (
                 Config {

@@ -57,6 +57,17 @@ impl Agent {
         let Some(hook) = self.datapath.tap_hook(&net.rec.tap_name, net.ifindex) else {
             return Ok(None);
         };
+        // A bound TAP runs what the shared block runs: that too.
+        if matches!(hook.place, crate::datapath::Place::Bound(_))
+            && let Some(block) = self
+                .datapath
+                .node_hooks()
+                .into_iter()
+                .find(|h| matches!(h.place, crate::datapath::Place::Block(_)))
+            && let Some(why) = self.repair_hook(&block).await?
+        {
+            return Ok(Some(format!("node: {block}: {why}; attached again")));
+        }
         Ok(self
             .repair_hook(&hook)
             .await?

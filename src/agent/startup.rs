@@ -182,8 +182,9 @@ impl Agent {
 
     /// The device that keeps the shared tc block alive: a persistent TAP
     /// of the agent's, never up, marked with [`ANCHOR_ALIAS`]. An existing
-    /// device of that name is adopted only if it is one (or a TAP without
-    /// an alias: created by an agent that stopped before marking it).
+    /// device of that name is adopted only if it is one (or a down TAP
+    /// without an alias: created by an agent that stopped before marking
+    /// it).
     async fn block_anchor(nl: &Netlink, name: &str) -> Result<LinkInfo, StartError> {
         let link = match nl.link_by_name(name).await? {
             Some(link) => link,
@@ -201,7 +202,9 @@ impl Agent {
         };
         match (link.kind.as_deref(), link.alias.as_deref()) {
             (_, Some(ANCHOR_ALIAS)) => Ok(link),
-            (Some("tun"), None) => {
+            // Created by an agent that stopped before marking it: a TAP
+            // nobody brought up (anything else of that name is not ours).
+            (Some("tun"), None) if !link.up => {
                 nl.set_link(
                     link.index,
                     crate::netlink::LinkChange {
@@ -380,8 +383,12 @@ impl Agent {
         let check = {
             let dp = self.datapath.clone();
             let wanted: Vec<Hook> = hooks.iter().map(|(_, h)| h.clone()).collect();
-            tokio::task::spawn_blocking(move || dp.check(&wanted))
+            tokio::task::spawn_blocking(move || {
+                let t = Instant::now();
+                (dp.check(&wanted), t.elapsed())
+            })
         };
+        let adopting = Instant::now();
         // Networks the adoption counted as repaired.
         let mut repaired_ids: HashSet<String> = HashSet::new();
         for (done, (rec, link)) in plan.networks.into_iter().enumerate() {
@@ -416,10 +423,17 @@ impl Agent {
                     Arc::new(AsyncMutex::new(Some(net))),
                 );
         }
-        let checked = match check.await {
+        let adopt_ms = adopting.elapsed().as_millis() as u64;
+        let (checked, check_took) = match check.await {
             Ok(result) => result,
             Err(e) => std::panic::resume_unwind(e.into_panic()),
         };
+        info!(
+            hooks = hooks.len(),
+            check_ms = check_took.as_millis() as u64,
+            adopt_ms,
+            "datapath hooks checked while the networks were adopted"
+        );
         match checked {
             Ok(missing) => {
                 for (i, why) in missing {
@@ -472,11 +486,9 @@ impl Agent {
                         .datapath
                         .tap_hook(&link.name, link.index)
                         .is_some_and(|h| matches!(h.place, crate::datapath::Place::Filter(_)))
+                        && let Err(e) = self.datapath.prepare_idle_tap(&link.name, link.index)
                     {
-                        self.datapath.forget_attachment(link.index);
-                        if let Err(e) = self.datapath.prepare_tap(&link.name, link.index) {
-                            warn!(tap = link.name, error = %e, "binding an idle TAP to the tc block failed");
-                        }
+                        warn!(tap = link.name, error = %e, "binding an idle TAP to the tc block failed");
                     }
                     self.pool.adopt_idle(PoolTap {
                         tap,

@@ -142,21 +142,62 @@ fn prog_fd<'a>(progs: &'a Programs, name: &str) -> Result<BorrowedFd<'a>, Datapa
         .ok_or_else(|| err("finding the program", name))
 }
 
-/// Binds `ifindex`'s clsact ingress hook to `block` (creating the qdisc).
-/// A device with a clsact qdisc of its own gets it replaced by a bound one:
-/// callers only ask for devices that run no datapath program there.
-fn bind(ifindex: u32, block: u32) -> Result<(), DatapathError> {
+/// How a device came to run `from_guest`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Joined {
+    /// Its clsact is bound to the shared block.
+    Bound,
+    /// It has a clsact of its own (an older build's, or one an admin made):
+    /// its filter now runs this build's `from_guest`, replaced in place.
+    OwnFilter,
+}
+
+/// Makes `ifindex` run `from_guest`: creates its clsact qdisc bound to
+/// `block`. A device that has a clsact already is never left without a
+/// program: bound to `block`, nothing to do; a qdisc of its own gets the
+/// filter replaced in place; bound to another block, the qdisc is
+/// replaced only if `idle` (the anchor, a pool TAP nobody else ever
+/// held), else it is an error (`tc_block` changed under live TAPs).
+fn bind(progs: &Programs, ifindex: u32, block: u32, idle: bool) -> Result<Joined, DatapathError> {
     let what = "binding the clsact qdisc to the tc block";
     if tc::add_clsact(ifindex, Some(block)).map_err(|e| tc_err(what, ifindex, e))? {
-        return Ok(());
+        return Ok(Joined::Bound);
     }
     match tc::clsact_of(ifindex).map_err(|e| tc_err(what, ifindex, e))? {
-        Some(Some(b)) if b == block => Ok(()),
+        Some(Some(b)) if b == block => Ok(Joined::Bound),
+        Some(None) if !idle => {
+            let target = Target::Device {
+                ifindex,
+                hook: TcHook::Ingress,
+            };
+            tc::replace_filter(
+                target,
+                FILTER_PRIORITY,
+                FILTER_HANDLE,
+                prog_fd(progs, "from_guest")?,
+                "from_guest",
+            )
+            .map_err(|e| tc_err("attaching the tc filter", ifindex, e))?;
+            Ok(Joined::OwnFilter)
+        }
+        Some(Some(b)) if !idle => Err(err(
+            what,
+            format!(
+                "ifindex {ifindex} is bound to tc block {b}, not {block} (was tc_block changed \
+                 while sandboxes ran? their TAPs keep block {b} until they are released)"
+            ),
+        )),
+        // Idle, or a qdisc that went meanwhile: nothing runs there.
         _ => {
             tc::del_clsact(ifindex).map_err(|e| tc_err(what, ifindex, e))?;
-            tc::add_clsact(ifindex, Some(block))
-                .map(|_| ())
-                .map_err(|e| tc_err(what, ifindex, e))
+            if tc::add_clsact(ifindex, Some(block)).map_err(|e| tc_err(what, ifindex, e))? {
+                Ok(Joined::Bound)
+            } else {
+                Err(err(
+                    what,
+                    format!("ifindex {ifindex} has an ingress qdisc that is not a clsact"),
+                ))
+            }
         }
     }
 }
@@ -165,7 +206,8 @@ fn bind(ifindex: u32, block: u32) -> Result<(), DatapathError> {
 /// place) a filter with this build's program.
 fn install(progs: &Programs, h: &Hook) -> Result<(), DatapathError> {
     let target = match h.place {
-        Place::Bound(block) => return bind(h.ifindex, block),
+        // Only the anchor is installed this way (TAPs: `ensure_filter`).
+        Place::Bound(block) => return bind(progs, h.ifindex, block, true).map(|_| ()),
         Place::Block(block) => Target::Block(block),
         Place::Filter(hook) => {
             tc::add_clsact(h.ifindex, None)
@@ -217,7 +259,7 @@ fn ingress_bindings(hooks: &[Hook]) -> Result<Vec<Option<tc::Binding>>, Datapath
     } else {
         ask(hooks)
     };
-    r.map_err(|e| err("reading the TAPs' clsact qdiscs", e))
+    r.map_err(|e| err("asking the TAPs' ingress filters", e))
 }
 
 /// What is wrong with the datapath's filter on `target`, if anything.
@@ -273,7 +315,7 @@ fn pinned_programs(
     let mut out = StdHashMap::new();
     for name in PROGRAMS {
         let p = SchedClassifier::from_pin(dir.join(name)).ok()?;
-        let ids = p.info().ok()?.map_ids().ok()??;
+        let ids = super::pins::prog_map_ids(p.fd().ok()?.as_fd()).ok()?;
         if ids.is_empty() || !ids.iter().all(|i| maps.contains(i)) {
             return None;
         }
@@ -464,8 +506,13 @@ pub struct EbpfDatapath {
     /// own (this build's program replaced in place at load).
     own_filter: Mutex<HashSet<u32>>,
     /// Of those, the ones whose filter could not be replaced: they run
-    /// another build's program (Health says so until they go).
-    stale: Vec<String>,
+    /// another build's program (Health says so until they converge).
+    stale: Mutex<Vec<(u32, String)>>,
+    /// The kernel announced a removal on the block or its anchor: put
+    /// them back before the next TAP joins (see `repair_block_if_lost`).
+    block_lost: std::sync::atomic::AtomicBool,
+    /// `tap_attached`, for forgetting a device without `inner`.
+    attached_forget: MapData,
     /// Pinned maps migrated or recreated at load (layout changed).
     migrated: Vec<String>,
     /// Whether host -> 127.x:host_port mappings can work.
@@ -510,12 +557,17 @@ impl EbpfDatapath {
         let plan = super::pins::plan(&node.pin_dir)?;
         let migrated = plan.changes();
         plan.set_aside()?;
+        // Until the switch below, a failure puts the old pins back (the
+        // previous build can start again as if nothing happened).
+        let mut undo = super::pins::Undo::new(&plan);
         let mut loader = EbpfLoader::new();
         loader.default_map_pin_directory(&node.pin_dir);
         let mut bpf = loader
             .load(OBJECT)
             .map_err(|e| err("loading the eBPF object", crate::error_chain(&e)))?;
-        let (progs, tags) = Self::programs(&mut bpf, &node.pin_dir, plan.changes().is_empty())?;
+        let loading = std::time::Instant::now();
+        let (progs, tags, reused) =
+            Self::programs(&mut bpf, &node.pin_dir, plan.changes().is_empty())?;
         // The old entries, before the new programs see a packet.
         plan.migrate()?;
         let mut maps = Maps {
@@ -594,13 +646,30 @@ impl EbpfDatapath {
                 program: "to_uplink",
             });
         }
-        for h in &node_hooks {
-            install(&progs, h)?;
+        // The switch: from here on a failure is fatal (the agent must not
+        // run a half-switched datapath; the next start takes it up again).
+        undo.disarm();
+        let fatal = |mut e: DatapathError| {
+            e.fatal = true;
+            e
+        };
+        // Every TAP first (the anchor and the block's filter: all bound
+        // TAPs at once; then those with a filter of their own), the node
+        // devices after.
+        for h in &node_hooks[..2] {
+            install(&progs, h).map_err(fatal)?;
         }
-        let (own_filter, stale, kept) = Self::take_over_taps(&progs, &mut maps.attached)?;
+        let TakenOver {
+            own: own_filter,
+            stale,
+            kept,
+        } = Self::take_over_taps(&progs, &mut maps.attached).map_err(fatal)?;
+        for h in &node_hooks[2..] {
+            install(&progs, h).map_err(fatal)?;
+        }
         // The old programs run nowhere now: what they wrote meanwhile, then
         // the old maps and programs go.
-        plan.finish()?;
+        plan.finish().map_err(fatal)?;
         Self::drop_other_builds(&node.pin_dir);
         // Replies to the host's own connections to 127.x:host_port are
         // redirected into lo as fresh packets that need a route lookup:
@@ -655,6 +724,7 @@ impl EbpfDatapath {
             hrev: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("hrev")?))
                 .map_err(|e| err("opening hrev", e))?,
         };
+        let attached_forget = reopen("tap_attached")?;
         let names: Vec<String> = node_hooks.iter().map(Hook::to_string).collect();
         info!(
             pin_dir = %node.pin_dir.display(),
@@ -662,6 +732,8 @@ impl EbpfDatapath {
             from_guest_tag = format!("{:016x}", tags["from_guest"]),
             own_filter = own_filter.len(),
             migrated = ?migrated,
+            programs = if reused { "pinned by an earlier start of this build" } else { "loaded and verified" },
+            elapsed_ms = loading.elapsed().as_millis() as u64,
             "eBPF datapath loaded"
         );
         let dp = Self {
@@ -681,7 +753,9 @@ impl EbpfDatapath {
             node_hooks,
             tags,
             own_filter: Mutex::new(own_filter),
-            stale,
+            stale: Mutex::new(stale),
+            block_lost: Default::default(),
+            attached_forget,
             migrated,
             localnet,
         };
@@ -699,7 +773,7 @@ impl EbpfDatapath {
         bpf: &mut Ebpf,
         pin_dir: &Path,
         maps_kept: bool,
-    ) -> Result<(Programs, StdHashMap<&'static str, u64>), DatapathError> {
+    ) -> Result<(Programs, StdHashMap<&'static str, u64>, bool), DatapathError> {
         let (mut progs, mut tags) = (Programs::new(), StdHashMap::new());
         let mut keep = |name: &'static str, p: &SchedClassifier| -> Result<(), DatapathError> {
             let info = p.info().map_err(|e| err("reading a program's tag", e))?;
@@ -718,7 +792,7 @@ impl EbpfDatapath {
                 keep(name, p)?;
             }
             debug!(dir = %dir.display(), "this build's pinned programs reused");
-            return Ok((progs, tags));
+            return Ok((progs, tags, true));
         }
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| err("pinning the programs", e))?;
@@ -738,7 +812,7 @@ impl EbpfDatapath {
                 .map_err(|e| err("pinning the programs", format!("{name}: {e}")))?;
             keep(name, p)?;
         }
-        Ok((progs, tags))
+        Ok((progs, tags, false))
     }
 
     /// Unpins the programs of other builds: nothing runs them any more
@@ -1009,17 +1083,60 @@ impl EbpfDatapath {
     /// build's filter of its own).
     fn ensure_filter(&self, inner: &mut Inner, ifindex: u32) -> Result<(), DatapathError> {
         if inner.maps.attached.get(&ifindex, 0).is_err() {
-            bind(ifindex, self.node.block)?;
-            self.own_filter
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&ifindex);
-            inner
-                .maps
-                .attached
-                .insert(ifindex, BOUND, 0)
-                .map_err(|e| err("recording the attachment", e))?;
+            self.join(inner, ifindex, false)?;
         }
+        Ok(())
+    }
+
+    /// Binds a device (see [`bind`]) and records how it runs `from_guest`.
+    fn join(&self, inner: &mut Inner, ifindex: u32, idle: bool) -> Result<(), DatapathError> {
+        self.repair_block_if_lost()?;
+        let joined = bind(&self.progs, ifindex, self.node.block, idle)?;
+        {
+            let mut own = self.own_filter.lock().unwrap_or_else(|p| p.into_inner());
+            if joined == Joined::OwnFilter {
+                own.insert(ifindex);
+            } else {
+                own.remove(&ifindex);
+            }
+        }
+        self.stale
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(i, _)| *i != ifindex);
+        inner
+            .maps
+            .attached
+            .insert(
+                ifindex,
+                if joined == Joined::Bound {
+                    BOUND
+                } else {
+                    OWN_FILTER
+                },
+                0,
+            )
+            .map_err(|e| err("recording the attachment", e))
+    }
+
+    /// After the kernel announced a removal on the block or its anchor:
+    /// puts the anchor's binding and the block's filter back before a TAP
+    /// joins, so that no TAP binds an empty block (a block dies with its
+    /// last qdisc, and a new one has no filter).
+    fn repair_block_if_lost(&self) -> Result<(), DatapathError> {
+        if !self.block_lost.swap(false, Ordering::AcqRel) {
+            return Ok(());
+        }
+        for h in self.node_hooks.iter().take(2) {
+            if let Err(e) = install(&self.progs, h) {
+                self.block_lost.store(true, Ordering::Release);
+                return Err(err(
+                    "the shared tc block",
+                    format!("{h}: {e} (a TAP would run no program: restart the agent)"),
+                ));
+            }
+        }
+        info!("the tc block's anchor and filter put back");
         Ok(())
     }
 
@@ -1034,7 +1151,7 @@ impl EbpfDatapath {
     fn take_over_taps(
         progs: &Programs,
         attached: &mut HashMap<MapData, u32, u32>,
-    ) -> Result<(HashSet<u32>, Vec<String>, usize), DatapathError> {
+    ) -> Result<TakenOver, DatapathError> {
         let recorded: Vec<(u32, u32)> = attached.iter().flatten().collect();
         let (mut own, mut stale, mut kept) = (HashSet::new(), vec![], 0);
         let fd = prog_fd(progs, "from_guest")?;
@@ -1074,7 +1191,11 @@ impl EbpfDatapath {
                 }
                 Err(e) => {
                     warn!(ifindex, error = %e, "could not replace an older build's from_guest filter");
-                    stale.push(format!("ifindex {ifindex}: {e}"));
+                    // Its own filter still runs the older program: the
+                    // check compares tags and Reconcile replaces it.
+                    own.insert(ifindex);
+                    kept += 1;
+                    stale.push((ifindex, format!("ifindex {ifindex}: {e}")));
                     Ok(())
                 }
             };
@@ -1088,8 +1209,17 @@ impl EbpfDatapath {
                 "TAPs attached by an older build keep their own filter, now with this build's from_guest"
             );
         }
-        Ok((own, stale, kept))
+        Ok(TakenOver { own, stale, kept })
     }
+}
+
+/// What `take_over_taps` found: devices with a filter of their own, those
+/// whose filter could not be replaced (ifindex, why), and how many run
+/// `from_guest`.
+struct TakenOver {
+    own: HashSet<u32>,
+    stale: Vec<(u32, String)>,
+    kept: usize,
 }
 
 /// Whether a network device with this ifindex exists in our namespace.
@@ -1274,6 +1404,11 @@ impl Datapath for EbpfDatapath {
         self.ensure_filter(&mut guard, tap_ifindex)
     }
 
+    fn prepare_idle_tap(&self, _tap_name: &str, tap_ifindex: u32) -> Result<(), DatapathError> {
+        let mut guard = self.lock();
+        self.join(&mut guard, tap_ifindex, true)
+    }
+
     fn node_hooks(&self) -> Vec<Hook> {
         self.node_hooks.clone()
     }
@@ -1296,10 +1431,10 @@ impl Datapath for EbpfDatapath {
         })
     }
 
-    /// Bindings from one qdisc dump when many devices are asked about (a
-    /// request per device for a few); filters one dump each, compared by
-    /// program tag with this build's. Devices that no longer exist are not
-    /// reported (a missing TAP or veth is the caller's business).
+    /// Bindings from a filter request per device (two sockets in parallel
+    /// for many); filters one dump each, compared by program tag with this
+    /// build's. TAPs and veths that no longer exist are not reported (the
+    /// caller's business); node devices are.
     fn check(&self, hooks: &[Hook]) -> Result<Vec<(usize, String)>, DatapathError> {
         let bindings = ingress_bindings(hooks)?;
         // Hooks with no filter at all are told apart by the node's qdisc
@@ -1349,41 +1484,41 @@ impl Datapath for EbpfDatapath {
                     }
                 }
             };
-            if let Some(d) = drift
-                && (h.ifindex == BLOCK_IFINDEX || link_exists(h.ifindex))
-            {
-                out.push((i, d));
+            // A TAP or veth that is gone is the caller's business; a node
+            // device that is gone (the anchor above all) is reported.
+            if let Some(d) = drift {
+                if h.ifindex == BLOCK_IFINDEX || link_exists(h.ifindex) {
+                    out.push((i, d));
+                } else if self.node_hooks.contains(h) {
+                    out.push((
+                        i,
+                        format!("device gone ({d}); restart the agent to recreate it"),
+                    ));
+                }
             }
         }
         Ok(out)
     }
 
     fn reattach(&self, hook: &Hook) -> Result<(), DatapathError> {
-        let mut guard = self.lock();
-        let inner = &mut *guard;
-        let tap = hook.program == "from_guest" && !matches!(hook.place, Place::Block(_));
-        if tap && hook.ifindex != self.node.anchor.1 {
-            let _ = inner.maps.attached.remove(&hook.ifindex);
-        }
-        install(&self.progs, hook)?;
-        if tap && hook.ifindex != self.node.anchor.1 {
-            let how = match hook.place {
-                Place::Bound(_) => BOUND,
-                _ => OWN_FILTER,
-            };
-            inner
-                .maps
-                .attached
-                .insert(hook.ifindex, how, 0)
-                .map_err(|e| err("recording the attachment", e))?;
+        let tap = hook.program == "from_guest"
+            && !matches!(hook.place, Place::Block(_))
+            && hook.ifindex != self.node.anchor.1;
+        if tap {
+            let mut guard = self.lock();
+            self.join(&mut guard, hook.ifindex, false)?;
+        } else {
+            install(&self.progs, hook)?;
         }
         info!(%hook, "datapath hook attached again");
         Ok(())
     }
 
     fn forget_attachment(&self, ifindex: u32) {
-        let mut guard = self.lock();
-        let _ = guard.maps.attached.remove(&ifindex);
+        if ifindex == BLOCK_IFINDEX || ifindex == self.node.anchor.1 {
+            self.block_lost.store(true, Ordering::Release);
+        }
+        super::pins::delete_u32(&self.attached_forget, ifindex);
         self.own_filter
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -1401,7 +1536,12 @@ impl Datapath for EbpfDatapath {
     }
 
     fn stale(&self) -> Vec<String> {
-        self.stale.clone()
+        self.stale
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(_, s)| s.clone())
+            .collect()
     }
 
     fn detach(&self, sb: &SandboxPath<'_>) -> Result<(), DatapathError> {

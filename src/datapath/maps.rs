@@ -271,8 +271,8 @@ pub enum Keep {
     /// entries are migrated into the new layout (see `pins.rs`), or the
     /// agent refuses to start.
     Durable,
-    /// Rewritten at every start (`config`, `tap_attached`) or short-lived
-    /// (`frags`): a map of another layout is simply recreated.
+    /// Rewritten at every start (`config`) or short-lived (`frags`): a map
+    /// of another layout is simply recreated.
     Rebuilt,
 }
 
@@ -377,7 +377,8 @@ pub const PINNED: &[PinnedMap] = {
             FLOW_MAP_ENTRIES,
             Durable,
         ),
-        pinned("tap_attached", Hash, 4, 4, SANDBOX_MAP_ENTRIES, Rebuilt),
+        // The only record of which TAPs an older build attached.
+        pinned("tap_attached", Hash, 4, 4, SANDBOX_MAP_ENTRIES, Durable),
         pinned(
             "host_nat",
             LruHash,

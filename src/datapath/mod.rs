@@ -105,6 +105,12 @@ pub trait Datapath: Send + Sync {
     fn prepare_tap(&self, _tap_name: &str, _tap_ifindex: u32) -> Result<(), DatapathError> {
         Ok(())
     }
+    /// [`Datapath::prepare_tap`] for a TAP nobody but the agent ever held
+    /// (an idle pool TAP): a qdisc of another kind may be replaced, as no
+    /// traffic can be on it.
+    fn prepare_idle_tap(&self, tap_name: &str, tap_ifindex: u32) -> Result<(), DatapathError> {
+        self.prepare_tap(tap_name, tap_ifindex)
+    }
     /// What this datapath keeps attached for the node: filters on node
     /// devices (uplink, lo, the gateway device), the shared block's filter
     /// and the anchor device's binding.

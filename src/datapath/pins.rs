@@ -93,7 +93,16 @@ fn copy(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
 /// `hflow` and are dropped; their hosts' connections continue as new flows.
 fn ct_v1(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
     const DP_CT_LOCAL: u8 = 2;
-    if v.len() != 24 || v[10] == DP_CT_LOCAL {
+    if v.get(10) == Some(&DP_CT_LOCAL) {
+        return None;
+    }
+    host_nat_v1(k, v)
+}
+
+/// `host_nat` of the builds before 32-byte flow values: the same value
+/// layout as [`ct_v1`] (its kind 2 is no host flow there: kept).
+fn host_nat_v1(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
+    if v.len() != 24 {
         return None;
     }
     let mut out = v.to_vec();
@@ -103,7 +112,7 @@ fn ct_v1(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
 }
 
 /// The conversions this build knows: (map, old value size, how).
-const CONVERSIONS: &[(&str, usize, Convert)] = &[("ct", 24, ct_v1)];
+const CONVERSIONS: &[(&str, usize, Convert)] = &[("ct", 24, ct_v1), ("host_nat", 24, host_nat_v1)];
 
 /// What happens to one map.
 #[derive(Debug)]
@@ -231,7 +240,13 @@ impl Plan {
                     std::fs::rename(&live, aside(&self.dir, m.name))
                 }
                 Action::Migrate { .. } => Ok(()),
-                Action::Recreate => std::fs::remove_file(&live),
+                Action::Recreate => {
+                    let _ = std::fs::remove_file(aside(&self.dir, m.name));
+                    match std::fs::remove_file(&live) {
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+                        r => r,
+                    }
+                }
             };
             r.map_err(|e| DatapathError {
                 what: "pinned map layout",
@@ -293,6 +308,43 @@ impl Plan {
             info!(maps = ?done, "pinned maps migrated to this build's layout");
         }
         Ok(())
+    }
+}
+
+/// Puts the set-aside pins back if dropped armed: a load that fails before
+/// the switch leaves the pin directory as the previous build left it.
+pub struct Undo<'a> {
+    plan: &'a Plan,
+    armed: bool,
+}
+
+impl<'a> Undo<'a> {
+    pub fn new(plan: &'a Plan) -> Self {
+        Self { plan, armed: true }
+    }
+
+    pub fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Undo<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        for (m, action, _) in &self.plan.steps {
+            if let Action::Migrate { .. } = action {
+                let live = self.plan.dir.join(m.name);
+                let old = aside(&self.plan.dir, m.name);
+                if old.exists() {
+                    let _ = std::fs::remove_file(&live);
+                    if let Err(e) = std::fs::rename(&old, &live) {
+                        warn!(map = m.name, error = %e, "could not put the old pin back");
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -358,6 +410,109 @@ fn value_bytes(kind: MapType, value: usize) -> io::Result<usize> {
     }
 }
 
+/// A map's (key, value) pairs, raw bytes.
+type Entries = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// Every (key, value) of a hash or array map, a few thousand per
+/// BPF_MAP_LOOKUP_BATCH call (a consistent walk even while programs add
+/// and evict entries); None if the kernel refuses batches for this map.
+fn dump_batch(fd: BorrowedFd<'_>, key: usize, value: usize) -> io::Result<Option<Entries>> {
+    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+    const CHUNK: usize = 1024;
+    #[repr(C)]
+    #[derive(Default)]
+    struct BatchAttr {
+        in_batch: u64,
+        out_batch: u64,
+        keys: u64,
+        values: u64,
+        count: u32,
+        map_fd: u32,
+        elem_flags: u64,
+        flags: u64,
+    }
+    let mut keys = vec![0u8; key * CHUNK];
+    let mut vals = vec![0u8; value * CHUNK];
+    let (mut token_in, mut token_out) = (0u32, 0u32);
+    let mut first = true;
+    let mut out = vec![];
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { &raw const token_in as u64 },
+            out_batch: &raw mut token_out as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: vals.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: fd.as_raw_fd() as u32,
+            ..Default::default()
+        };
+        // SAFETY: bpf(2) BPF_MAP_LOOKUP_BATCH with buffers for CHUNK keys
+        // and values of the map's sizes (from its info; per-CPU values
+        // sized for every possible CPU) and two u32 batch tokens, all
+        // alive for the call; the kernel writes at most `count` entries.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_LOOKUP_BATCH,
+                &raw mut attr,
+                size_of::<BatchAttr>() as u32,
+            )
+        };
+        let errno = io::Error::last_os_error();
+        let n = (attr.count as usize).min(CHUNK);
+        if rc == 0 || errno.raw_os_error() == Some(libc::ENOENT) {
+            for i in 0..n {
+                out.push((
+                    keys[i * key..(i + 1) * key].to_vec(),
+                    vals[i * value..(i + 1) * value].to_vec(),
+                ));
+            }
+        }
+        if rc != 0 {
+            return match errno.raw_os_error() {
+                Some(libc::ENOENT) => Ok(Some(out)),
+                Some(libc::EINVAL | libc::ENOTSUP | libc::EOPNOTSUPP) if first => Ok(None),
+                _ => Err(errno),
+            };
+        }
+        token_in = token_out;
+        first = false;
+    }
+}
+
+/// Every entry one by one (maps without batches: LPM tries, small).
+fn dump_walk(fd: BorrowedFd<'_>, key: usize, value: usize) -> io::Result<Entries> {
+    let (mut cur, mut next) = (vec![0u8; key], vec![0u8; key]);
+    let mut v = vec![0u8; value];
+    let mut out = vec![];
+    let mut first = true;
+    loop {
+        let prev = if first {
+            std::ptr::null()
+        } else {
+            cur.as_ptr()
+        };
+        match bpf_elem(BPF_MAP_GET_NEXT_KEY, fd, prev, next.as_mut_ptr() as u64, 0) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
+            Err(e) => return Err(e),
+        }
+        first = false;
+        cur.copy_from_slice(&next);
+        match bpf_elem(
+            BPF_MAP_LOOKUP_ELEM,
+            fd,
+            cur.as_ptr(),
+            v.as_mut_ptr() as u64,
+            0,
+        ) {
+            Ok(()) => out.push((cur.clone(), v.clone())),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Copies every entry of `from` into `to` through `convert`, never over an
 /// entry `to` has. (copied, dropped).
 fn copy_entries(from: &Path, to: &Path, convert: Convert) -> io::Result<(usize, usize)> {
@@ -365,43 +520,19 @@ fn copy_entries(from: &Path, to: &Path, convert: Convert) -> io::Result<(usize, 
     let dst = MapData::from_pin(to).map_err(|e| io::Error::other(crate::error_chain(&e)))?;
     let (sl, dl) = (Layout::read(from)?, Layout::read(to)?);
     let (sfd, dfd) = (src.fd().as_fd(), dst.fd().as_fd());
-    let (mut key, mut next) = (vec![0u8; sl.key], vec![0u8; sl.key]);
-    let mut value = vec![0u8; value_bytes(sl.kind, sl.value)?];
-    let per_cpu = value.len() != sl.value;
+    let value = value_bytes(sl.kind, sl.value)?;
+    let per_cpu = value != sl.value;
     let array = matches!(sl.kind, MapType::Array | MapType::PerCpuArray);
+    let entries = match dump_batch(sfd, sl.key, value)? {
+        Some(e) => e,
+        None => dump_walk(sfd, sl.key, value)?,
+    };
     let (mut copied, mut dropped) = (0, 0);
-    let mut first = true;
-    loop {
-        let prev = if first {
-            std::ptr::null()
-        } else {
-            key.as_ptr()
-        };
-        match bpf_elem(BPF_MAP_GET_NEXT_KEY, sfd, prev, next.as_mut_ptr() as u64, 0) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => break,
-            Err(e) => return Err(e),
-        }
-        first = false;
-        key.copy_from_slice(&next);
-        match bpf_elem(
-            BPF_MAP_LOOKUP_ELEM,
-            sfd,
-            key.as_ptr(),
-            value.as_mut_ptr() as u64,
-            0,
-        ) {
-            Ok(()) => {}
-            // Gone since (an LRU eviction, the reaper).
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
-            Err(e) => return Err(e),
-        }
-        if per_cpu {
-            // Only arrays of equal value size are copied per CPU.
-            if dl.value != sl.value {
-                dropped += 1;
-                continue;
-            }
+    for (key, value) in entries {
+        // Only maps of equal value size are copied per CPU.
+        if per_cpu && dl.value != sl.value {
+            dropped += 1;
+            continue;
         }
         let Some((k, v)) = convert(&key, &value) else {
             dropped += 1;
@@ -426,7 +557,74 @@ fn copy_entries(from: &Path, to: &Path, convert: Convert) -> io::Result<(usize, 
     Ok((copied, dropped))
 }
 
-/// For the layout-migration test: the layout of a pin.
-pub fn layout(path: &Path) -> io::Result<Layout> {
-    Layout::read(path)
+/// The ids of the maps a loaded program uses, asked through its fd
+/// (aya's `ProgramInfo::map_ids` reopens the program by id, which needs
+/// CAP_SYS_ADMIN: the shipped unit does not grant it).
+pub fn prog_map_ids(fd: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    /// struct bpf_prog_info up to and including `map_ids` (the kernel
+    /// fills what the caller's size covers).
+    #[repr(C)]
+    #[derive(Default)]
+    struct ProgInfo {
+        kind: u32,
+        id: u32,
+        tag: [u8; 8],
+        jited_prog_len: u32,
+        xlated_prog_len: u32,
+        jited_prog_insns: u64,
+        xlated_prog_insns: u64,
+        load_time: u64,
+        created_by_uid: u32,
+        nr_map_ids: u32,
+        map_ids: u64,
+    }
+    #[repr(C)]
+    struct InfoAttr {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    let call = |info: &mut ProgInfo| -> io::Result<()> {
+        let mut attr = InfoAttr {
+            bpf_fd: fd.as_raw_fd() as u32,
+            info_len: size_of::<ProgInfo>() as u32,
+            info: std::ptr::from_mut(info) as u64,
+        };
+        // SAFETY: bpf(2) BPF_OBJ_GET_INFO_BY_FD with an attr pointing at a
+        // ProgInfo of the size it states, whose `map_ids` (when set) points
+        // at a buffer of `nr_map_ids` u32s; all alive for the call.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_OBJ_GET_INFO_BY_FD,
+                &raw mut attr,
+                size_of::<InfoAttr>() as u32,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    };
+    let mut info = ProgInfo::default();
+    call(&mut info)?;
+    let mut ids = vec![0u32; info.nr_map_ids as usize];
+    let mut again = ProgInfo {
+        nr_map_ids: info.nr_map_ids,
+        map_ids: ids.as_mut_ptr() as u64,
+        ..Default::default()
+    };
+    call(&mut again)?;
+    ids.truncate(again.nr_map_ids.min(info.nr_map_ids) as usize);
+    Ok(ids)
+}
+
+/// Deletes the entry `key` of a map with u32 keys (none there: nothing to
+/// do); needs no lock of the caller's (map operations are atomic).
+pub fn delete_u32(map: &MapData, key: u32) {
+    const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+    let k = key.to_ne_bytes();
+    let _ = bpf_elem(BPF_MAP_DELETE_ELEM, map.fd().as_fd(), k.as_ptr(), 0, 0);
 }

@@ -33,7 +33,7 @@ const HOOK_EGRESS: u32 = 0xFFFF_FFF3;
 const TCA_INGRESS_BLOCK: u16 = 13;
 const TCA_EGRESS_BLOCK: u16 = 14;
 /// `htons(ETH_P_ALL)`, the protocol of every datapath filter.
-const ETH_P_ALL_BE: u16 = 0x0300;
+const ETH_P_ALL_BE: u16 = (libc::ETH_P_ALL as u16).to_be();
 
 /// Where a filter is attached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -146,9 +146,11 @@ impl Conn {
     /// How `ifindex`'s ingress hook runs filters, from a dump of its
     /// ingress filters (one short reply, whatever the number of devices:
     /// the kernel neither answers a qdisc request for one device with a
-    /// clsact nor filters qdisc dumps by device, and a dump of every
-    /// qdisc restarts its device walk for each reply buffer, O(devices²)).
-    /// A bound hook's filters come back addressed to its block.
+    /// clsact (it multicasts it) nor filters qdisc dumps by device, and a
+    /// dump of every qdisc restarts its device walk for each reply buffer,
+    /// O(devices²)). A bound hook's filters come back addressed to its
+    /// block. A device without an ingress qdisc answers with an empty dump,
+    /// like a hook without filters: [`Binding::NoFilter`].
     pub fn ingress_binding(&mut self, ifindex: u32) -> io::Result<Binding> {
         let m = tc_message(ifindex as i32, 0, HOOK_INGRESS, 0);
         let replies = match self.request(RouteNetlinkMessage::GetTrafficFilter(m), NLM_F_DUMP) {
@@ -174,14 +176,15 @@ impl Conn {
 /// What a device's ingress hook is, as far as its filters tell.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Binding {
-    /// No clsact (or ingress) qdisc.
+    /// No such device, or one without an ingress qdisc that the kernel
+    /// reports as such (most answer with an empty dump: `NoFilter`).
     NoQdisc,
     /// Bound to this shared block.
     Block(u32),
     /// A qdisc with filters of its own.
     Own,
-    /// A qdisc whose hook has no filter at all: bound to a block without
-    /// one, or a qdisc of its own without one ([`clsact_qdiscs`] tells).
+    /// No filter at all: no ingress qdisc, one bound to a block without a
+    /// filter, or one of its own without one ([`clsact_qdiscs`] tells).
     NoFilter,
 }
 
@@ -310,17 +313,6 @@ pub fn replace_filter(
         NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE,
     )
     .map(|_| ())
-}
-
-/// Deletes the filters of `priority` on `target` (none there: not an error).
-pub fn del_filter(target: Target, priority: u16) -> io::Result<()> {
-    let (index, parent) = target.header();
-    let info = (u32::from(priority) << 16) | u32::from(ETH_P_ALL_BE);
-    let m = tc_message(index, 0, parent, info);
-    match request(RouteNetlinkMessage::DelTrafficFilter(m), NLM_F_ACK) {
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => Ok(()),
-        other => other.map(|_| ()),
-    }
 }
 
 /// The bpf filters on `target`. A device without a clsact qdisc (or a
