@@ -296,6 +296,49 @@ pub fn watch_tc_removals(
     Ok(())
 }
 
+/// A link change the kernel announced on RTNLGRP_LINK: the device's state
+/// now, or `None` when it left this namespace (deleted, or moved to
+/// another one).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkEvent {
+    pub ifindex: u32,
+    pub now: Option<LinkInfo>,
+}
+
+/// Subscribes to the kernel's link notifications (RTNLGRP_LINK) and sends
+/// each to `tx`; active when this returns. The kernel announces every
+/// change of flags, name or namespace, so a sandbox device someone else
+/// deletes, renames, moves or sets down is known within milliseconds.
+pub fn watch_links(tx: tokio::sync::mpsc::UnboundedSender<LinkEvent>) -> Result<(), NetlinkError> {
+    use futures::StreamExt;
+    use rtnetlink::packet_core::NetlinkPayload;
+    use rtnetlink::packet_route::RouteNetlinkMessage;
+    let rt = tokio::runtime::Handle::try_current().map_err(|_| NetlinkError::NoRuntime)?;
+    let (conn, _handle, mut messages) =
+        rtnetlink::new_multicast_connection(&[rtnetlink::MulticastGroup::Link])
+            .map_err(NetlinkError::Connect)?;
+    rt.spawn(conn);
+    rt.spawn(async move {
+        while let Some((msg, _)) = messages.next().await {
+            let event = match msg.payload {
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(m)) => LinkEvent {
+                    ifindex: m.header.index,
+                    now: Some(LinkInfo::from_msg(&m)),
+                },
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(m)) => LinkEvent {
+                    ifindex: m.header.index,
+                    now: None,
+                },
+                _ => continue,
+            };
+            if tx.send(event).is_err() {
+                break;
+            }
+        }
+    });
+    Ok(())
+}
+
 impl Netlink {
     /// Opens a NETLINK_ROUTE socket served by a thread of its own (see the
     /// module documentation), in the calling thread's network namespace.

@@ -178,9 +178,31 @@ struct Shared {
     ops: AtomicU64,
     journal_bytes: AtomicU64,
     compactions: AtomicU64,
-    /// Set when the writer refuses further writes (failed fsync).
+    /// Set when the writer refuses further writes (failed fsync) until a
+    /// snapshot of the committed state rebuilds the files.
     poisoned: std::sync::atomic::AtomicBool,
+    /// Why the last write failed; cleared by the next one that succeeds.
+    failure: std::sync::Mutex<Option<StoreFailure>>,
 }
+
+/// Why the store cannot write right now (see [`Store::failure`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreFailure {
+    /// What failed ("journal write", "journal fsync", "snapshot").
+    pub what: &'static str,
+    /// The errno, when the kernel gave one.
+    pub errno: Option<i32>,
+    /// The error as text ("No space left on device (os error 28)").
+    pub error: String,
+    /// When writes started failing.
+    pub since: SystemTime,
+    /// A failed fsync: nothing is written until the committed state has
+    /// been rewritten from memory (tried every [`RETRY`]).
+    pub poisoned: bool,
+}
+
+/// How often a failing store tries to write again by itself.
+pub const RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
 enum Op {
     Put {
@@ -426,11 +448,22 @@ impl Store {
         }
     }
 
-    /// Whether writes can still succeed: the writer thread runs and no
-    /// failed fsync has poisoned the journal.
+    /// Whether the writer thread runs (a store that cannot write, see
+    /// [`Store::failure`], heals itself: not a reason to restart).
     pub fn is_alive(&self) -> bool {
-        !self.shared.poisoned.load(Ordering::Relaxed)
-            && self.handle.as_ref().is_some_and(|h| !h.is_finished())
+        self.handle.as_ref().is_some_and(|h| !h.is_finished())
+    }
+
+    /// Why writes fail now, if they do: set by a failed write, fsync or
+    /// rebuild, cleared by the next write that succeeds (the writer tries
+    /// by itself every [`RETRY`], so freeing space heals it without a
+    /// restart or a caller).
+    pub fn failure(&self) -> Option<StoreFailure> {
+        self.shared
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The store's directory.
@@ -508,7 +541,22 @@ enum Change {
 
 impl Writer {
     fn run(mut self, rx: mpsc::Receiver<Request>) {
-        while let Ok(first) = rx.recv() {
+        loop {
+            let first = if self.failing() {
+                match rx.recv_timeout(RETRY) {
+                    Ok(r) => r,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        self.heal();
+                        continue;
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            } else {
+                match rx.recv() {
+                    Ok(r) => r,
+                    Err(_) => break,
+                }
+            };
             let mut batch = vec![first];
             while batch.len() < MAX_BATCH {
                 match rx.try_recv() {
@@ -527,7 +575,73 @@ impl Writer {
         tracing::debug!("store writer stopped");
     }
 
+    fn failing(&self) -> bool {
+        self.shared
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
+    /// Records why writes fail (the first failure's time is kept).
+    fn fail(&mut self, what: &'static str, e: &io::Error) {
+        let mut f = self
+            .shared
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let since = f.as_ref().map_or_else(SystemTime::now, |f| f.since);
+        if f.is_none() {
+            tracing::error!(what, error = %e, "the store cannot write; retrying every second");
+        }
+        *f = Some(StoreFailure {
+            what,
+            errno: e.raw_os_error(),
+            error: e.to_string(),
+            since,
+            poisoned: self.poisoned,
+        });
+    }
+
+    /// A write succeeded: the store works again.
+    fn succeeded(&mut self) {
+        let mut f = self
+            .shared
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = f.take() {
+            tracing::info!(
+                what = old.what,
+                failing_for_s = old.since.elapsed().map_or(0, |d| d.as_secs()),
+                "the store writes again"
+            );
+        }
+    }
+
+    /// Tries to write again after a failure: a snapshot of the committed
+    /// state (the mirror: only what was acknowledged) and an empty journal.
+    /// After a failed fsync this is the only way back: the journal's pages
+    /// are in an unknown state, the snapshot is a new file written from
+    /// memory.
+    fn heal(&mut self) {
+        match self.rebuild() {
+            Ok(()) => {
+                self.poisoned = false;
+                self.shared.poisoned.store(false, Ordering::Relaxed);
+                self.succeeded();
+            }
+            Err(StoreError::Snapshot { source }) => self.fail("snapshot", &source),
+            Err(StoreError::Sync { source }) => self.fail("journal fsync", &source),
+            Err(StoreError::Write { source }) => self.fail("journal truncate", &source),
+            Err(e) => tracing::debug!(error = %e, "store rebuild failed"),
+        }
+    }
+
     fn commit(&mut self, batch: Vec<Request>) {
+        if self.poisoned {
+            self.heal();
+        }
         if self.poisoned {
             for req in batch {
                 let _ = req.done.send(Err(StoreError::Poisoned));
@@ -585,6 +699,7 @@ impl Writer {
                 self.shared.poisoned.store(true, Ordering::Relaxed);
             }
             tracing::error!(error = %e, ops = pending.len(), "journal write failed");
+            self.fail("journal write", &e);
             for (done, _) in pending {
                 let _ = done.send(Err(StoreError::Write { source: dup_io(&e) }));
             }
@@ -594,13 +709,15 @@ impl Writer {
             // After a failed fsync the page cache state is unknown: never retry.
             self.poisoned = true;
             self.shared.poisoned.store(true, Ordering::Relaxed);
-            tracing::error!(error = %e, ops = pending.len(), "journal fsync failed; refusing further writes");
+            tracing::error!(error = %e, ops = pending.len(), "journal fsync failed; refusing further writes until the committed state is rewritten");
+            self.fail("journal fsync", &e);
             for (done, _) in pending {
                 let _ = done.send(Err(StoreError::Sync { source: dup_io(&e) }));
             }
             return;
         }
         self.journal_len += self.buf.len() as u64;
+        self.succeeded();
         self.shared
             .journal_bytes
             .store(self.journal_len, Ordering::Relaxed);
@@ -630,6 +747,11 @@ impl Writer {
         if self.poisoned {
             return Err(StoreError::Poisoned);
         }
+        self.rebuild()
+    }
+
+    /// Writes a snapshot of the mirror and truncates the journal.
+    fn rebuild(&mut self) -> Result<(), StoreError> {
         let seq = self.next_seq - 1;
         let old_journal = self.journal_len;
         let size = write_snapshot(&self.dir, &self.mirror, seq)
@@ -882,10 +1004,14 @@ fn write_snapshot(dir: &Path, records: &BTreeMap<String, Vec<u8>>, seq: u64) -> 
         encode(&mut buf, OP_PUT, seq, k.as_bytes(), v);
     }
     let tmp = dir.join(SNAPSHOT_TMP);
-    {
-        let mut f = File::create(&tmp)?;
+    let written = File::create(&tmp).and_then(|mut f| {
         f.write_all(&buf)?;
-        f.sync_all()?;
+        f.sync_all()
+    });
+    if let Err(e) = written {
+        // A partial file would hold on to the space that ran out.
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
     }
     fs::rename(&tmp, dir.join(SNAPSHOT))?;
     sync_dir(dir)?;

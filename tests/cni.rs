@@ -550,8 +550,10 @@ async fn port_mapping_and_traffic_across_kill_9() {
         .unwrap();
     assert_eq!(got, b"ctr:refiltered");
 
-    // The container's namespace vanishes without a DEL: Health stays true
-    // and names the network; Reconcile reports it; DEL then frees it.
+    // The container's namespace vanishes without a DEL: the veth went
+    // with it, and Health says so (`sandbox_links`, naming the network)
+    // until Reconcile records it gone; then Health is true again and
+    // `veths` lists the network waiting for its DEL, which frees it.
     // (A socket keeps its namespace alive: the listener goes first.)
     drop(srv);
     drop(ctr);
@@ -561,11 +563,19 @@ async fn port_mapping_and_traffic_across_kill_9() {
         assert!(Instant::now() < deadline, "the veth outlived its namespace");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let (healthy, checks) = c.health().await;
-    assert!(
-        healthy,
-        "a container gone without DEL is not a node fault: {checks:?}"
-    );
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        let (healthy, checks) = c.health().await;
+        let links = checks.iter().find(|c| c.0 == "sandbox_links").unwrap();
+        if !healthy && !links.1 && links.2.contains("cni:pm:eth0: veth ") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a veth gone without DEL is reported: {checks:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let r = c.reconcile("cni:pm:eth0").await.unwrap();
     let errors: Vec<String> = r["errors"].try_clone().unwrap().try_into().unwrap();
     assert!(errors.iter().any(|e| e.contains("is gone")), "{errors:?}");

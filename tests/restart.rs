@@ -11,37 +11,12 @@ use std::time::{Duration, Instant};
 use common::flow::Flow;
 use common::guest::Guest;
 use common::world::{self, World, node};
-use common::{Client, Dict, Env, mappings, opts, ports};
+use common::{Dict, Env, check, health_until, mappings, opts, ports};
 
 const T: Duration = Duration::from_secs(5);
 
-fn check<'a>(checks: &'a [(String, bool, String)], name: &str) -> &'a (String, bool, String) {
-    checks
-        .iter()
-        .find(|c| c.0 == name)
-        .unwrap_or_else(|| panic!("no {name} check in {checks:?}"))
-}
-
 fn strings(d: &Dict, k: &str) -> Vec<String> {
     Vec::<String>::try_from(d[k].try_clone().unwrap()).unwrap()
-}
-
-/// Health until `pred` holds (the kernel's tc notifications arrive
-/// asynchronously), or panics with the last answer.
-async fn health_until(
-    c: &Client,
-    what: &str,
-    pred: impl Fn(bool, &[(String, bool, String)]) -> bool,
-) -> Vec<(String, bool, String)> {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let (ok, checks) = c.health().await;
-        if pred(ok, &checks) {
-            return checks;
-        }
-        assert!(Instant::now() < deadline, "{what}: {ok} {checks:#?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

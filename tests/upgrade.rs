@@ -21,7 +21,7 @@ use std::time::Duration;
 use common::flow::Flow;
 use common::guest::Guest;
 use common::world::{self, World, node};
-use common::{Client, Dict, Env, mappings, opts, ports};
+use common::{Client, Dict, Env, check, mappings, opts, ports};
 
 const T: Duration = Duration::from_secs(5);
 /// The guest's port of the long-lived UDP flow through SNAT.
@@ -48,13 +48,6 @@ fn next_build() -> OsString {
         OsString::from(stdout.lines().last().expect("a path").trim())
     })
     .clone()
-}
-
-fn check<'a>(checks: &'a [(String, bool, String)], name: &str) -> &'a (String, bool, String) {
-    checks
-        .iter()
-        .find(|c| c.0 == name)
-        .unwrap_or_else(|| panic!("no {name} check in {checks:?}"))
 }
 
 /// The running build's programs and tags, as Health states them.

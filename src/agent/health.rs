@@ -3,9 +3,31 @@
 //! for the datapath's filters, from the kernel.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use super::{Agent, Uplink};
 use crate::datapath::Check;
+
+/// How old Health's kernel part (the datapath hooks, a few tc requests)
+/// may be when it is read; anything that may change it (a tc removal the
+/// kernel announced, Reconcile) makes the next read recompute it. Reads of
+/// `Healthy` and Health by anyone allowed to read cost no kernel walk.
+pub const KERNEL_MAX_AGE: Duration = Duration::from_secs(2);
+
+/// Health's kernel part, cached.
+#[derive(Default)]
+pub struct KernelChecks {
+    dirty: AtomicBool,
+    last: tokio::sync::Mutex<Option<(Instant, Vec<Check>)>>,
+}
+
+impl KernelChecks {
+    /// The next read asks the kernel again.
+    pub fn invalidate(&self) {
+        self.dirty.store(true, Ordering::Release);
+    }
+}
 
 /// Descriptors the agent needs besides one per TAP: buses, varlink
 /// connections, netlink and bpf maps, the store, journald.
@@ -59,6 +81,49 @@ impl Agent {
         )
     }
 
+    /// Whether the state directory takes writes: every EnsureNetwork and
+    /// ReleaseNetwork needs one. False from the first failed write (ENOSPC,
+    /// EIO, a failed fsync) until one succeeds again; the store retries by
+    /// itself every second.
+    fn store_check(&self) -> Check {
+        let dir = self.cfg.state_dir.display();
+        match self.store.failure() {
+            None => {
+                let st = self.store.stats();
+                (
+                    "store".into(),
+                    true,
+                    format!(
+                        "{dir}: {} records, {} commits for {} writes",
+                        self.active_networks(),
+                        st.commits,
+                        st.ops
+                    ),
+                )
+            }
+            Some(f) => (
+                "store".into(),
+                false,
+                format!(
+                    "{dir}: {} failed{}: {}, for {} s; EnsureNetwork and ReleaseNetwork fail until \
+                     a write succeeds (retried every second{})",
+                    f.what,
+                    f.errno
+                        .and_then(crate::errno_name)
+                        .map(|n| format!(" with {n}"))
+                        .unwrap_or_default(),
+                    f.error,
+                    f.since.elapsed().map_or(0, |d| d.as_secs()),
+                    if f.poisoned {
+                        "; after a failed fsync the committed state is rewritten from memory"
+                    } else {
+                        ""
+                    }
+                ),
+            ),
+        }
+    }
+
     pub fn active_networks(&self) -> u32 {
         self.views.read().unwrap_or_else(|p| p.into_inner()).len() as u32
     }
@@ -73,20 +138,9 @@ impl Agent {
 
     /// Health: (healthy, checks).
     pub async fn health(&self) -> (bool, Vec<Check>) {
-        let filters = self.filter_check().await;
+        let filters = self.kernel_checks().await;
         let mut checks: Vec<Check> = vec![];
-        let st = self.store.stats();
-        checks.push((
-            "store".into(),
-            true,
-            format!(
-                "{}: {} records, {} commits for {} writes",
-                self.cfg.state_dir.display(),
-                self.active_networks(),
-                st.commits,
-                st.ops
-            ),
-        ));
+        checks.push(self.store_check());
         checks.push((
             "gateway_device".into(),
             true,
@@ -159,7 +213,21 @@ impl Agent {
         if let Some(e) = &ps.last_error {
             detail.push_str(&format!("; last error: {e}"));
         }
-        checks.push(("tap_pool".into(), ps.quarantined.is_empty(), detail));
+        // Empty is fine while refills work (a burst took every idle TAP:
+        // creates are cold for a moment); empty because creation fails is
+        // not.
+        let starved = ps.target > 0 && ps.idle == 0 && ps.refill_error.is_some();
+        if starved {
+            detail.push_str(&format!(
+                "; empty and cannot refill: {}",
+                ps.refill_error.as_deref().unwrap_or_default()
+            ));
+        }
+        checks.push((
+            "tap_pool".into(),
+            ps.quarantined.is_empty() && !starved,
+            detail,
+        ));
         let r = &self.recovery;
         let mut detail = format!(
             "adopted {}, repaired {}, pool TAPs adopted {}, retired {}, stale neighbours {}, quarantined records {}, in {} ms",
@@ -186,12 +254,63 @@ impl Agent {
             detail,
         ));
         checks.push(self.fd_limit_check(cap));
+        checks.push(self.link_check());
         checks.push(self.tap_fd_check());
         checks.push(self.veth_check());
         let dp = self.datapath.clone();
         checks.extend(super::off_worker(move || dp.checks()).await);
         checks.extend(filters);
         (checks.iter().all(|c| c.1), checks)
+    }
+
+    /// Health's kernel part: cached (see [`KERNEL_MAX_AGE`]); concurrent
+    /// readers share one computation.
+    async fn kernel_checks(&self) -> Vec<Check> {
+        let k = &self.kernel_checks;
+        let mut last = k.last.lock().await;
+        let dirty = k.dirty.swap(false, Ordering::AcqRel);
+        if !dirty
+            && let Some((at, checks)) = last.as_ref()
+            && at.elapsed() < KERNEL_MAX_AGE
+        {
+            return checks.clone();
+        }
+        let checks = self.filter_check().await;
+        *last = Some((Instant::now(), checks.clone()));
+        checks
+    }
+
+    /// Sandbox TAPs and veths someone else deleted, renamed, moved or set
+    /// down, as the kernel announced it (see `note_link`): false until
+    /// Reconcile repairs them (a veth cannot be made again: Reconcile
+    /// records it gone and the `veths` check lists it).
+    pub(super) fn link_check(&self) -> Check {
+        let faults = self.link_faults.lock().unwrap_or_else(|p| p.into_inner());
+        let views = self.views.read().unwrap_or_else(|p| p.into_inner());
+        let live: Vec<String> = faults
+            .iter()
+            .filter(|(ifindex, (id, _))| views.get(id).is_some_and(|v| v.tap_ifindex == **ifindex))
+            .map(|(_, (id, why))| format!("{id}: {why}"))
+            .collect();
+        if live.is_empty() {
+            (
+                "sandbox_links".into(),
+                true,
+                format!(
+                    "every TAP and veth of the {} networks is present, up and named as recorded",
+                    views.len()
+                ),
+            )
+        } else {
+            (
+                "sandbox_links".into(),
+                false,
+                format!(
+                    "{}; ReconcileNetwork repairs them (\"\" for all)",
+                    live.join("; ")
+                ),
+            )
+        }
     }
 
     /// TAPs of live networks the agent holds no fd for (adopted after a

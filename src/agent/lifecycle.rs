@@ -64,10 +64,7 @@ impl Agent {
                 let seq = if change == Ensured::Unchanged {
                     self.events.last()
                 } else {
-                    self.views
-                        .write()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(id.to_owned(), view.clone());
+                    self.put_view(view.clone());
                     let seq = self.events.publish(Change::Ensured {
                         view: view.clone(),
                         created: change == Ensured::Created,

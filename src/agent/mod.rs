@@ -244,6 +244,16 @@ pub struct Agent {
     allocs: Mutex<Allocs>,
     slots: Mutex<HashMap<String, Slot>>,
     views: RwLock<BTreeMap<String, NetworkView>>,
+    /// Which live network owns a TAP or veth (ifindex -> sandbox id), for
+    /// the kernel's link events; kept with `views`.
+    by_ifindex: RwLock<HashMap<u32, String>>,
+    /// Sandbox devices someone else deleted, renamed, moved or set down
+    /// (ifindex -> (sandbox id, what happened)), from the kernel's link
+    /// events, until Reconcile (or the device's own recovery) repairs it.
+    link_faults: Mutex<BTreeMap<u32, (String, String)>>,
+    /// Health's kernel part (the datapath hooks): recomputed when an event
+    /// may have changed it or when older than [`health::KERNEL_MAX_AGE`].
+    kernel_checks: health::KernelChecks,
     pool: Arc<TapPool>,
     datapath: Arc<dyn Datapath>,
     gateway: Gateway,
@@ -357,13 +367,35 @@ impl Agent {
     }
 
     fn set_view(&self, net: &Network) {
+        self.put_view(net.view());
+    }
+
+    /// Publishes a network's view to readers (and the ifindex index).
+    fn put_view(&self, view: NetworkView) {
+        let (id, ifindex) = (view.record.sandbox_id.clone(), view.tap_ifindex);
         let mut views = self.views.write().unwrap_or_else(|p| p.into_inner());
-        views.insert(net.rec.sandbox_id.clone(), net.view());
+        let old = views.insert(id.clone(), view);
+        let mut index = self.by_ifindex.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = old.filter(|o| o.tap_ifindex != ifindex) {
+            index.remove(&old.tap_ifindex);
+        }
+        if ifindex != 0 {
+            index.insert(ifindex, id);
+        }
     }
 
     fn remove_view(&self, id: &str) {
         let mut views = self.views.write().unwrap_or_else(|p| p.into_inner());
-        views.remove(id);
+        if let Some(old) = views.remove(id) {
+            let mut index = self.by_ifindex.write().unwrap_or_else(|p| p.into_inner());
+            if index.get(&old.tap_ifindex).is_some_and(|o| o == id) {
+                index.remove(&old.tap_ifindex);
+            }
+        }
+        self.link_faults
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, (owner, _)| owner != id);
     }
 
     pub fn get(&self, id: &str) -> Result<NetworkView, AgentError> {

@@ -83,6 +83,9 @@ struct Inner {
     created: u64,
     deleted: u64,
     last_error: Option<String>,
+    /// Set while refills fail (the last creation failed), cleared by the
+    /// next TAP created.
+    refill_error: Option<String>,
 }
 
 /// Counters for Health and properties.
@@ -96,6 +99,8 @@ pub struct PoolStats {
     pub created: u64,
     pub deleted: u64,
     pub last_error: Option<String>,
+    /// Why the pool cannot refill, while it cannot.
+    pub refill_error: Option<String>,
 }
 
 pub struct TapPool {
@@ -312,6 +317,7 @@ impl TapPool {
             created: inner.created,
             deleted: inner.deleted,
             last_error: inner.last_error.clone(),
+            refill_error: inner.refill_error.clone(),
         }
     }
 
@@ -369,13 +375,16 @@ impl TapPool {
                 Ok(pt) => {
                     let mut inner = self.lock();
                     inner.created += 1;
+                    inner.refill_error = None;
                     inner.idle.push_back(pt);
                     created = true;
                 }
                 Err(error) => {
                     failures += 1;
                     warn!(tap = name, %error, "creating a pool TAP failed");
-                    self.lock().last_error = Some(error);
+                    let mut inner = self.lock();
+                    inner.last_error = Some(error.clone());
+                    inner.refill_error = Some(error);
                 }
             }
         }

@@ -5,7 +5,7 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use tracing::info;
+use tracing::{info, warn};
 
 use super::events::Change;
 use super::spec::{self, validate_sandbox_id};
@@ -26,7 +26,105 @@ impl Agent {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(r.ifindex, r.what);
+        self.kernel_checks.invalidate();
         self.events.publish(Change::Node);
+    }
+
+    /// The kernel announced a link change. For a live network's TAP or
+    /// veth, judged inside the network's slot (an ensure or release in
+    /// flight changes its own device: its result counts, not the event in
+    /// between) against the kernel's state then: deleted or moved away,
+    /// renamed, or down is a fault `sandbox_links` reports until Reconcile
+    /// repairs it; back to normal clears it.
+    pub(super) async fn note_link(&self, ev: crate::netlink::LinkEvent) {
+        let owner = self
+            .by_ifindex
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ev.ifindex)
+            .cloned();
+        let Some(id) = owner else {
+            return;
+        };
+        let known = self
+            .link_faults
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&ev.ifindex);
+        // The common case (our own ensure setting its TAP up): nothing to
+        // verify, nothing to clear.
+        let looks_fine = |l: &LinkInfo| l.up && self.by_name_matches(&id, ev.ifindex, &l.name);
+        if !known && ev.now.as_ref().is_some_and(looks_fine) {
+            return;
+        }
+        let slot = self.slot(&id);
+        {
+            let guard = slot.lock().await;
+            let why = match guard.as_ref().filter(|n| n.ifindex == ev.ifindex) {
+                None => None,
+                Some(net) => {
+                    let kind = if net.rec.attach.is_tap() {
+                        "TAP"
+                    } else {
+                        "veth"
+                    };
+                    let name = &net.rec.tap_name;
+                    match self.nl.link_by_index(ev.ifindex).await {
+                        Ok(None) => Some(format!(
+                            "{kind} {name} (ifindex {}) was deleted or moved to another network namespace",
+                            ev.ifindex
+                        )),
+                        Ok(Some(l)) if l.name != *name => {
+                            Some(format!("{kind} {name} was renamed to {}", l.name))
+                        }
+                        Ok(Some(l)) if !l.up => Some(format!("{kind} {name} was set down")),
+                        Ok(Some(_)) => None,
+                        Err(e) => {
+                            warn!(ifindex = ev.ifindex, error = %crate::error_chain(&e), "checking a sandbox device after a link event failed");
+                            None
+                        }
+                    }
+                }
+            };
+            let mut faults = self.link_faults.lock().unwrap_or_else(|p| p.into_inner());
+            let changed = match &why {
+                Some(w) => faults
+                    .insert(ev.ifindex, (id.clone(), w.clone()))
+                    .is_none_or(|(_, old)| old != *w),
+                None => faults.remove(&ev.ifindex).is_some(),
+            };
+            drop(faults);
+            if changed {
+                match &why {
+                    Some(w) => warn!(
+                        sandbox_id = id,
+                        "{w} by someone else; Health reports it until ReconcileNetwork repairs it"
+                    ),
+                    None => info!(sandbox_id = id, "sandbox device is back to normal"),
+                }
+                self.events.publish(Change::Node);
+            }
+        }
+        self.forget_slot(&id, slot);
+    }
+
+    /// Whether `name` is the recorded device name of `id`'s network on
+    /// `ifindex` (from the readers' view).
+    fn by_name_matches(&self, id: &str, ifindex: u32, name: &str) -> bool {
+        self.views
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .is_some_and(|v| v.tap_ifindex == ifindex && v.record.tap_name == name)
+    }
+
+    /// Forgets the link faults of `id` (its devices were just checked and
+    /// repaired under its slot).
+    fn clear_link_faults(&self, id: &str) {
+        self.link_faults
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, (owner, _)| owner != id);
     }
 
     /// Compares the kernel with one hook the datapath keeps and attaches it
@@ -82,6 +180,7 @@ impl Agent {
     /// again since the list was taken (another handle) is left alone.
     pub async fn reconcile(&self, id: &str) -> Result<ReconcileReport, AgentError> {
         let mut report = ReconcileReport::default();
+        self.kernel_checks.invalidate();
         let wanted: Vec<(String, String)> = if id.is_empty() {
             let views = self.views.read().unwrap_or_else(|p| p.into_inner());
             views
@@ -111,17 +210,40 @@ impl Agent {
                         .link_by_name(&net.rec.tap_name)
                         .await
                         .map_err(|e| failed("looking up the TAP", &e));
+                    let mut renamed = None;
+                    let link = match link {
+                        // Renamed by someone else: its own name back (a
+                        // running VMM keeps its fd: the same device).
+                        Ok(None) if net.ifindex != 0 => match self.rename_back(net).await {
+                            Ok(Some((l, why))) => {
+                                renamed = Some(why);
+                                Ok(Some(l))
+                            }
+                            Ok(None) => Ok(None),
+                            Err(e) => Err(e),
+                        },
+                        other => other,
+                    };
                     match link {
                         Err(e) => report.errors.push(format!("{id}: {e}")),
                         Ok(link) => {
                             let neighbour_ok = neighbours.iter().any(|(ip, mac, _)| {
                                 *ip == net.rec.sandbox_ip && *mac == Some(self.d.guest_mac)
                             });
-                            let done = self.repair_ladder(net, link, neighbour_ok, true).await;
-                            report.errors.extend(done.errors);
+                            let mut done = self.repair_ladder(net, link, neighbour_ok, true).await;
+                            done.repairs.splice(0..0, renamed);
+                            report.errors.extend(done.errors.iter().cloned());
+                            if done.errors.is_empty() {
+                                self.clear_link_faults(id);
+                            }
                             if let Some(gone) = done.gone {
-                                // Health's `veths` check reads the view.
+                                // Health's `veths` check reads the view, the
+                                // edges the event (the device's ifindex is 0).
                                 self.set_view(net);
+                                self.events.publish(Change::Repaired {
+                                    view: net.view(),
+                                    repairs: vec![gone.clone()],
+                                });
                                 report.errors.push(gone);
                             }
                             if !done.repairs.is_empty() {
@@ -155,6 +277,7 @@ impl Agent {
                 .map_err(|e| failed("listing links", &e))?;
             self.collect_garbage(&links, &neighbours, &mut report).await;
         }
+        self.kernel_checks.invalidate();
         if !report.repaired.is_empty() || !report.removed.is_empty() {
             self.events.publish(Change::Node);
         }
@@ -166,6 +289,56 @@ impl Agent {
             "reconciled"
         );
         Ok(report)
+    }
+
+    /// A network's device is not under its recorded name: if its ifindex
+    /// still exists here under another one, it gets its name back (down,
+    /// renamed; the ladder sets it up again). `None`: it is gone.
+    async fn rename_back(&self, net: &Network) -> Result<Option<(LinkInfo, String)>, AgentError> {
+        let id = &net.rec.sandbox_id;
+        let Some(l) = self
+            .nl
+            .link_by_index(net.ifindex)
+            .await
+            .map_err(|e| failed("looking up the TAP by ifindex", &e))?
+        else {
+            return Ok(None);
+        };
+        let kind = if net.rec.attach.is_tap() {
+            "TAP"
+        } else {
+            "veth"
+        };
+        let down = LinkChange {
+            up: Some(false),
+            ..Default::default()
+        };
+        let rename = LinkChange {
+            name: Some(net.rec.tap_name.clone()),
+            ..Default::default()
+        };
+        self.nl
+            .set_link(l.index, down)
+            .await
+            .map_err(|e| failed("setting the renamed device down", &e))?;
+        self.nl.set_link(l.index, rename).await.map_err(|e| {
+            failed(
+                &format!("renaming {} back to {}", l.name, net.rec.tap_name),
+                &e,
+            )
+        })?;
+        let why = format!(
+            "{id}: {kind} {} had been renamed to {}, named back",
+            net.rec.tap_name, l.name
+        );
+        Ok(Some((
+            LinkInfo {
+                name: net.rec.tap_name.clone(),
+                up: false,
+                ..l
+            },
+            why,
+        )))
     }
 
     /// The one repair ladder, shared by recovery and Reconcile, run with

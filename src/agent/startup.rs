@@ -109,6 +109,9 @@ impl Agent {
             allocs: Mutex::new(allocs),
             slots: Mutex::new(HashMap::new()),
             views: RwLock::new(BTreeMap::new()),
+            by_ifindex: RwLock::new(HashMap::new()),
+            link_faults: Mutex::new(BTreeMap::new()),
+            kernel_checks: Default::default(),
             pool,
             datapath,
             gateway: Gateway {
@@ -126,6 +129,10 @@ impl Agent {
         // after that check is still noticed.
         let (tc_tx, mut tc_rx) = tokio::sync::mpsc::unbounded_channel();
         crate::netlink::watch_tc_removals(tc_tx)?;
+        // Link events from before the networks are adopted are judged
+        // against the kernel when they are handled (after recovery).
+        let (link_tx, mut link_rx) = tokio::sync::mpsc::unbounded_channel();
+        crate::netlink::watch_links(link_tx)?;
         let mut inherited_taps: HashMap<String, Tap> = HashMap::new();
         for fd in inherited {
             match Tap::from_fd(fd) {
@@ -157,6 +164,13 @@ impl Agent {
             while let Some(removal) = tc_rx.recv().await {
                 let Some(agent) = weak.upgrade() else { break };
                 agent.note_tc_removal(removal);
+            }
+        });
+        let weak = Arc::downgrade(&agent);
+        tokio::spawn(async move {
+            while let Some(ev) = link_rx.recv().await {
+                let Some(agent) = weak.upgrade() else { break };
+                agent.note_link(ev).await;
             }
         });
         // Fill the pool before serving so the first calls are warm, then

@@ -1222,6 +1222,33 @@ struct TakenOver {
     kept: usize,
 }
 
+/// Flow-table pressure: `ct` (sandbox flows) and `hflow` (host flows) are
+/// LRU maps; past capacity the kernel evicts live flows (connections
+/// reset, SNAT ports reused), so 90 % is the warning line. Counted by the
+/// reaper every 2 s.
+fn flow_table_check(flows: usize, host_flows: usize) -> Check {
+    let pct = |n: usize, cap: u32| n as f64 * 100.0 / f64::from(cap);
+    let (f, h) = (
+        pct(flows, FLOW_MAP_ENTRIES),
+        pct(host_flows, HOST_FLOW_ENTRIES),
+    );
+    let ok = f < 90.0 && h < 90.0;
+    (
+        "flow_table".to_string(),
+        ok,
+        format!(
+            "{flows} of {} sandbox flows ({f:.1} %), {host_flows} of {} host flows ({h:.1} %){}",
+            FLOW_MAP_ENTRIES,
+            HOST_FLOW_ENTRIES,
+            if ok {
+                ""
+            } else {
+                "; at 90 % and above new flows evict live ones: fewer flows per sandbox, or shorter timeouts"
+            }
+        ),
+    )
+}
+
 /// Whether a network device with this ifindex exists in our namespace.
 /// (nix 0.30's `if_indextoname` treats only -1 as failure, but libc returns
 /// NULL for an unknown index, so it called every device alive and
@@ -1705,6 +1732,7 @@ impl Datapath for EbpfDatapath {
                 }
             ),
         )];
+        checks.push(flow_table_check(flows, host_flows));
         checks.push(("datapath_pins".to_string(), true, {
             // load() refuses a pin directory that is not on bpffs.
             let mut s = format!("maps pinned in {}", self.node.pin_dir.display());

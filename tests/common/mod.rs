@@ -514,3 +514,39 @@ pub fn pin_value_size(path: &str) -> u64 {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     v["bytes_value"].as_u64().expect("bytes_value")
 }
+
+/// Health's check `name`.
+pub fn check<'a>(checks: &'a [(String, bool, String)], name: &str) -> &'a (String, bool, String) {
+    checks
+        .iter()
+        .find(|c| c.0 == name)
+        .unwrap_or_else(|| panic!("no {name} check in {checks:?}"))
+}
+
+/// Health until `pred` holds (the kernel's notifications arrive
+/// asynchronously) within `within`, or panics with the last answer.
+pub async fn health_within(
+    c: &Client,
+    what: &str,
+    within: Duration,
+    pred: impl Fn(bool, &[(String, bool, String)]) -> bool,
+) -> Vec<(String, bool, String)> {
+    let deadline = Instant::now() + within;
+    loop {
+        let (ok, checks) = c.health().await;
+        if pred(ok, &checks) {
+            return checks;
+        }
+        assert!(Instant::now() < deadline, "{what}: {ok} {checks:#?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// [`health_within`] five seconds.
+pub async fn health_until(
+    c: &Client,
+    what: &str,
+    pred: impl Fn(bool, &[(String, bool, String)]) -> bool,
+) -> Vec<(String, bool, String)> {
+    health_within(c, what, Duration::from_secs(5), pred).await
+}
