@@ -120,8 +120,9 @@ try:
 except Exception:
     print("no Health reply: " + raw.strip()[:400]); sys.exit(1)
 dp = [c for c in checks if c[0] == "datapath"]
-want = ("eBPF: from_guest on ", " TAPs, to_sandbox_ip on cube-dev egress, from_host on lo egress, from_uplink on up0 ingress")
-good = overall and len(dp) == 1 and dp[0][1] and dp[0][2].startswith(want[0]) and want[1] in dp[0][2]
+want = ("eBPF: from_guest on ", " TAPs, from_guest on cube-blk ingress (bound to tc block ",
+        "from_guest on tc block ", "to_sandbox_ip on cube-dev egress, from_host on lo egress, from_uplink on up0 ingress")
+good = overall and len(dp) == 1 and dp[0][1] and dp[0][2].startswith(want[0]) and all(w in dp[0][2] for w in want[1:])
 if good:
     n = dp[0][2][len(want[0]):].split(" ", 1)[0]
     good = n.isdigit() and int(n) >= int(sys.argv[1])
