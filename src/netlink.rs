@@ -156,6 +156,21 @@ pub struct LinkInfo {
     pub mac: Option<[u8; 6]>,
     /// `IFLA_IFALIAS` (what `ip link` shows as "alias").
     pub alias: Option<String>,
+    /// `IFLA_STATS64`, the device's own counters (the kernel sends them
+    /// with every link message).
+    pub counters: LinkCounters,
+}
+
+/// A device's counters as the kernel keeps them (`IFLA_STATS64`), from
+/// the device's point of view: `rx` is what the device received.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LinkCounters {
+    pub rx_bytes: u64,
+    pub rx_packets: u64,
+    pub rx_dropped: u64,
+    pub tx_bytes: u64,
+    pub tx_packets: u64,
+    pub tx_dropped: u64,
 }
 
 impl LinkInfo {
@@ -169,9 +184,20 @@ impl LinkInfo {
             mtu: 0,
             mac: None,
             alias: None,
+            counters: LinkCounters::default(),
         };
         for attr in &msg.attributes {
             match attr {
+                LinkAttribute::Stats64(st) => {
+                    info.counters = LinkCounters {
+                        rx_bytes: st.rx_bytes,
+                        rx_packets: st.rx_packets,
+                        rx_dropped: st.rx_dropped,
+                        tx_bytes: st.tx_bytes,
+                        tx_packets: st.tx_packets,
+                        tx_dropped: st.tx_dropped,
+                    }
+                }
                 LinkAttribute::IfName(n) => info.name.clone_from(n),
                 LinkAttribute::Mtu(m) => info.mtu = *m,
                 LinkAttribute::Group(g) => info.group = *g,

@@ -500,17 +500,17 @@ impl Agent {
             }
             return;
         }
+        // A TAP that carried a network never serves another: a VMM may
+        // hold it (handed out), and even one nobody opened may hold frames
+        // queued for this sandbox and has its counters (the next network's
+        // traffic starts at zero on a new device).
         match net.tap.take() {
             Some(tap) => {
                 let pt = PoolTap {
                     tap,
                     ifindex: net.ifindex,
                 };
-                if net.handed_out {
-                    self.pool.discard(pt).await
-                } else {
-                    self.pool.give_back(pt).await
-                }
+                self.pool.discard(pt).await
             }
             None if net.ifindex != 0 => self.pool.retire_link(net.ifindex),
             None => {}
@@ -715,6 +715,15 @@ impl Agent {
                             sandbox_id: id.to_owned(),
                         });
                         let (tap, ip) = (net.rec.tap_name.clone(), net.rec.sandbox_ip);
+                        // The totals, for billing after the network is gone:
+                        // the datapath no longer forwards for it.
+                        let t = match self.traffic(&net.view()).await {
+                            Ok(t) => t,
+                            Err(e) => {
+                                warn!(sandbox_id = id, error = %e, "reading the released network's counters failed");
+                                Default::default()
+                            }
+                        };
                         if let AttachRecord::Veth {
                             netns: Some(ns), ..
                         } = &net.rec.attach
@@ -727,6 +736,12 @@ impl Agent {
                             sandbox_id = id,
                             tap,
                             sandbox_ip = %ip,
+                            tx_bytes = t.tx_bytes,
+                            tx_packets = t.tx_packets,
+                            tx_dropped = t.tx_dropped,
+                            rx_bytes = t.rx_bytes,
+                            rx_packets = t.rx_packets,
+                            rx_dropped = t.rx_dropped,
                             elapsed_us = started.elapsed().as_micros() as u64,
                             "network released"
                         );

@@ -16,6 +16,7 @@ pub mod recover;
 mod repair;
 pub mod spec;
 mod startup;
+pub mod traffic;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::Ipv4Addr;

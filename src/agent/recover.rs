@@ -192,6 +192,7 @@ mod tests {
             mtu: 1300,
             mac: None,
             alias: None,
+            counters: Default::default(),
         }
     }
 

@@ -491,6 +491,8 @@ struct Stats {
     taps: AtomicUsize,
     own: AtomicUsize,
     reaped: AtomicU64,
+    /// Live sandbox flows per sandbox address (the `ct` key's form).
+    by_sandbox: Mutex<StdHashMap<u32, u64>>,
 }
 
 pub struct EbpfDatapath {
@@ -1628,6 +1630,7 @@ impl Datapath for EbpfDatapath {
             .collect();
         let mut flows = 0usize;
         let mut stale_n = 0usize;
+        let mut by_sandbox: StdHashMap<u32, u64> = StdHashMap::new();
         let all = dump_flows(&r.ct_dump).unwrap_or_else(|| r.ct.iter().flatten().collect());
         let doomed: Vec<(DpCtKey, DpCtVal, bool)> = all
             .into_iter()
@@ -1636,9 +1639,17 @@ impl Datapath for EbpfDatapath {
                 let limit = t.limit(k.proto, v.state);
                 let stale = owners.get(&k.sandbox_ip) != Some(&v.generation);
                 let expired = now.saturating_sub(v.last_seen_ns) > limit.as_nanos() as u64;
+                if !stale && !expired {
+                    *by_sandbox.entry(k.sandbox_ip).or_default() += 1;
+                }
                 (stale || expired).then_some((k, v, stale && !expired))
             })
             .collect();
+        *self
+            .stats
+            .by_sandbox
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = by_sandbox;
         let mut removed = 0usize;
         for (k, v, stale) in &doomed {
             // Re-read right before deleting: a flow touched or replaced since
@@ -1701,6 +1712,16 @@ impl Datapath for EbpfDatapath {
                 "expired flows and flows of released sandboxes reaped"
             );
         }
+    }
+
+    fn live_flows(&self, sandbox_ip: Ipv4Addr) -> u64 {
+        self.stats
+            .by_sandbox
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ip_be(sandbox_ip))
+            .copied()
+            .unwrap_or(0)
     }
 
     fn checks(&self) -> Vec<Check> {

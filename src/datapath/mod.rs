@@ -100,6 +100,11 @@ pub trait Datapath: Send + Sync {
     fn checks(&self) -> Vec<Check>;
     /// Periodic housekeeping (expired flows); called every few seconds.
     fn maintain(&self) {}
+    /// The sandbox's live flows (NAT'ed and port-mapped), as of the last
+    /// `maintain` pass.
+    fn live_flows(&self, _sandbox_ip: std::net::Ipv4Addr) -> u64 {
+        0
+    }
     /// Prepares a freshly created (idle) TAP off the caller's path, e.g.
     /// attaches the per-TAP program, so EnsureNetwork does not pay for it.
     fn prepare_tap(&self, _tap_name: &str, _tap_ifindex: u32) -> Result<(), DatapathError> {

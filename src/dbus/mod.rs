@@ -339,6 +339,18 @@ fn mappings_value(m: &[PortMapping]) -> Vec<(String, u16, u16, String)> {
 /// output is readable and diffable.
 pub type Dict = BTreeMap<String, OwnedValue>;
 
+/// A network's traffic (GetNetwork's `traffic`): `a{sv}` of `t` values.
+pub fn traffic_value(t: &crate::agent::traffic::Traffic) -> OwnedValue {
+    let d: HashMap<&str, Value<'_>> = t
+        .fields()
+        .into_iter()
+        .map(|(k, v)| (k, Value::from(v)))
+        .collect();
+    Value::from(d)
+        .try_to_owned()
+        .expect("no fds in a traffic dict")
+}
+
 /// A network as the `a{sv}` the SPEC describes.
 pub fn network_dict(info: NetworkInfo) -> Dict {
     let r = info.view.record;
@@ -574,7 +586,11 @@ impl Manager {
     ) -> Result<Dict, Error> {
         let result = async {
             self.authorize(&header, Action::Read).await?;
-            Ok(self.info(self.agent.get(&sandbox_id)?))
+            let view = self.agent.get(&sandbox_id)?;
+            let traffic = self.agent.traffic(&view).await?;
+            let mut d = self.info(view);
+            d.insert("traffic".into(), traffic_value(&traffic));
+            Ok(d)
         }
         .await;
         self.logged(&header, "GetNetwork", &sandbox_id, result)

@@ -162,6 +162,16 @@ fn mappings(m: &[PortMapping]) -> Value {
         .collect()
 }
 
+/// A `Traffic`.
+pub fn traffic(t: &crate::agent::traffic::Traffic) -> Value {
+    Value::Object(
+        t.fields()
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), Value::from(v)))
+            .collect(),
+    )
+}
+
 /// A `Network`.
 pub fn network(info: NetworkInfo) -> Value {
     let r = info.view.record;

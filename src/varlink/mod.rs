@@ -365,7 +365,10 @@ async fn call(agent: &Agent, peer: &Peer, method: &str, p: Object) -> Result<Rep
         }
         "org.cube.NetworkAgent.GetNetwork" => {
             let view = agent.get(&id(&p)?)?;
-            Reply::new(json!({ "network": convert::network(agent.describe(view)) }))
+            let traffic = agent.traffic(&view).await?;
+            let mut network = convert::network(agent.describe(view));
+            network["traffic"] = convert::traffic(&traffic);
+            Reply::new(json!({ "network": network }))
         }
         "org.cube.NetworkAgent.ListNetworks" => {
             convert::only(&p, &[])?;

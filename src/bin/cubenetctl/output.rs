@@ -291,6 +291,24 @@ fn value_lines(key: &str, v: &Json, out: &Output) -> Vec<String> {
                 )
             })
             .collect(),
+        ("traffic", Json::Object(t)) => {
+            let n = |k: &str| t.get(k).and_then(Json::as_u64).unwrap_or(0);
+            vec![
+                format!(
+                    "sent {} bytes in {} packets ({} dropped at the device)",
+                    n("tx_bytes"),
+                    n("tx_packets"),
+                    n("tx_dropped")
+                ),
+                format!(
+                    "received {} bytes in {} packets ({} dropped at the device)",
+                    n("rx_bytes"),
+                    n("rx_packets"),
+                    n("rx_dropped")
+                ),
+                format!("{} live flows", n("flows")),
+            ]
+        }
         ("created_unix", Json::Number(n)) => match n.as_i64() {
             Some(t) => vec![format!("{} ({t})", time_text(t))],
             None => vec![n.to_string()],
@@ -339,6 +357,7 @@ pub const NETWORK_FIELDS: &[(&str, &str)] = &[
     ("ifname", "Interface"),
     ("netns", "Namespace"),
     ("created_unix", "Created"),
+    ("traffic", "Traffic"),
 ];
 
 pub const REPORT_FIELDS: &[(&str, &str)] = &[
