@@ -7,7 +7,7 @@
 # `cubenetctl list --no-legend -q` (first column) on the bus given on the
 # command line or in $CUBENETCTL_BUS; if that fails, no ids are offered.
 
-_cubenetctl_commands='list status ensure release reconcile health open-tap watch'
+_cubenetctl_commands='list status ensure release reconcile health open-tap watch metrics'
 _cubenetctl_global_opts='-h --help -V --version --bus= --varlink= --json= -j -q --quiet --no-legend --no-pager'
 _cubenetctl_ensure_opts='--port= --allow-out= --deny-out= --no-internet --mtu= --metadata= --idempotency-key='
 # Options whose value may follow as the next word.

@@ -228,7 +228,7 @@ done
 [ -S "$D/bus.sock" ] || setup_fail "dbus-daemon socket did not appear"
 
 setsid ip netns exec "$NODE_C" "$D/bin/cube-network-agent" --bus "$BUS" --state-dir "$D/state" \
-    --runtime-dir "$D/run" --config /dev/null --bpf-pin-dir "$D/bpf" \
+    --runtime-dir "$D/run" --report-socket "$D/report.sock" --config /dev/null --bpf-pin-dir "$D/bpf" \
     2>"$D/agent.log" >/dev/null </dev/null &
 agent_pid=$!
 ok=0

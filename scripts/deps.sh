@@ -32,6 +32,11 @@
 #            that a stripped image still fails loudly here. systemd-nspawn
 #            (systemd-container, pinned to the host's systemd) is installed
 #            by tests/systemd/nspawn_up.sh.
+#            python3-prometheus-client (its OpenMetrics parser reads
+#            `cubenetctl metrics` in tests/metrics.rs) and python3-venv: with
+#            --test, the reference varlink client (PyPI varlink 31.0.0) goes
+#            into the venv /opt/cube-network-agent-test/venv (tests/metrics:
+#            io.systemd.Metrics through a foreign client).
 # Idempotent; needs root.
 set -euo pipefail
 runtime=(dbus-daemon iproute2 systemd socat)
@@ -39,7 +44,7 @@ build=(make clang-19 libbpf-dev)
 test=(qemu-system-x86 busybox-static tcpdump curl python3 polkitd iperf3 nftables golang-go
     golang-github-appc-cni-dev golang-github-containerd-go-cni-dev containernetworking-plugins
     containerd runc bpftool man-db groff-base zsh coreutils mount util-linux python3-dbus
-    python3-gi dbus-broker)
+    python3-gi dbus-broker python3-prometheus-client python3-venv)
 want=()
 for a in "$@"; do
     case $a in
@@ -63,3 +68,16 @@ if [ ${#missing[@]} -gt 0 ]; then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+# The reference varlink client, in a venv of its own (Debian has no
+# package of it; the system Python stays untouched).
+for a in "${want[@]}"; do
+    if [ "$a" = python3-venv ]; then
+        venv=/opt/cube-network-agent-test/venv
+        if ! "$venv/bin/python" -c 'import varlink' 2>/dev/null; then
+            echo "installing the varlink client (PyPI varlink 31.0.0) into $venv"
+            /usr/bin/python3 -m venv "$venv"
+            "$venv/bin/pip" install -q --disable-pip-version-check varlink==31.0.0
+        fi
+        break
+    fi
+done

@@ -30,6 +30,7 @@ REC=$ROOT/target/quickstart.state
 AGENT_DIRS=(/var/lib/cube-network-agent /run/cube-network-agent /sys/fs/bpf/cube-network-agent)
 POLICY=/etc/dbus-1/system.d/org.cube.NetworkAgent.conf
 CTL_LINK=/usr/local/bin/cubenetctl
+REPORT=/run/systemd/report/org.cube.NetworkAgent
 LO_SYSCTLS=(net.ipv4.conf.lo.route_localnet net.ipv4.conf.lo.accept_local)
 
 [ "$(id -u)" = 0 ] || { echo "quickstart: run as root (the agent creates TAPs and a gateway device)" >&2; exit 1; }
@@ -134,6 +135,12 @@ if [ "$first" = 1 ]; then
     : >"$REC"
     for l in $(agent_links); do rec link-before "$l"; done
     for d in "${AGENT_DIRS[@]}"; do [ -e "$d" ] || rec dir "$d"; done
+    # The metrics socket (report_socket) and the directories it needs
+    # where systemd has none yet (outermost first: removed with its content).
+    for d in /run/systemd /run/systemd/report; do
+        if [ ! -e "$d" ]; then rec dir "$d"; break; fi
+    done
+    [ -e "$REPORT" ] || rec file "$REPORT"
     for k in "${LO_SYSCTLS[@]}"; do rec sysctl "$k" "$(sysctl -n "$k")"; done
     has_clsact lo || rec clsact lo
     up=$(uplink)

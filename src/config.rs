@@ -154,6 +154,13 @@ pub struct Config {
     /// LimitsExceeded.
     pub varlink_max_connections: u32,
     pub varlink_max_connections_per_uid: u32,
+    /// The `io.systemd.Metrics` socket (what `systemd-report` collects and
+    /// `cubenetctl metrics` reads); empty = none.
+    pub report_socket: PathBuf,
+    /// A file rewritten every `metrics_interval` seconds with the
+    /// OpenMetrics text (node_exporter's textfile collector); empty = none.
+    pub metrics_textfile: PathBuf,
+    pub metrics_interval: u32,
 }
 
 impl Default for Config {
@@ -190,9 +197,15 @@ impl Default for Config {
             log_level: "info".into(),
             varlink_max_connections: 4096,
             varlink_max_connections_per_uid: 1024,
+            report_socket: REPORT_SOCKET.into(),
+            metrics_textfile: PathBuf::new(),
+            metrics_interval: 15,
         }
     }
 }
+
+/// Where systemd (v260+) looks for services' metrics sockets.
+pub const REPORT_SOCKET: &str = "/run/systemd/report/org.cube.NetworkAgent";
 
 /// systemd may pass several colon-separated directories; the first is ours.
 fn env_dir(var: &str, default: &str) -> PathBuf {
@@ -624,6 +637,23 @@ impl Config {
                 return Err(invalid(key, "must be at least 1 second"));
             }
         }
+        if !(1..=86_400).contains(&self.metrics_interval) {
+            return Err(invalid(
+                "metrics_interval",
+                format!("{} is not 1-86400 seconds", self.metrics_interval),
+            ));
+        }
+        for (key, p) in [
+            ("report_socket", &self.report_socket),
+            ("metrics_textfile", &self.metrics_textfile),
+        ] {
+            if !p.as_os_str().is_empty() && !p.is_absolute() {
+                return Err(invalid(
+                    key,
+                    format!("'{}' is not an absolute path", p.display()),
+                ));
+            }
+        }
         if self.varlink_max_connections == 0 || self.varlink_max_connections_per_uid == 0 {
             return Err(invalid(
                 if self.varlink_max_connections == 0 {
@@ -694,6 +724,9 @@ Options (each overrides the same key of the config file):
   --log-level FILTER         tracing filter [default: info]
   --varlink-max-connections N          varlink connections at once [default: 4096]
   --varlink-max-connections-per-uid N  ... of one peer uid [default: 1024]
+  --report-socket PATH       io.systemd.Metrics socket, \"\" for none [default: /run/systemd/report/org.cube.NetworkAgent]
+  --metrics-textfile PATH    OpenMetrics file for node_exporter [default: none]
+  --metrics-interval SECS    how often it is rewritten [default: 15]
   --print-config             print the effective configuration as TOML and exit
   -h, --help                 this help
   -V, --version              version
@@ -791,6 +824,9 @@ const VALUE_FLAGS: &[&str] = &[
     "--flow-timeout-icmp",
     "--varlink-max-connections",
     "--varlink-max-connections-per-uid",
+    "--report-socket",
+    "--metrics-textfile",
+    "--metrics-interval",
 ];
 
 fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigError> {
@@ -832,6 +868,9 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
         "--varlink-max-connections-per-uid" => {
             cfg.varlink_max_connections_per_uid = number("varlink_max_connections_per_uid", &value)?
         }
+        "--report-socket" => cfg.report_socket = value.into(),
+        "--metrics-textfile" => cfg.metrics_textfile = value.into(),
+        "--metrics-interval" => cfg.metrics_interval = number("metrics_interval", &value)?,
         _ => {
             return Err(ConfigError::Usage(format!(
                 "unknown option {flag} (see --help)"

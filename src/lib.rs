@@ -13,6 +13,7 @@ pub mod config;
 pub mod datapath;
 pub mod dbus;
 pub mod hostsock;
+pub mod metrics;
 pub mod netlink;
 pub mod netns;
 pub mod refusals;

@@ -200,6 +200,7 @@ async fn run(cfg: config::Config, passed: Vec<systemd::ListenFd>) -> Result<(), 
     // The varlink socket first, then the bus name: once a client can see
     // the name, both front ends answer.
     varlink::serve(agent.clone(), listener).map_err(|e| error_chain(&e))?;
+    varlink::report::serve(agent.clone());
     let _conn = dbus::serve(agent.clone(), &bus)
         .await
         .map_err(|e| error_chain(&e))?;

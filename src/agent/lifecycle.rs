@@ -87,6 +87,7 @@ impl Agent {
                 "network ensured"
             );
         }
+        crate::metrics::ENSURE_LATENCY.observe(started.elapsed());
         self.forget_slot(id, slot);
         result
     }
@@ -750,6 +751,7 @@ impl Agent {
                 },
             }
         };
+        crate::metrics::RELEASE_LATENCY.observe(started.elapsed());
         self.forget_slot(id, slot);
         result
     }

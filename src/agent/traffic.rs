@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr};
 
 use super::{Agent, AgentError, NetworkView, failed};
+use crate::metrics::{Family, Kind, Sample, Val};
 use crate::netlink::LinkCounters;
 
 /// One network's traffic.
@@ -124,5 +125,163 @@ impl Agent {
                 (v, t)
             })
             .collect())
+    }
+}
+
+/// Which counters of a [`Traffic`] a per-sandbox family shows, by
+/// direction (`None`: no direction field).
+type Pick = dyn Fn(&Traffic) -> Vec<(Option<&'static str>, u64)>;
+
+impl Agent {
+    /// Every metric family (see docs/observability.md): per sandbox from
+    /// one link dump, node-wide from the agent's own state; Health's
+    /// verdict as `healthy` (its kernel part is cached, see health.rs).
+    pub async fn metrics(&self) -> Result<Vec<Family>, AgentError> {
+        let all = self.traffic_all().await?;
+        let per = |name: &'static str,
+                   kind: Kind,
+                   unit: Option<&'static str>,
+                   help: &'static str,
+                   value: &Pick| {
+            Family {
+                name,
+                kind,
+                help,
+                unit,
+                samples: all
+                    .iter()
+                    .flat_map(|(v, t)| {
+                        value(t).into_iter().map(|(dir, n)| Sample {
+                            object: Some(v.record.sandbox_id.clone()),
+                            fields: dir
+                                .map(|d| vec![("direction", d.to_owned())])
+                                .unwrap_or_default(),
+                            value: Val::U(n),
+                        })
+                    })
+                    .collect(),
+            }
+        };
+        let mut f = vec![
+            per(
+                "sandbox_bytes",
+                Kind::Counter,
+                Some("bytes"),
+                "Bytes of the L2 frames a sandbox sent (direction=tx) and was delivered (rx), as its TAP or veth counts them",
+                &|t| vec![(Some("tx"), t.tx_bytes), (Some("rx"), t.rx_bytes)],
+            ),
+            per(
+                "sandbox_packets",
+                Kind::Counter,
+                None,
+                "Frames a sandbox sent (direction=tx) and was delivered (rx)",
+                &|t| vec![(Some("tx"), t.tx_packets), (Some("rx"), t.rx_packets)],
+            ),
+            per(
+                "sandbox_device_drops",
+                Kind::Counter,
+                None,
+                "Frames the kernel dropped at a sandbox's device: sent by it (tx) or meant for it (rx, its VMM did not read)",
+                &|t| vec![(Some("tx"), t.tx_dropped), (Some("rx"), t.rx_dropped)],
+            ),
+            per(
+                "sandbox_flows",
+                Kind::Gauge,
+                None,
+                "Live flows of a sandbox (NAT'ed out, port-mapped in), counted every 2 s",
+                &|t| vec![(None, t.flows)],
+            ),
+        ];
+        let gauge = |name, help, n: u64| Family {
+            name,
+            kind: Kind::Gauge,
+            help,
+            unit: None,
+            samples: vec![Sample::node(Val::U(n))],
+        };
+        let (healthy, _) = self.health().await;
+        let (flows, host_flows) = self.datapath.flow_counts();
+        f.push(gauge("networks", "Sandbox networks", all.len() as u64));
+        f.push(gauge(
+            "idle_taps",
+            "Idle TAPs in the warm pool",
+            u64::from(self.idle_taps()),
+        ));
+        f.push(gauge(
+            "free_addresses",
+            "Free addresses in the sandbox pool",
+            u64::from(self.free_addresses()),
+        ));
+        f.push(gauge(
+            "healthy",
+            "1 when every Health check passes",
+            u64::from(healthy),
+        ));
+        let table = |n: u64, which: &str| Sample {
+            object: None,
+            fields: vec![("table", which.to_owned())],
+            value: Val::U(n),
+        };
+        f.push(Family {
+            name: "flow_table_entries",
+            kind: Kind::Gauge,
+            help: "Entries of the datapath's flow tables (sandbox flows, host flows)",
+            unit: None,
+            samples: vec![table(flows, "sandbox"), table(host_flows, "host")],
+        });
+        f.push(Family {
+            name: "flow_table_capacity",
+            kind: Kind::Gauge,
+            help: "Capacity of the datapath's flow tables (LRU: full tables evict live flows)",
+            unit: None,
+            samples: vec![
+                table(crate::datapath::maps::FLOW_MAP_ENTRIES.into(), "sandbox"),
+                table(crate::datapath::maps::HOST_FLOW_ENTRIES.into(), "host"),
+            ],
+        });
+        f.push(Family {
+            name: "datapath_events",
+            kind: Kind::Counter,
+            help: "Packets the datapath handled, by event: forwarded kinds (snat, portmap, ...) and drops (spoof_drop, policy_drop, no_port, no_route, malformed, ...), node-wide",
+            unit: None,
+            samples: self
+                .datapath
+                .counters()
+                .into_iter()
+                .map(|(event, n)| Sample {
+                    object: None,
+                    fields: vec![("event", event.to_owned())],
+                    value: Val::U(n),
+                })
+                .collect(),
+        });
+        for (name, h, help) in [
+            (
+                "ensure_network_seconds",
+                &crate::metrics::ENSURE_LATENCY,
+                "EnsureNetwork latency in the agent, every edge",
+            ),
+            (
+                "release_network_seconds",
+                &crate::metrics::RELEASE_LATENCY,
+                "ReleaseNetwork latency in the agent, every edge",
+            ),
+        ] {
+            f.push(Family {
+                name,
+                kind: Kind::Histogram,
+                help,
+                unit: Some("seconds"),
+                samples: vec![Sample::node(Val::H(h.snapshot()))],
+            });
+        }
+        f.push(Family {
+            name: "build",
+            kind: Kind::String,
+            help: "The agent's version",
+            unit: None,
+            samples: vec![Sample::node(Val::S(env!("CARGO_PKG_VERSION").into()))],
+        });
+        Ok(f)
     }
 }

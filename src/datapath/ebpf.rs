@@ -1714,6 +1714,17 @@ impl Datapath for EbpfDatapath {
         }
     }
 
+    fn flow_counts(&self) -> (u64, u64) {
+        (
+            self.stats.flows.load(Ordering::Relaxed) as u64,
+            self.stats.host_flows.load(Ordering::Relaxed) as u64,
+        )
+    }
+
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        Self::counters(&self.lock())
+    }
+
     fn live_flows(&self, sandbox_ip: Ipv4Addr) -> u64 {
         self.stats
             .by_sandbox

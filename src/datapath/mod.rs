@@ -105,6 +105,14 @@ pub trait Datapath: Send + Sync {
     fn live_flows(&self, _sandbox_ip: std::net::Ipv4Addr) -> u64 {
         0
     }
+    /// (sandbox flows, host flows) as of the last `maintain` pass.
+    fn flow_counts(&self) -> (u64, u64) {
+        (0, 0)
+    }
+    /// The node-wide event and drop counters (name, packets).
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        vec![]
+    }
     /// Prepares a freshly created (idle) TAP off the caller's path, e.g.
     /// attaches the per-TAP program, so EnsureNetwork does not pay for it.
     fn prepare_tap(&self, _tap_name: &str, _tap_ifindex: u32) -> Result<(), DatapathError> {

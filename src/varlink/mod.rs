@@ -8,6 +8,7 @@
 
 pub mod activation;
 pub mod convert;
+pub mod report;
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};

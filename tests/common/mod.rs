@@ -183,6 +183,8 @@ impl Env {
             .arg(self.dir.join("state"))
             .arg("--runtime-dir")
             .arg(self.dir.join("run"))
+            .arg("--report-socket")
+            .arg(self.dir.join("report/org.cube.NetworkAgent"))
             .args(["--config", "/dev/null", "--log-level", "debug"])
             .arg("--bpf-pin-dir")
             .arg(self.dir.join("bpf"))

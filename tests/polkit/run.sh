@@ -29,7 +29,7 @@ check() { if [[ "$3" =~ $2 ]]; then ok "$1"; else nok "$1 (got: $3)"; fi; }
 # the agent, as root, in a fresh network namespace, on the system bus
 ip netns add cubepk && ip -n cubepk link set lo up
 ip netns exec cubepk "$AGENT" --bus system --config /dev/null \
-  --state-dir "$S/state" --runtime-dir "$S/rt" --warm-pool 2 --log-level debug \
+  --state-dir "$S/state" --runtime-dir "$S/rt" --report-socket "$S/report.sock" --warm-pool 2 --log-level debug \
   >"$S/agent.log" 2>&1 &
 AGENT_PID=$!
 for _ in $(seq 500); do

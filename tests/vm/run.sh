@@ -177,7 +177,7 @@ grep -q WORLD-READY "$T/world.out" || die "world http server did not start: $(ca
 [ -S "$T/bus.sock" ] || die "dbus-daemon did not start: $(cat "$T/dbus.log")"
 
 # --- agent -------------------------------------------------------------------------
-ip netns exec "$NS" "$AGENT" --bus "$ADDR" --state-dir "$T/state" --runtime-dir "$T/run" \
+ip netns exec "$NS" "$AGENT" --bus "$ADDR" --state-dir "$T/state" --runtime-dir "$T/run" --report-socket "$T/report.sock" \
     --bpf-pin-dir "$T/bpf" --config /dev/null --warm-pool 2 --log-level debug \
     >/dev/null 2>"$T/agent.log" &
 AGENT_PID=$!

@@ -352,6 +352,17 @@ impl Env {
             .arg("--runtime-dir")
             .arg(dir.join("run"))
             .args(["--warm-pool", &warm_pool.to_string()])
+            .args(
+                self.agent_has_report_socket()
+                    .then(|| {
+                        [
+                            "--report-socket".into(),
+                            dir.join("report.sock").into_os_string(),
+                        ]
+                    })
+                    .into_iter()
+                    .flatten(),
+            )
             .env("NOTIFY_SOCKET", &self.notify_path)
             .stdin(Stdio::null())
             .stdout(log_file.try_clone().map_err(|e| e.to_string())?)
@@ -447,6 +458,32 @@ impl Env {
                 Err(e) => return Err(format!("waiting for the agent: {e}")),
             }
         }
+    }
+
+    /// Whether the agent under test knows `--report-socket` (builds before
+    /// the metrics socket do not).
+    fn agent_has_report_socket(&self) -> bool {
+        Command::new(&self.agent_bin)
+            .arg("--help")
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("--report-socket"))
+    }
+
+    /// The agent's CPU time so far (every thread, from schedstat: ns).
+    fn agent_cpu(&self) -> Result<Duration> {
+        let pid = self.agent_pid()?;
+        let mut ns = 0u64;
+        for t in fs::read_dir(format!("/proc/{pid}/task")).map_err(|e| e.to_string())? {
+            let t = t.map_err(|e| e.to_string())?;
+            if let Ok(s) = fs::read_to_string(t.path().join("schedstat")) {
+                ns += s
+                    .split_whitespace()
+                    .next()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(0);
+            }
+        }
+        Ok(Duration::from_nanos(ns))
     }
 
     fn agent_rss_kb(&self) -> Result<u64> {
@@ -1065,6 +1102,73 @@ fn row(
     }
 }
 
+/// One varlink call on `path`; every reply until the last (`continues`).
+fn varlink_call(path: &Path, method: &str, more: bool) -> Result<Vec<serde_json::Value>> {
+    use std::io::{BufRead, BufReader, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let call = serde_json::json!({"method": method, "more": more});
+    s.write_all(format!("{call}\0").as_bytes())
+        .map_err(|e| e.to_string())?;
+    let mut r = BufReader::new(s);
+    let mut out = vec![];
+    loop {
+        let mut buf = vec![];
+        r.read_until(0, &mut buf).map_err(|e| e.to_string())?;
+        if buf.pop() != Some(0) {
+            return Err(format!("{method}: connection closed"));
+        }
+        let v: serde_json::Value = serde_json::from_slice(&buf).map_err(|e| e.to_string())?;
+        if let Some(e) = v.get("error") {
+            return Err(format!("{method}: {e}"));
+        }
+        let more = v.get("continues").and_then(serde_json::Value::as_bool) == Some(true);
+        out.push(v);
+        if !more {
+            return Ok(out);
+        }
+    }
+}
+
+/// Full scrapes of the metrics socket with `n` networks: the agent's CPU
+/// per scrape (every thread's schedstat), OpenMetrics and io.systemd.Metrics.
+fn scrape_rows(env: &Env, dir: &Path, n: usize, rows: &mut Vec<Row>) -> Result<()> {
+    const SCRAPES: u32 = 5;
+    let sock = dir.join("report.sock");
+    let mut measure = |what: &str, method: &str, more: bool| -> Result<()> {
+        let (mut cpu, mut wall, mut size) = (Duration::ZERO, Duration::ZERO, 0usize);
+        for _ in 0..SCRAPES {
+            let c0 = env.agent_cpu()?;
+            let t0 = Instant::now();
+            let replies = varlink_call(&sock, method, more)?;
+            wall += t0.elapsed();
+            cpu += env.agent_cpu()? - c0;
+            size = replies.len();
+        }
+        let cpu_ms = cpu.as_secs_f64() * 1e3 / f64::from(SCRAPES);
+        rows.push(
+            row(
+                format!("metrics scrape, {what}, {n} nets: agent CPU / wall"),
+                format!(
+                    "{cpu_ms:.1} ms / {:.1} ms ({size} replies)",
+                    wall.as_secs_f64() * 1e3 / f64::from(SCRAPES)
+                ),
+                "-",
+                "-",
+                "agent CPU <= 50 ms",
+            )
+            .met(cpu_ms <= 50.0),
+        );
+        Ok(())
+    };
+    measure(
+        "OpenMetrics",
+        "org.cube.NetworkAgent.Metrics.OpenMetrics",
+        false,
+    )?;
+    measure("io.systemd.Metrics.List", "io.systemd.Metrics.List", true)
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.0} ms", d.as_secs_f64() * 1e3)
 }
@@ -1449,6 +1553,10 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         )
         .met(rss as f64 / 1024.0 <= 50.0),
     );
+
+    if env.agent_has_report_socket() {
+        scrape_rows(env, &dir, n, rows)?;
+    }
 
     eprintln!("[8/10] restart with {n} networks");
     let killed = env.stop_agent(nix::sys::signal::Signal::SIGKILL).await?;

@@ -14,6 +14,10 @@ use crate::output::{JsonMode, Output};
 /// `$CUBENETCTL_VARLINK` says otherwise (its `runtime_dir` default).
 pub const DEFAULT_VARLINK: &str = "/run/cube-network-agent/org.cube.NetworkAgent";
 
+/// The agent's metrics socket unless `$CUBENETCTL_REPORT` says otherwise
+/// (its `report_socket` default).
+pub const DEFAULT_REPORT: &str = "/run/systemd/report/org.cube.NetworkAgent";
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Bus {
     System,
@@ -38,6 +42,8 @@ pub struct Environment {
     pub bus: Option<String>,
     /// `$CUBENETCTL_VARLINK`
     pub varlink: Option<String>,
+    /// `$CUBENETCTL_REPORT`: the agent's metrics socket.
+    pub report: Option<String>,
     /// `-j` means pretty on a terminal, short otherwise.
     pub stdout_is_tty: bool,
     /// The locale's character set is UTF-8 (else output is ASCII-only).
@@ -51,6 +57,7 @@ impl Environment {
         Environment {
             bus: var("CUBENETCTL_BUS"),
             varlink: var("CUBENETCTL_VARLINK"),
+            report: var("CUBENETCTL_REPORT"),
             stdout_is_tty: std::io::stdout().is_terminal(),
             utf8: crate::output::locale_is_utf8(var),
         }
@@ -95,6 +102,8 @@ pub enum Cmd {
     Health,
     OpenTap(String, Vec<String>),
     Watch,
+    /// The metrics socket to read.
+    Metrics(PathBuf),
 }
 
 #[derive(Debug)]
@@ -427,6 +436,14 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
         "watch" => {
             want(0)?;
             Cmd::Watch
+        }
+        "metrics" => {
+            want(0)?;
+            Cmd::Metrics(PathBuf::from(
+                env.report
+                    .clone()
+                    .unwrap_or_else(|| DEFAULT_REPORT.to_owned()),
+            ))
         }
         "status" => {
             want(1)?;

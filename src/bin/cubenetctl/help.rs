@@ -105,6 +105,21 @@ executed: 127 (not found) or 126 (other errors).",
         options: "",
     },
     CommandDef {
+        name: "metrics",
+        args: "",
+        summary: "Print the agent's metrics as OpenMetrics text",
+        help: "Reads the agent's metrics socket (its report_socket: $CUBENETCTL_REPORT,
+else /run/systemd/report/org.cube.NetworkAgent) and prints every metric
+as OpenMetrics text, as Prometheus reads it: per sandbox (label
+sandbox_id) bytes, packets and device drops by direction (tx = sent by
+the sandbox, rx = delivered to it) and live flows; node-wide networks,
+idle TAPs, free addresses, health, flow tables, datapath events and
+EnsureNetwork/ReleaseNetwork latency. The same families are served to
+systemd as io.systemd.Metrics. Exit status 4 if the socket cannot be
+reached or reading is not allowed.",
+        options: "",
+    },
+    CommandDef {
         name: "watch",
         args: "",
         summary: "Follow every change, one line per event",

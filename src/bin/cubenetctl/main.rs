@@ -49,7 +49,7 @@ async fn run(g: &Global, cmd: Cmd) -> Res<Outcome> {
         Cmd::Reconcile(id) => reconcile::run(&agent, out, &id).await?,
         Cmd::Health => health::run(&agent, out).await?,
         Cmd::OpenTap(id, argv) => return open_tap::run(&agent, &id, argv).await,
-        Cmd::Watch => unreachable!("watch runs without D-Bus"),
+        Cmd::Watch | Cmd::Metrics(_) => unreachable!("watch and metrics run without D-Bus"),
     };
     Ok(Outcome::Exit(code))
 }
@@ -83,6 +83,15 @@ fn main() -> ExitCode {
         }
         Ok(Parsed::Run(g, c)) => (g, c),
     };
+    if let Cmd::Metrics(path) = &cmd {
+        return match varlink::openmetrics(path) {
+            Ok(text) => {
+                output::emit(&text);
+                ExitCode::SUCCESS
+            }
+            Err(f) => fail(f, ascii),
+        };
+    }
     if let Cmd::Watch = cmd {
         return match watch::run(&global) {
             Ok(code) => ExitCode::from(code),

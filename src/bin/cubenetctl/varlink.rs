@@ -59,6 +59,35 @@ fn error_failure(name: &str, params: &Json) -> Failure {
     )
 }
 
+/// `cubenetctl metrics`: the OpenMetrics text from the metrics socket.
+pub fn openmetrics(path: &Path) -> Res<String> {
+    let sock = UnixStream::connect(path).map_err(|e| {
+        Failure::new(
+            EXIT_UNREACHABLE,
+            format!(
+                "cannot connect to the agent's metrics socket {}: {e} \
+                 (is cube-network-agent running? its report_socket; $CUBENETCTL_REPORT)",
+                path.display()
+            ),
+        )
+    })?;
+    let mut v = Varlink {
+        sock,
+        buf: vec![],
+        scanned: 0,
+    };
+    v.call("org.cube.NetworkAgent.Metrics.OpenMetrics", false)?;
+    let reply = v
+        .recv()?
+        .ok_or_else(|| Failure::new(EXIT_UNREACHABLE, "the agent closed the metrics connection"))?;
+    reply
+        .parameters
+        .get("text")
+        .and_then(Json::as_str)
+        .map(str::to_owned)
+        .ok_or_else(|| Failure::new(EXIT_AGENT, "the agent's reply has no text"))
+}
+
 impl Varlink {
     pub fn connect(path: &Path) -> Res<Varlink> {
         let sock = UnixStream::connect(path).map_err(|e| {

@@ -1,0 +1,310 @@
+//! The metrics socket (`report_socket`, by default
+//! `/run/systemd/report/org.cube.NetworkAgent`): systemd's
+//! `io.systemd.Metrics` (what `systemd-report` collects, v260+) and
+//! `org.cube.NetworkAgent.Metrics.OpenMetrics` (what `cubenetctl metrics`
+//! prints), both renderings of [`crate::metrics`]. Reads like GetNetwork:
+//! root, or the polkit action `org.cube.NetworkAgent.read` (the values
+//! name every sandbox). Also writes `metrics_textfile` for node_exporter.
+
+use std::io;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Map, Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+use tracing::{debug, info, warn};
+
+use super::{Operation, Peer, SERVICE_IDL, SERVICE_INTERFACE, authorize};
+use crate::agent::Agent;
+
+pub const METRICS_INTERFACE: &str = "io.systemd.Metrics";
+pub const METRICS_IDL: &str = include_str!("../../varlink/io.systemd.Metrics.varlink");
+pub const OPENMETRICS_INTERFACE: &str = "org.cube.NetworkAgent.Metrics";
+pub const OPENMETRICS_IDL: &str =
+    include_str!("../../varlink/org.cube.NetworkAgent.Metrics.varlink");
+
+/// Requests are a few hundred bytes; anything larger closes the connection.
+const MAX_REQUEST: usize = 64 << 10;
+/// Connections served at once (a scraper or two, an operator's CLI).
+const MAX_CONNECTIONS: usize = 64;
+
+fn error(name: &str, parameters: Value) -> Value {
+    json!({ "error": name, "parameters": parameters })
+}
+
+/// The replies to one call: (reply objects, each to be sent; the last
+/// without `continues`).
+async fn call(
+    agent: &Agent,
+    peer: &Peer,
+    method: &str,
+    p: &Map<String, Value>,
+    more: bool,
+) -> Vec<Value> {
+    let read = |f: fn(&[crate::metrics::Family]) -> Vec<Value>| f;
+    let stream = match method {
+        "org.varlink.service.GetInfo" => {
+            return vec![json!({"parameters": {
+                "vendor": "cube-network-agent",
+                "product": "cube-network-agent",
+                "version": env!("CARGO_PKG_VERSION"),
+                "url": "https://github.com/tencentcloud/CubeSandbox",
+                "interfaces": [SERVICE_INTERFACE, METRICS_INTERFACE, OPENMETRICS_INTERFACE],
+            }})];
+        }
+        "org.varlink.service.GetInterfaceDescription" => {
+            let description = match p.get("interface").and_then(Value::as_str) {
+                Some(SERVICE_INTERFACE) => SERVICE_IDL,
+                Some(METRICS_INTERFACE) => METRICS_IDL,
+                Some(OPENMETRICS_INTERFACE) => OPENMETRICS_IDL,
+                Some(other) => {
+                    return vec![error(
+                        "org.varlink.service.InterfaceNotFound",
+                        json!({ "interface": other }),
+                    )];
+                }
+                None => {
+                    return vec![error(
+                        "org.varlink.service.InvalidParameter",
+                        json!({ "parameter": "interface" }),
+                    )];
+                }
+            };
+            return vec![json!({"parameters": { "description": description }})];
+        }
+        "io.systemd.Metrics.List" => Some(read(crate::metrics::list)),
+        "io.systemd.Metrics.Describe" => Some(read(crate::metrics::describe)),
+        "org.cube.NetworkAgent.Metrics.OpenMetrics" => None,
+        other => {
+            return vec![error(
+                "org.varlink.service.MethodNotFound",
+                json!({ "method": other }),
+            )];
+        }
+    };
+    if let Err(denied) = authorize(peer, Operation::Read).await {
+        let name = if stream.is_some() {
+            "org.varlink.service.PermissionDenied"
+        } else {
+            "org.cube.NetworkAgent.Metrics.AccessDenied"
+        };
+        let params = if stream.is_some() {
+            json!({})
+        } else {
+            json!({ "message": denied.0 })
+        };
+        return vec![error(name, params)];
+    }
+    if stream.is_some() && !more {
+        return vec![error("org.varlink.service.ExpectedMore", json!({}))];
+    }
+    let families = match agent.metrics().await {
+        Ok(f) => f,
+        Err(e) => {
+            let m = e.to_string();
+            return vec![match stream {
+                Some(_) => error("io.systemd.Metrics.NoSuchMetric", json!({})),
+                None => error(
+                    "org.cube.NetworkAgent.Metrics.Failed",
+                    json!({ "message": m }),
+                ),
+            }];
+        }
+    };
+    match stream {
+        Some(render) => {
+            let items = render(&families);
+            let n = items.len();
+            items
+                .into_iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    if i + 1 < n {
+                        json!({ "parameters": v, "continues": true })
+                    } else {
+                        json!({ "parameters": v })
+                    }
+                })
+                .collect()
+        }
+        None => vec![json!({"parameters": {
+            "text": crate::metrics::openmetrics(&families)
+        }})],
+    }
+}
+
+async fn connection(agent: Arc<Agent>, mut stream: UnixStream) {
+    let peer = match Peer::of(&stream) {
+        Ok(p) => p,
+        Err(e) => {
+            debug!(error = %e, "report socket: no peer credentials");
+            return;
+        }
+    };
+    let mut buf: Vec<u8> = Vec::with_capacity(1024);
+    loop {
+        while let Some(end) = buf.iter().position(|&b| b == 0) {
+            let msg: Vec<u8> = buf.drain(..=end).take(end).collect();
+            let Ok(Value::Object(mut m)) = serde_json::from_slice::<Value>(&msg) else {
+                return;
+            };
+            let Some(Value::String(method)) = m.remove("method") else {
+                return;
+            };
+            let more = m.get("more").and_then(Value::as_bool).unwrap_or(false);
+            let oneway = m.get("oneway").and_then(Value::as_bool).unwrap_or(false);
+            let params = match m.remove("parameters") {
+                Some(Value::Object(p)) => p,
+                _ => Map::new(),
+            };
+            let replies = call(&agent, &peer, &method, &params, more).await;
+            debug!(
+                method,
+                uid = peer.uid,
+                replies = replies.len(),
+                "report socket call"
+            );
+            if oneway {
+                continue;
+            }
+            let mut out = Vec::with_capacity(replies.len() * 160);
+            for r in replies {
+                serde_json::to_writer(&mut out, &r).expect("a reply serialises");
+                out.push(0);
+            }
+            if stream.write_all(&out).await.is_err() {
+                return;
+            }
+        }
+        if buf.len() > MAX_REQUEST {
+            return;
+        }
+        match stream.read_buf(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+    }
+}
+
+/// Binds `path` (a stale socket is replaced; its directory is created
+/// 0755 if missing). Mode 0666: access is decided per call.
+fn bind(path: &Path) -> io::Result<UnixListener> {
+    if let Some(dir) = path.parent()
+        && !dir.exists()
+    {
+        std::fs::create_dir_all(dir)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)?,
+        Ok(_) => {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                "exists and is not a socket",
+            ));
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let l = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
+    Ok(l)
+}
+
+/// Writes the OpenMetrics text to `path` atomically (a temporary file in
+/// the same directory, renamed over it), mode 0640: the values name every
+/// sandbox. node_exporter reads it when the directory's group is its own
+/// (a setgid directory gives the file that group).
+fn write_textfile(path: &Path, text: &str) -> io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no file name"))?;
+    let tmp = path.with_file_name(format!(".{}.tmp", name.to_string_lossy()));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o640)
+        .open(&tmp)?;
+    f.write_all(text.as_bytes())?;
+    f.sync_data()?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Serves the report socket and the textfile in the background (either may
+/// be off: an empty `report_socket` / `metrics_textfile`). A socket that
+/// cannot be bound (systemd before v260 has no /run/systemd/report, and
+/// the unit may not write there) is a warning, not a failure.
+pub fn serve(agent: Arc<Agent>) {
+    let cfg = agent.config();
+    let socket = cfg.report_socket.clone();
+    let textfile = cfg.metrics_textfile.clone();
+    let every = Duration::from_secs(u64::from(cfg.metrics_interval.max(1)));
+    if !socket.as_os_str().is_empty() {
+        match bind(&socket) {
+            Ok(l) => {
+                info!(path = %socket.display(), "metrics: io.systemd.Metrics on the report socket");
+                let agent = agent.clone();
+                tokio::spawn(async move {
+                    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+                    loop {
+                        match l.accept().await {
+                            Ok((stream, _)) => {
+                                let Ok(permit) = slots.clone().try_acquire_owned() else {
+                                    debug!("report socket: too many connections; closing one");
+                                    continue;
+                                };
+                                let agent = agent.clone();
+                                tokio::spawn(async move {
+                                    connection(agent, stream).await;
+                                    drop(permit);
+                                });
+                            }
+                            Err(e) => {
+                                warn!(error = %e, "report socket: accept failed");
+                                tokio::time::sleep(Duration::from_millis(100)).await;
+                            }
+                        }
+                    }
+                });
+            }
+            Err(e) => warn!(
+                path = %socket.display(),
+                error = %e,
+                "metrics: cannot bind the report socket; io.systemd.Metrics is unavailable"
+            ),
+        }
+    }
+    if !textfile.as_os_str().is_empty() {
+        info!(path = %textfile.display(), every_s = every.as_secs(), "metrics: writing the OpenMetrics textfile");
+        tokio::spawn(async move {
+            let mut warned = false;
+            loop {
+                let r = match agent.metrics().await {
+                    Ok(f) => {
+                        let text = crate::metrics::openmetrics(&f);
+                        let path = textfile.clone();
+                        tokio::task::spawn_blocking(move || write_textfile(&path, &text))
+                            .await
+                            .unwrap_or_else(|e| Err(io::Error::other(e.to_string())))
+                    }
+                    Err(e) => Err(io::Error::other(e.to_string())),
+                };
+                match r {
+                    Ok(()) => warned = false,
+                    Err(e) if !warned => {
+                        warned = true;
+                        warn!(path = %textfile.display(), error = %e, "metrics: writing the textfile failed");
+                    }
+                    Err(_) => {}
+                }
+                tokio::time::sleep(every).await;
+            }
+        });
+    }
+}
