@@ -98,6 +98,17 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } counters SEC(".maps");
 
+/* Per-sandbox counters, keyed by TAP/veth ifindex; the agent creates an
+ * entry when it attaches a sandbox and removes it with the device. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, struct dp_sb_stats);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} sb_stats SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__type(key, __u32);
@@ -230,6 +241,15 @@ static __always_inline void count(__u32 which)
 	__u64 *v = bpf_map_lookup_elem(&counters, &which);
 	if (v)
 		*v += 1;
+}
+
+/* One of a sandbox's own counters (see enum dp_sb_counter): a lookup and
+ * an atomic add, on drop and new-flow paths only. */
+static __always_inline void sb_count(__u32 ifindex, __u32 which)
+{
+	struct dp_sb_stats *s = bpf_map_lookup_elem(&sb_stats, &ifindex);
+	if (s && which < DP_S_MAX)
+		__sync_fetch_and_add(&s->c[which], 1);
 }
 
 /* The upgrade test (tests/upgrade/build-next.sh) builds a second datapath
@@ -505,6 +525,7 @@ static __always_inline int proxy_arp(struct __sk_buff *skb, const struct dp_conf
 
 	if (bpf_skb_load_bytes(skb, ETH_HLEN, &arp, sizeof(arp))) {
 		count(DP_C_MALFORMED);
+		sb_count(skb->ifindex, DP_S_MALFORMED);
 		return TC_ACT_SHOT;
 	}
 	if (arp.h.ar_hrd != bpf_htons(ARPHRD_ETHER) || arp.h.ar_pro != bpf_htons(ETH_P_IP) ||
@@ -512,6 +533,7 @@ static __always_inline int proxy_arp(struct __sk_buff *skb, const struct dp_conf
 		return TC_ACT_SHOT;
 	if (!mac_eq(arp.sha, c->guest_mac)) {
 		count(DP_C_SPOOF_DROP);
+		sb_count(skb->ifindex, DP_S_SPOOFED);
 		return TC_ACT_SHOT;
 	}
 	__u32 spa, tpa;
@@ -802,7 +824,7 @@ static __always_inline int hflow_alloc(const struct dp_hflow_key *hk, __u32 sand
 /* Starts or continues the host flow `hk` (the host sending to the
  * sandbox's `guest_port`); its gateway-side port, or -1 when none is free. */
 static __always_inline int hflow_in(const struct dp_hflow_key *hk, __u32 sandbox_ip,
-				    __u16 guest_port, __u64 gen, __u8 kind,
+				    __u32 tap_ifindex, __u16 guest_port, __u64 gen, __u8 kind,
 				    const struct l4info *l4, __u16 *gw_port)
 {
 	struct dp_hflow_val *hv = hflow_of(hk, sandbox_ip, gen);
@@ -817,8 +839,10 @@ static __always_inline int hflow_in(const struct dp_hflow_key *hk, __u32 sandbox
 	int syn = l4->proto == IPPROTO_TCP && (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
 	if (hflow_alloc(hk, sandbox_ip, guest_port, gen, syn, gw_port)) {
 		count(DP_C_NO_GW_PORT);
+		sb_count(tap_ifindex, DP_S_NO_PORT);
 		return -1;
 	}
+	sb_count(tap_ifindex, DP_S_NEW_HOST);
 	struct dp_hflow_val nv = {
 		.last_seen_ns = bpf_ktime_get_ns(),
 		.gen = gen,
@@ -871,6 +895,7 @@ static __always_inline int guest_to_host(struct __sk_buff *skb, const struct dp_
 			hk.pad[0] = hk.pad[1] = hk.pad[2] = 0;
 			struct dp_hrev_val nrv = {.host = hk, .gen = sb->gen};
 			bpf_map_update_elem(&hrev, &rk, &nrv, BPF_ANY);
+			sb_count(skb->ifindex, DP_S_NEW_HOST);
 			struct dp_hflow_val nv = {
 				.last_seen_ns = bpf_ktime_get_ns(),
 				.gen = sb->gen,
@@ -992,6 +1017,7 @@ static __always_inline int forward_out(struct __sk_buff *skb, const struct dp_co
 		return bpf_redirect_neigh(c->uplink_ifindex, NULL, 0, 0);
 	}
 	count(DP_C_NO_ROUTE);
+	sb_count(skb->ifindex, DP_S_NO_ROUTE);
 	return TC_ACT_SHOT;
 }
 
@@ -1014,11 +1040,14 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	/* Guest fragments are dropped: NAT needs every piece's ports. */
 	if (!c->uplink_ip || l4->frag || l4->first_frag) {
 		count(DP_C_NO_ROUTE);
+		sb_count(skb->ifindex, DP_S_NO_ROUTE);
 		return TC_ACT_SHOT;
 	}
 	if (l4->proto != IPPROTO_TCP && l4->proto != IPPROTO_UDP &&
-	    !(l4->proto == IPPROTO_ICMP && l4->icmp_type == ICMP_ECHO))
+	    !(l4->proto == IPPROTO_ICMP && l4->icmp_type == ICMP_ECHO)) {
+		sb_count(skb->ifindex, DP_S_UNSUPPORTED);
 		return TC_ACT_SHOT;
+	}
 
 	struct dp_ct_key key = {
 		.sandbox_ip = sb->sandbox_ip,
@@ -1031,6 +1060,7 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	struct dp_ct_val *v = flow_of(&key, sb->gen);
 	if (!(v && v->kind == DP_CT_PORTMAP) && !policy_allows(sb, ip->daddr)) {
 		count(DP_C_POLICY_DROP);
+		sb_count(skb->ifindex, DP_S_POLICY);
 		return TC_ACT_SHOT;
 	}
 	if (v) {
@@ -1047,11 +1077,13 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 			si.ts = tcp_tsval(skb, l4);
 		if (snat_alloc(skb, c, &key, sb->gen, &si, &nat_port)) {
 			count(DP_C_NO_PORT);
+			sb_count(skb->ifindex, DP_S_NO_PORT);
 			return TC_ACT_SHOT;
 		}
 		struct dp_ct_val nv = {.nat_port = nat_port, .kind = DP_CT_SNAT, .gen = sb->gen};
 		touch(&nv, l4, DIR_OUT);
 		bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
+		sb_count(skb->ifindex, DP_S_NEW_SNAT);
 	}
 	if (set_addr(skb, IP_SRC_OFF, ip->saddr, c->uplink_ip, l4) ||
 	    set_port(skb, src_port_off(l4), l4->sport, nat_port, l4))
@@ -1074,30 +1106,37 @@ int from_guest(struct __sk_buff *skb)
 	struct ethhdr eth;
 	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth))) {
 		count(DP_C_MALFORMED);
+		sb_count(ifindex, DP_S_MALFORMED);
 		return TC_ACT_SHOT;
 	}
 	if (!mac_eq(eth.h_source, c->guest_mac)) {
 		count(DP_C_SPOOF_DROP);
+		sb_count(ifindex, DP_S_SPOOFED);
 		return TC_ACT_SHOT;
 	}
 	if (eth.h_proto == bpf_htons(ETH_P_ARP))
 		return proxy_arp(skb, c);
-	if (eth.h_proto != bpf_htons(ETH_P_IP))
+	if (eth.h_proto != bpf_htons(ETH_P_IP)) {
+		sb_count(ifindex, DP_S_UNSUPPORTED);
 		return TC_ACT_SHOT;
+	}
 	/* Only the gateway is on the guest's link: no frame goes straight to
 	 * another guest. */
 	if (!mac_eq(eth.h_dest, c->gateway_mac)) {
 		count(DP_C_SPOOF_DROP);
+		sb_count(ifindex, DP_S_SPOOFED);
 		return TC_ACT_SHOT;
 	}
 	struct iphdr ip;
 	struct l4info l4;
 	if (parse_ipv4(skb, &ip, &l4)) {
 		count(DP_C_MALFORMED);
+		sb_count(ifindex, DP_S_MALFORMED);
 		return TC_ACT_SHOT;
 	}
 	if (ip.saddr != c->guest_ip) {
 		count(DP_C_SPOOF_DROP);
+		sb_count(ifindex, DP_S_SPOOFED);
 		return TC_ACT_SHOT;
 	}
 	if (ip.daddr == c->gateway_ip)
@@ -1228,6 +1267,7 @@ int from_uplink(struct __sk_buff *skb)
 					       .gen = tap->gen};
 			touch(&nv, &l4, DIR_IN);
 			bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
+			sb_count(tap->ifindex, DP_S_NEW_PORTMAP);
 		}
 		count(DP_C_PORTMAP);
 	}
@@ -1275,7 +1315,7 @@ int to_sandbox_ip(struct __sk_buff *skb)
 			.proto = l4.proto,
 		};
 		__u16 gw_port;
-		if (hflow_in(&hk, dst, l4.dport, gen, DP_HF_GWDEV, &l4, &gw_port))
+		if (hflow_in(&hk, dst, tap_ifindex, l4.dport, gen, DP_HF_GWDEV, &l4, &gw_port))
 			return TC_ACT_SHOT;
 		if (set_port(skb, src_port_off(&l4), l4.sport, gw_port, &l4))
 			return TC_ACT_SHOT;
@@ -1338,7 +1378,7 @@ int from_host(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	}
 	__u16 gw_port;
-	if (hflow_in(&hk, sandbox_ip, container_port, gen, DP_HF_LO, &l4, &gw_port))
+	if (hflow_in(&hk, sandbox_ip, tap_ifindex, container_port, gen, DP_HF_LO, &l4, &gw_port))
 		return TC_ACT_SHOT;
 	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
 	    set_addr(skb, IP_SRC_OFF, ip.saddr, c->gateway_ip, &l4) ||

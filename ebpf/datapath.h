@@ -173,6 +173,26 @@ struct dp_frag_val {
 	__u32 pad;
 }; /* 32 bytes */
 
+/* Per-sandbox counters (sb_stats, keyed by the sandbox's TAP or veth
+ * ifindex: a device carries one network for life) of what the device's own
+ * statistics cannot say: the datapath's drops by reason and the flows it
+ * opened by kind. Counted only on drop and new-flow paths. */
+enum dp_sb_counter {
+	DP_S_SPOOFED,      /* source MAC/IP or destination MAC not the guest's/gateway's */
+	DP_S_POLICY,       /* egress denied by the sandbox's policy */
+	DP_S_MALFORMED,    /* a frame the datapath could not parse */
+	DP_S_NO_ROUTE,     /* no uplink, no route, or a fragment (NAT needs ports) */
+	DP_S_NO_PORT,      /* no free SNAT or gateway-side port for a new flow */
+	DP_S_UNSUPPORTED,  /* not IPv4/ARP, or an IP protocol the datapath does not NAT */
+	DP_S_NEW_SNAT,     /* flows the sandbox opened to the world */
+	DP_S_NEW_PORTMAP,  /* flows the world opened to a mapped port */
+	DP_S_NEW_HOST,     /* flows between the host and the sandbox */
+	DP_S_MAX,
+};
+struct dp_sb_stats {
+	__u64 c[DP_S_MAX];
+}; /* 72 bytes */
+
 /* counters (per CPU) */
 enum dp_counter {
 	DP_C_ARP_REPLY,

@@ -162,6 +162,21 @@ async fn openmetrics_and_io_systemd_metrics_agree_with_getnetwork() {
         find(bytes, &[("sandbox_id", "m-idle"), ("direction", "tx")]),
         0.0
     );
+    assert_eq!(t["new_flows_snat"], 1, "{t:?}");
+    assert_eq!(
+        find(
+            "cube_network_agent_sandbox_new_flows_total",
+            &[("sandbox_id", "m-busy"), ("kind", "snat")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        find(
+            "cube_network_agent_sandbox_drops_total",
+            &[("sandbox_id", "m-busy"), ("reason", "policy")]
+        ),
+        0.0
+    );
     assert_eq!(find("cube_network_agent_networks", &[]), 2.0);
     assert_eq!(find("cube_network_agent_healthy", &[]), 1.0);
     assert_eq!(
@@ -187,6 +202,8 @@ async fn openmetrics_and_io_systemd_metrics_agree_with_getnetwork() {
         ("cube_network_agent_sandbox_bytes", "counter"),
         ("cube_network_agent_sandbox_device_drops", "counter"),
         ("cube_network_agent_sandbox_flows", "gauge"),
+        ("cube_network_agent_sandbox_drops", "counter"),
+        ("cube_network_agent_sandbox_new_flows", "counter"),
         ("cube_network_agent_flow_table_capacity", "gauge"),
         ("cube_network_agent_release_network_seconds", "histogram"),
         ("cube_network_agent_build", "info"),

@@ -12,7 +12,9 @@ use std::collections::BTreeMap;
 use std::net::{SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
-use common::guest::{GATEWAY_MAC, GUEST_IP, GUEST_MAC, RawGuest, parse_ipv4, udp_frame};
+use common::guest::{
+    GATEWAY_MAC, GUEST_IP, GUEST_MAC, RawGuest, eth_header, parse_ipv4, udp_frame,
+};
 use common::world::{self, World};
 use common::{Client, Dict, opts, ports};
 use zbus::zvariant::OwnedValue;
@@ -146,12 +148,110 @@ async fn traffic_is_counted_exactly_from_the_sandboxs_point_of_view() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    // kill -9: the counters live with the device.
+    // The datapath's own counters: one flow each way, nothing dropped.
+    let t2 = traffic(&c, "acct").await;
+    assert_eq!(
+        (t2["new_flows_snat"], t2["new_flows_portmap"]),
+        (1, 1),
+        "{t2:?}"
+    );
+    assert_eq!(t2["new_flows_host"], 0, "{t2:?}");
+    let drops = [
+        "drop_spoofed",
+        "drop_policy",
+        "drop_malformed",
+        "drop_no_route",
+        "drop_no_port",
+        "drop_unsupported",
+    ];
+    for k in drops {
+        assert_eq!(t2[k], 0, "{k}: {t2:?}");
+    }
+    // Each reason provoked once moves exactly its counter.
+    let world_dst = echo;
+    let mut spoofed_mac = GUEST_MAC;
+    spoofed_mac[5] ^= 1;
+    let mut bad_ip = eth_header(GATEWAY_MAC, GUEST_MAC, 0x0800);
+    bad_ip.extend_from_slice(&[0x41; 20]); // version 4, header length 4 bytes
+    let mut ipv6 = eth_header(GATEWAY_MAC, GUEST_MAC, 0x86dd);
+    ipv6.extend_from_slice(&[0x60; 40]);
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "drop_spoofed",
+            udp_frame(spoofed_mac, GATEWAY_MAC, src, world_dst, b"mac"),
+        ),
+        (
+            "drop_spoofed",
+            udp_frame(
+                GUEST_MAC,
+                GATEWAY_MAC,
+                SocketAddrV4::new("169.254.68.7".parse().unwrap(), 40000),
+                world_dst,
+                b"ip",
+            ),
+        ),
+        ("drop_malformed", bad_ip),
+        ("drop_unsupported", ipv6),
+    ];
+    let mut before = t2.clone();
+    for (reason, frame) in cases {
+        guest.send(&frame).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let now = loop {
+            let now = traffic(&c, "acct").await;
+            if now[reason] > before[reason] || Instant::now() > deadline {
+                break now;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        for k in drops {
+            let want = before[k] + u64::from(k == reason);
+            assert_eq!(now[k], want, "{reason} provoked: {k} {now:?}");
+        }
+        before = now;
+    }
+    // The policy: a sandbox that may not reach the world.
+    c.ensure(
+        "nopolicy",
+        opts(vec![(
+            "deny_out",
+            zbus::zvariant::Value::from(vec!["0.0.0.0/0"]),
+        )]),
+    )
+    .await
+    .unwrap();
+    let g2 = RawGuest::new(c.open_tap("nopolicy").await.unwrap());
+    g2.send(&udp_frame(GUEST_MAC, GATEWAY_MAC, src, echo, b"denied"))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let p = loop {
+        let p = traffic(&c, "nopolicy").await;
+        if p["drop_policy"] > 0 || Instant::now() > deadline {
+            break p;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(p["drop_policy"], 1, "{p:?}");
+    assert_eq!(p["new_flows_snat"], 0, "{p:?}");
+    assert_eq!(
+        traffic(&c, "acct").await["drop_policy"],
+        0,
+        "another sandbox's drop"
+    );
+    drop(g2);
+    assert!(c.release("nopolicy").await.unwrap());
+    let t2 = traffic(&c, "acct").await;
+
+    // kill -9: the counters live with the device (and the pinned map).
     env.kill_agent();
     env.start_agent();
     let c = env.client().await;
     let t3 = traffic(&c, "acct").await;
-    for k in ["tx_bytes", "tx_packets", "rx_bytes", "rx_packets"] {
+    for k in ["tx_bytes", "tx_packets", "rx_bytes", "rx_packets"]
+        .into_iter()
+        .chain(drops)
+        .chain(["new_flows_snat", "new_flows_portmap"])
+    {
         assert_eq!(t3[k], t2[k], "{k} after kill -9: {t3:?}");
     }
 
@@ -177,4 +277,10 @@ async fn traffic_is_counted_exactly_from_the_sandboxs_point_of_view() {
     c.ensure("next", opts(vec![])).await.unwrap();
     let t4 = traffic(&c, "next").await;
     assert!(zeros(&t4), "{t4:?}");
+    assert!(
+        t4.iter()
+            .filter(|(k, _)| k.starts_with("drop_") || k.starts_with("new_flows_"))
+            .all(|(_, v)| *v == 0),
+        "{t4:?}"
+    );
 }

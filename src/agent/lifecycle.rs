@@ -743,6 +743,16 @@ impl Agent {
                             rx_bytes = t.rx_bytes,
                             rx_packets = t.rx_packets,
                             rx_dropped = t.rx_dropped,
+                            datapath_drops = t
+                                .drops()
+                                .map(|(r, n)| format!("{r}={n}"))
+                                .collect::<Vec<_>>()
+                                .join(" "),
+                            new_flows = t
+                                .new_flows()
+                                .map(|(k, n)| format!("{k}={n}"))
+                                .collect::<Vec<_>>()
+                                .join(" "),
                             elapsed_us = started.elapsed().as_micros() as u64,
                             "network released"
                         );

@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr};
 
 use super::{Agent, AgentError, NetworkView, failed};
+use crate::datapath::maps::SB_COUNTER_NAMES;
 use crate::metrics::{Family, Kind, Sample, Val};
 use crate::netlink::LinkCounters;
 
@@ -34,12 +35,15 @@ pub struct Traffic {
     /// Live flows (NAT'ed out, port-mapped in) as of the reaper's last
     /// pass (every 2 s).
     pub flows: u64,
+    /// The datapath's own counters for this sandbox: drops by reason and
+    /// flows opened by kind, indexed like [`SB_COUNTER_NAMES`].
+    pub datapath: [u64; SB_COUNTER_NAMES.len()],
 }
 
 impl Traffic {
     /// The device's counters turned around (the device receives what the
     /// sandbox sends).
-    pub fn of_device(c: &LinkCounters, flows: u64) -> Self {
+    pub fn of_device(c: &LinkCounters, flows: u64, datapath: Option<Vec<u64>>) -> Self {
         Self {
             tx_bytes: c.rx_bytes,
             tx_packets: c.rx_packets,
@@ -48,12 +52,13 @@ impl Traffic {
             rx_packets: c.tx_packets,
             rx_dropped: c.tx_dropped,
             flows,
+            datapath: dp_array(datapath),
         }
     }
 
     /// (key, value) in a stable order, for every edge.
-    pub fn fields(&self) -> [(&'static str, u64); 7] {
-        [
+    pub fn fields(&self) -> Vec<(&'static str, u64)> {
+        let mut f = vec![
             ("tx_bytes", self.tx_bytes),
             ("tx_packets", self.tx_packets),
             ("tx_dropped", self.tx_dropped),
@@ -61,8 +66,34 @@ impl Traffic {
             ("rx_packets", self.rx_packets),
             ("rx_dropped", self.rx_dropped),
             ("flows", self.flows),
-        ]
+        ];
+        f.extend(SB_COUNTER_NAMES.iter().copied().zip(self.datapath));
+        f
     }
+
+    /// The datapath's drops for this sandbox by reason (`spoofed`, ...).
+    pub fn drops(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        SB_COUNTER_NAMES
+            .iter()
+            .zip(self.datapath)
+            .filter_map(|(n, v)| n.strip_prefix("drop_").map(|r| (r, v)))
+    }
+
+    /// Flows the datapath opened for this sandbox by kind (`snat`, ...).
+    pub fn new_flows(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        SB_COUNTER_NAMES
+            .iter()
+            .zip(self.datapath)
+            .filter_map(|(n, v)| n.strip_prefix("new_flows_").map(|k| (k, v)))
+    }
+}
+
+fn dp_array(v: Option<Vec<u64>>) -> [u64; SB_COUNTER_NAMES.len()] {
+    let mut a = [0; SB_COUNTER_NAMES.len()];
+    for (slot, n) in a.iter_mut().zip(v.unwrap_or_default()) {
+        *slot = n;
+    }
+    a
 }
 
 fn v4(ip: IpAddr) -> Option<Ipv4Addr> {
@@ -88,8 +119,9 @@ impl Agent {
             .link_by_index(view.tap_ifindex)
             .await
             .map_err(|e| failed("reading the device's counters", &e))?;
+        let dp = self.datapath.sandbox_counters(view.tap_ifindex);
         Ok(match link {
-            Some(l) if l.name == view.record.tap_name => Traffic::of_device(&l.counters, flows),
+            Some(l) if l.name == view.record.tap_name => Traffic::of_device(&l.counters, flows, dp),
             _ => Traffic {
                 flows,
                 ..Default::default()
@@ -104,6 +136,7 @@ impl Agent {
             .list_links()
             .await
             .map_err(|e| failed("dumping the devices' counters", &e))?;
+        let mut dp = self.datapath.all_sandbox_counters();
         let by_index: HashMap<u32, (String, LinkCounters)> = links
             .into_iter()
             .map(|l| (l.index, (l.name, l.counters)))
@@ -115,7 +148,7 @@ impl Agent {
                 let flows = v4(v.record.sandbox_ip).map_or(0, |ip| self.datapath.live_flows(ip));
                 let t = match by_index.get(&v.tap_ifindex) {
                     Some((name, c)) if v.tap_ifindex != 0 && *name == v.record.tap_name => {
-                        Traffic::of_device(c, flows)
+                        Traffic::of_device(c, flows, dp.remove(&v.tap_ifindex))
                     }
                     _ => Traffic {
                         flows,
@@ -138,11 +171,12 @@ impl Agent {
     /// verdict as `healthy` (its kernel part is cached, see health.rs).
     pub async fn metrics(&self) -> Result<Vec<Family>, AgentError> {
         let all = self.traffic_all().await?;
-        let per = |name: &'static str,
-                   kind: Kind,
-                   unit: Option<&'static str>,
-                   help: &'static str,
-                   value: &Pick| {
+        let per_by = |field: &'static str,
+                      name: &'static str,
+                      kind: Kind,
+                      unit: Option<&'static str>,
+                      help: &'static str,
+                      value: &Pick| {
             Family {
                 name,
                 kind,
@@ -151,16 +185,19 @@ impl Agent {
                 samples: all
                     .iter()
                     .flat_map(|(v, t)| {
-                        value(t).into_iter().map(|(dir, n)| Sample {
+                        value(t).into_iter().map(|(which, n)| Sample {
                             object: Some(v.record.sandbox_id.clone()),
-                            fields: dir
-                                .map(|d| vec![("direction", d.to_owned())])
+                            fields: which
+                                .map(|d| vec![(field, d.to_owned())])
                                 .unwrap_or_default(),
                             value: Val::U(n),
                         })
                     })
                     .collect(),
             }
+        };
+        let per = |name, kind, unit, help, value: &Pick| {
+            per_by("direction", name, kind, unit, help, value)
         };
         let mut f = vec![
             per(
@@ -190,6 +227,22 @@ impl Agent {
                 None,
                 "Live flows of a sandbox (NAT'ed out, port-mapped in), counted every 2 s",
                 &|t| vec![(None, t.flows)],
+            ),
+            per_by(
+                "reason",
+                "sandbox_drops",
+                Kind::Counter,
+                None,
+                "Packets of a sandbox the datapath dropped, by reason (spoofed, policy, malformed, no_route, no_port, unsupported)",
+                &|t| t.drops().map(|(r, n)| (Some(r), n)).collect(),
+            ),
+            per_by(
+                "kind",
+                "sandbox_new_flows",
+                Kind::Counter,
+                None,
+                "Flows the datapath opened for a sandbox, by kind (snat: to the world, portmap: from the world, host)",
+                &|t| t.new_flows().map(|(k, n)| (Some(k), n)).collect(),
             ),
         ];
         let gauge = |name, help, n: u64| Family {

@@ -338,6 +338,7 @@ struct Maps {
     deny: LpmTrie<MapData, DpPolicyData, u8>,
     portmap: HashMap<MapData, DpPortmapKey, DpPortmapVal>,
     attached: HashMap<MapData, u32, u32>,
+    sb_stats: HashMap<MapData, u32, DpSbStats>,
 }
 
 fn take<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
@@ -385,6 +386,9 @@ struct Reaper {
     hflow: HashMap<MapData, DpHflowKey, DpHflowVal>,
     hflow_dump: MapData,
     hrev: HashMap<MapData, DpHrevKey, DpHrevVal>,
+    /// Per-sandbox counters: entries of gone devices are removed.
+    sb_stats: HashMap<MapData, u32, DpSbStats>,
+    sb_dump: MapData,
 }
 
 /// Every (key, value) of the flow map `map`, a few thousand per
@@ -515,6 +519,9 @@ pub struct EbpfDatapath {
     block_lost: std::sync::atomic::AtomicBool,
     /// `tap_attached`, for forgetting a device without `inner`.
     attached_forget: MapData,
+    /// `sb_stats` for readers (GetNetwork, metrics), without `inner`.
+    sb_read: Mutex<HashMap<MapData, u32, DpSbStats>>,
+    sb_read_dump: MapData,
     /// Pinned maps migrated or recreated at load (layout changed).
     migrated: Vec<String>,
     /// Whether host -> 127.x:host_port mappings can work.
@@ -581,6 +588,7 @@ impl EbpfDatapath {
             deny: take(&mut bpf, "policy_deny")?,
             portmap: take(&mut bpf, "portmap")?,
             attached: take(&mut bpf, "tap_attached")?,
+            sb_stats: take(&mut bpf, "sb_stats")?,
         };
         let (uplink_ip, uplink_ifindex) = node
             .uplink
@@ -725,7 +733,15 @@ impl EbpfDatapath {
             hflow_dump: reopen("hflow")?,
             hrev: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("hrev")?))
                 .map_err(|e| err("opening hrev", e))?,
+            sb_stats: HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_stats")?))
+                .map_err(|e| err("opening sb_stats", e))?,
+            sb_dump: reopen("sb_stats")?,
         };
+        let sb_read = Mutex::new(
+            HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_stats")?))
+                .map_err(|e| err("opening sb_stats", e))?,
+        );
+        let sb_read_dump = reopen("sb_stats")?;
         let attached_forget = reopen("tap_attached")?;
         let names: Vec<String> = node_hooks.iter().map(Hook::to_string).collect();
         info!(
@@ -758,6 +774,8 @@ impl EbpfDatapath {
             stale: Mutex::new(stale),
             block_lost: Default::default(),
             attached_forget,
+            sb_read,
+            sb_read_dump,
             migrated,
             localnet,
         };
@@ -1005,6 +1023,15 @@ impl EbpfDatapath {
             maps.sandboxes
                 .insert(ifindex, entry, 0)
                 .map_err(|e| map_err("writing the sandboxes map", &e))?;
+        }
+        // The device's own counters start at zero with it (a device
+        // carries one network for life); a converge keeps them. Removed
+        // by the reaper once the device is gone.
+        if maps.sb_stats.get(&ifindex, 0).is_err() {
+            const BPF_NOEXIST: u64 = 1;
+            let _ = maps
+                .sb_stats
+                .insert(ifindex, DpSbStats::default(), BPF_NOEXIST);
         }
         let tap = DpTap {
             ifindex,
@@ -1690,6 +1717,18 @@ impl Datapath for EbpfDatapath {
         for i in &gone {
             let _ = r.attached.remove(i);
         }
+        // Counters of devices that are gone (released networks' TAPs and
+        // veths are deleted off the release path).
+        if look {
+            let keys: Vec<u32> = dump_flows::<u32, DpSbStats>(&r.sb_dump)
+                .unwrap_or_else(|| r.sb_stats.iter().flatten().collect())
+                .into_iter()
+                .map(|(i, _)| i)
+                .collect();
+            for i in keys.into_iter().filter(|i| !link_exists(*i)) {
+                let _ = r.sb_stats.remove(&i);
+            }
+        }
         {
             let mut o = self.own_filter.lock().unwrap_or_else(|p| p.into_inner());
             o.retain(|i| !gone.contains(i));
@@ -1723,6 +1762,30 @@ impl Datapath for EbpfDatapath {
 
     fn counters(&self) -> Vec<(&'static str, u64)> {
         Self::counters(&self.lock())
+    }
+
+    fn sandbox_counters(&self, ifindex: u32) -> Option<Vec<u64>> {
+        self.sb_read
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ifindex, 0)
+            .ok()
+            .map(|s| s.c.to_vec())
+    }
+
+    fn all_sandbox_counters(&self) -> StdHashMap<u32, Vec<u64>> {
+        dump_flows::<u32, DpSbStats>(&self.sb_read_dump)
+            .unwrap_or_else(|| {
+                self.sb_read
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .flatten()
+                    .collect()
+            })
+            .into_iter()
+            .map(|(i, s)| (i, s.c.to_vec()))
+            .collect()
     }
 
     fn live_flows(&self, sandbox_ip: Ipv4Addr) -> u64 {

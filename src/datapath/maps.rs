@@ -199,11 +199,35 @@ pub struct DpFragVal {
     pub pad: u32,
 }
 
+/// A sandbox's own datapath counters (`sb_stats`, keyed by its TAP or
+/// veth ifindex), indexed by [`SB_COUNTER_NAMES`].
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpSbStats {
+    pub c: [u64; SB_COUNTER_NAMES.len()],
+}
+
+/// enum dp_sb_counter: the datapath's drops by reason, then the flows it
+/// opened by kind (docs/observability.md).
+pub const SB_COUNTER_NAMES: &[&str] = &[
+    "drop_spoofed",
+    "drop_policy",
+    "drop_malformed",
+    "drop_no_route",
+    "drop_no_port",
+    "drop_unsupported",
+    "new_flows_snat",
+    "new_flows_portmap",
+    "new_flows_host",
+];
+
 // Each type below is #[repr(C)], Copy, made only of integers and byte
 // arrays with explicit padding fields, so every bit pattern is valid and
 // there are no implicit padding bytes (the sizes are asserted below).
 // SAFETY: see above.
 unsafe impl aya::Pod for DpConfig {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpSbStats {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpSandbox {}
 // SAFETY: see above.
@@ -253,6 +277,7 @@ const _: () = {
     assert!(size_of::<DpHrevVal>() == 24);
     assert!(size_of::<DpFragKey>() == 12);
     assert!(size_of::<DpFragVal>() == 32);
+    assert!(size_of::<DpSbStats>() == 72);
 };
 
 /// Entries of the per-sandbox maps (`max_entries` in ebpf/datapath.bpf.c).
@@ -410,6 +435,14 @@ pub const PINNED: &[PinnedMap] = {
             size_of::<DpFragVal>(),
             FRAG_ENTRIES,
             Rebuilt,
+        ),
+        pinned(
+            "sb_stats",
+            Hash,
+            4,
+            size_of::<DpSbStats>(),
+            SANDBOX_MAP_ENTRIES,
+            Durable,
         ),
     ]
 };

@@ -105,6 +105,15 @@ pub trait Datapath: Send + Sync {
     fn live_flows(&self, _sandbox_ip: std::net::Ipv4Addr) -> u64 {
         0
     }
+    /// A sandbox device's own datapath counters, indexed like
+    /// `maps::SB_COUNTER_NAMES` (None: no entry, e.g. no eBPF datapath).
+    fn sandbox_counters(&self, _ifindex: u32) -> Option<Vec<u64>> {
+        None
+    }
+    /// Every sandbox device's counters (one batched dump).
+    fn all_sandbox_counters(&self) -> std::collections::HashMap<u32, Vec<u64>> {
+        Default::default()
+    }
     /// (sandbox flows, host flows) as of the last `maintain` pass.
     fn flow_counts(&self) -> (u64, u64) {
         (0, 0)

@@ -1278,7 +1278,7 @@ pub fn eth_dst(frame: &[u8]) -> Option<[u8; 6]> {
     frame.get(0..6).map(|s| s.try_into().unwrap())
 }
 
-fn eth_header(dst: [u8; 6], src: [u8; 6], ethertype: u16) -> Vec<u8> {
+pub fn eth_header(dst: [u8; 6], src: [u8; 6], ethertype: u16) -> Vec<u8> {
     let mut f = Vec::with_capacity(64);
     f.extend_from_slice(&dst);
     f.extend_from_slice(&src);

@@ -307,6 +307,21 @@ fn value_lines(key: &str, v: &Json, out: &Output) -> Vec<String> {
                     n("rx_dropped")
                 ),
                 format!("{} live flows", n("flows")),
+                format!(
+                    "dropped by the datapath (spoofed {}, policy {}, malformed {}, no route {}, no port {}, unsupported {})",
+                    n("drop_spoofed"),
+                    n("drop_policy"),
+                    n("drop_malformed"),
+                    n("drop_no_route"),
+                    n("drop_no_port"),
+                    n("drop_unsupported")
+                ),
+                format!(
+                    "flows opened {} to the world, {} from the world (port mappings), {} with the host",
+                    n("new_flows_snat"),
+                    n("new_flows_portmap"),
+                    n("new_flows_host")
+                ),
             ]
         }
         ("created_unix", Json::Number(n)) => match n.as_i64() {
