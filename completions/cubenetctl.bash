@@ -7,11 +7,12 @@
 # `cubenetctl list --no-legend -q` (first column) on the bus given on the
 # command line or in $CUBENETCTL_BUS; if that fails, no ids are offered.
 
-_cubenetctl_commands='list status ensure release reconcile health open-tap watch metrics'
+_cubenetctl_commands='list status ensure release reconcile health open-tap watch metrics top'
 _cubenetctl_global_opts='-h --help -V --version --bus= --varlink= --json= -j -q --quiet --no-legend --no-pager'
 _cubenetctl_ensure_opts='--port= --allow-out= --deny-out= --no-internet --mtu= --metadata= --idempotency-key='
+_cubenetctl_top_opts='--interval= --count='
 # Options whose value may follow as the next word.
-_cubenetctl_value_opts='--bus --varlink --port --allow-out --deny-out --mtu --metadata --idempotency-key'
+_cubenetctl_value_opts='--bus --varlink --port --allow-out --deny-out --mtu --metadata --idempotency-key --interval --count'
 
 # Sets _cubenetctl_words/_cubenetctl_cword: COMP_WORDS with the pieces that
 # COMP_WORDBREAKS split off ("--json" "=" "pretty", "cni" ":" "x") joined
@@ -105,6 +106,7 @@ _cubenetctl() {
     local -a cands=()
     local opts="$_cubenetctl_global_opts"
     [[ $verb == ensure ]] && opts+=" $_cubenetctl_ensure_opts"
+    [[ $verb == top ]] && opts+=" $_cubenetctl_top_opts"
 
     if ((dashdash >= 0)); then
         # open-tap ID -- COMMAND ARGS...
@@ -128,7 +130,7 @@ _cubenetctl() {
         mapfile -t COMPREPLY < <(compgen -f -- "$cur")
         return 0
         ;;
-    --port | --allow-out | --deny-out | --mtu | --metadata | --idempotency-key)
+    --port | --allow-out | --deny-out | --mtu | --metadata | --idempotency-key | --interval | --count)
         [[ $prev == --port ]] && mapfile -t COMPREPLY < <(compgen -W 'tcp: udp:' -- "$cur")
         _cubenetctl_finish "$cur"
         return 0

@@ -881,6 +881,7 @@ fn open_tap_execs_with_the_tap_on_fd_3() {
 
 const COMMANDS: &[&str] = &[
     "metrics",
+    "top",
     "list",
     "status",
     "ensure",

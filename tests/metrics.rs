@@ -260,6 +260,45 @@ async fn openmetrics_and_io_systemd_metrics_agree_with_getnetwork() {
         .unwrap_or_else(|| panic!("no tx bytes of m-busy: {v}"));
     assert_eq!(tx["value"].as_u64(), Some(t["tx_bytes"]));
 
+    // `cubenetctl top`: the sandbox sending now comes first, with a rate.
+    let sender = std::thread::spawn(move || {
+        let until = Instant::now() + Duration::from_millis(1500);
+        let mut n = 0u32;
+        while Instant::now() < until {
+            let f = udp_frame(
+                GUEST_MAC,
+                GATEWAY_MAC,
+                SocketAddrV4::new(GUEST_IP, 41000),
+                echo,
+                &[7; 500],
+            );
+            guest.send(&f).unwrap();
+            let _ = guest.recv(Duration::from_millis(10));
+            n += 1;
+        }
+        n
+    });
+    let top = Command::new(env!("CARGO_BIN_EXE_cubenetctl"))
+        .args(["top", "--interval=1", "--count=1"])
+        .env("CUBENETCTL_REPORT", report(&env))
+        .output()
+        .unwrap();
+    let sent = sender.join().unwrap();
+    assert!(top.status.success(), "{top:?}");
+    let text = String::from_utf8_lossy(&top.stdout);
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines[0].starts_with("SANDBOX") && lines[0].contains("TX/s"),
+        "{text}"
+    );
+    assert!(lines[1].starts_with("m-busy "), "busiest first: {text}");
+    assert!(lines[2].starts_with("m-idle "), "{text}");
+    assert!(
+        lines[1].contains("KB"),
+        "a rate of kilobytes per second ({sent} frames): {text}"
+    );
+    assert!(lines[3].starts_with("2 sandboxes, rates over 1."), "{text}");
+
     // A local user who may not read (no polkit grant) learns nothing.
     let out = cubenetctl(&env, Some(65534));
     assert_eq!(out.status.code(), Some(4), "{out:?}");

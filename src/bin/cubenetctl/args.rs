@@ -104,7 +104,20 @@ pub enum Cmd {
     Watch,
     /// The metrics socket to read.
     Metrics(PathBuf),
+    Top(TopOpts),
 }
+
+/// `top`: the metrics socket, how often, how many tables (None: until
+/// interrupted).
+#[derive(Debug)]
+pub struct TopOpts {
+    pub report: PathBuf,
+    pub interval: std::time::Duration,
+    pub count: Option<u32>,
+}
+
+/// The options of `top` (accepted only after the command name).
+pub const TOP_FLAGS: &[&str] = &["--interval", "--count"];
 
 #[derive(Debug)]
 pub enum Parsed {
@@ -260,6 +273,7 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
     let mut bus: Option<Bus> = None;
     let mut varlink: Option<String> = None;
     let mut raw = RawEnsure::default();
+    let (mut interval, mut count): (Option<String>, Option<String>) = (None, None);
     let auto_json = if env.stdout_is_tty {
         JsonMode::Pretty
     } else {
@@ -309,6 +323,7 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
                 }
             };
             let is_ensure = command.is_some_and(|c| c.name == "ensure");
+            let is_top = command.is_some_and(|c| c.name == "top");
             match flag.as_str() {
                 "--help" => {
                     no_value(&inline)?;
@@ -347,6 +362,13 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
                 "--mtu" if is_ensure => raw.mtu = Some(value(inline)?),
                 "--metadata" if is_ensure => raw.metadata.push(value(inline)?),
                 "--idempotency-key" if is_ensure => raw.idempotency_key = Some(value(inline)?),
+                "--interval" if is_top => interval = Some(value(inline)?),
+                "--count" if is_top => count = Some(value(inline)?),
+                f if TOP_FLAGS.contains(&f) => {
+                    return Err(Failure::usage(format!(
+                        "{flag} is an option of 'top' (after the command: cubenetctl top {flag}=N)"
+                    )));
+                }
                 f if ENSURE_FLAGS.contains(&f) => {
                     return Err(Failure::usage(format!(
                         "{flag} is an option of 'ensure' (after the command: cubenetctl ensure ID {flag} ...)"
@@ -444,6 +466,38 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
                     .clone()
                     .unwrap_or_else(|| DEFAULT_REPORT.to_owned()),
             ))
+        }
+        "top" => {
+            want(0)?;
+            let secs: f64 = match interval.as_deref() {
+                None => 2.0,
+                Some(v) => v
+                    .parse()
+                    .ok()
+                    .filter(|s: &f64| (0.1..=3600.0).contains(s))
+                    .ok_or_else(|| {
+                        Failure::usage(format!(
+                            "--interval '{v}': expected seconds between 0.1 and 3600"
+                        ))
+                    })?,
+            };
+            let count = match count.as_deref() {
+                None => None,
+                Some(v) => Some(v.parse().ok().filter(|n: &u32| *n >= 1).ok_or_else(|| {
+                    Failure::usage(format!(
+                        "--count '{v}': expected a number of tables, 1 or more"
+                    ))
+                })?),
+            };
+            Cmd::Top(TopOpts {
+                report: PathBuf::from(
+                    env.report
+                        .clone()
+                        .unwrap_or_else(|| DEFAULT_REPORT.to_owned()),
+                ),
+                interval: std::time::Duration::from_secs_f64(secs),
+                count,
+            })
         }
         "status" => {
             want(1)?;

@@ -120,6 +120,21 @@ reached or reading is not allowed.",
         options: "",
     },
     CommandDef {
+        name: "top",
+        args: "[OPTIONS...]",
+        summary: "Show the busiest sandboxes, refreshed",
+        help: "Reads the agent's metrics socket (like 'metrics') every --interval
+seconds and prints a table of every sandbox sorted by traffic rate:
+SANDBOX, TX/s and RX/s (bytes per second sent by and delivered to the
+sandbox), TXPKT/s, RXPKT/s, DROPS/s (the datapath's drops of its
+packets, every reason) and FLOWS (live). On a terminal each table
+replaces the last; otherwise tables follow each other, separated by an
+empty line. Runs until interrupted, or --count tables. Exit status 4 if
+the socket cannot be reached or reading is not allowed.",
+        options: "  --interval=SECS         Seconds between tables (0.1-3600, default 2)
+  --count=N               Stop after N tables",
+    },
+    CommandDef {
         name: "watch",
         args: "",
         summary: "Follow every change, one line per event",

@@ -22,6 +22,7 @@ mod output;
 mod reconcile;
 mod release;
 mod status;
+mod top;
 mod varlink;
 mod watch;
 
@@ -49,7 +50,9 @@ async fn run(g: &Global, cmd: Cmd) -> Res<Outcome> {
         Cmd::Reconcile(id) => reconcile::run(&agent, out, &id).await?,
         Cmd::Health => health::run(&agent, out).await?,
         Cmd::OpenTap(id, argv) => return open_tap::run(&agent, &id, argv).await,
-        Cmd::Watch | Cmd::Metrics(_) => unreachable!("watch and metrics run without D-Bus"),
+        Cmd::Watch | Cmd::Metrics(_) | Cmd::Top(_) => {
+            unreachable!("watch, metrics and top run without D-Bus")
+        }
     };
     Ok(Outcome::Exit(code))
 }
@@ -83,6 +86,12 @@ fn main() -> ExitCode {
         }
         Ok(Parsed::Run(g, c)) => (g, c),
     };
+    if let Cmd::Top(o) = &cmd {
+        return match top::run(o, &global.out) {
+            Ok(code) => ExitCode::from(code),
+            Err(f) => fail(f, ascii),
+        };
+    }
     if let Cmd::Metrics(path) = &cmd {
         return match varlink::openmetrics(path) {
             Ok(text) => {

@@ -61,21 +61,7 @@ fn error_failure(name: &str, params: &Json) -> Failure {
 
 /// `cubenetctl metrics`: the OpenMetrics text from the metrics socket.
 pub fn openmetrics(path: &Path) -> Res<String> {
-    let sock = UnixStream::connect(path).map_err(|e| {
-        Failure::new(
-            EXIT_UNREACHABLE,
-            format!(
-                "cannot connect to the agent's metrics socket {}: {e} \
-                 (is cube-network-agent running? its report_socket; $CUBENETCTL_REPORT)",
-                path.display()
-            ),
-        )
-    })?;
-    let mut v = Varlink {
-        sock,
-        buf: vec![],
-        scanned: 0,
-    };
+    let mut v = Varlink::connect_report(path)?;
     v.call("org.cube.NetworkAgent.Metrics.OpenMetrics", false)?;
     let reply = v
         .recv()?
@@ -89,6 +75,25 @@ pub fn openmetrics(path: &Path) -> Res<String> {
 }
 
 impl Varlink {
+    /// The agent's metrics socket (`metrics`, `top`).
+    pub fn connect_report(path: &Path) -> Res<Varlink> {
+        let sock = UnixStream::connect(path).map_err(|e| {
+            Failure::new(
+                EXIT_UNREACHABLE,
+                format!(
+                    "cannot connect to the agent's metrics socket {}: {e} \
+                     (is cube-network-agent running? its report_socket; $CUBENETCTL_REPORT)",
+                    path.display()
+                ),
+            )
+        })?;
+        Ok(Varlink {
+            sock,
+            buf: vec![],
+            scanned: 0,
+        })
+    }
+
     pub fn connect(path: &Path) -> Res<Varlink> {
         let sock = UnixStream::connect(path).map_err(|e| {
             Failure::new(
