@@ -1020,6 +1020,95 @@ fn route_dst(r: &RouteMessage) -> Ipv4Addr {
         .unwrap_or(Ipv4Addr::UNSPECIFIED)
 }
 
+/// Every device's counters in this namespace, by ifindex, from one
+/// `RTM_GETSTATS` dump asking only for `IFLA_STATS_LINK_64`: a fraction of
+/// what an `RTM_GETLINK` dump makes the kernel fill in and us parse (the
+/// metrics walk every sandbox device at each scrape). Blocking: call it
+/// off the async workers.
+pub fn link_counters_dump() -> std::io::Result<std::collections::HashMap<u32, LinkCounters>> {
+    use rtnetlink::sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+    const RTM_NEWSTATS: u16 = 92;
+    const RTM_GETSTATS: u16 = 94;
+    const NLMSG_ERROR: u16 = 2;
+    const NLMSG_DONE: u16 = 3;
+    const NLM_F_REQUEST: u16 = 0x1;
+    const NLM_F_DUMP: u16 = 0x300;
+    const IFLA_STATS_LINK_64: u16 = 1;
+    const SEQ: u32 = 1;
+    let mut sock = Socket::new(NETLINK_ROUTE)?;
+    sock.bind_auto()?;
+    sock.connect(&SocketAddr::new(0, 0))?;
+    // nlmsghdr (16) + if_stats_msg (12): family, pads, ifindex 0 (all),
+    // filter_mask = 1 << (IFLA_STATS_LINK_64 - 1).
+    let mut req = Vec::with_capacity(28);
+    req.extend_from_slice(&28u32.to_ne_bytes());
+    req.extend_from_slice(&RTM_GETSTATS.to_ne_bytes());
+    req.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+    req.extend_from_slice(&SEQ.to_ne_bytes());
+    req.extend_from_slice(&0u32.to_ne_bytes());
+    req.extend_from_slice(&[0u8; 4]);
+    req.extend_from_slice(&0u32.to_ne_bytes());
+    req.extend_from_slice(&(1u32 << (IFLA_STATS_LINK_64 - 1)).to_ne_bytes());
+    sock.send(&req, 0)?;
+    let u16_at = |b: &[u8], at: usize| u16::from_ne_bytes([b[at], b[at + 1]]);
+    let u32_at = |b: &[u8], at: usize| u32::from_ne_bytes(b[at..at + 4].try_into().unwrap());
+    let u64_at = |b: &[u8], at: usize| u64::from_ne_bytes(b[at..at + 8].try_into().unwrap());
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
+    let mut out = std::collections::HashMap::new();
+    loop {
+        let (data, _) = sock.recv_from_full()?;
+        let mut at = 0;
+        while at + 16 <= data.len() {
+            let len = u32_at(&data, at) as usize;
+            let kind = u16_at(&data, at + 4);
+            if len < 16 || at + len > data.len() {
+                return Err(bad("truncated netlink message"));
+            }
+            let msg = &data[at..at + len];
+            match kind {
+                NLMSG_DONE => return Ok(out),
+                NLMSG_ERROR => {
+                    let code = if len >= 20 { u32_at(msg, 16) as i32 } else { 0 };
+                    if code != 0 {
+                        return Err(std::io::Error::from_raw_os_error(-code));
+                    }
+                }
+                RTM_NEWSTATS if u32_at(msg, 8) == SEQ && len >= 28 => {
+                    let ifindex = u32_at(msg, 20);
+                    let mut a = 28;
+                    while a + 4 <= len {
+                        let alen = u16_at(msg, a) as usize;
+                        let akind = u16_at(msg, a + 2) & 0x3fff;
+                        if alen < 4 || a + alen > len {
+                            break;
+                        }
+                        // struct rtnl_link_stats64: rx_packets, tx_packets,
+                        // rx_bytes, tx_bytes, rx_errors, tx_errors,
+                        // rx_dropped, tx_dropped, ...
+                        if akind == IFLA_STATS_LINK_64 && alen >= 4 + 8 * 8 {
+                            let p = a + 4;
+                            out.insert(
+                                ifindex,
+                                LinkCounters {
+                                    rx_packets: u64_at(msg, p),
+                                    tx_packets: u64_at(msg, p + 8),
+                                    rx_bytes: u64_at(msg, p + 16),
+                                    tx_bytes: u64_at(msg, p + 24),
+                                    rx_dropped: u64_at(msg, p + 48),
+                                    tx_dropped: u64_at(msg, p + 56),
+                                },
+                            );
+                        }
+                        a += (alen + 3) & !3;
+                    }
+                }
+                _ => {}
+            }
+            at += (len + 3) & !3;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     /// Thread ids of this process named `name`.

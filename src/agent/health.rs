@@ -285,7 +285,13 @@ impl Agent {
     /// Reconcile repairs them (a veth cannot be made again: Reconcile
     /// records it gone and the `veths` check lists it).
     pub(super) fn link_check(&self) -> Check {
-        let faults = self.link_faults.lock().unwrap_or_else(|p| p.into_inner());
+        // A copy, so no two of these locks are ever held at once (the
+        // writers take them one after the other).
+        let faults = self
+            .link_faults
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let views = self.views.read().unwrap_or_else(|p| p.into_inner());
         let live: Vec<String> = faults
             .iter()

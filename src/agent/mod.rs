@@ -386,8 +386,12 @@ impl Agent {
     }
 
     fn remove_view(&self, id: &str) {
-        let mut views = self.views.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(old) = views.remove(id) {
+        let old = self
+            .views
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        if let Some(old) = old {
             let mut index = self.by_ifindex.write().unwrap_or_else(|p| p.into_inner());
             if index.get(&old.tap_ifindex).is_some_and(|o| o == id) {
                 index.remove(&old.tap_ifindex);

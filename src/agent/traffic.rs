@@ -9,8 +9,8 @@
 //! they live in the kernel with the device, so an agent restart (kill -9
 //! included) keeps them.
 
-use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
 
 use super::{Agent, AgentError, NetworkView, failed};
 use crate::datapath::maps::SB_COUNTER_NAMES;
@@ -129,25 +129,23 @@ impl Agent {
         })
     }
 
-    /// Every network with its traffic: one link dump for all.
-    pub async fn traffic_all(&self) -> Result<Vec<(NetworkView, Traffic)>, AgentError> {
-        let links = self
-            .nl
-            .list_links()
+    /// Every network (its sandbox id) with its traffic: one
+    /// `RTM_GETSTATS` dump and one batched `sb_stats` dump for all.
+    pub async fn traffic_all(&self) -> Result<Vec<(Arc<str>, Traffic)>, AgentError> {
+        let counters = tokio::task::spawn_blocking(crate::netlink::link_counters_dump)
             .await
+            .map_err(|e| AgentError::Failed(format!("dumping the devices' counters: {e}")))?
             .map_err(|e| failed("dumping the devices' counters", &e))?;
         let mut dp = self.datapath.all_sandbox_counters();
-        let by_index: HashMap<u32, (String, LinkCounters)> = links
-            .into_iter()
-            .map(|l| (l.index, (l.name, l.counters)))
-            .collect();
-        Ok(self
-            .list()
-            .into_iter()
+        let views = self.views.read().unwrap_or_else(|p| p.into_inner());
+        Ok(views
+            .values()
             .map(|v| {
                 let flows = v4(v.record.sandbox_ip).map_or(0, |ip| self.datapath.live_flows(ip));
-                let t = match by_index.get(&v.tap_ifindex) {
-                    Some((name, c)) if v.tap_ifindex != 0 && *name == v.record.tap_name => {
+                let t = match counters.get(&v.tap_ifindex) {
+                    // An ifindex names one device for life (the kernel
+                    // does not reuse them soon): no name check needed.
+                    Some(c) if v.tap_ifindex != 0 => {
                         Traffic::of_device(c, flows, dp.remove(&v.tap_ifindex))
                     }
                     _ => Traffic {
@@ -155,7 +153,7 @@ impl Agent {
                         ..Default::default()
                     },
                 };
-                (v, t)
+                (Arc::from(v.record.sandbox_id.as_str()), t)
             })
             .collect())
     }
@@ -171,33 +169,39 @@ impl Agent {
     /// verdict as `healthy` (its kernel part is cached, see health.rs).
     pub async fn metrics(&self) -> Result<Vec<Family>, AgentError> {
         let all = self.traffic_all().await?;
+        // Per sandbox; `sparse` families (drops, new flows by kind) carry
+        // only the values that are not 0: most sandboxes drop nothing, and
+        // a scrape at 10,000 sandboxes stays ~60,000 lines.
         let per_by = |field: &'static str,
                       name: &'static str,
                       kind: Kind,
                       unit: Option<&'static str>,
                       help: &'static str,
+                      sparse: bool,
                       value: &Pick| {
+            let mut samples = Vec::with_capacity(all.len() * 2);
+            for (id, t) in &all {
+                for (which, n) in value(t) {
+                    if sparse && n == 0 {
+                        continue;
+                    }
+                    samples.push(Sample {
+                        object: Some(id.clone()),
+                        field: which.map(|d| (field, d)),
+                        value: Val::U(n),
+                    });
+                }
+            }
             Family {
                 name,
                 kind,
                 help,
                 unit,
-                samples: all
-                    .iter()
-                    .flat_map(|(v, t)| {
-                        value(t).into_iter().map(|(which, n)| Sample {
-                            object: Some(v.record.sandbox_id.clone()),
-                            fields: which
-                                .map(|d| vec![(field, d.to_owned())])
-                                .unwrap_or_default(),
-                            value: Val::U(n),
-                        })
-                    })
-                    .collect(),
+                samples,
             }
         };
-        let per = |name, kind, unit, help, value: &Pick| {
-            per_by("direction", name, kind, unit, help, value)
+        let per = |name, kind, unit, help, sparse, value: &Pick| {
+            per_by("direction", name, kind, unit, help, sparse, value)
         };
         let mut f = vec![
             per(
@@ -205,6 +209,7 @@ impl Agent {
                 Kind::Counter,
                 Some("bytes"),
                 "Bytes of the L2 frames a sandbox sent (direction=tx) and was delivered (rx), as its TAP or veth counts them",
+                false,
                 &|t| vec![(Some("tx"), t.tx_bytes), (Some("rx"), t.rx_bytes)],
             ),
             per(
@@ -212,13 +217,15 @@ impl Agent {
                 Kind::Counter,
                 None,
                 "Frames a sandbox sent (direction=tx) and was delivered (rx)",
+                false,
                 &|t| vec![(Some("tx"), t.tx_packets), (Some("rx"), t.rx_packets)],
             ),
             per(
                 "sandbox_device_drops",
                 Kind::Counter,
                 None,
-                "Frames the kernel dropped at a sandbox's device: sent by it (tx) or meant for it (rx, its VMM did not read)",
+                "Frames the kernel dropped at a sandbox's device: sent by it (tx) or meant for it (rx, its VMM did not read); only values above 0",
+                true,
                 &|t| vec![(Some("tx"), t.tx_dropped), (Some("rx"), t.rx_dropped)],
             ),
             per(
@@ -226,6 +233,7 @@ impl Agent {
                 Kind::Gauge,
                 None,
                 "Live flows of a sandbox (NAT'ed out, port-mapped in), counted every 2 s",
+                false,
                 &|t| vec![(None, t.flows)],
             ),
             per_by(
@@ -233,7 +241,8 @@ impl Agent {
                 "sandbox_drops",
                 Kind::Counter,
                 None,
-                "Packets of a sandbox the datapath dropped, by reason (spoofed, policy, malformed, no_route, no_port, unsupported)",
+                "Packets of a sandbox the datapath dropped, by reason (spoofed, policy, malformed, no_route, no_port, unsupported); only values above 0",
+                true,
                 &|t| t.drops().map(|(r, n)| (Some(r), n)).collect(),
             ),
             per_by(
@@ -241,7 +250,8 @@ impl Agent {
                 "sandbox_new_flows",
                 Kind::Counter,
                 None,
-                "Flows the datapath opened for a sandbox, by kind (snat: to the world, portmap: from the world, host)",
+                "Flows the datapath opened for a sandbox, by kind (snat: to the world, portmap: from the world, host); only values above 0",
+                true,
                 &|t| t.new_flows().map(|(k, n)| (Some(k), n)).collect(),
             ),
         ];
@@ -270,9 +280,9 @@ impl Agent {
             "1 when every Health check passes",
             u64::from(healthy),
         ));
-        let table = |n: u64, which: &str| Sample {
+        let table = |n: u64, which: &'static str| Sample {
             object: None,
-            fields: vec![("table", which.to_owned())],
+            field: Some(("table", which)),
             value: Val::U(n),
         };
         f.push(Family {
@@ -303,7 +313,7 @@ impl Agent {
                 .into_iter()
                 .map(|(event, n)| Sample {
                     object: None,
-                    fields: vec![("event", event.to_owned())],
+                    field: Some(("event", event)),
                     value: Val::U(n),
                 })
                 .collect(),

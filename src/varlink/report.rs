@@ -35,16 +35,38 @@ fn error(name: &str, parameters: Value) -> Value {
     json!({ "error": name, "parameters": parameters })
 }
 
-/// The replies to one call: (reply objects, each to be sent; the last
-/// without `continues`).
+/// How the families become replies: `List` writes its stream directly.
+enum Render {
+    Describe,
+    List,
+}
+
+/// The replies to one call, as the bytes to send (NUL-terminated
+/// messages, every one of a stream but the last with `continues`).
 async fn call(
     agent: &Agent,
     peer: &Peer,
     method: &str,
     p: &Map<String, Value>,
     more: bool,
+) -> Vec<u8> {
+    let mut out = Vec::new();
+    for v in call_values(agent, peer, method, p, more, &mut out).await {
+        serde_json::to_writer(&mut out, &v).expect("a reply serialises");
+        out.push(0);
+    }
+    out
+}
+
+/// The replies as values, or (List) written into `out` directly.
+async fn call_values(
+    agent: &Agent,
+    peer: &Peer,
+    method: &str,
+    p: &Map<String, Value>,
+    more: bool,
+    out: &mut Vec<u8>,
 ) -> Vec<Value> {
-    let read = |f: fn(&[crate::metrics::Family]) -> Vec<Value>| f;
     let stream = match method {
         "org.varlink.service.GetInfo" => {
             return vec![json!({"parameters": {
@@ -75,8 +97,8 @@ async fn call(
             };
             return vec![json!({"parameters": { "description": description }})];
         }
-        "io.systemd.Metrics.List" => Some(read(crate::metrics::list)),
-        "io.systemd.Metrics.Describe" => Some(read(crate::metrics::describe)),
+        "io.systemd.Metrics.List" => Some(Render::List),
+        "io.systemd.Metrics.Describe" => Some(Render::Describe),
         "org.cube.NetworkAgent.Metrics.OpenMetrics" => None,
         other => {
             return vec![error(
@@ -115,8 +137,12 @@ async fn call(
         }
     };
     match stream {
-        Some(render) => {
-            let items = render(&families);
+        Some(Render::List) => {
+            crate::metrics::list_into(&families, out);
+            vec![]
+        }
+        Some(Render::Describe) => {
+            let items = crate::metrics::describe(&families);
             let n = items.len();
             items
                 .into_iter()
@@ -130,9 +156,15 @@ async fn call(
                 })
                 .collect()
         }
-        None => vec![json!({"parameters": {
-            "text": crate::metrics::openmetrics(&families)
-        }})],
+        None => {
+            // Written directly: the text is megabytes at 10,000 sandboxes.
+            let text = crate::metrics::openmetrics(&families);
+            out.reserve(text.len() + text.len() / 8 + 64);
+            out.extend_from_slice(b"{\"parameters\":{\"text\":");
+            serde_json::to_writer(&mut *out, &text).expect("a string serialises");
+            out.extend_from_slice(b"}}\0");
+            vec![]
+        }
     }
 }
 
@@ -160,20 +192,15 @@ async fn connection(agent: Arc<Agent>, mut stream: UnixStream) {
                 Some(Value::Object(p)) => p,
                 _ => Map::new(),
             };
-            let replies = call(&agent, &peer, &method, &params, more).await;
+            let out = call(&agent, &peer, &method, &params, more).await;
             debug!(
                 method,
                 uid = peer.uid,
-                replies = replies.len(),
+                bytes = out.len(),
                 "report socket call"
             );
             if oneway {
                 continue;
-            }
-            let mut out = Vec::with_capacity(replies.len() * 160);
-            for r in replies {
-                serde_json::to_writer(&mut out, &r).expect("a reply serialises");
-                out.push(0);
             }
             if stream.write_all(&out).await.is_err() {
                 return;
