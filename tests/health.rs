@@ -300,3 +300,63 @@ async fn a_full_state_directory_is_reported_and_heals_without_a_restart() {
     assert!(check(&checks, "store").1);
     env.stop_agent();
 }
+
+/// Health reads, link faults and their repair, and ensure/release all at
+/// once: none may wait on another forever (a Health read once held the
+/// link-fault lock while taking the view lock, which a release took the
+/// other way round: with that put back, this test hung in 2 of 3 runs).
+/// Bounded by a timeout; ends healthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_faults_and_lifecycle_run_concurrently() {
+    require_root!();
+    let (env, _world) = world::node(&[]);
+    let c = env.client().await;
+    let net = c.ensure("flappy", opts(vec![])).await.unwrap();
+    let tap = s(&net, "tap_name");
+    let ns = env.ns.clone();
+    let storm = async {
+        let readers = async {
+            let c = env.client().await;
+            for _ in 0..600 {
+                let _ = c.health().await;
+            }
+        };
+        let churn = |k: usize| {
+            let env = &env;
+            async move {
+                let c = env.client().await;
+                for i in 0..100 {
+                    let id = format!("churn{k}-{i}");
+                    c.ensure(&id, opts(vec![])).await.unwrap();
+                    assert!(c.release(&id).await.unwrap());
+                }
+            }
+        };
+        let flapper = async {
+            for i in 0..40 {
+                let state = if i % 2 == 0 { "down" } else { "up" };
+                let (ns, tap) = (ns.clone(), tap.clone());
+                let st = tokio::task::spawn_blocking(move || {
+                    Command::new("ip")
+                        .args(["-n", &ns, "link", "set", &tap, state])
+                        .status()
+                        .unwrap()
+                })
+                .await
+                .unwrap();
+                assert!(st.success());
+                if i % 10 == 9 {
+                    c.reconcile("flappy").await.unwrap();
+                }
+            }
+        };
+        tokio::join!(readers, churn(0), churn(1), flapper);
+    };
+    tokio::time::timeout(Duration::from_secs(90), storm)
+        .await
+        .expect("Health, link faults and ensure/release finished (no deadlock)");
+    c.reconcile("").await.unwrap();
+    let checks = health_until(&c, "healthy after the storm", |ok, _| ok).await;
+    assert!(check(&checks, "sandbox_links").1);
+    assert_eq!(c.list().await.len(), 1);
+}
