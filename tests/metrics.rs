@@ -15,9 +15,8 @@ use std::time::{Duration, Instant};
 
 use common::guest::{GATEWAY_MAC, GUEST_IP, GUEST_MAC, RawGuest, udp_frame};
 use common::world;
-use common::{Dict, Env, opts};
+use common::{Env, opts};
 use serde_json::Value;
-use zbus::zvariant::OwnedValue;
 
 /// Where scripts/deps.sh puts the reference varlink client.
 const VARLINK_PYTHON: &str = "/opt/cube-network-agent-test/venv/bin/python";
@@ -93,13 +92,9 @@ fn cubenetctl(env: &Env, uid: Option<u32>) -> std::process::Output {
         .unwrap()
 }
 
-async fn traffic(c: &common::Client, id: &str) -> std::collections::HashMap<String, u64> {
-    let net: Dict = c.get(id).await.unwrap();
-    let t: std::collections::HashMap<String, OwnedValue> =
-        net["traffic"].try_clone().unwrap().try_into().unwrap();
-    t.into_iter()
-        .map(|(k, v)| (k, u64::try_from(v).unwrap()))
-        .collect()
+/// GetNetwork's `traffic` over D-Bus.
+async fn traffic(c: &common::Client, id: &str) -> std::collections::BTreeMap<String, u64> {
+    c.traffic(id).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,17 +16,11 @@ use common::guest::{
     GATEWAY_MAC, GUEST_IP, GUEST_MAC, RawGuest, eth_header, parse_ipv4, udp_frame,
 };
 use common::world::{self, World};
-use common::{Client, Dict, opts, ports};
-use zbus::zvariant::OwnedValue;
+use common::{opts, ports};
 
 /// GetNetwork's `traffic` over D-Bus.
-async fn traffic(c: &Client, id: &str) -> BTreeMap<String, u64> {
-    let net: Dict = c.get(id).await.unwrap();
-    let t: std::collections::HashMap<String, OwnedValue> =
-        net["traffic"].try_clone().unwrap().try_into().unwrap();
-    t.into_iter()
-        .map(|(k, v)| (k, u64::try_from(v).unwrap()))
-        .collect()
+async fn traffic(c: &common::Client, id: &str) -> std::collections::BTreeMap<String, u64> {
+    c.traffic(id).await
 }
 
 /// The same over varlink (`varlinkctl`-free: the agent's socket, raw).

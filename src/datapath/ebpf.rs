@@ -397,61 +397,23 @@ struct Reaper {
 /// little CPU from the request path on a busy node. None if the kernel
 /// refuses batched lookups; the caller then walks entry by entry.
 fn dump_flows<K: aya::Pod + Default, V: aya::Pod + Default>(map: &MapData) -> Option<Vec<(K, V)>> {
-    use std::os::fd::{AsFd, AsRawFd};
-    const CHUNK: usize = 4096;
-    #[repr(C)]
-    #[derive(Default)]
-    struct BatchAttr {
-        in_batch: u64,
-        out_batch: u64,
-        keys: u64,
-        values: u64,
-        count: u32,
-        map_fd: u32,
-        elem_flags: u64,
-        flags: u64,
-    }
-    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-    let fd = map.fd().as_fd().as_raw_fd();
-    let mut out = Vec::new();
-    let mut keys = vec![K::default(); CHUNK];
-    let mut vals = vec![V::default(); CHUNK];
-    // Hash maps use a u32 bucket index as the batch token.
-    let (mut token_in, mut token_out) = (0u32, 0u32);
-    let mut first = true;
-    loop {
-        let mut attr = BatchAttr {
-            in_batch: if first { 0 } else { &raw const token_in as u64 },
-            out_batch: &raw mut token_out as u64,
-            keys: keys.as_mut_ptr() as u64,
-            values: vals.as_mut_ptr() as u64,
-            count: CHUNK as u32,
-            map_fd: fd as u32,
-            ..Default::default()
-        };
-        // SAFETY: bpf(2) BPF_MAP_LOOKUP_BATCH with an attr that points at
-        // buffers of CHUNK keys and values of the map's sizes (checked by
-        // check_pins against these types) and at two u32 batch tokens, all
-        // alive for the call; the kernel writes at most `count` entries.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_LOOKUP_BATCH,
-                &raw mut attr,
-                size_of::<BatchAttr>() as u32,
-            )
-        };
-        let errno = std::io::Error::last_os_error().raw_os_error();
-        let n = (attr.count as usize).min(CHUNK);
-        if rc == 0 || errno == Some(libc::ENOENT) {
-            out.extend(keys[..n].iter().copied().zip(vals[..n].iter().copied()));
-        }
-        if rc != 0 {
-            return (errno == Some(libc::ENOENT)).then_some(out);
-        }
-        token_in = token_out;
-        first = false;
-    }
+    let (ks, vs) = (size_of::<K>(), size_of::<V>());
+    let (keys, vals, n) = super::pins::batch_raw(map.fd().as_fd(), ks, vs).ok()??;
+    Some(
+        (0..n)
+            .map(|i| {
+                // SAFETY: `keys` and `vals` hold `n` entries of exactly
+                // these sizes; K and V are Pod (every bit pattern valid),
+                // read unaligned from the byte buffers.
+                unsafe {
+                    (
+                        std::ptr::read_unaligned(keys[i * ks..].as_ptr().cast::<K>()),
+                        std::ptr::read_unaligned(vals[i * vs..].as_ptr().cast::<V>()),
+                    )
+                }
+            })
+            .collect(),
+    )
 }
 
 /// The reaper looks for attachments of devices that no longer exist on

@@ -413,12 +413,21 @@ fn value_bytes(kind: MapType, value: usize) -> io::Result<usize> {
 /// A map's (key, value) pairs, raw bytes.
 type Entries = Vec<(Vec<u8>, Vec<u8>)>;
 
-/// Every (key, value) of a hash or array map, a few thousand per
+/// A map's entries as bytes: keys, values (each concatenated), how many.
+pub(super) type RawEntries = (Vec<u8>, Vec<u8>, usize);
+
+/// Every entry of a hash or array map, a few thousand per
 /// BPF_MAP_LOOKUP_BATCH call (a consistent walk even while programs add
-/// and evict entries); None if the kernel refuses batches for this map.
-fn dump_batch(fd: BorrowedFd<'_>, key: usize, value: usize) -> io::Result<Option<Entries>> {
+/// and evict entries): the keys and the values, each concatenated, and how
+/// many. None if the kernel refuses batches for this map. Shared by the
+/// migration (raw bytes) and the reaper (typed, see `ebpf::dump_flows`).
+pub(super) fn batch_raw(
+    fd: BorrowedFd<'_>,
+    key: usize,
+    value: usize,
+) -> io::Result<Option<RawEntries>> {
     const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-    const CHUNK: usize = 1024;
+    const CHUNK: usize = 4096;
     #[repr(C)]
     #[derive(Default)]
     struct BatchAttr {
@@ -433,9 +442,10 @@ fn dump_batch(fd: BorrowedFd<'_>, key: usize, value: usize) -> io::Result<Option
     }
     let mut keys = vec![0u8; key * CHUNK];
     let mut vals = vec![0u8; value * CHUNK];
+    // Hash maps use a u32 bucket index as the batch token.
     let (mut token_in, mut token_out) = (0u32, 0u32);
     let mut first = true;
-    let mut out = vec![];
+    let (mut all_keys, mut all_vals, mut count) = (vec![], vec![], 0usize);
     loop {
         let mut attr = BatchAttr {
             in_batch: if first { 0 } else { &raw const token_in as u64 },
@@ -447,9 +457,10 @@ fn dump_batch(fd: BorrowedFd<'_>, key: usize, value: usize) -> io::Result<Option
             ..Default::default()
         };
         // SAFETY: bpf(2) BPF_MAP_LOOKUP_BATCH with buffers for CHUNK keys
-        // and values of the map's sizes (from its info; per-CPU values
-        // sized for every possible CPU) and two u32 batch tokens, all
-        // alive for the call; the kernel writes at most `count` entries.
+        // and values of the map's sizes (the caller's: from the map's info,
+        // or checked by check_pins against its types; per-CPU values sized
+        // for every possible CPU) and two u32 batch tokens, all alive for
+        // the call; the kernel writes at most `count` entries.
         let rc = unsafe {
             libc::syscall(
                 libc::SYS_bpf,
@@ -461,16 +472,13 @@ fn dump_batch(fd: BorrowedFd<'_>, key: usize, value: usize) -> io::Result<Option
         let errno = io::Error::last_os_error();
         let n = (attr.count as usize).min(CHUNK);
         if rc == 0 || errno.raw_os_error() == Some(libc::ENOENT) {
-            for i in 0..n {
-                out.push((
-                    keys[i * key..(i + 1) * key].to_vec(),
-                    vals[i * value..(i + 1) * value].to_vec(),
-                ));
-            }
+            all_keys.extend_from_slice(&keys[..n * key]);
+            all_vals.extend_from_slice(&vals[..n * value]);
+            count += n;
         }
         if rc != 0 {
             return match errno.raw_os_error() {
-                Some(libc::ENOENT) => Ok(Some(out)),
+                Some(libc::ENOENT) => Ok(Some((all_keys, all_vals, count))),
                 Some(libc::EINVAL | libc::ENOTSUP | libc::EOPNOTSUPP) if first => Ok(None),
                 _ => Err(errno),
             };
@@ -478,6 +486,20 @@ fn dump_batch(fd: BorrowedFd<'_>, key: usize, value: usize) -> io::Result<Option
         token_in = token_out;
         first = false;
     }
+}
+
+/// [`batch_raw`] as (key, value) pairs.
+fn dump_batch(fd: BorrowedFd<'_>, key: usize, value: usize) -> io::Result<Option<Entries>> {
+    Ok(batch_raw(fd, key, value)?.map(|(keys, vals, n)| {
+        (0..n)
+            .map(|i| {
+                (
+                    keys[i * key..(i + 1) * key].to_vec(),
+                    vals[i * value..(i + 1) * value].to_vec(),
+                )
+            })
+            .collect()
+    }))
 }
 
 /// Every entry one by one (maps without batches: LPM tries, small).

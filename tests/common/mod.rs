@@ -428,6 +428,16 @@ impl Client {
         self.call("GetNetwork", &(id,)).await
     }
 
+    /// GetNetwork's `traffic` (key -> counter).
+    pub async fn traffic(&self, id: &str) -> std::collections::BTreeMap<String, u64> {
+        let net = self.get(id).await.unwrap();
+        let t: HashMap<String, OwnedValue> =
+            net["traffic"].try_clone().unwrap().try_into().unwrap();
+        t.into_iter()
+            .map(|(k, v)| (k, u64::try_from(v).unwrap()))
+            .collect()
+    }
+
     pub async fn list(&self) -> Vec<Dict> {
         self.call("ListNetworks", &()).await.unwrap()
     }

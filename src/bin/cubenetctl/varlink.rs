@@ -77,30 +77,22 @@ pub fn openmetrics(path: &Path) -> Res<String> {
 impl Varlink {
     /// The agent's metrics socket (`metrics`, `top`).
     pub fn connect_report(path: &Path) -> Res<Varlink> {
-        let sock = UnixStream::connect(path).map_err(|e| {
-            Failure::new(
-                EXIT_UNREACHABLE,
-                format!(
-                    "cannot connect to the agent's metrics socket {}: {e} \
-                     (is cube-network-agent running? its report_socket; $CUBENETCTL_REPORT)",
-                    path.display()
-                ),
-            )
-        })?;
-        Ok(Varlink {
-            sock,
-            buf: vec![],
-            scanned: 0,
-        })
+        Self::connect_to(path, "metrics", "its report_socket; $CUBENETCTL_REPORT")
     }
 
     pub fn connect(path: &Path) -> Res<Varlink> {
+        Self::connect_to(path, "varlink", "see --varlink")
+    }
+
+    /// Connects to the agent's `what` socket; `hint` says where its path
+    /// comes from.
+    fn connect_to(path: &Path, what: &str, hint: &str) -> Res<Varlink> {
         let sock = UnixStream::connect(path).map_err(|e| {
             Failure::new(
                 EXIT_UNREACHABLE,
                 format!(
-                    "cannot connect to the agent's varlink socket {}: {e} \
-                     (is cube-network-agent running? see --varlink)",
+                    "cannot connect to the agent's {what} socket {}: {e} \
+                     (is cube-network-agent running? {hint})",
                     path.display()
                 ),
             )
