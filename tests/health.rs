@@ -360,3 +360,79 @@ async fn health_faults_and_lifecycle_run_concurrently() {
     assert!(check(&checks, "sandbox_links").1);
     assert_eq!(c.list().await.len(), 1);
 }
+
+/// The flow table at 90 %: `flow_table` turns false (the LRU would start
+/// evicting live flows), and true again once the flows are gone (here:
+/// their sandbox is released and the reaper removes them). The flows are
+/// written straight into the pinned `ct` map, as live flows of a live
+/// sandbox (its generation, seen now).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_flow_table_is_reported_until_it_drains() {
+    use cube_network_agent::datapath::maps::{
+        DP_CT_SNAT, DpCtKey, DpCtVal, DpTap, FLOW_MAP_ENTRIES,
+    };
+    require_root!();
+    let (env, _world) = world::node(&[]);
+    let c = env.client().await;
+    let net = c.ensure("crowded", opts(vec![])).await.unwrap();
+    let ip: std::net::Ipv4Addr = s(&net, "sandbox_ip").parse().unwrap();
+    let ip_key = u32::from_ne_bytes(ip.octets());
+    let by_ip: aya::maps::HashMap<_, u32, DpTap> = aya::maps::HashMap::try_from(
+        aya::maps::Map::HashMap(aya::maps::MapData::from_pin(env.dir.join("bpf/by_ip")).unwrap()),
+    )
+    .unwrap();
+    let generation = by_ip.get(&ip_key, 0).unwrap().generation;
+    let mut ct: aya::maps::HashMap<_, DpCtKey, DpCtVal> = aya::maps::HashMap::try_from(
+        aya::maps::Map::LruHashMap(aya::maps::MapData::from_pin(env.dir.join("bpf/ct")).unwrap()),
+    )
+    .unwrap();
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into a live struct.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    let now = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+    let want = FLOW_MAP_ENTRIES as usize * 92 / 100;
+    for i in 0..want {
+        let key = DpCtKey {
+            sandbox_ip: ip_key,
+            remote_ip: u32::from_ne_bytes([198, 51, (i >> 16) as u8, (i >> 8) as u8]),
+            guest_port: 10_000 + (i & 0xff) as u16,
+            remote_port: 53,
+            proto: 17,
+            pad: [0; 3],
+        };
+        let val = DpCtVal {
+            last_seen_ns: now,
+            nat_port: 0,
+            kind: DP_CT_SNAT,
+            generation,
+            ..Default::default()
+        };
+        ct.insert(key, val, 0).unwrap();
+    }
+    // Counted by the reaper every 2 s.
+    let checks = health_within(
+        &c,
+        "flow_table false",
+        Duration::from_secs(6),
+        |ok, checks| {
+            let f = check(checks, "flow_table");
+            !ok && !f.1
+                && f.2
+                    .contains(&format!("{want} of {FLOW_MAP_ENTRIES} sandbox flows"))
+        },
+    )
+    .await;
+    eprintln!("{:?}", check(&checks, "flow_table"));
+    // The sandbox goes: its flows are stale, the reaper removes them.
+    assert!(c.release("crowded").await.unwrap());
+    health_within(
+        &c,
+        "flow_table true again",
+        Duration::from_secs(30),
+        |ok, checks| ok && check(checks, "flow_table").1,
+    )
+    .await;
+}
