@@ -37,22 +37,3 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     }
     s
 }
-
-/// The symbolic name of the errnos a write to the state directory meets
-/// (what an operator greps for); `None` for the others.
-pub fn errno_name(errno: i32) -> Option<&'static str> {
-    Some(match errno {
-        libc::ENOSPC => "ENOSPC",
-        libc::EDQUOT => "EDQUOT",
-        libc::EIO => "EIO",
-        libc::EROFS => "EROFS",
-        libc::EFBIG => "EFBIG",
-        libc::EACCES => "EACCES",
-        libc::EPERM => "EPERM",
-        libc::ENOENT => "ENOENT",
-        libc::EMFILE => "EMFILE",
-        libc::ENFILE => "ENFILE",
-        libc::ENOMEM => "ENOMEM",
-        _ => return None,
-    })
-}

@@ -1026,13 +1026,11 @@ fn route_dst(r: &RouteMessage) -> Ipv4Addr {
 /// metrics walk every sandbox device at each scrape). Blocking: call it
 /// off the async workers.
 pub fn link_counters_dump() -> std::io::Result<std::collections::HashMap<u32, LinkCounters>> {
+    use rtnetlink::packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR};
     use rtnetlink::sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+    // Not in netlink-packet-route 0.34 (linux/rtnetlink.h, if_link.h).
     const RTM_NEWSTATS: u16 = 92;
     const RTM_GETSTATS: u16 = 94;
-    const NLMSG_ERROR: u16 = 2;
-    const NLMSG_DONE: u16 = 3;
-    const NLM_F_REQUEST: u16 = 0x1;
-    const NLM_F_DUMP: u16 = 0x300;
     const IFLA_STATS_LINK_64: u16 = 1;
     const SEQ: u32 = 1;
     let mut sock = Socket::new(NETLINK_ROUTE)?;

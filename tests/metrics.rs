@@ -311,6 +311,37 @@ async fn openmetrics_and_io_systemd_metrics_agree_with_getnetwork() {
         "{all}"
     );
 
+    // A local user holding many connections to the socket does not lock
+    // root (systemd-report) out.
+    let mut hog = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c"])
+        .arg(
+            "import socket, sys, time\n\
+             held = []\n\
+             for _ in range(100):\n\
+             \x20   s = socket.socket(socket.AF_UNIX)\n\
+             \x20   s.connect(sys.argv[1])\n\
+             \x20   held.append(s)\n\
+             print('held', flush=True)\n\
+             time.sleep(60)\n",
+        )
+        .arg(report(&env))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(hog.stdout.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "held");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let out = cubenetctl(&env, None);
+    let _ = hog.kill();
+    let _ = hog.wait();
+    assert!(out.status.success(), "root refused while a user holds connections: {out:?}");
+
     // The textfile: rewritten every second, atomically, 0640, parseable.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {

@@ -109,8 +109,7 @@ impl Agent {
                      a write succeeds (retried every second{})",
                     f.what,
                     f.errno
-                        .and_then(crate::errno_name)
-                        .map(|n| format!(" with {n}"))
+                        .map(|e| format!(" with {:?}", nix::errno::Errno::from_raw(e)))
                         .unwrap_or_default(),
                     f.error,
                     f.since.elapsed().map_or(0, |d| d.as_secs()),

@@ -989,12 +989,11 @@ impl EbpfDatapath {
         // The device's own counters start at zero with it (a device
         // carries one network for life); a converge keeps them. Removed
         // by the reaper once the device is gone.
-        if maps.sb_stats.get(&ifindex, 0).is_err() {
-            const BPF_NOEXIST: u64 = 1;
-            let _ = maps
-                .sb_stats
-                .insert(ifindex, DpSbStats::default(), BPF_NOEXIST);
-        }
+        // One request: an existing entry (a converge) makes it fail.
+        const BPF_NOEXIST: u64 = 1;
+        let _ = maps
+            .sb_stats
+            .insert(ifindex, DpSbStats::default(), BPF_NOEXIST);
         let tap = DpTap {
             ifindex,
             pad: 0,

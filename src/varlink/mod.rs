@@ -865,19 +865,31 @@ fn listener(
         return UnixListener::from_std(l).map_err(ServeError::Listener);
     }
     let path = runtime_dir.join(INTERFACE);
+    let l = bind_fresh(&path)?;
+    info!(path = %path.display(), "varlink: listening");
+    Ok(l)
+}
+
+/// A fresh socket at `path` (a stale socket there is replaced, anything
+/// else refused), mode 0666: access is decided per call. Shared by the
+/// agent's socket and the metrics socket (`report`).
+pub(crate) fn bind_fresh(path: &Path) -> Result<UnixListener, ServeError> {
     let bind = |source| ServeError::Bind {
-        path: path.clone(),
+        path: path.to_path_buf(),
         source,
     };
-    match std::fs::symlink_metadata(&path) {
-        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(&path).map_err(bind)?,
-        Ok(_) => return Err(ServeError::NotASocket { path }),
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path).map_err(bind)?,
+        Ok(_) => {
+            return Err(ServeError::NotASocket {
+                path: path.to_path_buf(),
+            });
+        }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(bind(e)),
     }
-    let l = UnixListener::bind(&path).map_err(bind)?;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).map_err(bind)?;
-    info!(path = %path.display(), "varlink: listening");
+    let l = UnixListener::bind(path).map_err(bind)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(bind)?;
     Ok(l)
 }
 

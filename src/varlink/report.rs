@@ -7,7 +7,7 @@
 //! name every sandbox). Also writes `metrics_textfile` for node_exporter.
 
 use std::io;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,8 +28,51 @@ pub const OPENMETRICS_IDL: &str =
 
 /// Requests are a few hundred bytes; anything larger closes the connection.
 const MAX_REQUEST: usize = 64 << 10;
-/// Connections served at once (a scraper or two, an operator's CLI).
+/// Connections served at once from users other than root (a scraper or
+/// two, an operator's CLI), and from any one of them. Root is never
+/// refused: no local user can hold the slots and starve systemd-report.
 const MAX_CONNECTIONS: usize = 64;
+const MAX_PER_UID: usize = 4;
+
+/// Open connections of non-root peers, by uid.
+#[derive(Default)]
+struct Slots {
+    per_uid: std::sync::Mutex<std::collections::HashMap<u32, usize>>,
+}
+
+/// One connection's place in [`Slots`]; given back on drop.
+struct Slot {
+    slots: Arc<Slots>,
+    uid: u32,
+}
+
+impl Slots {
+    fn take(self: &Arc<Self>, uid: u32) -> Option<Slot> {
+        let mut m = self.per_uid.lock().unwrap_or_else(|p| p.into_inner());
+        let total: usize = m.values().sum();
+        let mine = m.entry(uid).or_default();
+        if total >= MAX_CONNECTIONS || *mine >= MAX_PER_UID {
+            return None;
+        }
+        *mine += 1;
+        Some(Slot {
+            slots: self.clone(),
+            uid,
+        })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut m = self.slots.per_uid.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.uid);
+            }
+        }
+    }
+}
 
 fn error(name: &str, parameters: Value) -> Value {
     json!({ "error": name, "parameters": parameters })
@@ -168,12 +211,26 @@ async fn call_values(
     }
 }
 
-async fn connection(agent: Arc<Agent>, mut stream: UnixStream) {
+async fn connection(agent: Arc<Agent>, slots: Arc<Slots>, mut stream: UnixStream) {
     let peer = match Peer::of(&stream) {
         Ok(p) => p,
         Err(e) => {
             debug!(error = %e, "report socket: no peer credentials");
             return;
+        }
+    };
+    let _slot = if peer.uid == 0 {
+        None
+    } else {
+        match slots.take(peer.uid) {
+            Some(s) => Some(s),
+            None => {
+                debug!(
+                    uid = peer.uid,
+                    "report socket: too many connections; closing one"
+                );
+                return;
+            }
         }
     };
     let mut buf: Vec<u8> = Vec::with_capacity(1024);
@@ -216,29 +273,17 @@ async fn connection(agent: Arc<Agent>, mut stream: UnixStream) {
     }
 }
 
-/// Binds `path` (a stale socket is replaced; its directory is created
-/// 0755 if missing). Mode 0666: access is decided per call.
-fn bind(path: &Path) -> io::Result<UnixListener> {
+/// Binds `path` ([`super::bind_fresh`]), creating its directory 0755 if
+/// missing.
+fn bind(path: &Path) -> Result<UnixListener, String> {
     if let Some(dir) = path.parent()
         && !dir.exists()
     {
-        std::fs::create_dir_all(dir)?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)))
+            .map_err(|e| format!("creating {}: {e}", dir.display()))?;
     }
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)?,
-        Ok(_) => {
-            return Err(io::Error::new(
-                io::ErrorKind::AlreadyExists,
-                "exists and is not a socket",
-            ));
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
-    let l = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
-    Ok(l)
+    super::bind_fresh(path).map_err(|e| crate::error_chain(&e))
 }
 
 /// Writes the OpenMetrics text to `path` atomically (a temporary file in
@@ -252,10 +297,17 @@ fn write_textfile(path: &Path, text: &str) -> io::Result<()> {
         .file_name()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no file name"))?;
     let tmp = path.with_file_name(format!(".{}.tmp", name.to_string_lossy()));
+    // A fresh file of ours, never one found there (a stale one of another
+    // mode, or a link someone put in the directory): removed, then
+    // created exclusively, not following links.
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
     let mut f = std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
         .mode(0o640)
         .open(&tmp)?;
     f.write_all(text.as_bytes())?;
@@ -278,19 +330,11 @@ pub fn serve(agent: Arc<Agent>) {
                 info!(path = %socket.display(), "metrics: io.systemd.Metrics on the report socket");
                 let agent = agent.clone();
                 tokio::spawn(async move {
-                    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+                    let slots = Arc::new(Slots::default());
                     loop {
                         match l.accept().await {
                             Ok((stream, _)) => {
-                                let Ok(permit) = slots.clone().try_acquire_owned() else {
-                                    debug!("report socket: too many connections; closing one");
-                                    continue;
-                                };
-                                let agent = agent.clone();
-                                tokio::spawn(async move {
-                                    connection(agent, stream).await;
-                                    drop(permit);
-                                });
+                                tokio::spawn(connection(agent.clone(), slots.clone(), stream));
                             }
                             Err(e) => {
                                 warn!(error = %e, "report socket: accept failed");
