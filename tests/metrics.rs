@@ -314,7 +314,13 @@ async fn openmetrics_and_io_systemd_metrics_agree_with_getnetwork() {
     // A local user holding many connections to the socket does not lock
     // root (systemd-report) out.
     let mut hog = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c"])
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+        ])
         .arg(
             "import socket, sys, time\n\
              held = []\n\
@@ -340,7 +346,10 @@ async fn openmetrics_and_io_systemd_metrics_agree_with_getnetwork() {
     let out = cubenetctl(&env, None);
     let _ = hog.kill();
     let _ = hog.wait();
-    assert!(out.status.success(), "root refused while a user holds connections: {out:?}");
+    assert!(
+        out.status.success(),
+        "root refused while a user holds connections: {out:?}"
+    );
 
     // The textfile: rewritten every second, atomically, 0640, parseable.
     let deadline = Instant::now() + Duration::from_secs(5);
