@@ -6,11 +6,13 @@
 //! without asking polkit) before a caller's Get/GetAll reaches it, and,
 //! for the ObjectManager, before GetManagedObjects. zbus's own reads
 //! (InterfacesAdded, PropertiesChanged, GetManagedObjects collecting each
-//! object's properties) carry no caller and pass. Introspection and
+//! object's properties) carry no caller and pass — except while the
+//! start's objects are registered ([`Registering`]). Introspection and
 //! signals are the bus policy's part (dbus/org.cube.NetworkAgent.conf).
 
 use std::collections::HashMap;
 use std::fmt::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use zbus::message::{Flags, Header, Message};
 use zbus::names::{InterfaceName, MemberName};
@@ -49,10 +51,52 @@ impl<I> ReadGate<I> {
     }
 }
 
+/// Set while the start's objects are registered: zbus's own reads fail.
+static REGISTERING: AtomicBool = AtomicBool::new(false);
+
+/// The message of the error zbus's own reads get while [`REGISTERING`].
+const REGISTERING_MSG: &str = "network objects are being registered";
+
+/// The start's registration of every network object and then the
+/// ObjectManager, without a signal. zbus announces every object already
+/// under a newly added ObjectManager (and every object added under an
+/// existing one) with InterfacesAdded: at a start with 10,000 networks,
+/// 10,000 broadcasts of each network's properties, sent before the agent
+/// owns its name, so the bus policy's `receive_sender` rule (signals to
+/// root only) does not apply to them, and they took ~450 ms of the start.
+/// zbus collects every object's properties before it sends the first
+/// signal; while this guard lives, those reads (they carry no caller)
+/// fail, so nothing is sent, and the ObjectManager stays registered (zbus
+/// adds it before it announces). Nobody can call us yet (the name is taken
+/// after the guard is dropped).
+pub struct Registering(());
+
+impl Registering {
+    pub fn start() -> Self {
+        REGISTERING.store(true, Ordering::SeqCst);
+        Registering(())
+    }
+
+    /// Whether `e` is the refusal of zbus's announcement (the
+    /// registration itself succeeded).
+    pub fn is_announcement(e: &zbus::Error) -> bool {
+        matches!(e, zbus::Error::FDO(f) if matches!(&**f, fdo::Error::Failed(m) if m == REGISTERING_MSG))
+    }
+}
+
+impl Drop for Registering {
+    fn drop(&mut self) {
+        REGISTERING.store(false, Ordering::SeqCst);
+    }
+}
+
 /// Authorizes the caller of `header` for a read; `Ok` for zbus's own
-/// reads, which have no caller.
+/// reads, which have no caller (refused while [`Registering`]).
 async fn allow_read(authority: &Authority, header: Option<&Header<'_>>) -> fdo::Result<()> {
     let Some(header) = header else {
+        if REGISTERING.load(Ordering::SeqCst) {
+            return Err(fdo::Error::Failed(REGISTERING_MSG.into()));
+        }
         return Ok(());
     };
     let Some(sender) = header.sender() else {

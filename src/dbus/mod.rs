@@ -793,26 +793,34 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
         )
         .await
         .map_err(ServeError::Register)?;
-    // Recovered networks first, the ObjectManager after them: nobody can
-    // listen yet (the name is not ours), and registering under an existing
-    // ObjectManager would emit one InterfacesAdded per network at start.
+    // Recovered networks first, the ObjectManager after them, both without
+    // a signal (gate::Registering).
     let started = std::time::Instant::now();
     let mut mirror =
         mirror::Mirror::new(conn.clone(), agent.clone(), mirrored_tx, authority.clone());
+    let quiet = gate::Registering::start();
     let objects = mirror
         .register_all(agent.list())
         .await
         .map_err(ServeError::Register)?;
+    let objects_ms = started.elapsed().as_millis() as u64;
     // GetManagedObjects returns every network: a read like ListNetworks.
-    conn.object_server()
+    match conn
+        .object_server()
         .at(
             MANAGER_PATH,
             gate::ReadGate::everything(fdo::ObjectManager, authority),
         )
         .await
-        .map_err(ServeError::Register)?;
+    {
+        Ok(_) => {}
+        Err(e) if gate::Registering::is_announcement(&e) => {}
+        Err(e) => return Err(ServeError::Register(e)),
+    }
+    drop(quiet);
     debug!(
         objects,
+        objects_ms,
         elapsed_ms = started.elapsed().as_millis() as u64,
         "network objects registered"
     );

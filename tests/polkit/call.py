@@ -19,6 +19,12 @@
 #   call.py --signals SECONDS
 #           subscribes to every signal the agent sends for SECONDS and
 #           prints "OK n=N members..." (what reached this process)
+#   call.py --all-signals SECONDS
+#           subscribes to every signal on the bus whoever sends it (no sender
+#           filter: also what a connection sends before it owns a name) and
+#           prints "OK n=N members... added=PATHS" for the signals on
+#           /org/cube/NetworkAgent paths (PATHS: the objects
+#           InterfacesAdded announced, or -)
 import os
 import sys
 
@@ -74,6 +80,27 @@ if m == "--signals":
     GLib.timeout_add(int(float(args[0]) * 1000), loop.quit)
     loop.run()
     print("OK n=%d %s" % (len(seen), ",".join(sorted(set(seen))) or "-"))
+    sys.exit(0)
+if m == "--all-signals":
+    from gi.repository import Gio, GLib
+
+    bus = Gio.bus_get_sync(Gio.BusType.SYSTEM, None)
+    seen, added = [], []
+
+    def on_signal(c, snd, path, iface, member, params):
+        if not path.startswith("/org/cube/NetworkAgent"):
+            return
+        seen.append(member)
+        if member == "InterfacesAdded":
+            added.append(params.unpack()[0].rsplit("/", 1)[-1])
+
+    bus.signal_subscribe(None, None, None, None, None, Gio.DBusSignalFlags.NONE, on_signal)
+    print("READY", flush=True)
+    loop = GLib.MainLoop()
+    GLib.timeout_add(int(float(args[0]) * 1000), loop.quit)
+    loop.run()
+    print("OK n=%d %s added=%s" % (len(seen), ",".join(sorted(set(seen))) or "-",
+                                   ",".join(sorted(added)) or "-"))
     sys.exit(0)
 if m == "--interactive":
     from gi.repository import Gio, GLib

@@ -9,7 +9,8 @@
 #
 #   as USER ARGS...          call.py ARGS as USER (root: as is); prints its
 #                            last line, "OK ..." or "ERR <error name> <message>"
-#   listen USER FILE SECS    call.py --signals SECS as USER in the background,
+#   listen USER FILE SECS [MODE]
+#                            call.py MODE SECS (default --signals) as USER in the background,
 #                            output into FILE (on this side); returns once it
 #                            has subscribed
 #   wait_listeners FILE...   until each listener has printed its summary
@@ -26,7 +27,7 @@ as_user() {  # as_user USER CMD...: CMD as USER (its groups too), or as is for r
 }
 as() { local u=$1; shift; as_user "$u" /usr/bin/python3 "$CALL" "$@" 2>&1 | tail -1; }
 listen() {
-  as_user "$1" /usr/bin/python3 "$CALL" --signals "$3" >"$2" 2>&1 &
+  as_user "$1" /usr/bin/python3 "$CALL" "${4:---signals}" "$3" >"$2" 2>&1 &
   for _ in $(seq 250); do grep -q READY "$2" 2>/dev/null && return; sleep 0.02; done
 }
 wait_listeners() {

@@ -28,17 +28,20 @@ check() { if [[ "$3" =~ $2 ]]; then ok "$1"; else nok "$1 (got: $3)"; fi; }
 
 # the agent, as root, in a fresh network namespace, on the system bus
 ip netns add cubepk && ip -n cubepk link set lo up
-ip netns exec cubepk "$AGENT" --bus system --config /dev/null \
-  --state-dir "$S/state" --runtime-dir "$S/rt" --report-socket "$S/report.sock" --warm-pool 2 --log-level debug \
-  >"$S/agent.log" 2>&1 &
-AGENT_PID=$!
-for _ in $(seq 500); do
-  busctl --system status org.cube.NetworkAgent >/dev/null 2>&1 && break
-  kill -0 $AGENT_PID 2>/dev/null || break; sleep 0.02
-done
-if ! busctl --system status org.cube.NetworkAgent >/dev/null 2>&1; then
-  echo "agent did not start:"; cat "$S/agent.log"; echo "0 passed, 1 failed"; exit 1
-fi
+start_agent() {
+  ip netns exec cubepk "$AGENT" --bus system --config /dev/null \
+    --state-dir "$S/state" --runtime-dir "$S/rt" --report-socket "$S/report.sock" --warm-pool 2 --log-level debug \
+    >>"$S/agent.log" 2>&1 &
+  AGENT_PID=$!
+  for _ in $(seq 500); do
+    busctl --system status org.cube.NetworkAgent >/dev/null 2>&1 && break
+    kill -0 $AGENT_PID 2>/dev/null || break; sleep 0.02
+  done
+  if ! busctl --system status org.cube.NetworkAgent >/dev/null 2>&1; then
+    echo "agent did not start:"; cat "$S/agent.log"; echo "0 passed, 1 failed"; exit 1
+  fi
+}
+start_agent
 alive() { kill -0 $AGENT_PID 2>/dev/null; }
 
 echo "# 1. root"
@@ -99,6 +102,24 @@ check "root receives the agent's signals" '^OK n=[1-9][0-9]* .*NetworkEnsured.*N
 check "outsider receives none of them" '^OK n=0 -$' "$(tail -1 "$S/sig.outsider")"
 check "cubereader receives none of them (bus policy: root only unless a group is added)" '^OK n=0 -$' \
   "$(tail -1 "$S/sig.reader")"
+
+echo "# 5b. a restart announces nothing: the recovered networks' objects come back without a signal"
+# Listeners with no sender filter: signals sent before the agent owns its
+# name are outside the bus policy's receive_sender rule. zbus announces
+# every object under a newly registered ObjectManager (InterfacesAdded with
+# all its properties); the agent must not let it.
+listen outsider "$S/all.outsider" 6 --all-signals; listen root "$S/all.root" 6 --all-signals
+kill -9 $AGENT_PID; wait $AGENT_PID 2>/dev/null
+start_agent
+check "after the restart: the networks are back" '^OK sbx-root,sbx-user$' "$(as root ListNetworks)"
+check "after the restart: GetManagedObjects lists them" '^OK sbx-root,sbx-user$' "$(as root ManagedObjects)"
+as root EnsureNetwork sbx-late >/dev/null   # the root listener's witness
+wait_listeners "$S"/all.*
+check "root saw the new network announced, and no recovered one" '^OK n=[1-9][0-9]* .*InterfacesAdded.* added=sbx_2dlate$' \
+  "$(tail -1 "$S/all.root")"
+check "outsider received no signal of the restart (nor of the new network)" '^OK n=0 - added=-$' \
+  "$(tail -1 "$S/all.outsider")"
+check "root: ReleaseNetwork sbx-late" '^OK True$' "$(as root ReleaseNetwork sbx-late)"
 
 echo "# extra: varlink (subject: the peer process, pid + start time + uid)"
 VL="$S/rt/org.cube.NetworkAgent"
