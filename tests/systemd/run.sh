@@ -688,6 +688,23 @@ expect "bus k root receives the agent's signals (InterfacesAdded, NetworkEnsured
   '^OK n=[1-9][0-9]* .*InterfacesAdded.*NetworkEnsured.*NetworkReleased' "$(tail -1 "$TMPD/sig.root")"
 expect "bus l outsider receives none of them (bus policy)" '^OK n=0 -$' "$(tail -1 "$TMPD/sig.outsider")"
 expect "bus m cubeuser receives none of them either (bus policy: root only)" '^OK n=0 -$' "$(tail -1 "$TMPD/sig.cubeuser")"
+# A restart re-registers sbx-bus's and sbx-busu's objects before the agent
+# owns its name, where the policy's receive_sender rule does not reach:
+# nothing may be announced then. Listeners without a sender filter.
+listen outsider "$TMPD/all.outsider" 6 --all-signals; listen root "$TMPD/all.root" 6 --all-signals
+pidb=$(prop MainPID)
+out=$(cx "systemctl restart $UNIT" 2>&1); rc=$?
+if [ $rc = 0 ] && wait_restarted "$pidb" && wait_health 10 >/dev/null; then
+  as root EnsureNetwork sbx-late >/dev/null   # the root listener's witness
+  wait_listeners "$TMPD"/all.*
+  expect "bus m2 a restart announces no recovered network to root (only the new sbx-late)" \
+    '^OK n=[1-9][0-9]* .*InterfacesAdded.* added=sbx_2dlate$' "$(tail -1 "$TMPD/all.root")"
+  expect "bus m3 nor anything to an outsider listening without a sender filter" '^OK n=0 - added=-$' \
+    "$(tail -1 "$TMPD/all.outsider")"
+  as root ReleaseNetwork sbx-late >/dev/null
+else
+  not_ok "bus m2 systemctl restart with listeners" "rc=$rc $out; pid $pidb -> $(prop MainPID) $(prop SubState)"
+fi
 expect "bus n root: ReleaseNetwork sbx-bus, sbx-busu" '^OK True OK True$' \
   "$(as root ReleaseNetwork sbx-bus) $(as root ReleaseNetwork sbx-busu)"
 # Whatever the bus thought of our policy and activation files whenever it
