@@ -144,6 +144,14 @@ struct {
 } policy_deny SEC(".maps");
 
 struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct dp_learned_key);
+	__type(value, struct dp_learned_val);
+	__uint(max_entries, DP_LEARNED_MAX);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dns_learned SEC(".maps");
+
+struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__type(key, struct dp_portmap_key);
 	__type(value, struct dp_portmap_val);
@@ -1021,13 +1029,39 @@ static __always_inline int forward_out(struct __sk_buff *skb, const struct dp_co
 	return TC_ACT_SHOT;
 }
 
-/* Whether the sandbox's policy lets it send to `dst`. */
-static __always_inline int policy_allows(const struct dp_sandbox *sb, __u32 dst)
+/* Whether the resolver learned `dst` for this owner of the sandbox: for
+ * a new flow (`fresh`) until the entry expires, for a flow that started
+ * while the entry exists. */
+static __always_inline int learned(const struct dp_sandbox *sb, __u32 dst, int fresh)
+{
+	struct dp_learned_key lk = {.sandbox_ip = sb->sandbox_ip, .dst = dst};
+	struct dp_learned_val *lv = bpf_map_lookup_elem(&dns_learned, &lk);
+	if (!lv || lv->gen != sb->gen)
+		return 0;
+	return !fresh || lv->expires_ns > bpf_ktime_get_ns();
+}
+
+/* Whether the sandbox's policy lets it send to `dst`: an allowed CIDR, an
+ * address learned for an allowed name, or no deny. `fresh`: no flow yet. */
+static __always_inline int policy_allows(const struct dp_sandbox *sb, __u32 dst, int fresh)
 {
 	if (!(sb->flags & DP_F_INTERNET))
 		return 0;
 	struct dp_policy_key pk = {.prefixlen = 64, .sandbox_ip = sb->sandbox_ip, .dst = dst};
-	return bpf_map_lookup_elem(&policy_allow, &pk) || !bpf_map_lookup_elem(&policy_deny, &pk);
+	if (bpf_map_lookup_elem(&policy_allow, &pk))
+		return 1;
+	if ((sb->flags & DP_F_DOMAINS) && learned(sb, dst, fresh))
+		return 1;
+	return !bpf_map_lookup_elem(&policy_deny, &pk);
+}
+
+/* DNS (53) and DNS over TLS (853) to anyone but the gateway: a sandbox
+ * with domain rules resolves through the agent only. */
+static __always_inline int resolver_bypass(const struct dp_sandbox *sb, const struct l4info *l4)
+{
+	if (!(sb->flags & DP_F_DOMAINS) || l4->proto == IPPROTO_ICMP)
+		return 0;
+	return l4->dport == bpf_htons(53) || l4->dport == bpf_htons(853);
 }
 
 /* guest -> world: SNAT after the policy check, or the reply side of a
@@ -1058,7 +1092,8 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	};
 	__u16 nat_port;
 	struct dp_ct_val *v = flow_of(&key, sb->gen);
-	if (!(v && v->kind == DP_CT_PORTMAP) && !policy_allows(sb, ip->daddr)) {
+	if (!(v && v->kind == DP_CT_PORTMAP) &&
+	    (resolver_bypass(sb, l4) || !policy_allows(sb, ip->daddr, !v))) {
 		count(DP_C_POLICY_DROP);
 		sb_count(skb->ifindex, DP_S_POLICY);
 		return TC_ACT_SHOT;

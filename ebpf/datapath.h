@@ -38,6 +38,24 @@ struct dp_sandbox {
 	__u64 gen;             /* the owner's generation (as in by_ip) */
 }; /* 16 bytes */
 #define DP_F_INTERNET 1u
+/* The sandbox has domain rules (docs/egress.md): a new flow may also go to
+ * an address the agent's resolver learned for it (dns_learned), and DNS
+ * or DNS-over-TLS to anyone but the gateway is dropped. */
+#define DP_F_DOMAINS 2u
+
+/* (sandbox ip, destination) -> until when a new flow may start: written
+ * by the agent's resolver before it answers. A flow that started keeps
+ * going after expiry as long as the entry exists (the agent removes it
+ * when the name is no longer allowed; release changes the generation). */
+struct dp_learned_key {
+	__u32 sandbox_ip;
+	__u32 dst;
+}; /* 8 bytes */
+struct dp_learned_val {
+	__u64 expires_ns;      /* CLOCK_MONOTONIC (bpf_ktime_get_ns) */
+	__u64 gen;             /* the owner's generation when learned */
+}; /* 16 bytes */
+#define DP_LEARNED_MAX 262144
 
 /* sandbox ip -> TAP */
 struct dp_tap {

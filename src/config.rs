@@ -161,6 +161,14 @@ pub struct Config {
     /// OpenMetrics text (node_exporter's textfile collector); empty = none.
     pub metrics_textfile: PathBuf,
     pub metrics_interval: u32,
+    /// Where the resolver for sandboxes (on the gateway device's address,
+    /// port 53) forwards allowed queries: "ADDR" or "ADDR:PORT"; empty =
+    /// the first IPv4 nameserver of /etc/resolv.conf.
+    pub dns_upstream: String,
+    /// A learned address lets a sandbox with domain rules start flows for
+    /// the answer's TTL clamped to this range, seconds (docs/egress.md).
+    pub dns_ttl_min: u32,
+    pub dns_ttl_max: u32,
 }
 
 impl Default for Config {
@@ -200,8 +208,35 @@ impl Default for Config {
             report_socket: REPORT_SOCKET.into(),
             metrics_textfile: PathBuf::new(),
             metrics_interval: 15,
+            dns_upstream: String::new(),
+            dns_ttl_min: 5,
+            dns_ttl_max: 300,
         }
     }
+}
+
+/// `dns_upstream`: "ADDR" (port 53) or "ADDR:PORT", IPv4.
+pub fn parse_upstream(s: &str) -> Option<std::net::SocketAddrV4> {
+    if let Ok(a) = s.parse::<std::net::SocketAddrV4>() {
+        return Some(a);
+    }
+    s.parse::<Ipv4Addr>()
+        .ok()
+        .map(|ip| std::net::SocketAddrV4::new(ip, 53))
+}
+
+/// The upstream resolver: `dns_upstream`, else the first IPv4
+/// `nameserver` of /etc/resolv.conf.
+pub fn dns_upstream(cfg: &Config) -> Option<std::net::SocketAddrV4> {
+    if !cfg.dns_upstream.is_empty() {
+        return parse_upstream(&cfg.dns_upstream);
+    }
+    std::fs::read_to_string("/etc/resolv.conf")
+        .ok()?
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .find_map(|a| a.trim().parse::<Ipv4Addr>().ok())
+        .map(|ip| std::net::SocketAddrV4::new(ip, 53))
 }
 
 /// Where systemd (v260+) looks for services' metrics sockets.
@@ -643,6 +678,22 @@ impl Config {
                 format!("{} is not 1-86400 seconds", self.metrics_interval),
             ));
         }
+        if self.dns_ttl_min == 0 || self.dns_ttl_min > self.dns_ttl_max || self.dns_ttl_max > 86_400
+        {
+            return Err(invalid(
+                "dns_ttl_min",
+                format!(
+                    "{}-{} is not a range of 1-86400 seconds (dns_ttl_min <= dns_ttl_max)",
+                    self.dns_ttl_min, self.dns_ttl_max
+                ),
+            ));
+        }
+        if !self.dns_upstream.is_empty() && parse_upstream(&self.dns_upstream).is_none() {
+            return Err(invalid(
+                "dns_upstream",
+                format!("'{}' is not ADDR or ADDR:PORT (IPv4)", self.dns_upstream),
+            ));
+        }
         for (key, p) in [
             ("report_socket", &self.report_socket),
             ("metrics_textfile", &self.metrics_textfile),
@@ -727,6 +778,9 @@ Options (each overrides the same key of the config file):
   --report-socket PATH       io.systemd.Metrics socket, \"\" for none [default: /run/systemd/report/org.cube.NetworkAgent]
   --metrics-textfile PATH    OpenMetrics file for node_exporter [default: none]
   --metrics-interval SECS    how often it is rewritten [default: 15]
+  --dns-upstream ADDR[:PORT] where the sandboxes' resolver forwards [default: resolv.conf's first]
+  --dns-ttl-min SECS         learned addresses last at least [default: 5]
+  --dns-ttl-max SECS         ... and at most this long [default: 300]
   --print-config             print the effective configuration as TOML and exit
   -h, --help                 this help
   -V, --version              version
@@ -827,6 +881,9 @@ const VALUE_FLAGS: &[&str] = &[
     "--report-socket",
     "--metrics-textfile",
     "--metrics-interval",
+    "--dns-upstream",
+    "--dns-ttl-min",
+    "--dns-ttl-max",
 ];
 
 fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigError> {
@@ -871,6 +928,9 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
         "--report-socket" => cfg.report_socket = value.into(),
         "--metrics-textfile" => cfg.metrics_textfile = value.into(),
         "--metrics-interval" => cfg.metrics_interval = number("metrics_interval", &value)?,
+        "--dns-upstream" => cfg.dns_upstream = value,
+        "--dns-ttl-min" => cfg.dns_ttl_min = number("dns_ttl_min", &value)?,
+        "--dns-ttl-max" => cfg.dns_ttl_max = number("dns_ttl_max", &value)?,
         _ => {
             return Err(ConfigError::Usage(format!(
                 "unknown option {flag} (see --help)"

@@ -12,6 +12,7 @@ pub mod cni;
 pub mod config;
 pub mod datapath;
 pub mod dbus;
+pub mod dns;
 pub mod hostsock;
 pub mod metrics;
 pub mod netlink;

@@ -201,6 +201,15 @@ async fn run(cfg: config::Config, passed: Vec<systemd::ListenFd>) -> Result<(), 
     // the name, both front ends answer.
     varlink::serve(agent.clone(), listener).map_err(|e| error_chain(&e))?;
     varlink::report::serve(agent.clone());
+    // The sandboxes' resolver (domain egress, docs/egress.md).
+    let upstream = cube_network_agent::config::dns_upstream(agent.config());
+    if let Err(e) = cube_network_agent::dns::serve(agent.clone(), upstream) {
+        warn!(
+            error = %e,
+            "dns: the resolver for sandboxes cannot listen on the gateway address, port 53; \
+             sandboxes with domain rules resolve nothing"
+        );
+    }
     let _conn = dbus::serve(agent.clone(), &bus)
         .await
         .map_err(|e| error_chain(&e))?;

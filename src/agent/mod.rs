@@ -7,6 +7,8 @@
 //! queues) sits behind short synchronous locks that are never held across
 //! kernel or disk I/O.
 
+pub mod domains;
+pub mod egress;
 pub mod events;
 mod health;
 mod lifecycle;
@@ -273,6 +275,8 @@ pub struct Agent {
     /// recovery runs datapath calls inline instead of paying a hop to the
     /// blocking pool per network (~25 µs each, 10,000 at a restart).
     serving: std::sync::atomic::AtomicBool,
+    /// Domain rules and learned addresses, for the resolver.
+    egress: egress::Egress,
 }
 
 fn now_unix() -> u64 {
@@ -373,6 +377,7 @@ impl Agent {
 
     /// Publishes a network's view to readers (and the ifindex index).
     fn put_view(&self, view: NetworkView) {
+        self.egress_put(&view.record);
         let (id, ifindex) = (view.record.sandbox_id.clone(), view.tap_ifindex);
         let mut views = self.views.write().unwrap_or_else(|p| p.into_inner());
         let old = views.insert(id.clone(), view);
@@ -396,6 +401,8 @@ impl Agent {
             if index.get(&old.tap_ifindex).is_some_and(|o| o == id) {
                 index.remove(&old.tap_ifindex);
             }
+            drop(index);
+            self.egress_remove(&old.record);
         }
         self.link_faults
             .lock()

@@ -298,6 +298,18 @@ fn normalise_cidrs(key: &str, list: &[String]) -> Result<Vec<String>, AgentError
     }
     let mut out: Vec<String> = Vec::with_capacity(list.len());
     for (i, item) in list.iter().enumerate() {
+        if super::domains::is_domain_entry(item) {
+            let pattern = super::domains::DomainPattern::parse(item).map_err(|why| {
+                invalid(format!(
+                    "{key}[{i}]: '{item}' is not an IPv4 address, CIDR or domain pattern: {why}"
+                ))
+            })?;
+            let s = pattern.to_string();
+            if !out.contains(&s) {
+                out.push(s);
+            }
+            continue;
+        }
         let cidr: Ipv4Cidr = if item.contains('/') {
             item.parse()
                 .map_err(|e| invalid(format!("{key}[{i}]: {e}")))?
@@ -580,11 +592,27 @@ mod tests {
         };
         assert!(err(cidr(&["10.0.0.1/8"])).contains("deny_out[0]"));
         assert!(err(cidr(&["10.0.0.1/8"])).contains("10.0.0.0/8"));
-        assert!(err(cidr(&["1.1.1.1", "x"])).contains("deny_out[1]"));
-        let norm = cidr(&["1.1.1.1", "10.0.0.0/8", "1.1.1.1/32"])
-            .validated()
-            .unwrap();
-        assert_eq!(norm.deny_out, vec!["1.1.1.1/32", "10.0.0.0/8"]);
+        assert!(err(cidr(&["1.1.1.1", "1.2.3.400"])).contains("deny_out[1]"));
+        let e = err(cidr(&["1.1.1.1", "a..example.com"]));
+        assert!(
+            e.contains("deny_out[1]: 'a..example.com' is not an IPv4 address, CIDR or domain pattern: an empty label"),
+            "{e}"
+        );
+        let e = err(cidr(&["*.com"]));
+        assert!(e.contains("deny_out[0]") && e.contains("top-level"), "{e}");
+        let norm = cidr(&[
+            "1.1.1.1",
+            "10.0.0.0/8",
+            "1.1.1.1/32",
+            "*.Example.COM.",
+            "*.example.com",
+        ])
+        .validated()
+        .unwrap();
+        assert_eq!(
+            norm.deny_out,
+            vec!["1.1.1.1/32", "10.0.0.0/8", "*.example.com"]
+        );
         let mtu = NetworkSpec {
             mtu: Some(50),
             ..Default::default()

@@ -124,6 +124,7 @@ impl Agent {
             drift: Mutex::new(BTreeMap::new()),
             netns_owners: Mutex::new(HashMap::new()),
             serving: std::sync::atomic::AtomicBool::new(false),
+            egress: Default::default(),
         };
         // Subscribe before recovery checks the kernel, so a filter removed
         // after that check is still noticed.

@@ -339,6 +339,7 @@ struct Maps {
     portmap: HashMap<MapData, DpPortmapKey, DpPortmapVal>,
     attached: HashMap<MapData, u32, u32>,
     sb_stats: HashMap<MapData, u32, DpSbStats>,
+    learned: HashMap<MapData, DpLearnedKey, DpLearnedVal>,
 }
 
 fn take<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
@@ -551,6 +552,7 @@ impl EbpfDatapath {
             portmap: take(&mut bpf, "portmap")?,
             attached: take(&mut bpf, "tap_attached")?,
             sb_stats: take(&mut bpf, "sb_stats")?,
+            learned: take(&mut bpf, "dns_learned")?,
         };
         let (uplink_ip, uplink_ifindex) = node
             .uplink
@@ -969,11 +971,14 @@ impl EbpfDatapath {
             journal.push(Undo::Sandbox(old.ifindex, Some(prev)));
             let _ = maps.sandboxes.remove(&old.ifindex);
         }
-        let flags = if sb.allow_internet_access {
+        let mut flags = if sb.allow_internet_access {
             DP_F_INTERNET
         } else {
             0
         };
+        if sb.has_domain_rules() {
+            flags |= DP_F_DOMAINS;
+        }
         let entry = DpSandbox {
             sandbox_ip: ip,
             flags,
@@ -1559,6 +1564,49 @@ impl Datapath for EbpfDatapath {
             .iter()
             .map(|(_, s)| s.clone())
             .collect()
+    }
+
+    fn learn(
+        &self,
+        sandbox_ip: Ipv4Addr,
+        addrs: &[(Ipv4Addr, Duration)],
+    ) -> Result<(), DatapathError> {
+        let ip = ip_be(sandbox_ip);
+        let now = monotonic_ns();
+        let mut guard = self.lock();
+        let maps = &mut guard.maps;
+        // The owner's generation: an entry outlives neither its owner nor
+        // reaches the next one of the address.
+        let generation = maps
+            .by_ip
+            .get(&ip, 0)
+            .map_err(|e| map_err("reading by_ip (the sandbox's generation)", &e))?
+            .generation;
+        for (dst, ttl) in addrs {
+            let key = DpLearnedKey {
+                sandbox_ip: ip,
+                dst: ip_be(*dst),
+            };
+            let val = DpLearnedVal {
+                expires_ns: now + ttl.as_nanos() as u64,
+                generation,
+            };
+            maps.learned
+                .insert(key, val, 0)
+                .map_err(|e| map_err("writing dns_learned", &e))?;
+        }
+        Ok(())
+    }
+
+    fn forget(&self, sandbox_ip: Ipv4Addr, addrs: &[Ipv4Addr]) {
+        let ip = ip_be(sandbox_ip);
+        let mut guard = self.lock();
+        for dst in addrs {
+            let _ = guard.maps.learned.remove(&DpLearnedKey {
+                sandbox_ip: ip,
+                dst: ip_be(*dst),
+            });
+        }
     }
 
     fn detach(&self, sb: &SandboxPath<'_>) -> Result<(), DatapathError> {

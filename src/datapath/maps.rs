@@ -30,6 +30,26 @@ pub struct DpSandbox {
     pub generation: u64,
 }
 pub const DP_F_INTERNET: u32 = 1;
+/// The sandbox has domain rules: addresses in `dns_learned` are allowed
+/// for new flows, DNS and DoT to others than the gateway dropped.
+pub const DP_F_DOMAINS: u32 = 2;
+
+/// `dns_learned` key: (sandbox ip, destination), network byte order.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DpLearnedKey {
+    pub sandbox_ip: u32,
+    pub dst: u32,
+}
+
+/// `dns_learned` value: until when (CLOCK_MONOTONIC ns) a new flow may
+/// start, for which owner generation of the address.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpLearnedVal {
+    pub expires_ns: u64,
+    pub generation: u64,
+}
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -231,6 +251,10 @@ unsafe impl aya::Pod for DpSbStats {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpSandbox {}
 // SAFETY: see above.
+unsafe impl aya::Pod for DpLearnedKey {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpLearnedVal {}
+// SAFETY: see above.
 unsafe impl aya::Pod for DpTap {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpPolicyData {}
@@ -264,6 +288,8 @@ const _: () = {
     assert!(size_of::<DpConfig>() == 48);
     assert!(size_of::<DpSandbox>() == 16);
     assert!(size_of::<DpTap>() == 16);
+    assert!(size_of::<DpLearnedKey>() == 8);
+    assert!(size_of::<DpLearnedVal>() == 16);
     assert!(size_of::<DpPolicyData>() + 4 == 12);
     assert!(size_of::<DpPortmapKey>() == 8);
     assert!(size_of::<DpPortmapVal>() == 8);

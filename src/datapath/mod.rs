@@ -31,6 +31,16 @@ pub struct SandboxPath<'a> {
     pub deny_out: &'a [String],
 }
 
+impl SandboxPath<'_> {
+    /// Whether `allow_out` or `deny_out` has a domain pattern.
+    pub fn has_domain_rules(&self) -> bool {
+        self.allow_out
+            .iter()
+            .chain(self.deny_out)
+            .any(|e| crate::agent::domains::is_domain_entry(e))
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 #[error("{what}: {detail}")]
 pub struct DatapathError {
@@ -110,6 +120,17 @@ pub trait Datapath: Send + Sync {
     fn sandbox_counters(&self, _ifindex: u32) -> Option<Vec<u64>> {
         None
     }
+    /// Lets the sandbox start flows to each address until its time to
+    /// live is over (the resolver learned them for an allowed name).
+    fn learn(
+        &self,
+        _sandbox_ip: std::net::Ipv4Addr,
+        _addrs: &[(std::net::Ipv4Addr, std::time::Duration)],
+    ) -> Result<(), DatapathError> {
+        Ok(())
+    }
+    /// Takes learned addresses back: flows to them stop too.
+    fn forget(&self, _sandbox_ip: std::net::Ipv4Addr, _addrs: &[std::net::Ipv4Addr]) {}
     /// Every sandbox device's counters (one batched dump).
     fn all_sandbox_counters(&self) -> std::collections::HashMap<u32, Vec<u64>> {
         Default::default()

@@ -1,0 +1,241 @@
+//! Domain egress (docs/egress.md): the resolver's questions to the core.
+//! Which sandbox sent a query (by its address), whether its rules allow
+//! the name, and what was learned for it: the datapath admits a new flow
+//! of a sandbox with domain rules to an address learned for it
+//! (`dns_learned`, written before the answer reaches the sandbox).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use super::domains::{Patterns, Verdict};
+use super::spec::NetworkRecord;
+use super::{Agent, off_worker};
+
+/// Learned addresses kept per sandbox; beyond, the one expiring first is
+/// evicted (counted).
+pub const MAX_LEARNED_PER_SANDBOX: usize = 256;
+
+/// What the resolver does with one query.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DnsDecision {
+    /// Not a sandbox's address: REFUSED.
+    Stranger,
+    /// A sandbox without domain rules: forwarded, nothing learned.
+    Forward,
+    /// Allowed by the sandbox's patterns: forwarded, answers learned.
+    Learn { sandbox_id: String },
+    /// Not allowed: REFUSED (logged and counted).
+    Refuse { sandbox_id: String },
+}
+
+struct Sandbox {
+    id: String,
+    /// `None`: no domain rules.
+    patterns: Option<Arc<Patterns>>,
+}
+
+/// One learned destination: until when, and for which name.
+struct Learned {
+    until: Instant,
+    name: String,
+}
+
+#[derive(Default)]
+pub struct Egress {
+    sandboxes: RwLock<HashMap<Ipv4Addr, Sandbox>>,
+    learned: Mutex<HashMap<Ipv4Addr, HashMap<Ipv4Addr, Learned>>>,
+    pub refused: AtomicU64,
+    pub evicted: AtomicU64,
+}
+
+fn v4(ip: IpAddr) -> Option<Ipv4Addr> {
+    match ip {
+        IpAddr::V4(v) => Some(v),
+        IpAddr::V6(_) => None,
+    }
+}
+
+impl Egress {
+    /// A network is (again) at its address, with these rules. Returns the
+    /// learned destinations its new rules no longer allow (to forget).
+    pub(super) fn put(&self, rec: &NetworkRecord) -> Vec<Ipv4Addr> {
+        let Some(ip) = v4(rec.sandbox_ip) else {
+            return vec![];
+        };
+        let patterns = Patterns::from_lists(&rec.allow_out, &rec.deny_out);
+        let patterns = (!patterns.is_empty()).then(|| Arc::new(patterns));
+        let mut sandboxes = self.sandboxes.write().unwrap_or_else(|p| p.into_inner());
+        let unchanged = sandboxes
+            .get(&ip)
+            .is_some_and(|s| s.id == rec.sandbox_id && s.patterns == patterns);
+        if unchanged {
+            return vec![];
+        }
+        sandboxes.insert(
+            ip,
+            Sandbox {
+                id: rec.sandbox_id.clone(),
+                patterns: patterns.clone(),
+            },
+        );
+        drop(sandboxes);
+        let mut learned = self.learned.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(mine) = learned.get_mut(&ip) else {
+            return vec![];
+        };
+        let gone: Vec<Ipv4Addr> = mine
+            .iter()
+            .filter(|(_, l)| {
+                patterns
+                    .as_ref()
+                    .is_none_or(|p| p.verdict(&l.name) == Verdict::Refuse)
+            })
+            .map(|(dst, _)| *dst)
+            .collect();
+        for dst in &gone {
+            mine.remove(dst);
+        }
+        gone
+    }
+
+    /// The network at `ip` is gone: its learned destinations to forget.
+    pub(super) fn remove(&self, ip: IpAddr, id: &str) -> Vec<Ipv4Addr> {
+        let Some(ip) = v4(ip) else {
+            return vec![];
+        };
+        let mut sandboxes = self.sandboxes.write().unwrap_or_else(|p| p.into_inner());
+        if sandboxes.get(&ip).is_none_or(|s| s.id != id) {
+            return vec![];
+        }
+        sandboxes.remove(&ip);
+        drop(sandboxes);
+        let mut learned = self.learned.lock().unwrap_or_else(|p| p.into_inner());
+        learned
+            .remove(&ip)
+            .map(|m| m.into_keys().collect())
+            .unwrap_or_default()
+    }
+
+    fn decide(&self, src: Ipv4Addr, name: &str) -> DnsDecision {
+        let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
+        let Some(sb) = sandboxes.get(&src) else {
+            return DnsDecision::Stranger;
+        };
+        match &sb.patterns {
+            None => DnsDecision::Forward,
+            Some(p) => match p.verdict(name) {
+                Verdict::Allow => DnsDecision::Learn {
+                    sandbox_id: sb.id.clone(),
+                },
+                Verdict::Refuse => DnsDecision::Refuse {
+                    sandbox_id: sb.id.clone(),
+                },
+            },
+        }
+    }
+
+    /// Records what was learned; returns the destinations evicted to stay
+    /// within [`MAX_LEARNED_PER_SANDBOX`].
+    fn note(&self, src: Ipv4Addr, name: &str, addrs: &[(Ipv4Addr, Duration)]) -> Vec<Ipv4Addr> {
+        let now = Instant::now();
+        let mut learned = self.learned.lock().unwrap_or_else(|p| p.into_inner());
+        let mine = learned.entry(src).or_default();
+        for (dst, ttl) in addrs {
+            let until = now + *ttl;
+            let e = mine.entry(*dst).or_insert_with(|| Learned {
+                until,
+                name: name.to_owned(),
+            });
+            if e.until <= until {
+                e.until = until;
+                e.name = name.to_owned();
+            }
+        }
+        let mut evicted = vec![];
+        while mine.len() > MAX_LEARNED_PER_SANDBOX {
+            let Some(first) = mine.iter().min_by_key(|(_, l)| l.until).map(|(d, _)| *d) else {
+                break;
+            };
+            mine.remove(&first);
+            evicted.push(first);
+        }
+        self.evicted
+            .fetch_add(evicted.len() as u64, Ordering::Relaxed);
+        evicted
+    }
+}
+
+impl Agent {
+    /// The address the resolver serves on: the gateway device's, which a
+    /// guest reaches as its gateway (and a container as its gateway).
+    pub fn resolver_address(&self) -> Ipv4Addr {
+        self.d.pool.gateway()
+    }
+
+    /// What to do with a query for `name` (lowercase, no trailing dot)
+    /// from `src`.
+    pub fn dns_decide(&self, src: Ipv4Addr, name: &str) -> DnsDecision {
+        let d = self.egress.decide(src, name);
+        if let DnsDecision::Refuse { sandbox_id } = &d {
+            self.egress.refused.fetch_add(1, Ordering::Relaxed);
+            info!(
+                sandbox_id = sandbox_id.as_str(),
+                name, "dns: query refused by the sandbox's domain rules"
+            );
+        }
+        d
+    }
+
+    /// Lets the sandbox at `src` start flows to the answer's addresses
+    /// (TTLs clamped to `dns_ttl_min`..`dns_ttl_max`): in the datapath
+    /// before this returns, so before the answer is sent.
+    pub async fn dns_learn(
+        &self,
+        src: Ipv4Addr,
+        name: &str,
+        addrs: &[(Ipv4Addr, u32)],
+    ) -> Result<(), String> {
+        if addrs.is_empty() {
+            return Ok(());
+        }
+        let (lo, hi) = (self.cfg.dns_ttl_min, self.cfg.dns_ttl_max);
+        let clamped: Vec<(Ipv4Addr, Duration)> = addrs
+            .iter()
+            .map(|(a, ttl)| (*a, Duration::from_secs(u64::from((*ttl).clamp(lo, hi)))))
+            .collect();
+        let evicted = self.egress.note(src, name, &clamped);
+        let dp = self.datapath.clone();
+        off_worker(move || {
+            if !evicted.is_empty() {
+                dp.forget(src, &evicted);
+            }
+            dp.learn(src, &clamped)
+        })
+        .await
+        .map_err(|e| {
+            warn!(sandbox_ip = %src, name, error = %e, "dns: learning the answer's addresses");
+            e.to_string()
+        })
+    }
+
+    /// Keeps the resolver's view of a network in step (`put_view`).
+    pub(super) fn egress_put(&self, rec: &NetworkRecord) {
+        let gone = self.egress.put(rec);
+        if let (false, Some(ip)) = (gone.is_empty(), v4(rec.sandbox_ip)) {
+            self.datapath.forget(ip, &gone);
+        }
+    }
+
+    /// The network is gone (`remove_view`).
+    pub(super) fn egress_remove(&self, rec: &NetworkRecord) {
+        let gone = self.egress.remove(rec.sandbox_ip, &rec.sandbox_id);
+        if let (false, Some(ip)) = (gone.is_empty(), v4(rec.sandbox_ip)) {
+            self.datapath.forget(ip, &gone);
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! The resolver for sandboxes (docs/egress.md), a wire edge: DNS over UDP
+//! on the gateway device's address, port 53 (what a guest reaches at its
+//! gateway). It parses the question, asks the core
+//! ([`Agent::dns_decide`]), answers REFUSED or NODATA itself, or forwards
+//! the query to the upstream resolver and, for a sandbox with domain
+//! rules, has the answer's addresses learned ([`Agent::dns_learn`])
+//! before the answer is sent on.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::UdpSocket;
+use tracing::{debug, info, warn};
+
+use crate::agent::Agent;
+use crate::agent::egress::DnsDecision;
+
+/// How long the upstream has to answer.
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
+/// Queries handled at once; more wait in the socket's buffer.
+const MAX_IN_FLIGHT: usize = 256;
+
+const TYPE_A: u16 = 1;
+const TYPE_CNAME: u16 = 5;
+const TYPE_SVCB: u16 = 64;
+const TYPE_HTTPS: u16 = 65;
+const CLASS_IN: u16 = 1;
+const RCODE_SERVFAIL: u8 = 2;
+const RCODE_REFUSED: u8 = 5;
+
+/// The question of a query.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Question {
+    pub id: u16,
+    /// Lowercase, without the trailing dot.
+    pub name: String,
+    pub qtype: u16,
+    /// Where the question section ends (header + question).
+    pub end: usize,
+}
+
+fn u16_at(m: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_be_bytes([*m.get(at)?, *m.get(at + 1)?]))
+}
+
+fn u32_at(m: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_be_bytes(m.get(at..at + 4)?.try_into().ok()?))
+}
+
+/// Reads a (possibly compressed) name at `at`: (lowercase name, where
+/// the name ends in the message).
+fn read_name(m: &[u8], mut at: usize) -> Option<(String, usize)> {
+    let mut name = String::new();
+    let mut end = None;
+    // A compression pointer must point backwards; bounded anyway.
+    for _ in 0..128 {
+        let len = *m.get(at)? as usize;
+        match len {
+            0 => return Some((name, end.unwrap_or(at + 1))),
+            l if l & 0xc0 == 0xc0 => {
+                let target = (u16_at(m, at)? & 0x3fff) as usize;
+                if target >= at {
+                    return None;
+                }
+                end.get_or_insert(at + 2);
+                at = target;
+            }
+            l if l < 64 => {
+                let label = m.get(at + 1..at + 1 + l)?;
+                if !name.is_empty() {
+                    name.push('.');
+                }
+                name.extend(label.iter().map(|b| b.to_ascii_lowercase() as char));
+                if name.len() > 253 {
+                    return None;
+                }
+                at += 1 + l;
+            }
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// Parses a query: one question, QR clear, opcode QUERY.
+pub fn parse_query(m: &[u8]) -> Option<Question> {
+    let flags = u16_at(m, 2)?;
+    if flags & 0x8000 != 0 || (flags >> 11) & 0xf != 0 || u16_at(m, 4)? != 1 {
+        return None;
+    }
+    let (name, at) = read_name(m, 12)?;
+    let qtype = u16_at(m, at)?;
+    u16_at(m, at + 2)?;
+    Some(Question {
+        id: u16_at(m, 0)?,
+        name,
+        qtype,
+        end: at + 4,
+    })
+}
+
+/// An answer of our own to `query`: its question, no records, `rcode`
+/// (0 with no records: NODATA).
+pub fn reply(query: &[u8], q: &Question, rcode: u8) -> Vec<u8> {
+    let mut r = Vec::with_capacity(q.end);
+    r.extend_from_slice(&q.id.to_be_bytes());
+    // QR, the query's RD, RA, rcode.
+    let rd = query[2] & 0x01;
+    r.push(0x80 | rd);
+    r.push(0x80 | (rcode & 0x0f));
+    r.extend_from_slice(&1u16.to_be_bytes());
+    r.extend_from_slice(&[0; 6]);
+    r.extend_from_slice(&query[12..q.end]);
+    r
+}
+
+/// The IPv4 addresses an answer gives for `name`, with their TTLs: A
+/// records of the name or of a name it is a CNAME of within this answer
+/// (in order), nothing from the authority or additional sections.
+pub fn answer_addrs(m: &[u8], name: &str) -> Option<Vec<(Ipv4Addr, u32)>> {
+    let qd = u16_at(m, 4)?;
+    let an = u16_at(m, 6)?;
+    let mut at = 12;
+    for _ in 0..qd {
+        at = read_name(m, at)?.1 + 4;
+    }
+    let mut chain = vec![name.to_owned()];
+    let mut records = vec![];
+    for _ in 0..an {
+        let (owner, next) = read_name(m, at)?;
+        let (rtype, class, ttl) = (u16_at(m, next)?, u16_at(m, next + 2)?, u32_at(m, next + 4)?);
+        let len = u16_at(m, next + 8)? as usize;
+        let data = next + 10;
+        m.get(data..data + len)?;
+        records.push((owner, rtype, class, ttl, data, len));
+        at = data + len;
+    }
+    // CNAMEs first (their order in the answer is the chain's, but be
+    // lenient), then the A records of any name on the chain.
+    loop {
+        let before = chain.len();
+        for (owner, rtype, class, _, data, _) in &records {
+            if *rtype == TYPE_CNAME && *class == CLASS_IN && chain.contains(owner) {
+                let (target, _) = read_name(m, *data)?;
+                if !chain.contains(&target) {
+                    chain.push(target);
+                }
+            }
+        }
+        if chain.len() == before {
+            break;
+        }
+    }
+    Some(
+        records
+            .iter()
+            .filter(|(owner, rtype, class, _, _, len)| {
+                *rtype == TYPE_A && *class == CLASS_IN && *len == 4 && chain.contains(owner)
+            })
+            .map(|(_, _, _, ttl, data, _)| {
+                (
+                    Ipv4Addr::new(m[*data], m[data + 1], m[data + 2], m[data + 3]),
+                    *ttl,
+                )
+            })
+            .collect(),
+    )
+}
+
+/// Binds the resolver and serves it on the runtime. A failed bind is
+/// reported to the caller (the agent runs on; sandboxes with domain rules
+/// then resolve nothing).
+pub fn serve(agent: Arc<Agent>, upstream: Option<SocketAddrV4>) -> std::io::Result<SocketAddrV4> {
+    let at = SocketAddrV4::new(agent.resolver_address(), 53);
+    let std_sock = std::net::UdpSocket::bind(at)?;
+    std_sock.set_nonblocking(true)?;
+    let sock = Arc::new(UdpSocket::from_std(std_sock)?);
+    match upstream {
+        Some(u) => info!(address = %at, upstream = %u, "dns: resolver for sandboxes"),
+        None => {
+            warn!(address = %at, "dns: no upstream (dns_upstream, /etc/resolv.conf): allowed queries get SERVFAIL")
+        }
+    }
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 4096];
+        loop {
+            let (n, from) = match sock.recv_from(&mut buf).await {
+                Ok(r) => r,
+                Err(e) => {
+                    debug!(error = %e, "dns: receiving");
+                    continue;
+                }
+            };
+            let SocketAddr::V4(from) = from else { continue };
+            let Ok(permit) = slots.clone().acquire_owned().await else {
+                break;
+            };
+            let query = buf[..n].to_vec();
+            let (agent, sock) = (agent.clone(), sock.clone());
+            tokio::spawn(async move {
+                if let Some(answer) = answer(&agent, upstream, *from.ip(), &query).await {
+                    let _ = sock.send_to(&answer, from).await;
+                }
+                drop(permit);
+            });
+        }
+    });
+    Ok(at)
+}
+
+/// The answer to one query from `src`, or `None` to drop it (not a query).
+async fn answer(
+    agent: &Agent,
+    upstream: Option<SocketAddrV4>,
+    src: Ipv4Addr,
+    query: &[u8],
+) -> Option<Vec<u8>> {
+    let q = parse_query(query)?;
+    let learn = match agent.dns_decide(src, &q.name) {
+        DnsDecision::Stranger | DnsDecision::Refuse { .. } => {
+            return Some(reply(query, &q, RCODE_REFUSED));
+        }
+        DnsDecision::Forward => false,
+        // Their hints (ipv4hint) would be addresses never learned: a
+        // client falls back to A.
+        DnsDecision::Learn { .. } if matches!(q.qtype, TYPE_SVCB | TYPE_HTTPS) => {
+            return Some(reply(query, &q, 0));
+        }
+        DnsDecision::Learn { .. } => true,
+    };
+    let Some(upstream) = upstream else {
+        return Some(reply(query, &q, RCODE_SERVFAIL));
+    };
+    let Ok(resp) = forward(upstream, query, q.id).await else {
+        return Some(reply(query, &q, RCODE_SERVFAIL));
+    };
+    if learn {
+        let addrs = answer_addrs(&resp, &q.name).unwrap_or_default();
+        if agent.dns_learn(src, &q.name, &addrs).await.is_err() {
+            return Some(reply(query, &q, RCODE_SERVFAIL));
+        }
+    }
+    Some(resp)
+}
+
+/// Sends the query to the upstream from a socket of its own and waits for
+/// the reply with the same id.
+async fn forward(upstream: SocketAddrV4, query: &[u8], id: u16) -> std::io::Result<Vec<u8>> {
+    let sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
+    sock.connect(upstream).await?;
+    sock.send(query).await?;
+    let mut buf = vec![0u8; 4096];
+    tokio::time::timeout(UPSTREAM_TIMEOUT, async {
+        loop {
+            let n = sock.recv(&mut buf).await?;
+            if n >= 12 && u16_at(&buf, 0) == Some(id) && buf[2] & 0x80 != 0 {
+                return Ok(buf[..n].to_vec());
+            }
+        }
+    })
+    .await
+    .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn query(id: u16, name: &str, qtype: u16) -> Vec<u8> {
+        let mut m = id.to_be_bytes().to_vec();
+        m.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]);
+        for l in name.split('.') {
+            m.push(l.len() as u8);
+            m.extend_from_slice(l.as_bytes());
+        }
+        m.push(0);
+        m.extend_from_slice(&qtype.to_be_bytes());
+        m.extend_from_slice(&CLASS_IN.to_be_bytes());
+        m
+    }
+
+    fn rr(m: &mut Vec<u8>, owner_ptr: u16, rtype: u16, ttl: u32, data: &[u8]) {
+        m.extend_from_slice(&(0xc000 | owner_ptr).to_be_bytes());
+        m.extend_from_slice(&rtype.to_be_bytes());
+        m.extend_from_slice(&CLASS_IN.to_be_bytes());
+        m.extend_from_slice(&ttl.to_be_bytes());
+        m.extend_from_slice(&(data.len() as u16).to_be_bytes());
+        m.extend_from_slice(data);
+    }
+
+    #[test]
+    fn parses_a_query_and_answers_it() {
+        let q = query(0x1234, "WWW.Allowed.test", TYPE_A);
+        let p = parse_query(&q).unwrap();
+        assert_eq!(
+            (p.id, p.name.as_str(), p.qtype, p.end),
+            (0x1234, "www.allowed.test", 1, q.len())
+        );
+        let r = reply(&q, &p, RCODE_REFUSED);
+        assert_eq!(&r[..2], &[0x12, 0x34]);
+        assert_eq!(r[2], 0x81, "QR + RD");
+        assert_eq!(r[3] & 0x0f, RCODE_REFUSED);
+        assert_eq!(&r[4..12], &[0, 1, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(&r[12..], &q[12..]);
+        // Responses, other opcodes, truncated messages: not queries.
+        let mut resp = q.clone();
+        resp[2] |= 0x80;
+        assert_eq!(parse_query(&resp), None);
+        assert_eq!(parse_query(&q[..q.len() - 3]), None);
+        assert_eq!(parse_query(&[0; 5]), None);
+    }
+
+    #[test]
+    fn a_records_along_the_cname_chain_only() {
+        let mut m = query(7, "a.allowed.test", TYPE_A);
+        m[2] |= 0x80;
+        m[7] = 4; // ANCOUNT
+        // a.allowed.test CNAME b.cdn.test; b.cdn.test A 192.0.2.1;
+        // a.allowed.test A 192.0.2.2; other.test A 192.0.2.3 (unrelated)
+        let target_at = m.len() + 12;
+        let cname = [1, b'b', 3, b'c', b'd', b'n', 4, b't', b'e', b's', b't', 0];
+        rr(&mut m, 12, TYPE_CNAME, 60, &cname);
+        rr(&mut m, target_at as u16, TYPE_A, 30, &[192, 0, 2, 1]);
+        rr(&mut m, 12, TYPE_A, 300, &[192, 0, 2, 2]);
+        // An uncompressed owner "other.test".
+        m.extend_from_slice(&[
+            5, b'o', b't', b'h', b'e', b'r', 4, b't', b'e', b's', b't', 0,
+        ]);
+        m.extend_from_slice(&TYPE_A.to_be_bytes());
+        m.extend_from_slice(&CLASS_IN.to_be_bytes());
+        m.extend_from_slice(&5u32.to_be_bytes());
+        m.extend_from_slice(&4u16.to_be_bytes());
+        m.extend_from_slice(&[192, 0, 2, 3]);
+        let got = answer_addrs(&m, "a.allowed.test").unwrap();
+        assert_eq!(
+            got,
+            vec![
+                (Ipv4Addr::new(192, 0, 2, 1), 30),
+                (Ipv4Addr::new(192, 0, 2, 2), 300)
+            ]
+        );
+        // A pointer loop or a pointer forward is refused, not followed.
+        let mut bad = query(1, "x.test", TYPE_A);
+        bad[12] = 0xc0;
+        bad[13] = 12;
+        assert_eq!(parse_query(&bad), None);
+    }
+}

@@ -1,0 +1,291 @@
+//! Domain egress (issue 20, docs/egress.md), end to end: a real dnsmasq in
+//! the world namespace as the upstream, the agent's resolver on the
+//! gateway address, smoltcp guests on real TAPs sending real queries and
+//! connections through the eBPF datapath. Root only.
+
+mod common;
+
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::guest::{GATEWAY_IP, Guest};
+use common::opts;
+use common::world::{WORLD_IP, World, guest_for, node};
+use cube_network_agent::dns::answer_addrs;
+use zbus::zvariant::Value;
+
+/// A second world address: what `denied.test` and the CNAME target
+/// resolve to.
+const OTHER_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 3);
+const T: Duration = Duration::from_millis(1500);
+const RESOLVER: SocketAddrV4 = SocketAddrV4::new(GATEWAY_IP, 53);
+
+const TYPE_A: u16 = 1;
+const TYPE_HTTPS: u16 = 65;
+
+/// dnsmasq in the world namespace, killed on drop.
+struct Dnsmasq(Child);
+
+impl Drop for Dnsmasq {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn dnsmasq(world: &World) -> Dnsmasq {
+    let child = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &world.ns,
+            "dnsmasq",
+            "--keep-in-foreground",
+        ])
+        .args(["--conf-file=/dev/null", "--user=root", "--group=root"])
+        .args([
+            "--pid-file=",
+            "--bind-interfaces",
+            "--no-resolv",
+            "--no-hosts",
+        ])
+        .arg(format!("--listen-address={WORLD_IP}"))
+        .arg(format!("--address=/www.allowed.test/{WORLD_IP}"))
+        .arg(format!("--address=/denied.test/{OTHER_IP}"))
+        .arg(format!("--host-record=target.cdn.test,{OTHER_IP}"))
+        .arg("--cname=alias.allowed.test,target.cdn.test")
+        .arg("--local-ttl=1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("dnsmasq (Debian package dnsmasq-base; .ci/run installs it)");
+    let guard = Dnsmasq(child);
+    // Until it answers.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let q = query(1, "www.allowed.test", TYPE_A);
+        let got = world.run(move || {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(200)))
+                .unwrap();
+            s.send_to(&q, SocketAddrV4::new(WORLD_IP, 53)).unwrap();
+            let mut b = [0u8; 512];
+            s.recv(&mut b).is_ok()
+        });
+        if got {
+            return guard;
+        }
+        assert!(Instant::now() < deadline, "dnsmasq did not answer");
+    }
+}
+
+fn query(id: u16, name: &str, qtype: u16) -> Vec<u8> {
+    let mut m = id.to_be_bytes().to_vec();
+    m.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]);
+    for l in name.split('.') {
+        m.push(l.len() as u8);
+        m.extend_from_slice(l.as_bytes());
+    }
+    m.extend_from_slice(&[0, 0]);
+    m.push(qtype as u8);
+    m.extend_from_slice(&[0, 1]);
+    m
+}
+
+/// (rcode, answer count, A addresses of `name`) of a reply.
+fn parsed(reply: &[u8], name: &str) -> (u8, u16, Vec<Ipv4Addr>) {
+    let an = u16::from_be_bytes([reply[6], reply[7]]);
+    let addrs = answer_addrs(reply, name)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(a, _)| a)
+        .collect();
+    (reply[3] & 0x0f, an, addrs)
+}
+
+/// Asks the agent's resolver from the guest.
+fn resolve(g: &Guest, name: &str, qtype: u16) -> (u8, u16, Vec<Ipv4Addr>) {
+    let r = g
+        .udp_send_recv(RESOLVER, &query(0x4242, name, qtype), T)
+        .unwrap_or_else(|e| panic!("no answer for {name}: {e}"));
+    parsed(&r, name)
+}
+
+fn connects(g: &Guest, dst: SocketAddrV4) -> bool {
+    g.tcp_connect_send_recv(dst, b"hello", T)
+        .is_ok_and(|r| r.starts_with(b"world:"))
+}
+
+fn domain_opts(allow: &[&str], deny: &[&str]) -> common::Dict {
+    let list = |l: &[&str]| Value::from(l.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    opts(vec![("allow_out", list(allow)), ("deny_out", list(deny))])
+}
+
+/// "Only *.allowed.test": the names resolve and connect, nothing else
+/// does by any of the bypasses the slice covers; learned addresses are
+/// the sandbox's own, expire for new flows but not for started ones, and
+/// go with a converge that drops the name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_allowed_names_are_reachable() {
+    require_root!();
+    let (env, world) = node(&[
+        "--dns-upstream",
+        "198.51.100.2",
+        "--dns-ttl-min",
+        "2",
+        "--dns-ttl-max",
+        "2",
+    ]);
+    world.run(|| {
+        let ok = Command::new("ip")
+            .args(["addr", "add", "198.51.100.3/24", "dev", "w0"])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "adding the world's second address");
+    });
+    let _dns = dnsmasq(&world);
+    let web = world.tcp_server(8080);
+    let other_web = SocketAddrV4::new(OTHER_IP, web.port());
+    let dot = world.tcp_server(853);
+    let echo = world.udp_echo(5300);
+    let c = env.client().await;
+
+    // An invalid pattern: refused, naming the entry; nothing created.
+    let e = c
+        .ensure("dn-bad", domain_opts(&["ok.test", "a..test"], &[]))
+        .await
+        .unwrap_err();
+    assert!(
+        e.message.contains("allow_out[1]") && e.message.contains("empty label"),
+        "{}",
+        e.message
+    );
+    assert!(c.get("dn-bad").await.is_err());
+
+    let (net, g) = guest_for(&c, "dn-1", domain_opts(&["*.allowed.test"], &["0.0.0.0/0"])).await;
+    let allow: Vec<String> = Vec::try_from(net["allow_out"].try_clone().unwrap()).unwrap();
+    assert_eq!(allow, ["*.allowed.test"]);
+
+    // Before any lookup: the address is no one's to reach.
+    assert!(!connects(&g, web), "a hard-coded address before a lookup");
+    // Unlisted names: REFUSED by the agent (dnsmasq would answer).
+    assert_eq!(resolve(&g, "denied.test", TYPE_A).0, 5, "REFUSED");
+    assert_eq!(
+        resolve(&g, "allowed.test", TYPE_A).0,
+        5,
+        "the apex is not below *."
+    );
+    // HTTPS records (ipv4hint) are never handed out: NODATA.
+    assert_eq!(resolve(&g, "www.allowed.test", TYPE_HTTPS), (0, 0, vec![]));
+    // An allowed name: its address, and a connect right after the answer.
+    assert_eq!(
+        resolve(&g, "www.allowed.test", TYPE_A),
+        (0, 1, vec![WORLD_IP])
+    );
+    assert!(
+        connects(&g, web),
+        "the allowed name's address right after the answer"
+    );
+    // Learned (each check right after a fresh lookup, well within the
+    // 2 s the address lasts), and still: no DNS but the agent's, no DNS
+    // over TLS, no address of another name.
+    assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).0, 0);
+    assert!(
+        g.udp_send_recv(
+            SocketAddrV4::new(WORLD_IP, 53),
+            &query(7, "denied.test", TYPE_A),
+            T
+        )
+        .is_err(),
+        "a query straight to the world's resolver"
+    );
+    assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).0, 0);
+    assert!(!connects(&g, dot), "DNS over TLS (853)");
+    assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).0, 0);
+    assert!(
+        connects(&g, web),
+        "the same address, port 8080, at that moment"
+    );
+    assert!(
+        !connects(&g, other_web),
+        "denied.test's address, hard-coded"
+    );
+    // A CNAME within the answer: the target's address is the name's.
+    let (rc, _, addrs) = resolve(&g, "alias.allowed.test", TYPE_A);
+    assert_eq!((rc, addrs), (0, vec![OTHER_IP]));
+    assert!(connects(&g, other_web), "through the CNAME chain");
+
+    // Another sandbox with the same rules never uses dn-1's answers.
+    let (_, g2) = guest_for(&c, "dn-2", domain_opts(&["*.allowed.test"], &["0.0.0.0/0"])).await;
+    assert!(!connects(&g2, web), "dn-1's learned address from dn-2");
+
+    // A flow started before expiry keeps going; a new one needs a lookup.
+    assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).0, 0);
+    let port = 40123;
+    let first = g.udp_exchange(Some(port), echo, b"a", T);
+    assert!(first.is_ok(), "UDP flow to a learned address: {first:?}");
+    tokio::time::sleep(Duration::from_millis(2600)).await;
+    let later = g.udp_exchange(Some(port), echo, b"b", T);
+    assert!(later.is_ok(), "the flow after expiry: {later:?}");
+    assert!(!connects(&g, web), "a new flow after expiry");
+    assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).0, 0);
+    assert!(connects(&g, web), "after a new lookup");
+
+    // Converge to a list without the name: its addresses are taken back,
+    // started flows included.
+    c.ensure("dn-1", domain_opts(&["other.test"], &["0.0.0.0/0"]))
+        .await
+        .unwrap();
+    assert!(
+        g.udp_exchange(Some(port), echo, b"c", T).is_err(),
+        "a flow to an address learned only for a removed name"
+    );
+    assert!(!connects(&g, web));
+    assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).0, 5);
+
+    // A query from the node itself (not a sandbox): REFUSED.
+    let reply = world.on_node(move || {
+        // The gateway device's address (`ip -4 -o addr show dev cube-dev`).
+        let out = Command::new("ip")
+            .args(["-4", "-o", "addr", "show", "dev", "cube-dev"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let addr = text.split_whitespace().nth(3).expect("cube-dev's address");
+        let ip: Ipv4Addr = addr.split('/').next().unwrap().parse().unwrap();
+        let resolver_on_node = SocketAddrV4::new(ip, 53);
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        s.send_to(&query(9, "www.allowed.test", TYPE_A), resolver_on_node)
+            .unwrap();
+        let mut b = [0u8; 512];
+        let n = s.recv(&mut b).unwrap();
+        b[..n].to_vec()
+    });
+    assert_eq!(reply[3] & 0x0f, 5, "a stranger is refused");
+    assert!(c.release("dn-1").await.unwrap());
+    assert!(c.release("dn-2").await.unwrap());
+}
+
+/// Without domain rules the resolver is a plain forwarder, and the
+/// sandbox's DNS elsewhere is not touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_without_domain_rules_resolves_anything() {
+    require_root!();
+    let (env, world) = node(&["--dns-upstream", "198.51.100.2"]);
+    let _dns = dnsmasq(&world);
+    let c = env.client().await;
+    let (_, g) = guest_for(&c, "plain", opts(vec![])).await;
+    assert_eq!(resolve(&g, "denied.test", TYPE_A), (0, 1, vec![OTHER_IP]));
+    let direct = g
+        .udp_send_recv(
+            SocketAddrV4::new(WORLD_IP, 53),
+            &query(3, "denied.test", TYPE_A),
+            T,
+        )
+        .expect("DNS straight to the world's resolver");
+    assert_eq!(parsed(&direct, "denied.test").2, vec![OTHER_IP]);
+    assert!(c.release("plain").await.unwrap());
+}
