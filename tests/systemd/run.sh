@@ -373,11 +373,11 @@ fi
 # ---- hardening actually applied -----------------------------------------
 pid=$(prop MainPID)
 capeff=$(cx "awk '/^CapEff/{print \$2}' /proc/$pid/status" 2>&1)
-# CAP_NET_ADMIN (12), CAP_PERFMON (38), CAP_BPF (39)
-if [ "$capeff" = 000000c000001000 ]; then
-  ok "hardening: the agent runs with exactly CAP_NET_ADMIN CAP_PERFMON CAP_BPF"
+# CAP_NET_BIND_SERVICE (10), CAP_NET_ADMIN (12), CAP_PERFMON (38), CAP_BPF (39)
+if [ "$capeff" = 000000c000001400 ]; then
+  ok "hardening: the agent runs with exactly CAP_NET_BIND_SERVICE CAP_NET_ADMIN CAP_PERFMON CAP_BPF"
 else
-  not_ok "hardening: the agent runs with exactly CAP_NET_ADMIN CAP_PERFMON CAP_BPF" "CapEff of pid $pid: $capeff"
+  not_ok "hardening: the agent runs with exactly CAP_NET_BIND_SERVICE CAP_NET_ADMIN CAP_PERFMON CAP_BPF" "CapEff of pid $pid: $capeff"
 fi
 
 # ---- the eBPF datapath is on -------------------------------------------------
@@ -705,6 +705,16 @@ if [ $rc = 0 ] && wait_restarted "$pidb" && wait_health 10 >/dev/null; then
 else
   not_ok "bus m2 systemctl restart with listeners" "rc=$rc $out; pid $pidb -> $(prop MainPID) $(prop SubState)"
 fi
+# The sandboxes' resolver (docs/egress.md) listens under the shipped unit
+# (CAP_NET_BIND_SERVICE for port 53, IPAddressAllow= the default pool): a
+# query from the node itself, which is no sandbox, gets REFUSED (rcode 5).
+gw=$(cx "ip -4 -o addr show dev cube-dev" | awk '{print $4}' | cut -d/ -f1)
+dq='import socket,sys
+s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); s.settimeout(2)
+q=bytes.fromhex("123401000001000000000000")+b"\x03www\x07allowed\x04test\x00\x00\x01\x00\x01"
+s.sendto(q,(sys.argv[1],53)); r=s.recv(512); print("rcode", r[3] & 15)'
+expect "dns a the resolver answers on $gw:53 under the shipped unit (a stranger: REFUSED)" '^rcode 5$' \
+  "$(cx "python3 -c '$dq' $gw" 2>&1 | tail -1)"
 expect "bus n root: ReleaseNetwork sbx-bus, sbx-busu" '^OK True OK True$' \
   "$(as root ReleaseNetwork sbx-bus) $(as root ReleaseNetwork sbx-busu)"
 # Whatever the bus thought of our policy and activation files whenever it
