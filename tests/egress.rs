@@ -289,3 +289,66 @@ async fn a_sandbox_without_domain_rules_resolves_anything() {
     assert_eq!(parsed(&direct, "denied.test").2, vec![OTHER_IP]);
     assert!(c.release("plain").await.unwrap());
 }
+
+fn p50(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// A benchmark, not a check (`cargo test --release --test egress --
+/// --ignored --nocapture`; `.ci/run` prints it): the latency a query gets
+/// through the agent's resolver against the same query sent straight to
+/// the upstream, from guests on this node in the same run. Prints p50s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: prints numbers"]
+async fn dns_latency_bench() {
+    require_root!();
+    let (env, world) = node(&["--dns-upstream", "198.51.100.2"]);
+    let _dns = dnsmasq(&world);
+    let c = env.client().await;
+    let (_, plain) = guest_for(&c, "bench-plain", opts(vec![])).await;
+    let (_, ruled) = guest_for(
+        &c,
+        "bench-rules",
+        domain_opts(&["*.allowed.test"], &["0.0.0.0/0"]),
+    )
+    .await;
+    let n = 300;
+    let time = |g: &Guest, dst: SocketAddrV4| {
+        let mut v = Vec::with_capacity(n);
+        for i in 0..n {
+            let q = query(i as u16, "www.allowed.test", TYPE_A);
+            let t = Instant::now();
+            let r = g.udp_send_recv(dst, &q, T).expect("an answer");
+            v.push(t.elapsed());
+            assert_eq!(parsed(&r, "www.allowed.test").2, vec![WORLD_IP]);
+        }
+        p50(v)
+    };
+    let upstream = SocketAddrV4::new(WORLD_IP, 53);
+    // Interleaved rounds, so drift on this shared machine hits all three.
+    let (mut direct, mut forward, mut learn) = (vec![], vec![], vec![]);
+    for _ in 0..3 {
+        direct.push(time(&plain, upstream));
+        forward.push(time(&plain, RESOLVER));
+        learn.push(time(&ruled, RESOLVER));
+    }
+    let (d, f, l) = (p50(direct), p50(forward), p50(learn));
+    let us = |x: Duration| x.as_secs_f64() * 1e6;
+    println!(
+        "dns query p50, guest -> upstream directly (SNAT):            {:8.0} µs",
+        us(d)
+    );
+    println!(
+        "dns query p50, guest -> agent resolver, no domain rules:     {:8.0} µs (+{:.0} µs)",
+        us(f),
+        us(f) - us(d)
+    );
+    println!(
+        "dns query p50, guest -> agent resolver, learning (rules):    {:8.0} µs (+{:.0} µs; target +200 µs)",
+        us(l),
+        us(l) - us(d)
+    );
+    assert!(c.release("bench-plain").await.unwrap());
+    assert!(c.release("bench-rules").await.unwrap());
+}
