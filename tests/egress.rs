@@ -217,6 +217,20 @@ async fn only_allowed_names_are_reachable() {
     assert_eq!((rc, addrs), (0, vec![OTHER_IP]));
     assert!(connects(&g, other_web), "through the CNAME chain");
 
+    // DNS over TCP to the resolver (forwarded over TCP): the same answers.
+    let tcp = |name: &str| {
+        let q = query(5, name, TYPE_A);
+        let mut m = (q.len() as u16).to_be_bytes().to_vec();
+        m.extend_from_slice(&q);
+        let r = g
+            .tcp_connect_send_recv(RESOLVER, &m, T)
+            .unwrap_or_else(|e| panic!("DNS over TCP for {name}: {e}"));
+        assert_eq!(usize::from(u16::from_be_bytes([r[0], r[1]])), r.len() - 2);
+        parsed(&r[2..], name)
+    };
+    assert_eq!(tcp("www.allowed.test"), (0, 1, vec![WORLD_IP]));
+    assert_eq!(tcp("denied.test").0, 5, "REFUSED over TCP too");
+
     // Another sandbox with the same rules never uses dn-1's answers.
     let (_, g2) = guest_for(&c, "dn-2", domain_opts(&["*.allowed.test"], &["0.0.0.0/0"])).await;
     assert!(!connects(&g2, web), "dn-1's learned address from dn-2");

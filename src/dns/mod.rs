@@ -1,6 +1,6 @@
 //! The resolver for sandboxes (docs/egress.md), a wire edge: DNS over UDP
-//! on the gateway device's address, port 53 (what a guest reaches at its
-//! gateway). It parses the question, asks the core
+//! and TCP on the gateway device's address, port 53 (what a guest reaches
+//! at its gateway). It parses the question, asks the core
 //! ([`Agent::dns_decide`]), answers REFUSED or NODATA itself, or forwards
 //! the query to the upstream resolver and, for a sandbox with domain
 //! rules, has the answer's addresses learned ([`Agent::dns_learn`])
@@ -10,7 +10,8 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::UdpSocket;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tracing::{debug, info, warn};
 
 use crate::agent::Agent;
@@ -20,6 +21,11 @@ use crate::agent::egress::DnsDecision;
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
 /// Queries handled at once; more wait in the socket's buffer.
 const MAX_IN_FLIGHT: usize = 256;
+/// DNS over TCP: connections at once, per source address, and how long
+/// one may sit idle.
+const MAX_TCP: usize = 128;
+const MAX_TCP_PER_SOURCE: usize = 4;
+const TCP_IDLE: Duration = Duration::from_secs(5);
 
 const TYPE_A: u16 = 1;
 const TYPE_CNAME: u16 = 5;
@@ -176,6 +182,10 @@ pub fn serve(agent: Arc<Agent>, upstream: Option<SocketAddrV4>) -> std::io::Resu
     let std_sock = std::net::UdpSocket::bind(at)?;
     std_sock.set_nonblocking(true)?;
     let sock = Arc::new(UdpSocket::from_std(std_sock)?);
+    let std_listener = std::net::TcpListener::bind(at)?;
+    std_listener.set_nonblocking(true)?;
+    let listener = TcpListener::from_std(std_listener)?;
+    tokio::spawn(serve_tcp(agent.clone(), upstream, listener));
     match upstream {
         Some(u) => info!(address = %at, upstream = %u, "dns: resolver for sandboxes"),
         None => {
@@ -200,7 +210,7 @@ pub fn serve(agent: Arc<Agent>, upstream: Option<SocketAddrV4>) -> std::io::Resu
             let query = buf[..n].to_vec();
             let (agent, sock) = (agent.clone(), sock.clone());
             tokio::spawn(async move {
-                if let Some(answer) = answer(&agent, upstream, *from.ip(), &query).await {
+                if let Some(answer) = answer(&agent, upstream, *from.ip(), &query, false).await {
                     let _ = sock.send_to(&answer, from).await;
                 }
                 drop(permit);
@@ -210,12 +220,73 @@ pub fn serve(agent: Arc<Agent>, upstream: Option<SocketAddrV4>) -> std::io::Resu
     Ok(at)
 }
 
+/// DNS over TCP (RFC 7766): length-prefixed queries on a connection,
+/// answered in order, forwarded over TCP (an answer too large for UDP).
+async fn serve_tcp(agent: Arc<Agent>, upstream: Option<SocketAddrV4>, listener: TcpListener) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_TCP));
+    let per_source: Arc<std::sync::Mutex<std::collections::HashMap<Ipv4Addr, usize>>> =
+        Default::default();
+    loop {
+        let (mut conn, from) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                debug!(error = %e, "dns: accepting");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let SocketAddr::V4(from) = from else { continue };
+        let src = *from.ip();
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            continue; // dropped: the client retries
+        };
+        {
+            let mut n = per_source.lock().unwrap_or_else(|p| p.into_inner());
+            let c = n.entry(src).or_default();
+            if *c >= MAX_TCP_PER_SOURCE {
+                continue;
+            }
+            *c += 1;
+        }
+        let (agent, per_source) = (agent.clone(), per_source.clone());
+        tokio::spawn(async move {
+            let mut len = [0u8; 2];
+            while let Ok(Ok(_)) = tokio::time::timeout(TCP_IDLE, conn.read_exact(&mut len)).await {
+                let mut query = vec![0u8; u16::from_be_bytes(len) as usize];
+                if tokio::time::timeout(TCP_IDLE, conn.read_exact(&mut query))
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
+                let Some(a) = answer(&agent, upstream, src, &query, true).await else {
+                    break;
+                };
+                let mut out = (a.len() as u16).to_be_bytes().to_vec();
+                out.extend_from_slice(&a);
+                if conn.write_all(&out).await.is_err() {
+                    break;
+                }
+            }
+            let mut n = per_source.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(c) = n.get_mut(&src) {
+                *c -= 1;
+                if *c == 0 {
+                    n.remove(&src);
+                }
+            }
+            drop(permit);
+        });
+    }
+}
+
 /// The answer to one query from `src`, or `None` to drop it (not a query).
 async fn answer(
     agent: &Agent,
     upstream: Option<SocketAddrV4>,
     src: Ipv4Addr,
     query: &[u8],
+    tcp: bool,
 ) -> Option<Vec<u8>> {
     let q = parse_query(query)?;
     let learn = match agent.dns_decide(src, &q.name) {
@@ -233,7 +304,12 @@ async fn answer(
     let Some(upstream) = upstream else {
         return Some(reply(query, &q, RCODE_SERVFAIL));
     };
-    let Ok(resp) = forward(upstream, query, q.id).await else {
+    let forwarded = if tcp {
+        forward_tcp(upstream, query).await
+    } else {
+        forward(upstream, query, q.id).await
+    };
+    let Ok(resp) = forwarded else {
         return Some(reply(query, &q, RCODE_SERVFAIL));
     };
     if learn {
@@ -243,6 +319,26 @@ async fn answer(
         }
     }
     Some(resp)
+}
+
+/// Sends the query to the upstream over a TCP connection of its own.
+async fn forward_tcp(upstream: SocketAddrV4, query: &[u8]) -> std::io::Result<Vec<u8>> {
+    tokio::time::timeout(UPSTREAM_TIMEOUT, async {
+        let mut c = TcpStream::connect(upstream).await?;
+        let mut out = (query.len() as u16).to_be_bytes().to_vec();
+        out.extend_from_slice(query);
+        c.write_all(&out).await?;
+        let mut len = [0u8; 2];
+        c.read_exact(&mut len).await?;
+        let mut resp = vec![0u8; u16::from_be_bytes(len) as usize];
+        c.read_exact(&mut resp).await?;
+        if resp.len() < 12 || resp[..2] != query[..2] {
+            return Err(std::io::Error::from(std::io::ErrorKind::InvalidData));
+        }
+        Ok(resp)
+    })
+    .await
+    .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
 }
 
 /// Sends the query to the upstream from a socket of its own and waits for
