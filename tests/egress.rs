@@ -283,6 +283,52 @@ async fn only_allowed_names_are_reachable() {
     assert!(c.release("dn-2").await.unwrap());
 }
 
+/// Learned addresses live in a pinned map: the datapath admits them while
+/// the agent is down and after a kill -9, and the restarted agent adopts
+/// them (a converge that drops the name takes them back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn learned_addresses_survive_kill_9() {
+    require_root!();
+    let (mut env, world) = node(&[
+        "--dns-upstream",
+        "198.51.100.2",
+        "--dns-ttl-min",
+        "60",
+        "--dns-ttl-max",
+        "60",
+    ]);
+    let _dns = dnsmasq(&world);
+    let web = world.tcp_server(8080);
+    let c = env.client().await;
+    let (_, g) = guest_for(&c, "dn-k", domain_opts(&["*.allowed.test"], &["0.0.0.0/0"])).await;
+    assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).0, 0);
+    assert!(connects(&g, web));
+    env.kill_agent();
+    assert!(connects(&g, web), "while the agent is down");
+    env.start_agent();
+    let c = env.client().await;
+    assert!(connects(&g, web), "after the restart, without a new lookup");
+    assert_eq!(
+        resolve(&g, "denied.test", TYPE_A).0,
+        5,
+        "the resolver is back"
+    );
+    assert!(
+        env.log()
+            .contains("learned addresses of the last run adopted"),
+        "{}",
+        env.log()
+    );
+    c.ensure("dn-k", domain_opts(&["other.test"], &["0.0.0.0/0"]))
+        .await
+        .unwrap();
+    assert!(
+        !connects(&g, web),
+        "taken back by a converge after the restart"
+    );
+    assert!(c.release("dn-k").await.unwrap());
+}
+
 /// Without domain rules the resolver is a plain forwarder, and the
 /// sandbox's DNS elsewhere is not touched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -121,6 +121,40 @@ impl Egress {
             .unwrap_or_default()
     }
 
+    /// What the pinned map held at start (an earlier run's answers): known
+    /// again for the caps and converges. The names are not kept in the map,
+    /// so a converge that changes an allow list takes these back.
+    fn restore(&self, entries: Vec<(Ipv4Addr, Ipv4Addr, Duration)>) -> usize {
+        let now = Instant::now();
+        let with_rules: std::collections::HashSet<Ipv4Addr> = self
+            .sandboxes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(_, s)| s.patterns.is_some())
+            .map(|(ip, _)| *ip)
+            .collect();
+        let mut learned = self.learned.lock().unwrap_or_else(|p| p.into_inner());
+        let mut n = 0;
+        for (sb, dst, left) in entries {
+            if !with_rules.contains(&sb) {
+                continue;
+            }
+            learned
+                .entry(sb)
+                .or_default()
+                .entry(dst)
+                .or_insert_with(|| {
+                    n += 1;
+                    Learned {
+                        until: now + left,
+                        name: String::new(),
+                    }
+                });
+        }
+        n
+    }
+
     fn decide(&self, src: Ipv4Addr, name: &str) -> DnsDecision {
         let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
         let Some(sb) = sandboxes.get(&src) else {
@@ -221,6 +255,20 @@ impl Agent {
             warn!(sandbox_ip = %src, name, error = %e, "dns: learning the answer's addresses");
             e.to_string()
         })
+    }
+
+    /// After a start: learns what the pinned `dns_learned` holds (off the
+    /// start path; the map keeps working for the datapath meanwhile).
+    pub(super) async fn egress_restore(&self) {
+        let dp = self.datapath.clone();
+        let entries = off_worker(move || dp.learned_entries()).await;
+        let n = self.egress.restore(entries);
+        if n > 0 {
+            info!(
+                entries = n,
+                "dns: learned addresses of the last run adopted"
+            );
+        }
     }
 
     /// Keeps the resolver's view of a network in step (`put_view`).

@@ -181,6 +181,12 @@ impl Agent {
             .serving
             .store(true, std::sync::atomic::Ordering::Release);
         tokio::spawn(agent.pool.clone().run());
+        let weak = Arc::downgrade(&agent);
+        tokio::spawn(async move {
+            if let Some(agent) = weak.upgrade() {
+                agent.egress_restore().await;
+            }
+        });
         let dp = agent.datapath.clone();
         // The first pass runs at once (off the start path: READY does not
         // wait for it), so Health's TAP and flow counts are right within

@@ -1598,6 +1598,31 @@ impl Datapath for EbpfDatapath {
         Ok(())
     }
 
+    fn learned_entries(&self) -> Vec<(Ipv4Addr, Ipv4Addr, Duration)> {
+        let now = monotonic_ns();
+        let mut guard = self.lock();
+        let maps = &mut guard.maps;
+        let all: Vec<(DpLearnedKey, DpLearnedVal)> = maps.learned.iter().flatten().collect();
+        let mut out = Vec::with_capacity(all.len());
+        for (k, v) in all {
+            let current = maps
+                .by_ip
+                .get(&k.sandbox_ip, 0)
+                .is_ok_and(|t| t.generation == v.generation);
+            if !current {
+                // An earlier owner's: unreachable, removed.
+                let _ = maps.learned.remove(&k);
+                continue;
+            }
+            out.push((
+                Ipv4Addr::from(k.sandbox_ip.to_ne_bytes()),
+                Ipv4Addr::from(k.dst.to_ne_bytes()),
+                Duration::from_nanos(v.expires_ns.saturating_sub(now)),
+            ));
+        }
+        out
+    }
+
     fn forget(&self, sandbox_ip: Ipv4Addr, addrs: &[Ipv4Addr]) {
         let ip = ip_be(sandbox_ip);
         let mut guard = self.lock();

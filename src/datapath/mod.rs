@@ -129,6 +129,14 @@ pub trait Datapath: Send + Sync {
     ) -> Result<(), DatapathError> {
         Ok(())
     }
+    /// Every learned address of the addresses' current owners as
+    /// (sandbox, destination, time left for new flows); entries of earlier
+    /// owners are removed on the way.
+    fn learned_entries(
+        &self,
+    ) -> Vec<(std::net::Ipv4Addr, std::net::Ipv4Addr, std::time::Duration)> {
+        vec![]
+    }
     /// Takes learned addresses back: flows to them stop too.
     fn forget(&self, _sandbox_ip: std::net::Ipv4Addr, _addrs: &[std::net::Ipv4Addr]) {}
     /// Every sandbox device's counters (one batched dump).
