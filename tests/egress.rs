@@ -230,6 +230,9 @@ async fn only_allowed_names_are_reachable() {
     };
     assert_eq!(tcp("www.allowed.test"), (0, 1, vec![WORLD_IP]));
     assert_eq!(tcp("denied.test").0, 5, "REFUSED over TCP too");
+    // Refusals are counted for the sandbox (denied.test twice, the apex).
+    let refused = c.traffic("dn-1").await["dns_refused"];
+    assert!(refused >= 3, "dns_refused {refused}");
 
     // Another sandbox with the same rules never uses dn-1's answers.
     let (_, g2) = guest_for(&c, "dn-2", domain_opts(&["*.allowed.test"], &["0.0.0.0/0"])).await;

@@ -49,6 +49,8 @@ struct Learned {
 pub struct Egress {
     sandboxes: RwLock<HashMap<Ipv4Addr, Sandbox>>,
     learned: Mutex<HashMap<Ipv4Addr, HashMap<Ipv4Addr, Learned>>>,
+    /// Queries refused per sandbox address (reset with the network).
+    refused_by: Mutex<HashMap<Ipv4Addr, u64>>,
     pub refused: AtomicU64,
     pub evicted: AtomicU64,
 }
@@ -114,6 +116,10 @@ impl Egress {
         }
         sandboxes.remove(&ip);
         drop(sandboxes);
+        self.refused_by
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&ip);
         let mut learned = self.learned.lock().unwrap_or_else(|p| p.into_inner());
         learned
             .remove(&ip)
@@ -153,6 +159,17 @@ impl Egress {
                 });
         }
         n
+    }
+
+    /// Queries refused for the sandbox at `ip` since the agent started.
+    pub fn refused_by(&self, ip: IpAddr) -> u64 {
+        let Some(ip) = v4(ip) else { return 0 };
+        self.refused_by
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ip)
+            .copied()
+            .unwrap_or(0)
     }
 
     fn decide(&self, src: Ipv4Addr, name: &str) -> DnsDecision {
@@ -217,6 +234,13 @@ impl Agent {
         let d = self.egress.decide(src, name);
         if let DnsDecision::Refuse { sandbox_id } = &d {
             self.egress.refused.fetch_add(1, Ordering::Relaxed);
+            *self
+                .egress
+                .refused_by
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(src)
+                .or_default() += 1;
             info!(
                 sandbox_id = sandbox_id.as_str(),
                 name, "dns: query refused by the sandbox's domain rules"

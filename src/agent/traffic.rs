@@ -38,6 +38,9 @@ pub struct Traffic {
     /// The datapath's own counters for this sandbox: drops by reason and
     /// flows opened by kind, indexed like [`SB_COUNTER_NAMES`].
     pub datapath: [u64; SB_COUNTER_NAMES.len()],
+    /// Queries the resolver refused for the sandbox's domain rules (since
+    /// this agent started: kept in memory, not across restarts).
+    pub dns_refused: u64,
 }
 
 impl Traffic {
@@ -53,6 +56,7 @@ impl Traffic {
             rx_dropped: c.tx_dropped,
             flows,
             datapath: dp_array(datapath),
+            dns_refused: 0,
         }
     }
 
@@ -68,6 +72,7 @@ impl Traffic {
             ("flows", self.flows),
         ];
         f.extend(SB_COUNTER_NAMES.iter().copied().zip(self.datapath));
+        f.push(("dns_refused", self.dns_refused));
         f
     }
 
@@ -108,9 +113,11 @@ impl Agent {
     /// container's namespace reads zero.
     pub async fn traffic(&self, view: &NetworkView) -> Result<Traffic, AgentError> {
         let flows = v4(view.record.sandbox_ip).map_or(0, |ip| self.datapath.live_flows(ip));
+        let dns_refused = self.egress.refused_by(view.record.sandbox_ip);
         if view.tap_ifindex == 0 {
             return Ok(Traffic {
                 flows,
+                dns_refused,
                 ..Default::default()
             });
         }
@@ -121,9 +128,13 @@ impl Agent {
             .map_err(|e| failed("reading the device's counters", &e))?;
         let dp = self.datapath.sandbox_counters(view.tap_ifindex);
         Ok(match link {
-            Some(l) if l.name == view.record.tap_name => Traffic::of_device(&l.counters, flows, dp),
+            Some(l) if l.name == view.record.tap_name => Traffic {
+                dns_refused,
+                ..Traffic::of_device(&l.counters, flows, dp)
+            },
             _ => Traffic {
                 flows,
+                dns_refused,
                 ..Default::default()
             },
         })
@@ -142,7 +153,8 @@ impl Agent {
             .values()
             .map(|v| {
                 let flows = v4(v.record.sandbox_ip).map_or(0, |ip| self.datapath.live_flows(ip));
-                let t = match counters.get(&v.tap_ifindex) {
+                let dns_refused = self.egress.refused_by(v.record.sandbox_ip);
+                let mut t = match counters.get(&v.tap_ifindex) {
                     // An ifindex names one device for life (the kernel
                     // does not reuse them soon): no name check needed.
                     Some(c) if v.tap_ifindex != 0 => {
@@ -153,6 +165,7 @@ impl Agent {
                         ..Default::default()
                     },
                 };
+                t.dns_refused = dns_refused;
                 (Arc::from(v.record.sandbox_id.as_str()), t)
             })
             .collect())
@@ -244,6 +257,14 @@ impl Agent {
                 "Packets of a sandbox the datapath dropped, by reason (spoofed, policy, malformed, no_route, no_port, unsupported); only values above 0",
                 true,
                 &|t| t.drops().map(|(r, n)| (Some(r), n)).collect(),
+            ),
+            per(
+                "sandbox_dns_refused",
+                Kind::Counter,
+                None,
+                "DNS queries of a sandbox the agent's resolver refused for its domain rules (since the agent started); only values above 0",
+                true,
+                &|t| vec![(None, t.dns_refused)],
             ),
             per_by(
                 "kind",

@@ -322,6 +322,10 @@ fn value_lines(key: &str, v: &Json, out: &Output) -> Vec<String> {
                     n("new_flows_portmap"),
                     n("new_flows_host")
                 ),
+                format!(
+                    "{} DNS queries refused by its domain rules",
+                    n("dns_refused")
+                ),
             ]
         }
         ("created_unix", Json::Number(n)) => match n.as_i64() {
