@@ -37,7 +37,8 @@
 #            --test, the reference varlink client (PyPI varlink 31.0.0) goes
 #            into the venv /opt/cube-network-agent-test/venv (tests/metrics:
 #            io.systemd.Metrics through a foreign client).
-#            dnsmasq-base (the world's DNS server in tests/egress.rs).
+#            dnsmasq-base (the world's DNS server in tests/egress.rs) and
+#            bind9-dnsutils (dig, a real client in its container test).
 # Idempotent; needs root.
 set -euo pipefail
 runtime=(dbus-daemon iproute2 systemd socat)
@@ -45,7 +46,7 @@ build=(make clang-19 libbpf-dev)
 test=(qemu-system-x86 busybox-static tcpdump curl python3 polkitd iperf3 nftables golang-go
     golang-github-appc-cni-dev golang-github-containerd-go-cni-dev containernetworking-plugins
     containerd runc bpftool man-db groff-base zsh coreutils mount util-linux python3-dbus
-    python3-gi dbus-broker python3-prometheus-client python3-venv dnsmasq-base)
+    python3-gi dbus-broker python3-prometheus-client python3-venv dnsmasq-base bind9-dnsutils)
 want=()
 for a in "$@"; do
     case $a in

@@ -9,6 +9,7 @@ use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::ctr::{self, Ctr};
 use common::guest::{GATEWAY_IP, Guest};
 use common::opts;
 use common::world::{WORLD_IP, World, guest_for, node};
@@ -330,6 +331,107 @@ async fn learned_addresses_survive_kill_9() {
         "taken back by a converge after the restart"
     );
     assert!(c.release("dn-k").await.unwrap());
+}
+
+/// `/etc/netns/<ns>/resolv.conf` (what `ip netns exec` shows as
+/// /etc/resolv.conf), removed on drop.
+struct NetnsResolvConf(std::path::PathBuf);
+
+impl Drop for NetnsResolvConf {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A container (CNI veth) with domain rules, and real clients: the CNI
+/// result names the agent's resolver, which the runtime writes into the
+/// container's resolv.conf; `dig` and `curl` there reach the allowed
+/// name and nothing else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_reaches_allowed_names_with_dig_and_curl() {
+    require_root!();
+    let (env, world) = node(&["--dns-upstream", "198.51.100.2"]);
+    world.run(|| {
+        let ok = Command::new("ip")
+            .args(["addr", "add", "198.51.100.3/24", "dev", "w0"])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "adding the world's second address");
+    });
+    let _dns = dnsmasq(&world);
+    let web = world.tcp_server(8080);
+    let ctr = Ctr::new("dns");
+    let result = ctr::add(
+        &env,
+        "c-dns",
+        &ctr,
+        serde_json::json!({"allowOut": ["*.allowed.test"], "denyOut": ["0.0.0.0/0"]}),
+    );
+    let ns = result["dns"]["nameservers"].clone();
+    assert_eq!(ns, serde_json::json!(["169.254.68.5"]), "{result}");
+    // What a runtime does with the result's dns.
+    let dir = std::path::Path::new("/etc/netns").join(&ctr.name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let _conf = NetnsResolvConf(dir.clone());
+    std::fs::write(dir.join("resolv.conf"), "nameserver 169.254.68.5\n").unwrap();
+
+    let dig = |args: &str| ctr.sh(&format!("dig +time=1 +tries=1 {args} 2>&1"));
+    let out = dig("www.allowed.test");
+    assert!(
+        out.contains("status: NOERROR") && out.contains("198.51.100.2"),
+        "{out}"
+    );
+    // The world's server answers once the client is silent for 2 s (curl
+    // does not half-close): --max-time covers that, --connect-timeout a
+    // dropped SYN.
+    let curl = |url: &str| {
+        ctr.sh(&format!(
+            "curl -s --http0.9 --connect-timeout 2 --max-time 5 {url} 2>&1; echo \" rc=$?\""
+        ))
+    };
+    let url = format!("http://www.allowed.test:{}/", web.port());
+    let out = curl(&url);
+    assert!(
+        out.starts_with("world:GET /") && out.ends_with(" rc=0\n"),
+        "{out}"
+    );
+    // An unlisted name: REFUSED; a query to the world's resolver: no
+    // answer; the other address hard-coded: no connection.
+    let out = dig("denied.test");
+    assert!(out.contains("status: REFUSED"), "{out}");
+    let out = dig("@198.51.100.2 denied.test");
+    assert!(
+        out.contains("timed out") || out.contains("no servers could be reached"),
+        "{out}"
+    );
+    let out = curl(&format!("http://198.51.100.3:{}/", web.port()));
+    assert!(
+        !out.contains("world:") && !out.ends_with(" rc=0\n"),
+        "{out}"
+    );
+    let out = cube_cni_del(&env, &ctr);
+    assert!(out.ok, "{out:?}");
+}
+
+fn cube_cni_del(env: &common::Env, ctr: &Ctr) -> ctr::Out {
+    let conf = serde_json::json!({
+        "cniVersion": "1.0.0",
+        "name": "cube",
+        "type": "cube-cni",
+        "dbusAddress": env.address,
+    });
+    ctr::cni(
+        env,
+        &[
+            ("CNI_COMMAND", "DEL"),
+            ("CNI_CONTAINERID", "c-dns"),
+            ("CNI_NETNS", &ctr.path()),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_PATH", "/opt/cni/bin"),
+        ],
+        conf.to_string().as_bytes(),
+    )
 }
 
 /// Without domain rules the resolver is a plain forwarder, and the

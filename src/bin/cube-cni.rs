@@ -399,12 +399,20 @@ async fn add(env: &Env, conf: &NetConf) -> Result<Value, CniError> {
         }
         return Err(e);
     }
+    // With domain rules the container must resolve through the agent (its
+    // gateway): the result names it unless the config names servers.
+    let domains = conf
+        .allow_out
+        .iter()
+        .chain(&conf.deny_out)
+        .any(|e| cube_network_agent::agent::domains::is_domain_entry(e));
+    let dns = cni::dns_for(&conf.dns, domains.then_some(f.gateway_ip.as_str()));
     Ok(cni::result(
         &conf.cni_version,
         &f,
         &env.ifname,
         &env.netns,
-        &conf.dns,
+        &dns,
     ))
 }
 

@@ -556,6 +556,24 @@ pub fn result(
     r
 }
 
+/// The result's `dns`: the config's, and for an attachment with domain
+/// rules the agent's resolver (`resolver`, the gateway address) as the
+/// nameserver when the config names none (docs/egress.md).
+pub fn dns_for(config: &Option<Value>, resolver: Option<&str>) -> Option<Value> {
+    let Some(resolver) = resolver else {
+        return config.clone();
+    };
+    let mut d = config.clone().unwrap_or_else(|| json!({}));
+    let named = d
+        .get("nameservers")
+        .and_then(Value::as_array)
+        .is_some_and(|a| !a.is_empty());
+    if !named && d.is_object() {
+        d["nameservers"] = json!([resolver]);
+    }
+    Some(d)
+}
+
 /// The VERSION answer.
 pub fn version_info(input_version: Option<&str>) -> Value {
     json!({
@@ -810,6 +828,17 @@ mod tests {
         );
         assert_eq!(r["ips"][0]["version"], "4");
         assert_eq!(r["dns"]["nameservers"][0], "1.1.1.1");
+        // Domain rules: the resolver, unless the config names servers.
+        let ours = dns_for(&None, Some("169.254.68.5")).unwrap();
+        assert_eq!(ours, json!({"nameservers": ["169.254.68.5"]}));
+        let search = Some(json!({"search": ["svc.local"]}));
+        assert_eq!(
+            dns_for(&search, Some("169.254.68.5")).unwrap(),
+            json!({"search": ["svc.local"], "nameservers": ["169.254.68.5"]})
+        );
+        let theirs = Some(json!({"nameservers": ["10.0.0.53"]}));
+        assert_eq!(dns_for(&theirs, Some("169.254.68.5")), theirs);
+        assert_eq!(dns_for(&theirs, None), theirs);
     }
 
     #[test]
