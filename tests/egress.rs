@@ -434,6 +434,49 @@ fn cube_cni_del(env: &common::Env, ctr: &Ctr) -> ctr::Out {
     )
 }
 
+fn resolver_check(checks: &[(String, bool, String)]) -> (bool, String) {
+    let c = checks
+        .iter()
+        .find(|c| c.0 == "dns_resolver")
+        .expect("dns_resolver check");
+    (c.1, c.2.clone())
+}
+
+/// Health says when sandboxes with domain rules cannot resolve: here the
+/// resolver's port is taken on the node before the agent starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_reports_a_resolver_that_cannot_listen() {
+    require_root!();
+    let (mut env, _world) = node(&["--dns-upstream", "198.51.100.2"]);
+    let c = env.client().await;
+    let (ok, detail) = resolver_check(&c.health().await.1);
+    assert!(
+        ok && detail.contains("listening on") && detail.contains(":53"),
+        "{detail}"
+    );
+    env.kill_agent();
+    // Someone else's socket on port 53 of every address of the node.
+    let taken = common::world::in_netns(&env.ns, || UdpSocket::bind("0.0.0.0:53").unwrap());
+    env.start_agent();
+    let c = env.client().await;
+    let (ok, detail) = resolver_check(&c.health().await.1);
+    assert!(ok, "no sandbox with domain rules yet: {detail}");
+    assert!(
+        detail.contains("not serving: binding") && detail.contains("in use"),
+        "{detail}"
+    );
+    c.ensure("dn-h", domain_opts(&["*.allowed.test"], &["0.0.0.0/0"]))
+        .await
+        .unwrap();
+    let (healthy, checks) = c.health().await;
+    let (ok, detail) = resolver_check(&checks);
+    assert!(!ok && !healthy, "{detail}");
+    assert!(detail.contains("1 sandboxes with domain rules"), "{detail}");
+    assert!(c.release("dn-h").await.unwrap());
+    assert!(resolver_check(&c.health().await.1).0);
+    drop(taken);
+}
+
 /// Without domain rules the resolver is a plain forwarder, and the
 /// sandbox's DNS elsewhere is not touched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

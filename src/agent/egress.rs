@@ -53,6 +53,9 @@ pub struct Egress {
     refused_by: Mutex<HashMap<Ipv4Addr, u64>>,
     pub refused: AtomicU64,
     pub evicted: AtomicU64,
+    /// The resolver's sockets: `None` until `dns::serve` ran, then where
+    /// it listens (and its upstream) or why it cannot.
+    status: Mutex<Option<Result<String, String>>>,
 }
 
 fn v4(ip: IpAddr) -> Option<Ipv4Addr> {
@@ -222,6 +225,41 @@ impl Egress {
 }
 
 impl Agent {
+    /// What `dns::serve` made of the resolver's sockets, for Health.
+    pub fn resolver_status(&self, status: Result<String, String>) {
+        *self.egress.status.lock().unwrap_or_else(|p| p.into_inner()) = Some(status);
+    }
+
+    /// Health's `dns_resolver`: false when a sandbox with domain rules
+    /// cannot resolve (no socket, or no upstream to forward to).
+    pub(super) fn resolver_check(&self) -> (String, bool, String) {
+        let with_rules = self
+            .egress
+            .sandboxes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter(|s| s.patterns.is_some())
+            .count();
+        let status = self
+            .egress
+            .status
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let (ok, what) = match status {
+            None => (with_rules == 0, "starting".to_owned()),
+            Some(Ok(at)) => (true, at),
+            Some(Err(e)) => (with_rules == 0, format!("not serving: {e}")),
+        };
+        let detail = format!(
+            "{what}; {with_rules} sandboxes with domain rules; {} queries refused, {} learned addresses evicted (per-sandbox cap)",
+            self.egress.refused.load(Ordering::Relaxed),
+            self.egress.evicted.load(Ordering::Relaxed)
+        );
+        ("dns_resolver".into(), ok, detail)
+    }
+
     /// The address the resolver serves on: the gateway device's, which a
     /// guest reaches as its gateway (and a container as its gateway).
     pub fn resolver_address(&self) -> Ipv4Addr {
@@ -251,10 +289,14 @@ impl Agent {
 
     /// Lets the sandbox at `src` start flows to the answer's addresses
     /// (TTLs clamped to `dns_ttl_min`..`dns_ttl_max`): in the datapath
-    /// before this returns, so before the answer is sent.
+    /// before this returns, so before the answer is sent. In the network's
+    /// slot, so a release (and a next owner of the address) never
+    /// interleaves: the entries are written for `sandbox_id` while it still
+    /// holds `src`, or not at all.
     pub async fn dns_learn(
         &self,
         src: Ipv4Addr,
+        sandbox_id: &str,
         name: &str,
         addrs: &[(Ipv4Addr, u32)],
     ) -> Result<(), String> {
@@ -266,18 +308,29 @@ impl Agent {
             .iter()
             .map(|(a, ttl)| (*a, Duration::from_secs(u64::from((*ttl).clamp(lo, hi)))))
             .collect();
-        let evicted = self.egress.note(src, name, &clamped);
-        let dp = self.datapath.clone();
-        off_worker(move || {
-            if !evicted.is_empty() {
-                dp.forget(src, &evicted);
-            }
-            dp.learn(src, &clamped)
-        })
-        .await
-        .map_err(|e| {
-            warn!(sandbox_ip = %src, name, error = %e, "dns: learning the answer's addresses");
-            e.to_string()
+        let slot = self.slot(sandbox_id);
+        let guard = slot.lock().await;
+        let current = guard
+            .as_ref()
+            .is_some_and(|n| n.rec.sandbox_ip == IpAddr::V4(src));
+        let result = if current {
+            let evicted = self.egress.note(src, name, &clamped);
+            let dp = self.datapath.clone();
+            off_worker(move || {
+                if !evicted.is_empty() {
+                    dp.forget(src, &evicted);
+                }
+                dp.learn(src, &clamped)
+            })
+            .await
+            .map_err(|e| e.to_string())
+        } else {
+            Err("the network is gone".to_owned())
+        };
+        drop(guard);
+        self.forget_slot(sandbox_id, slot);
+        result.inspect_err(|e| {
+            warn!(sandbox_ip = %src, sandbox_id, name, error = e.as_str(), "dns: learning the answer's addresses");
         })
     }
 

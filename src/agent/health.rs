@@ -256,6 +256,7 @@ impl Agent {
         checks.push(self.link_check());
         checks.push(self.tap_fd_check());
         checks.push(self.veth_check());
+        checks.push(self.resolver_check());
         let dp = self.datapath.clone();
         checks.extend(super::off_worker(move || dp.checks()).await);
         checks.extend(filters);

@@ -179,6 +179,24 @@ pub fn answer_addrs(m: &[u8], name: &str) -> Option<Vec<(Ipv4Addr, u32)>> {
 /// then resolve nothing).
 pub fn serve(agent: Arc<Agent>, upstream: Option<SocketAddrV4>) -> std::io::Result<SocketAddrV4> {
     let at = SocketAddrV4::new(agent.resolver_address(), 53);
+    let bound = bind(agent.clone(), upstream, at);
+    agent.resolver_status(match &bound {
+        Ok(()) => match upstream {
+            Some(u) => Ok(format!("listening on {at} (UDP, TCP), upstream {u}")),
+            None => Err(format!(
+                "listening on {at}, but no upstream (dns_upstream, /etc/resolv.conf): allowed queries get SERVFAIL"
+            )),
+        },
+        Err(e) => Err(format!("binding {at}: {e}")),
+    });
+    bound.map(|()| at)
+}
+
+fn bind(
+    agent: Arc<Agent>,
+    upstream: Option<SocketAddrV4>,
+    at: SocketAddrV4,
+) -> std::io::Result<()> {
     let std_sock = std::net::UdpSocket::bind(at)?;
     std_sock.set_nonblocking(true)?;
     let sock = Arc::new(UdpSocket::from_std(std_sock)?);
@@ -217,7 +235,7 @@ pub fn serve(agent: Arc<Agent>, upstream: Option<SocketAddrV4>) -> std::io::Resu
             });
         }
     });
-    Ok(at)
+    Ok(())
 }
 
 /// DNS over TCP (RFC 7766): length-prefixed queries on a connection,
@@ -289,17 +307,17 @@ async fn answer(
     tcp: bool,
 ) -> Option<Vec<u8>> {
     let q = parse_query(query)?;
-    let learn = match agent.dns_decide(src, &q.name) {
+    let learn_for = match agent.dns_decide(src, &q.name) {
         DnsDecision::Stranger | DnsDecision::Refuse { .. } => {
             return Some(reply(query, &q, RCODE_REFUSED));
         }
-        DnsDecision::Forward => false,
+        DnsDecision::Forward => None,
         // Their hints (ipv4hint) would be addresses never learned: a
         // client falls back to A.
         DnsDecision::Learn { .. } if matches!(q.qtype, TYPE_SVCB | TYPE_HTTPS) => {
             return Some(reply(query, &q, 0));
         }
-        DnsDecision::Learn { .. } => true,
+        DnsDecision::Learn { sandbox_id } => Some(sandbox_id),
     };
     let Some(upstream) = upstream else {
         return Some(reply(query, &q, RCODE_SERVFAIL));
@@ -312,9 +330,13 @@ async fn answer(
     let Ok(resp) = forwarded else {
         return Some(reply(query, &q, RCODE_SERVFAIL));
     };
-    if learn {
+    if let Some(sandbox_id) = learn_for {
         let addrs = answer_addrs(&resp, &q.name).unwrap_or_default();
-        if agent.dns_learn(src, &q.name, &addrs).await.is_err() {
+        if agent
+            .dns_learn(src, &sandbox_id, &q.name, &addrs)
+            .await
+            .is_err()
+        {
             return Some(reply(query, &q, RCODE_SERVFAIL));
         }
     }
