@@ -560,3 +560,116 @@ async fn dns_latency_bench() {
     assert!(c.release("bench-plain").await.unwrap());
     assert!(c.release("bench-rules").await.unwrap());
 }
+
+/// The pinned `dns_learned` map's entries (bpftool), wherever the agent
+/// pinned it under its pin directory.
+fn learned_entries(env: &common::Env) -> usize {
+    fn find(dir: &std::path::Path) -> Option<std::path::PathBuf> {
+        for e in std::fs::read_dir(dir).ok()?.flatten() {
+            let p = e.path();
+            if p.file_name().is_some_and(|n| n == "dns_learned") {
+                return Some(p);
+            }
+            if p.is_dir()
+                && let Some(f) = find(&p)
+            {
+                return Some(f);
+            }
+        }
+        None
+    }
+    let pin = find(&env.dir.join("bpf")).expect("dns_learned pinned");
+    let out = Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned"])
+        .arg(&pin)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v.as_array().map_or(0, Vec::len)
+}
+
+/// Every operation at once: lookups from three guests, a converge that
+/// flips one sandbox's list, other sandboxes coming and going with and
+/// without rules, Reconcile of everything; then the answers are right,
+/// Health is true, and releasing everything leaves no learned entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lookups_converges_churn_and_reconcile_at_once() {
+    require_root!();
+    let (env, world) = node(&["--dns-upstream", "198.51.100.2"]);
+    let _dns = dnsmasq(&world);
+    let web = world.tcp_server(8080);
+    let c = env.client().await;
+    let rules = || domain_opts(&["*.allowed.test"], &["0.0.0.0/0"]);
+    let mut guests = vec![];
+    for i in 0..3 {
+        guests.push(guest_for(&c, &format!("st-{i}"), rules()).await.1);
+    }
+    let guests = std::sync::Arc::new(guests);
+    let storm = async {
+        let lookups = {
+            let guests = guests.clone();
+            tokio::task::spawn_blocking(move || {
+                for round in 0..40 {
+                    for (i, g) in guests.iter().enumerate() {
+                        let (rc, _, addrs) = resolve(g, "www.allowed.test", TYPE_A);
+                        // st-2's list flips: either answer is right then.
+                        if i < 2 {
+                            assert_eq!((rc, addrs), (0, vec![WORLD_IP]), "st-{i} round {round}");
+                        } else {
+                            assert!(rc == 0 || rc == 5, "st-2 round {round}: rcode {rc}");
+                        }
+                        assert_eq!(resolve(g, "denied.test", TYPE_A).0, 5);
+                    }
+                }
+            })
+        };
+        let converge = async {
+            for i in 0..15 {
+                let o = if i % 2 == 0 {
+                    domain_opts(&["other.test"], &["0.0.0.0/0"])
+                } else {
+                    rules()
+                };
+                c.ensure("st-2", o).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+        };
+        let churn = async {
+            for i in 0..20 {
+                let id = format!("churn-{i}");
+                let o = if i % 2 == 0 { rules() } else { opts(vec![]) };
+                c.ensure(&id, o).await.unwrap();
+                assert!(c.release(&id).await.unwrap());
+            }
+        };
+        let reconcile = async {
+            for _ in 0..10 {
+                c.reconcile("").await.unwrap();
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        let (l, (), (), ()) = tokio::join!(lookups, converge, churn, reconcile);
+        l.unwrap();
+    };
+    tokio::time::timeout(Duration::from_secs(120), storm)
+        .await
+        .expect("the storm finished (no deadlock)");
+    c.ensure("st-2", rules()).await.unwrap();
+    for (i, g) in guests.iter().enumerate() {
+        assert_eq!(resolve(g, "www.allowed.test", TYPE_A).0, 0, "st-{i}");
+        assert!(connects(g, web), "st-{i} after the storm");
+    }
+    let (healthy, checks) = c.health().await;
+    assert!(healthy, "{checks:?}");
+    assert!(learned_entries(&env) >= 1);
+    for i in 0..3 {
+        assert!(c.release(&format!("st-{i}")).await.unwrap());
+    }
+    assert_eq!(
+        learned_entries(&env),
+        0,
+        "released sandboxes keep no learned entry"
+    );
+    assert!(!env.log().contains("panicked"), "{}", env.log());
+}
