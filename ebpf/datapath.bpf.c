@@ -143,11 +143,15 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } policy_deny SEC(".maps");
 
+/* Not an LRU: the kernel would evict entries that started flows depend
+ * on, of any sandbox. The agent bounds it (a per-sandbox cap, release,
+ * converge); entries take memory only once written. */
 struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(type, BPF_MAP_TYPE_HASH);
 	__type(key, struct dp_learned_key);
 	__type(value, struct dp_learned_val);
 	__uint(max_entries, DP_LEARNED_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } dns_learned SEC(".maps");
 

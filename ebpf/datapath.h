@@ -55,7 +55,7 @@ struct dp_learned_val {
 	__u64 expires_ns;      /* CLOCK_MONOTONIC (bpf_ktime_get_ns) */
 	__u64 gen;             /* the owner's generation when learned */
 }; /* 16 bytes */
-#define DP_LEARNED_MAX 262144
+#define DP_LEARNED_MAX 1048576 /* 10,000 sandboxes x 100 */
 
 /* sandbox ip -> TAP */
 struct dp_tap {

@@ -36,6 +36,10 @@ impl Drop for Dnsmasq {
 }
 
 fn dnsmasq(world: &World) -> Dnsmasq {
+    dnsmasq_with(world, &[])
+}
+
+fn dnsmasq_with(world: &World, extra: &[String]) -> Dnsmasq {
     let child = Command::new("ip")
         .args([
             "netns",
@@ -57,6 +61,7 @@ fn dnsmasq(world: &World) -> Dnsmasq {
         .arg(format!("--host-record=target.cdn.test,{OTHER_IP}"))
         .arg("--cname=alias.allowed.test,target.cdn.test")
         .arg("--local-ttl=1")
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -672,4 +677,35 @@ async fn lookups_converges_churn_and_reconcile_at_once() {
         "released sandboxes keep no learned entry"
     );
     assert!(!env.log().contains("panicked"), "{}", env.log());
+}
+
+/// A sandbox keeps at most 100 learned addresses: past that the ones
+/// expiring first are taken back, and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn learned_addresses_are_capped_per_sandbox() {
+    require_root!();
+    let (env, world) = node(&["--dns-upstream", "198.51.100.2"]);
+    let names: Vec<String> = (1..=105).map(|i| format!("h{i}.allowed.test")).collect();
+    let records: Vec<String> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| format!("--host-record={n},10.77.{}.{}", i / 200, 1 + i % 200))
+        .collect();
+    let _dns = dnsmasq_with(&world, &records);
+    let c = env.client().await;
+    let (_, g) = guest_for(
+        &c,
+        "dn-cap",
+        domain_opts(&["*.allowed.test"], &["0.0.0.0/0"]),
+    )
+    .await;
+    for n in &names {
+        let (rc, an, _) = resolve(&g, n, TYPE_A);
+        assert_eq!((rc, an), (0, 1), "{n}");
+    }
+    assert_eq!(learned_entries(&env), 100, "the cap");
+    let detail = resolver_check(&c.health().await.1).1;
+    assert!(detail.contains("5 learned addresses evicted"), "{detail}");
+    assert!(c.release("dn-cap").await.unwrap());
+    assert_eq!(learned_entries(&env), 0);
 }

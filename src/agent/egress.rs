@@ -18,7 +18,7 @@ use super::{Agent, off_worker};
 
 /// Learned addresses kept per sandbox; beyond, the one expiring first is
 /// evicted (counted).
-pub const MAX_LEARNED_PER_SANDBOX: usize = 256;
+pub const MAX_LEARNED_PER_SANDBOX: usize = 100;
 
 /// What the resolver does with one query.
 #[derive(Debug, Clone, PartialEq, Eq)]
