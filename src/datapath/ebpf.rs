@@ -485,6 +485,9 @@ pub struct EbpfDatapath {
     /// `sb_stats` for readers (GetNetwork, metrics), without `inner`.
     sb_read: Mutex<HashMap<MapData, u32, DpSbStats>>,
     sb_read_dump: MapData,
+    /// `dns_learned` and `by_ip` for batched dumps without `inner`.
+    learned_dump: MapData,
+    by_ip_read_dump: MapData,
     /// Pinned maps migrated or recreated at load (layout changed).
     migrated: Vec<String>,
     /// Whether host -> 127.x:host_port mappings can work.
@@ -707,6 +710,8 @@ impl EbpfDatapath {
         );
         let sb_read_dump = reopen("sb_stats")?;
         let attached_forget = reopen("tap_attached")?;
+        let learned_dump = reopen("dns_learned")?;
+        let by_ip_read_dump = reopen("by_ip")?;
         let names: Vec<String> = node_hooks.iter().map(Hook::to_string).collect();
         info!(
             pin_dir = %node.pin_dir.display(),
@@ -740,6 +745,8 @@ impl EbpfDatapath {
             attached_forget,
             sb_read,
             sb_read_dump,
+            learned_dump,
+            by_ip_read_dump,
             migrated,
             localnet,
         };
@@ -1599,19 +1606,25 @@ impl Datapath for EbpfDatapath {
     }
 
     fn learned_entries(&self) -> Vec<(Ipv4Addr, Ipv4Addr, Duration)> {
+        // Batched dumps, without the lock `attach` needs (a full map is a
+        // million entries).
         let now = monotonic_ns();
-        let mut guard = self.lock();
-        let maps = &mut guard.maps;
-        let all: Vec<(DpLearnedKey, DpLearnedVal)> = maps.learned.iter().flatten().collect();
+        let Some(all) = dump_flows::<DpLearnedKey, DpLearnedVal>(&self.learned_dump) else {
+            return vec![];
+        };
+        let Some(owners) = dump_flows::<u32, DpTap>(&self.by_ip_read_dump) else {
+            return vec![];
+        };
+        let owners: StdHashMap<u32, u64> = owners
+            .into_iter()
+            .map(|(ip, t)| (ip, t.generation))
+            .collect();
         let mut out = Vec::with_capacity(all.len());
+        let mut stale = vec![];
         for (k, v) in all {
-            let current = maps
-                .by_ip
-                .get(&k.sandbox_ip, 0)
-                .is_ok_and(|t| t.generation == v.generation);
-            if !current {
+            if owners.get(&k.sandbox_ip) != Some(&v.generation) {
                 // An earlier owner's: unreachable, removed.
-                let _ = maps.learned.remove(&k);
+                stale.push(k);
                 continue;
             }
             out.push((
@@ -1619,6 +1632,27 @@ impl Datapath for EbpfDatapath {
                 Ipv4Addr::from(k.dst.to_ne_bytes()),
                 Duration::from_nanos(v.expires_ns.saturating_sub(now)),
             ));
+        }
+        if !stale.is_empty() {
+            let mut guard = self.lock();
+            for k in &stale {
+                // Only if still an earlier owner's (a lookup may have
+                // written it again since the dump).
+                let owner = guard
+                    .maps
+                    .by_ip
+                    .get(&k.sandbox_ip, 0)
+                    .ok()
+                    .map(|t| t.generation);
+                if guard
+                    .maps
+                    .learned
+                    .get(k, 0)
+                    .is_ok_and(|v| Some(v.generation) != owner)
+                {
+                    let _ = guard.maps.learned.remove(k);
+                }
+            }
         }
         out
     }
