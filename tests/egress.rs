@@ -87,16 +87,19 @@ fn dnsmasq_with(world: &World, extra: &[String]) -> Dnsmasq {
 }
 
 fn query(id: u16, name: &str, qtype: u16) -> Vec<u8> {
-    let mut m = id.to_be_bytes().to_vec();
-    m.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]);
-    for l in name.split('.') {
-        m.push(l.len() as u8);
-        m.extend_from_slice(l.as_bytes());
-    }
-    m.extend_from_slice(&[0, 0]);
-    m.push(qtype as u8);
-    m.extend_from_slice(&[0, 1]);
-    m
+    cube_network_agent::dns::encode_query(id, name, qtype)
+}
+
+/// Adds OTHER_IP to the world's side.
+fn second_world_address(world: &World) {
+    world.run(|| {
+        let ok = Command::new("ip")
+            .args(["addr", "add", "198.51.100.3/24", "dev", "w0"])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "adding the world's second address");
+    });
 }
 
 /// (rcode, answer count, A addresses of `name`) of a reply.
@@ -143,14 +146,7 @@ async fn only_allowed_names_are_reachable() {
         "--dns-ttl-max",
         "2",
     ]);
-    world.run(|| {
-        let ok = Command::new("ip")
-            .args(["addr", "add", "198.51.100.3/24", "dev", "w0"])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "adding the world's second address");
-    });
+    second_world_address(&world);
     let _dns = dnsmasq(&world);
     let web = world.tcp_server(8080);
     let other_web = SocketAddrV4::new(OTHER_IP, web.port());
@@ -356,14 +352,7 @@ impl Drop for NetnsResolvConf {
 async fn a_container_reaches_allowed_names_with_dig_and_curl() {
     require_root!();
     let (env, world) = node(&["--dns-upstream", "198.51.100.2"]);
-    world.run(|| {
-        let ok = Command::new("ip")
-            .args(["addr", "add", "198.51.100.3/24", "dev", "w0"])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "adding the world's second address");
-    });
+    second_world_address(&world);
     let _dns = dnsmasq(&world);
     let web = world.tcp_server(8080);
     let ctr = Ctr::new("dns");

@@ -52,6 +52,15 @@ async fn a_guest_keeps_its_flow_across_restarts_and_its_tap_comes_back_when_it_e
         env.start_agent();
     }
     std::thread::sleep(Duration::from_millis(300));
+    // A restart of the same build skips the verifier: every program it
+    // pinned is found with every map it uses (a map missing from
+    // `maps::PINNED` made each start verify again, ~1 s).
+    assert!(
+        env.log()
+            .contains("programs=\"pinned by an earlier start of this build\""),
+        "{}",
+        env.log()
+    );
     let ((e_sent, e_back), (i_sent, i_back)) = flow.finish();
     eprintln!("egress {e_back}/{e_sent}, ingress {i_back}/{i_sent} across kill -9 and stop/start");
     assert!(e_sent > 20 && i_sent > 100, "{e_sent} {i_sent}");

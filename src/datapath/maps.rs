@@ -314,6 +314,8 @@ pub const FLOW_MAP_ENTRIES: u32 = 262144;
 pub const HOST_FLOW_ENTRIES: u32 = 65536;
 /// Entries of `frags`.
 pub const FRAG_ENTRIES: u32 = 8192;
+/// Entries of `dns_learned` (`DP_LEARNED_MAX`): 10,000 sandboxes x 100.
+pub const LEARNED_ENTRIES: u32 = 1_048_576;
 
 /// What a pinned map whose layout differs from this build's may become.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -461,6 +463,14 @@ pub const PINNED: &[PinnedMap] = {
             size_of::<DpFragVal>(),
             FRAG_ENTRIES,
             Rebuilt,
+        ),
+        pinned(
+            "dns_learned",
+            Hash,
+            size_of::<DpLearnedKey>(),
+            size_of::<DpLearnedVal>(),
+            LEARNED_ENTRIES,
+            Durable,
         ),
         pinned(
             "sb_stats",

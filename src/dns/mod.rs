@@ -106,6 +106,21 @@ pub fn parse_query(m: &[u8]) -> Option<Question> {
     })
 }
 
+/// A query for `name` (type `qtype`, class IN, recursion desired): what
+/// a stub resolver sends; for clients and tests.
+pub fn encode_query(id: u16, name: &str, qtype: u16) -> Vec<u8> {
+    let mut m = id.to_be_bytes().to_vec();
+    m.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]);
+    for l in name.split('.').filter(|l| !l.is_empty()) {
+        m.push(l.len() as u8);
+        m.extend_from_slice(l.as_bytes());
+    }
+    m.push(0);
+    m.extend_from_slice(&qtype.to_be_bytes());
+    m.extend_from_slice(&CLASS_IN.to_be_bytes());
+    m
+}
+
 /// An answer of our own to `query`: its question, no records, `rcode`
 /// (0 with no records: NODATA).
 pub fn reply(query: &[u8], q: &Question, rcode: u8) -> Vec<u8> {
@@ -384,20 +399,8 @@ async fn forward(upstream: SocketAddrV4, query: &[u8], id: u16) -> std::io::Resu
 
 #[cfg(test)]
 mod tests {
+    use super::encode_query as query;
     use super::*;
-
-    fn query(id: u16, name: &str, qtype: u16) -> Vec<u8> {
-        let mut m = id.to_be_bytes().to_vec();
-        m.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]);
-        for l in name.split('.') {
-            m.push(l.len() as u8);
-            m.extend_from_slice(l.as_bytes());
-        }
-        m.push(0);
-        m.extend_from_slice(&qtype.to_be_bytes());
-        m.extend_from_slice(&CLASS_IN.to_be_bytes());
-        m
-    }
 
     fn rr(m: &mut Vec<u8>, owner_ptr: u16, rtype: u16, ttl: u32, data: &[u8]) {
         m.extend_from_slice(&(0xc000 | owner_ptr).to_be_bytes());
