@@ -698,3 +698,90 @@ async fn learned_addresses_are_capped_per_sandbox() {
     assert!(c.release("dn-cap").await.unwrap());
     assert_eq!(learned_entries(&env), 0);
 }
+
+/// The resolver knows a sandbox by its address only when the query came
+/// through the gateway device: one forged with the sandbox's address from
+/// the world (routed in over the uplink) learns nothing for the sandbox.
+/// (On the node itself, sending from an address no device has takes
+/// IP_TRANSPARENT, i.e. CAP_NET_ADMIN: a process that may reconfigure the
+/// node's networking anyway; such a packet does look like cube-dev's.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_query_forged_from_a_sandbox_address_is_a_strangers() {
+    require_root!();
+    let (env, world) = node(&["--dns-upstream", "198.51.100.2"]);
+    let _dns = dnsmasq(&world);
+    let web = world.tcp_server(8080);
+    let c = env.client().await;
+    let (net, g) = guest_for(&c, "dn-f", domain_opts(&["*.allowed.test"], &["0.0.0.0/0"])).await;
+    let sandbox_ip: Ipv4Addr = common::s(&net, "sandbox_ip").parse().unwrap();
+    let gw = world.on_node(|| {
+        let out = Command::new("ip")
+            .args(["-4", "-o", "addr", "show", "dev", "cube-dev"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let addr = text
+            .split_whitespace()
+            .nth(3)
+            .expect("cube-dev's address")
+            .to_owned();
+        addr.split('/').next().unwrap().parse::<Ipv4Addr>().unwrap()
+    });
+    // Sends from `sandbox_ip` to the resolver, in `ns`.
+    let forge = move |ns: &str| {
+        let name = ns.to_owned();
+        common::world::in_netns(ns, move || {
+            let s = free_bind(sandbox_ip);
+            let ns = name;
+            s.send_to(
+                &query(0x77, "www.allowed.test", TYPE_A),
+                SocketAddrV4::new(gw, 53),
+            )
+            .unwrap_or_else(|e| panic!("forging from {ns}: {e}"));
+        });
+    };
+    // From the world, routed to the node over the uplink.
+    let ok = Command::new("ip")
+        .args([
+            "-n",
+            &world.ns,
+            "route",
+            "add",
+            &format!("{gw}/32"),
+            "via",
+            "198.51.100.1",
+        ])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "a route to the gateway device's address in the world");
+    forge(&world.ns);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        learned_entries(&env),
+        0,
+        "a forged query learned for the sandbox"
+    );
+    assert!(!connects(&g, web));
+    // The sandbox's own query still works.
+    assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).0, 0);
+    assert_eq!(learned_entries(&env), 1);
+    assert!(connects(&g, web));
+    assert!(c.release("dn-f").await.unwrap());
+}
+
+/// A UDP socket that sends from `ip` though no device here has it
+/// (IP_TRANSPARENT, which needs CAP_NET_ADMIN: what a forger with a raw
+/// socket on another machine does).
+fn free_bind(ip: Ipv4Addr) -> UdpSocket {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: socket(2) returns a new fd or -1 (checked).
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0) };
+    assert!(fd >= 0);
+    // SAFETY: `fd` is ours and open.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    nix::sys::socket::setsockopt(&owned, nix::sys::socket::sockopt::IpTransparent, &true).unwrap();
+    let addr = nix::sys::socket::SockaddrIn::from(SocketAddrV4::new(ip, 0));
+    nix::sys::socket::bind(fd, &addr).unwrap();
+    UdpSocket::from(owned)
+}

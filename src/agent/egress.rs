@@ -260,6 +260,11 @@ impl Agent {
         ("dns_resolver".into(), ok, detail)
     }
 
+    /// The device a sandbox's query arrives on (the gateway device).
+    pub fn resolver_ifindex(&self) -> u32 {
+        self.gateway.ifindex
+    }
+
     /// The address the resolver serves on: the gateway device's, which a
     /// guest reaches as its gateway (and a container as its gateway).
     pub fn resolver_address(&self) -> Ipv4Addr {

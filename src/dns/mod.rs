@@ -214,6 +214,10 @@ fn bind(
 ) -> std::io::Result<()> {
     let std_sock = std::net::UdpSocket::bind(at)?;
     std_sock.set_nonblocking(true)?;
+    // Which device each query came in on: see `recv_query`.
+    nix::sys::socket::setsockopt(&std_sock, nix::sys::socket::sockopt::Ipv4PacketInfo, &true)
+        .map_err(std::io::Error::from)?;
+    let gateway_ifindex = agent.resolver_ifindex();
     let sock = Arc::new(UdpSocket::from_std(std_sock)?);
     let std_listener = std::net::TcpListener::bind(at)?;
     std_listener.set_nonblocking(true)?;
@@ -229,21 +233,31 @@ fn bind(
     tokio::spawn(async move {
         let mut buf = vec![0u8; 4096];
         loop {
-            let (n, from) = match sock.recv_from(&mut buf).await {
+            let (n, from, ifindex) = match recv_query(&sock, &mut buf).await {
                 Ok(r) => r,
                 Err(e) => {
                     debug!(error = %e, "dns: receiving");
                     continue;
                 }
             };
-            let SocketAddr::V4(from) = from else { continue };
+            // A sandbox's query arrives through the gateway device (the
+            // datapath injects the guest's packet there). One from
+            // anywhere else is nobody's, whatever its source address
+            // says (a sandbox address forged on the uplink): judged as a
+            // stranger's. (On the node, a source address no device has
+            // takes IP_TRANSPARENT, CAP_NET_ADMIN.)
+            let src = if ifindex == gateway_ifindex {
+                *from.ip()
+            } else {
+                Ipv4Addr::UNSPECIFIED
+            };
             let Ok(permit) = slots.clone().acquire_owned().await else {
                 break;
             };
             let query = buf[..n].to_vec();
             let (agent, sock) = (agent.clone(), sock.clone());
             tokio::spawn(async move {
-                if let Some(answer) = answer(&agent, upstream, *from.ip(), &query, false).await {
+                if let Some(answer) = answer(&agent, upstream, src, &query, false).await {
                     let _ = sock.send_to(&answer, from).await;
                 }
                 drop(permit);
@@ -251,6 +265,48 @@ fn bind(
         }
     });
     Ok(())
+}
+
+/// One datagram: its length, its source and the device it came in on
+/// (IP_PKTINFO).
+async fn recv_query(
+    sock: &UdpSocket,
+    buf: &mut [u8],
+) -> std::io::Result<(usize, SocketAddrV4, u32)> {
+    use std::os::fd::AsRawFd;
+
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, SockaddrIn, recvmsg};
+    loop {
+        sock.readable().await?;
+        let got = sock.try_io(tokio::io::Interest::READABLE, || {
+            let mut iov = [std::io::IoSliceMut::new(buf)];
+            let mut cmsg = nix::cmsg_space!(libc::in_pktinfo);
+            let m = recvmsg::<SockaddrIn>(
+                sock.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg),
+                MsgFlags::empty(),
+            )
+            .map_err(std::io::Error::from)?;
+            let ifindex = m
+                .cmsgs()
+                .map_err(std::io::Error::from)?
+                .find_map(|c| match c {
+                    ControlMessageOwned::Ipv4PacketInfo(i) => Some(i.ipi_ifindex as u32),
+                    _ => None,
+                })
+                .unwrap_or(0);
+            let from = m
+                .address
+                .map(|a| SocketAddrV4::new(a.ip(), a.port()))
+                .ok_or_else(|| std::io::Error::other("no source address"))?;
+            Ok((m.bytes, from, ifindex))
+        });
+        match got {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            r => return r,
+        }
+    }
 }
 
 /// DNS over TCP (RFC 7766): length-prefixed queries on a connection,
