@@ -11,7 +11,7 @@
 #           the same method over the agent's varlink socket
 #   call.py --varlink-orphan SOCKET METHOD [ID]
 #           the same, called by a child after the process that connected
-#           exited
+#           (and made one call, so the agent has identified it) exited
 #   call.py ObjectGet ID NAME | ObjectGetAll ID | ManagedObjects |
 #           ManagerGetAll | Introspect PATH
 #           reads through the object tree (per-network objects, the
@@ -40,23 +40,30 @@ if m in ("--varlink", "--varlink-orphan"):
     params = {"sandbox_id": args[2]} if len(args) > 2 else {}
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
+
+    def call():
+        s.sendall(json.dumps({"method": I + "." + method, "parameters": params}).encode() + b"\0")
+        buf = b""
+        while not buf.endswith(b"\0"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+        return json.loads(buf.rstrip(b"\0"))
+
     if m == "--varlink-orphan":
-        # The process that connected exits; a child calls on its connection
-        # once it is gone (its pid could then be another process's).
+        # The process that connected makes one call (so the agent has
+        # accepted and identified it), exits; a child calls on its
+        # connection once it is gone (its pid could then be another
+        # process's).
+        call()
         parent = os.getpid()
         if os.fork() != 0:
             os._exit(0)
         while os.getppid() == parent:
             import time
             time.sleep(0.01)
-    s.sendall(json.dumps({"method": I + "." + method, "parameters": params}).encode() + b"\0")
-    buf = b""
-    while not buf.endswith(b"\0"):
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        buf += chunk
-    r = json.loads(buf.rstrip(b"\0"))
+    r = call()
     if "error" in r:
         print("ERR", r["error"], r.get("parameters", {}).get("message", ""))
         sys.exit(1)
