@@ -1023,18 +1023,26 @@ fn route_dst(r: &RouteMessage) -> Ipv4Addr {
         .unwrap_or(Ipv4Addr::UNSPECIFIED)
 }
 
-/// Sends one dump request on a fresh NETLINK_ROUTE socket and hands each
-/// reply message (its type and bytes, header included) to `each`, until
-/// NLMSG_DONE. For dumps a full parse into netlink-packet-route's types
-/// made slow at 10,000 devices. Blocking: call it off the async workers.
-fn raw_dump(req: &[u8], mut each: impl FnMut(u16, &[u8])) -> std::io::Result<()> {
-    use rtnetlink::packet_core::{NLMSG_DONE, NLMSG_ERROR};
+/// Sends one dump request (`kind`, then `body` after the nlmsghdr) on a
+/// fresh NETLINK_ROUTE socket and hands each reply message (its type and
+/// bytes, header included) to `each`, until NLMSG_DONE. For dumps a full
+/// parse into netlink-packet-route's types made slow at 10,000 devices.
+/// Blocking: call it off the async workers.
+fn raw_dump(kind: u16, body: &[u8], mut each: impl FnMut(u16, &[u8])) -> std::io::Result<()> {
+    use rtnetlink::packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR};
     use rtnetlink::sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+    const SEQ: u32 = 1;
+    let mut req = Vec::with_capacity(16 + body.len());
+    req.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
+    req.extend_from_slice(&kind.to_ne_bytes());
+    req.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+    req.extend_from_slice(&SEQ.to_ne_bytes());
+    req.extend_from_slice(&0u32.to_ne_bytes());
+    req.extend_from_slice(body);
     let mut sock = Socket::new(NETLINK_ROUTE)?;
     sock.bind_auto()?;
     sock.connect(&SocketAddr::new(0, 0))?;
-    sock.send(req, 0)?;
-    let seq = u32_at(req, 8);
+    sock.send(&req, 0)?;
     let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
     loop {
         let (data, _) = sock.recv_from_full()?;
@@ -1054,7 +1062,7 @@ fn raw_dump(req: &[u8], mut each: impl FnMut(u16, &[u8])) -> std::io::Result<()>
                         return Err(std::io::Error::from_raw_os_error(-code));
                     }
                 }
-                _ if u32_at(msg, 8) == seq => each(kind, msg),
+                _ if u32_at(msg, 8) == SEQ => each(kind, msg),
                 _ => {}
             }
             at += (len + 3) & !3;
@@ -1108,7 +1116,6 @@ fn nl_str(payload: &[u8]) -> String {
 /// full parse through netlink-packet-route took ~170 ms of a restart.
 /// Blocking: call it off the async workers.
 pub fn link_dump() -> std::io::Result<Vec<LinkInfo>> {
-    use rtnetlink::packet_core::{NLM_F_DUMP, NLM_F_REQUEST};
     const RTM_NEWLINK: u16 = 16;
     const RTM_GETLINK: u16 = 18;
     // linux/if_link.h, linux/rtnetlink.h
@@ -1121,20 +1128,14 @@ pub fn link_dump() -> std::io::Result<Vec<LinkInfo>> {
     const IFLA_GROUP: u16 = 27;
     const IFLA_EXT_MASK: u16 = 29;
     const RTEXT_FILTER_SKIP_STATS: u32 = 1 << 3;
-    // nlmsghdr (16) + ifinfomsg (16, all zero: every family, every
-    // device) + IFLA_EXT_MASK (8).
-    let mut req = Vec::with_capacity(40);
-    req.extend_from_slice(&40u32.to_ne_bytes());
-    req.extend_from_slice(&RTM_GETLINK.to_ne_bytes());
-    req.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
-    req.extend_from_slice(&1u32.to_ne_bytes());
-    req.extend_from_slice(&0u32.to_ne_bytes());
-    req.extend_from_slice(&[0u8; 16]);
-    req.extend_from_slice(&8u16.to_ne_bytes());
-    req.extend_from_slice(&IFLA_EXT_MASK.to_ne_bytes());
-    req.extend_from_slice(&RTEXT_FILTER_SKIP_STATS.to_ne_bytes());
+    // ifinfomsg (16, all zero: every family, every device) +
+    // IFLA_EXT_MASK (8).
+    let mut body = vec![0u8; 16];
+    body.extend_from_slice(&8u16.to_ne_bytes());
+    body.extend_from_slice(&IFLA_EXT_MASK.to_ne_bytes());
+    body.extend_from_slice(&RTEXT_FILTER_SKIP_STATS.to_ne_bytes());
     let mut out = Vec::new();
-    raw_dump(&req, |kind, msg| {
+    raw_dump(RTM_GETLINK, &body, |kind, msg| {
         if kind != RTM_NEWLINK || msg.len() < 32 {
             return;
         }
@@ -1175,24 +1176,16 @@ pub fn link_dump() -> std::io::Result<Vec<LinkInfo>> {
 /// metrics walk every sandbox device at each scrape). Blocking: call it
 /// off the async workers.
 pub fn link_counters_dump() -> std::io::Result<std::collections::HashMap<u32, LinkCounters>> {
-    use rtnetlink::packet_core::{NLM_F_DUMP, NLM_F_REQUEST};
     // Not in netlink-packet-route 0.34 (linux/rtnetlink.h, if_link.h).
     const RTM_NEWSTATS: u16 = 92;
     const RTM_GETSTATS: u16 = 94;
     const IFLA_STATS_LINK_64: u16 = 1;
-    // nlmsghdr (16) + if_stats_msg (12): family, pads, ifindex 0 (all),
-    // filter_mask = 1 << (IFLA_STATS_LINK_64 - 1).
-    let mut req = Vec::with_capacity(28);
-    req.extend_from_slice(&28u32.to_ne_bytes());
-    req.extend_from_slice(&RTM_GETSTATS.to_ne_bytes());
-    req.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
-    req.extend_from_slice(&1u32.to_ne_bytes());
-    req.extend_from_slice(&0u32.to_ne_bytes());
-    req.extend_from_slice(&[0u8; 4]);
-    req.extend_from_slice(&0u32.to_ne_bytes());
-    req.extend_from_slice(&(1u32 << (IFLA_STATS_LINK_64 - 1)).to_ne_bytes());
+    // if_stats_msg (12): family, pads, ifindex 0 (all), filter_mask =
+    // 1 << (IFLA_STATS_LINK_64 - 1).
+    let mut body = vec![0u8; 8];
+    body.extend_from_slice(&(1u32 << (IFLA_STATS_LINK_64 - 1)).to_ne_bytes());
     let mut out = std::collections::HashMap::new();
-    raw_dump(&req, |kind, msg| {
+    raw_dump(RTM_GETSTATS, &body, |kind, msg| {
         if kind != RTM_NEWSTATS || msg.len() < 28 {
             return;
         }

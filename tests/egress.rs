@@ -90,6 +90,20 @@ fn query(id: u16, name: &str, qtype: u16) -> Vec<u8> {
     cube_network_agent::dns::encode_query(id, name, qtype)
 }
 
+/// The gateway device's address on the node (`ip -4 -o addr show dev
+/// cube-dev`): where the resolver listens.
+fn gateway_device_address(world: &World) -> Ipv4Addr {
+    world.on_node(|| {
+        let out = Command::new("ip")
+            .args(["-4", "-o", "addr", "show", "dev", "cube-dev"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let addr = text.split_whitespace().nth(3).expect("cube-dev's address");
+        addr.split('/').next().unwrap().parse().unwrap()
+    })
+}
+
 /// Adds OTHER_IP to the world's side.
 fn second_world_address(world: &World) {
     world.run(|| {
@@ -265,16 +279,8 @@ async fn only_allowed_names_are_reachable() {
     assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).0, 5);
 
     // A query from the node itself (not a sandbox): REFUSED.
+    let resolver_on_node = SocketAddrV4::new(gateway_device_address(&world), 53);
     let reply = world.on_node(move || {
-        // The gateway device's address (`ip -4 -o addr show dev cube-dev`).
-        let out = Command::new("ip")
-            .args(["-4", "-o", "addr", "show", "dev", "cube-dev"])
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let addr = text.split_whitespace().nth(3).expect("cube-dev's address");
-        let ip: Ipv4Addr = addr.split('/').next().unwrap().parse().unwrap();
-        let resolver_on_node = SocketAddrV4::new(ip, 53);
         let s = UdpSocket::bind("0.0.0.0:0").unwrap();
         s.set_read_timeout(Some(T)).unwrap();
         s.send_to(&query(9, "www.allowed.test", TYPE_A), resolver_on_node)
@@ -714,19 +720,7 @@ async fn a_query_forged_from_a_sandbox_address_is_a_strangers() {
     let c = env.client().await;
     let (net, g) = guest_for(&c, "dn-f", domain_opts(&["*.allowed.test"], &["0.0.0.0/0"])).await;
     let sandbox_ip: Ipv4Addr = common::s(&net, "sandbox_ip").parse().unwrap();
-    let gw = world.on_node(|| {
-        let out = Command::new("ip")
-            .args(["-4", "-o", "addr", "show", "dev", "cube-dev"])
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let addr = text
-            .split_whitespace()
-            .nth(3)
-            .expect("cube-dev's address")
-            .to_owned();
-        addr.split('/').next().unwrap().parse::<Ipv4Addr>().unwrap()
-    });
+    let gw = gateway_device_address(&world);
     // Sends from `sandbox_ip` to the resolver, in `ns`.
     let forge = move |ns: &str| {
         let name = ns.to_owned();

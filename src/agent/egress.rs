@@ -74,11 +74,16 @@ impl Egress {
         };
         let patterns = Patterns::from_lists(&rec.allow_out, &rec.deny_out);
         let patterns = (!patterns.is_empty()).then(|| Arc::new(patterns));
+        let same = |s: &Sandbox| s.id == rec.sandbox_id && s.patterns == patterns;
+        // Most view updates (ensure replies, fd held, Reconcile) change
+        // neither: a shared lock is enough to see that.
+        let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
+        if sandboxes.get(&ip).is_some_and(same) {
+            return vec![];
+        }
+        drop(sandboxes);
         let mut sandboxes = self.sandboxes.write().unwrap_or_else(|p| p.into_inner());
-        let unchanged = sandboxes
-            .get(&ip)
-            .is_some_and(|s| s.id == rec.sandbox_id && s.patterns == patterns);
-        if unchanged {
+        if sandboxes.get(&ip).is_some_and(same) {
             return vec![];
         }
         sandboxes.insert(

@@ -21,6 +21,10 @@ use crate::agent::egress::DnsDecision;
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
 /// Queries handled at once; more wait in the socket's buffer.
 const MAX_IN_FLIGHT: usize = 256;
+/// UDP queries in flight from one source address (each may wait for the
+/// upstream up to [`UPSTREAM_TIMEOUT`]): beyond, its datagrams are
+/// dropped, so one sandbox cannot hold every slot the others need.
+const MAX_UDP_PER_SOURCE: usize = 32;
 /// DNS over TCP: connections at once, per source address, and how long
 /// one may sit idle.
 const MAX_TCP: usize = 128;
@@ -230,6 +234,7 @@ fn bind(
         }
     }
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
+    let per_source = PerSource::default();
     tokio::spawn(async move {
         let mut buf = vec![0u8; 4096];
         loop {
@@ -251,6 +256,9 @@ fn bind(
             } else {
                 Ipv4Addr::UNSPECIFIED
             };
+            let Some(held) = per_source.take(src, MAX_UDP_PER_SOURCE) else {
+                continue; // dropped: the client retries
+            };
             let Ok(permit) = slots.clone().acquire_owned().await else {
                 break;
             };
@@ -260,7 +268,7 @@ fn bind(
                 if let Some(answer) = answer(&agent, upstream, src, &query, false).await {
                     let _ = sock.send_to(&answer, from).await;
                 }
-                drop(permit);
+                drop((permit, held));
             });
         }
     });
@@ -313,8 +321,7 @@ async fn recv_query(
 /// answered in order, forwarded over TCP (an answer too large for UDP).
 async fn serve_tcp(agent: Arc<Agent>, upstream: Option<SocketAddrV4>, listener: TcpListener) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_TCP));
-    let per_source: Arc<std::sync::Mutex<std::collections::HashMap<Ipv4Addr, usize>>> =
-        Default::default();
+    let per_source = PerSource::default();
     loop {
         let (mut conn, from) = match listener.accept().await {
             Ok(c) => c,
@@ -329,23 +336,18 @@ async fn serve_tcp(agent: Arc<Agent>, upstream: Option<SocketAddrV4>, listener: 
         let Ok(permit) = slots.clone().try_acquire_owned() else {
             continue; // dropped: the client retries
         };
-        {
-            let mut n = per_source.lock().unwrap_or_else(|p| p.into_inner());
-            let c = n.entry(src).or_default();
-            if *c >= MAX_TCP_PER_SOURCE {
-                continue;
-            }
-            *c += 1;
-        }
-        let (agent, per_source) = (agent.clone(), per_source.clone());
+        let Some(held) = per_source.take(src, MAX_TCP_PER_SOURCE) else {
+            continue;
+        };
+        let agent = agent.clone();
         tokio::spawn(async move {
             let mut len = [0u8; 2];
             while let Ok(Ok(_)) = tokio::time::timeout(TCP_IDLE, conn.read_exact(&mut len)).await {
                 let mut query = vec![0u8; u16::from_be_bytes(len) as usize];
-                if tokio::time::timeout(TCP_IDLE, conn.read_exact(&mut query))
-                    .await
-                    .is_err()
-                {
+                if !matches!(
+                    tokio::time::timeout(TCP_IDLE, conn.read_exact(&mut query)).await,
+                    Ok(Ok(_))
+                ) {
                     break;
                 }
                 let Some(a) = answer(&agent, upstream, src, &query, true).await else {
@@ -357,15 +359,39 @@ async fn serve_tcp(agent: Arc<Agent>, upstream: Option<SocketAddrV4>, listener: 
                     break;
                 }
             }
-            let mut n = per_source.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(c) = n.get_mut(&src) {
-                *c -= 1;
-                if *c == 0 {
-                    n.remove(&src);
-                }
-            }
-            drop(permit);
+            drop((permit, held));
         });
+    }
+}
+
+/// Work in flight per source address (UDP queries, TCP connections).
+#[derive(Clone, Default)]
+struct PerSource(Arc<std::sync::Mutex<std::collections::HashMap<Ipv4Addr, usize>>>);
+
+/// One unit of a source's work; given back on drop.
+struct Held(PerSource, Ipv4Addr);
+
+impl PerSource {
+    fn take(&self, src: Ipv4Addr, max: usize) -> Option<Held> {
+        let mut n = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let c = n.entry(src).or_default();
+        if *c >= max {
+            return None;
+        }
+        *c += 1;
+        Some(Held(self.clone(), src))
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut n = (self.0).0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = n.get_mut(&self.1) {
+            *c -= 1;
+            if *c == 0 {
+                n.remove(&self.1);
+            }
+        }
     }
 }
 
