@@ -837,13 +837,17 @@ static __always_inline int hflow_alloc(const struct dp_hflow_key *hk, __u32 sand
  * sandbox's `guest_port`); its gateway-side port, or -1 when none is free. */
 static __always_inline int hflow_in(const struct dp_hflow_key *hk, __u32 sandbox_ip,
 				    __u32 tap_ifindex, __u16 guest_port, __u64 gen, __u8 kind,
-				    const struct l4info *l4, __u16 *gw_port)
+				    const struct l4info *l4, __u16 *gw_port, __u32 *peer)
 {
 	struct dp_hflow_val *hv = hflow_of(hk, sandbox_ip, gen);
-	if (hv && hv->guest_port == guest_port && hv->kind == kind) {
+	*peer = 0;
+	if (hv && hv->guest_port == guest_port &&
+	    (hv->kind == kind || (kind == DP_HF_GWDEV && hv->kind == DP_HF_PROXY))) {
 		hv->last_seen_ns = bpf_ktime_get_ns();
 		hv->state = tcp_state(hv->state, l4, DIR_IN);
 		*gw_port = hv->gw_port;
+		if (hv->kind == DP_HF_PROXY)
+			*peer = hv->peer_ip;
 		return 0;
 	}
 	if (hv)
@@ -1059,13 +1063,122 @@ static __always_inline int policy_allows(const struct dp_sandbox *sb, __u32 dst,
 	return !bpf_map_lookup_elem(&policy_deny, &pk);
 }
 
-/* DNS (53) and DNS over TLS (853) to anyone but the gateway: a sandbox
- * with domain rules resolves through the agent only. */
+/* DNS over TLS (853) to anyone but the gateway: a sandbox with domain
+ * rules resolves through the agent only (its DNS to port 53 anywhere goes
+ * to the agent's resolver: steer_to_agent). */
 static __always_inline int resolver_bypass(const struct dp_sandbox *sb, const struct l4info *l4)
 {
 	if (!(sb->flags & DP_F_DOMAINS) || l4->proto == IPPROTO_ICMP)
 		return 0;
 	return l4->dport == bpf_htons(53) || l4->dport == bpf_htons(853);
+}
+
+/* The agent's proxy port for a strict-mode sandbox's TCP flow to 80/443,
+ * or 0 when the flow does not go to the proxy. */
+static __always_inline __u16 proxy_port(const struct dp_sandbox *sb, const struct l4info *l4)
+{
+	if (!(sb->flags & DP_F_SNI) || l4->proto != IPPROTO_TCP)
+		return 0;
+	if (l4->dport == bpf_htons(443))
+		return bpf_htons(DP_PROXY_TLS_PORT);
+	if (l4->dport == bpf_htons(80))
+		return bpf_htons(DP_PROXY_HTTP_PORT);
+	return 0;
+}
+
+/* The guest's flow to remote:port goes to an agent socket instead: strict
+ * mode's TCP to 80/443 (the proxy), and DNS to anyone but the gateway of
+ * a sandbox with domain rules (UDP/TCP 53: the resolver). Delivered as
+ * sandbox IP -> gateway-device IP:`pport`, with the guest's source port
+ * (the agent's side is the hflow key; to_sandbox_ip sends the replies
+ * from remote:port). A TCP tuple whose agent-side key another live flow
+ * holds (the same source port to another address) is dropped; for UDP
+ * the newer flow takes the key. */
+static __always_inline int guest_to_proxy(struct __sk_buff *skb, const struct dp_config *c,
+					  const struct dp_sandbox *sb, const struct iphdr *ip,
+					  const struct l4info *l4, __u16 pport)
+{
+	struct dp_hflow_key hk = {
+		.saddr = c->host_ip,
+		.daddr = sb->sandbox_ip,
+		.sport = pport,
+		.dport = l4->sport,
+		.proto = l4->proto,
+	};
+	struct dp_hflow_val *hv = hflow_of(&hk, sb->sandbox_ip, sb->gen);
+	if (hv && (hv->kind != DP_HF_PROXY || hv->peer_ip != ip->daddr ||
+		   hv->gw_port != l4->dport)) {
+		int syn = (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
+		if (l4->proto == IPPROTO_TCP && !(syn && tcp_closed(hv->state))) {
+			count(DP_C_NO_GW_PORT);
+			sb_count(skb->ifindex, DP_S_NO_PORT);
+			return TC_ACT_SHOT;
+		}
+		hflow_drop(&hk, hv);
+		hv = NULL;
+	}
+	if (hv) {
+		hv->last_seen_ns = bpf_ktime_get_ns();
+		hv->state = tcp_state(hv->state, l4, DIR_OUT);
+	} else {
+		struct dp_hflow_val nv = {
+			.last_seen_ns = bpf_ktime_get_ns(),
+			.gen = sb->gen,
+			.sandbox_ip = sb->sandbox_ip,
+			.guest_port = l4->sport,
+			.gw_port = l4->dport,
+			.kind = DP_HF_PROXY,
+			.state = tcp_state(DP_TCP_OPEN, l4, DIR_OUT),
+			.peer_ip = ip->daddr,
+		};
+		bpf_map_update_elem(&hflow, &hk, &nv, BPF_ANY);
+		sb_count(skb->ifindex, DP_S_NEW_HOST);
+	}
+	if (set_addr(skb, IP_SRC_OFF, ip->saddr, sb->sandbox_ip, l4) ||
+	    set_addr(skb, IP_DST_OFF, ip->daddr, c->host_ip, l4) ||
+	    set_port(skb, dst_port_off(l4), l4->dport, pport, l4) ||
+	    set_macs(skb, c->gwdev_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	count(DP_C_HOST);
+	return bpf_redirect(c->gwdev_ifindex, BPF_F_INGRESS);
+}
+
+#define STEER_PASS 0x7fff
+
+/* The part of guest -> world for a sandbox with domain rules or strict
+ * mode: DNS (UDP/TCP 53) to anyone goes to the agent's resolver; with
+ * DP_F_SNI, TCP to 80/443 that no allowed CIDR covers goes to the proxy
+ * and UDP to 443 is dropped; STEER_PASS for anything else (on to the
+ * policy and SNAT). A global function: the verifier checks it once, not
+ * on every path of from_guest that reaches it. */
+__noinline int steer_to_agent(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!skb || !c)
+		return TC_ACT_SHOT;
+	__u32 ifindex = skb->ifindex;
+	struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
+	struct iphdr ip;
+	struct l4info l4;
+	if (!sb || parse_ipv4(skb, &ip, &l4))
+		return TC_ACT_SHOT;
+	if ((sb->flags & DP_F_DOMAINS) && l4.dport == bpf_htons(53) &&
+	    (l4.proto == IPPROTO_UDP || l4.proto == IPPROTO_TCP))
+		return guest_to_proxy(skb, c, sb, &ip, &l4, bpf_htons(53));
+	if (!(sb->flags & DP_F_SNI))
+		return STEER_PASS;
+	struct dp_policy_key pk = {.prefixlen = 64, .sandbox_ip = sb->sandbox_ip, .dst = ip.daddr};
+	if (bpf_map_lookup_elem(&policy_allow, &pk))
+		return STEER_PASS;
+	__u16 pport = proxy_port(sb, &l4);
+	if (pport)
+		return guest_to_proxy(skb, c, sb, &ip, &l4, pport);
+	if (l4.proto == IPPROTO_UDP && l4.dport == bpf_htons(443)) {
+		count(DP_C_POLICY_DROP);
+		sb_count(ifindex, DP_S_POLICY);
+		return TC_ACT_SHOT; /* QUIC: clients fall back to TCP */
+	}
+	return STEER_PASS;
 }
 
 /* guest -> world: SNAT after the policy check, or the reply side of a
@@ -1096,6 +1209,11 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	};
 	__u16 nat_port;
 	struct dp_ct_val *v = flow_of(&key, sb->gen);
+	if ((sb->flags & (DP_F_SNI | DP_F_DOMAINS)) && !(v && v->kind == DP_CT_PORTMAP)) {
+		int r = steer_to_agent(skb);
+		if (r != STEER_PASS)
+			return r;
+	}
 	if (!(v && v->kind == DP_CT_PORTMAP) &&
 	    (resolver_bypass(sb, l4) || !policy_allows(sb, ip->daddr, !v))) {
 		count(DP_C_POLICY_DROP);
@@ -1178,8 +1296,16 @@ int from_guest(struct __sk_buff *skb)
 		sb_count(ifindex, DP_S_SPOOFED);
 		return TC_ACT_SHOT;
 	}
-	if (ip.daddr == c->gateway_ip)
+	if (ip.daddr == c->gateway_ip) {
+		/* The proxy's ports take only what guest_to_proxy sends them. */
+		if (l4.proto == IPPROTO_TCP && (l4.dport == bpf_htons(DP_PROXY_TLS_PORT) ||
+						l4.dport == bpf_htons(DP_PROXY_HTTP_PORT))) {
+			count(DP_C_POLICY_DROP);
+			sb_count(ifindex, DP_S_POLICY);
+			return TC_ACT_SHOT;
+		}
 		return guest_to_host(skb, c, sb, &ip, &l4);
+	}
 	return guest_to_world(skb, c, sb, &ip, &l4);
 }
 
@@ -1345,6 +1471,7 @@ int to_sandbox_ip(struct __sk_buff *skb)
 	}
 	__u32 tap_ifindex = tap->ifindex;
 	__u64 gen = tap->gen;
+	__u32 peer = 0;
 	if (l4.proto == IPPROTO_TCP || l4.proto == IPPROTO_UDP) {
 		struct dp_hflow_key hk = {
 			.saddr = ip.saddr,
@@ -1354,15 +1481,17 @@ int to_sandbox_ip(struct __sk_buff *skb)
 			.proto = l4.proto,
 		};
 		__u16 gw_port;
-		if (hflow_in(&hk, dst, tap_ifindex, l4.dport, gen, DP_HF_GWDEV, &l4, &gw_port))
+		if (hflow_in(&hk, dst, tap_ifindex, l4.dport, gen, DP_HF_GWDEV, &l4, &gw_port,
+			     &peer))
 			return TC_ACT_SHOT;
 		if (set_port(skb, src_port_off(&l4), l4.sport, gw_port, &l4))
 			return TC_ACT_SHOT;
 	}
 	if (l4.first_frag)
 		frag_note(&ip, tap_ifindex, gen, c->gateway_ip, c->guest_ip);
+	/* A proxied flow's replies come from the address the guest dialled. */
 	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
-	    set_addr(skb, IP_SRC_OFF, ip.saddr, c->gateway_ip, &l4) ||
+	    set_addr(skb, IP_SRC_OFF, ip.saddr, peer ? peer : c->gateway_ip, &l4) ||
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
 	count(DP_C_TO_SANDBOX_IP);
@@ -1417,7 +1546,9 @@ int from_host(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	}
 	__u16 gw_port;
-	if (hflow_in(&hk, sandbox_ip, tap_ifindex, container_port, gen, DP_HF_LO, &l4, &gw_port))
+	__u32 peer;
+	if (hflow_in(&hk, sandbox_ip, tap_ifindex, container_port, gen, DP_HF_LO, &l4, &gw_port,
+		     &peer))
 		return TC_ACT_SHOT;
 	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
 	    set_addr(skb, IP_SRC_OFF, ip.saddr, c->gateway_ip, &l4) ||

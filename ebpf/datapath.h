@@ -42,6 +42,14 @@ struct dp_sandbox {
  * an address the agent's resolver learned for it (dns_learned), and DNS
  * or DNS-over-TLS to anyone but the gateway is dropped. */
 #define DP_F_DOMAINS 2u
+/* Strict egress (egress_mode "sni", docs/egress.md): the sandbox's new TCP
+ * flows to ports 80 and 443 that no allowed CIDR covers go to the agent's
+ * proxy (gateway-device address, DP_PROXY_*_PORT), which reads the TLS
+ * ClientHello or the HTTP Host and dials the name itself; UDP to 443
+ * (QUIC) is dropped so clients fall back to TCP. */
+#define DP_F_SNI 4u
+#define DP_PROXY_HTTP_PORT 15080 /* host order */
+#define DP_PROXY_TLS_PORT 15443  /* host order */
 
 /* (sandbox ip, destination) -> until when a new flow may start: written
  * by the agent's resolver before it answers. A flow that started keeps
@@ -156,10 +164,16 @@ struct dp_hflow_val {
 	__u16 gw_port;         /* the port the guest sees on 169.254.68.5 */
 	__u8 kind;             /* DP_HF_* */
 	__u8 state;            /* DP_TCP_* bits */
-	__u8 pad[6];
+	__u16 pad;
+	__u32 peer_ip;         /* DP_HF_PROXY: the address the guest dialled */
 }; /* 32 bytes */
 #define DP_HF_GWDEV 0     /* via the gateway device: to the sandbox IP, or the guest to the gateway */
 #define DP_HF_LO 1        /* via lo: the host to a mapped port */
+/* The guest's flow to peer_ip:gw_port (80/443), delivered to the agent's
+ * proxy as sandbox IP -> gateway-device IP:DP_PROXY_*_PORT (the key is the
+ * proxy's side); its replies go back from peer_ip:gw_port. No hrev entry:
+ * the guest's tuple gives the key. */
+#define DP_HF_PROXY 2
 /* The guest's side of a host flow: every one has a tuple of its own. */
 struct dp_hrev_key {
 	__u32 sandbox_ip;

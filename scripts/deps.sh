@@ -38,7 +38,8 @@
 #            into the venv /opt/cube-network-agent-test/venv (tests/metrics:
 #            io.systemd.Metrics through a foreign client).
 #            dnsmasq-base (the world's DNS server in tests/egress.rs) and
-#            bind9-dnsutils (dig, a real client in its container test).
+#            bind9-dnsutils (dig, a real client in its container test);
+#            openssl (the world's TLS server and s_client in strict mode).
 # Idempotent; needs root.
 set -euo pipefail
 runtime=(dbus-daemon iproute2 systemd socat)
@@ -46,7 +47,8 @@ build=(make clang-19 libbpf-dev)
 test=(qemu-system-x86 busybox-static tcpdump curl python3 polkitd iperf3 nftables golang-go
     golang-github-appc-cni-dev golang-github-containerd-go-cni-dev containernetworking-plugins
     containerd runc bpftool man-db groff-base zsh coreutils mount util-linux python3-dbus
-    python3-gi dbus-broker python3-prometheus-client python3-venv dnsmasq-base bind9-dnsutils)
+    python3-gi dbus-broker python3-prometheus-client python3-venv dnsmasq-base bind9-dnsutils
+    openssl)
 want=()
 for a in "$@"; do
     case $a in

@@ -210,6 +210,14 @@ async fn run(cfg: config::Config, passed: Vec<systemd::ListenFd>) -> Result<(), 
              sandboxes with domain rules resolve nothing"
         );
     }
+    // Strict egress's proxy (egress_mode "sni").
+    if let Err(e) = cube_network_agent::dns::proxy::serve(agent.clone(), upstream) {
+        warn!(
+            error = %e,
+            "proxy: strict egress cannot listen on the gateway address; \
+             strict-mode sandboxes reach nothing on ports 80 and 443"
+        );
+    }
     let _conn = dbus::serve(agent.clone(), &bus)
         .await
         .map_err(|e| error_chain(&e))?;

@@ -206,17 +206,23 @@ async fn only_allowed_names_are_reachable() {
     );
     // Learned (each check right after a fresh lookup, well within the
     // 2 s the address lasts), and still: no DNS but the agent's, no DNS
-    // over TLS, no address of another name.
+    // over TLS, no address of another name. DNS sent to any address is
+    // answered by the agent's resolver: REFUSED where dnsmasq would
+    // answer, and an allowed name where no resolver listens at all.
     assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).0, 0);
-    assert!(
-        g.udp_send_recv(
+    let straight = g
+        .udp_send_recv(
             SocketAddrV4::new(WORLD_IP, 53),
             &query(7, "denied.test", TYPE_A),
-            T
+            T,
         )
-        .is_err(),
-        "a query straight to the world's resolver"
-    );
+        .expect("a query straight to the world's resolver: the agent answers");
+    assert_eq!(parsed(&straight, "denied.test").0, 5, "REFUSED");
+    let nowhere = SocketAddrV4::new(Ipv4Addr::new(198, 51, 100, 77), 53);
+    let answered = g
+        .udp_send_recv(nowhere, &query(8, "www.allowed.test", TYPE_A), T)
+        .expect("a query to an address with no resolver: the agent answers");
+    assert_eq!(parsed(&answered, "www.allowed.test").2, vec![WORLD_IP]);
     assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).0, 0);
     assert!(!connects(&g, dot), "DNS over TLS (853)");
     assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).0, 0);
@@ -400,9 +406,14 @@ async fn a_container_reaches_allowed_names_with_dig_and_curl() {
     // answer; the other address hard-coded: no connection.
     let out = dig("denied.test");
     assert!(out.contains("status: REFUSED"), "{out}");
+    // A query to the world's resolver (or anywhere) is the agent's: dig
+    // takes the answer only from the address it asked (the datapath
+    // sends it back from there), over UDP and TCP.
     let out = dig("@198.51.100.2 denied.test");
+    assert!(out.contains("status: REFUSED"), "{out}");
+    let out = dig("+tcp @198.51.100.77 www.allowed.test");
     assert!(
-        out.contains("timed out") || out.contains("no servers could be reached"),
+        out.contains("status: NOERROR") && out.contains("198.51.100.2"),
         "{out}"
     );
     let out = curl(&format!("http://198.51.100.3:{}/", web.port()));
@@ -410,11 +421,212 @@ async fn a_container_reaches_allowed_names_with_dig_and_curl() {
         !out.contains("world:") && !out.ends_with(" rc=0\n"),
         "{out}"
     );
-    let out = cube_cni_del(&env, &ctr);
+    let out = cube_cni_del(&env, "c-dns", &ctr);
     assert!(out.ok, "{out:?}");
 }
 
-fn cube_cni_del(env: &common::Env, ctr: &Ctr) -> ctr::Out {
+/// `openssl s_server -www` in the world on 198.51.100.2:443 with a
+/// certificate for www.allowed.test, killed on drop.
+struct TlsServer(Child, std::path::PathBuf);
+
+impl Drop for TlsServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+        let _ = std::fs::remove_dir_all(&self.1);
+    }
+}
+
+fn tls_server(world: &World) -> TlsServer {
+    let dir = std::env::temp_dir().join(format!("cube-egress-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ok = Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        ])
+        .args(["-subj", "/CN=www.allowed.test", "-keyout"])
+        .arg(dir.join("key.pem"))
+        .arg("-out")
+        .arg(dir.join("cert.pem"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("openssl (Debian package openssl; .ci/run installs it)")
+        .success();
+    assert!(ok, "making a certificate");
+    let child = Command::new("ip")
+        .args([
+            "netns", "exec", &world.ns, "openssl", "s_server", "-quiet", "-www",
+        ])
+        .arg("-accept")
+        .arg(format!("{WORLD_IP}:443"))
+        .arg("-cert")
+        .arg(dir.join("cert.pem"))
+        .arg("-key")
+        .arg(dir.join("key.pem"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("openssl s_server");
+    let server = TlsServer(child, dir);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !world.run(|| std::net::TcpStream::connect(SocketAddrV4::new(WORLD_IP, 443)).is_ok()) {
+        assert!(Instant::now() < deadline, "s_server did not listen");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    server
+}
+
+/// Strict mode (`egressMode: "sni"`) with real clients in a container:
+/// TCP to 80/443 goes through the agent's proxy, which reads the TLS SNI
+/// or the HTTP Host and dials the name itself; anything else is reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_mode_checks_the_name_and_dials_it_itself() {
+    require_root!();
+    let (env, world) = node(&["--dns-upstream", "198.51.100.2"]);
+    second_world_address(&world);
+    let _dns = dnsmasq(&world);
+    let _tls = tls_server(&world);
+    world.tcp_server(80);
+    let probe = world.udp_echo(4443);
+    world.udp_echo(443);
+    let ctr = Ctr::new("sni");
+    ctr::add(
+        &env,
+        "c-sni",
+        &ctr,
+        serde_json::json!({
+            "allowOut": ["*.allowed.test"],
+            "denyOut": ["0.0.0.0/0"],
+            "egressMode": "sni",
+        }),
+    );
+    let dir = std::path::Path::new("/etc/netns").join(&ctr.name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let _conf = NetnsResolvConf(dir.clone());
+    std::fs::write(dir.join("resolv.conf"), "nameserver 169.254.68.5\n").unwrap();
+    let c = env.client().await;
+    let net = c.get("cni:c-sni:eth0").await.unwrap();
+    let mode = String::try_from(net["egress_mode"].try_clone().unwrap()).unwrap();
+    assert_eq!(mode, "sni");
+
+    let curl = |args: &str| {
+        ctr.sh(&format!(
+            "curl -sSk --http0.9 --connect-timeout 2 --max-time 5 {args} 2>&1; echo \" rc=$?\""
+        ))
+    };
+    let reset = |out: &str| out.contains("reset by peer") && !out.ends_with(" rc=0\n");
+    // TLS and HTTP to the allowed name, through the proxy.
+    let out = curl("https://www.allowed.test/");
+    assert!(
+        out.contains("s_server") && out.ends_with(" rc=0\n"),
+        "{out}"
+    );
+    let out = curl("http://www.allowed.test/");
+    assert!(
+        out.starts_with("world:GET /") && out.ends_with(" rc=0\n"),
+        "{out}"
+    );
+    let s_client = |target: &str, sni: &str| {
+        ctr.sh(&format!(
+            "echo | timeout 5 openssl s_client -connect {target} -servername {sni} 2>&1"
+        ))
+    };
+    let out = s_client("www.allowed.test:443", "www.allowed.test");
+    assert!(
+        out.contains("CN = www.allowed.test") && out.contains("CONNECTED"),
+        "{out}"
+    );
+    // The SNI of an unlisted name, no SNI (an address), a Host of an
+    // unlisted name: reset at once.
+    let out = s_client("198.51.100.2:443", "denied.test");
+    assert!(
+        out.contains("errno=104") || out.contains("reset by peer"),
+        "{out}"
+    );
+    let out = curl("--resolve denied.test:443:198.51.100.2 https://denied.test/");
+    assert!(reset(&out), "{out}");
+    let out = curl("https://198.51.100.2/");
+    assert!(reset(&out), "{out}");
+    let out = curl("-H 'Host: denied.test' http://www.allowed.test/");
+    assert!(reset(&out), "{out}");
+    // An allowed SNI or Host sent to another address (nothing listens on
+    // 198.51.100.3:443; its port 80 is the world's server too): the proxy
+    // dials the name, not the address the client picked.
+    let out = curl("--resolve www.allowed.test:443:198.51.100.3 https://www.allowed.test/");
+    assert!(
+        out.contains("s_server") && out.ends_with(" rc=0\n"),
+        "{out}"
+    );
+    let peers_before = world.peers(80).len();
+    let out = curl("--resolve www.allowed.test:80:198.51.100.3 http://www.allowed.test/");
+    assert!(out.starts_with("world:GET /"), "{out}");
+    let peers = world.peers(80);
+    assert_eq!(peers.len(), peers_before + 1, "{peers:?}");
+    // UDP to 443 (QUIC) is dropped; another port of the learned address
+    // is not (DNS mode still applies).
+    let udp = |port: u16| {
+        ctr.sh(&format!(
+            "bash -c 'for i in 1 2 3; do echo q > /dev/udp/198.51.100.2/{port}; done'"
+        ))
+    };
+    udp(4443);
+    udp(443);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !world.peers(probe.port()).is_empty(),
+        "the control datagram did not arrive"
+    );
+    assert!(world.peers(443).is_empty(), "UDP to 443 went out");
+    // Counted with the sandbox's refused names, and in Health.
+    let refused = c.traffic("cni:c-sni:eth0").await["dns_refused"];
+    assert!(refused >= 4, "refused {refused}");
+    let (healthy, checks) = c.health().await;
+    let proxy = checks
+        .iter()
+        .find(|c| c.0 == "egress_proxy")
+        .expect("egress_proxy");
+    assert!(
+        healthy && proxy.1 && proxy.2.contains("1 sandboxes in strict"),
+        "{proxy:?}"
+    );
+    let out = cube_cni_del(&env, "c-sni", &ctr);
+    assert!(out.ok, "{out:?}");
+
+    // A TAP guest: the same through the datapath's TAP side, and a
+    // converge to DNS mode takes the proxy away for new flows at once.
+    let strict = |mode: &str| {
+        let mut o = domain_opts(&["*.allowed.test"], &["0.0.0.0/0"]);
+        o.insert(
+            "egress_mode".into(),
+            Value::from(mode).try_to_owned().unwrap(),
+        );
+        o
+    };
+    let (_, g) = guest_for(&c, "sni-g", strict("sni")).await;
+    assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).2, vec![WORLD_IP]);
+    let web = SocketAddrV4::new(WORLD_IP, 80);
+    let get = |host: &str| {
+        g.tcp_connect_send_recv(
+            web,
+            format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes(),
+            T,
+        )
+    };
+    let ok = get("www.allowed.test").expect("an allowed Host through the proxy");
+    assert!(
+        ok.starts_with(b"world:GET / "),
+        "{}",
+        String::from_utf8_lossy(&ok)
+    );
+    assert!(get("denied.test").is_err(), "a denied Host is reset");
+    c.ensure("sni-g", strict("dns")).await.unwrap();
+    let direct = get("denied.test").expect("DNS mode: the learned address, any Host");
+    assert!(direct.starts_with(b"world:GET / "));
+    assert!(c.release("sni-g").await.unwrap());
+}
+
+fn cube_cni_del(env: &common::Env, cid: &str, ctr: &Ctr) -> ctr::Out {
     let conf = serde_json::json!({
         "cniVersion": "1.0.0",
         "name": "cube",
@@ -425,7 +637,7 @@ fn cube_cni_del(env: &common::Env, ctr: &Ctr) -> ctr::Out {
         env,
         &[
             ("CNI_COMMAND", "DEL"),
-            ("CNI_CONTAINERID", "c-dns"),
+            ("CNI_CONTAINERID", cid),
             ("CNI_NETNS", &ctr.path()),
             ("CNI_IFNAME", "eth0"),
             ("CNI_PATH", "/opt/cni/bin"),

@@ -37,6 +37,19 @@ struct Sandbox {
     id: String,
     /// `None`: no domain rules.
     patterns: Option<Arc<Patterns>>,
+    /// Strict mode (`egress_mode` "sni"): TCP to 80/443 via the proxy.
+    strict: bool,
+}
+
+/// What the proxy does with one connection of strict mode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProxyDecision {
+    /// Not a strict-mode sandbox's address: reset.
+    Stranger,
+    /// The name is allowed: dial it.
+    Dial { sandbox_id: String },
+    /// Not allowed (or no name): reset (logged and counted).
+    Refuse { sandbox_id: String },
 }
 
 /// One learned destination: until when, and for which name.
@@ -56,6 +69,13 @@ pub struct Egress {
     /// The resolver's sockets: `None` until `dns::serve` ran, then where
     /// it listens (and its upstream) or why it cannot.
     status: Mutex<Option<Result<String, String>>>,
+    /// The same for strict mode's proxy.
+    proxy_status: Mutex<Option<Result<String, String>>>,
+    /// Connections the proxy reset (no name, or a name not allowed).
+    pub proxy_refused: AtomicU64,
+    /// The proxy's last connection out was refused by the service's IP
+    /// filter (systemd's IPAddressDeny=): EPERM from connect.
+    proxy_filtered: std::sync::atomic::AtomicBool,
 }
 
 fn v4(ip: IpAddr) -> Option<Ipv4Addr> {
@@ -74,7 +94,9 @@ impl Egress {
         };
         let patterns = Patterns::from_lists(&rec.allow_out, &rec.deny_out);
         let patterns = (!patterns.is_empty()).then(|| Arc::new(patterns));
-        let same = |s: &Sandbox| s.id == rec.sandbox_id && s.patterns == patterns;
+        let strict = !rec.egress_mode.is_dns();
+        let same =
+            |s: &Sandbox| s.id == rec.sandbox_id && s.patterns == patterns && s.strict == strict;
         // Most view updates (ensure replies, fd held, Reconcile) change
         // neither: a shared lock is enough to see that.
         let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
@@ -91,6 +113,7 @@ impl Egress {
             Sandbox {
                 id: rec.sandbox_id.clone(),
                 patterns: patterns.clone(),
+                strict,
             },
         );
         drop(sandboxes);
@@ -198,6 +221,24 @@ impl Egress {
         }
     }
 
+    fn proxy_decide(&self, src: Ipv4Addr, name: Option<&str>) -> ProxyDecision {
+        let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
+        let Some(sb) = sandboxes.get(&src).filter(|s| s.strict) else {
+            return ProxyDecision::Stranger;
+        };
+        let allowed = name.is_some_and(|n| {
+            sb.patterns
+                .as_ref()
+                .is_none_or(|p| p.verdict(n) == Verdict::Allow)
+        });
+        let sandbox_id = sb.id.clone();
+        if allowed {
+            ProxyDecision::Dial { sandbox_id }
+        } else {
+            ProxyDecision::Refuse { sandbox_id }
+        }
+    }
+
     /// Records what was learned; returns the destinations evicted to stay
     /// within [`MAX_LEARNED_PER_SANDBOX`].
     fn note(&self, src: Ipv4Addr, name: &str, addrs: &[(Ipv4Addr, Duration)]) -> Vec<Ipv4Addr> {
@@ -263,6 +304,101 @@ impl Agent {
             self.egress.evicted.load(Ordering::Relaxed)
         );
         ("dns_resolver".into(), ok, detail)
+    }
+
+    /// What `dns::proxy::serve` made of the proxy's sockets, for Health.
+    pub fn proxy_status(&self, status: Result<String, String>) {
+        *self
+            .egress
+            .proxy_status
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(status);
+    }
+
+    /// Health's `egress_proxy`: false when a strict-mode sandbox has no
+    /// proxy to go through (its TCP to 80/443 would go nowhere).
+    pub(super) fn proxy_check(&self) -> (String, bool, String) {
+        let strict = self
+            .egress
+            .sandboxes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter(|s| s.strict)
+            .count();
+        let status = self
+            .egress
+            .proxy_status
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let (ok, what) = match status {
+            None => (strict == 0, "starting".to_owned()),
+            Some(Ok(_)) if self.egress.proxy_filtered.load(Ordering::Relaxed) => (
+                strict == 0,
+                "the service's IP filter refuses the proxy's connections \
+                 (IPAddressDeny=): add IPAddressAllow=any in a drop-in"
+                    .to_owned(),
+            ),
+            Some(Ok(at)) => (true, at),
+            Some(Err(e)) => (strict == 0, format!("not serving: {e}")),
+        };
+        let detail = format!(
+            "{what}; {strict} sandboxes in strict (sni) mode; {} connections reset",
+            self.egress.proxy_refused.load(Ordering::Relaxed)
+        );
+        ("egress_proxy".into(), ok, detail)
+    }
+
+    /// What to do with a strict-mode connection from `src` that named
+    /// `name` (TLS SNI or HTTP Host; `None`: it named nothing usable).
+    /// A refusal is logged and counted (with the sandbox's refused names).
+    pub fn proxy_decide(&self, src: Ipv4Addr, name: Option<&str>) -> ProxyDecision {
+        let d = self.egress.proxy_decide(src, name);
+        if let ProxyDecision::Refuse { sandbox_id } = &d {
+            self.egress.proxy_refused.fetch_add(1, Ordering::Relaxed);
+            *self
+                .egress
+                .refused_by
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(src)
+                .or_default() += 1;
+            info!(
+                sandbox_id = sandbox_id.as_str(),
+                name = name.unwrap_or("(none)"),
+                "proxy: connection reset: the name is not allowed (strict egress)"
+            );
+        }
+        d
+    }
+
+    /// How the proxy's last connection out went: refused by the service's
+    /// IP filter (`filtered`), or not.
+    pub fn proxy_dialled(&self, filtered: bool) {
+        let was = self.egress.proxy_filtered.swap(filtered, Ordering::Relaxed);
+        if filtered && !was {
+            warn!(
+                "proxy: the service's IP filter (IPAddressDeny=) refuses connections to \
+                 allowed names; strict-mode sandboxes need IPAddressAllow=any in a drop-in"
+            );
+        }
+    }
+
+    /// Whether `src` is a strict-mode sandbox's address (the proxy serves
+    /// nobody else).
+    pub fn proxy_serves(&self, src: Ipv4Addr) -> bool {
+        self.egress
+            .sandboxes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&src)
+            .is_some_and(|s| s.strict)
+    }
+
+    /// The agent's own pool: never a destination the proxy dials.
+    pub fn pool_contains(&self, ip: Ipv4Addr) -> bool {
+        self.d.pool.contains(ip)
     }
 
     /// The device a sandbox's query arrives on (the gateway device).

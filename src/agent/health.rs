@@ -257,6 +257,7 @@ impl Agent {
         checks.push(self.tap_fd_check());
         checks.push(self.veth_check());
         checks.push(self.resolver_check());
+        checks.push(self.proxy_check());
         let dp = self.datapath.clone();
         checks.extend(super::off_worker(move || dp.checks()).await);
         checks.extend(filters);

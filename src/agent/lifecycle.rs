@@ -202,6 +202,7 @@ impl Agent {
             idempotency_key: spec.idempotency_key,
             created_unix: now_unix(),
             attach: spec.attach.record(),
+            egress_mode: spec.egress_mode,
         };
         let netns = match &spec.attach {
             Attach::Veth { netns, .. } => Some(netns),
@@ -610,6 +611,7 @@ impl Agent {
         rec.metadata = spec.metadata;
         rec.mtu = spec.mtu.unwrap_or(self.cfg.mtu);
         rec.idempotency_key = spec.idempotency_key;
+        rec.egress_mode = spec.egress_mode;
         if rec == net.rec {
             return Ok(Ensured::Unchanged);
         }

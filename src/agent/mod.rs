@@ -117,6 +117,7 @@ fn sandbox_path(rec: &NetworkRecord, ifindex: u32) -> SandboxPath<'_> {
         allow_internet_access: rec.allow_internet_access,
         allow_out: &rec.allow_out,
         deny_out: &rec.deny_out,
+        strict_egress: !rec.egress_mode.is_dns(),
     }
 }
 

@@ -179,6 +179,7 @@ mod tests {
             idempotency_key: None,
             created_unix: created,
             attach: Default::default(),
+            egress_mode: Default::default(),
         }
     }
 

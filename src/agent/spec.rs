@@ -68,6 +68,46 @@ pub struct NetworkSpec {
     pub mtu: Option<u32>,
     /// What carries the sandbox's traffic on the host (default: a TAP).
     pub attach: Attach,
+    /// How names in `allow_out`/`deny_out` are enforced (default: DNS).
+    pub egress_mode: EgressMode,
+}
+
+/// How a sandbox's egress by name is enforced (docs/egress.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EgressMode {
+    /// The agent's resolver learns the addresses of allowed names; new
+    /// flows may go to those (and to allowed CIDRs).
+    #[default]
+    Dns,
+    /// DNS mode, and TCP to ports 80 and 443 goes through the agent's
+    /// proxy, which checks the TLS SNI or HTTP Host and dials the name
+    /// itself; UDP to 443 (QUIC) is dropped.
+    Sni,
+}
+
+impl EgressMode {
+    /// Parses the wire value of the option `field` ("dns" or "sni").
+    pub fn parse(field: &str, value: &str) -> Result<Self, AgentError> {
+        match value {
+            "dns" => Ok(EgressMode::Dns),
+            "sni" => Ok(EgressMode::Sni),
+            other => Err(invalid(format!(
+                "{field}: '{other}' is not an egress mode (use 'dns' or 'sni')"
+            ))),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EgressMode::Dns => "dns",
+            EgressMode::Sni => "sni",
+        }
+    }
+
+    pub fn is_dns(&self) -> bool {
+        *self == EgressMode::Dns
+    }
 }
 
 /// How a sandbox is attached to the node.
@@ -444,6 +484,9 @@ pub struct NetworkRecord {
     /// TAP (the default, and what older records mean) or veth.
     #[serde(default, skip_serializing_if = "AttachRecord::is_tap")]
     pub attach: AttachRecord,
+    /// DNS (the default, and what older records mean) or SNI.
+    #[serde(default, skip_serializing_if = "EgressMode::is_dns")]
+    pub egress_mode: EgressMode,
 }
 
 impl NetworkRecord {
@@ -647,6 +690,7 @@ mod tests {
             idempotency_key: Some("req-1".into()),
             created_unix: 1,
             attach: Default::default(),
+            egress_mode: EgressMode::Sni,
         };
         let bytes = rec.to_bytes();
         assert_eq!(NetworkRecord::from_bytes("sbx-1", &bytes).unwrap(), rec);

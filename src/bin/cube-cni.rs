@@ -384,6 +384,9 @@ async fn add(env: &Env, conf: &NetConf) -> Result<Value, CniError> {
     if let Some(mtu) = conf.mtu {
         opts.insert("mtu", ZValue::from(mtu));
     }
+    if let Some(mode) = &conf.egress_mode {
+        opts.insert("egress_mode", ZValue::from(mode.as_str()));
+    }
     let net: Dict = agent.call("EnsureNetwork", &(id.as_str(), opts)).await?;
     let f = facts(&net)?;
     let gw_mac: String = field(&net, "gateway_mac")?;

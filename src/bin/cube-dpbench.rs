@@ -565,6 +565,7 @@ fn load_ebpf(topo: &Topo, snat_port_range: Option<&str>) -> Result<Loaded> {
             allow_internet_access: true,
             allow_out: &[],
             deny_out: &[],
+            strict_egress: false,
         })
     })?
     .map_err(|e| format!("attaching the sandbox to n0: {e}"))?;

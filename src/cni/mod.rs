@@ -150,6 +150,8 @@ pub struct NetConf {
     pub allow_internet_access: Option<bool>,
     pub allow_out: Vec<String>,
     pub deny_out: Vec<String>,
+    /// `egressMode`: "dns" or "sni" (checked by the agent).
+    pub egress_mode: Option<String>,
     pub dns: Option<Value>,
     pub port_mappings: Vec<PortMapping>,
     pub prev_result: Option<Value>,
@@ -181,6 +183,7 @@ const PLUGIN_KEYS: &[&str] = &[
     "allowInternetAccess",
     "allowOut",
     "denyOut",
+    "egressMode",
 ];
 
 fn config_err(msg: String) -> CniError {
@@ -304,6 +307,11 @@ impl NetConf {
             .map(|v| string_list("denyOut", v))
             .transpose()?
             .unwrap_or_default();
+        let egress_mode = match obj.get("egressMode") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(v) => return Err(config_err(format!("egressMode: {v} is not a string"))),
+        };
         let dns = obj.get("dns").cloned();
         let port_mappings = match obj.get("runtimeConfig").and_then(|r| r.get("portMappings")) {
             None | Some(Value::Null) => vec![],
@@ -323,6 +331,7 @@ impl NetConf {
             allow_internet_access,
             allow_out,
             deny_out,
+            egress_mode,
             dns,
             port_mappings,
             prev_result,

@@ -986,6 +986,9 @@ impl EbpfDatapath {
         if sb.has_domain_rules() {
             flags |= DP_F_DOMAINS;
         }
+        if sb.strict_egress {
+            flags |= DP_F_SNI;
+        }
         let entry = DpSandbox {
             sandbox_ip: ip,
             flags,

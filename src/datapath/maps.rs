@@ -33,6 +33,11 @@ pub const DP_F_INTERNET: u32 = 1;
 /// The sandbox has domain rules: addresses in `dns_learned` are allowed
 /// for new flows, DNS and DoT to others than the gateway dropped.
 pub const DP_F_DOMAINS: u32 = 2;
+/// Strict egress (`egress_mode` "sni"): TCP to 80/443 goes to the proxy.
+pub const DP_F_SNI: u32 = 4;
+/// The proxy's ports on the gateway-device address (ebpf/datapath.h).
+pub const DP_PROXY_HTTP_PORT: u16 = 15080;
+pub const DP_PROXY_TLS_PORT: u16 = 15443;
 
 /// `dns_learned` key: (sandbox ip, destination), network byte order.
 #[repr(C)]
@@ -177,7 +182,9 @@ pub struct DpHflowVal {
     pub gw_port: u16,
     pub kind: u8,
     pub state: u8,
-    pub pad: [u8; 6],
+    pub pad: u16,
+    /// `DP_HF_PROXY`: the address the guest dialled (network order).
+    pub peer_ip: u32,
 }
 
 /// The guest's side of a host flow.

@@ -29,6 +29,8 @@ pub struct SandboxPath<'a> {
     pub allow_internet_access: bool,
     pub allow_out: &'a [String],
     pub deny_out: &'a [String],
+    /// Strict egress (`egress_mode` "sni"): TCP to 80/443 via the proxy.
+    pub strict_egress: bool,
 }
 
 impl SandboxPath<'_> {

@@ -18,7 +18,7 @@ use zbus::object_server::SignalEmitter;
 use zbus::zvariant::{OwnedObjectPath, OwnedValue, Value};
 use zbus::{Connection, DBusError, fdo, interface};
 
-use crate::agent::spec::{Attach, AttachRecord, Expect, NetworkSpec, PortMapping};
+use crate::agent::spec::{Attach, AttachRecord, EgressMode, Expect, NetworkSpec, PortMapping};
 use crate::agent::{Agent, AgentError, NetworkInfo, ReconcileReport};
 use crate::auth::{Action, AuthError, Authority};
 use crate::config::BusChoice;
@@ -171,6 +171,7 @@ pub const OPTION_KEYS: &[&str] = &[
     "attach",
     "netns_fd",
     "ifname",
+    "egress_mode",
 ];
 
 fn bad(msg: String) -> AgentError {
@@ -235,6 +236,9 @@ pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpe
             "attach" => attach = Some(typed(key, v, "s")?),
             "ifname" => ifname = Some(typed(key, v, "s")?),
             "netns_fd" => netns = Some(fd_option(key, v)?),
+            "egress_mode" => {
+                spec.egress_mode = EgressMode::parse(key, &typed::<String>(key, v, "s")?)?
+            }
             other => {
                 return Err(bad(format!(
                     "unknown option '{other}' (known: {})",
@@ -392,6 +396,7 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
         put("idempotency_key", Value::from(k));
     }
     put("attach", Value::from(r.attach.name()));
+    put("egress_mode", Value::from(r.egress_mode.as_str()));
     if let AttachRecord::Veth { ifname, netns } = r.attach {
         put("ifname", Value::from(ifname));
         if let Some(ns) = netns {

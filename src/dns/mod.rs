@@ -6,6 +6,8 @@
 //! rules, has the answer's addresses learned ([`Agent::dns_learn`])
 //! before the answer is sent on.
 
+pub mod proxy;
+
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::Arc;
 use std::time::Duration;

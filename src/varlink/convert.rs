@@ -6,7 +6,7 @@
 use serde_json::{Map, Value, json};
 
 use super::Failure;
-use crate::agent::spec::{Expect, NetworkSpec, PortMapping};
+use crate::agent::spec::{EgressMode, Expect, NetworkSpec, PortMapping};
 use crate::agent::{AgentError, NetworkInfo, ReconcileReport};
 use crate::datapath::Check;
 
@@ -115,6 +115,10 @@ pub fn options(v: Option<&Value>) -> Result<NetworkSpec, Failure> {
             }
             "idempotency_key" => spec.idempotency_key = Some(as_string(v, key)?),
             "mtu" => spec.mtu = Some(as_uint(v, key)?),
+            "egress_mode" => {
+                spec.egress_mode =
+                    EgressMode::parse(key, &as_string(v, key)?).map_err(|_| invalid(key))?
+            }
             other => return Err(invalid(other)),
         }
     }
@@ -190,6 +194,7 @@ pub fn network(info: NetworkInfo) -> Value {
         "allow_internet_access": r.allow_internet_access,
         "allow_out": r.allow_out,
         "deny_out": r.deny_out,
+        "egress_mode": r.egress_mode.as_str(),
         "metadata": r.metadata,
         "routes": info.routes.into_iter().map(|(destination, gateway, device)| {
             json!({"destination": destination, "gateway": gateway, "device": device})

@@ -86,6 +86,7 @@ pub struct EnsureOpts {
     pub ports: Vec<PortArg>,
     pub allow_out: Vec<String>,
     pub deny_out: Vec<String>,
+    pub egress_mode: Option<String>,
     pub no_internet: bool,
     pub mtu: Option<u32>,
     pub metadata: Vec<(String, String)>,
@@ -132,6 +133,7 @@ struct RawEnsure {
     ports: Vec<String>,
     allow_out: Vec<String>,
     deny_out: Vec<String>,
+    egress_mode: Option<String>,
     no_internet: bool,
     mtu: Option<String>,
     metadata: Vec<String>,
@@ -143,6 +145,7 @@ pub const ENSURE_FLAGS: &[&str] = &[
     "--port",
     "--allow-out",
     "--deny-out",
+    "--egress-mode",
     "--no-internet",
     "--mtu",
     "--metadata",
@@ -228,6 +231,7 @@ fn build_ensure(raw: RawEnsure) -> Res<EnsureOpts> {
     let mut o = EnsureOpts {
         allow_out: raw.allow_out,
         deny_out: raw.deny_out,
+        egress_mode: raw.egress_mode,
         no_internet: raw.no_internet,
         idempotency_key: raw.idempotency_key,
         ..EnsureOpts::default()
@@ -355,6 +359,7 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
                 "--port" if is_ensure => raw.ports.push(value(inline)?),
                 "--allow-out" if is_ensure => raw.allow_out.push(value(inline)?),
                 "--deny-out" if is_ensure => raw.deny_out.push(value(inline)?),
+                "--egress-mode" if is_ensure => raw.egress_mode = Some(value(inline)?),
                 "--no-internet" if is_ensure => {
                     no_value(&inline)?;
                     raw.no_internet = true;

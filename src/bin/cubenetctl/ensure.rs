@@ -34,6 +34,9 @@ fn options(o: &EnsureOpts) -> HashMap<&'static str, Value<'static>> {
     if !o.deny_out.is_empty() {
         m.insert("deny_out", Value::from(o.deny_out.clone()));
     }
+    if let Some(mode) = &o.egress_mode {
+        m.insert("egress_mode", Value::from(mode.clone()));
+    }
     if o.no_internet {
         m.insert("allow_internet_access", Value::from(false));
     }
@@ -77,6 +80,7 @@ pub fn explain(o: &EnsureOpts, msg: &str) -> String {
             "metadata" if !o.metadata.is_empty() => Some("--metadata".into()),
             "idempotency_key" if o.idempotency_key.is_some() => Some("--idempotency-key".into()),
             "mtu" => o.mtu.map(|m| format!("--mtu {m}")),
+            "egress_mode" => o.egress_mode.as_ref().map(|m| format!("--egress-mode {m}")),
             _ => None,
         }
     };

@@ -53,8 +53,12 @@ converges it (same address and TAP). Errors name the option, e.g.
                           agent picks one; HOSTIP empty: the agent's default
                           bind address.
                           e.g. --port tcp:80  --port udp:53:25053:127.0.0.1
-  --allow-out=CIDR        Allow egress to CIDR (repeatable)
-  --deny-out=CIDR         Deny egress to CIDR (repeatable)
+  --allow-out=CIDR|NAME   Allow egress to CIDR, or a domain pattern
+                          (example.com, *.example.com) (repeatable)
+  --deny-out=CIDR|NAME    Deny egress to CIDR or NAME (repeatable)
+  --egress-mode=MODE      dns (default) or sni: TCP to 80/443 also goes
+                          through the agent's proxy, which checks the TLS
+                          SNI or HTTP Host against the names
   --no-internet           No internet access
   --mtu=N                 TAP MTU (default: the agent's)
   --metadata=KEY=VALUE    Attach metadata (repeatable)

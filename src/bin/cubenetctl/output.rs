@@ -368,6 +368,7 @@ pub const NETWORK_FIELDS: &[(&str, &str)] = &[
     ("allow_internet_access", "Internet"),
     ("allow_out", "Allow out"),
     ("deny_out", "Deny out"),
+    ("egress_mode", "Egress mode"),
     ("routes", "Routes"),
     ("arp_neighbors", "ARP neighbors"),
     ("metadata", "Metadata"),

@@ -1,0 +1,447 @@
+//! Strict egress (`egress_mode` "sni", docs/egress.md): a strict-mode
+//! sandbox's TCP to ports 80 and 443 arrives here (the datapath sends it
+//! to the gateway-device address, ports `DP_PROXY_HTTP_PORT` and
+//! `DP_PROXY_TLS_PORT`, and sends the replies back from the address the
+//! guest dialled). The proxy reads the TLS ClientHello's server name or
+//! the HTTP request's Host, checks it against the sandbox's patterns,
+//! resolves it itself (never a private, loopback, link-local or pool
+//! address), connects to it and splices. Anything else is reset at once.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::AsyncReadExt;
+use tokio::net::{TcpListener, TcpStream};
+use tracing::{debug, info, warn};
+
+use super::{PerSource, TYPE_A, answer_addrs, encode_query, forward};
+use crate::agent::Agent;
+use crate::agent::egress::ProxyDecision;
+use crate::datapath::maps::{DP_PROXY_HTTP_PORT, DP_PROXY_TLS_PORT};
+
+/// The most a client may send before it names the host (a ClientHello
+/// across records, or an HTTP request head).
+pub const MAX_HELLO: usize = 16 * 1024;
+/// How long a client has to send that.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections at once, in all and per sandbox.
+const MAX_CONNS: usize = 4096;
+const MAX_CONNS_PER_SOURCE: usize = 256;
+
+/// What the first bytes of a connection named.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Hello {
+    /// Not enough bytes yet.
+    More,
+    /// The name (lowercase, no trailing dot), or `None` when the client
+    /// named none that can be dialled (no SNI, an address, garbage).
+    Done(Option<String>),
+}
+
+/// A host name as the patterns take it, or `None` for an address or a
+/// malformed name.
+fn host_name(raw: &[u8]) -> Option<String> {
+    let s = std::str::from_utf8(raw).ok()?;
+    let s = s.strip_suffix('.').unwrap_or(s).to_ascii_lowercase();
+    let ok = !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
+        && s.parse::<Ipv4Addr>().is_err()
+        && !s.bytes().all(|b| b.is_ascii_digit() || b == b'.');
+    ok.then_some(s)
+}
+
+/// The server name of a TLS ClientHello (records of type handshake,
+/// possibly several), RFC 8446 4.1.2 and RFC 6066 3.
+pub fn tls_server_name(buf: &[u8]) -> Hello {
+    // The handshake bytes, across records.
+    let mut hs = Vec::new();
+    let mut at = 0;
+    while at + 5 <= buf.len() {
+        if buf[at] != 22 {
+            return Hello::Done(None);
+        }
+        let len = usize::from(u16::from_be_bytes([buf[at + 3], buf[at + 4]]));
+        if at + 5 + len > buf.len() {
+            break;
+        }
+        hs.extend_from_slice(&buf[at + 5..at + 5 + len]);
+        at += 5 + len;
+    }
+    if buf.first().is_some_and(|&t| t != 22) {
+        return Hello::Done(None);
+    }
+    if hs.len() < 4 {
+        return Hello::More;
+    }
+    if hs[0] != 1 {
+        return Hello::Done(None); // not a ClientHello
+    }
+    let body_len = (usize::from(hs[1]) << 16) | (usize::from(hs[2]) << 8) | usize::from(hs[3]);
+    if body_len + 4 > MAX_HELLO {
+        return Hello::Done(None);
+    }
+    if hs.len() < 4 + body_len {
+        return Hello::More;
+    }
+    Hello::Done(client_hello_sni(&hs[4..4 + body_len]))
+}
+
+fn client_hello_sni(b: &[u8]) -> Option<String> {
+    let u16_at = |at: usize| -> Option<usize> {
+        Some(usize::from(u16::from_be_bytes([
+            *b.get(at)?,
+            *b.get(at + 1)?,
+        ])))
+    };
+    // version, random
+    let mut at = 2 + 32;
+    at += 1 + usize::from(*b.get(at)?); // session id
+    at += 2 + u16_at(at)?; // cipher suites
+    at += 1 + usize::from(*b.get(at)?); // compression methods
+    let ext_end = at + 2 + u16_at(at)?;
+    at += 2;
+    if ext_end > b.len() {
+        return None;
+    }
+    while at + 4 <= ext_end {
+        let (kind, len) = (u16_at(at)?, u16_at(at + 2)?);
+        at += 4;
+        if at + len > ext_end {
+            return None;
+        }
+        if kind == 0 {
+            // server_name: a list of (type, name); host_name is type 0.
+            let list = b.get(at..at + len)?;
+            let mut i = 2;
+            while i + 3 <= list.len() {
+                let n = usize::from(u16::from_be_bytes([list[i + 1], list[i + 2]]));
+                let name = list.get(i + 3..i + 3 + n)?;
+                if list[i] == 0 {
+                    return host_name(name);
+                }
+                i += 3 + n;
+            }
+            return None;
+        }
+        at += len;
+    }
+    None
+}
+
+/// The Host of an HTTP/1 request head (RFC 9112 3.2), without its port.
+pub fn http_host(buf: &[u8]) -> Hello {
+    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return if buf.len() >= MAX_HELLO {
+            Hello::Done(None)
+        } else {
+            Hello::More
+        };
+    };
+    let head = &buf[..end];
+    let mut hosts = head.split(|&c| c == b'\n').skip(1).filter_map(|line| {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let colon = line.iter().position(|&c| c == b':')?;
+        line[..colon]
+            .eq_ignore_ascii_case(b"host")
+            .then(|| line[colon + 1..].trim_ascii())
+    });
+    let (Some(host), None) = (hosts.next(), hosts.next()) else {
+        return Hello::Done(None); // none, or two (which one would the server take?)
+    };
+    let name = match host.iter().rposition(|&c| c == b':') {
+        Some(i) if host[i + 1..].iter().all(u8::is_ascii_digit) => &host[..i],
+        _ => host,
+    };
+    Hello::Done(host_name(name))
+}
+
+/// Whether the proxy may dial `ip` for a sandbox: a public address, not
+/// the node's own nor another sandbox's.
+fn dialable(agent: &Agent, ip: Ipv4Addr) -> bool {
+    let o = ip.octets();
+    !(ip.is_private()
+        || ip.is_loopback()
+        || ip.is_link_local()
+        || ip.is_unspecified()
+        || ip.is_broadcast()
+        || ip.is_multicast()
+        || o[0] == 0
+        || o[0] >= 240
+        || (o[0] == 100 && (64..128).contains(&o[1]))
+        || agent.pool_contains(ip))
+}
+
+/// Binds both ports on the gateway-device address and serves them; the
+/// outcome goes to Health (`egress_proxy`).
+pub fn serve(agent: Arc<Agent>, upstream: Option<SocketAddrV4>) -> std::io::Result<()> {
+    let ip = agent.resolver_address();
+    let bound = (|| {
+        let mut listeners = vec![];
+        for (port, dial) in [(DP_PROXY_TLS_PORT, 443), (DP_PROXY_HTTP_PORT, 80)] {
+            let l = std::net::TcpListener::bind(SocketAddrV4::new(ip, port))?;
+            l.set_nonblocking(true)?;
+            listeners.push((TcpListener::from_std(l)?, dial));
+        }
+        Ok::<_, std::io::Error>(listeners)
+    })();
+    let at = format!("{ip}:{DP_PROXY_TLS_PORT} (TLS), {ip}:{DP_PROXY_HTTP_PORT} (HTTP)");
+    agent.proxy_status(match (&bound, upstream) {
+        (Ok(_), Some(_)) => Ok(format!("listening on {at}")),
+        (Ok(_), None) => Err(format!(
+            "listening on {at}, but no upstream to resolve names (dns_upstream)"
+        )),
+        (Err(e), _) => Err(format!("binding {at}: {e}")),
+    });
+    let listeners = bound?;
+    info!(address = %ip, "proxy: strict egress on ports {DP_PROXY_TLS_PORT} and {DP_PROXY_HTTP_PORT}");
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNS));
+    let per_source = PerSource::default();
+    for (listener, dial_port) in listeners {
+        let (agent, slots, per_source) = (agent.clone(), slots.clone(), per_source.clone());
+        tokio::spawn(async move {
+            loop {
+                let (conn, from) = match listener.accept().await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        debug!(error = %e, "proxy: accepting");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                let SocketAddr::V4(from) = from else {
+                    continue;
+                };
+                let (Some(held), Ok(permit)) = (
+                    per_source.take(*from.ip(), MAX_CONNS_PER_SOURCE),
+                    slots.clone().try_acquire_owned(),
+                ) else {
+                    reset(conn);
+                    continue;
+                };
+                let agent = agent.clone();
+                tokio::spawn(async move {
+                    relay(&agent, upstream, conn, *from.ip(), dial_port).await;
+                    drop((permit, held));
+                });
+            }
+        });
+    }
+    Ok(())
+}
+
+/// Closes with an RST (SO_LINGER 0), which the guest sees at once.
+fn reset(conn: TcpStream) {
+    let _ = conn.set_zero_linger();
+    drop(conn);
+}
+
+async fn relay(
+    agent: &Agent,
+    upstream: Option<SocketAddrV4>,
+    mut conn: TcpStream,
+    src: Ipv4Addr,
+    dial_port: u16,
+) {
+    // A stranger (not a strict-mode sandbox) is reset before it sends.
+    if !agent.proxy_serves(src) {
+        reset(conn);
+        return;
+    }
+    let mut buf = Vec::with_capacity(1024);
+    let named = tokio::time::timeout(HELLO_TIMEOUT, async {
+        loop {
+            let hello = if dial_port == 443 {
+                tls_server_name(&buf)
+            } else {
+                http_host(&buf)
+            };
+            if let Hello::Done(name) = hello {
+                return name;
+            }
+            if buf.len() >= MAX_HELLO {
+                return None;
+            }
+            let mut chunk = [0u8; 4096];
+            let room = (MAX_HELLO - buf.len()).min(chunk.len());
+            match conn.read(&mut chunk[..room]).await {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    })
+    .await
+    .unwrap_or(None);
+    let sandbox_id = match agent.proxy_decide(src, named.as_deref()) {
+        ProxyDecision::Dial { sandbox_id } => sandbox_id,
+        ProxyDecision::Stranger | ProxyDecision::Refuse { .. } => return reset(conn),
+    };
+    let name = named.unwrap_or_default();
+    let Some(upstream) = upstream else {
+        return reset(conn);
+    };
+    let addrs = match lookup(upstream, &name).await {
+        Ok(a) => a,
+        Err(e) => {
+            info!(sandbox_id, name, error = %e, "proxy: cannot resolve the name; reset");
+            return reset(conn);
+        }
+    };
+    let Some(dst) = addrs.into_iter().find(|a| dialable(agent, *a)) else {
+        warn!(
+            sandbox_id,
+            name, "proxy: the name has no public address; reset"
+        );
+        return reset(conn);
+    };
+    let dialled = tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        TcpStream::connect(SocketAddrV4::new(dst, dial_port)),
+    )
+    .await;
+    let mut out = match dialled {
+        Ok(Ok(out)) => {
+            agent.proxy_dialled(false);
+            out
+        }
+        Ok(Err(e)) => {
+            // A cgroup IP filter (systemd's IPAddressDeny=) says EPERM.
+            agent.proxy_dialled(e.raw_os_error() == Some(libc::EPERM));
+            debug!(sandbox_id, name, %dst, error = %e, "proxy: cannot connect; reset");
+            return reset(conn);
+        }
+        Err(_) => {
+            debug!(sandbox_id, name, %dst, "proxy: connecting timed out; reset");
+            return reset(conn);
+        }
+    };
+    let _ = out.set_nodelay(true);
+    let _ = conn.set_nodelay(true);
+    if tokio::io::AsyncWriteExt::write_all(&mut out, &buf)
+        .await
+        .is_err()
+    {
+        return reset(conn);
+    }
+    let _ = tokio::io::copy_bidirectional(&mut conn, &mut out).await;
+}
+
+/// The A records of `name`, asked of the upstream.
+async fn lookup(upstream: SocketAddrV4, name: &str) -> std::io::Result<Vec<Ipv4Addr>> {
+    let id = rand_id();
+    let q = encode_query(id, name, TYPE_A);
+    let resp = forward(upstream, &q, id).await?;
+    let addrs = answer_addrs(&resp, name).unwrap_or_default();
+    if addrs.is_empty() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "no A record",
+        ));
+    }
+    Ok(addrs.into_iter().map(|(a, _)| a).collect())
+}
+
+fn rand_id() -> u16 {
+    let mut b = [0u8; 2];
+    if getrandom(&mut b).is_err() {
+        return 0x5a5a;
+    }
+    u16::from_ne_bytes(b)
+}
+
+fn getrandom(b: &mut [u8]) -> std::io::Result<()> {
+    use std::io::Read;
+    std::fs::File::open("/dev/urandom")?.read_exact(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A ClientHello as a client sends it (one record), with `sni`.
+    pub fn client_hello(sni: Option<&str>) -> Vec<u8> {
+        let mut body = vec![3, 3];
+        body.extend_from_slice(&[7; 32]);
+        body.push(0); // session id
+        body.extend_from_slice(&[0, 2, 0x13, 0x01]); // one suite
+        body.extend_from_slice(&[1, 0]); // null compression
+        let mut exts = vec![];
+        exts.extend_from_slice(&[0, 43, 0, 3, 2, 3, 4]); // supported_versions
+        if let Some(name) = sni {
+            let n = name.len() as u16;
+            exts.extend_from_slice(&[0, 0]);
+            exts.extend_from_slice(&(n + 5).to_be_bytes());
+            exts.extend_from_slice(&(n + 3).to_be_bytes());
+            exts.push(0);
+            exts.extend_from_slice(&n.to_be_bytes());
+            exts.extend_from_slice(name.as_bytes());
+        }
+        body.extend_from_slice(&(exts.len() as u16).to_be_bytes());
+        body.extend_from_slice(&exts);
+        let mut hs = vec![1, 0];
+        hs.extend_from_slice(&(body.len() as u16).to_be_bytes());
+        hs.extend_from_slice(&body);
+        let mut rec = vec![22, 3, 1];
+        rec.extend_from_slice(&(hs.len() as u16).to_be_bytes());
+        rec.extend_from_slice(&hs);
+        rec
+    }
+
+    #[test]
+    fn the_server_name_of_a_client_hello() {
+        let h = client_hello(Some("WWW.Allowed.Test."));
+        assert_eq!(
+            tls_server_name(&h),
+            Hello::Done(Some("www.allowed.test".into()))
+        );
+        // Every prefix asks for more.
+        for n in 0..h.len() {
+            assert_eq!(tls_server_name(&h[..n]), Hello::More, "{n}");
+        }
+        assert_eq!(tls_server_name(&client_hello(None)), Hello::Done(None));
+        assert_eq!(
+            tls_server_name(&client_hello(Some("198.51.100.2"))),
+            Hello::Done(None)
+        );
+        assert_eq!(tls_server_name(b"GET / HTTP/1.1\r\n"), Hello::Done(None));
+    }
+
+    #[test]
+    fn a_client_hello_split_over_records() {
+        let h = client_hello(Some("a.allowed.test"));
+        let hs = &h[5..];
+        let mut two = vec![];
+        for part in [&hs[..10], &hs[10..]] {
+            two.extend_from_slice(&[22, 3, 1]);
+            two.extend_from_slice(&(part.len() as u16).to_be_bytes());
+            two.extend_from_slice(part);
+        }
+        assert_eq!(
+            tls_server_name(&two),
+            Hello::Done(Some("a.allowed.test".into()))
+        );
+        assert_eq!(tls_server_name(&two[..20]), Hello::More);
+    }
+
+    #[test]
+    fn the_host_of_a_request() {
+        let r = b"GET / HTTP/1.1\r\nUser-Agent: x\r\nhost:  Www.Allowed.Test:80 \r\n\r\n";
+        assert_eq!(http_host(r), Hello::Done(Some("www.allowed.test".into())));
+        assert_eq!(http_host(&r[..20]), Hello::More);
+        assert_eq!(http_host(b"GET / HTTP/1.0\r\n\r\n"), Hello::Done(None));
+        let two = b"GET / HTTP/1.1\r\nHost: a.test\r\nHost: b.test\r\n\r\n";
+        assert_eq!(http_host(two), Hello::Done(None));
+        assert_eq!(
+            http_host(b"GET / HTTP/1.1\r\nHost: 10.0.0.1\r\n\r\n"),
+            Hello::Done(None)
+        );
+        assert_eq!(http_host(&vec![b'a'; MAX_HELLO]), Hello::Done(None));
+    }
+}
