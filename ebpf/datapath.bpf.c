@@ -1165,7 +1165,8 @@ __noinline int steer_to_agent(struct __sk_buff *skb)
 	if ((sb->flags & DP_F_DOMAINS) && l4.dport == bpf_htons(53) &&
 	    (l4.proto == IPPROTO_UDP || l4.proto == IPPROTO_TCP))
 		return guest_to_proxy(skb, c, sb, &ip, &l4, bpf_htons(53));
-	if (!(sb->flags & DP_F_SNI))
+	/* No internet access: nothing for the proxy to dial (the policy drops). */
+	if ((sb->flags & (DP_F_SNI | DP_F_INTERNET)) != (DP_F_SNI | DP_F_INTERNET))
 		return STEER_PASS;
 	struct dp_policy_key pk = {.prefixlen = 64, .sandbox_ip = sb->sandbox_ip, .dst = ip.daddr};
 	if (bpf_map_lookup_elem(&policy_allow, &pk))
@@ -1209,7 +1210,10 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	};
 	__u16 nat_port;
 	struct dp_ct_val *v = flow_of(&key, sb->gen);
-	if ((sb->flags & (DP_F_SNI | DP_F_DOMAINS)) && !(v && v->kind == DP_CT_PORTMAP)) {
+	/* Only DNS, HTTP and HTTPS may be steered: other flows pay two compares. */
+	__u16 dp = l4->dport;
+	if ((dp == bpf_htons(53) || dp == bpf_htons(80) || dp == bpf_htons(443)) &&
+	    (sb->flags & (DP_F_SNI | DP_F_DOMAINS)) && !(v && v->kind == DP_CT_PORTMAP)) {
 		int r = steer_to_agent(skb);
 		if (r != STEER_PASS)
 			return r;

@@ -2,12 +2,14 @@
 //! varlink, keep systemd informed.
 
 use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixListener;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use cube_network_agent::agent::Agent;
 use cube_network_agent::config::{self, Command};
+use cube_network_agent::dns::Passed;
 use cube_network_agent::{dbus, error_chain, systemd, varlink};
 use tracing::{error, info, warn};
 use tracing_subscriber::layer::SubscriberExt;
@@ -157,16 +159,20 @@ fn main() -> ExitCode {
     code
 }
 
-/// Splits what systemd passed: the varlink listening socket, and TAP fds
-/// from the fd store (named `tap-<ifindex>`).
-fn split_passed(
-    passed: Vec<systemd::ListenFd>,
-) -> (Option<std::os::unix::net::UnixListener>, Vec<OwnedFd>) {
+/// Splits what systemd passed: the varlink listening socket, TAP fds from
+/// the fd store (named `tap-<ifindex>`), and the agent's own sockets for
+/// sandboxes (`systemd::SOCKET_FD_NAMES`).
+fn split_passed(passed: Vec<systemd::ListenFd>) -> (Option<UnixListener>, Vec<OwnedFd>, Passed) {
     let mut listener = None;
     let mut taps = vec![];
+    let mut sockets = Passed::new();
     for p in passed {
         if p.name.starts_with("tap-") {
             taps.push(p.fd);
+            continue;
+        }
+        if systemd::SOCKET_FD_NAMES.contains(&p.name.as_str()) {
+            sockets.insert(p.name, p.fd);
             continue;
         }
         if listener.is_none() {
@@ -178,7 +184,7 @@ fn split_passed(
             warn!(name = p.name, "ignoring an extra passed fd");
         }
     }
-    (listener, taps)
+    (listener, taps, sockets)
 }
 
 fn status_line(agent: &Agent) -> String {
@@ -192,7 +198,7 @@ fn status_line(agent: &Agent) -> String {
 
 async fn run(cfg: config::Config, passed: Vec<systemd::ListenFd>) -> Result<(), String> {
     let bus = cfg.bus.clone();
-    let (listener, taps) = split_passed(passed);
+    let (listener, taps, mut sockets) = split_passed(passed);
     if !taps.is_empty() {
         info!(fds = taps.len(), "TAP fds handed back by the fd store");
     }
@@ -203,7 +209,7 @@ async fn run(cfg: config::Config, passed: Vec<systemd::ListenFd>) -> Result<(), 
     varlink::report::serve(agent.clone());
     // The sandboxes' resolver (domain egress, docs/egress.md).
     let upstream = cube_network_agent::config::dns_upstream(agent.config());
-    if let Err(e) = cube_network_agent::dns::serve(agent.clone(), upstream) {
+    if let Err(e) = cube_network_agent::dns::serve(agent.clone(), upstream, &mut sockets) {
         warn!(
             error = %e,
             "dns: the resolver for sandboxes cannot listen on the gateway address, port 53; \
@@ -211,7 +217,7 @@ async fn run(cfg: config::Config, passed: Vec<systemd::ListenFd>) -> Result<(), 
         );
     }
     // Strict egress's proxy (egress_mode "sni").
-    if let Err(e) = cube_network_agent::dns::proxy::serve(agent.clone(), upstream) {
+    if let Err(e) = cube_network_agent::dns::proxy::serve(agent.clone(), upstream, &mut sockets) {
         warn!(
             error = %e,
             "proxy: strict egress cannot listen on the gateway address; \

@@ -198,19 +198,27 @@ pub fn tap_fd_name(ifindex: u32) -> String {
 
 /// Pushes a TAP fd into the service manager's fd store.
 pub fn store_tap_fd(ifindex: u32, fd: BorrowedFd<'_>) -> io::Result<bool> {
-    notify_with_fds(
-        &format!("FDSTORE=1\nFDNAME={}", tap_fd_name(ifindex)),
-        &[fd],
-    )
+    store_fd(&tap_fd_name(ifindex), fd)
 }
+
+/// Pushes an fd into the service manager's fd store under `name`.
+pub fn store_fd(name: &str, fd: BorrowedFd<'_>) -> io::Result<bool> {
+    notify_with_fds(&format!("FDSTORE=1\nFDNAME={name}"), &[fd])
+}
+
+/// Drops the fds named `name` from the fd store.
+pub fn remove_fd(name: &str) -> bool {
+    notify_with_fds(&format!("FDSTOREREMOVE=1\nFDNAME={name}"), &[]).unwrap_or(false)
+}
+
+/// The sockets the agent itself listens on for sandboxes (the resolver,
+/// strict mode's proxy) are kept in the fd store under these names, so
+/// that what arrives while the agent restarts waits in their queues.
+pub const SOCKET_FD_NAMES: &[&str] = &["dns-udp", "dns-tcp", "proxy-tls", "proxy-http"];
 
 /// Drops a TAP fd from the fd store (the TAP is being deleted).
 pub fn remove_tap_fd(ifindex: u32) -> bool {
-    notify_with_fds(
-        &format!("FDSTOREREMOVE=1\nFDNAME={}", tap_fd_name(ifindex)),
-        &[],
-    )
-    .unwrap_or(false)
+    remove_fd(&tap_fd_name(ifindex))
 }
 
 /// One fd passed by systemd, with its name ("unknown" when unnamed).

@@ -623,6 +623,17 @@ async fn strict_mode_checks_the_name_and_dials_it_itself() {
     c.ensure("sni-g", strict("dns")).await.unwrap();
     let direct = get("denied.test").expect("DNS mode: the learned address, any Host");
     assert!(direct.starts_with(b"world:GET / "));
+    // Without internet access the proxy dials nothing for it either.
+    let mut closed = strict("sni");
+    closed.insert(
+        "allow_internet_access".into(),
+        Value::from(false).try_to_owned().unwrap(),
+    );
+    c.ensure("sni-g", closed).await.unwrap();
+    assert!(
+        get("www.allowed.test").is_err(),
+        "no internet access: no proxy"
+    );
     assert!(c.release("sni-g").await.unwrap());
 }
 
@@ -915,6 +926,51 @@ async fn learned_addresses_are_capped_per_sandbox() {
     assert!(detail.contains("5 learned addresses evicted"), "{detail}");
     assert!(c.release("dn-cap").await.unwrap());
     assert_eq!(learned_entries(&env), 0);
+}
+
+/// The race Cilium's users hit (an address learned after the first SYN):
+/// 1,000 times, a name never asked before, with an address never learned
+/// before, resolved and connected to at once. The address is written to
+/// the datapath before the answer leaves, so none of the connects may
+/// fail. (The world answers on all of 198.18.0.0/16: a local route.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_lookups_each_connected_at_once() {
+    require_root!();
+    let (env, world) = node(&["--dns-upstream", "198.51.100.2"]);
+    world.run(|| {
+        let ok = Command::new("ip")
+            .args(["route", "add", "local", "198.18.0.0/16", "dev", "lo"])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "the world's local route");
+    });
+    let n = 1000;
+    let addr = |i: usize| Ipv4Addr::new(198, 18, (i / 250) as u8, (1 + i % 250) as u8);
+    let records: Vec<String> = (0..n)
+        .map(|i| format!("--host-record=r{i}.race.test,{}", addr(i)))
+        .collect();
+    let _dns = dnsmasq_with(&world, &records);
+    let port = world.tcp_server(8080).port();
+    let c = env.client().await;
+    let (_, g) = guest_for(&c, "dn-race", domain_opts(&["*.race.test"], &["0.0.0.0/0"])).await;
+    // The check can fail: an address no lookup learned is not reached.
+    assert!(!connects(&g, SocketAddrV4::new(addr(n), port)));
+    let mut failed = vec![];
+    for i in 0..n {
+        let name = format!("r{i}.race.test");
+        let (rc, _, addrs) = resolve(&g, &name, TYPE_A);
+        assert_eq!((rc, addrs.clone()), (0, vec![addr(i)]), "{name}");
+        if !connects(&g, SocketAddrV4::new(addrs[0], port)) {
+            failed.push(name);
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of {n} failed: {failed:?}",
+        failed.len()
+    );
+    assert!(c.release("dn-race").await.unwrap());
 }
 
 /// The resolver knows a sandbox by its address only when the query came

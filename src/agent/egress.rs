@@ -94,7 +94,8 @@ impl Egress {
         };
         let patterns = Patterns::from_lists(&rec.allow_out, &rec.deny_out);
         let patterns = (!patterns.is_empty()).then(|| Arc::new(patterns));
-        let strict = !rec.egress_mode.is_dns();
+        // Without internet access there is nothing to dial for it.
+        let strict = !rec.egress_mode.is_dns() && rec.allow_internet_access;
         let same =
             |s: &Sandbox| s.id == rec.sandbox_id && s.patterns == patterns && s.strict == strict;
         // Most view updates (ensure replies, fd held, Reconcile) change

@@ -41,7 +41,10 @@ impl Agent {
     /// that runs out of either fails EnsureNetwork (EMFILE) or loses TAP
     /// fds at a restart.
     fn fd_limit_check(&self, pool_capacity: u32) -> Check {
-        let taps = u64::from(pool_capacity) + 2 * u64::from(self.cfg.warm_pool);
+        // TAPs, and the resolver's and proxy's sockets.
+        let taps = u64::from(pool_capacity)
+            + 2 * u64::from(self.cfg.warm_pool)
+            + crate::systemd::SOCKET_FD_NAMES.len() as u64;
         let need = taps + FD_OVERHEAD;
         let mut lim = libc::rlimit {
             rlim_cur: 0,
@@ -63,7 +66,8 @@ impl Agent {
         }
         if let Some(max) = fdstore.filter(|m| *m > 0 && *m < taps) {
             problems.push(format!(
-                "the fd store holds {max}, a full pool parks {taps} TAP fds: raise \
+                "the fd store holds {max}, a full pool parks {taps} fds (TAPs and the \
+                 resolver's and proxy's sockets): raise \
                  FileDescriptorStoreMax="
             ));
         }

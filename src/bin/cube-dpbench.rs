@@ -28,7 +28,12 @@
 //! destination, so the first also shows exhaustion of the SNAT range). A
 //! direction that carries (almost) no data fails the run. With bpftool present, a
 //! separate run with `kernel.bpf_stats_enabled=1` gives the programs' cost
-//! per invocation (per skb: GSO packets count once).
+//! per invocation (per skb: GSO packets count once). Then the eBPF
+//! datapath alone, alternating the sandbox without egress rules and
+//! limited to names (docs/egress.md: `allow_out ["*.bench.test"]`,
+//! `deny_out ["0.0.0.0/0"]`, the world's address learned as after a
+//! lookup): the cost of domain rules on established and new flows, as a
+//! ratio of the same run (informational, no target).
 //!
 //! Usage: `cube-dpbench [--secs N] [--rounds N] [--quick]
 //! [--ebpf-no-forward] [--guest-no-gso] [--hold]`. Needs root, iperf3 and nft (Debian: `iperf3
@@ -480,6 +485,53 @@ struct Loaded {
     dp: Arc<EbpfDatapath>,
     stop: Arc<AtomicBool>,
     maintainer: Option<JoinHandle<()>>,
+    node: String,
+    n0_ifindex: u32,
+}
+
+impl Loaded {
+    /// (Re)attaches the sandbox to n0: as the agent does without egress
+    /// rules, or (`names`) limited to names the way docs/egress.md
+    /// describes (`allow_out: ["*.bench.test"], deny_out: ["0.0.0.0/0"]`)
+    /// with the world's address learned, as the resolver would have: every
+    /// packet then takes the domain-rule path of from_guest.
+    fn attach(&self, names: bool) -> Result<()> {
+        let (d, n0_ifindex) = (self.dp.clone(), self.n0_ifindex);
+        in_netns(&self.node, move || {
+            let pm = [PortMapping {
+                protocol: Protocol::Tcp,
+                container_port: IPERF_PORT,
+                host_port: HOST_PORT,
+                host_ip: "0.0.0.0".into(),
+            }];
+            let (allow, deny) = if names {
+                (
+                    vec!["*.bench.test".to_owned()],
+                    vec!["0.0.0.0/0".to_owned()],
+                )
+            } else {
+                (vec![], vec![])
+            };
+            d.attach(&SandboxPath {
+                sandbox_id: "bench",
+                tap_name: "n0",
+                tap_ifindex: n0_ifindex,
+                sandbox_ip: SANDBOX_IP.into(),
+                port_mappings: &pm,
+                allow_internet_access: true,
+                allow_out: &allow,
+                deny_out: &deny,
+                strict_egress: false,
+            })?;
+            if names {
+                d.learn(SANDBOX_IP, &[(WORLD_IP, Duration::from_secs(24 * 3600))])?;
+            } else {
+                d.forget(SANDBOX_IP, &[WORLD_IP]);
+            }
+            Ok::<_, cube_network_agent::datapath::DatapathError>(())
+        })?
+        .map_err(|e| format!("attaching the sandbox to n0: {e}"))
+    }
 }
 
 impl Drop for Loaded {
@@ -548,27 +600,6 @@ fn load_ebpf(topo: &Topo, snat_port_range: Option<&str>) -> Result<Loaded> {
         in_netns(&topo.node, move || EbpfDatapath::load(node))?
             .map_err(|e| format!("loading the eBPF datapath: {e}"))?,
     );
-    let d = dp.clone();
-    in_netns(&topo.node, move || {
-        let pm = [PortMapping {
-            protocol: Protocol::Tcp,
-            container_port: IPERF_PORT,
-            host_port: HOST_PORT,
-            host_ip: "0.0.0.0".into(),
-        }];
-        d.attach(&SandboxPath {
-            sandbox_id: "bench",
-            tap_name: "n0",
-            tap_ifindex: n0_ifindex,
-            sandbox_ip: SANDBOX_IP.into(),
-            port_mappings: &pm,
-            allow_internet_access: true,
-            allow_out: &[],
-            deny_out: &[],
-            strict_egress: false,
-        })
-    })?
-    .map_err(|e| format!("attaching the sandbox to n0: {e}"))?;
 
     // The agent reaps flows every 2 s; so does the bench (in the node
     // namespace: maintain() looks TAPs up by ifindex).
@@ -588,11 +619,15 @@ fn load_ebpf(topo: &Topo, snat_port_range: Option<&str>) -> Result<Loaded> {
             }
         }
     });
-    Ok(Loaded {
+    let loaded = Loaded {
         dp,
         stop,
         maintainer: Some(maintainer),
-    })
+        node: topo.node.clone(),
+        n0_ifindex,
+    };
+    loaded.attach(false)?;
+    Ok(loaded)
 }
 
 // ---------------------------------------------------------------- measurements
@@ -933,6 +968,57 @@ fn bench(args: &Args) -> std::result::Result<bool, Failure> {
     }
     if let Some((_, _, detail)) = loaded.dp.checks().into_iter().next() {
         println!("eBPF datapath after the runs: {detail}");
+    }
+
+    // Domain egress (docs/egress.md): the eBPF datapath with the sandbox
+    // limited to names (its destination learned, as after a lookup)
+    // against the same sandbox without rules, alternating in this run.
+    let (mut plain, mut named) = (Samples::default(), Samples::default());
+    for r in 0..args.rounds {
+        let order = if r % 2 == 0 {
+            [(false, &mut plain), (true, &mut named)]
+        } else {
+            [(true, &mut named), (false, &mut plain)]
+        };
+        for (names, s) in order {
+            loaded.attach(names).map_err(Setup)?;
+            measure(&bpf, args.secs, s).map_err(Broken)?;
+        }
+    }
+    loaded.attach(false).map_err(Setup)?;
+    println!(
+        "\nDomain egress: eBPF, sandbox limited to names (allow *.bench.test, deny 0.0.0.0/0, destination learned) vs no rules, {} round(s) alternating:",
+        args.rounds
+    );
+    println!(
+        "| {:<40} | {:>12} | {:>12} | {:>8} |",
+        "metric", "no rules", "names", "ratio"
+    );
+    println!("|{:-<42}|{:->14}|{:->14}|{:->10}|", "", "", "", "");
+    for (name, p, n, prec) in [
+        (
+            "egress guest->world (Gbit/s)",
+            median(&plain.egress),
+            median(&named.egress),
+            2,
+        ),
+        (
+            "TCP connects/s guest->world, 1 dst port",
+            median(&plain.conns),
+            median(&named.conns),
+            0,
+        ),
+        (
+            "TCP connects/s guest->world, 16 ports",
+            median(&plain.conns_multi),
+            median(&named.conns_multi),
+            0,
+        ),
+    ] {
+        println!(
+            "| {name:<40} | {p:>12.prec$} | {n:>12.prec$} | {:>7.2}× |",
+            n / p
+        );
     }
 
     let have_bpftool = cmd("bpftool")

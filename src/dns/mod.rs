@@ -9,6 +9,7 @@
 pub mod proxy;
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -195,12 +196,56 @@ pub fn answer_addrs(m: &[u8], name: &str) -> Option<Vec<(Ipv4Addr, u32)>> {
     )
 }
 
+/// Sockets handed back by the fd store, by name
+/// (`systemd::SOCKET_FD_NAMES`).
+pub type Passed = std::collections::HashMap<String, OwnedFd>;
+
+/// The socket `name` bound to `at`: the one the fd store handed back if it
+/// is that (same type, same address), else a new one, which goes into the
+/// fd store, so that the next start finds it with what arrived meanwhile
+/// (queries, connections) queued.
+fn adopt_or_bind(
+    passed: &mut Passed,
+    name: &str,
+    at: SocketAddrV4,
+    udp: bool,
+) -> std::io::Result<OwnedFd> {
+    use nix::sys::socket::{SockType, SockaddrIn, getsockname, getsockopt, sockopt};
+    if let Some(fd) = passed.remove(name) {
+        let want = if udp {
+            SockType::Datagram
+        } else {
+            SockType::Stream
+        };
+        let same = getsockopt(&fd, sockopt::SockType).is_ok_and(|t| t == want)
+            && getsockname::<SockaddrIn>(fd.as_raw_fd()).is_ok_and(|a| SocketAddrV4::from(a) == at);
+        if same {
+            info!(name, address = %at, "socket handed back by the fd store");
+            return Ok(fd);
+        }
+        crate::systemd::remove_fd(name);
+    }
+    let fd: OwnedFd = if udp {
+        std::net::UdpSocket::bind(at)?.into()
+    } else {
+        std::net::TcpListener::bind(at)?.into()
+    };
+    if let Err(e) = crate::systemd::store_fd(name, fd.as_fd()) {
+        debug!(name, error = %e, "not kept in the fd store");
+    }
+    Ok(fd)
+}
+
 /// Binds the resolver and serves it on the runtime. A failed bind is
 /// reported to the caller (the agent runs on; sandboxes with domain rules
 /// then resolve nothing).
-pub fn serve(agent: Arc<Agent>, upstream: Option<SocketAddrV4>) -> std::io::Result<SocketAddrV4> {
+pub fn serve(
+    agent: Arc<Agent>,
+    upstream: Option<SocketAddrV4>,
+    passed: &mut Passed,
+) -> std::io::Result<SocketAddrV4> {
     let at = SocketAddrV4::new(agent.resolver_address(), 53);
-    let bound = bind(agent.clone(), upstream, at);
+    let bound = bind(agent.clone(), upstream, at, passed);
     agent.resolver_status(match &bound {
         Ok(()) => match upstream {
             Some(u) => Ok(format!("listening on {at} (UDP, TCP), upstream {u}")),
@@ -217,15 +262,16 @@ fn bind(
     agent: Arc<Agent>,
     upstream: Option<SocketAddrV4>,
     at: SocketAddrV4,
+    passed: &mut Passed,
 ) -> std::io::Result<()> {
-    let std_sock = std::net::UdpSocket::bind(at)?;
+    let std_sock = std::net::UdpSocket::from(adopt_or_bind(passed, "dns-udp", at, true)?);
     std_sock.set_nonblocking(true)?;
     // Which device each query came in on: see `recv_query`.
     nix::sys::socket::setsockopt(&std_sock, nix::sys::socket::sockopt::Ipv4PacketInfo, &true)
         .map_err(std::io::Error::from)?;
     let gateway_ifindex = agent.resolver_ifindex();
     let sock = Arc::new(UdpSocket::from_std(std_sock)?);
-    let std_listener = std::net::TcpListener::bind(at)?;
+    let std_listener = std::net::TcpListener::from(adopt_or_bind(passed, "dns-tcp", at, false)?);
     std_listener.set_nonblocking(true)?;
     let listener = TcpListener::from_std(std_listener)?;
     tokio::spawn(serve_tcp(agent.clone(), upstream, listener));

@@ -15,7 +15,7 @@ use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info, warn};
 
-use super::{PerSource, TYPE_A, answer_addrs, encode_query, forward};
+use super::{Passed, PerSource, TYPE_A, adopt_or_bind, answer_addrs, encode_query, forward};
 use crate::agent::Agent;
 use crate::agent::egress::ProxyDecision;
 use crate::datapath::maps::{DP_PROXY_HTTP_PORT, DP_PROXY_TLS_PORT};
@@ -61,12 +61,15 @@ fn host_name(raw: &[u8]) -> Option<String> {
 /// The server name of a TLS ClientHello (records of type handshake,
 /// possibly several), RFC 8446 4.1.2 and RFC 6066 3.
 pub fn tls_server_name(buf: &[u8]) -> Hello {
-    // The handshake bytes, across records.
+    // The handshake bytes, across records, up to the first record of
+    // another type (a client may send early data right behind).
     let mut hs = Vec::new();
     let mut at = 0;
+    let mut other = false;
     while at + 5 <= buf.len() {
         if buf[at] != 22 {
-            return Hello::Done(None);
+            other = true;
+            break;
         }
         let len = usize::from(u16::from_be_bytes([buf[at + 3], buf[at + 4]]));
         if at + 5 + len > buf.len() {
@@ -78,8 +81,14 @@ pub fn tls_server_name(buf: &[u8]) -> Hello {
     if buf.first().is_some_and(|&t| t != 22) {
         return Hello::Done(None);
     }
+    // Incomplete, and no more handshake bytes can follow.
+    let incomplete = if other {
+        Hello::Done(None)
+    } else {
+        Hello::More
+    };
     if hs.len() < 4 {
-        return Hello::More;
+        return incomplete;
     }
     if hs[0] != 1 {
         return Hello::Done(None); // not a ClientHello
@@ -89,7 +98,7 @@ pub fn tls_server_name(buf: &[u8]) -> Hello {
         return Hello::Done(None);
     }
     if hs.len() < 4 + body_len {
-        return Hello::More;
+        return incomplete;
     }
     Hello::Done(client_hello_sni(&hs[4..4 + body_len]))
 }
@@ -181,12 +190,20 @@ fn dialable(agent: &Agent, ip: Ipv4Addr) -> bool {
 
 /// Binds both ports on the gateway-device address and serves them; the
 /// outcome goes to Health (`egress_proxy`).
-pub fn serve(agent: Arc<Agent>, upstream: Option<SocketAddrV4>) -> std::io::Result<()> {
+pub fn serve(
+    agent: Arc<Agent>,
+    upstream: Option<SocketAddrV4>,
+    passed: &mut Passed,
+) -> std::io::Result<()> {
     let ip = agent.resolver_address();
     let bound = (|| {
         let mut listeners = vec![];
-        for (port, dial) in [(DP_PROXY_TLS_PORT, 443), (DP_PROXY_HTTP_PORT, 80)] {
-            let l = std::net::TcpListener::bind(SocketAddrV4::new(ip, port))?;
+        for (port, dial, name) in [
+            (DP_PROXY_TLS_PORT, 443, "proxy-tls"),
+            (DP_PROXY_HTTP_PORT, 80, "proxy-http"),
+        ] {
+            let at = SocketAddrV4::new(ip, port);
+            let l = std::net::TcpListener::from(adopt_or_bind(passed, name, at, false)?);
             l.set_nonblocking(true)?;
             listeners.push((TcpListener::from_std(l)?, dial));
         }
@@ -428,6 +445,16 @@ mod tests {
             Hello::Done(Some("a.allowed.test".into()))
         );
         assert_eq!(tls_server_name(&two[..20]), Hello::More);
+        // Early data right behind the hello; and a hello cut by it.
+        let mut early = h.clone();
+        early.extend_from_slice(&[23, 3, 3, 0, 2, 9, 9]);
+        assert_eq!(
+            tls_server_name(&early),
+            Hello::Done(Some("a.allowed.test".into()))
+        );
+        let mut cut = two[..15].to_vec(); // the first record only
+        cut.extend_from_slice(&[23, 3, 3, 0, 2, 9, 9]);
+        assert_eq!(tls_server_name(&cut), Hello::Done(None));
     }
 
     #[test]

@@ -715,6 +715,33 @@ q=bytes.fromhex("123401000001000000000000")+b"\x03www\x07allowed\x04test\x00\x00
 s.sendto(q,(sys.argv[1],53)); r=s.recv(512); print("rcode", r[3] & 15)'
 expect "dns a the resolver answers on $gw:53 under the shipped unit (a stranger: REFUSED)" '^rcode 5$' \
   "$(cx "python3 -c '$dq' $gw" 2>&1 | tail -1)"
+# The resolver's socket is kept in the fd store: 100 queries/s for 2 s
+# across a kill -9 (systemd restarts the agent after RestartSec=): those
+# sent while no agent runs wait in the socket's queue and the next agent
+# answers them; every one is answered, none retried. Without the fd store
+# the port is closed meanwhile and they are lost.
+dr='import socket,struct,sys,threading,time
+n=200; s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); s.settimeout(0.2); got=set()
+q=lambda i: struct.pack(">6H",i,256,1,0,0,0)+b"\x03www\x07allowed\x04test\x00\x00\x01\x00\x01"
+def rx():
+  end=time.time()+12
+  while time.time()<end and len(got)<n:
+    try: got.add(struct.unpack(">H",s.recv(512)[:2])[0])
+    except socket.timeout: pass
+t=threading.Thread(target=rx); t.start()
+for i in range(n): s.sendto(q(i),(sys.argv[1],53)); time.sleep(0.01)
+t.join(); print("answered",len(got),"of",n)'
+pidd=$(prop MainPID)
+(cx "python3 -c '$dr' $gw" > "$TMPD/dns-rate" 2>&1) & drpid=$!
+sleep 0.5
+cx "systemctl kill -s KILL $UNIT"
+wait $drpid
+for i in $(seq 100); do
+  p=$(prop MainPID); [ -n "$p" ] && [ "$p" != 0 ] && [ "$p" != "$pidd" ] && [ "$(prop SubState)" = running ] && break
+  sleep 0.1
+done
+expect "dns b 200 queries at 100/s across kill -9: every one answered (the resolver's socket is in the fd store; pid $pidd -> $(prop MainPID))" \
+  '^answered 200 of 200$' "$(tail -1 "$TMPD/dns-rate")"
 expect "bus n root: ReleaseNetwork sbx-bus, sbx-busu" '^OK True OK True$' \
   "$(as root ReleaseNetwork sbx-bus) $(as root ReleaseNetwork sbx-busu)"
 # Whatever the bus thought of our policy and activation files whenever it
