@@ -1484,6 +1484,16 @@ int to_sandbox_ip(struct __sk_buff *skb)
 			.dport = l4.dport,
 			.proto = l4.proto,
 		};
+		/* The agent's own services (resolver, proxy) answer flows the
+		 * guest opened: with no such flow (a released sandbox's, whose
+		 * address may have a new owner) the packet goes nowhere. */
+		if (ip.saddr == c->host_ip &&
+		    (l4.sport == bpf_htons(53) || l4.sport == bpf_htons(DP_PROXY_TLS_PORT) ||
+		     l4.sport == bpf_htons(DP_PROXY_HTTP_PORT)) &&
+		    !hflow_of(&hk, dst, gen)) {
+			count(DP_C_NO_ROUTE);
+			return TC_ACT_SHOT;
+		}
 		__u16 gw_port;
 		if (hflow_in(&hk, dst, tap_ifindex, l4.dport, gen, DP_HF_GWDEV, &l4, &gw_port,
 			     &peer))
@@ -1492,7 +1502,7 @@ int to_sandbox_ip(struct __sk_buff *skb)
 			return TC_ACT_SHOT;
 	}
 	if (l4.first_frag)
-		frag_note(&ip, tap_ifindex, gen, c->gateway_ip, c->guest_ip);
+		frag_note(&ip, tap_ifindex, gen, peer ? peer : c->gateway_ip, c->guest_ip);
 	/* A proxied flow's replies come from the address the guest dialled. */
 	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
 	    set_addr(skb, IP_SRC_OFF, ip.saddr, peer ? peer : c->gateway_ip, &l4) ||

@@ -48,8 +48,12 @@ struct dp_sandbox {
  * ClientHello or the HTTP Host and dials the name itself; UDP to 443
  * (QUIC) is dropped so clients fall back to TCP. */
 #define DP_F_SNI 4u
-#define DP_PROXY_HTTP_PORT 15080 /* host order */
-#define DP_PROXY_TLS_PORT 15443  /* host order */
+/* Below 1024, so that only a privileged process can bind them (a local
+ * user could otherwise take them while the agent is down, and the
+ * datapath would hand it the sandboxes' flows); 1021 and 1022 are the
+ * ports RFC 3692 sets aside for experiments, which no service claims. */
+#define DP_PROXY_TLS_PORT 1021  /* host order */
+#define DP_PROXY_HTTP_PORT 1022 /* host order */
 
 /* (sandbox ip, destination) -> until when a new flow may start: written
  * by the agent's resolver before it answers. A flow that started keeps

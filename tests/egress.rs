@@ -623,6 +623,37 @@ async fn strict_mode_checks_the_name_and_dials_it_itself() {
     c.ensure("sni-g", strict("dns")).await.unwrap();
     let direct = get("denied.test").expect("DNS mode: the learned address, any Host");
     assert!(direct.starts_with(b"world:GET / "));
+    // A proxied connection does not outlive the rule that let it through:
+    // the world's server answers after 2 s of silence, the converge that
+    // drops the name comes first and resets the connection.
+    c.ensure("sni-g", strict("sni")).await.unwrap();
+    let rt = tokio::runtime::Handle::current();
+    let held = std::thread::scope(|s| {
+        let t = s.spawn(|| {
+            let no_fin = common::guest::TcpOpts {
+                half_close: false,
+                max_bytes: None,
+            };
+            let req = b"GET / HTTP/1.1\r\nHost: www.allowed.test\r\n\r\n";
+            g.tcp_exchange(web, req, no_fin, Duration::from_secs(6))
+        });
+        // (From a thread of its own: this one drives the runtime.)
+        let converge = s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(700));
+            let mut other = domain_opts(&["other.test"], &["0.0.0.0/0"]);
+            other.insert(
+                "egress_mode".into(),
+                Value::from("sni").try_to_owned().unwrap(),
+            );
+            rt.block_on(c.ensure("sni-g", other)).unwrap();
+        });
+        converge.join().unwrap();
+        t.join().unwrap()
+    });
+    assert!(
+        held.as_ref().is_err() || !held.as_ref().unwrap().starts_with(b"world:"),
+        "the connection went on after its name was dropped: {held:?}"
+    );
     // Without internet access the proxy dials nothing for it either.
     let mut closed = strict("sni");
     closed.insert(

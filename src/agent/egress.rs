@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
-use super::domains::{Patterns, Verdict};
+use super::domains::{Patterns, Verdict, is_domain_entry};
 use super::spec::NetworkRecord;
 use super::{Agent, off_worker};
+use crate::alloc::Ipv4Cidr;
 
 /// Learned addresses kept per sandbox; beyond, the one expiring first is
 /// evicted (counted).
@@ -39,15 +40,56 @@ struct Sandbox {
     patterns: Option<Arc<Patterns>>,
     /// Strict mode (`egress_mode` "sni"): TCP to 80/443 via the proxy.
     strict: bool,
+    /// The CIDR rules, for strict mode without name rules (the proxy then
+    /// dials what the CIDRs allow, as the datapath would).
+    cidrs: Arc<CidrRules>,
+    /// Dropped when this entry is replaced or removed: the proxy's
+    /// connections of the sandbox check again whether they may go on.
+    changed: tokio::sync::watch::Sender<()>,
+}
+
+/// A sandbox's CIDR rules: allow beats deny, anything else goes.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct CidrRules {
+    allow: Vec<Ipv4Cidr>,
+    deny: Vec<Ipv4Cidr>,
+}
+
+impl CidrRules {
+    fn from_lists(allow_out: &[String], deny_out: &[String]) -> Self {
+        let pick = |l: &[String]| -> Vec<Ipv4Cidr> {
+            l.iter()
+                .filter(|e| !is_domain_entry(e))
+                .filter_map(|e| match e.parse::<Ipv4Addr>() {
+                    Ok(a) => Ipv4Cidr::new(a, 32),
+                    Err(_) => e.parse().ok(),
+                })
+                .collect()
+        };
+        CidrRules {
+            allow: pick(allow_out),
+            deny: pick(deny_out),
+        }
+    }
+
+    pub fn allows(&self, ip: Ipv4Addr) -> bool {
+        self.allow.iter().any(|c| c.contains(ip)) || !self.deny.iter().any(|c| c.contains(ip))
+    }
 }
 
 /// What the proxy does with one connection of strict mode.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum ProxyDecision {
     /// Not a strict-mode sandbox's address: reset.
     Stranger,
-    /// The name is allowed: dial it.
-    Dial { sandbox_id: String },
+    /// The name is allowed: dial it (an address `cidrs` allows, when no
+    /// name rule allowed it), until `changed` says the sandbox's rules
+    /// changed.
+    Dial {
+        sandbox_id: String,
+        cidrs: Option<Arc<CidrRules>>,
+        changed: tokio::sync::watch::Receiver<()>,
+    },
     /// Not allowed (or no name): reset (logged and counted).
     Refuse { sandbox_id: String },
 }
@@ -96,8 +138,13 @@ impl Egress {
         let patterns = (!patterns.is_empty()).then(|| Arc::new(patterns));
         // Without internet access there is nothing to dial for it.
         let strict = !rec.egress_mode.is_dns() && rec.allow_internet_access;
-        let same =
-            |s: &Sandbox| s.id == rec.sandbox_id && s.patterns == patterns && s.strict == strict;
+        let cidrs = Arc::new(CidrRules::from_lists(&rec.allow_out, &rec.deny_out));
+        let same = |s: &Sandbox| {
+            s.id == rec.sandbox_id
+                && s.patterns == patterns
+                && s.strict == strict
+                && s.cidrs == cidrs
+        };
         // Most view updates (ensure replies, fd held, Reconcile) change
         // neither: a shared lock is enough to see that.
         let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
@@ -115,6 +162,8 @@ impl Egress {
                 id: rec.sandbox_id.clone(),
                 patterns: patterns.clone(),
                 strict,
+                cidrs,
+                changed: tokio::sync::watch::channel(()).0,
             },
         );
         drop(sandboxes);
@@ -193,6 +242,27 @@ impl Egress {
         n
     }
 
+    /// One more refusal for the sandbox at `src`, and in `total`.
+    fn count_refusal(&self, src: Ipv4Addr, total: &AtomicU64) {
+        total.fetch_add(1, Ordering::Relaxed);
+        *self
+            .refused_by
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(src)
+            .or_default() += 1;
+    }
+
+    /// How many sandboxes `which` selects.
+    fn count_sandboxes(&self, which: impl Fn(&Sandbox) -> bool) -> usize {
+        self.sandboxes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter(|s| which(s))
+            .count()
+    }
+
     /// Queries refused for the sandbox at `ip` since the agent started.
     pub fn refused_by(&self, ip: IpAddr) -> u64 {
         let Some(ip) = v4(ip) else { return 0 };
@@ -227,16 +297,24 @@ impl Egress {
         let Some(sb) = sandboxes.get(&src).filter(|s| s.strict) else {
             return ProxyDecision::Stranger;
         };
-        let allowed = name.is_some_and(|n| {
-            sb.patterns
-                .as_ref()
-                .is_none_or(|p| p.verdict(n) == Verdict::Allow)
-        });
         let sandbox_id = sb.id.clone();
-        if allowed {
-            ProxyDecision::Dial { sandbox_id }
-        } else {
-            ProxyDecision::Refuse { sandbox_id }
+        match (name, &sb.patterns) {
+            (None, _) => ProxyDecision::Refuse { sandbox_id },
+            (Some(n), Some(p)) if p.verdict(n) == Verdict::Refuse => {
+                ProxyDecision::Refuse { sandbox_id }
+            }
+            // Allowed by a name rule: dialled like a learned address.
+            (Some(_), Some(_)) => ProxyDecision::Dial {
+                sandbox_id,
+                cidrs: None,
+                changed: sb.changed.subscribe(),
+            },
+            // No name rules: the CIDR rules decide the address.
+            (Some(_), None) => ProxyDecision::Dial {
+                sandbox_id,
+                cidrs: Some(sb.cidrs.clone()),
+                changed: sb.changed.subscribe(),
+            },
         }
     }
 
@@ -271,6 +349,23 @@ impl Egress {
     }
 }
 
+/// A Health verdict on an agent socket for sandboxes (the resolver, the
+/// proxy) that `needed` sandboxes depend on: its status (`None` until it
+/// was bound), or `trouble` once it was bound.
+fn serving(
+    status: &Mutex<Option<Result<String, String>>>,
+    needed: usize,
+    trouble: Option<&str>,
+) -> (bool, String) {
+    let status = status.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    match (status, trouble) {
+        (None, _) => (needed == 0, "starting".to_owned()),
+        (Some(Ok(_)), Some(t)) => (needed == 0, t.to_owned()),
+        (Some(Ok(at)), None) => (true, at),
+        (Some(Err(e)), _) => (needed == 0, format!("not serving: {e}")),
+    }
+}
+
 impl Agent {
     /// What `dns::serve` made of the resolver's sockets, for Health.
     pub fn resolver_status(&self, status: Result<String, String>) {
@@ -280,25 +375,8 @@ impl Agent {
     /// Health's `dns_resolver`: false when a sandbox with domain rules
     /// cannot resolve (no socket, or no upstream to forward to).
     pub(super) fn resolver_check(&self) -> (String, bool, String) {
-        let with_rules = self
-            .egress
-            .sandboxes
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .filter(|s| s.patterns.is_some())
-            .count();
-        let status = self
-            .egress
-            .status
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let (ok, what) = match status {
-            None => (with_rules == 0, "starting".to_owned()),
-            Some(Ok(at)) => (true, at),
-            Some(Err(e)) => (with_rules == 0, format!("not serving: {e}")),
-        };
+        let with_rules = self.egress.count_sandboxes(|s| s.patterns.is_some());
+        let (ok, what) = serving(&self.egress.status, with_rules, None);
         let detail = format!(
             "{what}; {with_rules} sandboxes with domain rules; {} queries refused, {} learned addresses evicted (per-sandbox cap)",
             self.egress.refused.load(Ordering::Relaxed),
@@ -319,31 +397,16 @@ impl Agent {
     /// Health's `egress_proxy`: false when a strict-mode sandbox has no
     /// proxy to go through (its TCP to 80/443 would go nowhere).
     pub(super) fn proxy_check(&self) -> (String, bool, String) {
-        let strict = self
+        let strict = self.egress.count_sandboxes(|s| s.strict);
+        let filtered = self
             .egress
-            .sandboxes
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .filter(|s| s.strict)
-            .count();
-        let status = self
-            .egress
-            .proxy_status
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let (ok, what) = match status {
-            None => (strict == 0, "starting".to_owned()),
-            Some(Ok(_)) if self.egress.proxy_filtered.load(Ordering::Relaxed) => (
-                strict == 0,
+            .proxy_filtered
+            .load(Ordering::Relaxed)
+            .then_some(
                 "the service's IP filter refuses the proxy's connections \
-                 (IPAddressDeny=): add IPAddressAllow=any in a drop-in"
-                    .to_owned(),
-            ),
-            Some(Ok(at)) => (true, at),
-            Some(Err(e)) => (strict == 0, format!("not serving: {e}")),
-        };
+             (IPAddressDeny=): add IPAddressAllow=any in a drop-in",
+            );
+        let (ok, what) = serving(&self.egress.proxy_status, strict, filtered);
         let detail = format!(
             "{what}; {strict} sandboxes in strict (sni) mode; {} connections reset",
             self.egress.proxy_refused.load(Ordering::Relaxed)
@@ -357,14 +420,7 @@ impl Agent {
     pub fn proxy_decide(&self, src: Ipv4Addr, name: Option<&str>) -> ProxyDecision {
         let d = self.egress.proxy_decide(src, name);
         if let ProxyDecision::Refuse { sandbox_id } = &d {
-            self.egress.proxy_refused.fetch_add(1, Ordering::Relaxed);
-            *self
-                .egress
-                .refused_by
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .entry(src)
-                .or_default() += 1;
+            self.egress.count_refusal(src, &self.egress.proxy_refused);
             info!(
                 sandbox_id = sandbox_id.as_str(),
                 name = name.unwrap_or("(none)"),
@@ -372,6 +428,27 @@ impl Agent {
             );
         }
         d
+    }
+
+    /// After the sandbox's entry changed: whether the proxied connection
+    /// from `src` to `name` at `dst` may go on (the same sandbox, still in
+    /// strict mode, the name and address still allowed), and the entry to
+    /// watch from now on.
+    pub fn proxy_still(
+        &self,
+        src: Ipv4Addr,
+        sandbox_id: &str,
+        name: &str,
+        dst: Ipv4Addr,
+    ) -> Option<tokio::sync::watch::Receiver<()>> {
+        match self.egress.proxy_decide(src, Some(name)) {
+            ProxyDecision::Dial {
+                sandbox_id: id,
+                cidrs,
+                changed,
+            } if id == sandbox_id && cidrs.as_ref().is_none_or(|c| c.allows(dst)) => Some(changed),
+            _ => None,
+        }
     }
 
     /// How the proxy's last connection out went: refused by the service's
@@ -418,14 +495,7 @@ impl Agent {
     pub fn dns_decide(&self, src: Ipv4Addr, name: &str) -> DnsDecision {
         let d = self.egress.decide(src, name);
         if let DnsDecision::Refuse { sandbox_id } = &d {
-            self.egress.refused.fetch_add(1, Ordering::Relaxed);
-            *self
-                .egress
-                .refused_by
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .entry(src)
-                .or_default() += 1;
+            self.egress.count_refusal(src, &self.egress.refused);
             info!(
                 sandbox_id = sandbox_id.as_str(),
                 name, "dns: query refused by the sandbox's domain rules"

@@ -36,8 +36,8 @@ pub const DP_F_DOMAINS: u32 = 2;
 /// Strict egress (`egress_mode` "sni"): TCP to 80/443 goes to the proxy.
 pub const DP_F_SNI: u32 = 4;
 /// The proxy's ports on the gateway-device address (ebpf/datapath.h).
-pub const DP_PROXY_HTTP_PORT: u16 = 15080;
-pub const DP_PROXY_TLS_PORT: u16 = 15443;
+pub const DP_PROXY_HTTP_PORT: u16 = 1022;
+pub const DP_PROXY_TLS_PORT: u16 = 1021;
 
 /// `dns_learned` key: (sandbox ip, destination), network byte order.
 #[repr(C)]

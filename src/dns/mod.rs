@@ -304,18 +304,35 @@ fn bind(
             } else {
                 Ipv4Addr::UNSPECIFIED
             };
+            let query = &buf[..n];
+            // Answered at once when nothing is to wait for (a burst queued
+            // while the agent restarted is not cut by the caps below).
+            let (q, upstream, learn_for) = match plan(&agent, upstream, src, query) {
+                Plan::Drop => continue,
+                Plan::Reply(r) => {
+                    if sock.try_send_to(&r, from.into()).is_err() {
+                        let _ = sock.send_to(&r, from).await;
+                    }
+                    continue;
+                }
+                Plan::Forward {
+                    q,
+                    upstream,
+                    learn_for,
+                } => (q, upstream, learn_for),
+            };
             let Some(held) = per_source.take(src, MAX_UDP_PER_SOURCE) else {
                 continue; // dropped: the client retries
             };
             let Ok(permit) = slots.clone().acquire_owned().await else {
                 break;
             };
-            let query = buf[..n].to_vec();
+            let query = query.to_vec();
             let (agent, sock) = (agent.clone(), sock.clone());
             tokio::spawn(async move {
-                if let Some(answer) = answer(&agent, upstream, src, &query, false).await {
-                    let _ = sock.send_to(&answer, from).await;
-                }
+                let answer =
+                    forward_and_learn(&agent, src, &query, (q, upstream, learn_for), false).await;
+                let _ = sock.send_to(&answer, from).await;
                 drop((permit, held));
             });
         }
@@ -443,37 +460,60 @@ impl Drop for Held {
     }
 }
 
-/// The answer to one query from `src`, or `None` to drop it (not a query).
-async fn answer(
-    agent: &Agent,
-    upstream: Option<SocketAddrV4>,
-    src: Ipv4Addr,
-    query: &[u8],
-    tcp: bool,
-) -> Option<Vec<u8>> {
-    let q = parse_query(query)?;
+/// What to do with one query: answered at once (REFUSED, NODATA,
+/// SERVFAIL without an upstream: no waiting, so no slot), dropped (not a
+/// query), or forwarded (and its answer learned for `learn_for`).
+enum Plan {
+    Reply(Vec<u8>),
+    Drop,
+    Forward {
+        q: Question,
+        upstream: SocketAddrV4,
+        learn_for: Option<String>,
+    },
+}
+
+fn plan(agent: &Agent, upstream: Option<SocketAddrV4>, src: Ipv4Addr, query: &[u8]) -> Plan {
+    let Some(q) = parse_query(query) else {
+        return Plan::Drop;
+    };
     let learn_for = match agent.dns_decide(src, &q.name) {
         DnsDecision::Stranger | DnsDecision::Refuse { .. } => {
-            return Some(reply(query, &q, RCODE_REFUSED));
+            return Plan::Reply(reply(query, &q, RCODE_REFUSED));
         }
         DnsDecision::Forward => None,
         // Their hints (ipv4hint) would be addresses never learned: a
         // client falls back to A.
         DnsDecision::Learn { .. } if matches!(q.qtype, TYPE_SVCB | TYPE_HTTPS) => {
-            return Some(reply(query, &q, 0));
+            return Plan::Reply(reply(query, &q, 0));
         }
         DnsDecision::Learn { sandbox_id } => Some(sandbox_id),
     };
-    let Some(upstream) = upstream else {
-        return Some(reply(query, &q, RCODE_SERVFAIL));
-    };
+    match upstream {
+        None => Plan::Reply(reply(query, &q, RCODE_SERVFAIL)),
+        Some(upstream) => Plan::Forward {
+            q,
+            upstream,
+            learn_for,
+        },
+    }
+}
+
+/// Forwards a planned query and learns its answer; the reply to send.
+async fn forward_and_learn(
+    agent: &Agent,
+    src: Ipv4Addr,
+    query: &[u8],
+    (q, upstream, learn_for): (Question, SocketAddrV4, Option<String>),
+    tcp: bool,
+) -> Vec<u8> {
     let forwarded = if tcp {
         forward_tcp(upstream, query).await
     } else {
         forward(upstream, query, q.id).await
     };
     let Ok(resp) = forwarded else {
-        return Some(reply(query, &q, RCODE_SERVFAIL));
+        return reply(query, &q, RCODE_SERVFAIL);
     };
     if let Some(sandbox_id) = learn_for {
         let addrs = answer_addrs(&resp, &q.name).unwrap_or_default();
@@ -482,10 +522,29 @@ async fn answer(
             .await
             .is_err()
         {
-            return Some(reply(query, &q, RCODE_SERVFAIL));
+            return reply(query, &q, RCODE_SERVFAIL);
         }
     }
-    Some(resp)
+    resp
+}
+
+/// The answer to one query from `src`, or `None` to drop it (not a query).
+async fn answer(
+    agent: &Agent,
+    upstream: Option<SocketAddrV4>,
+    src: Ipv4Addr,
+    query: &[u8],
+    tcp: bool,
+) -> Option<Vec<u8>> {
+    match plan(agent, upstream, src, query) {
+        Plan::Reply(r) => Some(r),
+        Plan::Drop => None,
+        Plan::Forward {
+            q,
+            upstream,
+            learn_for,
+        } => Some(forward_and_learn(agent, src, query, (q, upstream, learn_for), tcp).await),
+    }
 }
 
 /// Sends the query to the upstream over a TCP connection of its own.

@@ -28,13 +28,13 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections at once, in all and per sandbox.
 const MAX_CONNS: usize = 4096;
-const MAX_CONNS_PER_SOURCE: usize = 256;
+const MAX_CONNS_PER_SOURCE: usize = 64;
 
 /// What the first bytes of a connection named.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Hello {
-    /// Not enough bytes yet.
-    More,
+    /// Not enough bytes yet: at least this many more are needed.
+    More(usize),
     /// The name (lowercase, no trailing dot), or `None` when the client
     /// named none that can be dialled (no SNI, an address, garbage).
     Done(Option<String>),
@@ -81,14 +81,23 @@ pub fn tls_server_name(buf: &[u8]) -> Hello {
     if buf.first().is_some_and(|&t| t != 22) {
         return Hello::Done(None);
     }
-    // Incomplete, and no more handshake bytes can follow.
-    let incomplete = if other {
-        Hello::Done(None)
+    // Handshake bytes already in the buffer in a record not complete yet.
+    let partial = if other {
+        0
     } else {
-        Hello::More
+        buf.len().saturating_sub(at + 5)
+    };
+    // Incomplete (`missing` handshake bytes, when known): each needs a
+    // byte more in the buffer; none can follow another record type.
+    let incomplete = |missing: usize| {
+        if other {
+            Hello::Done(None)
+        } else {
+            Hello::More(missing.saturating_sub(partial).max(1))
+        }
     };
     if hs.len() < 4 {
-        return incomplete;
+        return incomplete(0);
     }
     if hs[0] != 1 {
         return Hello::Done(None); // not a ClientHello
@@ -98,7 +107,7 @@ pub fn tls_server_name(buf: &[u8]) -> Hello {
         return Hello::Done(None);
     }
     if hs.len() < 4 + body_len {
-        return incomplete;
+        return incomplete(4 + body_len - hs.len());
     }
     Hello::Done(client_hello_sni(&hs[4..4 + body_len]))
 }
@@ -146,15 +155,38 @@ fn client_hello_sni(b: &[u8]) -> Option<String> {
 }
 
 /// The Host of an HTTP/1 request head (RFC 9112 3.2), without its port.
+/// A CONNECT, or a request whose absolute-form target names another host
+/// than Host (a server takes the target's), names none.
 pub fn http_host(buf: &[u8]) -> Hello {
     let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
         return if buf.len() >= MAX_HELLO {
             Hello::Done(None)
         } else {
-            Hello::More
+            Hello::More(1)
         };
     };
     let head = &buf[..end];
+    let line = head.split(|&c| c == b'\n').next().unwrap_or_default();
+    let mut words = line.split(|&c| c == b' ');
+    let (method, target) = (
+        words.next().unwrap_or_default(),
+        words.next().unwrap_or_default(),
+    );
+    if method.eq_ignore_ascii_case(b"CONNECT") {
+        return Hello::Done(None);
+    }
+    let lower = target.to_ascii_lowercase();
+    let absolute = lower
+        .strip_prefix(b"http://")
+        .or_else(|| lower.strip_prefix(b"https://"))
+        .map(|rest| {
+            let authority = rest
+                .split(|&c| c == b'/' || c == b'?')
+                .next()
+                .unwrap_or_default();
+            let authority = authority.rsplit(|&c| c == b'@').next().unwrap_or_default();
+            strip_port(authority).to_vec()
+        });
     let mut hosts = head.split(|&c| c == b'\n').skip(1).filter_map(|line| {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         let colon = line.iter().position(|&c| c == b':')?;
@@ -165,16 +197,24 @@ pub fn http_host(buf: &[u8]) -> Hello {
     let (Some(host), None) = (hosts.next(), hosts.next()) else {
         return Hello::Done(None); // none, or two (which one would the server take?)
     };
-    let name = match host.iter().rposition(|&c| c == b':') {
+    let name = host_name(strip_port(host));
+    match absolute {
+        Some(target) if host_name(&target) != name => Hello::Done(None),
+        _ => Hello::Done(name),
+    }
+}
+
+/// `host[:port]` without the port.
+fn strip_port(host: &[u8]) -> &[u8] {
+    match host.iter().rposition(|&c| c == b':') {
         Some(i) if host[i + 1..].iter().all(u8::is_ascii_digit) => &host[..i],
         _ => host,
-    };
-    Hello::Done(host_name(name))
+    }
 }
 
 /// Whether the proxy may dial `ip` for a sandbox: a public address, not
-/// the node's own nor another sandbox's.
-fn dialable(agent: &Agent, ip: Ipv4Addr) -> bool {
+/// one of the node's own (`local`) nor a sandbox's.
+fn dialable(agent: &Agent, local: &[Ipv4Addr], ip: Ipv4Addr) -> bool {
     let o = ip.octets();
     !(ip.is_private()
         || ip.is_loopback()
@@ -184,8 +224,22 @@ fn dialable(agent: &Agent, ip: Ipv4Addr) -> bool {
         || ip.is_multicast()
         || o[0] == 0
         || o[0] >= 240
-        || (o[0] == 100 && (64..128).contains(&o[1]))
+        || (o[0] == 100 && (64..128).contains(&o[1])) // shared (CGNAT)
+        || (o[0] == 192 && o[1] == 0 && o[2] == 0) // IETF protocol assignments
+        || (o[0] == 198 && (o[1] & 0xfe) == 18) // benchmarking
+        || local.contains(&ip)
         || agent.pool_contains(ip))
+}
+
+/// The node's own IPv4 addresses (every device's).
+fn local_addresses() -> Vec<Ipv4Addr> {
+    nix::ifaddrs::getifaddrs()
+        .map(|addrs| {
+            addrs
+                .filter_map(|a| a.address?.as_sockaddr_in().map(|s| s.ip()))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Binds both ports on the gateway-device address and serves them; the
@@ -210,8 +264,23 @@ pub fn serve(
         Ok::<_, std::io::Error>(listeners)
     })();
     let at = format!("{ip}:{DP_PROXY_TLS_PORT} (TLS), {ip}:{DP_PROXY_HTTP_PORT} (HTTP)");
+    // Ports below this one need privilege to bind: ours must.
+    let unprivileged = std::fs::read_to_string("/proc/sys/net/ipv4/ip_unprivileged_port_start")
+        .ok()
+        .and_then(|s| s.trim().parse::<u16>().ok())
+        .unwrap_or(1024);
+    let warning = if unprivileged <= DP_PROXY_TLS_PORT.max(DP_PROXY_HTTP_PORT) {
+        let w = format!(
+            " (warning: net.ipv4.ip_unprivileged_port_start is {unprivileged}: any local user \
+             could bind these ports while the agent is down)"
+        );
+        warn!("proxy:{w}");
+        w
+    } else {
+        String::new()
+    };
     agent.proxy_status(match (&bound, upstream) {
-        (Ok(_), Some(_)) => Ok(format!("listening on {at}")),
+        (Ok(_), Some(_)) => Ok(format!("listening on {at}{warning}")),
         (Ok(_), None) => Err(format!(
             "listening on {at}, but no upstream to resolve names (dns_upstream)"
         )),
@@ -260,28 +329,32 @@ fn reset(conn: TcpStream) {
     drop(conn);
 }
 
-async fn relay(
-    agent: &Agent,
-    upstream: Option<SocketAddrV4>,
-    mut conn: TcpStream,
-    src: Ipv4Addr,
-    dial_port: u16,
-) {
-    // A stranger (not a strict-mode sandbox) is reset before it sends.
-    if !agent.proxy_serves(src) {
-        reset(conn);
-        return;
-    }
-    let mut buf = Vec::with_capacity(1024);
-    let named = tokio::time::timeout(HELLO_TIMEOUT, async {
+/// Reads until the client named its host (or `None`: it named none, sent
+/// too much, or took too long). Each parse waits for at least the bytes
+/// the last one said are missing, and the HTTP head's end is searched in
+/// new bytes only: a client trickling bytes costs linear work.
+async fn read_hello(conn: &mut TcpStream, buf: &mut Vec<u8>, tls: bool) -> Option<String> {
+    let mut parse_at = 1;
+    let mut scanned: usize = 0;
+    tokio::time::timeout(HELLO_TIMEOUT, async {
         loop {
-            let hello = if dial_port == 443 {
-                tls_server_name(&buf)
+            let ready = if tls {
+                buf.len() >= parse_at
             } else {
-                http_host(&buf)
+                let from = scanned.saturating_sub(3);
+                scanned = buf.len();
+                buf[from..].windows(4).any(|w| w == b"\r\n\r\n") || buf.len() >= MAX_HELLO
             };
-            if let Hello::Done(name) = hello {
-                return name;
+            if ready {
+                let hello = if tls {
+                    tls_server_name(buf)
+                } else {
+                    http_host(buf)
+                };
+                match hello {
+                    Hello::Done(name) => return name,
+                    Hello::More(n) => parse_at = buf.len() + n.max(1),
+                }
             }
             if buf.len() >= MAX_HELLO {
                 return None;
@@ -295,9 +368,29 @@ async fn relay(
         }
     })
     .await
-    .unwrap_or(None);
-    let sandbox_id = match agent.proxy_decide(src, named.as_deref()) {
-        ProxyDecision::Dial { sandbox_id } => sandbox_id,
+    .unwrap_or(None)
+}
+
+async fn relay(
+    agent: &Agent,
+    upstream: Option<SocketAddrV4>,
+    mut conn: TcpStream,
+    src: Ipv4Addr,
+    dial_port: u16,
+) {
+    // A stranger (not a strict-mode sandbox) is reset before it sends.
+    if !agent.proxy_serves(src) {
+        reset(conn);
+        return;
+    }
+    let mut buf = Vec::with_capacity(1024);
+    let named = read_hello(&mut conn, &mut buf, dial_port == 443).await;
+    let (sandbox_id, cidrs, mut changed) = match agent.proxy_decide(src, named.as_deref()) {
+        ProxyDecision::Dial {
+            sandbox_id,
+            cidrs,
+            changed,
+        } => (sandbox_id, cidrs, changed),
         ProxyDecision::Stranger | ProxyDecision::Refuse { .. } => return reset(conn),
     };
     let name = named.unwrap_or_default();
@@ -311,10 +404,14 @@ async fn relay(
             return reset(conn);
         }
     };
-    let Some(dst) = addrs.into_iter().find(|a| dialable(agent, *a)) else {
-        warn!(
+    let local = local_addresses();
+    let Some(dst) = addrs
+        .into_iter()
+        .find(|a| dialable(agent, &local, *a) && cidrs.as_ref().is_none_or(|c| c.allows(*a)))
+    else {
+        info!(
             sandbox_id,
-            name, "proxy: the name has no public address; reset"
+            name, "proxy: the name has no public address the sandbox may reach; reset"
         );
         return reset(conn);
     };
@@ -347,7 +444,31 @@ async fn relay(
     {
         return reset(conn);
     }
-    let _ = tokio::io::copy_bidirectional(&mut conn, &mut out).await;
+    // Until either side closes, or the sandbox's rules change so that this
+    // name (or address) is no longer allowed, or the sandbox is released:
+    // a connection never outlives its sandbox.
+    let cut = async {
+        loop {
+            if changed.changed().await.is_err() {
+                match agent.proxy_still(src, &sandbox_id, &name, dst) {
+                    Some(next) => changed = next,
+                    None => return,
+                }
+            }
+        }
+    };
+    let was_cut = tokio::select! {
+        _ = tokio::io::copy_bidirectional(&mut conn, &mut out) => false,
+        () = cut => true,
+    };
+    if was_cut {
+        info!(
+            sandbox_id,
+            name, "proxy: connection reset: the sandbox's rules changed or it is gone"
+        );
+        drop(out);
+        reset(conn);
+    }
 }
 
 /// The A records of `name`, asked of the upstream.
@@ -420,7 +541,11 @@ mod tests {
         );
         // Every prefix asks for more.
         for n in 0..h.len() {
-            assert_eq!(tls_server_name(&h[..n]), Hello::More, "{n}");
+            // ... and never more than is still to come (a lower bound).
+            match tls_server_name(&h[..n]) {
+                Hello::More(k) => assert!(k >= 1 && k <= h.len() - n, "{n}: {k}"),
+                other => panic!("{n}: {other:?}"),
+            }
         }
         assert_eq!(tls_server_name(&client_hello(None)), Hello::Done(None));
         assert_eq!(
@@ -444,7 +569,12 @@ mod tests {
             tls_server_name(&two),
             Hello::Done(Some("a.allowed.test".into()))
         );
-        assert_eq!(tls_server_name(&two[..20]), Hello::More);
+        for n in 0..two.len() {
+            match tls_server_name(&two[..n]) {
+                Hello::More(k) => assert!(k >= 1 && k <= two.len() - n, "{n}: {k}"),
+                other => panic!("{n}: {other:?}"),
+            }
+        }
         // Early data right behind the hello; and a hello cut by it.
         let mut early = h.clone();
         early.extend_from_slice(&[23, 3, 3, 0, 2, 9, 9]);
@@ -461,7 +591,14 @@ mod tests {
     fn the_host_of_a_request() {
         let r = b"GET / HTTP/1.1\r\nUser-Agent: x\r\nhost:  Www.Allowed.Test:80 \r\n\r\n";
         assert_eq!(http_host(r), Hello::Done(Some("www.allowed.test".into())));
-        assert_eq!(http_host(&r[..20]), Hello::More);
+        assert_eq!(http_host(&r[..20]), Hello::More(1));
+        // The target's host is what a server takes: it must be Host's.
+        let abs = b"GET http://www.allowed.test:80/x HTTP/1.1\r\nHost: www.allowed.test\r\n\r\n";
+        assert_eq!(http_host(abs), Hello::Done(Some("www.allowed.test".into())));
+        let other = b"GET http://evil.test/ HTTP/1.1\r\nHost: www.allowed.test\r\n\r\n";
+        assert_eq!(http_host(other), Hello::Done(None));
+        let connect = b"CONNECT www.allowed.test:443 HTTP/1.1\r\nHost: www.allowed.test\r\n\r\n";
+        assert_eq!(http_host(connect), Hello::Done(None));
         assert_eq!(http_host(b"GET / HTTP/1.0\r\n\r\n"), Hello::Done(None));
         let two = b"GET / HTTP/1.1\r\nHost: a.test\r\nHost: b.test\r\n\r\n";
         assert_eq!(http_host(two), Hello::Done(None));
