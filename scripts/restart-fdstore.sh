@@ -309,10 +309,12 @@ measure() {
   echo "#   journal: TAP fds handed back by the fd store fds=${J_FDS:-none}; recovery finished adopted=$J_ADOPTED" \
        "pool_adopted=$J_POOL_ADOPTED repaired=$J_REPAIRED quarantined=$J_QUARANTINED fd_lost=$J_FD_LOST elapsed_ms=$J_ELAPSED"
   # The fds must have come back from the store: every network's TAP plus
-  # the idle pool's, i.e. what the store held before, and nothing reopened.
+  # the idle pool's, i.e. what the store held before but the agent's own 4
+  # sockets for sandboxes (systemd::SOCKET_FD_NAMES: the resolver's UDP and
+  # TCP, the proxy's two listeners), and nothing reopened.
   [ -n "$J_FDS" ] || die "$label: the new agent got no TAP fds from the fd store (no 'TAP fds handed back' line)"
   [ "$J_FDS" -ge "$N" ] || die "$label: only $J_FDS TAP fds handed back, want >= N=$N"
-  [ "$J_FDS" = "$nfd0" ] || die "$label: $J_FDS TAP fds handed back, but the store held $nfd0 before"
+  [ "$((J_FDS + 4))" = "$nfd0" ] || die "$label: $J_FDS TAP fds handed back, but the store held $nfd0 before (want TAPs + 4 sockets)"
   [ "$J_ADOPTED" = "$N" ] || die "$label: recovery adopted $J_ADOPTED networks, want $N"
   [ "${J_FD_LOST:-0}" = 0 ] || die "$label: recovery reports fd_lost=$J_FD_LOST"
   [ "$NFileDescriptorStore" -ge "$N" ] || die "$label: NFileDescriptorStore is $NFileDescriptorStore after the restart"
