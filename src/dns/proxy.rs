@@ -11,7 +11,7 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info, warn};
 
@@ -26,6 +26,9 @@ pub const MAX_HELLO: usize = 16 * 1024;
 /// How long a client has to send that.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// A spliced connection on which nothing moved either way for this long
+/// is reset (it would hold one of its sandbox's connection slots).
+const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 /// Connections at once, in all and per sandbox.
 const MAX_CONNS: usize = 4096;
 const MAX_CONNS_PER_SOURCE: usize = 64;
@@ -458,17 +461,56 @@ async fn relay(
         }
     };
     let was_cut = tokio::select! {
-        _ = tokio::io::copy_bidirectional(&mut conn, &mut out) => false,
+        idle = splice(&mut conn, &mut out, IDLE_TIMEOUT) => idle,
         () = cut => true,
     };
     if was_cut {
         info!(
             sandbox_id,
-            name, "proxy: connection reset: the sandbox's rules changed or it is gone"
+            name, "proxy: connection reset: idle, or the sandbox's rules changed or it is gone"
         );
         drop(out);
         reset(conn);
     }
+}
+
+/// Copies both ways until both sides have closed (a close is passed on as
+/// a shutdown of the other side's writing) or one fails; true when it
+/// stopped because nothing moved for `idle`.
+async fn splice(a: &mut TcpStream, b: &mut TcpStream, idle: Duration) -> bool {
+    let (mut ar, mut aw) = a.split();
+    let (mut br, mut bw) = b.split();
+    let (mut from_a, mut from_b) = (vec![0u8; 16 * 1024], vec![0u8; 16 * 1024]);
+    let (mut a_open, mut b_open) = (true, true);
+    while a_open || b_open {
+        let step = tokio::time::timeout(idle, async {
+            tokio::select! {
+                r = ar.read(&mut from_a), if a_open => match r {
+                    Ok(0) => {
+                        a_open = false;
+                        bw.shutdown().await
+                    }
+                    Ok(n) => bw.write_all(&from_a[..n]).await,
+                    Err(e) => Err(e),
+                },
+                r = br.read(&mut from_b), if b_open => match r {
+                    Ok(0) => {
+                        b_open = false;
+                        aw.shutdown().await
+                    }
+                    Ok(n) => aw.write_all(&from_b[..n]).await,
+                    Err(e) => Err(e),
+                },
+            }
+        })
+        .await;
+        match step {
+            Err(_) => return true,
+            Ok(Err(_)) => return false,
+            Ok(Ok(())) => {}
+        }
+    }
+    false
 }
 
 /// The A records of `name`, asked of the upstream.
@@ -585,6 +627,43 @@ mod tests {
         let mut cut = two[..15].to_vec(); // the first record only
         cut.extend_from_slice(&[23, 3, 3, 0, 2, 9, 9]);
         assert_eq!(tls_server_name(&cut), Hello::Done(None));
+    }
+
+    /// Two connected sockets over loopback.
+    async fn pair(l: &TcpListener) -> (TcpStream, TcpStream) {
+        let c = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (s, _) = l.accept().await.unwrap();
+        (c, s)
+    }
+
+    #[tokio::test]
+    async fn splice_passes_data_and_closes_and_gives_up_when_idle() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // guest <-> (a  proxy  b) <-> server
+        let (mut guest, mut a) = pair(&l).await;
+        let (mut b, mut server) = pair(&l).await;
+        let relay =
+            tokio::spawn(async move { splice(&mut a, &mut b, Duration::from_millis(300)).await });
+        guest.write_all(b"hello").await.unwrap();
+        guest.shutdown().await.unwrap();
+        let mut got = vec![];
+        server.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"hello", "data, then the guest's close");
+        server.write_all(b"world").await.unwrap();
+        drop(server);
+        let mut back = vec![];
+        guest.read_to_end(&mut back).await.unwrap();
+        assert_eq!(back, b"world");
+        assert!(!relay.await.unwrap(), "both closed: not idle");
+
+        let (_guest, mut a) = pair(&l).await;
+        let (mut b, _server) = pair(&l).await;
+        let t = std::time::Instant::now();
+        assert!(
+            splice(&mut a, &mut b, Duration::from_millis(300)).await,
+            "idle"
+        );
+        assert!(t.elapsed() >= Duration::from_millis(300));
     }
 
     #[test]
