@@ -530,15 +530,10 @@ async fn lookup(upstream: SocketAddrV4, name: &str) -> std::io::Result<Vec<Ipv4A
 
 fn rand_id() -> u16 {
     let mut b = [0u8; 2];
-    if getrandom(&mut b).is_err() {
+    if crate::agent::getrandom(&mut b).is_err() {
         return 0x5a5a;
     }
     u16::from_ne_bytes(b)
-}
-
-fn getrandom(b: &mut [u8]) -> std::io::Result<()> {
-    use std::io::Read;
-    std::fs::File::open("/dev/urandom")?.read_exact(b)
 }
 
 #[cfg(test)]
