@@ -192,21 +192,55 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } host_nat SEC(".maps");
 
+/* Host <-> sandbox flows. Not LRUs: nothing is evicted behind a flow's
+ * back; every sandbox's entries are bounded by its share (sb_share,
+ * share_take) and the reaper removes expired ones. */
 struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(type, BPF_MAP_TYPE_HASH);
 	__type(key, struct dp_hflow_key);
 	__type(value, struct dp_hflow_val);
-	__uint(max_entries, 65536);
+	__uint(max_entries, DP_HFLOW_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } hflow SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(type, BPF_MAP_TYPE_HASH);
 	__type(key, struct dp_hrev_key);
 	__type(value, struct dp_hrev_val);
-	__uint(max_entries, 65536);
+	__uint(max_entries, DP_HFLOW_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } hrev SEC(".maps");
+
+/* Per sandbox (TAP or veth ifindex): entries it holds in the shared
+ * tables; created with its sb_stats entry, removed with its device. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, struct dp_share);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} sb_share SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct dp_share_pool);
+	__uint(max_entries, 1);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} share_pool SEC(".maps");
+
+/* uids whose processes may open flows to sandbox addresses (besides root):
+ * the agent writes it from its configuration at every start. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, __u8);
+	__uint(max_entries, 256);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} host_access SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
@@ -274,6 +308,75 @@ static __always_inline struct dp_config *get_config(void)
 	__u32 zero = 0;
 	asm volatile("" : : "r"(DP_BUILD_SALT));
 	return bpf_map_lookup_elem(&config, &zero);
+}
+
+/* Takes one host-flow entry of the sandbox on `ifindex`'s share: one of
+ * its guaranteed ones, else one of the shared pool up to its cap. 0 or -1
+ * (nothing taken). A device without an sb_share entry (bound by a build
+ * before shares) is not limited. The check and the count are two steps
+ * (the instruction set this object targets has no fetching atomics), so
+ * CPUs racing for the last entries may each take one: a share can be
+ * exceeded by at most the number of CPUs. Global functions (these three):
+ * the verifier checks each once, not along every path that calls it. */
+__noinline int share_take(__u32 ifindex)
+{
+	struct dp_config *c = get_config();
+	struct dp_share *s = bpf_map_lookup_elem(&sb_share, &ifindex);
+	if (!s || !c)
+		return 0;
+	__u32 held = s->hflow;
+	if (held >= c->hflow_cap)
+		return -1;
+	if (held >= c->hflow_guaranteed) {
+		__u32 zero = 0;
+		struct dp_share_pool *p = bpf_map_lookup_elem(&share_pool, &zero);
+		if (!p || p->hflow_borrowed >= c->hflow_borrow)
+			return -1;
+		__sync_fetch_and_add(&p->hflow_borrowed, 1);
+	}
+	__sync_fetch_and_add(&s->hflow, 1);
+	return 0;
+}
+
+/* Gives one of `s`'s back. */
+static __always_inline void give(const struct dp_config *c, struct dp_share *s)
+{
+	__u32 held = s->hflow;
+	if (held == 0)
+		return; /* never below zero (the reaper's recount may have raced) */
+	__sync_fetch_and_add(&s->hflow, -1);
+	if (held > c->hflow_guaranteed) {
+		__u32 zero = 0;
+		struct dp_share_pool *p = bpf_map_lookup_elem(&share_pool, &zero);
+		if (p && p->hflow_borrowed > 0)
+			__sync_fetch_and_add(&p->hflow_borrowed, -1);
+	}
+}
+
+/* Gives one back (an entry share_take counted was removed). */
+__noinline int share_give(__u32 ifindex)
+{
+	struct dp_config *c = get_config();
+	struct dp_share *s = bpf_map_lookup_elem(&sb_share, &ifindex);
+	if (s && c)
+		give(c, s);
+	return 0;
+}
+
+/* A host flow of the sandbox at `sandbox_ip`, opened by its owner of
+ * generation `gen`, was removed: the owner (if it still owns the address)
+ * gets the entry's share back. */
+__noinline int hflow_gone(__u32 sandbox_ip, __u64 gen)
+{
+	struct dp_config *c = get_config();
+	struct dp_tap *t = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
+	if (!c || !t || t->gen != gen)
+		return 0;
+	__u32 ifindex = t->ifindex;
+	struct dp_share *s = bpf_map_lookup_elem(&sb_share, &ifindex);
+	if (s)
+		give(c, s);
+	return 0;
 }
 
 static __always_inline int mac_eq(const __u8 *a, const __u8 *b)
@@ -712,10 +815,14 @@ static __always_inline int tuple_alloc(struct __sk_buff *skb, const struct dp_co
  * kernel already spreads reuse of a port to one destination out in time),
  * offset per sandbox so two sandboxes using the same guest port do not
  * contend. */
-static __always_inline int snat_alloc(struct __sk_buff *skb, const struct dp_config *c,
-				      const struct dp_ct_key *key, __u64 gen,
-				      const struct syn_info *si, __u16 *nat_port)
+__noinline int snat_alloc(struct __sk_buff *skb, const struct dp_ct_key *key, __u64 gen,
+			  const struct syn_info *si, __u16 *nat_port)
 {
+	/* A global function: its 32 probes are verified once, not along
+	 * every path of from_guest that opens a flow. */
+	struct dp_config *c = get_config();
+	if (!skb || !key || !si || !nat_port || !c)
+		return -1;
 	struct dp_rev_val rv = {
 		.sandbox_ip = key->sandbox_ip,
 		.guest_port = key->guest_port,
@@ -753,10 +860,13 @@ static __always_inline int hkey_eq(const struct dp_hflow_key *a, const struct dp
 }
 
 /* Removes a host flow and its guest-side entry if that still points at it. */
-static __always_inline void hflow_drop(const struct dp_hflow_key *hk, const struct dp_hflow_val *hv)
+static __always_inline void hflow_drop(const struct dp_config *c, const struct dp_hflow_key *hk,
+				       const struct dp_hflow_val *hv)
 {
+	__u32 sandbox_ip = hv->sandbox_ip;
+	__u64 gen = hv->gen;
 	struct dp_hrev_key rk = {
-		.sandbox_ip = hv->sandbox_ip,
+		.sandbox_ip = sandbox_ip,
 		.guest_port = hv->guest_port,
 		.gw_port = hv->gw_port,
 		.proto = hk->proto,
@@ -764,18 +874,20 @@ static __always_inline void hflow_drop(const struct dp_hflow_key *hk, const stru
 	struct dp_hrev_val *rv = bpf_map_lookup_elem(&hrev, &rk);
 	if (rv && hkey_eq(&rv->host, hk))
 		bpf_map_delete_elem(&hrev, &rk);
-	bpf_map_delete_elem(&hflow, hk);
+	if (bpf_map_delete_elem(&hflow, hk) == 0)
+		hflow_gone(sandbox_ip, gen);
 }
 
 /* The host flow `hk` of the sandbox at `sandbox_ip` whose owner has
  * generation `gen`; one an earlier owner left behind is no flow (and is
  * deleted). */
-static __always_inline struct dp_hflow_val *hflow_of(const struct dp_hflow_key *hk,
+static __always_inline struct dp_hflow_val *hflow_of(const struct dp_config *c,
+						     const struct dp_hflow_key *hk,
 						     __u32 sandbox_ip, __u64 gen)
 {
 	struct dp_hflow_val *hv = bpf_map_lookup_elem(&hflow, hk);
 	if (hv && (hv->gen != gen || hv->sandbox_ip != sandbox_ip)) {
-		hflow_drop(hk, hv);
+		hflow_drop(c, hk, hv);
 		return NULL;
 	}
 	return hv;
@@ -784,7 +896,8 @@ static __always_inline struct dp_hflow_val *hflow_of(const struct dp_hflow_key *
 /* Whether the guest-side tuple `rk` may go to a new host flow: nobody
  * holds it, its holder is gone (or an earlier owner's), or `syn` opens a
  * new TCP connection where the holder's is closed. */
-static __always_inline int hrev_reusable(const struct dp_hrev_key *rk, __u64 gen, int syn)
+static __always_inline int hrev_reusable(const struct dp_config *c, const struct dp_hrev_key *rk,
+					 __u64 gen, int syn)
 {
 	struct dp_hrev_val *old = bpf_map_lookup_elem(&hrev, rk);
 	if (!old)
@@ -796,7 +909,10 @@ static __always_inline int hrev_reusable(const struct dp_hrev_key *rk, __u64 gen
 		return 1; /* the holder's flow is gone */
 	if (ov->gen == gen && !(syn && rk->proto == IPPROTO_TCP && tcp_closed(ov->state)))
 		return 0;
-	bpf_map_delete_elem(&hflow, &ok);
+	__u32 held_by = ov->sandbox_ip;
+	__u64 held_gen = ov->gen;
+	if (bpf_map_delete_elem(&hflow, &ok) == 0)
+		hflow_gone(held_by, held_gen);
 	return 1;
 }
 
@@ -805,8 +921,9 @@ static __always_inline int hrev_reusable(const struct dp_hrev_key *rk, __u64 gen
  * (what the guest sees is what the host sent), else another one, so two
  * host connections never share a tuple in the guest (the host's own
  * connections from one port over different addresses or paths would). */
-static __always_inline int hflow_alloc(const struct dp_hflow_key *hk, __u32 sandbox_ip,
-				       __u16 guest_port, __u64 gen, int syn, __u16 *gw_port)
+static __always_inline int hflow_alloc(const struct dp_config *c, const struct dp_hflow_key *hk,
+				       __u32 sandbox_ip, __u16 guest_port, __u64 gen, int syn,
+				       __u16 *gw_port)
 {
 	struct dp_hrev_key rk = {
 		.sandbox_ip = sandbox_ip,
@@ -819,7 +936,7 @@ static __always_inline int hflow_alloc(const struct dp_hflow_key *hk, __u32 sand
 		__u16 p = i == 0 ? hk->sport : bpf_htons(1024 + (h + i * 7919u) % 64512);
 		rk.gw_port = p;
 		if (bpf_map_update_elem(&hrev, &rk, &rv, BPF_NOEXIST) != 0) {
-			if (!hrev_reusable(&rk, gen, syn) ||
+			if (!hrev_reusable(c, &rk, gen, syn) ||
 			    bpf_map_update_elem(&hrev, &rk, &rv, BPF_ANY) != 0)
 				continue;
 			/* Taken over on two CPUs at once: ours only if it says so. */
@@ -833,13 +950,25 @@ static __always_inline int hflow_alloc(const struct dp_hflow_key *hk, __u32 sand
 	return -1;
 }
 
-/* Starts or continues the host flow `hk` (the host sending to the
- * sandbox's `guest_port`); its gateway-side port, or -1 when none is free. */
-static __always_inline int hflow_in(const struct dp_hflow_key *hk, __u32 sandbox_ip,
-				    __u32 tap_ifindex, __u16 guest_port, __u64 gen, __u8 kind,
-				    const struct l4info *l4, __u16 *gw_port, __u32 *peer)
+/* Whether the process that sent this packet may open a flow to a sandbox
+ * address: root (also every reply the kernel itself sends), or a uid the
+ * operator granted (host_access). Forwarded packets never get here. */
+static __always_inline int host_admitted(struct __sk_buff *skb)
 {
-	struct dp_hflow_val *hv = hflow_of(hk, sandbox_ip, gen);
+	__u32 uid = bpf_get_socket_uid(skb);
+	return uid == 0 || bpf_map_lookup_elem(&host_access, &uid) != NULL;
+}
+
+/* Starts or continues the host flow `hk` (the host sending to the
+ * sandbox's `guest_port`); its gateway-side port, or -1 (dropped): no
+ * free port, the sandbox's share of host flows is used up, or (with
+ * `admission`) a new flow from a process without host access. */
+static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_config *c,
+				    const struct dp_hflow_key *hk, __u32 sandbox_ip,
+				    __u32 tap_ifindex, __u16 guest_port, __u64 gen, __u8 kind,
+				    int admission, const struct l4info *l4, __u16 *gw_port, __u32 *peer)
+{
+	struct dp_hflow_val *hv = hflow_of(c, hk, sandbox_ip, gen);
 	*peer = 0;
 	if (hv && hv->guest_port == guest_port &&
 	    (hv->kind == kind || (kind == DP_HF_GWDEV && hv->kind == DP_HF_PROXY))) {
@@ -850,15 +979,24 @@ static __always_inline int hflow_in(const struct dp_hflow_key *hk, __u32 sandbox
 			*peer = hv->peer_ip;
 		return 0;
 	}
+	if (admission && !host_admitted(skb)) {
+		count(DP_C_HOST_DENIED);
+		return -1;
+	}
 	if (hv)
-		hflow_drop(hk, hv);
+		hflow_drop(c, hk, hv);
+	if (share_take(tap_ifindex)) {
+		count(DP_C_HOST_SHARE);
+		sb_count(tap_ifindex, DP_S_NO_PORT);
+		return -1;
+	}
 	int syn = l4->proto == IPPROTO_TCP && (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
-	if (hflow_alloc(hk, sandbox_ip, guest_port, gen, syn, gw_port)) {
+	if (hflow_alloc(c, hk, sandbox_ip, guest_port, gen, syn, gw_port)) {
+		share_give(tap_ifindex);
 		count(DP_C_NO_GW_PORT);
 		sb_count(tap_ifindex, DP_S_NO_PORT);
 		return -1;
 	}
-	sb_count(tap_ifindex, DP_S_NEW_HOST);
 	struct dp_hflow_val nv = {
 		.last_seen_ns = bpf_ktime_get_ns(),
 		.gen = gen,
@@ -868,7 +1006,22 @@ static __always_inline int hflow_in(const struct dp_hflow_key *hk, __u32 sandbox
 		.kind = kind,
 		.state = tcp_state(DP_TCP_OPEN, l4, DIR_IN),
 	};
-	bpf_map_update_elem(&hflow, hk, &nv, BPF_ANY);
+	if (bpf_map_update_elem(&hflow, hk, &nv, BPF_NOEXIST)) {
+		/* Another CPU made it first, or the map is full. */
+		struct dp_hrev_key rk = {
+			.sandbox_ip = sandbox_ip,
+			.guest_port = guest_port,
+			.gw_port = *gw_port,
+			.proto = hk->proto,
+		};
+		struct dp_hrev_val *rv = bpf_map_lookup_elem(&hrev, &rk);
+		if (rv && hkey_eq(&rv->host, hk))
+			bpf_map_delete_elem(&hrev, &rk);
+		share_give(tap_ifindex);
+		count(DP_C_NO_GW_PORT);
+		return -1;
+	}
+	sb_count(tap_ifindex, DP_S_NEW_HOST);
 	return 0;
 }
 
@@ -894,13 +1047,23 @@ static __always_inline int guest_to_host(struct __sk_buff *skb, const struct dp_
 		struct dp_hrev_val *rv = bpf_map_lookup_elem(&hrev, &rk);
 		if (rv && rv->gen == sb->gen) {
 			hk = rv->host;
-			hv = hflow_of(&hk, sb->sandbox_ip, sb->gen);
+			hv = hflow_of(c, &hk, sb->sandbox_ip, sb->gen);
 			if (hv && (hv->guest_port != l4->sport || hv->gw_port != l4->dport))
 				hv = NULL;
 		}
 		if (!hv) {
 			if (rv)
 				bpf_map_delete_elem(&hrev, &rk);
+			/* A TCP segment other than a SYN of a flow nobody has
+			 * (one the host opened, whose entries are gone) is not a
+			 * flow the guest opens: made one, the host would answer
+			 * it with a reset, or another socket of the host would
+			 * get it. */
+			if (l4->proto == IPPROTO_TCP &&
+			    (l4->tcp_flags & (TCP_SYN | TCP_ACK)) != TCP_SYN) {
+				count(DP_C_NO_HOST_FLOW);
+				return TC_ACT_SHOT;
+			}
 			/* A flow the guest opens: the host sees sandbox IP ->
 			 * gateway-device IP, ports as the guest chose them. */
 			hk.saddr = c->host_ip;
@@ -909,9 +1072,23 @@ static __always_inline int guest_to_host(struct __sk_buff *skb, const struct dp_
 			hk.dport = l4->sport;
 			hk.proto = l4->proto;
 			hk.pad[0] = hk.pad[1] = hk.pad[2] = 0;
-			struct dp_hrev_val nrv = {.host = hk, .gen = sb->gen};
-			bpf_map_update_elem(&hrev, &rk, &nrv, BPF_ANY);
-			sb_count(skb->ifindex, DP_S_NEW_HOST);
+			struct dp_hflow_val *other = hflow_of(c, &hk, sb->sandbox_ip, sb->gen);
+			if (other) {
+				/* The host's tuple is another flow's (a host
+				 * connection mapped to this guest port): taken over
+				 * only by a SYN when that one is closed. */
+				if (!(l4->proto == IPPROTO_TCP && tcp_closed(other->state))) {
+					count(DP_C_NO_GW_PORT);
+					sb_count(skb->ifindex, DP_S_NO_PORT);
+					return TC_ACT_SHOT;
+				}
+				hflow_drop(c, &hk, other);
+			}
+			if (share_take(skb->ifindex)) {
+				count(DP_C_HOST_SHARE);
+				sb_count(skb->ifindex, DP_S_NO_PORT);
+				return TC_ACT_SHOT;
+			}
 			struct dp_hflow_val nv = {
 				.last_seen_ns = bpf_ktime_get_ns(),
 				.gen = sb->gen,
@@ -921,7 +1098,14 @@ static __always_inline int guest_to_host(struct __sk_buff *skb, const struct dp_
 				.kind = DP_HF_GWDEV,
 				.state = tcp_state(DP_TCP_OPEN, l4, DIR_OUT),
 			};
-			bpf_map_update_elem(&hflow, &hk, &nv, BPF_ANY);
+			if (bpf_map_update_elem(&hflow, &hk, &nv, BPF_NOEXIST)) {
+				share_give(skb->ifindex);
+				count(DP_C_NO_GW_PORT);
+				return TC_ACT_SHOT;
+			}
+			struct dp_hrev_val nrv = {.host = hk, .gen = sb->gen};
+			bpf_map_update_elem(&hrev, &rk, &nrv, BPF_ANY);
+			sb_count(skb->ifindex, DP_S_NEW_HOST);
 		} else {
 			hv->last_seen_ns = bpf_ktime_get_ns();
 			hv->state = tcp_state(hv->state, l4, DIR_OUT);
@@ -948,6 +1132,23 @@ static __always_inline int guest_to_host(struct __sk_buff *skb, const struct dp_
 		return TC_ACT_SHOT;
 	count(DP_C_HOST);
 	return bpf_redirect(c->gwdev_ifindex, BPF_F_INGRESS);
+}
+
+/* guest_to_host as a global function: the verifier checks it once, and
+ * from_guest's stack does not carry its locals (the call chain from_guest
+ * -> steer_to_agent -> share_take must fit 512 bytes). */
+__noinline int guest_to_gateway(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!skb || !c)
+		return TC_ACT_SHOT;
+	__u32 ifindex = skb->ifindex;
+	struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
+	struct iphdr ip;
+	struct l4info l4;
+	if (!sb || parse_ipv4(skb, &ip, &l4))
+		return TC_ACT_SHOT;
+	return guest_to_host(skb, c, sb, &ip, &l4);
 }
 
 /* The first fragment of a datagram that goes to a sandbox: the fragments
@@ -999,9 +1200,17 @@ static __always_inline int frag_follow(struct __sk_buff *skb, const struct dp_co
 	return bpf_redirect(ifindex, 0);
 }
 
-static __always_inline int forward_out(struct __sk_buff *skb, const struct dp_config *c,
-				       const struct iphdr *ip)
+/* Sends a translated packet out of the uplink (FIB lookup, next hop). A
+ * global function: its lookup structure (64 bytes) is not on from_guest's
+ * stack, which with steer_to_agent's and a share function's must fit 512
+ * bytes. */
+__noinline int forward_out(struct __sk_buff *skb)
 {
+	struct dp_config *c = get_config();
+	struct iphdr iph;
+	if (!skb || !c || bpf_skb_load_bytes(skb, ETH_HLEN, &iph, sizeof(iph)))
+		return TC_ACT_SHOT;
+	const struct iphdr *ip = &iph;
 	struct bpf_fib_lookup fib = {};
 	fib.family = AF_INET;
 	fib.tos = ip->tos;
@@ -1049,8 +1258,10 @@ static __always_inline int learned(const struct dp_sandbox *sb, __u32 dst, int f
 	return !fresh || lv->expires_ns > bpf_ktime_get_ns();
 }
 
-/* Whether the sandbox's policy lets it send to `dst`: an allowed CIDR, an
- * address learned for an allowed name, or no deny. `fresh`: no flow yet. */
+/* Whether the sandbox's policy lets it send to `dst`: an allowed CIDR;
+ * else a deny CIDR other than the catch-all 0.0.0.0/0 drops it (a DNS
+ * answer never opens what a deny closes); else an address learned for an
+ * allowed name; else no deny. `fresh`: no flow yet. */
 static __always_inline int policy_allows(const struct dp_sandbox *sb, __u32 dst, int fresh)
 {
 	if (!(sb->flags & DP_F_INTERNET))
@@ -1058,9 +1269,12 @@ static __always_inline int policy_allows(const struct dp_sandbox *sb, __u32 dst,
 	struct dp_policy_key pk = {.prefixlen = 64, .sandbox_ip = sb->sandbox_ip, .dst = dst};
 	if (bpf_map_lookup_elem(&policy_allow, &pk))
 		return 1;
+	__u8 *deny = bpf_map_lookup_elem(&policy_deny, &pk);
+	if (deny && *deny != DP_DENY_CATCH_ALL)
+		return 0;
 	if ((sb->flags & DP_F_DOMAINS) && learned(sb, dst, fresh))
 		return 1;
-	return !bpf_map_lookup_elem(&policy_deny, &pk);
+	return !deny;
 }
 
 /* DNS over TLS (853) to anyone but the gateway: a sandbox with domain
@@ -1105,22 +1319,33 @@ static __always_inline int guest_to_proxy(struct __sk_buff *skb, const struct dp
 		.dport = l4->sport,
 		.proto = l4->proto,
 	};
-	struct dp_hflow_val *hv = hflow_of(&hk, sb->sandbox_ip, sb->gen);
+	struct dp_hflow_val *hv = hflow_of(c, &hk, sb->sandbox_ip, sb->gen);
+	int syn = (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
 	if (hv && (hv->kind != DP_HF_PROXY || hv->peer_ip != ip->daddr ||
 		   hv->gw_port != l4->dport)) {
-		int syn = (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
 		if (l4->proto == IPPROTO_TCP && !(syn && tcp_closed(hv->state))) {
 			count(DP_C_NO_GW_PORT);
 			sb_count(skb->ifindex, DP_S_NO_PORT);
 			return TC_ACT_SHOT;
 		}
-		hflow_drop(&hk, hv);
+		hflow_drop(c, &hk, hv);
 		hv = NULL;
 	}
 	if (hv) {
 		hv->last_seen_ns = bpf_ktime_get_ns();
 		hv->state = tcp_state(hv->state, l4, DIR_OUT);
 	} else {
+		/* Only a SYN opens a TCP flow (a segment of one whose entry is
+		 * gone reaches no connection of the agent's). */
+		if (l4->proto == IPPROTO_TCP && !syn) {
+			count(DP_C_NO_HOST_FLOW);
+			return TC_ACT_SHOT;
+		}
+		if (share_take(skb->ifindex)) {
+			count(DP_C_HOST_SHARE);
+			sb_count(skb->ifindex, DP_S_NO_PORT);
+			return TC_ACT_SHOT;
+		}
 		struct dp_hflow_val nv = {
 			.last_seen_ns = bpf_ktime_get_ns(),
 			.gen = sb->gen,
@@ -1131,7 +1356,11 @@ static __always_inline int guest_to_proxy(struct __sk_buff *skb, const struct dp
 			.state = tcp_state(DP_TCP_OPEN, l4, DIR_OUT),
 			.peer_ip = ip->daddr,
 		};
-		bpf_map_update_elem(&hflow, &hk, &nv, BPF_ANY);
+		if (bpf_map_update_elem(&hflow, &hk, &nv, BPF_NOEXIST)) {
+			share_give(skb->ifindex);
+			count(DP_C_NO_GW_PORT);
+			return TC_ACT_SHOT;
+		}
 		sb_count(skb->ifindex, DP_S_NEW_HOST);
 	}
 	if (set_addr(skb, IP_SRC_OFF, ip->saddr, sb->sandbox_ip, l4) ||
@@ -1236,7 +1465,7 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 		};
 		if (si.syn)
 			si.ts = tcp_tsval(skb, l4);
-		if (snat_alloc(skb, c, &key, sb->gen, &si, &nat_port)) {
+		if (snat_alloc(skb, &key, sb->gen, &si, &nat_port)) {
 			count(DP_C_NO_PORT);
 			sb_count(skb->ifindex, DP_S_NO_PORT);
 			return TC_ACT_SHOT;
@@ -1250,7 +1479,7 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	    set_port(skb, src_port_off(l4), l4->sport, nat_port, l4))
 		return TC_ACT_SHOT;
 	count(DP_C_SNAT);
-	return forward_out(skb, c, ip);
+	return forward_out(skb);
 }
 
 SEC("classifier")
@@ -1308,7 +1537,7 @@ int from_guest(struct __sk_buff *skb)
 			sb_count(ifindex, DP_S_POLICY);
 			return TC_ACT_SHOT;
 		}
-		return guest_to_host(skb, c, sb, &ip, &l4);
+		return guest_to_gateway(skb);
 	}
 	return guest_to_world(skb, c, sb, &ip, &l4);
 }
@@ -1469,6 +1698,13 @@ int to_sandbox_ip(struct __sk_buff *skb)
 	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &dst);
 	if (!tap)
 		return TC_ACT_OK;
+	/* Only the node's own packets reach a sandbox here: one the node
+	 * forwards (a container's, a neighbour's with a route to the pool)
+	 * came in on some device. */
+	if (skb->ingress_ifindex) {
+		count(DP_C_FORWARDED_DROP);
+		return TC_ACT_SHOT;
+	}
 	if (l4.frag) {
 		int rc = frag_follow(skb, c, &ip, &l4);
 		return rc < 0 ? TC_ACT_SHOT : rc;
@@ -1476,6 +1712,12 @@ int to_sandbox_ip(struct __sk_buff *skb)
 	__u32 tap_ifindex = tap->ifindex;
 	__u64 gen = tap->gen;
 	__u32 peer = 0;
+	if (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP && !host_admitted(skb)) {
+		/* ICMP has no flows: every packet is judged (the kernel's own
+		 * errors are root's). */
+		count(DP_C_HOST_DENIED);
+		return TC_ACT_SHOT;
+	}
 	if (l4.proto == IPPROTO_TCP || l4.proto == IPPROTO_UDP) {
 		struct dp_hflow_key hk = {
 			.saddr = ip.saddr,
@@ -1490,13 +1732,15 @@ int to_sandbox_ip(struct __sk_buff *skb)
 		if (ip.saddr == c->host_ip &&
 		    (l4.sport == bpf_htons(53) || l4.sport == bpf_htons(DP_PROXY_TLS_PORT) ||
 		     l4.sport == bpf_htons(DP_PROXY_HTTP_PORT)) &&
-		    !hflow_of(&hk, dst, gen)) {
+		    !hflow_of(c, &hk, dst, gen)) {
 			count(DP_C_NO_ROUTE);
 			return TC_ACT_SHOT;
 		}
+		/* A flow the node opens needs host access (a reply to a flow
+		 * the guest opened has its entry). */
 		__u16 gw_port;
-		if (hflow_in(&hk, dst, tap_ifindex, l4.dport, gen, DP_HF_GWDEV, &l4, &gw_port,
-			     &peer))
+		if (hflow_in(skb, c, &hk, dst, tap_ifindex, l4.dport, gen, DP_HF_GWDEV, 1, &l4,
+			     &gw_port, &peer))
 			return TC_ACT_SHOT;
 		if (set_port(skb, src_port_off(&l4), l4.sport, gw_port, &l4))
 			return TC_ACT_SHOT;
@@ -1548,21 +1792,23 @@ int from_host(struct __sk_buff *skb)
 		.dport = l4.dport,
 		.proto = l4.proto,
 	};
-	struct dp_hflow_val *hv = hflow_of(&hk, sandbox_ip, gen);
+	struct dp_hflow_val *hv = hflow_of(c, &hk, sandbox_ip, gen);
 	int opens = !hv || (l4.proto == IPPROTO_TCP &&
 			    (l4.tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN);
 	if (opens &&
 	    host_socket(skb, l4.proto, ip.saddr, l4.sport, ip.daddr, l4.dport, 1)) {
 		/* A host socket listens there: the host wins (new flows). */
 		if (hv)
-			hflow_drop(&hk, hv);
+			hflow_drop(c, &hk, hv);
 		count(DP_C_PORTMAP_HOST_SOCKET);
 		return TC_ACT_OK;
 	}
+	/* A port mapping is open to every local process (as one on a node
+	 * address is to the world): no host-access check, the share only. */
 	__u16 gw_port;
 	__u32 peer;
-	if (hflow_in(&hk, sandbox_ip, tap_ifindex, container_port, gen, DP_HF_LO, &l4, &gw_port,
-		     &peer))
+	if (hflow_in(skb, c, &hk, sandbox_ip, tap_ifindex, container_port, gen, DP_HF_LO, 0, &l4,
+		     &gw_port, &peer))
 		return TC_ACT_SHOT;
 	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
 	    set_addr(skb, IP_SRC_OFF, ip.saddr, c->gateway_ip, &l4) ||

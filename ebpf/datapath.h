@@ -20,7 +20,28 @@ struct dp_config {
 	__u8 gateway_mac[6];
 	__u8 gwdev_mac[6];
 	__u16 pad;
-}; /* 48 bytes */
+	/* Host <-> sandbox flows (hflow) per sandbox: every sandbox may hold
+	 * `hflow_guaranteed` whatever the others do (all of them at that many
+	 * fit half the map); beyond, up to `hflow_cap`, from a pool of
+	 * `hflow_borrow` entries shared by all (the other half). */
+	__u32 hflow_guaranteed;
+	__u32 hflow_cap;
+	__u32 hflow_borrow;
+	__u32 pad2;
+}; /* 64 bytes */
+
+/* A sandbox's share of the node-wide tables (sb_share, keyed by the TAP or
+ * veth ifindex, like sb_stats): entries it holds now. */
+struct dp_share {
+	__u32 hflow;
+	__u32 pad;
+}; /* 8 bytes */
+/* The node-wide side (share_pool, one entry): entries held beyond the
+ * guaranteed ones. */
+struct dp_share_pool {
+	__u32 hflow_borrowed;
+	__u32 pad;
+}; /* 8 bytes */
 
 /* Generations: every owner of a sandbox address gets a generation of its
  * own (written by the agent when an address is attached with no `by_ip`
@@ -68,6 +89,7 @@ struct dp_learned_val {
 	__u64 gen;             /* the owner's generation when learned */
 }; /* 16 bytes */
 #define DP_LEARNED_MAX 1048576 /* 10,000 sandboxes x 100 */
+#define DP_HFLOW_MAX 262144    /* hflow and hrev: never evicted, shared by shares */
 
 /* sandbox ip -> TAP */
 struct dp_tap {
@@ -76,7 +98,13 @@ struct dp_tap {
 	__u64 gen;             /* the owner's generation */
 }; /* 16 bytes */
 
-/* policy tries: 64-bit key = sandbox ip (32 bits) + destination prefix */
+/* policy tries: 64-bit key = sandbox ip (32 bits) + destination prefix.
+ * policy_allow values are 1. policy_deny values say whether an address
+ * the resolver learned for the sandbox passes the deny: only the
+ * catch-all 0.0.0.0/0 ("anything not allowed otherwise") lets it; every
+ * narrower deny CIDR beats it. Builds before this distinction wrote 1. */
+#define DP_DENY_CATCH_ALL 1
+#define DP_DENY_BEATS_LEARNED 2
 struct dp_policy_key {
 	__u32 prefixlen;       /* 32 + CIDR length */
 	__u32 sandbox_ip;
@@ -248,6 +276,10 @@ enum dp_counter {
 	DP_C_HOST_REMAP,          /* a host connection moved off a sandbox flow's tuple */
 	DP_C_FRAG,                /* an IP fragment after the first forwarded to a sandbox */
 	DP_C_NO_GW_PORT,          /* a host -> sandbox flow found no free gateway-side port */
+	DP_C_FORWARDED_DROP,      /* a forwarded packet for a sandbox address (not the node's own) */
+	DP_C_HOST_DENIED,         /* a node process without host access opened a flow to a sandbox */
+	DP_C_HOST_SHARE,          /* a host <-> sandbox flow beyond its sandbox's share */
+	DP_C_NO_HOST_FLOW,        /* a guest's TCP segment of a host <-> sandbox flow nobody has */
 	DP_C_MAX,
 };
 

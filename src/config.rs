@@ -169,6 +169,10 @@ pub struct Config {
     /// the answer's TTL clamped to this range, seconds (docs/egress.md).
     pub dns_ttl_min: u32,
     pub dns_ttl_max: u32,
+    /// uids (besides root) whose processes may open connections to sandbox
+    /// addresses (docs/security.md); port mappings are open to every
+    /// local process regardless.
+    pub host_access_uids: Vec<u32>,
 }
 
 impl Default for Config {
@@ -211,6 +215,7 @@ impl Default for Config {
             dns_upstream: String::new(),
             dns_ttl_min: 5,
             dns_ttl_max: 300,
+            host_access_uids: Vec::new(),
         }
     }
 }
@@ -688,6 +693,16 @@ impl Config {
                 ),
             ));
         }
+        if self.host_access_uids.len() >= crate::datapath::maps::HOST_ACCESS_ENTRIES as usize {
+            return Err(invalid(
+                "host_access_uids",
+                format!(
+                    "{} uids; at most {}",
+                    self.host_access_uids.len(),
+                    crate::datapath::maps::HOST_ACCESS_ENTRIES - 1
+                ),
+            ));
+        }
         if !self.dns_upstream.is_empty() && parse_upstream(&self.dns_upstream).is_none() {
             return Err(invalid(
                 "dns_upstream",
@@ -781,6 +796,7 @@ Options (each overrides the same key of the config file):
   --dns-upstream ADDR[:PORT] where the sandboxes' resolver forwards [default: resolv.conf's first]
   --dns-ttl-min SECS         learned addresses last at least [default: 5]
   --dns-ttl-max SECS         ... and at most this long [default: 300]
+  --host-access-uids LIST    uids besides root that may connect to sandbox addresses, e.g. 1000,1001 [default: none]
   --print-config             print the effective configuration as TOML and exit
   -h, --help                 this help
   -V, --version              version
@@ -884,6 +900,7 @@ const VALUE_FLAGS: &[&str] = &[
     "--dns-upstream",
     "--dns-ttl-min",
     "--dns-ttl-max",
+    "--host-access-uids",
 ];
 
 fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigError> {
@@ -931,6 +948,14 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
         "--dns-upstream" => cfg.dns_upstream = value,
         "--dns-ttl-min" => cfg.dns_ttl_min = number("dns_ttl_min", &value)?,
         "--dns-ttl-max" => cfg.dns_ttl_max = number("dns_ttl_max", &value)?,
+        "--host-access-uids" => {
+            cfg.host_access_uids = value
+                .split(',')
+                .map(str::trim)
+                .filter(|v| !v.is_empty())
+                .map(|v| number("host_access_uids", v))
+                .collect::<Result<_, _>>()?
+        }
         _ => {
             return Err(ConfigError::Usage(format!(
                 "unknown option {flag} (see --help)"

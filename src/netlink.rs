@@ -701,6 +701,73 @@ impl Netlink {
             })
     }
 
+    /// Sets the MTU of the route the kernel made for `src`'s address on
+    /// `oif` (`dest/prefix_len`, proto kernel, scope link): what the host's
+    /// own packets to addresses behind it may carry. Its TCP advertises a
+    /// matching MSS and its larger datagrams are fragmented before they
+    /// leave, instead of being lost on a smaller link further on.
+    pub async fn set_prefix_route_mtu(
+        &self,
+        dest: Ipv4Addr,
+        prefix_len: u8,
+        oif: u32,
+        src: Ipv4Addr,
+        mtu: u32,
+    ) -> Result<(), NetlinkError> {
+        use rtnetlink::packet_route::route::{RouteMetric, RouteProtocol, RouteScope};
+        debug!(%dest, prefix_len, oif, mtu, "set the prefix route's MTU");
+        let mut msg = RouteMessageBuilder::<Ipv4Addr>::new()
+            .destination_prefix(mask(dest, prefix_len), prefix_len)
+            .output_interface(oif)
+            .pref_source(src)
+            .protocol(RouteProtocol::Kernel)
+            .scope(RouteScope::Link)
+            .table_id(254)
+            .build();
+        msg.attributes
+            .push(RouteAttribute::Metrics(vec![RouteMetric::Mtu(mtu)]));
+        self.handle
+            .route()
+            .add(msg)
+            .replace()
+            .execute()
+            .await
+            .map_err(|source| NetlinkError::RouteAdd {
+                gateway: src,
+                oif,
+                source,
+            })
+    }
+
+    /// The MTU metric of the IPv4 route `dest/prefix_len` on `oif`, if it
+    /// has one.
+    pub async fn route_mtu(
+        &self,
+        dest: Ipv4Addr,
+        prefix_len: u8,
+        oif: u32,
+    ) -> Result<Option<u32>, NetlinkError> {
+        use rtnetlink::packet_route::route::RouteMetric;
+        let want = mask(dest, prefix_len);
+        Ok(self
+            .ipv4_routes()
+            .await?
+            .iter()
+            .filter(|r| {
+                r.header.destination_prefix_length == prefix_len
+                    && route_oif(r) == Some(oif)
+                    && mask(route_dst(r), prefix_len) == want
+            })
+            .flat_map(|r| r.attributes.iter())
+            .find_map(|a| match a {
+                RouteAttribute::Metrics(m) => m.iter().find_map(|m| match m {
+                    RouteMetric::Mtu(v) => Some(*v),
+                    _ => None,
+                }),
+                _ => None,
+            }))
+    }
+
     /// Whether an IPv4 default route via `gateway` on `oif` exists.
     pub async fn default_route_via(
         &self,
@@ -1561,7 +1628,12 @@ mod tests {
             nl.neigh_replace_permanent(other, Ipv4Addr::new(10, 244, 0, 8).into(), mac1)
                 .await
                 .expect("add on other link");
-            let list = nl.neigh_list(idx).await.expect("list");
+            // Only the IPv4 entries: an up link also gets IPv6 neighbours
+            // of its own (ND, MLD) whenever the kernel sends on it.
+            let v4 = |l: Vec<(IpAddr, Option<[u8; 6]>, u16)>| -> Vec<_> {
+                l.into_iter().filter(|(i, _, _)| i.is_ipv4()).collect()
+            };
+            let list = v4(nl.neigh_list(idx).await.expect("list"));
             assert_eq!(list, vec![(ip, Some(mac2), libc::NUD_PERMANENT)]);
             assert!(nl.neigh_del(idx, ip).await.expect("delete"));
             assert!(
@@ -1572,7 +1644,7 @@ mod tests {
                     .all(|(i, _, _)| *i != ip)
             );
             assert!(!nl.neigh_del(idx, ip).await.expect("delete absent is Ok"));
-            assert_eq!(nl.neigh_list(other).await.expect("list").len(), 1);
+            assert_eq!(v4(nl.neigh_list(other).await.expect("list")).len(), 1);
         });
     }
 

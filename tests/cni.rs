@@ -512,7 +512,7 @@ async fn port_mapping_and_traffic_across_kill_9() {
     let c = env.client().await;
     let (healthy, checks) = c.health().await;
     assert!(healthy, "{checks:?}");
-    let veths = checks.iter().find(|c| c.0 == "veths").unwrap();
+    let veths = checks.iter().find(|c| c.0 == "sandbox_links").unwrap();
     assert!(veths.2.contains("1 veth"), "{veths:?}");
     let chk = verb(&env, "CHECK", "pm", Some(&ctr), &cf);
     assert!(chk.ok, "{chk:?}");
@@ -581,7 +581,7 @@ async fn port_mapping_and_traffic_across_kill_9() {
     assert!(errors.iter().any(|e| e.contains("is gone")), "{errors:?}");
     let (healthy, checks) = c.health().await;
     assert!(healthy, "{checks:?}");
-    let veths = checks.iter().find(|c| c.0 == "veths").unwrap();
+    let veths = checks.iter().find(|c| c.0 == "sandbox_links").unwrap();
     assert!(veths.2.contains("cni:pm:eth0"), "{veths:?}");
     let del = verb(&env, "DEL", "pm", None, &cf);
     assert!(del.ok, "{del:?}");

@@ -193,7 +193,10 @@ async fn a_deleted_veth_is_reported_and_reconcile_publishes_it() {
     );
     let (ok, checks) = c.health().await;
     assert!(ok, "{checks:#?}");
-    assert!(check(&checks, "veths").2.contains(&id), "{checks:#?}");
+    assert!(
+        check(&checks, "sandbox_links").2.contains(&id),
+        "{checks:#?}"
+    );
     assert_eq!(ifindex(&c.get(&id).await.unwrap()), 0);
     let deadline = Instant::now() + Duration::from_secs(5);
     while object_ifindex(&c, &id).await != 0 {
@@ -435,4 +438,68 @@ async fn a_full_flow_table_is_reported_until_it_drains() {
         |ok, checks| ok && check(checks, "flow_table").1,
     )
     .await;
+}
+
+/// A pinned map whose pin someone removed: `datapath_pins` names it (the
+/// next start would begin without what it holds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_pin_is_reported() {
+    require_root!();
+    let env = common::Env::new(&[]);
+    let c = env.client().await;
+    let checks = c.health().await.1;
+    let pins = check(&checks, "datapath_pins");
+    assert!(pins.1 && pins.2.contains("every map pinned"), "{pins:?}");
+    std::fs::remove_file(env.dir.join("bpf").join("ct")).expect("the ct pin");
+    let (healthy, checks) = c.health().await;
+    let pins = check(&checks, "datapath_pins");
+    assert!(!healthy && !pins.1, "{pins:?}");
+    assert!(pins.2.contains("ct: the pin is gone"), "{pins:?}");
+}
+
+/// The gateway device set down, without its address, or with the route to
+/// the pool stripped of the sandboxes' MTU: `gateway_device` says so and
+/// Reconcile puts it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_device_changed_by_someone_else_is_reported_and_repaired() {
+    require_root!();
+    let (env, _world) = world::node(&[]);
+    let c = env.client().await;
+    let (ok, checks) = c.health().await;
+    assert!(ok && check(&checks, "gateway_device").1, "{checks:#?}");
+    let changes: [(&[&str], &str); 3] = [
+        (&["link", "set", "cube-dev", "down"], "down"),
+        (
+            &["addr", "del", "192.168.0.1/18", "dev", "cube-dev"],
+            "without its address",
+        ),
+        (
+            &[
+                "route",
+                "replace",
+                "192.168.0.0/18",
+                "dev",
+                "cube-dev",
+                "proto",
+                "kernel",
+                "scope",
+                "link",
+                "src",
+                "192.168.0.1",
+            ],
+            "has MTU none",
+        ),
+    ];
+    for (args, needle) in changes {
+        let mut cmd = vec!["ip"];
+        cmd.extend_from_slice(args);
+        env.ns_cmd(&cmd);
+        let checks = health_until(&c, needle, |ok, checks| {
+            let g = check(checks, "gateway_device");
+            !ok && !g.1 && g.2.contains(needle)
+        })
+        .await;
+        eprintln!("{needle}: {:?}", check(&checks, "gateway_device"));
+        reconcile_heals(&c, "gateway device cube-dev").await;
+    }
 }

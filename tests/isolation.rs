@@ -482,3 +482,290 @@ async fn an_mtu_above_the_uplinks_is_refused() {
         .await
         .unwrap();
 }
+
+// ---------------------------------------------------------------------
+// Only the node itself reaches a sandbox (issue 25).
+
+/// Connects to `dst` from namespace `ns` (as `uid`, or root) and reads
+/// what the guest's listener says first; `Ok(banner)` or the error.
+fn connect_as(ns: &str, uid: Option<u32>, dst: SocketAddrV4) -> Result<String, String> {
+    let mut cmd = std::process::Command::new("ip");
+    cmd.args(["netns", "exec", ns]);
+    if let Some(uid) = uid {
+        cmd.arg("setpriv")
+            .arg(format!("--reuid={uid}"))
+            .arg(format!("--regid={uid}"))
+            .arg("--clear-groups");
+    }
+    // Debian's interpreter (any uid may run it), not a per-user one.
+    let out = cmd
+        .args([
+            "/usr/bin/python3",
+            "-c",
+            "import socket,sys\n\
+             try:\n\
+             \ts=socket.create_connection((sys.argv[1],int(sys.argv[2])),timeout=2)\n\
+             \ts.settimeout(2)\n\
+             \tprint(s.recv(64).decode())\n\
+             except OSError as e:\n\
+             \tprint('no connection:', e)\n\
+             \tsys.exit(3)",
+        ])
+        .arg(dst.ip().to_string())
+        .arg(dst.port().to_string())
+        .output()
+        .expect("/usr/bin/python3");
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    match out.status.code() {
+        Some(0) => Ok(text),
+        // The connection failed (the only failure that counts).
+        Some(3) => Err(text),
+        _ => panic!(
+            "the client did not run as {uid:?}: {:?} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+}
+
+/// A plain container on the node (veth, its own address, the node as its
+/// router, as Docker sets one up), deleted on drop with its namespace.
+fn docker_like_container(env: &Env, tag: &str) -> Ctr {
+    let ctr = Ctr::new(tag);
+    let host_if = format!("dk{}", std::process::id() % 100_000);
+    env.ns_cmd(&[
+        "ip", "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &ctr.name,
+    ]);
+    env.ns_cmd(&["ip", "addr", "add", "10.123.0.1/24", "dev", &host_if]);
+    env.ns_cmd(&["ip", "link", "set", &host_if, "up"]);
+    for args in [
+        vec!["addr", "add", "10.123.0.2/24", "dev", "eth0"],
+        vec!["link", "set", "eth0", "up"],
+        vec!["link", "set", "lo", "up"],
+        vec!["route", "add", "default", "via", "10.123.0.1"],
+    ] {
+        let ok = std::process::Command::new("ip")
+            .args(["-n", &ctr.name])
+            .args(&args)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "ip {args:?} in the container");
+    }
+    ctr
+}
+
+/// A sandbox's address answers the node's own root processes only: not
+/// an unprivileged local user, not a container the node forwards for,
+/// not a host on the uplink's network with a route to the pool. A port
+/// mapping stays open to every local user, and the operator can grant a
+/// uid host access.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_node_itself_reaches_a_sandbox() {
+    require_root!();
+    let (mut env, world) = node(&[]);
+    // Forwarding on, as on every Docker or Kubernetes node.
+    env.ns_cmd(&["sysctl", "-qw", "net.ipv4.ip_forward=1"]);
+    let c = env.client().await;
+    let (net, g) = guest_for(
+        &c,
+        "ha",
+        opts(vec![("port_mappings", ports(&[("tcp", 80, 0, "")]))]),
+    )
+    .await;
+    g.tcp_listen(80).unwrap();
+    let sandbox = SocketAddrV4::new(s(&net, "sandbox_ip").parse().unwrap(), 80);
+    let mapped = SocketAddrV4::new(Ipv4Addr::LOCALHOST, mappings(&net)[0].2);
+    assert_eq!(
+        connect_as(&env.ns, None, sandbox),
+        Ok("guest:80".into()),
+        "root"
+    );
+    assert!(
+        connect_as(&env.ns, Some(65534), sandbox).is_err(),
+        "an unprivileged local user reached the sandbox's address"
+    );
+    assert_eq!(
+        connect_as(&env.ns, Some(65534), mapped),
+        Ok("guest:80".into()),
+        "a port mapping is open to local users"
+    );
+    let ctr = docker_like_container(&env, "ha");
+    assert!(
+        connect_as(&ctr.name, None, sandbox).is_err(),
+        "a container the node forwards for reached the sandbox"
+    );
+    let ok = std::process::Command::new("ip")
+        .args([
+            "-n",
+            &world.ns,
+            "route",
+            "add",
+            "192.168.0.0/18",
+            "via",
+            "198.51.100.1",
+        ])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "a route to the pool in the world");
+    assert!(
+        connect_as(&world.ns, None, sandbox).is_err(),
+        "a host on the uplink's network reached the sandbox"
+    );
+    let checks = c.health().await.1;
+    assert!(
+        counter(&checks, "forwarded_to_sandbox_drop") > 0,
+        "{checks:?}"
+    );
+    assert!(counter(&checks, "host_access_denied") > 0, "{checks:?}");
+    // Root again, and the guest's own flows to its gateway: unaffected.
+    assert_eq!(connect_as(&env.ns, None, sandbox), Ok("guest:80".into()));
+    // Granted by the operator: uid 65534 may.
+    drop(c);
+    env.kill_agent();
+    env.set_args(&["--host-access-uids", "65534"]);
+    env.start_agent();
+    assert_eq!(
+        connect_as(&env.ns, Some(65534), sandbox),
+        Ok("guest:80".into()),
+        "a granted uid"
+    );
+    assert!(
+        connect_as(&env.ns, Some(65533), sandbox).is_err(),
+        "another uid"
+    );
+}
+
+/// One sandbox sending datagrams to its gateway from tens of thousands of
+/// ports (each twice) holds at most its share of the host-flow table: the
+/// node's flows to another sandbox's mapped ports keep their entries (a
+/// datagram the guest sends first after the flood still reaches the node's
+/// socket: with the entries evicted it went to the gateway address
+/// instead), a TCP connection keeps working, and a new one opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_flow_flood_never_resets_another_sandboxs_connection() {
+    require_root!();
+    let (env, _world) = node(&[]);
+    let c = env.client().await;
+    let (net, victim) = guest_for(
+        &c,
+        "victim",
+        opts(vec![(
+            "port_mappings",
+            ports(&[("tcp", 7000, 0, ""), ("udp", 5353, 0, "")]),
+        )]),
+    )
+    .await;
+    victim.tcp_echo(7000).unwrap();
+    victim.udp_echo(5353).unwrap();
+    let m = mappings(&net);
+    let port_of = |p: &str| m.iter().find(|x| x.0 == p).unwrap().2;
+    let mapped = SocketAddrV4::new(Ipv4Addr::LOCALHOST, port_of("tcp"));
+    let mapped_udp = SocketAddrV4::new(Ipv4Addr::LOCALHOST, port_of("udp"));
+    let exchange = |s: &mut TcpStream, m: &[u8]| -> Result<(), String> {
+        s.write_all(m).map_err(|e| e.to_string())?;
+        let mut back = vec![0u8; m.len()];
+        s.set_read_timeout(Some(T)).unwrap();
+        s.read_exact(&mut back).map_err(|e| e.to_string())?;
+        (back == m).then_some(()).ok_or("another answer".into())
+    };
+    let mut live = in_netns(&env.ns, move || TcpStream::connect(mapped)).unwrap();
+    exchange(&mut live, b"before").unwrap();
+    // A UDP flow of the node's to the mapped port, from a port of its own.
+    let local = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 41_000);
+    let udp = in_netns(&env.ns, move || UdpSocket::bind(local)).unwrap();
+    udp.set_read_timeout(Some(T)).unwrap();
+    udp.send_to(b"hello", mapped_udp).unwrap();
+    let mut buf = [0u8; 64];
+    let (n, _) = udp.recv_from(&mut buf).expect("the echo");
+    assert_eq!(&buf[..n], b"hello");
+
+    let (_, flood) = guest_for(&c, "flood", opts(vec![])).await;
+    let gw = Ipv4Addr::new(169, 254, 68, 5);
+    for p in 0..70_000u32 {
+        let src = SocketAddrV4::new(GUEST_IP, 1024 + (p % 64_000) as u16);
+        let dst = SocketAddrV4::new(gw, 9 + (p / 64_000) as u16);
+        let f = udp_frame(GUEST_MAC, GATEWAY_MAC, src, dst, b"x");
+        flood.send_raw_frame(&f).unwrap();
+        flood.send_raw_frame(&f).unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The guest speaks first on the node's UDP flow: its entries are there.
+    let late = udp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        SocketAddrV4::new(GUEST_IP, 5353),
+        SocketAddrV4::new(gw, local.port()),
+        b"late",
+    );
+    victim.send_raw_frame(&late).unwrap();
+    let (n, from) = udp
+        .recv_from(&mut buf)
+        .expect("the guest's datagram on the node's flow after the flood");
+    assert_eq!(
+        (&buf[..n], from),
+        (&b"late"[..], SocketAddr::V4(mapped_udp))
+    );
+    exchange(&mut live, b"after the flood").expect("the live connection");
+    let mut fresh = in_netns(&env.ns, move || TcpStream::connect(mapped)).unwrap();
+    exchange(&mut fresh, b"a new one").expect("a new connection");
+    let checks = c.health().await.1;
+    assert!(
+        counter(&checks, "host_flow_share_full") > 0,
+        "the flood hit its share: {checks:?}"
+    );
+}
+
+/// What the node sends to a sandbox's address fits the sandbox's link:
+/// the route to the pool carries the default sandbox MTU, so the node's
+/// TCP advertises a matching MSS and a datagram too large with DF set
+/// fails at the sender (EMSGSIZE) instead of vanishing on the way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_packets_fit_the_sandbox_mtu() {
+    require_root!();
+    let (env, _world) = node(&[]);
+    let c = env.client().await;
+    let (net, g) = guest_for(&c, "mtu", opts(vec![])).await;
+    g.tcp_listen(80).unwrap();
+    let ip: Ipv4Addr = s(&net, "sandbox_ip").parse().unwrap();
+    let route = env.ns_cmd(&["ip", "route", "get", &ip.to_string()]);
+    assert!(route.contains("mtu 1300"), "{route}");
+    let mss = in_netns(&env.ns, move || {
+        use std::os::fd::AsRawFd;
+        let s = TcpStream::connect(SocketAddrV4::new(ip, 80)).unwrap();
+        let mut v: libc::c_int = 0;
+        let mut len = size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into a live c_int.
+        let rc = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_MAXSEG,
+                (&raw mut v).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(rc, 0);
+        v
+    });
+    assert!(mss <= 1260, "MSS {mss}");
+    let sent = in_netns(&env.ns, move || {
+        use std::os::fd::AsRawFd;
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        let v: libc::c_int = libc::IP_PMTUDISC_DO;
+        // SAFETY: setsockopt reads a live c_int.
+        unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_IP,
+                libc::IP_MTU_DISCOVER,
+                (&raw const v).cast(),
+                size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        s.send_to(&[0u8; 1400], SocketAddrV4::new(ip, 5353))
+    });
+    let e = sent.expect_err("1400 bytes with DF to a 1300-byte link");
+    assert_eq!(e.raw_os_error(), Some(libc::EMSGSIZE), "{e}");
+}

@@ -71,8 +71,8 @@ async fn a_guest_keeps_its_flow_across_restarts_and_its_tap_comes_back_when_it_e
     // Healthy: a VMM holding its TAP is not a fault; Health says so.
     let (ok, checks) = c.health().await;
     assert!(ok, "{checks:#?}");
-    let fds = check(&checks, "tap_fds");
-    assert!(fds.2.contains("held"), "{fds:?}");
+    let fds = check(&checks, "sandbox_links");
+    assert!(fds.2.contains("held only by another process"), "{fds:?}");
     // OpenTap cannot hand out the TAP while the guest holds it...
     let e = c.open_tap("held").await.unwrap_err();
     assert_eq!(e.name, "org.cube.NetworkAgent.Error.TapBusy", "{e:?}");
@@ -99,7 +99,12 @@ async fn a_guest_keeps_its_flow_across_restarts_and_its_tap_comes_back_when_it_e
     );
     let (ok, checks) = c.health().await;
     assert!(ok, "{checks:#?}");
-    assert!(!check(&checks, "tap_fds").2.contains("held"), "{checks:?}");
+    assert!(
+        !check(&checks, "sandbox_links")
+            .2
+            .contains("held only by another process"),
+        "{checks:?}"
+    );
     // Fresh dups from now on, also for a second holder.
     drop(c.open_tap("held").await.unwrap());
 
@@ -110,7 +115,11 @@ async fn a_guest_keeps_its_flow_across_restarts_and_its_tap_comes_back_when_it_e
     let c = env.client().await;
     let (ok, checks) = c.health().await;
     assert!(ok, "a VMM holding its TAP is not a fault: {checks:#?}");
-    assert!(check(&checks, "tap_fds").2.contains("held"));
+    assert!(
+        check(&checks, "sandbox_links")
+            .2
+            .contains("held only by another process")
+    );
     drop(g3);
     assert!(c.release("held").await.unwrap());
     let (ok, checks) = c.health().await;

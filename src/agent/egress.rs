@@ -4,22 +4,97 @@
 //! of a sandbox with domain rules to an address learned for it
 //! (`dns_learned`, written before the answer reaches the sandbox).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::domains::{Patterns, Verdict, is_domain_entry};
 use super::spec::NetworkRecord;
 use super::{Agent, off_worker};
 use crate::alloc::Ipv4Cidr;
 
+/// How long the node's own addresses (never learned, never dialled) are
+/// cached.
+const LOCAL_ADDRS_MAX_AGE: Duration = Duration::from_secs(1);
+
 /// Learned addresses kept per sandbox; beyond, the one expiring first is
-/// evicted (counted).
+/// evicted (counted). Lower on a node whose pool could hold more sandboxes
+/// than `dns_learned` has room for at this many each (see
+/// [`learned_cap`]).
 pub const MAX_LEARNED_PER_SANDBOX: usize = 100;
+
+/// The per-sandbox cap on learned addresses for a pool of `capacity`
+/// sandboxes: [`MAX_LEARNED_PER_SANDBOX`], or less, so that every sandbox
+/// at its cap still fits `dns_learned` (no tenant, nor all of them
+/// together, can fill it).
+pub fn learned_cap(capacity: u32) -> usize {
+    let room = crate::datapath::maps::LEARNED_ENTRIES as usize / (capacity.max(1) as usize);
+    room.clamp(1, MAX_LEARNED_PER_SANDBOX)
+}
+
+/// Why an answer's address is not learned for a sandbox (and not dialled
+/// by the proxy), or `None` when it may be. Never: this host's own
+/// addresses (`local`), the sandbox pool, and addresses no public service
+/// has (unspecified, this network, loopback, link-local incl. the cloud
+/// metadata address 169.254.169.254, multicast, reserved and broadcast,
+/// 192.0.0.0/24, 198.18.0.0/15). Private (RFC 1918) and shared (CGNAT)
+/// addresses only when an allow CIDR of the sandbox covers them; any
+/// address a deny CIDR covers (other than the catch-all 0.0.0.0/0), unless
+/// an allow CIDR covers it too (allow beats deny, as for CIDRs).
+pub fn unreachable_why(
+    ip: Ipv4Addr,
+    cidrs: &CidrRules,
+    local: &[Ipv4Addr],
+    pool: &Ipv4Cidr,
+) -> Option<&'static str> {
+    let o = ip.octets();
+    let never = if ip.is_unspecified() || o[0] == 0 {
+        Some("'this network' (0.0.0.0/8)")
+    } else if ip.is_loopback() {
+        Some("loopback")
+    } else if ip.is_link_local() {
+        Some("link-local (169.254.0.0/16, the metadata address among them)")
+    } else if ip.is_multicast() {
+        Some("multicast")
+    } else if o[0] >= 240 {
+        Some("reserved or broadcast (240.0.0.0/4)")
+    } else if o[0] == 192 && o[1] == 0 && o[2] == 0 {
+        Some("IETF protocol assignments (192.0.0.0/24)")
+    } else if o[0] == 198 && (o[1] & 0xfe) == 18 {
+        Some("benchmarking (198.18.0.0/15)")
+    } else if pool.contains(ip) {
+        Some("the sandbox pool")
+    } else if local.contains(&ip) {
+        Some("an address of this node")
+    } else {
+        None
+    };
+    if never.is_some() {
+        return never;
+    }
+    let allowed = cidrs.allow.iter().any(|c| c.contains(ip));
+    if allowed {
+        return None;
+    }
+    if ip.is_private() {
+        return Some("private (RFC 1918) and no allow_out CIDR covers it");
+    }
+    if o[0] == 100 && (64..128).contains(&o[1]) {
+        return Some("shared (CGNAT, 100.64.0.0/10) and no allow_out CIDR covers it");
+    }
+    if cidrs
+        .deny
+        .iter()
+        .any(|c| c.prefix_len() > 0 && c.contains(ip))
+    {
+        return Some("a deny_out CIDR covers it");
+    }
+    None
+}
 
 /// What the resolver does with one query.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,6 +121,8 @@ struct Sandbox {
     /// Dropped when this entry is replaced or removed: the proxy's
     /// connections of the sandbox check again whether they may go on.
     changed: tokio::sync::watch::Sender<()>,
+    /// Its link's MTU: no UDP answer to it may be larger.
+    mtu: u32,
 }
 
 /// A sandbox's CIDR rules: allow beats deny, anything else goes.
@@ -100,14 +177,115 @@ struct Learned {
     name: String,
 }
 
+/// One sandbox's learned destinations, by destination and by expiry (the
+/// cap evicts the one expiring first: O(log n)).
+#[derive(Default)]
+struct Mine {
+    by_dst: HashMap<Ipv4Addr, Learned>,
+    by_until: BTreeSet<(Instant, Ipv4Addr)>,
+}
+
+impl Mine {
+    /// Learns `dst` until `until` or later (a shorter TTL never cuts what
+    /// an earlier answer gave); the expiry kept.
+    fn put(&mut self, dst: Ipv4Addr, until: Instant, name: &str) -> Instant {
+        if let Some(l) = self.by_dst.get_mut(&dst) {
+            if l.until >= until {
+                return l.until;
+            }
+            self.by_until.remove(&(l.until, dst));
+            l.until = until;
+            l.name = name.to_owned();
+        } else {
+            self.by_dst.insert(
+                dst,
+                Learned {
+                    until,
+                    name: name.to_owned(),
+                },
+            );
+        }
+        self.by_until.insert((until, dst));
+        until
+    }
+
+    fn remove(&mut self, dst: Ipv4Addr) {
+        if let Some(l) = self.by_dst.remove(&dst) {
+            self.by_until.remove(&(l.until, dst));
+        }
+    }
+
+    /// Evicts the entries expiring first, none of `keep`, until at most
+    /// `cap` are left.
+    fn evict(&mut self, cap: usize, keep: &HashSet<Ipv4Addr>) -> Vec<Ipv4Addr> {
+        let mut out = vec![];
+        let mut skipped = vec![];
+        while self.by_dst.len() > cap {
+            let Some((until, dst)) = self.by_until.pop_first() else {
+                break;
+            };
+            if keep.contains(&dst) {
+                skipped.push((until, dst));
+                continue;
+            }
+            self.by_dst.remove(&dst);
+            out.push(dst);
+        }
+        self.by_until.extend(skipped);
+        out
+    }
+}
+
+/// The node's own addresses, cached for [`LOCAL_ADDRS_MAX_AGE`].
+#[derive(Default)]
+struct LocalAddrs(Mutex<Option<(Instant, Arc<Vec<Ipv4Addr>>)>>);
+
+impl LocalAddrs {
+    fn get(&self) -> Arc<Vec<Ipv4Addr>> {
+        let mut c = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((at, a)) = c.as_ref()
+            && at.elapsed() < LOCAL_ADDRS_MAX_AGE
+        {
+            return a.clone();
+        }
+        let a = Arc::new(local_addresses());
+        *c = Some((Instant::now(), a.clone()));
+        a
+    }
+}
+
+/// The node's own IPv4 addresses (every device's).
+pub fn local_addresses() -> Vec<Ipv4Addr> {
+    nix::ifaddrs::getifaddrs()
+        .map(|addrs| {
+            addrs
+                .filter_map(|a| a.address?.as_sockaddr_in().map(|s| s.ip()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 #[derive(Default)]
 pub struct Egress {
     sandboxes: RwLock<HashMap<Ipv4Addr, Sandbox>>,
-    learned: Mutex<HashMap<Ipv4Addr, HashMap<Ipv4Addr, Learned>>>,
+    /// Per sandbox address, behind a lock of its own: one sandbox's
+    /// answers never wait for another's.
+    learned: RwLock<HashMap<Ipv4Addr, Arc<Mutex<Mine>>>>,
+    local: LocalAddrs,
     /// Queries refused per sandbox address (reset with the network).
     refused_by: Mutex<HashMap<Ipv4Addr, u64>>,
     pub refused: AtomicU64,
     pub evicted: AtomicU64,
+    /// Answers' addresses not learned (see [`unreachable_why`]).
+    pub withheld: AtomicU64,
+    /// The last write to `dns_learned` failed (since when, why): a full
+    /// map, say. Cleared by the next one that succeeds.
+    learn_failure: Mutex<Option<(Instant, String)>>,
+    /// How forwarding to the upstream went lately.
+    upstream: Mutex<UpstreamState>,
+    /// Queries (and TCP connections) answered SERVFAIL (closed) at once
+    /// for want of a slot within their source's share.
+    pub busy: AtomicU64,
     /// The resolver's sockets: `None` until `dns::serve` ran, then where
     /// it listens (and its upstream) or why it cannot.
     status: Mutex<Option<Result<String, String>>>,
@@ -120,6 +298,38 @@ pub struct Egress {
     proxy_filtered: std::sync::atomic::AtomicBool,
 }
 
+/// How forwarding to the upstream went: by queries, and by the probe
+/// that asks it when no sandbox did for a while.
+#[derive(Default)]
+struct UpstreamState {
+    last: Option<Instant>,
+    /// Failures in a row, and the last one's cause.
+    failures: u32,
+    why: String,
+    since: Option<Instant>,
+}
+
+/// Failures in a row after which Health says the upstream does not work
+/// (one lost datagram is not a fault).
+const UPSTREAM_FAILURES: u32 = 2;
+/// How long without an exchange before the upstream is probed (while a
+/// sandbox with domain rules exists).
+pub const UPSTREAM_PROBE_AFTER: Duration = Duration::from_secs(10);
+
+/// What a failed exchange with the upstream says to an operator.
+fn upstream_why(e: &std::io::Error) -> String {
+    match (e.raw_os_error(), e.kind()) {
+        (Some(libc::EPERM), _) => "EPERM: the service's IP filter refuses it \
+             (IPAddressDeny=; allow the upstream with IPAddressAllow= in a drop-in)"
+            .into(),
+        (_, std::io::ErrorKind::TimedOut) => "the upstream does not answer".into(),
+        (_, std::io::ErrorKind::ConnectionRefused) => {
+            "the upstream refuses (nothing listens there)".into()
+        }
+        _ => e.to_string(),
+    }
+}
+
 fn v4(ip: IpAddr) -> Option<Ipv4Addr> {
     match ip {
         IpAddr::V4(v) => Some(v),
@@ -130,7 +340,7 @@ fn v4(ip: IpAddr) -> Option<Ipv4Addr> {
 impl Egress {
     /// A network is (again) at its address, with these rules. Returns the
     /// learned destinations its new rules no longer allow (to forget).
-    pub(super) fn put(&self, rec: &NetworkRecord) -> Vec<Ipv4Addr> {
+    pub(super) fn put(&self, rec: &NetworkRecord, pool: &Ipv4Cidr) -> Vec<Ipv4Addr> {
         let Some(ip) = v4(rec.sandbox_ip) else {
             return vec![];
         };
@@ -144,6 +354,7 @@ impl Egress {
                 && s.patterns == patterns
                 && s.strict == strict
                 && s.cidrs == cidrs
+                && s.mtu == rec.mtu
         };
         // Most view updates (ensure replies, fd held, Reconcile) change
         // neither: a shared lock is enough to see that.
@@ -162,28 +373,56 @@ impl Egress {
                 id: rec.sandbox_id.clone(),
                 patterns: patterns.clone(),
                 strict,
-                cidrs,
+                cidrs: cidrs.clone(),
                 changed: tokio::sync::watch::channel(()).0,
+                mtu: rec.mtu,
             },
         );
         drop(sandboxes);
-        let mut learned = self.learned.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(mine) = learned.get_mut(&ip) else {
+        let Some(mine) = self.mine(ip) else {
             return vec![];
         };
+        // What the new rules refuse: the name, or the address (a deny
+        // CIDR added, an allow CIDR that admitted a private address gone).
+        let local = self.local.get();
+        let mut mine = mine.lock().unwrap_or_else(|p| p.into_inner());
         let gone: Vec<Ipv4Addr> = mine
+            .by_dst
             .iter()
-            .filter(|(_, l)| {
+            .filter(|(dst, l)| {
                 patterns
                     .as_ref()
                     .is_none_or(|p| p.verdict(&l.name) == Verdict::Refuse)
+                    || unreachable_why(**dst, &cidrs, &local, pool).is_some()
             })
             .map(|(dst, _)| *dst)
             .collect();
         for dst in &gone {
-            mine.remove(dst);
+            mine.remove(*dst);
         }
         gone
+    }
+
+    /// The learned destinations of the sandbox at `ip`, if any.
+    fn mine(&self, ip: Ipv4Addr) -> Option<Arc<Mutex<Mine>>> {
+        self.learned
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ip)
+            .cloned()
+    }
+
+    /// The same, created if missing.
+    fn mine_or_new(&self, ip: Ipv4Addr) -> Arc<Mutex<Mine>> {
+        if let Some(m) = self.mine(ip) {
+            return m;
+        }
+        self.learned
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(ip)
+            .or_default()
+            .clone()
     }
 
     /// The network at `ip` is gone: its learned destinations to forget.
@@ -201,11 +440,17 @@ impl Egress {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&ip);
-        let mut learned = self.learned.lock().unwrap_or_else(|p| p.into_inner());
-        learned
-            .remove(&ip)
-            .map(|m| m.into_keys().collect())
-            .unwrap_or_default()
+        let mine = self
+            .learned
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&ip);
+        mine.map(|m| {
+            let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
+            m.by_until.clear();
+            m.by_dst.drain().map(|(d, _)| d).collect()
+        })
+        .unwrap_or_default()
     }
 
     /// What the pinned map held at start (an earlier run's answers): known
@@ -221,23 +466,17 @@ impl Egress {
             .filter(|(_, s)| s.patterns.is_some())
             .map(|(ip, _)| *ip)
             .collect();
-        let mut learned = self.learned.lock().unwrap_or_else(|p| p.into_inner());
         let mut n = 0;
         for (sb, dst, left) in entries {
             if !with_rules.contains(&sb) {
                 continue;
             }
-            learned
-                .entry(sb)
-                .or_default()
-                .entry(dst)
-                .or_insert_with(|| {
-                    n += 1;
-                    Learned {
-                        until: now + left,
-                        name: String::new(),
-                    }
-                });
+            let mine = self.mine_or_new(sb);
+            let mut mine = mine.lock().unwrap_or_else(|p| p.into_inner());
+            if !mine.by_dst.contains_key(&dst) {
+                mine.put(dst, now + left, "");
+                n += 1;
+            }
         }
         n
     }
@@ -318,34 +557,74 @@ impl Egress {
         }
     }
 
-    /// Records what was learned; returns the destinations evicted to stay
-    /// within [`MAX_LEARNED_PER_SANDBOX`].
-    fn note(&self, src: Ipv4Addr, name: &str, addrs: &[(Ipv4Addr, Duration)]) -> Vec<Ipv4Addr> {
+    /// Records what was learned (at most `cap` addresses, deduplicated by
+    /// the caller): what to write (each address with the expiry kept: the
+    /// later of the earlier one and this answer's) and the destinations
+    /// evicted to stay within `cap` (the ones expiring first, never one of
+    /// this answer's).
+    fn note(
+        &self,
+        src: Ipv4Addr,
+        name: &str,
+        addrs: &[(Ipv4Addr, Duration)],
+        cap: usize,
+    ) -> (Vec<(Ipv4Addr, Instant)>, Vec<Ipv4Addr>) {
         let now = Instant::now();
-        let mut learned = self.learned.lock().unwrap_or_else(|p| p.into_inner());
-        let mine = learned.entry(src).or_default();
-        for (dst, ttl) in addrs {
-            let until = now + *ttl;
-            let e = mine.entry(*dst).or_insert_with(|| Learned {
-                until,
-                name: name.to_owned(),
-            });
-            if e.until <= until {
-                e.until = until;
-                e.name = name.to_owned();
-            }
-        }
-        let mut evicted = vec![];
-        while mine.len() > MAX_LEARNED_PER_SANDBOX {
-            let Some(first) = mine.iter().min_by_key(|(_, l)| l.until).map(|(d, _)| *d) else {
-                break;
-            };
-            mine.remove(&first);
-            evicted.push(first);
-        }
+        let mine = self.mine_or_new(src);
+        let mut mine = mine.lock().unwrap_or_else(|p| p.into_inner());
+        let write: Vec<(Ipv4Addr, Instant)> = addrs
+            .iter()
+            .map(|(dst, ttl)| (*dst, mine.put(*dst, now + *ttl, name)))
+            .collect();
+        let keep: HashSet<Ipv4Addr> = write.iter().map(|(d, _)| *d).collect();
+        let evicted = mine.evict(cap, &keep);
         self.evicted
             .fetch_add(evicted.len() as u64, Ordering::Relaxed);
-        evicted
+        (write, evicted)
+    }
+
+    /// Notes how a write to `dns_learned` went (for Health).
+    fn learn_outcome(&self, r: &Result<(), String>) {
+        let mut f = self.learn_failure.lock().unwrap_or_else(|p| p.into_inner());
+        match r {
+            Ok(()) => *f = None,
+            Err(e) => {
+                if f.is_none() {
+                    *f = Some((Instant::now(), e.clone()));
+                }
+            }
+        }
+    }
+
+    /// Why the sandbox at `src` may not reach `ip` through a name (see
+    /// [`unreachable_why`]); `None` when it may. A stranger may reach
+    /// nothing.
+    fn unreachable(&self, src: Ipv4Addr, ip: Ipv4Addr, pool: &Ipv4Cidr) -> Option<&'static str> {
+        let cidrs = self
+            .sandboxes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&src)
+            .map(|s| s.cidrs.clone());
+        let Some(cidrs) = cidrs else {
+            return Some("not a sandbox's address");
+        };
+        unreachable_why(ip, &cidrs, &self.local.get(), pool)
+    }
+
+    /// Learned entries per sandbox address (for the reaper's comparison
+    /// with the map).
+    fn tracked(&self, ip: Ipv4Addr) -> HashSet<Ipv4Addr> {
+        self.mine(ip)
+            .map(|m| {
+                m.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .by_dst
+                    .keys()
+                    .copied()
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 }
 
@@ -366,6 +645,38 @@ fn serving(
     }
 }
 
+/// Health's `dns_resolver`: the resolver's sockets (`status`) and what
+/// keeps it from working (`trouble`), for `with_rules` sandboxes with
+/// domain rules that depend on it.
+pub fn resolver_verdict(
+    status: &Mutex<Option<Result<String, String>>>,
+    with_rules: usize,
+    trouble: Option<&str>,
+    counts: &str,
+) -> (String, bool, String) {
+    let (ok, what) = serving(status, with_rules, trouble);
+    (
+        "dns_resolver".into(),
+        ok,
+        format!("{what}; {with_rules} sandboxes with domain rules ({counts})"),
+    )
+}
+
+/// Health's `egress_proxy`, for `strict` sandboxes in strict mode.
+pub fn proxy_verdict(
+    status: &Mutex<Option<Result<String, String>>>,
+    strict: usize,
+    trouble: Option<&str>,
+    counts: &str,
+) -> (String, bool, String) {
+    let (ok, what) = serving(status, strict, trouble);
+    (
+        "egress_proxy".into(),
+        ok,
+        format!("{what}; {strict} sandboxes in strict (sni) mode; {counts}"),
+    )
+}
+
 impl Agent {
     /// What `dns::serve` made of the resolver's sockets, for Health.
     pub fn resolver_status(&self, status: Result<String, String>) {
@@ -373,16 +684,108 @@ impl Agent {
     }
 
     /// Health's `dns_resolver`: false when a sandbox with domain rules
-    /// cannot resolve (no socket, or no upstream to forward to).
+    /// cannot resolve: no socket, no upstream to forward to, forwarding
+    /// that fails (the service's IP filter, an upstream that does not
+    /// answer), or learned addresses that cannot be written (a full map).
     pub(super) fn resolver_check(&self) -> (String, bool, String) {
         let with_rules = self.egress.count_sandboxes(|s| s.patterns.is_some());
-        let (ok, what) = serving(&self.egress.status, with_rules, None);
-        let detail = format!(
-            "{what}; {with_rules} sandboxes with domain rules; {} queries refused, {} learned addresses evicted (per-sandbox cap)",
+        let trouble = {
+            let u = self
+                .egress
+                .upstream
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let learn = self
+                .egress
+                .learn_failure
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if u.failures >= UPSTREAM_FAILURES {
+                Some(format!(
+                    "forwarding fails: {} ({} times in a row, for {} s): allowed names get SERVFAIL",
+                    u.why,
+                    u.failures,
+                    u.since.map_or(0, |s| s.elapsed().as_secs())
+                ))
+            } else {
+                learn.as_ref().map(|(since, e)| {
+                    format!(
+                        "learned addresses cannot be written ({e}, for {} s): allowed names get SERVFAIL",
+                        since.elapsed().as_secs()
+                    )
+                })
+            }
+        };
+        let counts = format!(
+            "at most {} learned addresses each; {} queries refused, {} answered SERVFAIL for \
+             want of a slot, {} answers' addresses not learned (never reachable), {} learned \
+             addresses evicted (per-sandbox cap)",
+            learned_cap(
+                self.d
+                    .pool
+                    .size()
+                    .saturating_sub(3)
+                    .min(u64::from(u32::MAX)) as u32
+            ),
             self.egress.refused.load(Ordering::Relaxed),
+            self.egress.busy.load(Ordering::Relaxed),
+            self.egress.withheld.load(Ordering::Relaxed),
             self.egress.evicted.load(Ordering::Relaxed)
         );
-        ("dns_resolver".into(), ok, detail)
+        resolver_verdict(&self.egress.status, with_rules, trouble.as_deref(), &counts)
+    }
+
+    /// How an exchange with the upstream went (a forwarded query, a probe).
+    pub fn upstream_outcome(&self, r: Result<(), &std::io::Error>) {
+        let mut u = self
+            .egress
+            .upstream
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        u.last = Some(Instant::now());
+        match r {
+            Ok(()) => {
+                u.failures = 0;
+                u.since = None;
+            }
+            Err(e) => {
+                u.failures += 1;
+                u.why = upstream_why(e);
+                u.since.get_or_insert_with(Instant::now);
+            }
+        }
+    }
+
+    /// Whether the upstream should be probed now: a sandbox with domain
+    /// rules depends on it and nothing was exchanged with it lately (or
+    /// the last exchanges failed, to see it recover).
+    pub fn upstream_probe_due(&self) -> bool {
+        if self.egress.count_sandboxes(|s| s.patterns.is_some()) == 0 {
+            return false;
+        }
+        let u = self
+            .egress
+            .upstream
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        u.failures > 0 || u.last.is_none_or(|l| l.elapsed() >= UPSTREAM_PROBE_AFTER)
+    }
+
+    /// A query (or TCP connection) found no slot within its source's
+    /// share and was answered at once.
+    pub fn resolver_busy(&self) {
+        self.egress.busy.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The MTU of the link of the sandbox at `src` (the node's default for
+    /// a stranger, which is refused anyway).
+    pub fn dns_udp_mtu(&self, src: Ipv4Addr) -> u32 {
+        self.egress
+            .sandboxes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&src)
+            .map_or(self.cfg.mtu, |s| s.mtu)
     }
 
     /// What `dns::proxy::serve` made of the proxy's sockets, for Health.
@@ -406,12 +809,11 @@ impl Agent {
                 "the service's IP filter refuses the proxy's connections \
              (IPAddressDeny=): add IPAddressAllow=any in a drop-in",
             );
-        let (ok, what) = serving(&self.egress.proxy_status, strict, filtered);
-        let detail = format!(
-            "{what}; {strict} sandboxes in strict (sni) mode; {} connections reset",
+        let counts = format!(
+            "{} connections reset",
             self.egress.proxy_refused.load(Ordering::Relaxed)
         );
-        ("egress_proxy".into(), ok, detail)
+        proxy_verdict(&self.egress.proxy_status, strict, filtered, &counts)
     }
 
     /// What to do with a strict-mode connection from `src` that named
@@ -446,7 +848,12 @@ impl Agent {
                 sandbox_id: id,
                 cidrs,
                 changed,
-            } if id == sandbox_id && cidrs.as_ref().is_none_or(|c| c.allows(dst)) => Some(changed),
+            } if id == sandbox_id
+                && cidrs.as_ref().is_none_or(|c| c.allows(dst))
+                && self.name_target_refused(src, dst).is_none() =>
+            {
+                Some(changed)
+            }
             _ => None,
         }
     }
@@ -472,11 +879,6 @@ impl Agent {
             .unwrap_or_else(|p| p.into_inner())
             .get(&src)
             .is_some_and(|s| s.strict)
-    }
-
-    /// The agent's own pool: never a destination the proxy dials.
-    pub fn pool_contains(&self, ip: Ipv4Addr) -> bool {
-        self.d.pool.contains(ip)
     }
 
     /// The device a sandbox's query arrives on (the gateway device).
@@ -506,10 +908,13 @@ impl Agent {
 
     /// Lets the sandbox at `src` start flows to the answer's addresses
     /// (TTLs clamped to `dns_ttl_min`..`dns_ttl_max`): in the datapath
-    /// before this returns, so before the answer is sent. In the network's
-    /// slot, so a release (and a next owner of the address) never
-    /// interleaves: the entries are written for `sandbox_id` while it still
-    /// holds `src`, or not at all.
+    /// before this returns, so before the answer is sent. Only addresses
+    /// the sandbox may reach through a name ([`unreachable_why`]) are
+    /// learned, at most the per-sandbox cap of them from one answer (the
+    /// first ones), and exactly what is tracked is written. In the
+    /// network's slot, so a release (and a next owner of the address)
+    /// never interleaves: the entries are written for `sandbox_id` while it
+    /// still holds `src`, or not at all.
     pub async fn dns_learn(
         &self,
         src: Ipv4Addr,
@@ -520,27 +925,60 @@ impl Agent {
         if addrs.is_empty() {
             return Ok(());
         }
+        let cap = learned_cap(
+            self.d
+                .pool
+                .size()
+                .saturating_sub(3)
+                .min(u64::from(u32::MAX)) as u32,
+        );
         let (lo, hi) = (self.cfg.dns_ttl_min, self.cfg.dns_ttl_max);
-        let clamped: Vec<(Ipv4Addr, Duration)> = addrs
-            .iter()
-            .map(|(a, ttl)| (*a, Duration::from_secs(u64::from((*ttl).clamp(lo, hi)))))
-            .collect();
+        let mut seen = HashSet::new();
+        let mut clamped: Vec<(Ipv4Addr, Duration)> = Vec::with_capacity(addrs.len().min(cap));
+        let mut withheld = 0u64;
+        for (a, ttl) in addrs {
+            if clamped.len() == cap {
+                break;
+            }
+            if !seen.insert(*a) {
+                continue;
+            }
+            if let Some(why) = self.egress.unreachable(src, *a, &self.d.pool) {
+                withheld += 1;
+                debug!(sandbox_id, name, address = %a, why, "dns: an answer's address not learned");
+                continue;
+            }
+            clamped.push((*a, Duration::from_secs(u64::from((*ttl).clamp(lo, hi)))));
+        }
+        if withheld > 0 {
+            self.egress.withheld.fetch_add(withheld, Ordering::Relaxed);
+        }
+        if clamped.is_empty() {
+            return Ok(());
+        }
         let slot = self.slot(sandbox_id);
         let guard = slot.lock().await;
         let current = guard
             .as_ref()
             .is_some_and(|n| n.rec.sandbox_ip == IpAddr::V4(src));
         let result = if current {
-            let evicted = self.egress.note(src, name, &clamped);
+            let (write, evicted) = self.egress.note(src, name, &clamped, cap);
+            let now = Instant::now();
+            let write: Vec<(Ipv4Addr, Duration)> = write
+                .into_iter()
+                .map(|(d, until)| (d, until.saturating_duration_since(now)))
+                .collect();
             let dp = self.datapath.clone();
-            off_worker(move || {
+            let r = off_worker(move || {
                 if !evicted.is_empty() {
                     dp.forget(src, &evicted);
                 }
-                dp.learn(src, &clamped)
+                dp.learn(src, &write)
             })
             .await
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string());
+            self.egress.learn_outcome(&r);
+            r
         } else {
             Err("the network is gone".to_owned())
         };
@@ -549,6 +987,12 @@ impl Agent {
         result.inspect_err(|e| {
             warn!(sandbox_ip = %src, sandbox_id, name, error = e.as_str(), "dns: learning the answer's addresses");
         })
+    }
+
+    /// Whether the sandbox at `src` may reach `ip` through a name it may
+    /// resolve (the proxy dials only such addresses): `None`, or why not.
+    pub fn name_target_refused(&self, src: Ipv4Addr, ip: Ipv4Addr) -> Option<&'static str> {
+        self.egress.unreachable(src, ip, &self.d.pool)
     }
 
     /// After a start: learns what the pinned `dns_learned` holds (off the
@@ -565,9 +1009,59 @@ impl Agent {
         }
     }
 
+    /// Removes what `dns_learned` holds beyond what the agent tracks: an
+    /// earlier owner's entries (at start, and those of released networks),
+    /// and a live sandbox's that no answer wrote under its current rules
+    /// (a sandbox without domain rules after a restart). Entries are
+    /// noted before they are written, and each removal is decided under
+    /// the sandbox's slot, so nothing an answer is about to rely on goes.
+    pub(super) async fn egress_reap(&self) -> usize {
+        let dp = self.datapath.clone();
+        let entries = off_worker(move || dp.learned_entries()).await;
+        let mut by_sandbox: HashMap<Ipv4Addr, Vec<Ipv4Addr>> = HashMap::new();
+        for (sb, dst, _) in entries {
+            by_sandbox.entry(sb).or_default().push(dst);
+        }
+        let mut removed = 0;
+        for (sb, dsts) in by_sandbox {
+            let tracked = self.egress.tracked(sb);
+            if dsts.iter().all(|d| tracked.contains(d)) {
+                continue;
+            }
+            let id = self
+                .egress
+                .sandboxes
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&sb)
+                .map(|s| s.id.clone());
+            let slot = id.as_deref().map(|id| self.slot(id));
+            let guard = match &slot {
+                Some(s) => Some(s.lock().await),
+                None => None,
+            };
+            let tracked = self.egress.tracked(sb);
+            let extra: Vec<Ipv4Addr> = dsts.into_iter().filter(|d| !tracked.contains(d)).collect();
+            removed += extra.len();
+            let dp = self.datapath.clone();
+            off_worker(move || dp.forget(sb, &extra)).await;
+            drop(guard);
+            if let (Some(id), Some(slot)) = (id, slot) {
+                self.forget_slot(&id, slot);
+            }
+        }
+        if removed > 0 {
+            debug!(
+                entries = removed,
+                "dns: learned entries no answer accounts for removed"
+            );
+        }
+        removed
+    }
+
     /// Keeps the resolver's view of a network in step (`put_view`).
     pub(super) fn egress_put(&self, rec: &NetworkRecord) {
-        let gone = self.egress.put(rec);
+        let gone = self.egress.put(rec, &self.d.pool);
         if let (false, Some(ip)) = (gone.is_empty(), v4(rec.sandbox_ip)) {
             self.datapath.forget(ip, &gone);
         }

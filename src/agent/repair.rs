@@ -178,9 +178,53 @@ impl Agent {
     /// facts read there, so an ensure or release in flight is never judged
     /// from a stale snapshot: a network that was released and created
     /// again since the list was taken (another handle) is left alone.
+    /// The gateway device set up again (up, its address, the route to the
+    /// pool with the sandboxes' MTU) if someone changed it; one that is
+    /// gone needs a restart (the datapath holds its ifindex).
+    async fn repair_gateway(&self, report: &mut ReconcileReport) {
+        let problems = self.gateway_problems().await;
+        if problems.is_empty() {
+            return;
+        }
+        let name = &self.cfg.gateway_device;
+        let (gw, len) = (self.d.pool.gateway(), self.d.pool.prefix_len());
+        let r = match self.nl.link_by_index(self.gateway.ifindex).await {
+            Ok(Some(l)) if &l.name == name => {
+                match self
+                    .nl
+                    .ensure_gateway_device_with_mtu(name, gw, len, None)
+                    .await
+                {
+                    Ok(_) => self
+                        .nl
+                        .set_prefix_route_mtu(
+                            self.d.pool.network(),
+                            len,
+                            self.gateway.ifindex,
+                            gw,
+                            self.cfg.mtu,
+                        )
+                        .await
+                        .map_err(|e| crate::error_chain(&e)),
+                    Err(e) => Err(crate::error_chain(&e)),
+                }
+            }
+            _ => Err(format!("{}: restart the agent", problems.join("; "))),
+        };
+        match r {
+            Ok(()) => report
+                .repaired
+                .push(format!("gateway device {name}: {}", problems.join("; "))),
+            Err(e) => report.errors.push(format!("gateway device {name}: {e}")),
+        }
+    }
+
     pub async fn reconcile(&self, id: &str) -> Result<ReconcileReport, AgentError> {
         let mut report = ReconcileReport::default();
         self.kernel_checks.invalidate();
+        if id.is_empty() {
+            self.repair_gateway(&mut report).await;
+        }
         let wanted: Vec<(String, String)> = if id.is_empty() {
             let views = self.views.read().unwrap_or_else(|p| p.into_inner());
             views

@@ -54,6 +54,21 @@ impl Agent {
             )
             .await?;
         info!(device = cfg.gateway_device, kind, ifindex = gw_link.index, pool = %d.pool, "gateway device ready");
+        // The host's own packets to sandbox addresses fit a sandbox's link
+        // (the device itself keeps a larger MTU: sandboxes with a larger
+        // one of their own send through it).
+        if let Err(e) = nl
+            .set_prefix_route_mtu(
+                d.pool.network(),
+                d.pool.prefix_len(),
+                gw_link.index,
+                d.pool.gateway(),
+                cfg.mtu,
+            )
+            .await
+        {
+            warn!(error = %crate::error_chain(&e), "setting the MTU of the route to the pool");
+        }
         let uplink = Self::find_uplink(&nl, &cfg.uplink).await;
         match &uplink {
             Uplink::Found { name, addr, .. } => info!(uplink = name, address = ?addr, "uplink"),
@@ -186,6 +201,14 @@ impl Agent {
             if let Some(agent) = weak.upgrade() {
                 agent.egress_restore().await;
             }
+            // Then, every 30 s, what the learned map holds beyond what is
+            // tracked (earlier owners', entries no answer accounts for).
+            loop {
+                let Some(agent) = weak.upgrade() else { return };
+                agent.egress_reap().await;
+                drop(agent);
+                tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+            }
         });
         let dp = agent.datapath.clone();
         // The first pass runs at once (off the start path: READY does not
@@ -300,6 +323,10 @@ impl Agent {
             },
             block: cfg.tc_block,
             anchor: (anchor.name.clone(), anchor.index),
+            hflow_shares: crate::datapath::maps::HflowShares::for_pool(
+                d.pool.size().saturating_sub(3).min(u64::from(u32::MAX)) as u32,
+            ),
+            host_access_uids: cfg.host_access_uids.clone(),
         };
         match crate::datapath::ebpf::EbpfDatapath::load(node) {
             Ok(dp) => Ok(Arc::new(dp)),

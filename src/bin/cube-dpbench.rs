@@ -595,6 +595,8 @@ fn load_ebpf(topo: &Topo, snat_port_range: Option<&str>) -> Result<Loaded> {
         },
         block: cfg.tc_block,
         anchor: ("cube-blk".into(), anchor_ifindex),
+        hflow_shares: cube_network_agent::datapath::maps::HflowShares::for_pool(16381),
+        host_access_uids: vec![],
     };
     let dp = Arc::new(
         in_netns(&topo.node, move || EbpfDatapath::load(node))?

@@ -50,6 +50,10 @@ use crate::netlink::TcHook;
 /// The compiled object (built by build.rs, committed in ebpf/).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/datapath.bpf.o"));
 
+/// How long a guest's DNS exchange over UDP keeps its host-flow entry
+/// when idle (the resolver answers within 3 s or not at all).
+const DNS_UDP_IDLE: Duration = Duration::from_secs(10);
+
 /// Handle of every filter (with [`FILTER_PRIORITY`]).
 const FILTER_HANDLE: u32 = 1;
 
@@ -114,6 +118,11 @@ pub struct NodeInfo {
     pub block: u32,
     /// (name, ifindex) of the device that keeps the block alive.
     pub anchor: (String, u32),
+    /// How the host-flow tables are shared between sandboxes.
+    pub hflow_shares: HflowShares,
+    /// uids besides root whose processes may open flows to sandbox
+    /// addresses.
+    pub host_access_uids: Vec<u32>,
 }
 
 fn ip_be(ip: Ipv4Addr) -> u32 {
@@ -339,7 +348,7 @@ struct Maps {
     portmap: HashMap<MapData, DpPortmapKey, DpPortmapVal>,
     attached: HashMap<MapData, u32, u32>,
     sb_stats: HashMap<MapData, u32, DpSbStats>,
-    learned: HashMap<MapData, DpLearnedKey, DpLearnedVal>,
+    sb_share: HashMap<MapData, u32, DpShare>,
 }
 
 fn take<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
@@ -387,6 +396,13 @@ struct Reaper {
     hflow: HashMap<MapData, DpHflowKey, DpHflowVal>,
     hflow_dump: MapData,
     hrev: HashMap<MapData, DpHrevKey, DpHrevVal>,
+    hrev_dump: MapData,
+    /// Each sandbox's share of the host-flow tables (recounted every pass)
+    /// and the node-wide pool's.
+    sb_share: HashMap<MapData, u32, DpShare>,
+    sb_share_dump: MapData,
+    share_pool: Array<MapData, DpSharePool>,
+    hflow_shares: HflowShares,
     /// Per-sandbox counters: entries of gone devices are removed.
     sb_stats: HashMap<MapData, u32, DpSbStats>,
     sb_dump: MapData,
@@ -485,11 +501,21 @@ pub struct EbpfDatapath {
     /// `sb_stats` for readers (GetNetwork, metrics), without `inner`.
     sb_read: Mutex<HashMap<MapData, u32, DpSbStats>>,
     sb_read_dump: MapData,
+    /// `dns_learned`, written by the resolver's answers behind a lock of
+    /// its own (never `inner`, which the ensure path needs).
+    learned: Mutex<HashMap<MapData, DpLearnedKey, DpLearnedVal>>,
+    /// `by_ip` for reads without `inner` (the owner's generation).
+    by_ip_read: HashMap<MapData, u32, DpTap>,
     /// `dns_learned` and `by_ip` for batched dumps without `inner`.
     learned_dump: MapData,
     by_ip_read_dump: MapData,
     /// Pinned maps migrated or recreated at load (layout changed).
     migrated: Vec<String>,
+    /// The config this agent wrote (what `datapath` compares the map with).
+    config: DpConfig,
+    /// The id of the map behind each pin, at load (what `datapath_pins`
+    /// compares the pins with).
+    pin_ids: Vec<(&'static str, u32)>,
     /// Whether host -> 127.x:host_port mappings can work.
     localnet: Result<(), String>,
 }
@@ -555,8 +581,9 @@ impl EbpfDatapath {
             portmap: take(&mut bpf, "portmap")?,
             attached: take(&mut bpf, "tap_attached")?,
             sb_stats: take(&mut bpf, "sb_stats")?,
-            learned: take(&mut bpf, "dns_learned")?,
+            sb_share: take(&mut bpf, "sb_share")?,
         };
+        let learned: HashMap<MapData, DpLearnedKey, DpLearnedVal> = take(&mut bpf, "dns_learned")?;
         let (uplink_ip, uplink_ifindex) = node
             .uplink
             .as_ref()
@@ -575,10 +602,33 @@ impl EbpfDatapath {
             gateway_mac: node.gateway_mac,
             gwdev_mac: node.gwdev_mac,
             pad: 0,
+            hflow_guaranteed: node.hflow_shares.guaranteed,
+            hflow_cap: node.hflow_shares.cap,
+            hflow_borrow: node.hflow_shares.borrow,
+            pad2: 0,
         };
         maps.config
             .set(0, cfg, 0)
             .map_err(|e| err("writing the config map", e))?;
+        let written = cfg;
+        // Host access: exactly the configured uids (a pin of the last
+        // start may hold others).
+        {
+            let mut access: HashMap<MapData, u32, u8> = take(&mut bpf, "host_access")?;
+            let stale: Vec<u32> = access
+                .keys()
+                .flatten()
+                .filter(|u| !node.host_access_uids.contains(u))
+                .collect();
+            for u in stale {
+                let _ = access.remove(&u);
+            }
+            for u in &node.host_access_uids {
+                access
+                    .insert(u, 1, 0)
+                    .map_err(|e| err("writing host_access", e))?;
+            }
+        }
         // The anchor's binding first (a block exists while a qdisc binds
         // it), then the block's filter: every bound TAP runs this build's
         // `from_guest` from here on. Then the node devices, each replaced
@@ -695,11 +745,18 @@ impl EbpfDatapath {
             host_nat: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("host_nat")?))
                 .map_err(|e| err("opening host_nat", e))?,
             host_nat_dump: reopen("host_nat")?,
-            hflow: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("hflow")?))
+            hflow: HashMap::try_from(aya::maps::Map::HashMap(reopen("hflow")?))
                 .map_err(|e| err("opening hflow", e))?,
             hflow_dump: reopen("hflow")?,
-            hrev: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("hrev")?))
+            hrev: HashMap::try_from(aya::maps::Map::HashMap(reopen("hrev")?))
                 .map_err(|e| err("opening hrev", e))?,
+            hrev_dump: reopen("hrev")?,
+            sb_share: HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_share")?))
+                .map_err(|e| err("opening sb_share", e))?,
+            sb_share_dump: reopen("sb_share")?,
+            share_pool: Array::try_from(aya::maps::Map::Array(reopen("share_pool")?))
+                .map_err(|e| err("opening share_pool", e))?,
+            hflow_shares: node.hflow_shares,
             sb_stats: HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_stats")?))
                 .map_err(|e| err("opening sb_stats", e))?,
             sb_dump: reopen("sb_stats")?,
@@ -712,6 +769,18 @@ impl EbpfDatapath {
         let attached_forget = reopen("tap_attached")?;
         let learned_dump = reopen("dns_learned")?;
         let by_ip_read_dump = reopen("by_ip")?;
+        let by_ip_read = HashMap::try_from(aya::maps::Map::HashMap(reopen("by_ip")?))
+            .map_err(|e| err("opening by_ip", e))?;
+        let pin_ids = PINNED
+            .iter()
+            .map(|m| {
+                let id = MapData::from_pin(node.pin_dir.join(m.name))
+                    .and_then(|d| d.info())
+                    .map(|i| i.id())
+                    .unwrap_or(0);
+                (m.name, id)
+            })
+            .collect();
         let names: Vec<String> = node_hooks.iter().map(Hook::to_string).collect();
         info!(
             pin_dir = %node.pin_dir.display(),
@@ -745,10 +814,14 @@ impl EbpfDatapath {
             attached_forget,
             sb_read,
             sb_read_dump,
+            learned: Mutex::new(learned),
+            by_ip_read,
             learned_dump,
             by_ip_read_dump,
             migrated,
             localnet,
+            config: written,
+            pin_ids,
         };
         // Counts for Health come from the first reaper pass (2 s after start);
         // walking every flow and TAP here would delay READY.
@@ -829,12 +902,21 @@ impl EbpfDatapath {
     /// Returns (flows seen, flows removed).
     fn reap_host_flows(
         r: &mut Reaper,
-        owners: &StdHashMap<u32, u64>,
+        taps: &StdHashMap<u32, DpTap>,
         now: u64,
         t: FlowTimeouts,
     ) -> (usize, usize) {
         let expired = |proto: u8, state: u8, last: u64| {
             now.saturating_sub(last) > t.limit(proto, state).as_nanos() as u64
+        };
+        // A guest's DNS over UDP (to its gateway, or redirected to the
+        // resolver) is done within the resolver's upstream timeout: its
+        // entries go after DNS_UDP_IDLE, not the UDP timeout, so a guest
+        // that resolves a lot holds few of its share.
+        let dns_udp = |k: &DpHflowKey, v: &DpHflowVal| {
+            k.proto == libc::IPPROTO_UDP as u8
+                && v.gw_port == 53u16.to_be()
+                && now.saturating_sub(v.last_seen_ns) > DNS_UDP_IDLE.as_nanos() as u64
         };
         let (mut seen, mut removed) = (0, 0);
         let nat: Vec<(DpRevKey, DpCtVal)> =
@@ -859,18 +941,28 @@ impl EbpfDatapath {
             }
             removed += 1;
         }
+        // Every sandbox's share, before the walk: what the datapath adds
+        // and gives back during it is carried over (see below).
+        let before = Self::shares(r);
         let hflows: Vec<(DpHflowKey, DpHflowVal)> =
             dump_flows(&r.hflow_dump).unwrap_or_else(|| r.hflow.iter().flatten().collect());
         seen += hflows.len();
+        let mut held: StdHashMap<u32, i64> = StdHashMap::new();
         for (k, v) in hflows {
-            let stale = owners.get(&v.sandbox_ip) != Some(&v.generation);
-            if !(stale || expired(k.proto, v.state, v.last_seen_ns))
+            let owner = taps
+                .get(&v.sandbox_ip)
+                .filter(|o| o.generation == v.generation);
+            let stale = owner.is_none();
+            if !(stale || expired(k.proto, v.state, v.last_seen_ns) || dns_udp(&k, &v))
                 || r.hflow.get(&k, 0).ok().as_ref() != Some(&v)
                 || (stale
                     && r.by_ip
                         .get(&v.sandbox_ip, 0)
                         .is_ok_and(|o| o.generation == v.generation))
             {
+                if let Some(o) = owner {
+                    *held.entry(o.ifindex).or_default() += 1;
+                }
                 continue;
             }
             let _ = r.hflow.remove(&k);
@@ -886,7 +978,89 @@ impl EbpfDatapath {
             }
             removed += 1;
         }
+        Self::recount_shares(r, &before, &held);
         (seen, removed)
+    }
+
+    /// Every sandbox's `sb_share` count (ifindex -> host flows).
+    fn shares(r: &Reaper) -> StdHashMap<u32, i64> {
+        dump_flows::<u32, DpShare>(&r.sb_share_dump)
+            .unwrap_or_else(|| r.sb_share.iter().flatten().collect())
+            .into_iter()
+            .map(|(i, s)| (i, i64::from(s.hflow)))
+            .collect()
+    }
+
+    /// Sets each sandbox's share to the host flows it holds: `held` (the
+    /// entries this pass saw and kept) plus what the datapath changed since
+    /// `before` was read (flows opened and closed meanwhile). The
+    /// datapath's own counting is exact for what it adds and removes; this
+    /// corrects what it cannot see (entries the reaper removed, an earlier
+    /// owner's). The shared pool follows from the counts.
+    fn recount_shares(r: &mut Reaper, before: &StdHashMap<u32, i64>, held: &StdHashMap<u32, i64>) {
+        const BPF_EXIST: u64 = 2;
+        let g = i64::from(r.hflow_shares.guaranteed);
+        let now = Self::shares(r);
+        let mut borrowed = 0i64;
+        for (ifindex, current) in &now {
+            let meanwhile = current - before.get(ifindex).copied().unwrap_or(*current);
+            let n = (held.get(ifindex).copied().unwrap_or(0) + meanwhile).max(0);
+            borrowed += (n - g).max(0);
+            if n != *current {
+                let _ = r.sb_share.insert(
+                    ifindex,
+                    DpShare {
+                        hflow: n as u32,
+                        pad: 0,
+                    },
+                    BPF_EXIST,
+                );
+            }
+        }
+        let _ = r.share_pool.set(
+            0,
+            DpSharePool {
+                hflow_borrowed: borrowed.min(i64::from(u32::MAX)) as u32,
+                pad: 0,
+            },
+            0,
+        );
+    }
+
+    /// `hrev` entries whose host flow is gone (its removal raced with a
+    /// takeover): removed so the map holds no more than `hflow`.
+    fn reap_orphan_hrev(r: &mut Reaper) -> usize {
+        let all: Vec<(DpHrevKey, DpHrevVal)> =
+            dump_flows(&r.hrev_dump).unwrap_or_else(|| r.hrev.iter().flatten().collect());
+        let mut n = 0;
+        for (k, v) in all {
+            let live = r.hflow.get(&v.host, 0).is_ok_and(|f| {
+                f.sandbox_ip == k.sandbox_ip
+                    && f.guest_port == k.guest_port
+                    && f.gw_port == k.gw_port
+            });
+            if !live && r.hrev.get(&k, 0).ok().as_ref() == Some(&v) {
+                let _ = r.hrev.remove(&k);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Pins that are gone or hold another map than at load.
+    fn pin_problems(&self) -> Vec<String> {
+        self.pin_ids
+            .iter()
+            .filter_map(|(name, id)| {
+                let path = self.node.pin_dir.join(name);
+                match MapData::from_pin(&path).and_then(|d| d.info()) {
+                    Ok(i) if i.id() == *id => None,
+                    Ok(_) => Some(format!("{name}: pinned to another map than this agent's")),
+                    Err(_) if !path.exists() => Some(format!("{name}: the pin is gone")),
+                    Err(e) => Some(format!("{name}: {e}")),
+                }
+            })
+            .collect()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -1009,6 +1183,9 @@ impl EbpfDatapath {
         let _ = maps
             .sb_stats
             .insert(ifindex, DpSbStats::default(), BPF_NOEXIST);
+        let _ = maps
+            .sb_share
+            .insert(ifindex, DpShare::default(), BPF_NOEXIST);
         let tap = DpTap {
             ifindex,
             pad: 0,
@@ -1021,7 +1198,8 @@ impl EbpfDatapath {
                 .insert(ip, tap, 0)
                 .map_err(|e| map_err("writing the by_ip map", &e))?;
         }
-        // Policy keys carry no value (always 1): a key this sandbox already
+        // A policy key's value follows from the key (allow: 1; deny: see
+        // below): a key this sandbox already
         // has is left alone, a new one is journalled as added. (An LPM
         // `get` is a longest-prefix match, so the index, not the map, says
         // which keys exist.)
@@ -1045,8 +1223,16 @@ impl EbpfDatapath {
         }
         for k in want_deny {
             if !have_deny.contains(&policy_id(k)) {
+                // The catch-all 0.0.0.0/0 ("anything not allowed") is the
+                // one deny a learned address passes; every other deny CIDR
+                // beats it (policy_allows).
+                let value = if k.prefix_len() == 32 {
+                    DP_DENY_CATCH_ALL
+                } else {
+                    DP_DENY_BEATS_LEARNED
+                };
                 maps.deny
-                    .insert(k, 1, 0)
+                    .insert(k, value, 0)
                     .map_err(|e| map_err("writing policy_deny (deny_out)", &e))?;
                 journal.push(Undo::Deny(*k));
             }
@@ -1231,6 +1417,96 @@ struct TakenOver {
 /// LRU maps; past capacity the kernel evicts live flows (connections
 /// reset, SNAT ports reused), so 90 % is the warning line. Counted by the
 /// reaper every 2 s.
+/// Health's `datapath`: the programs and their config (`config`: what the
+/// config map holds is what this agent wrote).
+fn datapath_check(what: &str, config: Result<(), String>) -> Check {
+    match config {
+        Ok(()) => ("datapath".into(), true, what.to_owned()),
+        Err(e) => (
+            "datapath".into(),
+            false,
+            format!("{e}: restart the agent; {what}"),
+        ),
+    }
+}
+
+/// Health's `datapath_pins`: every map is pinned where this agent pinned
+/// it (`problems`: the ones that are not). A map whose pin is gone goes
+/// with this agent's last reference: the next start would begin with
+/// empty flows, learned addresses and counters.
+fn pins_check(dir: &Path, problems: &[String], migrated: &[String]) -> Check {
+    let mut s = if problems.is_empty() {
+        format!("every map pinned in {}", dir.display())
+    } else {
+        format!(
+            "{}: {}; a restart now would lose what they hold (flows, learned addresses, \
+             counters): restart the agent only after checking what removed them",
+            dir.display(),
+            problems.join("; ")
+        )
+    };
+    if !migrated.is_empty() {
+        s.push_str(&format!(
+            "; layout changed at this start: {}",
+            migrated.join(", ")
+        ));
+    }
+    ("datapath_pins".into(), problems.is_empty(), s)
+}
+
+fn loopback_check(localnet: &Result<(), String>) -> Check {
+    (
+        "datapath_loopback".to_string(),
+        localnet.is_ok(),
+        match localnet {
+            Ok(()) => {
+                "host -> 127.0.0.1:host_port mappings enabled (lo: route_localnet=1 accept_local=1)"
+                    .into()
+            }
+            Err(e) => format!("host -> 127.0.0.1:host_port mappings unavailable: {e}"),
+        },
+    )
+}
+
+fn uplink_check(uplink: Option<&(String, u32, Ipv4Addr)>, ports: (u16, u16)) -> Check {
+    (
+        "datapath_uplink".to_string(),
+        uplink.is_some(),
+        match uplink {
+            Some((n, _, a)) => format!("SNAT to {a} on {n}, ports {}-{}", ports.0, ports.1),
+            None => "no uplink: egress and port mappings are dropped".into(),
+        },
+    )
+}
+
+/// A passing and a failing case of every check the datapath reports (for
+/// Health's `every_check_can_fail`).
+pub fn check_cases() -> Vec<(Check, Check)> {
+    let up = ("up0".to_owned(), 2, Ipv4Addr::new(10, 0, 0, 2));
+    vec![
+        (
+            datapath_check("x", Ok(())),
+            datapath_check("x", Err("unreadable".into())),
+        ),
+        (
+            flow_table_check(0, 0),
+            flow_table_check(FLOW_MAP_ENTRIES as usize, 0),
+        ),
+        (
+            pins_check(Path::new("/p"), &[], &[]),
+            pins_check(Path::new("/p"), &["ct: missing".into()], &[]),
+        ),
+        (
+            loopback_check(&Ok(())),
+            loopback_check(&Err("EPERM".into())),
+        ),
+        (
+            uplink_check(Some(&up), (1024, 2048)),
+            uplink_check(None, (1024, 2048)),
+        ),
+    ]
+}
+
 fn flow_table_check(flows: usize, host_flows: usize) -> Check {
     let pct = |n: usize, cap: u32| n as f64 * 100.0 / f64::from(cap);
     let (f, h) = (
@@ -1583,25 +1859,32 @@ impl Datapath for EbpfDatapath {
     ) -> Result<(), DatapathError> {
         let ip = ip_be(sandbox_ip);
         let now = monotonic_ns();
-        let mut guard = self.lock();
-        let maps = &mut guard.maps;
         // The owner's generation: an entry outlives neither its owner nor
         // reaches the next one of the address.
-        let generation = maps
-            .by_ip
+        let generation = self
+            .by_ip_read
             .get(&ip, 0)
             .map_err(|e| map_err("reading by_ip (the sandbox's generation)", &e))?
             .generation;
+        let mut learned = self.learned.lock().unwrap_or_else(|p| p.into_inner());
         for (dst, ttl) in addrs {
             let key = DpLearnedKey {
                 sandbox_ip: ip,
                 dst: ip_be(*dst),
             };
+            let mut expires_ns = now + ttl.as_nanos() as u64;
+            // A later answer with a shorter TTL never cuts what an earlier
+            // one of the same owner gave.
+            if let Ok(old) = learned.get(&key, 0)
+                && old.generation == generation
+            {
+                expires_ns = expires_ns.max(old.expires_ns);
+            }
             let val = DpLearnedVal {
-                expires_ns: now + ttl.as_nanos() as u64,
+                expires_ns,
                 generation,
             };
-            maps.learned
+            learned
                 .insert(key, val, 0)
                 .map_err(|e| map_err("writing dns_learned", &e))?;
         }
@@ -1637,23 +1920,17 @@ impl Datapath for EbpfDatapath {
             ));
         }
         if !stale.is_empty() {
-            let mut guard = self.lock();
+            let mut learned = self.learned.lock().unwrap_or_else(|p| p.into_inner());
             for k in &stale {
                 // Only if still an earlier owner's (a lookup may have
                 // written it again since the dump).
-                let owner = guard
-                    .maps
-                    .by_ip
+                let owner = self
+                    .by_ip_read
                     .get(&k.sandbox_ip, 0)
                     .ok()
                     .map(|t| t.generation);
-                if guard
-                    .maps
-                    .learned
-                    .get(k, 0)
-                    .is_ok_and(|v| Some(v.generation) != owner)
-                {
-                    let _ = guard.maps.learned.remove(k);
+                if learned.get(k, 0).is_ok_and(|v| Some(v.generation) != owner) {
+                    let _ = learned.remove(k);
                 }
             }
         }
@@ -1662,9 +1939,9 @@ impl Datapath for EbpfDatapath {
 
     fn forget(&self, sandbox_ip: Ipv4Addr, addrs: &[Ipv4Addr]) {
         let ip = ip_be(sandbox_ip);
-        let mut guard = self.lock();
+        let mut learned = self.learned.lock().unwrap_or_else(|p| p.into_inner());
         for dst in addrs {
-            let _ = guard.maps.learned.remove(&DpLearnedKey {
+            let _ = learned.remove(&DpLearnedKey {
                 sandbox_ip: ip,
                 dst: ip_be(*dst),
             });
@@ -1721,11 +1998,11 @@ impl Datapath for EbpfDatapath {
         let r = &mut *guard;
         // Which generation owns each address now: a flow of another one
         // belongs to a released sandbox (or an earlier owner).
-        let owners: StdHashMap<u32, u64> = dump_flows::<u32, DpTap>(&r.by_ip_dump)
+        let taps: StdHashMap<u32, DpTap> = dump_flows::<u32, DpTap>(&r.by_ip_dump)
             .unwrap_or_else(|| r.by_ip.iter().flatten().collect())
             .into_iter()
-            .map(|(ip, t)| (ip, t.generation))
             .collect();
+        let owners: StdHashMap<u32, u64> = taps.iter().map(|(ip, t)| (*ip, t.generation)).collect();
         let mut flows = 0usize;
         let mut stale_n = 0usize;
         let mut by_sandbox: StdHashMap<u32, u64> = StdHashMap::new();
@@ -1770,7 +2047,7 @@ impl Datapath for EbpfDatapath {
             Self::remove_flow(&mut r.ct, &mut r.ct_rev, k, v);
             removed += 1;
         }
-        let (host_flows, host_removed) = Self::reap_host_flows(r, &owners, now, t);
+        let (host_flows, host_removed) = Self::reap_host_flows(r, &taps, now, t);
         // Attachment records of TAPs that no longer exist.
         let (mut taps, mut own) = (0usize, 0usize);
         r.passes += 1;
@@ -1798,6 +2075,17 @@ impl Datapath for EbpfDatapath {
                 .collect();
             for i in keys.into_iter().filter(|i| !link_exists(*i)) {
                 let _ = r.sb_stats.remove(&i);
+            }
+            let shares: Vec<u32> = Self::shares(r).into_keys().collect();
+            for i in shares.into_iter().filter(|i| !link_exists(*i)) {
+                let _ = r.sb_share.remove(&i);
+            }
+            let orphans = Self::reap_orphan_hrev(r);
+            if orphans > 0 {
+                debug!(
+                    entries = orphans,
+                    "hrev entries without a host flow removed"
+                );
             }
         }
         {
@@ -1879,56 +2167,34 @@ impl Datapath for EbpfDatapath {
             .filter(|(_, n)| *n > 0)
             .map(|(k, n)| format!("{k}={n}"))
             .collect();
-        let mut checks = vec![(
-            "datapath".to_string(),
-            true,
-            format!(
-                "eBPF: from_guest on {taps} TAPs, {}; {flows} flows, {host_flows} host flows, \
-                 {} reaped; counters: {}",
-                self.node_hooks
-                    .iter()
-                    .map(Hook::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                self.stats.reaped.load(Ordering::Relaxed),
-                if counters.is_empty() {
-                    "none".into()
-                } else {
-                    counters.join(" ")
-                }
-            ),
-        )];
-        checks.push(flow_table_check(flows, host_flows));
-        checks.push(("datapath_pins".to_string(), true, {
-            // load() refuses a pin directory that is not on bpffs.
-            let mut s = format!("maps pinned in {}", self.node.pin_dir.display());
-            if !self.migrated.is_empty() {
-                s.push_str(&format!(
-                    "; layout changed at this start: {}",
-                    self.migrated.join(", ")
-                ));
+        // What the programs read: the config this agent wrote.
+        let config = match inner.maps.config.get(&0, 0) {
+            Ok(c) if c == self.config => Ok(()),
+            Ok(_) => Err("the config map holds another config than this agent wrote".to_owned()),
+            Err(e) => Err(format!("the config map cannot be read: {e}")),
+        };
+        drop(inner);
+        let what = format!(
+            "eBPF: from_guest on {taps} TAPs, {}; {flows} flows, {host_flows} host flows, \
+             {} reaped; counters: {}",
+            self.node_hooks
+                .iter()
+                .map(Hook::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            self.stats.reaped.load(Ordering::Relaxed),
+            if counters.is_empty() {
+                "none".into()
+            } else {
+                counters.join(" ")
             }
-            s
-        }));
-        checks.push((
-            "datapath_loopback".to_string(),
-            self.localnet.is_ok(),
-            match &self.localnet {
-                Ok(()) => "host -> 127.0.0.1:host_port mappings enabled (lo: route_localnet=1 accept_local=1)".into(),
-                Err(e) => format!("host -> 127.0.0.1:host_port mappings unavailable: {e}"),
-            },
-        ));
-        checks.push((
-            "datapath_uplink".to_string(),
-            self.node.uplink.is_some(),
-            match &self.node.uplink {
-                Some((n, _, a)) => format!(
-                    "SNAT to {a} on {n}, ports {}-{}",
-                    self.node.snat_ports.0, self.node.snat_ports.1
-                ),
-                None => "no uplink: egress and port mappings are dropped".into(),
-            },
-        ));
-        checks
+        );
+        vec![
+            datapath_check(&what, config),
+            flow_table_check(flows, host_flows),
+            pins_check(&self.node.pin_dir, &self.pin_problems(), &self.migrated),
+            loopback_check(&self.localnet),
+            uplink_check(self.node.uplink.as_ref(), self.node.snat_ports),
+        ]
     }
 }

@@ -5,7 +5,7 @@
 
 /// Config (array map `config`, one entry).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DpConfig {
     pub guest_ip: u32,
     pub gateway_ip: u32,
@@ -19,6 +19,57 @@ pub struct DpConfig {
     pub gateway_mac: [u8; 6],
     pub gwdev_mac: [u8; 6],
     pub pad: u16,
+    /// Host <-> sandbox flows per sandbox (see [`HflowShares`]).
+    pub hflow_guaranteed: u32,
+    pub hflow_cap: u32,
+    pub hflow_borrow: u32,
+    pub pad2: u32,
+}
+
+/// A sandbox's entries in the shared tables (`sb_share`, keyed by its TAP
+/// or veth ifindex).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpShare {
+    pub hflow: u32,
+    pub pad: u32,
+}
+
+/// The node-wide side (`share_pool`, one entry): entries held beyond the
+/// guaranteed ones.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpSharePool {
+    pub hflow_borrowed: u32,
+    pub pad: u32,
+}
+
+/// How `hflow` (and `hrev`) are shared: every sandbox may hold
+/// `guaranteed` entries whatever the others do (the pool's capacity at
+/// that many fits half the map); beyond, up to `cap`, from the other half,
+/// shared by all (`borrow`). No sandbox, nor all of them together, can
+/// take what another one is guaranteed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HflowShares {
+    pub guaranteed: u32,
+    pub cap: u32,
+    pub borrow: u32,
+}
+
+/// The most host <-> sandbox flows one sandbox may hold.
+pub const HFLOW_CAP_PER_SANDBOX: u32 = 4096;
+
+impl HflowShares {
+    /// For a pool of `capacity` sandboxes.
+    pub fn for_pool(capacity: u32) -> Self {
+        let half = HOST_FLOW_ENTRIES / 2;
+        let cap = HFLOW_CAP_PER_SANDBOX.min(half);
+        HflowShares {
+            guaranteed: (half / capacity.max(1)).clamp(1, cap),
+            cap,
+            borrow: half,
+        }
+    }
 }
 
 #[repr(C)]
@@ -35,6 +86,11 @@ pub const DP_F_INTERNET: u32 = 1;
 pub const DP_F_DOMAINS: u32 = 2;
 /// Strict egress (`egress_mode` "sni"): TCP to 80/443 goes to the proxy.
 pub const DP_F_SNI: u32 = 4;
+/// `policy_deny` values (ebpf/datapath.h): the catch-all 0.0.0.0/0, which
+/// an address learned for an allowed name passes, and every other deny
+/// CIDR, which beats it.
+pub const DP_DENY_CATCH_ALL: u8 = 1;
+pub const DP_DENY_BEATS_LEARNED: u8 = 2;
 /// The proxy's ports on the gateway-device address (ebpf/datapath.h).
 pub const DP_PROXY_HTTP_PORT: u16 = 1022;
 pub const DP_PROXY_TLS_PORT: u16 = 1021;
@@ -256,6 +312,10 @@ unsafe impl aya::Pod for DpConfig {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpSbStats {}
 // SAFETY: see above.
+unsafe impl aya::Pod for DpShare {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpSharePool {}
+// SAFETY: see above.
 unsafe impl aya::Pod for DpSandbox {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpLearnedKey {}
@@ -292,7 +352,9 @@ unsafe impl aya::Pod for DpFragVal {}
 
 // The C side's sizes (ebpf/datapath.h comments); a mismatch fails the build.
 const _: () = {
-    assert!(size_of::<DpConfig>() == 48);
+    assert!(size_of::<DpConfig>() == 64);
+    assert!(size_of::<DpShare>() == 8);
+    assert!(size_of::<DpSharePool>() == 8);
     assert!(size_of::<DpSandbox>() == 16);
     assert!(size_of::<DpTap>() == 16);
     assert!(size_of::<DpLearnedKey>() == 8);
@@ -317,8 +379,13 @@ const _: () = {
 pub const SANDBOX_MAP_ENTRIES: u32 = 65536;
 /// Entries of the flow maps `ct` and `ct_rev`.
 pub const FLOW_MAP_ENTRIES: u32 = 262144;
-/// Entries of `host_nat`, `hflow` and `hrev`.
-pub const HOST_FLOW_ENTRIES: u32 = 65536;
+/// Entries of `host_nat`.
+pub const HOST_NAT_ENTRIES: u32 = 65536;
+/// Entries of `hflow` and `hrev` (`DP_HFLOW_MAX`): plain hashes, shared
+/// by [`HflowShares`].
+pub const HOST_FLOW_ENTRIES: u32 = 262144;
+/// Entries of `host_access` (uids granted host access).
+pub const HOST_ACCESS_ENTRIES: u32 = 256;
 /// Entries of `frags`.
 pub const FRAG_ENTRIES: u32 = 8192;
 /// Entries of `dns_learned` (`DP_LEARNED_MAX`): 10,000 sandboxes x 100.
@@ -444,12 +511,12 @@ pub const PINNED: &[PinnedMap] = {
             LruHash,
             size_of::<DpRevKey>(),
             size_of::<DpCtVal>(),
-            HOST_FLOW_ENTRIES,
+            HOST_NAT_ENTRIES,
             Durable,
         ),
         pinned(
             "hflow",
-            LruHash,
+            Hash,
             size_of::<DpHflowKey>(),
             size_of::<DpHflowVal>(),
             HOST_FLOW_ENTRIES,
@@ -457,12 +524,23 @@ pub const PINNED: &[PinnedMap] = {
         ),
         pinned(
             "hrev",
-            LruHash,
+            Hash,
             size_of::<DpHrevKey>(),
             size_of::<DpHrevVal>(),
             HOST_FLOW_ENTRIES,
             Durable,
         ),
+        pinned(
+            "sb_share",
+            Hash,
+            4,
+            size_of::<DpShare>(),
+            SANDBOX_MAP_ENTRIES,
+            Durable,
+        ),
+        pinned("share_pool", Array, 4, size_of::<DpSharePool>(), 1, Durable),
+        // Written from the configuration at every start.
+        pinned("host_access", Hash, 4, 1, HOST_ACCESS_ENTRIES, Rebuilt),
         pinned(
             "frags",
             LruHash,
@@ -509,4 +587,8 @@ pub const COUNTER_NAMES: &[&str] = &[
     "host_remap",
     "frag",
     "no_gw_port",
+    "forwarded_to_sandbox_drop",
+    "host_access_denied",
+    "host_flow_share_full",
+    "no_host_flow",
 ];

@@ -153,6 +153,13 @@ fn refused(m: &PinnedMap, path: &Path, found: Layout) -> DatapathError {
     }
 }
 
+/// Whether entries of a map of kind `found` can be copied as they are into
+/// one of kind `want`: the same kind, or an LRU hash that became a plain
+/// hash (`hflow`, `hrev`: no longer evicted, shared by per-sandbox shares).
+fn same_kind(found: MapType, want: MapType) -> bool {
+    found == want || (found == MapType::LruHash && want == MapType::Hash)
+}
+
 /// Decides, for every map, whether its pin is reused, migrated or
 /// recreated; refuses (changing nothing) if one cannot be migrated.
 pub fn plan(dir: &Path) -> Result<Plan, DatapathError> {
@@ -180,7 +187,10 @@ pub fn plan(dir: &Path) -> Result<Plan, DatapathError> {
         let found = Layout::read(&source).map_err(|e| read_err(&source, e))?;
         let action = if source == live && found == want {
             Action::Keep
-        } else if found.kind == want.kind && found.key == want.key && found.value == want.value {
+        } else if same_kind(found.kind, want.kind)
+            && found.key == want.key
+            && found.value == want.value
+        {
             Action::Migrate {
                 from: source,
                 convert: copy,

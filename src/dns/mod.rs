@@ -22,17 +22,27 @@ use crate::agent::egress::DnsDecision;
 
 /// How long the upstream has to answer.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
-/// Queries handled at once; more wait in the socket's buffer.
-const MAX_IN_FLIGHT: usize = 256;
-/// UDP queries in flight from one source address (each may wait for the
-/// upstream up to [`UPSTREAM_TIMEOUT`]): beyond, its datagrams are
-/// dropped, so one sandbox cannot hold every slot the others need.
+/// UDP queries forwarded at once (each on a socket of its own, waiting for
+/// the upstream up to [`UPSTREAM_TIMEOUT`]), and from one source address
+/// at most (see [`Shares`]: fewer when many sources hold slots). A query
+/// that finds no slot gets SERVFAIL at once: the receive loop never waits.
+pub const MAX_IN_FLIGHT: usize = 1024;
 const MAX_UDP_PER_SOURCE: usize = 32;
-/// DNS over TCP: connections at once, per source address, and how long
-/// one may sit idle.
-const MAX_TCP: usize = 128;
-const MAX_TCP_PER_SOURCE: usize = 4;
+/// DNS over TCP: connections at once (each with one to the upstream while
+/// a query is forwarded), per source address, and how long one may sit
+/// idle. A connection beyond its share is closed at once.
+pub const MAX_TCP: usize = 256;
+const MAX_TCP_PER_SOURCE: usize = 8;
 const TCP_IDLE: Duration = Duration::from_secs(5);
+/// The largest DNS message (and the buffer an upstream's UDP answer is
+/// read into: a larger one than the client can take gets TC, not cut).
+const MAX_MESSAGE: usize = 65535;
+/// A UDP answer's size without EDNS (RFC 1035).
+const CLASSIC_UDP: usize = 512;
+/// IPv4 and UDP headers: what a datagram of a sandbox's MTU leaves for
+/// the DNS message.
+const IPV4_UDP_HEADERS: u32 = 28;
+const TYPE_OPT: u16 = 41;
 
 const TYPE_A: u16 = 1;
 const TYPE_CNAME: u16 = 5;
@@ -196,6 +206,15 @@ pub fn answer_addrs(m: &[u8], name: &str) -> Option<Vec<(Ipv4Addr, u32)>> {
     )
 }
 
+/// A random query id (the agent's getrandom(2) helper).
+pub(crate) fn rand_id() -> u16 {
+    let mut b = [0u8; 2];
+    if crate::agent::getrandom(&mut b).is_err() {
+        return 0x5a5a;
+    }
+    u16::from_ne_bytes(b)
+}
+
 /// Sockets handed back by the fd store, by name
 /// (`systemd::SOCKET_FD_NAMES`).
 pub type Passed = std::collections::HashMap<String, OwnedFd>;
@@ -274,17 +293,31 @@ fn bind(
     let std_listener = std::net::TcpListener::from(adopt_or_bind(passed, "dns-tcp", at, false)?);
     std_listener.set_nonblocking(true)?;
     let listener = TcpListener::from_std(std_listener)?;
-    tokio::spawn(serve_tcp(agent.clone(), upstream, listener));
     match upstream {
         Some(u) => info!(address = %at, upstream = %u, "dns: resolver for sandboxes"),
         None => {
             warn!(address = %at, "dns: no upstream (dns_upstream, /etc/resolv.conf): allowed queries get SERVFAIL")
         }
     }
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
-    let per_source = PerSource::default();
+    // Health's view of the upstream stays true without traffic: asked
+    // when no sandbox asked anything for a while.
+    if let Some(u) = upstream {
+        let agent = agent.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                if agent.upstream_probe_due() {
+                    let r = probe(u).await;
+                    agent.upstream_outcome(r.as_ref().map(|_| ()));
+                }
+            }
+        });
+    }
+    let caps = agent.socket_caps();
+    let shares = Shares::new(caps.udp, MAX_UDP_PER_SOURCE);
+    tokio::spawn(serve_tcp(agent.clone(), upstream, listener, caps.tcp));
     tokio::spawn(async move {
-        let mut buf = vec![0u8; 4096];
+        let mut buf = vec![0u8; MAX_MESSAGE];
         loop {
             let (n, from, ifindex) = match recv_query(&sock, &mut buf).await {
                 Ok(r) => r,
@@ -310,9 +343,7 @@ fn bind(
             let (q, upstream, learn_for) = match plan(&agent, upstream, src, query) {
                 Plan::Drop => continue,
                 Plan::Reply(r) => {
-                    if sock.try_send_to(&r, from.into()).is_err() {
-                        let _ = sock.send_to(&r, from).await;
-                    }
+                    send_now(&sock, &r, from).await;
                     continue;
                 }
                 Plan::Forward {
@@ -321,23 +352,87 @@ fn bind(
                     learn_for,
                 } => (q, upstream, learn_for),
             };
-            let Some(held) = per_source.take(src, MAX_UDP_PER_SOURCE) else {
-                continue; // dropped: the client retries
+            // No slot within the source's share: SERVFAIL at once (the
+            // client may try again), never a wait here.
+            let Some(held) = shares.try_take(src) else {
+                agent.resolver_busy();
+                send_now(&sock, &reply(query, &q, RCODE_SERVFAIL), from).await;
+                continue;
             };
-            let Ok(permit) = slots.clone().acquire_owned().await else {
-                break;
-            };
+            let limit = udp_limit(query, agent.dns_udp_mtu(src));
             let query = query.to_vec();
             let (agent, sock) = (agent.clone(), sock.clone());
             tokio::spawn(async move {
                 let answer =
-                    forward_and_learn(&agent, src, &query, (q, upstream, learn_for), false).await;
+                    forward_and_learn(&agent, src, &query, (q, upstream, learn_for), Some(limit))
+                        .await;
                 let _ = sock.send_to(&answer, from).await;
-                drop((permit, held));
+                drop(held);
             });
         }
     });
     Ok(())
+}
+
+/// Sends a datagram without waiting when the socket has room (it nearly
+/// always has).
+async fn send_now(sock: &UdpSocket, m: &[u8], to: SocketAddrV4) {
+    if sock.try_send_to(m, to.into()).is_err() {
+        let _ = sock.send_to(m, to).await;
+    }
+}
+
+/// The OPT record of a query or answer: (offset of its class field, the
+/// UDP payload size it advertises).
+fn edns_at(m: &[u8]) -> Option<(usize, u16)> {
+    let counts: Vec<u16> = (0..4)
+        .map(|i| u16_at(m, 4 + 2 * i))
+        .collect::<Option<_>>()?;
+    let mut at = 12;
+    for _ in 0..counts[0] {
+        at = read_name(m, at)?.1 + 4;
+    }
+    for i in 0..(u32::from(counts[1]) + u32::from(counts[2]) + u32::from(counts[3])) {
+        let (_, next) = read_name(m, at)?;
+        let rtype = u16_at(m, next)?;
+        if rtype == TYPE_OPT && i >= u32::from(counts[1]) + u32::from(counts[2]) {
+            return Some((next + 2, u16_at(m, next + 2)?));
+        }
+        at = next + 10 + usize::from(u16_at(m, next + 8)?);
+    }
+    None
+}
+
+/// The largest UDP answer a client can take: what its query advertises
+/// (EDNS; 512 without), and never more than its link carries (a datagram
+/// over the sandbox's MTU would be lost on the way into its TAP or veth,
+/// and the client would wait for a timeout instead of retrying over TCP).
+pub fn udp_limit(query: &[u8], mtu: u32) -> usize {
+    let link = mtu.saturating_sub(IPV4_UDP_HEADERS) as usize;
+    let asked = edns_at(query).map_or(CLASSIC_UDP, |(_, size)| usize::from(size));
+    asked.max(CLASSIC_UDP).min(link.max(CLASSIC_UDP))
+}
+
+/// The query as sent upstream over UDP: its advertised size lowered to
+/// `limit`, so the upstream truncates (TC) what the client could not take.
+fn clamp_edns(query: &[u8], limit: usize) -> std::borrow::Cow<'_, [u8]> {
+    match edns_at(query) {
+        Some((at, size)) if usize::from(size) > limit => {
+            let mut q = query.to_vec();
+            q[at..at + 2].copy_from_slice(&(limit as u16).to_be_bytes());
+            std::borrow::Cow::Owned(q)
+        }
+        _ => std::borrow::Cow::Borrowed(query),
+    }
+}
+
+/// The answer cut to its header and question, with TC set: the client
+/// asks again over TCP.
+fn truncated(query: &[u8], q: &Question, resp: &[u8]) -> Vec<u8> {
+    let mut r = reply(query, q, resp[3] & 0x0f);
+    r[2] = resp[2] | 0x02;
+    r[3] = resp[3];
+    r
 }
 
 /// One datagram: its length, its source and the device it came in on
@@ -384,9 +479,13 @@ async fn recv_query(
 
 /// DNS over TCP (RFC 7766): length-prefixed queries on a connection,
 /// answered in order, forwarded over TCP (an answer too large for UDP).
-async fn serve_tcp(agent: Arc<Agent>, upstream: Option<SocketAddrV4>, listener: TcpListener) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_TCP));
-    let per_source = PerSource::default();
+async fn serve_tcp(
+    agent: Arc<Agent>,
+    upstream: Option<SocketAddrV4>,
+    listener: TcpListener,
+    total: usize,
+) {
+    let shares = Shares::new(total, MAX_TCP_PER_SOURCE);
     loop {
         let (mut conn, from) = match listener.accept().await {
             Ok(c) => c,
@@ -398,10 +497,10 @@ async fn serve_tcp(agent: Arc<Agent>, upstream: Option<SocketAddrV4>, listener: 
         };
         let SocketAddr::V4(from) = from else { continue };
         let src = *from.ip();
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            continue; // dropped: the client retries
-        };
-        let Some(held) = per_source.take(src, MAX_TCP_PER_SOURCE) else {
+        let Some(held) = shares.try_take(src) else {
+            // Closed at once: the client retries (or gives up) without
+            // waiting for a timeout.
+            agent.resolver_busy();
             continue;
         };
         let agent = agent.clone();
@@ -415,7 +514,7 @@ async fn serve_tcp(agent: Arc<Agent>, upstream: Option<SocketAddrV4>, listener: 
                 ) {
                     break;
                 }
-                let Some(a) = answer(&agent, upstream, src, &query, true).await else {
+                let Some(a) = answer(&agent, upstream, src, &query).await else {
                     break;
                 };
                 let mut out = (a.len() as u16).to_be_bytes().to_vec();
@@ -424,37 +523,122 @@ async fn serve_tcp(agent: Arc<Agent>, upstream: Option<SocketAddrV4>, listener: 
                     break;
                 }
             }
-            drop((permit, held));
+            drop(held);
         });
     }
 }
 
-/// Work in flight per source address (UDP queries, TCP connections).
-#[derive(Clone, Default)]
-struct PerSource(Arc<std::sync::Mutex<std::collections::HashMap<Ipv4Addr, usize>>>);
+/// Slots shared by every sandbox (the resolver's queries in flight and
+/// TCP connections, the proxy's connections): at most `total` at once,
+/// each source at most `per_source`, and never more than its fair share:
+/// `total / (sources wanting slots + 1)`, counting itself and every source
+/// that holds slots or was refused one lately ([`DEMAND_WINDOW`]). A
+/// source refused now is counted at once, so as the holders' work ends
+/// (an upstream timeout at most) they take slots again only up to a share
+/// that leaves it room: N sources flooding never keep the others out for
+/// longer than that. Taking never waits: a caller that gets none answers
+/// at once (SERVFAIL, a reset).
+#[derive(Clone)]
+pub(crate) struct Shares {
+    inner: Arc<std::sync::Mutex<SharesInner>>,
+    total: usize,
+    per_source: usize,
+}
 
-/// One unit of a source's work; given back on drop.
-struct Held(PerSource, Ipv4Addr);
+/// How long a refused source still counts as wanting slots: longer than
+/// the longest a slot is held for one query.
+const DEMAND_WINDOW: Duration = Duration::from_secs(10);
 
-impl PerSource {
-    fn take(&self, src: Ipv4Addr, max: usize) -> Option<Held> {
-        let mut n = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let c = n.entry(src).or_default();
-        if *c >= max {
+#[derive(Default)]
+struct SharesInner {
+    by_source: std::collections::HashMap<Ipv4Addr, usize>,
+    used: usize,
+    /// Sources refused a slot lately (and when), that hold none now.
+    wanting: std::collections::HashMap<Ipv4Addr, std::time::Instant>,
+}
+
+/// One slot of a source; given back on drop.
+pub(crate) struct Held(Shares, Ipv4Addr);
+
+impl Shares {
+    pub(crate) fn new(total: usize, per_source: usize) -> Self {
+        Shares {
+            inner: Arc::default(),
+            total,
+            per_source,
+        }
+    }
+
+    /// A slot for `src`, if there is one within its share.
+    pub(crate) fn try_take(&self, src: Ipv4Addr) -> Option<Held> {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let now = std::time::Instant::now();
+        if g.wanting.len() > self.total {
+            g.wanting
+                .retain(|_, at| now.duration_since(*at) < DEMAND_WINDOW);
+        }
+        let mine = g.by_source.get(&src).copied().unwrap_or(0);
+        let wanting = g
+            .wanting
+            .iter()
+            .filter(|(ip, at)| **ip != src && now.duration_since(**at) < DEMAND_WINDOW)
+            .count();
+        let others = g.by_source.len() - usize::from(mine > 0) + wanting;
+        let share = (self.total / (others + 2)).clamp(1, self.per_source);
+        if g.used >= self.total || mine >= share {
+            if mine == 0 {
+                g.wanting.insert(src, now);
+            }
             return None;
         }
-        *c += 1;
+        g.wanting.remove(&src);
+        g.used += 1;
+        *g.by_source.entry(src).or_default() += 1;
         Some(Held(self.clone(), src))
+    }
+
+    /// Slots in use.
+    #[cfg(test)]
+    fn used(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).used
+    }
+}
+
+/// How many slots the resolver and the proxy have in all: their maxima
+/// ([`MAX_IN_FLIGHT`], [`MAX_TCP`], `proxy::MAX_CONNS`) when the
+/// descriptors left after a full pool of TAPs hold them (a socket per UDP
+/// query in flight, a connection and its upstream one per TCP query, a
+/// connection and its server side per proxied connection), else scaled
+/// down to fit, never below a floor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caps {
+    pub udp: usize,
+    pub tcp: usize,
+    pub proxy: usize,
+}
+
+impl Caps {
+    pub fn for_spare(spare_fds: u64) -> Caps {
+        let full = (MAX_IN_FLIGHT + 2 * MAX_TCP + 2 * proxy::MAX_CONNS) as u64;
+        let scale = |max: usize, min: usize| {
+            ((max as u64 * spare_fds.min(full) / full) as usize).clamp(min, max)
+        };
+        Caps {
+            udp: scale(MAX_IN_FLIGHT, 64),
+            tcp: scale(MAX_TCP, 16),
+            proxy: scale(proxy::MAX_CONNS, 64),
+        }
     }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        let mut n = (self.0).0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = n.get_mut(&self.1) {
+        let mut g = (self.0).inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.used -= 1;
+        if let Some(c) = g.by_source.get_mut(&self.1) {
             *c -= 1;
             if *c == 0 {
-                n.remove(&self.1);
+                g.by_source.remove(&self.1);
             }
         }
     }
@@ -500,21 +684,28 @@ fn plan(agent: &Agent, upstream: Option<SocketAddrV4>, src: Ipv4Addr, query: &[u
 }
 
 /// Forwards a planned query and learns its answer; the reply to send.
+/// Over UDP (`udp_limit`: the most the client takes) the query goes out
+/// advertising no more than that, and an answer still larger is cut to
+/// its question with TC set (nothing learned: the client asks again over
+/// TCP); over TCP (`None`) the answer goes as it is.
 async fn forward_and_learn(
     agent: &Agent,
     src: Ipv4Addr,
     query: &[u8],
     (q, upstream, learn_for): (Question, SocketAddrV4, Option<String>),
-    tcp: bool,
+    udp_limit: Option<usize>,
 ) -> Vec<u8> {
-    let forwarded = if tcp {
-        forward_tcp(upstream, query).await
-    } else {
-        forward(upstream, query, q.id).await
+    let forwarded = match udp_limit {
+        None => forward_tcp(upstream, query).await,
+        Some(limit) => forward(upstream, &clamp_edns(query, limit), q.id).await,
     };
+    agent.upstream_outcome(forwarded.as_ref().map(|_| ()));
     let Ok(resp) = forwarded else {
         return reply(query, &q, RCODE_SERVFAIL);
     };
+    if udp_limit.is_some_and(|l| resp.len() > l) {
+        return truncated(query, &q, &resp);
+    }
     if let Some(sandbox_id) = learn_for {
         let addrs = answer_addrs(&resp, &q.name).unwrap_or_default();
         if agent
@@ -528,13 +719,13 @@ async fn forward_and_learn(
     resp
 }
 
-/// The answer to one query from `src`, or `None` to drop it (not a query).
+/// The answer to one query over TCP from `src`, or `None` to drop it (not
+/// a query).
 async fn answer(
     agent: &Agent,
     upstream: Option<SocketAddrV4>,
     src: Ipv4Addr,
     query: &[u8],
-    tcp: bool,
 ) -> Option<Vec<u8>> {
     match plan(agent, upstream, src, query) {
         Plan::Reply(r) => Some(r),
@@ -543,8 +734,18 @@ async fn answer(
             q,
             upstream,
             learn_for,
-        } => Some(forward_and_learn(agent, src, query, (q, upstream, learn_for), tcp).await),
+        } => Some(forward_and_learn(agent, src, query, (q, upstream, learn_for), None).await),
     }
+}
+
+/// Asks the upstream something every resolver answers (the root's NS
+/// records): whether it answers at all, for Health when no sandbox asked
+/// anything lately.
+pub async fn probe(upstream: SocketAddrV4) -> std::io::Result<()> {
+    let id = rand_id();
+    forward(upstream, &encode_query(id, ".", 2), id)
+        .await
+        .map(|_| ())
 }
 
 /// Sends the query to the upstream over a TCP connection of its own.
@@ -573,7 +774,7 @@ async fn forward(upstream: SocketAddrV4, query: &[u8], id: u16) -> std::io::Resu
     let sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
     sock.connect(upstream).await?;
     sock.send(query).await?;
-    let mut buf = vec![0u8; 4096];
+    let mut buf = vec![0u8; MAX_MESSAGE];
     tokio::time::timeout(UPSTREAM_TIMEOUT, async {
         loop {
             let n = sock.recv(&mut buf).await?;
@@ -620,6 +821,77 @@ mod tests {
         assert_eq!(parse_query(&resp), None);
         assert_eq!(parse_query(&q[..q.len() - 3]), None);
         assert_eq!(parse_query(&[0; 5]), None);
+    }
+
+    #[test]
+    fn shares_leave_room_for_one_more_source() {
+        let s = Shares::new(64, 16);
+        let ip = |i: u8| Ipv4Addr::new(192, 168, 0, i);
+        let take_all = |i: u8| std::iter::from_fn(|| s.try_take(ip(i))).collect::<Vec<Held>>();
+        // One source alone: its cap, never all.
+        assert_eq!(take_all(1).len(), 16);
+        // 20 sources, each taking all it may; then each in turn finishes
+        // its work and takes slots again (a flood): within one such round
+        // the slots in use leave room for a source that holds none.
+        let mut held: Vec<Vec<Held>> = (1..=20).map(take_all).collect();
+        assert!(s.used() <= 64);
+        for round in 0..3 {
+            for (i, h) in held.iter_mut().enumerate() {
+                h.clear();
+                *h = take_all(i as u8 + 1);
+            }
+            assert!(s.used() < 64, "round {round}: {} used", s.used());
+            let newcomer = s.try_take(ip(100));
+            assert!(newcomer.is_some(), "round {round}: none for a newcomer");
+        }
+        held.clear();
+        assert_eq!(s.used(), 0);
+        // The resolver's numbers: eight sources flooding leave most of the
+        // slots to everyone else, at once.
+        let s = Shares::new(MAX_IN_FLIGHT, MAX_UDP_PER_SOURCE);
+        let flood: Vec<Vec<Held>> = (1..=8u8)
+            .map(|i| std::iter::from_fn(|| s.try_take(ip(i))).collect())
+            .collect();
+        assert!(flood.iter().all(|f| f.len() == MAX_UDP_PER_SOURCE));
+        assert_eq!(s.used(), 8 * MAX_UDP_PER_SOURCE);
+        assert!(s.try_take(ip(100)).is_some());
+    }
+
+    /// An OPT record (EDNS) of `size` in the additional section.
+    fn with_edns(mut q: Vec<u8>, size: u16) -> Vec<u8> {
+        q[11] = 1; // ARCOUNT
+        q.extend_from_slice(&[0, 0, 41]);
+        q.extend_from_slice(&size.to_be_bytes());
+        q.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+        q
+    }
+
+    #[test]
+    fn udp_answers_fit_the_client_and_its_link() {
+        let plain = query(1, "www.allowed.test", TYPE_A);
+        let edns = with_edns(plain.clone(), 4096);
+        assert_eq!(edns_at(&edns).map(|e| e.1), Some(4096));
+        assert_eq!(edns_at(&plain), None);
+        // Without EDNS: 512; with it: what it says, but never more than a
+        // datagram of the sandbox's MTU carries.
+        assert_eq!(udp_limit(&plain, 1300), 512);
+        assert_eq!(udp_limit(&edns, 1300), 1272);
+        assert_eq!(udp_limit(&edns, 9000), 4096);
+        assert_eq!(udp_limit(&with_edns(plain.clone(), 100), 1300), 512);
+        // The query goes upstream advertising no more than that.
+        let clamped = clamp_edns(&edns, 1272);
+        assert_eq!(edns_at(&clamped).map(|e| e.1), Some(1272));
+        assert_eq!(&clamped[..12], &edns[..12]);
+        // A larger answer: its question, TC set, no records.
+        let p = parse_query(&edns).unwrap();
+        let mut resp = edns.clone();
+        resp[2] |= 0x80;
+        resp[7] = 1;
+        resp.extend(std::iter::repeat_n(0u8, 2000));
+        let t = truncated(&edns, &p, &resp);
+        assert_eq!(t[2] & 0x82, 0x82, "QR and TC");
+        assert_eq!(&t[4..12], &[0, 1, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(t.len(), p.end);
     }
 
     #[test]

@@ -4,8 +4,9 @@
 //! `DP_PROXY_TLS_PORT`, and sends the replies back from the address the
 //! guest dialled). The proxy reads the TLS ClientHello's server name or
 //! the HTTP request's Host, checks it against the sandbox's patterns,
-//! resolves it itself (never a private, loopback, link-local or pool
-//! address), connects to it and splices. Anything else is reset at once.
+//! resolves it itself (only addresses a DNS answer would teach the
+//! datapath: never loopback, link-local, the node's or the pool's, private
+//! ones only under an allow CIDR), connects to it and splices. Anything else is reset at once.
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info, warn};
 
-use super::{Passed, PerSource, TYPE_A, adopt_or_bind, answer_addrs, encode_query, forward};
+use super::{Passed, Shares, TYPE_A, adopt_or_bind, answer_addrs, encode_query, forward, rand_id};
 use crate::agent::Agent;
 use crate::agent::egress::ProxyDecision;
 use crate::datapath::maps::{DP_PROXY_HTTP_PORT, DP_PROXY_TLS_PORT};
@@ -29,8 +30,9 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// A spliced connection on which nothing moved either way for this long
 /// is reset (it would hold one of its sandbox's connection slots).
 const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
-/// Connections at once, in all and per sandbox.
-const MAX_CONNS: usize = 4096;
+/// Connections at once, in all and per sandbox (fewer when many sandboxes
+/// hold connections: see `Shares`).
+pub const MAX_CONNS: usize = 4096;
 const MAX_CONNS_PER_SOURCE: usize = 64;
 
 /// What the first bytes of a connection named.
@@ -215,36 +217,6 @@ fn strip_port(host: &[u8]) -> &[u8] {
     }
 }
 
-/// Whether the proxy may dial `ip` for a sandbox: a public address, not
-/// one of the node's own (`local`) nor a sandbox's.
-fn dialable(agent: &Agent, local: &[Ipv4Addr], ip: Ipv4Addr) -> bool {
-    let o = ip.octets();
-    !(ip.is_private()
-        || ip.is_loopback()
-        || ip.is_link_local()
-        || ip.is_unspecified()
-        || ip.is_broadcast()
-        || ip.is_multicast()
-        || o[0] == 0
-        || o[0] >= 240
-        || (o[0] == 100 && (64..128).contains(&o[1])) // shared (CGNAT)
-        || (o[0] == 192 && o[1] == 0 && o[2] == 0) // IETF protocol assignments
-        || (o[0] == 198 && (o[1] & 0xfe) == 18) // benchmarking
-        || local.contains(&ip)
-        || agent.pool_contains(ip))
-}
-
-/// The node's own IPv4 addresses (every device's).
-fn local_addresses() -> Vec<Ipv4Addr> {
-    nix::ifaddrs::getifaddrs()
-        .map(|addrs| {
-            addrs
-                .filter_map(|a| a.address?.as_sockaddr_in().map(|s| s.ip()))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// Binds both ports on the gateway-device address and serves them; the
 /// outcome goes to Health (`egress_proxy`).
 pub fn serve(
@@ -291,10 +263,9 @@ pub fn serve(
     });
     let listeners = bound?;
     info!(address = %ip, "proxy: strict egress on ports {DP_PROXY_TLS_PORT} and {DP_PROXY_HTTP_PORT}");
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNS));
-    let per_source = PerSource::default();
+    let shares = Shares::new(agent.socket_caps().proxy, MAX_CONNS_PER_SOURCE);
     for (listener, dial_port) in listeners {
-        let (agent, slots, per_source) = (agent.clone(), slots.clone(), per_source.clone());
+        let (agent, shares) = (agent.clone(), shares.clone());
         tokio::spawn(async move {
             loop {
                 let (conn, from) = match listener.accept().await {
@@ -308,17 +279,16 @@ pub fn serve(
                 let SocketAddr::V4(from) = from else {
                     continue;
                 };
-                let (Some(held), Ok(permit)) = (
-                    per_source.take(*from.ip(), MAX_CONNS_PER_SOURCE),
-                    slots.clone().try_acquire_owned(),
-                ) else {
+                // Beyond its share (or with every slot taken): reset at
+                // once, never a wait.
+                let Some(held) = shares.try_take(*from.ip()) else {
                     reset(conn);
                     continue;
                 };
                 let agent = agent.clone();
                 tokio::spawn(async move {
                     relay(&agent, upstream, conn, *from.ip(), dial_port).await;
-                    drop((permit, held));
+                    drop(held);
                 });
             }
         });
@@ -407,11 +377,12 @@ async fn relay(
             return reset(conn);
         }
     };
-    let local = local_addresses();
-    let Some(dst) = addrs
-        .into_iter()
-        .find(|a| dialable(agent, &local, *a) && cidrs.as_ref().is_none_or(|c| c.allows(*a)))
-    else {
+    // The same addresses a DNS answer would teach the datapath: never
+    // the node's, the pool, link-local and the like; private ones only
+    // under an allow CIDR; not under a deny CIDR.
+    let Some(dst) = addrs.into_iter().find(|a| {
+        agent.name_target_refused(src, *a).is_none() && cidrs.as_ref().is_none_or(|c| c.allows(*a))
+    }) else {
         info!(
             sandbox_id,
             name, "proxy: the name has no public address the sandbox may reach; reset"
@@ -526,14 +497,6 @@ async fn lookup(upstream: SocketAddrV4, name: &str) -> std::io::Result<Vec<Ipv4A
         ));
     }
     Ok(addrs.into_iter().map(|(a, _)| a).collect())
-}
-
-fn rand_id() -> u16 {
-    let mut b = [0u8; 2];
-    if crate::agent::getrandom(&mut b).is_err() {
-        return 0x5a5a;
-    }
-    u16::from_ne_bytes(b)
 }
 
 #[cfg(test)]

@@ -90,6 +90,11 @@ pub struct Peer {
     pub start_time: Option<u64>,
     /// The connecting process itself (kernels without SO_PEERPIDFD: none).
     pidfd: Option<std::sync::Arc<OwnedFd>>,
+    /// The kernel said the connecting process had exited already
+    /// (`SO_PEERPIDFD` failed with ESRCH): whatever runs under its pid now
+    /// is someone else, so nothing is read about it and every call is
+    /// refused.
+    gone: bool,
 }
 
 /// `SO_PEERPIDFD` (Linux 6.5).
@@ -112,6 +117,7 @@ impl Peer {
                 &mut len,
             )
         };
+        let gone = rc != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
         // SAFETY: on success the kernel installed a new pidfd that nothing
         // else owns.
         let pidfd =
@@ -122,7 +128,11 @@ impl Peer {
             gid: c.gid(),
             start_time: None,
             pidfd,
+            gone,
         };
+        if gone {
+            return Ok(peer);
+        }
         if let Some(pid) = peer.pid.and_then(|p| u32::try_from(p).ok()) {
             let start = crate::auth::process_start_time(pid).ok();
             // Read after the pidfd was taken: if the process is still
@@ -132,10 +142,15 @@ impl Peer {
         Ok(peer)
     }
 
-    /// Whether the process that connected still runs (true when the kernel
-    /// gave no pidfd: then only the start time guards against pid reuse).
+    /// Whether the process that connected still runs (false when the
+    /// kernel said at connect time that it had exited; true when the
+    /// kernel has no pidfds: then only the start time guards against pid
+    /// reuse).
     fn alive(&self) -> bool {
         use std::os::fd::AsRawFd;
+        if self.gone {
+            return false;
+        }
         let Some(fd) = &self.pidfd else {
             return true;
         };
@@ -945,6 +960,37 @@ mod tests {
         ] {
             assert!(IDL.contains(&format!("error {e} (message: string)")), "{e}");
         }
+    }
+
+    /// A caller whose process exited (and was reaped) before the agent
+    /// identified it is gone: the agent must not read the start time of
+    /// whatever process has its pid by then.
+    #[tokio::test]
+    async fn a_peer_that_exited_before_it_was_identified_is_refused() {
+        let dir = std::env::temp_dir().join(format!("cna-peer-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s");
+        let listener = UnixListener::bind(&path).unwrap();
+        // A process that connects and exits at once; reaped before accept.
+        let status = std::process::Command::new("python3")
+            .args([
+                "-c",
+                "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])",
+            ])
+            .arg(&path)
+            .status()
+            .expect("python3");
+        assert!(status.success());
+        let (stream, _) = listener.accept().await.unwrap();
+        let peer = Peer::of(&stream).unwrap();
+        // Kernels 6.5-6.15 refuse SO_PEERPIDFD with ESRCH here (`gone`);
+        // later ones hand out a pidfd of the exited process, which polls
+        // readable. Either way: not alive.
+        assert!(peer.gone || peer.pidfd.is_some(), "{peer:?}");
+        assert!(!peer.alive());
+        assert_eq!(peer.start_time, None, "no start time read for its pid");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

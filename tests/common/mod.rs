@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod ctr;
+pub mod dnsd;
 pub mod flow;
 pub mod guest;
 pub mod world;
@@ -152,6 +153,11 @@ impl Env {
         };
         env.start_agent();
         env
+    }
+
+    /// The extra arguments of the next start.
+    pub fn set_args(&mut self, args: &[&str]) {
+        self.args = args.iter().map(|s| s.to_string()).collect();
     }
 
     pub fn log_path(&self) -> PathBuf {
