@@ -951,12 +951,28 @@ static __always_inline int hflow_alloc(const struct dp_config *c, const struct d
 }
 
 /* Whether the process that sent this packet may open a flow to a sandbox
- * address: root (also every reply the kernel itself sends), or a uid the
- * operator granted (host_access). Forwarded packets never get here. */
+ * address: root (also the kernel's own resets and ICMP errors, sent from
+ * its control sockets), or a uid the operator granted (host_access). A
+ * packet without a full socket (from TIME_WAIT, say) reports the overflow
+ * uid 65534, which the agent never grants. Forwarded packets never get
+ * here. */
 static __always_inline int host_admitted(struct __sk_buff *skb)
 {
 	__u32 uid = bpf_get_socket_uid(skb);
 	return uid == 0 || bpf_map_lookup_elem(&host_access, &uid) != NULL;
+}
+
+/* Whether a process without host access sent this packet: a full socket
+ * whose uid is not admitted. A packet without one (a TIME_WAIT socket's
+ * last ACK, a reset) is the kernel's own. */
+static __always_inline int sent_by_unadmitted_process(struct __sk_buff *skb)
+{
+	struct bpf_sock *sk = skb->sk;
+	if (!sk)
+		return 0;
+	if (!bpf_sk_fullsock(sk))
+		return 0;
+	return !host_admitted(skb);
 }
 
 /* Starts or continues the host flow `hk` (the host sending to the
@@ -972,6 +988,13 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 	*peer = 0;
 	if (hv && hv->guest_port == guest_port &&
 	    (hv->kind == kind || (kind == DP_HF_GWDEV && hv->kind == DP_HF_PROXY))) {
+		/* A flow the node opened stays its sender's: judged again on
+		 * every packet (a flow the guest opened is answered by whoever
+		 * listens). */
+		if ((hv->flags & DP_HFF_HOST_OPENED) && sent_by_unadmitted_process(skb)) {
+			count(DP_C_HOST_DENIED);
+			return -1;
+		}
 		hv->last_seen_ns = bpf_ktime_get_ns();
 		hv->state = tcp_state(hv->state, l4, DIR_IN);
 		*gw_port = hv->gw_port;
@@ -1005,9 +1028,11 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 		.gw_port = *gw_port,
 		.kind = kind,
 		.state = tcp_state(DP_TCP_OPEN, l4, DIR_IN),
+		.flags = admission ? DP_HFF_HOST_OPENED : 0,
 	};
 	if (bpf_map_update_elem(&hflow, hk, &nv, BPF_NOEXIST)) {
-		/* Another CPU made it first, or the map is full. */
+		/* Another CPU made it first (its guest-side entry is this one's
+		 * too: kept), or the map is full. */
 		struct dp_hrev_key rk = {
 			.sandbox_ip = sandbox_ip,
 			.guest_port = guest_port,
@@ -1015,7 +1040,10 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 			.proto = hk->proto,
 		};
 		struct dp_hrev_val *rv = bpf_map_lookup_elem(&hrev, &rk);
-		if (rv && hkey_eq(&rv->host, hk))
+		struct dp_hflow_val *won = bpf_map_lookup_elem(&hflow, hk);
+		if (rv && hkey_eq(&rv->host, hk) &&
+		    !(won && won->sandbox_ip == sandbox_ip && won->guest_port == guest_port &&
+		      won->gw_port == *gw_port))
 			bpf_map_delete_elem(&hrev, &rk);
 		share_give(tap_ifindex);
 		count(DP_C_NO_GW_PORT);

@@ -196,9 +196,13 @@ struct dp_hflow_val {
 	__u16 gw_port;         /* the port the guest sees on 169.254.68.5 */
 	__u8 kind;             /* DP_HF_* */
 	__u8 state;            /* DP_TCP_* bits */
-	__u16 pad;
+	__u16 flags;           /* DP_HFF_* (0 in builds before host access) */
 	__u32 peer_ip;         /* DP_HF_PROXY: the address the guest dialled */
 }; /* 32 bytes */
+/* The node opened the flow to the sandbox address: every packet of it is
+ * judged by the sender's uid again (another uid could take the port over
+ * once the first socket closed). */
+#define DP_HFF_HOST_OPENED 1
 #define DP_HF_GWDEV 0     /* via the gateway device: to the sandbox IP, or the guest to the gateway */
 #define DP_HF_LO 1        /* via lo: the host to a mapped port */
 /* The guest's flow to peer_ip:gw_port (80/443), delivered to the agent's

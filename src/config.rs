@@ -703,6 +703,13 @@ impl Config {
                 ),
             ));
         }
+        if self.host_access_uids.contains(&65534) {
+            return Err(invalid(
+                "host_access_uids",
+                "65534 (nobody) is the uid the kernel reports for a packet without a socket: \
+                 granting it would admit those too",
+            ));
+        }
         if !self.dns_upstream.is_empty() && parse_upstream(&self.dns_upstream).is_none() {
             return Err(invalid(
                 "dns_upstream",

@@ -559,7 +559,8 @@ fn docker_like_container(env: &Env, tag: &str) -> Ctr {
 /// an unprivileged local user, not a container the node forwards for,
 /// not a host on the uplink's network with a route to the pool. A port
 /// mapping stays open to every local user, and the operator can grant a
-/// uid host access.
+/// uid host access. A port of root's that another user takes over after
+/// its socket closed gives that user nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_node_itself_reaches_a_sandbox() {
     require_root!();
@@ -621,20 +622,71 @@ async fn only_the_node_itself_reaches_a_sandbox() {
     assert!(counter(&checks, "host_access_denied") > 0, "{checks:?}");
     // Root again, and the guest's own flows to its gateway: unaffected.
     assert_eq!(connect_as(&env.ns, None, sandbox), Ok("guest:80".into()));
-    // Granted by the operator: uid 65534 may.
+    // A UDP socket of root's to the sandbox that closes, its port taken
+    // over by another user at once: the flow's entry is no grant.
+    g.udp_echo(5353).unwrap();
+    let echo = SocketAddrV4::new(*sandbox.ip(), 5353);
+    let port = in_netns(&env.ns, move || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        s.send_to(b"root", echo).unwrap();
+        let mut b = [0u8; 16];
+        let n = s.recv(&mut b).expect("root's echo");
+        assert_eq!(&b[..n], b"root");
+        s.local_addr().unwrap().port()
+    });
+    let out = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &env.ns,
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+        ])
+        .args([
+            "/usr/bin/python3",
+            "-c",
+            "import socket,sys\n\
+             s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+             s.bind(('0.0.0.0', int(sys.argv[3]))); s.settimeout(2)\n\
+             s.sendto(b'nobody', (sys.argv[1], int(sys.argv[2])))\n\
+             try:\n\
+             \tprint(s.recv(64))\n\
+             except OSError as e:\n\
+             \tprint('no answer:', e); sys.exit(3)",
+        ])
+        .arg(echo.ip().to_string())
+        .arg("5353")
+        .arg(port.to_string())
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "root's former port gave uid 65534 the sandbox: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Granted by the operator: uid 4242 may (65534, the uid of packets
+    // without a socket, is refused as a grant).
     drop(c);
     env.kill_agent();
     env.set_args(&["--host-access-uids", "65534"]);
+    assert!(env.try_start_agent().is_err(), "65534 granted");
+    env.set_args(&["--host-access-uids", "4242"]);
     env.start_agent();
     assert_eq!(
-        connect_as(&env.ns, Some(65534), sandbox),
+        connect_as(&env.ns, Some(4242), sandbox),
         Ok("guest:80".into()),
         "a granted uid"
     );
     assert!(
-        connect_as(&env.ns, Some(65533), sandbox).is_err(),
+        connect_as(&env.ns, Some(4243), sandbox).is_err(),
         "another uid"
     );
+    assert!(connect_as(&env.ns, Some(65534), sandbox).is_err(), "nobody");
 }
 
 /// One sandbox sending datagrams to its gateway from tens of thousands of

@@ -433,3 +433,51 @@ async fn a_layout_it_cannot_migrate_stops_the_start_and_the_datapath_keeps_runni
     assert!(ok, "{checks:#?}");
     assert_eq!(g.udp_send_recv(echo, b"c", T).unwrap(), b"world:c");
 }
+
+/// Deny entries an older build wrote (value 1 for every deny, which now
+/// means the catch-all) get the value their prefix calls for at the next
+/// start, so a learned address never passes a narrow deny after an
+/// upgrade.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deny_entries_of_an_older_build_are_rewritten_at_start() {
+    require_root!();
+    let mut env = Env::new(&[]);
+    let c = env.client().await;
+    let deny = zbus::zvariant::Value::from(vec!["0.0.0.0/0".to_string(), "10.0.0.0/8".to_string()]);
+    c.ensure(
+        "old-deny",
+        opts(vec![
+            (
+                "allow_out",
+                zbus::zvariant::Value::from(vec!["*.allowed.test".to_string()]),
+            ),
+            ("deny_out", deny),
+        ]),
+    )
+    .await
+    .unwrap();
+    drop(c);
+    env.kill_agent();
+    let path = env.dir.join("bpf").join("policy_deny");
+    let path = path.to_str().unwrap();
+    let values = |env: &Env| -> Vec<(u32, u8)> {
+        let mut v: Vec<(u32, u8)> = dump(env, path)
+            .into_iter()
+            .map(|(k, v)| (u32::from_ne_bytes(k[..4].try_into().unwrap()), v[0]))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(values(&env), vec![(32, 1), (40, 2)], "this build's values");
+    // What an older build left: 1 everywhere.
+    for (k, _) in dump(&env, path) {
+        let mut args = vec!["bpftool", "map", "update", "pinned", path, "key"];
+        let key: Vec<String> = k.iter().map(|b| b.to_string()).collect();
+        args.extend(key.iter().map(String::as_str));
+        args.extend(["value", "1"]);
+        env.ns_cmd(&args);
+    }
+    assert_eq!(values(&env), vec![(32, 1), (40, 1)]);
+    env.start_agent();
+    assert_eq!(values(&env), vec![(32, 1), (40, 2)], "rewritten at start");
+}

@@ -456,19 +456,26 @@ impl Egress {
     /// What the pinned map held at start (an earlier run's answers): known
     /// again for the caps and converges. The names are not kept in the map,
     /// so a converge that changes an allow list takes these back.
-    fn restore(&self, entries: Vec<(Ipv4Addr, Ipv4Addr, Duration)>) -> usize {
+    /// Entries that no answer could teach under the sandbox's current rules
+    /// (learned by an older build, before the CIDRs changed) are not
+    /// adopted: the reaper takes them back.
+    fn restore(&self, entries: Vec<(Ipv4Addr, Ipv4Addr, Duration)>, pool: &Ipv4Cidr) -> usize {
         let now = Instant::now();
-        let with_rules: std::collections::HashSet<Ipv4Addr> = self
+        let with_rules: HashMap<Ipv4Addr, Arc<CidrRules>> = self
             .sandboxes
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
             .filter(|(_, s)| s.patterns.is_some())
-            .map(|(ip, _)| *ip)
+            .map(|(ip, s)| (*ip, s.cidrs.clone()))
             .collect();
+        let local = self.local.get();
         let mut n = 0;
         for (sb, dst, left) in entries {
-            if !with_rules.contains(&sb) {
+            let Some(cidrs) = with_rules.get(&sb) else {
+                continue;
+            };
+            if unreachable_why(dst, cidrs, &local, pool).is_some() {
                 continue;
             }
             let mine = self.mine_or_new(sb);
@@ -777,6 +784,15 @@ impl Agent {
         self.egress.busy.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Whether `ip` is a sandbox's address.
+    pub fn is_sandbox(&self, ip: Ipv4Addr) -> bool {
+        self.egress
+            .sandboxes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&ip)
+    }
+
     /// The MTU of the link of the sandbox at `src` (the node's default for
     /// a stranger, which is refused anyway).
     pub fn dns_udp_mtu(&self, src: Ipv4Addr) -> u32 {
@@ -1000,7 +1016,7 @@ impl Agent {
     pub(super) async fn egress_restore(&self) {
         let dp = self.datapath.clone();
         let entries = off_worker(move || dp.learned_entries()).await;
-        let n = self.egress.restore(entries);
+        let n = self.egress.restore(entries, &self.d.pool);
         if n > 0 {
             info!(
                 entries = n,

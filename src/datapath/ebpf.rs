@@ -713,6 +713,19 @@ impl EbpfDatapath {
         for k in maps.deny.keys().flatten() {
             policies.entry(k.data().sandbox_ip).or_default().1.push(k);
         }
+        // Deny values follow from the key (an older build wrote 1, the
+        // catch-all's, for every deny): rewritten before any sandbox's
+        // learned address meets them.
+        for keys in policies.values() {
+            for k in &keys.1 {
+                let value = deny_value(k);
+                if maps.deny.get(k, 0).ok() != Some(value) {
+                    maps.deny
+                        .insert(k, value, 0)
+                        .map_err(|e| err("rewriting policy_deny", e))?;
+                }
+            }
+        }
         let mut portmaps: StdHashMap<u32, Vec<DpPortmapKey>> = StdHashMap::new();
         for (k, v) in maps.portmap.iter().flatten() {
             portmaps.entry(v.sandbox_ip).or_default().push(k);
@@ -941,11 +954,11 @@ impl EbpfDatapath {
             }
             removed += 1;
         }
-        // Every sandbox's share, before the walk: what the datapath adds
-        // and gives back during it is carried over (see below).
-        let before = Self::shares(r);
         let hflows: Vec<(DpHflowKey, DpHflowVal)> =
             dump_flows(&r.hflow_dump).unwrap_or_else(|| r.hflow.iter().flatten().collect());
+        // Every sandbox's share, right after the dump: what the datapath
+        // adds and gives back from here on is carried over (see below).
+        let before = Self::shares(r);
         seen += hflows.len();
         let mut held: StdHashMap<u32, i64> = StdHashMap::new();
         for (k, v) in hflows {
@@ -1223,16 +1236,8 @@ impl EbpfDatapath {
         }
         for k in want_deny {
             if !have_deny.contains(&policy_id(k)) {
-                // The catch-all 0.0.0.0/0 ("anything not allowed") is the
-                // one deny a learned address passes; every other deny CIDR
-                // beats it (policy_allows).
-                let value = if k.prefix_len() == 32 {
-                    DP_DENY_CATCH_ALL
-                } else {
-                    DP_DENY_BEATS_LEARNED
-                };
                 maps.deny
-                    .insert(k, value, 0)
+                    .insert(k, deny_value(k), 0)
                     .map_err(|e| map_err("writing policy_deny (deny_out)", &e))?;
                 journal.push(Undo::Deny(*k));
             }
@@ -1616,6 +1621,17 @@ fn portmap_entries(
             ))
         })
         .collect()
+}
+
+/// A `policy_deny` key's value: the catch-all 0.0.0.0/0 ("anything not
+/// allowed") is the one deny a learned address passes; every other deny
+/// CIDR beats it (`policy_allows`).
+fn deny_value(k: &Key<DpPolicyData>) -> u8 {
+    if k.prefix_len() == 32 {
+        DP_DENY_CATCH_ALL
+    } else {
+        DP_DENY_BEATS_LEARNED
+    }
 }
 
 fn monotonic_ns() -> u64 {

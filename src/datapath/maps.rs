@@ -238,7 +238,8 @@ pub struct DpHflowVal {
     pub gw_port: u16,
     pub kind: u8,
     pub state: u8,
-    pub pad: u16,
+    /// `DP_HFF_*` (0 in builds before host access).
+    pub flags: u16,
     /// `DP_HF_PROXY`: the address the guest dialled (network order).
     pub peer_ip: u32,
 }

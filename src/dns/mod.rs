@@ -430,7 +430,7 @@ fn clamp_edns(query: &[u8], limit: usize) -> std::borrow::Cow<'_, [u8]> {
 /// asks again over TCP.
 fn truncated(query: &[u8], q: &Question, resp: &[u8]) -> Vec<u8> {
     let mut r = reply(query, q, resp[3] & 0x0f);
-    r[2] = resp[2] | 0x02;
+    r[2] = resp[2] | 0x82;
     r[3] = resp[3];
     r
 }
@@ -497,7 +497,14 @@ async fn serve_tcp(
         };
         let SocketAddr::V4(from) = from else { continue };
         let src = *from.ip();
-        let Some(held) = shares.try_take(src) else {
+        // Strangers share one source's slots (each is refused anyway): no
+        // number of local addresses dilutes the sandboxes' shares.
+        let source = if agent.is_sandbox(src) {
+            src
+        } else {
+            Ipv4Addr::UNSPECIFIED
+        };
+        let Some(held) = shares.try_take(source) else {
             // Closed at once: the client retries (or gives up) without
             // waiting for a timeout.
             agent.resolver_busy();
@@ -586,7 +593,7 @@ impl Shares {
         let others = g.by_source.len() - usize::from(mine > 0) + wanting;
         let share = (self.total / (others + 2)).clamp(1, self.per_source);
         if g.used >= self.total || mine >= share {
-            if mine == 0 {
+            if mine == 0 && g.wanting.len() < 4 * self.total {
                 g.wanting.insert(src, now);
             }
             return None;
@@ -774,12 +781,31 @@ async fn forward(upstream: SocketAddrV4, query: &[u8], id: u16) -> std::io::Resu
     let sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
     sock.connect(upstream).await?;
     sock.send(query).await?;
-    let mut buf = vec![0u8; MAX_MESSAGE];
     tokio::time::timeout(UPSTREAM_TIMEOUT, async {
         loop {
-            let n = sock.recv(&mut buf).await?;
+            // Sized to the datagram (up to 64 KiB): a query in flight does
+            // not hold a 64 KiB buffer while it waits.
+            sock.readable().await?;
+            let len = match sock.try_io(tokio::io::Interest::READABLE, || {
+                use nix::sys::socket::{MsgFlags, recv};
+                recv(
+                    sock.as_raw_fd(),
+                    &mut [0u8; 1],
+                    MsgFlags::MSG_PEEK | MsgFlags::MSG_TRUNC,
+                )
+                .map_err(std::io::Error::from)
+            }) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                r => r?,
+            };
+            let mut buf = vec![0u8; len.clamp(1, MAX_MESSAGE)];
+            let n = match sock.try_recv(&mut buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                r => r?,
+            };
             if n >= 12 && u16_at(&buf, 0) == Some(id) && buf[2] & 0x80 != 0 {
-                return Ok(buf[..n].to_vec());
+                buf.truncate(n);
+                return Ok(buf);
             }
         }
     })

@@ -281,7 +281,13 @@ pub fn serve(
                 };
                 // Beyond its share (or with every slot taken): reset at
                 // once, never a wait.
-                let Some(held) = shares.try_take(*from.ip()) else {
+                // Strangers (reset in `relay`) share one source's slots.
+                let source = if agent.proxy_serves(*from.ip()) {
+                    *from.ip()
+                } else {
+                    Ipv4Addr::UNSPECIFIED
+                };
+                let Some(held) = shares.try_take(source) else {
                     reset(conn);
                     continue;
                 };
