@@ -9,10 +9,10 @@
 
 _cubenetctl_commands='list status ensure release reconcile health open-tap watch metrics top'
 _cubenetctl_global_opts='-h --help -V --version --bus= --varlink= --json= -j -q --quiet --no-legend --no-pager'
-_cubenetctl_ensure_opts='--port= --allow-out= --deny-out= --no-internet --mtu= --metadata= --idempotency-key='
+_cubenetctl_ensure_opts='--port= --allow-out= --deny-out= --egress-mode= --no-internet --mtu= --metadata= --idempotency-key='
 _cubenetctl_top_opts='--interval= --count='
 # Options whose value may follow as the next word.
-_cubenetctl_value_opts='--bus --varlink --port --allow-out --deny-out --mtu --metadata --idempotency-key --interval --count'
+_cubenetctl_value_opts='--bus --varlink --port --allow-out --deny-out --egress-mode --mtu --metadata --idempotency-key --interval --count'
 
 # Sets _cubenetctl_words/_cubenetctl_cword: COMP_WORDS with the pieces that
 # COMP_WORDBREAKS split off ("--json" "=" "pretty", "cni" ":" "x") joined
@@ -130,6 +130,10 @@ _cubenetctl() {
         mapfile -t COMPREPLY < <(compgen -f -- "$cur")
         return 0
         ;;
+    --egress-mode)
+        mapfile -t COMPREPLY < <(compgen -W 'dns sni' -- "$cur")
+        return 0
+        ;;
     --port | --allow-out | --deny-out | --mtu | --metadata | --idempotency-key | --interval | --count)
         [[ $prev == --port ]] && mapfile -t COMPREPLY < <(compgen -W 'tcp: udp:' -- "$cur")
         _cubenetctl_finish "$cur"
@@ -141,6 +145,7 @@ _cubenetctl() {
     --json=*) cands=(--json=pretty --json=short --json=off) ;;
     --bus=*) cands=(--bus=system --bus=session --bus=unix:path=) ;;
     --port=*) cands=(--port=tcp: --port=udp:) ;;
+    --egress-mode=*) cands=(--egress-mode=dns --egress-mode=sni) ;;
     --varlink=*)
         local f
         while IFS= read -r f; do cands+=("--varlink=$f"); done < <(compgen -f -- "${cur#--varlink=}")

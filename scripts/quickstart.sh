@@ -25,6 +25,16 @@
 # agent created, and nothing else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# -h/--help: this script's usage, before anything is done.
+for a in "$@"; do
+    case $a in
+    -h | --help)
+        sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
+        echo "Agent options: target/release/cube-network-agent --help"
+        exit 0
+        ;;
+    esac
+done
 ROOT=$PWD
 REC=$ROOT/target/quickstart.state
 AGENT_DIRS=(/var/lib/cube-network-agent /run/cube-network-agent /sys/fs/bpf/cube-network-agent)
@@ -41,6 +51,9 @@ has_clsact() { tc qdisc show dev "$1" 2>/dev/null | grep -q '^qdisc clsact'; }
 # TAPs/veths of prefix ctap.
 agent_links() { ip -o link show 2>/dev/null | awk -F': ' '{sub(/@.*/, "", $2); print $2}' | grep -E '^(cube-dev|cube-blk|ctap)' || true; }
 
+# Field 22 of /proc/PID/stat (after the command name, which may hold spaces).
+start_time() { sed 's/^.*) //' "/proc/$1/stat" 2>/dev/null | awk '{print $20}'; }
+
 remove() {
     [ -f "$REC" ] || { echo "quickstart --remove: nothing recorded in $REC (nothing to remove)"; return 0; }
     echo "quickstart: removing what the quick start created (recorded in $REC)"
@@ -48,7 +61,10 @@ remove() {
     # The agent first (SIGTERM: it leaves its state; everything goes below).
     while read -r kind a b; do
         [ "$kind" = agent ] || continue
-        if kill -0 "$a" 2>/dev/null && grep -q cube-network-agent "/proc/$a/cmdline" 2>/dev/null; then
+        # Only the process this script started: the pid and its start time
+        # (a recycled pid has another one).
+        if kill -0 "$a" 2>/dev/null && [ "$(start_time "$a")" = "$b" ] &&
+            grep -q cube-network-agent "/proc/$a/cmdline" 2>/dev/null; then
             kill -TERM "$a"
             for _ in $(seq 100); do kill -0 "$a" 2>/dev/null || break; sleep 0.05; done
             kill -KILL "$a" 2>/dev/null || true
@@ -167,7 +183,14 @@ else
     pid=$(dbus-daemon --system --fork --print-pid)
     rec dbus-daemon "$pid"
 fi
-rec agent $$
+# An agent already running on this state directory: say which, start
+# nothing (the lock is the store's: its journal).
+if [ -e /var/lib/cube-network-agent/journal ] && ! flock -n /var/lib/cube-network-agent/journal true; then
+    holder=$(awk -v ino="$(stat -c %i /var/lib/cube-network-agent/journal)" '$2 == "FLOCK" {split($6, f, ":"); if (f[3] == ino) print $5}' /proc/locks | head -1)
+    echo "quickstart: an agent already runs on /var/lib/cube-network-agent (pid ${holder:-unknown}); stop it first" >&2
+    exit 1
+fi
+rec agent $$ "$(start_time $$)"
 
 cat <<TXT
 quickstart: starting the agent (Ctrl-C stops it; networks stay for the next start).

@@ -98,8 +98,8 @@ pub enum StoreError {
         #[source]
         source: io::Error,
     },
-    #[error("store directory {path} is locked by another instance")]
-    Locked { path: PathBuf },
+    #[error("store directory {path} is locked by another instance{}", holder.map(|p| format!(" (pid {p})")).unwrap_or_default())]
+    Locked { path: PathBuf, holder: Option<u32> },
     #[error("journal write failed")]
     Write {
         #[source]
@@ -267,6 +267,7 @@ impl Store {
             Err(fs::TryLockError::WouldBlock) => {
                 return Err(StoreError::Locked {
                     path: dir.to_path_buf(),
+                    holder: lock_holder(&journal),
                 });
             }
             Err(fs::TryLockError::Error(source)) => {
@@ -1099,6 +1100,39 @@ fn write_quarantine_record(
     Ok(rec_path)
 }
 
+/// The process holding the flock on `file`, from /proc/locks (the kernel
+/// lists each lock with its holder's pid and the file's device and inode).
+fn lock_holder(file: &File) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let m = file.metadata().ok()?;
+    let ino = m.ino();
+    let dev = m.dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let want = format!("{major:02x}:{minor:02x}:{ino}");
+    // (pid, "major:minor:inode") of every flock: "1: FLOCK  ADVISORY  WRITE
+    // 1234 08:01:5678 0 EOF".
+    let locks: Vec<(u32, String)> = fs::read_to_string("/proc/locks")
+        .ok()?
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let at = f.iter().position(|x| *x == "FLOCK")?;
+            Some((f.get(at + 3)?.parse().ok()?, (*f.get(at + 4)?).to_owned()))
+        })
+        .collect();
+    if let Some((pid, _)) = locks.iter().find(|(_, id)| *id == want) {
+        return Some(*pid);
+    }
+    // On an overlay the kernel lists the upper layer's device: the inode
+    // alone, if exactly one lock has it.
+    let suffix = format!(":{ino}");
+    let mut same = locks.iter().filter(|(_, id)| id.ends_with(&suffix));
+    match (same.next(), same.next()) {
+        (Some((pid, _)), None) => Some(*pid),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1272,10 +1306,16 @@ mod tests {
     fn second_open_is_locked() {
         let t = TempDir::new("lock");
         let (s, _) = open(t.path());
-        assert!(matches!(
-            Store::open(t.path()),
-            Err(StoreError::Locked { .. })
-        ));
+        let e = Store::open(t.path()).map(|_| ()).unwrap_err();
+        assert!(
+            matches!(e, StoreError::Locked { holder: Some(p), .. } if p == std::process::id()),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string()
+                .contains(&format!("(pid {})", std::process::id())),
+            "{e}"
+        );
         drop(s);
         let (_s, _) = open(t.path());
     }

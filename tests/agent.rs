@@ -77,11 +77,12 @@ async fn lifecycle_ensure_open_tap_release() {
 
     assert!(c.release("sbx-1").await.unwrap());
     // The TAP was handed out (OpenTap; fd1 and fd2 still refer to it): it
-    // never goes back to the pool, it is deleted off the reply path (down
-    // at once, gone with the next deletion batch, within ~1 s).
+    // never goes back to the pool, it is deleted off the reply path (in
+    // the retire group at once, gone with the next deletion batch, within
+    // ~1 s).
     assert!(
-        env.links().get(&tap).is_none_or(|l| !l.up),
-        "released TAP {tap} is down at once"
+        env.links().get(&tap).is_none_or(|l| l.retiring),
+        "released TAP {tap} is retiring at once"
     );
     assert!(
         wait_gone(&env, &tap),

@@ -193,6 +193,19 @@ async fn raw_protocol_every_verb_and_error() {
         assert_eq!(addrs, vec![GUEST.to_string()]);
         assert_eq!(gw.as_deref(), Some(GATEWAY));
         assert!(up);
+        // IPv4 only inside, as the datapath: the interface sends no IPv6
+        // (router solicitations, DAD, MLD) that would be dropped and
+        // counted as unsupported.
+        assert_eq!(
+            ctr.sh("cat /proc/sys/net/ipv6/conf/eth0/disable_ipv6")
+                .trim(),
+            "1"
+        );
+        if i == 0 {
+            std::thread::sleep(Duration::from_millis(1500));
+            let t = c.traffic(&format!("cni:{cid}:eth0")).await;
+            assert_eq!(t.get("drop_unsupported").copied().unwrap_or(0), 0, "{t:?}");
+        }
         pod_ips.push(pod_ip);
         // The container reaches the world through SNAT (the world sees
         // the node's address).

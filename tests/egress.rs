@@ -589,7 +589,7 @@ async fn strict_mode_checks_the_name_and_dials_it_itself() {
         .find(|c| c.0 == "egress_proxy")
         .expect("egress_proxy");
     assert!(
-        healthy && proxy.1 && proxy.2.contains("1 sandboxes in strict"),
+        healthy && proxy.1 && proxy.2.contains("1 sandbox in strict"),
         "{proxy:?} {:?}",
         checks.iter().filter(|c| !c.1).collect::<Vec<_>>()
     );
@@ -728,7 +728,7 @@ async fn health_reports_a_resolver_that_cannot_listen() {
     let (healthy, checks) = c.health().await;
     let (ok, detail) = resolver_check(&checks);
     assert!(!ok && !healthy, "{detail}");
-    assert!(detail.contains("1 sandboxes with domain rules"), "{detail}");
+    assert!(detail.contains("1 sandbox with domain rules"), "{detail}");
     assert!(c.release("dn-h").await.unwrap());
     assert!(resolver_check(&c.health().await.1).0);
     drop(taken);

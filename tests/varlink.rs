@@ -417,6 +417,17 @@ async fn errors_and_malformed_input() {
         env.sandbox_taps().is_empty(),
         "failed calls created nothing"
     );
+    // The log names the caller and says the message, as for D-Bus.
+    let log = env.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("request refused") && l.contains("sandbox_id=\"nope\""))
+        .unwrap_or_else(|| panic!("no refusal logged:\n{log}"));
+    assert!(
+        line.contains("request refused: no network for sandbox 'nope'")
+            && !line.contains("caller=\"\""),
+        "{line}"
+    );
 
     // oneway: no reply; pipelined calls: replies in order.
     v.send(&json!({"method": "org.cube.NetworkAgent.Health", "oneway": true}));

@@ -665,7 +665,10 @@ pub fn resolver_verdict(
     (
         "dns_resolver".into(),
         ok,
-        format!("{what}; {with_rules} sandboxes with domain rules ({counts})"),
+        format!(
+            "{what}; {} with domain rules ({counts})",
+            super::health::count(with_rules, "sandbox", "sandboxes")
+        ),
     )
 }
 
@@ -680,7 +683,10 @@ pub fn proxy_verdict(
     (
         "egress_proxy".into(),
         ok,
-        format!("{what}; {strict} sandboxes in strict (sni) mode; {counts}"),
+        format!(
+            "{what}; {} in strict (sni) mode; {counts}",
+            super::health::count(strict, "sandbox", "sandboxes")
+        ),
     )
 }
 

@@ -359,9 +359,15 @@ pub const CHECKS: &[&str] = &[
 
 /// The checks' verdicts as functions of what they look at: no check is a
 /// constant.
+/// "1 sandbox", "2 sandboxes".
+pub fn count(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
 pub mod verdict {
     use super::super::{RecoveryReport, Uplink};
     use super::FD_OVERHEAD;
+    use super::count;
     use crate::agent::pool::PoolStats;
     use crate::datapath::Check;
     use crate::store::{StoreFailure, StoreStats};
@@ -563,8 +569,8 @@ pub mod verdict {
     pub fn sandbox_links(faults: &[String], d: &Devices) -> Check {
         let mut detail = if faults.is_empty() {
             format!(
-                "every TAP and veth of the {} networks is present, up and named as recorded",
-                d.networks
+                "every TAP and veth of {} is present, up and named as recorded",
+                count(d.networks, "network", "networks")
             )
         } else {
             format!(
@@ -574,7 +580,7 @@ pub mod verdict {
         };
         if d.held_elsewhere.is_empty() {
             detail.push_str(&format!(
-                "; the agent holds the TAP fd of all {} TAP networks",
+                "; the agent holds the TAP fd of every TAP network ({})",
                 d.taps
             ));
         } else {
@@ -607,7 +613,8 @@ pub mod verdict {
     pub fn filters(missing: &[String], node_hooks: usize, taps: usize) -> Check {
         let detail = if missing.is_empty() {
             format!(
-                "the kernel has every datapath hook ({node_hooks} node hooks, from_guest for {taps} sandboxes)"
+                "the kernel has every datapath hook ({node_hooks} node hooks, from_guest for {})",
+                count(taps, "sandbox", "sandboxes")
             )
         } else {
             format!(

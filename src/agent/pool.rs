@@ -222,16 +222,26 @@ impl TapPool {
 
     /// Takes a TAP that was handed to another process (OpenTap: a VMM's fd
     /// refers to the agent's own open file, which nothing can revoke) out
-    /// of service for good: down and into the retire group in one
-    /// RTM_NEWLINK, deleted with the next batch, off the caller's path.
+    /// of service for good: into the retire group in one RTM_NEWLINK,
+    /// deleted with the next batch, off the caller's path.
     /// Only deleting the device detaches every holder, so such a TAP never
     /// goes back to the pool: a slow, hung or hostile VMM that kept its fd
     /// would otherwise read the next sandbox's traffic and send as it.
     /// The pool refills with fresh TAPs in the background.
+    ///
+    /// Only the group changes here: no down (a down deactivates the
+    /// device's qdiscs and waits an RCU grace period under RTNL, ~1 ms per
+    /// release, and buys nothing: with no `sandboxes` entry `from_guest`
+    /// drops whatever the VMM still writes, and nothing redirects to the
+    /// TAP without a `by_ip` entry; the batch deletion closes it anyway).
     pub async fn discard(&self, pt: PoolTap) {
-        if let Err(error) = self.reset(&pt, None, true).await {
+        let change = LinkChange {
+            group: Some(self.retire_group),
+            ..Default::default()
+        };
+        if let Err(error) = self.nl.set_link(pt.ifindex, change).await {
             // The batch deletion sets the group again, then deletes.
-            debug!(tap = pt.tap.name(), %error, "taking a handed-out TAP down");
+            debug!(tap = pt.tap.name(), %error, "moving a handed-out TAP to the retire group");
         }
         debug!(tap = pt.tap.name(), "handed-out TAP retired");
         self.retire(pt);

@@ -699,6 +699,20 @@ mod tests {
         )
     }
 
+    /// Every key cube-cni takes is in its man page and in README.
+    #[test]
+    fn plugin_keys_are_documented() {
+        let man = include_str!("../../man/cube-cni.8");
+        let readme = include_str!("../../README.md");
+        for k in PLUGIN_KEYS {
+            assert!(man.contains(k), "{k} missing from man/cube-cni.8");
+            assert!(
+                readme.contains(&format!("`{k}`")),
+                "{k} missing from README"
+            );
+        }
+    }
+
     #[test]
     fn config_errors_carry_spec_codes() {
         assert_eq!(NetConf::parse(b"{").unwrap_err().code, code::DECODE);

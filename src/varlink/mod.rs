@@ -142,6 +142,17 @@ impl Peer {
         Ok(peer)
     }
 
+    /// How the logs name the caller: its command (from /proc, as the
+    /// process that connected) or, unknown, "varlink peer".
+    pub fn label(&self) -> String {
+        self.pid
+            .filter(|_| self.alive())
+            .and_then(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).ok())
+            .map(|c| c.trim().to_owned())
+            .filter(|c| !c.is_empty())
+            .unwrap_or_else(|| "varlink peer".to_owned())
+    }
+
     /// Whether the process that connected still runs (false when the
     /// kernel said at connect time that it had exited; true when the
     /// kernel has no pidfds: then only the start time guards against pid
@@ -344,7 +355,7 @@ async fn call(agent: &Agent, peer: &Peer, method: &str, p: Object) -> Result<Rep
                 "vendor": "Cube",
                 "product": env!("CARGO_PKG_NAME"),
                 "version": env!("CARGO_PKG_VERSION"),
-                "url": "https://github.com/TencentCloud/CubeSandbox",
+                "url": "man:cube-network-agent(8)",
                 "interfaces": [SERVICE_INTERFACE, INTERFACE],
             }))
         }
@@ -470,10 +481,25 @@ async fn message(agent: &Agent, peer: &Peer, stream: &mut UnixStream, msg: &[u8]
     let result = result.map_err(|f| {
         let reply = f.reply();
         let error = reply["error"].as_str().unwrap_or("");
+        // The message a person reads, not the reply's JSON (errors without
+        // one, such as InvalidParameter, say what they carry).
+        let message = match reply["parameters"].get("message").and_then(Value::as_str) {
+            Some(m) => m.to_owned(),
+            None => reply["parameters"]
+                .as_object()
+                .map(|o| {
+                    o.iter()
+                        .map(|(k, v)| format!("{k} {}", v.as_str().unwrap_or(&v.to_string())))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                })
+                .unwrap_or_default(),
+        };
+        let who = peer.label();
         crate::refusals::note(
             crate::refusals::Caller {
                 edge: "varlink",
-                name: "",
+                name: &who,
                 uid: Some(peer.uid),
                 pid: peer.pid,
             },
@@ -481,7 +507,7 @@ async fn message(agent: &Agent, peer: &Peer, stream: &mut UnixStream, msg: &[u8]
                 method: &method,
                 sandbox_id: &sandbox_id,
                 error: error.rsplit('.').next().unwrap_or(error),
-                message: &reply["parameters"].to_string(),
+                message: &message,
             },
         );
         reply
@@ -736,10 +762,11 @@ impl Drop for Share {
 /// a client that was still writing its request would see a broken pipe
 /// instead of the error.
 async fn refuse(stream: &mut UnixStream, peer: &Peer, why: String) {
+    let who = peer.label();
     crate::refusals::note(
         crate::refusals::Caller {
             edge: "varlink",
-            name: "",
+            name: &who,
             uid: Some(peer.uid),
             pid: peer.pid,
         },

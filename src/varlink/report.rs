@@ -116,7 +116,7 @@ async fn call_values(
                 "vendor": "cube-network-agent",
                 "product": "cube-network-agent",
                 "version": env!("CARGO_PKG_VERSION"),
-                "url": "https://github.com/tencentcloud/CubeSandbox",
+                "url": "man:cube-network-agent(8)",
                 "interfaces": [SERVICE_INTERFACE, METRICS_INTERFACE, OPENMETRICS_INTERFACE],
             }})];
         }

@@ -273,19 +273,22 @@ impl Env {
                         .as_array()
                         .is_some_and(|f| f.iter().any(|x| x == "UP")),
                     mtu: l["mtu"].as_u64().unwrap_or(0) as u32,
+                    retiring: l["group"].as_u64() == Some(RETIRE_GROUP)
+                        || l["group"].as_str() == Some(&RETIRE_GROUP.to_string()),
                 };
                 (name, link)
             })
             .collect()
     }
 
-    /// TAPs in use by sandboxes: the agent's TAPs that are up (a TAP keeps
-    /// its pool name `ctapw…` for life; older records name theirs after the
-    /// sandbox address, `ctap` + 8 hex). Pool TAPs are down.
+    /// TAPs in use by sandboxes: the agent's TAPs that are up and not
+    /// retiring (a TAP keeps its pool name `ctapw…` for life; older records
+    /// name theirs after the sandbox address, `ctap` + 8 hex). Pool TAPs
+    /// are down; released ones move to the retire group at once.
     pub fn sandbox_taps(&self) -> BTreeSet<String> {
         self.links()
             .into_iter()
-            .filter(|(n, l)| l.kind == "tun" && n.starts_with("ctap") && l.up)
+            .filter(|(n, l)| l.kind == "tun" && n.starts_with("ctap") && l.up && !l.retiring)
             .map(|(n, _)| n)
             .collect()
     }
@@ -352,7 +355,13 @@ pub struct Link {
     pub kind: String,
     pub up: bool,
     pub mtu: u32,
+    /// In the agent's retire group (49342): released, deleted with the
+    /// next batch.
+    pub retiring: bool,
 }
+
+/// The agent's default `retire_group`.
+pub const RETIRE_GROUP: u64 = 0xc0be;
 
 pub type Dict = HashMap<String, OwnedValue>;
 

@@ -76,6 +76,14 @@ snapshot() {
 }
 snapshot >"$S/before"
 
+# ---- --help: the script's own usage, nothing done ----------------------------
+if out=$(scripts/quickstart.sh --help 2>&1) && [[ "$out" == *"scripts/quickstart.sh --remove"* ]] &&
+    [ ! -e target/quickstart.state ] && ! busctl --system status >/dev/null 2>&1; then
+    ok "scripts/quickstart.sh --help prints its usage and changes nothing"
+else
+    nok "scripts/quickstart.sh --help: $(head -c 300 <<<"$out"); state file: $(ls target/quickstart.state 2>&1)"
+fi
+
 # ---- README's quick start (the first command; deps and build are done) ------
 LOG=$S/quickstart.log
 scripts/quickstart.sh --no-deps --no-build >"$LOG" 2>&1 &
@@ -97,6 +105,18 @@ grep -q "cubenetctl is /usr/local/bin/cubenetctl" "$LOG" && ok "the quick start 
 [ "$(command -v cubenetctl)" = /usr/local/bin/cubenetctl ] && ok "cubenetctl is on PATH" || nok "cubenetctl not on PATH"
 health=$(busctl --system --json=short call $A Health)
 [[ "$health" == *'"data":[true'* ]] && ok "Health is true" || nok "Health: $health"
+
+# ---- a second start: refused before anything, naming the running agent ------
+agent_pid=$(awk '$1 == "agent" {print $2}' target/quickstart.state | tail -1)
+out=$(scripts/quickstart.sh --no-deps --no-build 2>&1)
+if [ $? != 0 ] && [[ "$out" == *"already runs"*"(pid $agent_pid)"* ]] && [[ "$out" != *"starting the agent"* ]]; then
+    ok "a second quick start is refused at once, naming the agent's pid"
+else
+    nok "a second quick start: $(head -c 400 <<<"$out")"
+fi
+out=$(target/release/cube-network-agent 2>&1)
+[[ "$out" == *"locked by another instance (pid $agent_pid)"* ]] && ok "a second agent names the lock's holder" ||
+    nok "a second agent: $(tail -c 400 <<<"$out")"
 
 # ---- README "Using it": every command, verbatim ------------------------------
 # The sh blocks from "## Using it" to "### API summary".
@@ -139,7 +159,16 @@ busctl --system call $A ReleaseNetwork s sbx-1 >/dev/null 2>&1
 kill -INT $QS 2>/dev/null
 for _ in $(seq 100); do kill -0 $QS 2>/dev/null || break; sleep 0.05; done
 kill -0 $QS 2>/dev/null && nok "the agent did not stop on Ctrl-C (SIGINT)" || ok "Ctrl-C stops the agent"
+# A process whose pid a recorded agent's could have been recycled to, and
+# whose command line says cube-network-agent: --remove must leave it alone.
+bash -c 'exec -a cube-network-agent-decoy sleep 300' &
+DECOY=$!
+echo "agent $DECOY 1" >>target/quickstart.state
 if out=$(scripts/quickstart.sh --remove 2>&1); then ok "scripts/quickstart.sh --remove"; else nok "--remove: $out"; fi
+kill -0 $DECOY 2>/dev/null && ok "--remove stops only the agent it started (not a recycled pid)" ||
+    nok "--remove killed an unrelated process with a recorded pid"
+kill $DECOY 2>/dev/null
+wait $DECOY 2>/dev/null
 echo "$out" | sed 's/^/# /'
 snapshot >"$S/after"
 if diff -u "$S/before" "$S/after" >"$S/diff"; then

@@ -6,8 +6,18 @@
 //! NetworkReleased) and does nothing else: no kernel, no disk, no locks.
 //! Pairs/s against it is what dbus-daemon and zbus allow on this machine;
 //! the agent can only come below it.
+//!
+//! With `--kernel` (run inside a network namespace of its own) it also does
+//! exactly the kernel work the safe TAP lifecycle cannot skip, nothing
+//! more: a warm pool of TAPs created in the background (TUNSETIFF, IPv6
+//! off), each EnsureNetwork takes one up (one RTM_NEWLINK), each
+//! ReleaseNetwork moves its TAP into the retire group (one RTM_NEWLINK),
+//! and retired TAPs are deleted in batches by group, as the agent does.
+//! No disk, no datapath, no neighbour entries: the agent's own work is
+//! what it adds to this floor.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 use zbus::object_server::SignalEmitter;
 use zbus::zvariant::{OwnedValue, Value};
@@ -134,7 +144,111 @@ impl FloorNetwork {
     }
 }
 
-struct Floor;
+/// The kernel part of `--kernel`: TAPs and the netlink socket.
+struct Kernel {
+    nl: cube_network_agent::netlink::Netlink,
+    pool: Mutex<Pool>,
+    wake: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct Pool {
+    idle: Vec<(cube_network_agent::tap::Tap, u32)>,
+    used: HashMap<String, (cube_network_agent::tap::Tap, u32)>,
+    retired: Vec<cube_network_agent::tap::Tap>,
+    next: u64,
+}
+
+/// The agent's pool size and group (see `agent::pool`).
+const POOL: usize = 64;
+const RETIRE_GROUP: u32 = 0xc0be;
+const DELETE_BATCH: usize = 32;
+
+impl Kernel {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn create(&self) -> Result<(cube_network_agent::tap::Tap, u32), String> {
+        let name = {
+            let mut p = self.lock();
+            p.next += 1;
+            format!("cfl{}", p.next)
+        };
+        let tap = cube_network_agent::tap::Tap::create(&name).map_err(|e| e.to_string())?;
+        let _ = cube_network_agent::sysctl::disable_ipv6(&name);
+        let ifindex = nix::net::if_::if_nametoindex(name.as_str()).map_err(|e| e.to_string())?;
+        Ok((tap, ifindex))
+    }
+
+    /// Background: refill the pool, delete retired TAPs in batches.
+    async fn run(self: std::sync::Arc<Self>) {
+        loop {
+            while self.lock().idle.len() < POOL {
+                let me = self.clone();
+                match tokio::task::spawn_blocking(move || me.create()).await {
+                    Ok(Ok(t)) => self.lock().idle.push(t),
+                    _ => break,
+                }
+            }
+            let batch = std::mem::take(&mut self.lock().retired);
+            if !batch.is_empty() {
+                let _ = self.nl.delete_group(RETIRE_GROUP).await;
+                tokio::task::spawn_blocking(move || drop(batch));
+            }
+            let _ =
+                tokio::time::timeout(std::time::Duration::from_millis(200), self.wake.notified())
+                    .await;
+        }
+    }
+
+    async fn take(&self, id: &str) -> zbus::fdo::Result<()> {
+        let got = self.lock().idle.pop();
+        let (tap, ifindex) = match got {
+            Some(t) => t,
+            None => self.create().map_err(zbus::fdo::Error::Failed)?,
+        };
+        self.wake.notify_one();
+        let change = cube_network_agent::netlink::LinkChange {
+            mtu: Some(1300),
+            up: Some(true),
+            ..Default::default()
+        };
+        self.nl
+            .set_link(ifindex, change)
+            .await
+            .map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
+        self.lock().used.insert(id.to_owned(), (tap, ifindex));
+        Ok(())
+    }
+
+    async fn retire(&self, id: &str) -> zbus::fdo::Result<()> {
+        let Some((tap, ifindex)) = self.lock().used.remove(id) else {
+            return Ok(());
+        };
+        let change = cube_network_agent::netlink::LinkChange {
+            group: Some(RETIRE_GROUP),
+            ..Default::default()
+        };
+        self.nl
+            .set_link(ifindex, change)
+            .await
+            .map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
+        let full = {
+            let mut p = self.lock();
+            p.retired.push(tap);
+            p.retired.len() >= DELETE_BATCH
+        };
+        if full {
+            self.wake.notify_one();
+        }
+        Ok(())
+    }
+}
+
+struct Floor {
+    kernel: Option<std::sync::Arc<Kernel>>,
+}
 
 #[interface(name = "org.cube.BenchFloor")]
 impl Floor {
@@ -145,6 +259,9 @@ impl Floor {
         #[zbus(object_server)] server: &zbus::ObjectServer,
         #[zbus(signal_emitter)] emitter: SignalEmitter<'_>,
     ) -> zbus::fdo::Result<Dict> {
+        if let Some(k) = &self.kernel {
+            k.take(&sandbox_id).await?;
+        }
         server
             .at(
                 net_path(&sandbox_id),
@@ -163,6 +280,9 @@ impl Floor {
         #[zbus(object_server)] server: &zbus::ObjectServer,
         #[zbus(signal_emitter)] emitter: SignalEmitter<'_>,
     ) -> zbus::fdo::Result<bool> {
+        if let Some(k) = &self.kernel {
+            k.retire(&sandbox_id).await?;
+        }
         let gone = server
             .remove::<FloorNetwork, _>(net_path(&sandbox_id))
             .await?;
@@ -184,15 +304,31 @@ impl Floor {
 /// `--serve-floor ADDRESS`: prints the unique bus name on stdout once
 /// ready and serves until killed. Same runtime shape as the agent (a
 /// multi-thread tokio runtime with a worker per core).
-pub fn serve(address: &str) -> std::result::Result<(), String> {
+pub fn serve(address: &str, kernel: bool) -> std::result::Result<(), String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
     rt.block_on(async {
+        let kernel = if kernel {
+            let k = std::sync::Arc::new(Kernel {
+                nl: cube_network_agent::netlink::Netlink::new().map_err(|e| e.to_string())?,
+                pool: Mutex::default(),
+                wake: tokio::sync::Notify::new(),
+            });
+            // The pool filled before the first call, as the agent's is at READY.
+            while k.lock().idle.len() < POOL {
+                let t = k.create()?;
+                k.lock().idle.push(t);
+            }
+            tokio::spawn(k.clone().run());
+            Some(k)
+        } else {
+            None
+        };
         let conn: Connection = zbus::connection::Builder::address(address)
             .map_err(|e| e.to_string())?
-            .serve_at(PATH, Floor)
+            .serve_at(PATH, Floor { kernel })
             .map_err(|e| e.to_string())?
             .serve_at(PATH, zbus::fdo::ObjectManager)
             .map_err(|e| e.to_string())?

@@ -71,6 +71,8 @@ struct Args {
     /// Another build (e.g. tests/upgrade/build-next.sh's) for the upgrade
     /// restart; none: that phase is skipped.
     next_agent: Option<PathBuf>,
+    /// Another build whose pairs/s are measured in turns with this one's.
+    baseline_agent: Option<PathBuf>,
     networks: usize,
     /// Networks of the last cold-ensure point (the scale check).
     networks_max: usize,
@@ -82,9 +84,11 @@ struct Args {
 }
 
 const USAGE: &str = "\
-Usage: cube-netbench [--agent PATH] [--next-agent PATH] [--networks N] [--networks-max M] [--samples S] [--bus-config PATH] [--quick] [--keep]
+Usage: cube-netbench [--agent PATH] [--next-agent PATH] [--baseline-agent PATH] [--networks N] [--networks-max M] [--samples S] [--bus-config PATH] [--quick] [--keep]
   --agent PATH       agent binary [default: cube-network-agent next to this binary]
   --next-agent PATH  another build to upgrade to in place at N networks [default: none, phase skipped]
+  --baseline-agent PATH  another build (an earlier release) whose ensure+release pairs/s are
+                     measured in turns with this one's, 3 rounds each [default: none]
   --networks N       networks for the fill / restart phase [default: 10000]
   --networks-max M   networks of the last cold EnsureNetwork point [default: 3 x N]
   --samples S        latency samples per metric [default: 2000]
@@ -114,6 +118,7 @@ fn parse_args() -> Result<Args> {
     let mut args = Args {
         agent: default_agent(),
         next_agent: None,
+        baseline_agent: None,
         networks: 10_000,
         networks_max: 0,
         samples: 2_000,
@@ -134,6 +139,7 @@ fn parse_args() -> Result<Args> {
         match flag.as_str() {
             "--agent" => args.agent = value()?.into(),
             "--next-agent" => args.next_agent = Some(value()?.into()),
+            "--baseline-agent" => args.baseline_agent = Some(value()?.into()),
             "--networks" => args.networks = number(value()?)?,
             "--networks-max" => args.networks_max = number(value()?)?,
             "--samples" => args.samples = number(value()?)?,
@@ -807,6 +813,135 @@ async fn pair_rate(conn: &Connection, callers: usize, secs: f64) -> Result<f64> 
     .await
 }
 
+/// Ensure, OpenTap (the fd closed at once), Release: what a VMM does.
+async fn vmm_pair_rate(conn: &Connection, callers: usize, secs: f64) -> Result<f64> {
+    rate(conn, callers, secs, |conn, c, n| async move {
+        let id = format!("bench-vmm{callers}-{c}-{n}");
+        ensure(&conn, &id).await?;
+        open_tap(&conn, &id).await?;
+        release(&conn, &id).await
+    })
+    .await
+}
+
+/// One varlink call on `stream`: the reply's `parameters`, or its error.
+async fn varlink_call_on(
+    stream: &mut tokio::net::UnixStream,
+    method: &str,
+    parameters: serde_json::Value,
+) -> Result<serde_json::Value> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let mut msg =
+        serde_json::to_vec(&serde_json::json!({ "method": method, "parameters": parameters }))
+            .map_err(|e| e.to_string())?;
+    msg.push(0);
+    stream
+        .write_all(&msg)
+        .await
+        .map_err(|e| format!("{method}: {e}"))?;
+    let mut reply = vec![];
+    let mut r = tokio::io::BufReader::new(&mut *stream);
+    r.read_until(0, &mut reply)
+        .await
+        .map_err(|e| format!("{method}: {e}"))?;
+    reply.pop();
+    let v: serde_json::Value =
+        serde_json::from_slice(&reply).map_err(|e| format!("{method} reply: {e}"))?;
+    if let Some(e) = v.get("error") {
+        return Err(format!("{method}: {e} {}", v["parameters"]));
+    }
+    Ok(v["parameters"].clone())
+}
+
+/// Ensure+release pairs/s over varlink, a connection per caller.
+async fn varlink_pair_rate(path: &Path, callers: usize, secs: f64) -> Result<f64> {
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let start = Instant::now();
+    let tasks = (0..callers).map(|c| async move {
+        let mut stream = tokio::net::UnixStream::connect(path)
+            .await
+            .map_err(|e| format!("varlink {}: {e}", path.display()))?;
+        let mut n = 0usize;
+        while Instant::now() < deadline {
+            let id = format!("bench-vl{callers}-{c}-{n}");
+            varlink_call_on(
+                &mut stream,
+                "org.cube.NetworkAgent.EnsureNetwork",
+                serde_json::json!({ "sandbox_id": id }),
+            )
+            .await?;
+            varlink_call_on(
+                &mut stream,
+                "org.cube.NetworkAgent.ReleaseNetwork",
+                serde_json::json!({ "sandbox_id": id }),
+            )
+            .await?;
+            n += 1;
+        }
+        Ok::<usize, Error>(n)
+    });
+    let total: usize = futures::future::try_join_all(tasks)
+        .await?
+        .into_iter()
+        .sum();
+    Ok(total as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Pairs/s of this build and of `base`, each on a fresh instance, in
+/// turns (3 rounds), so drift on a shared machine hits both alike.
+async fn baseline_rows(
+    env: &mut Env,
+    conn: &Connection,
+    base: &Path,
+    n: usize,
+    secs: f64,
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    eprintln!(
+        "[5b/10] ensure+release pairs/s, this build and {} in turns",
+        base.display()
+    );
+    let this = env.agent_bin.clone();
+    let (mut mine, mut theirs) = (vec![], vec![]);
+    for round in 0..3 {
+        for (bin, out) in [(&this, &mut mine), (&base.to_path_buf(), &mut theirs)] {
+            env.agent_bin = bin.clone();
+            let (ns, dir) = env.new_instance()?;
+            env.start_agent(&ns, &dir, 64, n).await?;
+            for i in 0..20 {
+                let id = format!("bench-base-warm-{round}-{i}");
+                ensure(conn, &id).await?;
+                release(conn, &id).await?;
+            }
+            out.push(pair_rate(conn, CONCURRENT_CALLERS, secs).await?);
+            env.stop_agent(nix::sys::signal::Signal::SIGTERM).await?;
+        }
+    }
+    env.agent_bin = this;
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (m, t) = (median(&mut mine), median(&mut theirs));
+    let show = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.0}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    rows.push(
+        row(
+            format!("pairs/s, {CONCURRENT_CALLERS} callers: this build vs --baseline-agent (median of 3)"),
+            format!("{m:.0}/s ({})", show(&mine)),
+            format!("baseline {t:.0}/s ({})", show(&theirs)),
+            format!("{:.2}x", m / t.max(1.0)),
+            ">= 0.9x",
+        )
+        .met(m >= 0.9 * t),
+    );
+    Ok(())
+}
+
 /// The bus floor server (see [`floor`]), killed on drop.
 struct FloorProc {
     child: Child,
@@ -814,10 +949,22 @@ struct FloorProc {
 }
 
 impl FloorProc {
-    fn start(env: &Env) -> Result<FloorProc> {
+    /// The bus floor; with `kernel_ns`, the kernel floor in that namespace.
+    fn start(env: &Env, kernel_ns: Option<&str>) -> Result<FloorProc> {
         let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
-        let mut child = Command::new(exe)
-            .args(["--serve-floor", &env.bus_addr])
+        let mut cmd = match kernel_ns {
+            None => Command::new(&exe),
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&exe);
+                c
+            }
+        };
+        cmd.args(["--serve-floor", &env.bus_addr]);
+        if kernel_ns.is_some() {
+            cmd.arg("--kernel");
+        }
+        let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -1367,11 +1514,18 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
     let t16_listened = pair_rate(&conn, CONCURRENT_CALLERS, args.throughput_secs).await?;
     let (signal_count, pairs_done) = (signals.stop().await, t16_listened * args.throughput_secs);
     // The same calls and signals against a server that does nothing else.
-    let floor_server = FloorProc::start(env)?;
+    let floor_server = FloorProc::start(env, None)?;
     let f16 = floor_server
         .pair_rate(&conn, CONCURRENT_CALLERS, args.throughput_secs)
         .await?;
     drop(floor_server);
+    // The same, plus the kernel work of the safe TAP lifecycle.
+    let (kns, _) = env.new_instance()?;
+    let kernel_floor = FloorProc::start(env, Some(&kns))?;
+    let k16 = kernel_floor
+        .pair_rate(&conn, CONCURRENT_CALLERS, args.throughput_secs)
+        .await?;
+    drop(kernel_floor);
     let serial_cap = 1e6 / (2.0 * floor_warm);
     rows.push(row(
         "ensure+release pairs/s, 1 caller",
@@ -1419,12 +1573,45 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         "-",
         "-",
     ));
+    rows.push(
+        row(
+            format!(
+                "pairs/s vs the safe-lifecycle floor (bus + TAP create, up, retire, batched delete), {CONCURRENT_CALLERS} callers"
+            ),
+            format!("{t16:.0}/s"),
+            format!("floor {k16:.0}/s"),
+            format!("{:.2}x", t16 / k16.max(1.0)),
+            ">= 0.8x",
+        )
+        .met(t16 >= 0.8 * k16),
+    );
     rows.push(row(
         "bus floor efficiency: 2·floor pairs/s ÷ Ping calls/s",
         format!("{:.2}", 2.0 * f16 / ping16),
         format!("Ping {ping16:.0}/s"),
         "-",
         "(the most the agent could reach)",
+    ));
+    // The VMM's lifecycle: the TAP fd handed out and closed before the
+    // release (the TAP is then deleted rather than pooled).
+    let vmm16 = vmm_pair_rate(&conn, CONCURRENT_CALLERS, args.throughput_secs).await?;
+    rows.push(row(
+        format!(
+            "VMM lifecycle pairs/s (Ensure, OpenTap, close, Release), {CONCURRENT_CALLERS} callers"
+        ),
+        format!("{vmm16:.0}/s"),
+        format!("pairs {t16:.0}/s"),
+        ratio(t16, vmm16),
+        "-",
+    ));
+    let varlink_path = dir.join("run/org.cube.NetworkAgent");
+    let vl16 = varlink_pair_rate(&varlink_path, CONCURRENT_CALLERS, args.throughput_secs).await?;
+    rows.push(row(
+        format!("ensure+release pairs/s over varlink, {CONCURRENT_CALLERS} callers"),
+        format!("{vl16:.0}/s"),
+        format!("D-Bus {t16:.0}/s"),
+        format!("{:.2}x of D-Bus", vl16 / t16.max(1.0)),
+        "-",
     ));
     let per_pair = signal_count as f64 / pairs_done.max(1.0);
     rows.push(row(
@@ -1500,6 +1687,10 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         }
     }
     env.stop_agent(nix::sys::signal::Signal::SIGTERM).await?;
+
+    if let Some(base) = &args.baseline_agent {
+        baseline_rows(env, &conn, base, n, args.throughput_secs, rows).await?;
+    }
 
     let max = args.networks_max;
     eprintln!("[6/10] agent --warm-pool 0: cold EnsureNetwork x{s} with 0 networks");
@@ -1837,7 +2028,8 @@ fn main() -> ExitCode {
             eprintln!("--serve-floor needs a bus address");
             return ExitCode::from(EXIT_SETUP);
         };
-        return match floor::serve(address) {
+        let kernel = argv.get(3).map(String::as_str) == Some("--kernel");
+        return match floor::serve(address, kernel) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("cube-netbench --serve-floor: {e}");

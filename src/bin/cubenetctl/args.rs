@@ -384,6 +384,10 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
             continue;
         }
         match command {
+            // `cubenetctl help [COMMAND]`: the same as --help.
+            None if arg == "help" && !help => {
+                help = true;
+            }
             None => {
                 command = Some(
                     find_command(&arg)
@@ -474,6 +478,12 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
         }
         "top" => {
             want(0)?;
+            if json != JsonMode::Off {
+                return Err(Failure::usage(
+                    "'top' is a live view without JSON output: use 'cubenetctl status --json' \
+                     or 'cubenetctl metrics' for machine-readable traffic",
+                ));
+            }
             let secs: f64 = match interval.as_deref() {
                 None => 2.0,
                 Some(v) => v
@@ -555,6 +565,34 @@ mod tests {
             Ok(Parsed::Run(g, _)) => g,
             other => panic!("{other:?}"),
         }
+    }
+
+    /// Every option of `ensure` is in the man page and both completions
+    /// (one list is the truth: ENSURE_FLAGS).
+    #[test]
+    fn ensure_options_agree_with_the_man_page_and_completions() {
+        let man = include_str!("../../../man/cubenetctl.1").replace("\\-", "-");
+        let bash = include_str!("../../../completions/cubenetctl.bash");
+        let zsh = include_str!("../../../completions/_cubenetctl");
+        for f in ENSURE_FLAGS {
+            assert!(man.contains(f), "{f} missing from man/cubenetctl.1");
+            assert!(
+                bash.contains(f),
+                "{f} missing from completions/cubenetctl.bash"
+            );
+            assert!(zsh.contains(f), "{f} missing from completions/_cubenetctl");
+        }
+    }
+
+    #[test]
+    fn help_as_a_command_and_top_without_json() {
+        assert!(matches!(parse(&["help"]).unwrap(), Parsed::Help(None)));
+        assert!(matches!(
+            parse(&["help", "ensure"]).unwrap(),
+            Parsed::Help(Some(c)) if c.name == "ensure"
+        ));
+        let e = parse(&["top", "--json"]).unwrap_err();
+        assert!(format!("{e:?}").contains("without JSON output"), "{e:?}");
     }
 
     #[test]
