@@ -476,6 +476,25 @@ impl Netlink {
     /// One RTM_NEWLINK (set) carrying whichever attributes are Some: new name, mtu,
     /// up/down, group. (Kernel applies name before flags, so rename+up in one message
     /// works on a down link.) An empty change sends nothing.
+    /// No IPv6 address generation on the (still down) link `index`
+    /// (`addr_gen_mode none`): brought up, it gets no link-local address,
+    /// so it sends no DAD, router solicitation or MLD report. Netlink, not
+    /// /proc/sys (read-only in many containers).
+    pub async fn ipv6_quiet(&self, index: u32) -> Result<(), NetlinkError> {
+        use rtnetlink::packet_route::link::{AfSpecInet6, AfSpecUnspec, In6AddrGenMode};
+        let mut msg = LinkUnspec::new_with_index(index).build();
+        msg.attributes
+            .push(LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet6(
+                vec![AfSpecInet6::AddrGenMode(In6AddrGenMode::None)],
+            )]));
+        self.handle
+            .link()
+            .change(msg)
+            .execute()
+            .await
+            .map_err(|source| NetlinkError::LinkSet { index, source })
+    }
+
     pub async fn set_link(&self, index: u32, change: LinkChange) -> Result<(), NetlinkError> {
         debug!(index, ?change, "set link");
         if change.is_empty() {

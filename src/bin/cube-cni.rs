@@ -311,31 +311,6 @@ impl Inside {
     }
 }
 
-/// `net.ipv6.conf.IFNAME.disable_ipv6 = 1` in the namespace `ns`: written
-/// from a thread of its own that enters it (/proc/sys/net follows the
-/// writing thread's namespace). A kernel without IPv6 has nothing to turn
-/// off.
-fn disable_ipv6_inside(ns: &OwnedFd, ifname: &str) -> Result<(), CniError> {
-    use nix::sched::{CloneFlags, setns};
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            setns(ns.as_fd(), CloneFlags::CLONE_NEWNET)
-                .map_err(|e| netns_err("entering the namespace", e))?;
-            match std::fs::write(
-                format!("/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6"),
-                "1",
-            ) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    Err(netns_err("turning IPv6 off on the interface", e))
-                }
-                _ => Ok(()),
-            }
-        })
-        .join()
-        .unwrap_or_else(|_| Err(netns_err("turning IPv6 off", "the thread panicked")))
-    })
-}
-
 fn parse_cidr(s: &str) -> Option<(Ipv4Addr, u8)> {
     let (a, p) = s.split_once('/')?;
     Some((a.parse().ok()?, p.parse().ok()?))
@@ -415,7 +390,7 @@ async fn add(env: &Env, conf: &NetConf) -> Result<Value, CniError> {
     let net: Dict = agent.call("EnsureNetwork", &(id.as_str(), opts)).await?;
     let f = facts(&net)?;
     let gw_mac: String = field(&net, "gateway_mac")?;
-    if let Err(e) = configure_inside(&inside.nl, &inside.ns, &env.ifname, &f, &gw_mac).await {
+    if let Err(e) = configure_inside(&inside.nl, &env.ifname, &f, &gw_mac).await {
         // Leave nothing behind: the runtime DELs after a failed ADD, but a
         // network whose inside is not set up must not live until then.
         // Only the very network this ADD got (its handle): never one a
@@ -449,7 +424,6 @@ async fn add(env: &Env, conf: &NetConf) -> Result<Value, CniError> {
 /// first packet; the datapath's proxy ARP answers anyway), lo up.
 async fn configure_inside(
     nl: &Netlink,
-    ns: &OwnedFd,
     ifname: &str,
     f: &NetFacts,
     gw_mac: &str,
@@ -475,10 +449,12 @@ async fn configure_inside(
     nl.add_ipv4_addr(link.index, addr, len)
         .await
         .map_err(|e| netns_err("adding the address", e))?;
-    // IPv4 only, as the datapath: with IPv6 on, the interface's router
-    // solicitations, DAD and MLD reports would be dropped (and counted as
-    // unsupported) from the moment it is up.
-    disable_ipv6_inside(ns, ifname)?;
+    // IPv4 only, as the datapath: with IPv6 addresses, the interface's
+    // router solicitations, DAD and MLD reports would be dropped (and
+    // counted as unsupported) from the moment it is up.
+    nl.ipv6_quiet(link.index)
+        .await
+        .map_err(|e| netns_err("turning IPv6 address generation off", e))?;
     let up = cube_network_agent::netlink::LinkChange {
         up: Some(true),
         ..Default::default()

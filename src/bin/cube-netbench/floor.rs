@@ -10,7 +10,8 @@
 //! With `--kernel` (run inside a network namespace of its own) it also does
 //! exactly the kernel work the safe TAP lifecycle cannot skip, nothing
 //! more: a warm pool of TAPs created in the background (TUNSETIFF, IPv6
-//! off), each EnsureNetwork takes one up (one RTM_NEWLINK), each
+//! off, a clsact qdisc joined to a shared tc block, as every TAP running
+//! the datapath is), each EnsureNetwork takes one up (one RTM_NEWLINK), each
 //! ReleaseNetwork moves its TAP into the retire group (one RTM_NEWLINK),
 //! and retired TAPs are deleted in batches by group, as the agent does.
 //! No disk, no datapath, no neighbour entries: the agent's own work is
@@ -163,6 +164,9 @@ struct Pool {
 const POOL: usize = 64;
 const RETIRE_GROUP: u32 = 0xc0be;
 const DELETE_BATCH: usize = 32;
+/// The tc block the floor's TAPs join (the agent's default is 0xc0be; the
+/// floor runs in a namespace of its own).
+const FLOOR_BLOCK: u32 = 0xc0be;
 
 impl Kernel {
     fn lock(&self) -> std::sync::MutexGuard<'_, Pool> {
@@ -178,6 +182,10 @@ impl Kernel {
         let tap = cube_network_agent::tap::Tap::create(&name).map_err(|e| e.to_string())?;
         let _ = cube_network_agent::sysctl::disable_ipv6(&name);
         let ifindex = nix::net::if_::if_nametoindex(name.as_str()).map_err(|e| e.to_string())?;
+        // Joined to a shared tc block, as every TAP must be to run the
+        // datapath (its teardown is part of the deletion too).
+        cube_network_agent::datapath::tc::add_clsact(ifindex, Some(FLOOR_BLOCK))
+            .map_err(|e| e.to_string())?;
         Ok((tap, ifindex))
     }
 
