@@ -5,7 +5,8 @@
 #
 # --runtime  what running the agent and the README's commands needs:
 #            dbus-daemon (a system bus where none runs), iproute2 (ip, tc),
-#            systemd (busctl), socat (the varlink examples).
+#            systemd (busctl), socat (the varlink examples), polkitd
+#            (judges non-root callers; the quick start installs the actions).
 # --build    what building it needs besides the machine's cargo: make, and
 #            clang-19 + libbpf-dev to compile the eBPF datapath (without
 #            them build.rs uses the committed object).
@@ -42,7 +43,7 @@
 #            openssl (the world's TLS server and s_client in strict mode).
 # Idempotent; needs root.
 set -euo pipefail
-runtime=(dbus-daemon iproute2 systemd socat)
+runtime=(dbus-daemon iproute2 systemd socat polkitd)
 build=(make clang-19 libbpf-dev)
 test=(qemu-system-x86 busybox-static tcpdump curl python3 polkitd iperf3 nftables golang-go
     golang-github-appc-cni-dev golang-github-containerd-go-cni-dev containernetworking-plugins

@@ -17,7 +17,8 @@
 # (scripts/deps.sh --runtime --build; --no-deps skips it), builds the three
 # binaries (--no-build skips it), puts a symlink to cubenetctl in
 # /usr/local/bin, installs the bus policy in /etc/dbus-1/system.d so root may
-# own the name, mounts a bpffs on /sys/fs/bpf if none is mounted, and starts
+# own the name and the polkit actions (when polkitd is installed) so that
+# non-root callers can be granted access, mounts a bpffs on /sys/fs/bpf if none is mounted, and starts
 # `dbus-daemon --system` if no system bus runs. It records what it created
 # (and what the host had before) in target/quickstart.state; Ctrl-C stops
 # the agent (networks and the datapath stay for the next start), and
@@ -40,6 +41,7 @@ REC=$ROOT/target/quickstart.state
 AGENT_DIRS=(/var/lib/cube-network-agent /run/cube-network-agent /sys/fs/bpf/cube-network-agent)
 POLICY=/etc/dbus-1/system.d/org.cube.NetworkAgent.conf
 CTL_LINK=/usr/local/bin/cubenetctl
+POLKIT_ACTIONS=/usr/share/polkit-1/actions/org.cube.NetworkAgent.policy
 REPORT=/run/systemd/report/org.cube.NetworkAgent
 LO_SYSCTLS=(net.ipv4.conf.lo.route_localnet net.ipv4.conf.lo.accept_local)
 
@@ -166,6 +168,12 @@ if [ ! -e "$POLICY" ]; then
     install -D -m 0644 dbus/org.cube.NetworkAgent.conf "$POLICY"
     rec file "$POLICY"
 fi
+# The polkit actions, so that polkitd can judge non-root callers (a grant
+# is the operator's: the example rule, see the banner).
+if [ -d "$(dirname "$POLKIT_ACTIONS")" ] && [ ! -e "$POLKIT_ACTIONS" ]; then
+    install -m 0644 polkit/org.cube.NetworkAgent.policy "$POLKIT_ACTIONS"
+    rec file "$POLKIT_ACTIONS"
+fi
 if [ ! -e "$CTL_LINK" ]; then
     ln -s "$ROOT/target/release/cubenetctl" "$CTL_LINK"
     rec file "$CTL_LINK"
@@ -200,6 +208,8 @@ In another shell, try README's "Using it", e.g.:
   cubenetctl list
   busctl --json=short call org.cube.NetworkAgent /org/cube/NetworkAgent org.cube.NetworkAgent Health
   cubenetctl release sbx-1
+Non-root users need a polkit grant: install polkit/50-cube-network-agent.rules.example
+as /etc/polkit-1/rules.d/50-cube-network-agent.rules and add them to its groups.
 Remove everything it created (links, datapath, records, bus setup, the symlink):
   scripts/quickstart.sh --remove
 TXT

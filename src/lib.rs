@@ -2,7 +2,8 @@
 //!
 //! Layout: `agent/` decides (ensure, release, reconcile, recover, warm
 //! pool); `alloc/` is pure allocation; `tap.rs`, `netlink.rs` and
-//! `datapath/` own kernel objects; `store.rs` is durable state; `dbus/` is a
+//! `datapath/` own kernel objects; `types.rs` holds the value types they
+//! share with the core; `store.rs` is durable state; `dbus/` is a
 //! thin wire edge; `config.rs` and `systemd.rs` connect to the host.
 
 pub mod agent;
@@ -22,6 +23,7 @@ pub mod store;
 pub mod sysctl;
 pub mod systemd;
 pub mod tap;
+pub mod types;
 pub mod varlink;
 
 /// An error and all its sources, joined with ": ".

@@ -5,7 +5,7 @@
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 
-use crate::agent::spec::{NetnsFd, NetnsId};
+use crate::types::{NetnsFd, NetnsId};
 
 /// A caller's namespace fd with the namespace it names (what records and
 /// ownership checks compare). Whether it is a network namespace, and not

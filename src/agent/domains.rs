@@ -101,13 +101,7 @@ fn check_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Whether a policy entry is a domain pattern rather than an address or
-/// CIDR (those are digits, dots and one slash).
-pub fn is_domain_entry(entry: &str) -> bool {
-    entry
-        .bytes()
-        .any(|b| !(b.is_ascii_digit() || b == b'.' || b == b'/'))
-}
+pub use crate::types::is_domain_entry;
 
 /// What the resolver does with a query.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,8 +7,9 @@ use std::net::{IpAddr, Ipv4Addr};
 use serde::{Deserialize, Serialize};
 
 use super::AgentError;
-use crate::alloc::{Ipv4Cidr, Protocol};
+use crate::alloc::Ipv4Cidr;
 use crate::config::{MAX_MTU, MIN_MTU};
+pub use crate::types::{NetnsFd, NetnsId, PortMapping};
 
 pub const MAX_ID_LEN: usize = 128;
 pub const MAX_PORT_MAPPINGS: usize = 64;
@@ -43,16 +44,6 @@ pub fn validate_sandbox_id(id: &str) -> Result<(), AgentError> {
         return bad("must not start with '.' or '-'");
     }
     Ok(())
-}
-
-/// One requested port mapping; `host_port` 0 asks the agent to pick one.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PortMapping {
-    pub protocol: Protocol,
-    pub container_port: u16,
-    pub host_port: u16,
-    /// Bind address on the host; "" = the configured default.
-    pub host_ip: String,
 }
 
 /// A validated request (EnsureNetwork options), every field explicit:
@@ -121,39 +112,6 @@ pub enum Attach {
     /// namespace `netns` (the agent never enters it).
     Veth { ifname: String, netns: NetnsFd },
 }
-
-/// Which network namespace: the (device, inode) of its nsfs file, what
-/// `ip netns identify` and `readlink /proc/PID/ns/net` compare. Unique
-/// among live namespaces; an inode can be reused once its namespace is
-/// gone (the agent then also finds the attachment's veth gone).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct NetnsId {
-    pub dev: u64,
-    pub ino: u64,
-}
-
-impl std::fmt::Display for NetnsId {
-    /// As the kernel names it (`readlink /proc/PID/ns/net`).
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "net:[{}]", self.ino)
-    }
-}
-
-/// A network namespace fd passed by the caller, with the namespace it
-/// refers to. Two requests are equal when they name the same namespace,
-/// whatever fd they carry.
-#[derive(Debug, Clone)]
-pub struct NetnsFd {
-    pub fd: std::sync::Arc<std::os::fd::OwnedFd>,
-    pub id: NetnsId,
-}
-
-impl PartialEq for NetnsFd {
-    fn eq(&self, other: &Self) -> bool {
-        self.id == other.id
-    }
-}
-impl Eq for NetnsFd {}
 
 /// The attachment as recorded (no fd: the namespace is the kernel's).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -567,6 +525,7 @@ pub fn classify_tap_name(prefix: &str, name: &str) -> TapNameKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::Protocol;
 
     #[test]
     fn sandbox_ids() {

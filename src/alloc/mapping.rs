@@ -10,7 +10,7 @@
 use std::net::Ipv4Addr;
 
 use super::{PortAllocator, PortSet, Protocol};
-use crate::agent::spec::PortMapping;
+use crate::types::PortMapping;
 
 /// Why a mapping cannot have its host port; `index` is its position in
 /// the request.

@@ -15,8 +15,8 @@ pub mod tc;
 
 use std::net::IpAddr;
 
-use crate::agent::spec::PortMapping;
 use crate::netlink::TcHook;
+use crate::types::PortMapping;
 
 /// Everything the datapath needs to know about one sandbox.
 #[derive(Debug, Clone)]
@@ -39,7 +39,7 @@ impl SandboxPath<'_> {
         self.allow_out
             .iter()
             .chain(self.deny_out)
-            .any(|e| crate::agent::domains::is_domain_entry(e))
+            .any(|e| crate::types::is_domain_entry(e))
     }
 }
 

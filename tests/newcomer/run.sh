@@ -32,7 +32,8 @@ ovl() { # an overlay whose upper layer lives on tmpfs: writes vanish with us
     mkdir -p "$S/$n.up" "$S/$n.wk"
     mount -t overlay overlay -o "lowerdir=$1,upperdir=$S/$n.up,workdir=$S/$n.wk" "$1"
 }
-for d in /etc /var/lib /usr/local; do ovl "$d"; done
+mkdir -p /usr/share/polkit-1/actions
+for d in /etc /var/lib /usr/local /usr/share/polkit-1/actions; do ovl "$d"; done
 mount -t tmpfs -o mode=755 tmpfs /run
 mount -t sysfs sysfs /sys
 # The repository: target/quickstart.state is written there.
@@ -58,7 +59,7 @@ A="org.cube.NetworkAgent /org/cube/NetworkAgent org.cube.NetworkAgent"
 
 snapshot() {
     echo "## files"
-    find /etc /var/lib /usr/local /run -xdev 2>/dev/null | grep -v '^/run/netns' | sort
+    find /etc /var/lib /usr/local /usr/share/polkit-1/actions /run -xdev 2>/dev/null | grep -v '^/run/netns' | sort
     echo "## mounts"
     findmnt -rn -o TARGET,FSTYPE | sort
     echo "## links"
@@ -105,6 +106,41 @@ grep -q "cubenetctl is /usr/local/bin/cubenetctl" "$LOG" && ok "the quick start 
 [ "$(command -v cubenetctl)" = /usr/local/bin/cubenetctl ] && ok "cubenetctl is on PATH" || nok "cubenetctl not on PATH"
 health=$(busctl --system --json=short call $A Health)
 [[ "$health" == *'"data":[true'* ]] && ok "Health is true" || nok "Health: $health"
+
+# ---- a non-root user: refused with the way forward, then granted ----------
+# As polkit judges it: the quick start installed the actions (without them
+# polkitd answers "not registered" for every non-root call).
+NOBODY=(setpriv --reuid=65534 --regid=65534 --clear-groups)
+out=$("${NOBODY[@]}" cubenetctl health 2>&1)
+rc=$?
+if [ $rc = 4 ] && [[ "$out" == *"org.cube.NetworkAgent.read"* ]] && [[ "$out" != *"not registered"* ]] &&
+    [[ "$out" == *"polkit/50-cube-network-agent.rules.example"* ]] && [ -e polkit/50-cube-network-agent.rules.example ]; then
+    ok "a non-root user is refused (exit 4) with the action and an example rule that exists"
+else
+    nok "non-root health: exit $rc: $(head -c 400 <<<"$out")"
+fi
+out=$("${NOBODY[@]}" cubenetctl top </dev/null 2>&1)
+rc=$?
+[ $rc = 4 ] && [[ "$out" == *"AccessDenied"*"org.cube.NetworkAgent.read"* ]] &&
+    ok "cubenetctl top as a non-root user: exit 4 with the way forward" ||
+    nok "non-root top: exit $rc: $(head -c 400 <<<"$out")"
+# The banner's grant, followed literally: the example rule and its group.
+RULE=/etc/polkit-1/rules.d/50-cube-network-agent.rules
+if grep -q "polkit/50-cube-network-agent.rules.example" "$LOG"; then
+    install -m 0644 polkit/50-cube-network-agent.rules.example "$RULE"
+    groupadd --system cube-network-readers
+    usermod -aG cube-network-readers nobody
+    for _ in $(seq 60); do
+        out=$(setpriv --reuid=65534 --regid=65534 --init-groups cubenetctl health 2>&1) && break
+        sleep 0.1
+    done
+    [[ "$out" == *healthy* ]] && ok "granted by the example rule, a reader's health is answered" ||
+        nok "granted reader: $(head -c 400 <<<"$out")"
+    rm -f "$RULE"
+    groupdel cube-network-readers
+else
+    nok "the quick start's banner does not say how to grant non-root users"
+fi
 
 # ---- a second start: refused before anything, naming the running agent ------
 agent_pid=$(awk '$1 == "agent" {print $2}' target/quickstart.state | tail -1)

@@ -101,10 +101,7 @@ impl Agent {
                 };
                 let hint = if short == "AccessDenied" {
                     // The agent (or the bus) answered: a question of rights.
-                    " (root may do everything; other users need a polkit grant of \
-                     org.cube.NetworkAgent.read or .manage, e.g. \
-                     /usr/share/doc/cube-network-agent/50-cube-network-agent.rules.example)"
-                        .to_owned()
+                    crate::failure::access_hint()
                 } else if code == EXIT_UNREACHABLE {
                     format!(
                         " (is cube-network-agent running on the {}?)",

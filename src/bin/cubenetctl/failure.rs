@@ -50,6 +50,27 @@ impl Failure {
 
 pub type Res<T> = Result<T, Failure>;
 
+/// Where the example polkit rule is: the installed copy (`make install`),
+/// else the source tree's (a quick start from a checkout).
+const RULES_EXAMPLES: [&str; 2] = [
+    "/usr/share/doc/cube-network-agent/50-cube-network-agent.rules.example",
+    "/usr/local/share/doc/cube-network-agent/50-cube-network-agent.rules.example",
+];
+
+/// The hint after a refusal: what grants access and where the example is.
+pub fn access_hint() -> String {
+    let example = RULES_EXAMPLES
+        .iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .copied()
+        .unwrap_or("polkit/50-cube-network-agent.rules.example in the agent's source");
+    format!(
+        " (root may do everything; other users need a polkit grant of \
+         org.cube.NetworkAgent.read or .manage: copy {example} to /etc/polkit-1/rules.d/ \
+         and edit its group)"
+    )
+}
+
 /// What a command asks `main` to do once its connection is closed.
 pub enum Outcome {
     Exit(u8),

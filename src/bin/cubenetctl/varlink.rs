@@ -34,8 +34,21 @@ fn error_failure(name: &str, params: &Json) -> Failure {
     let code = match (name.starts_with(AGENT_INTERFACE), short) {
         (true, "NotFound") => EXIT_NOT_FOUND,
         (true, "AccessDenied" | "LimitsExceeded") => EXIT_UNREACHABLE,
+        _ if name == "org.varlink.service.PermissionDenied" => EXIT_UNREACHABLE,
         _ => EXIT_AGENT,
     };
+    // A refusal (the agent's or the varlink service's, which carries no
+    // message): say so and what grants access.
+    if short == "AccessDenied" || name == "org.varlink.service.PermissionDenied" {
+        let why = params
+            .get("message")
+            .and_then(Json::as_str)
+            .unwrap_or("the agent refused this user");
+        return Failure::new(
+            code,
+            format!("AccessDenied: {why}{}", crate::failure::access_hint()),
+        );
+    }
     let msg = match (short, params.get("message").and_then(Json::as_str)) {
         ("EventsLost", _) => format!(
             "this watcher fell behind and missed {} events; run it again",
@@ -174,9 +187,24 @@ mod tests {
             "org.cube.NetworkAgent.AccessDenied",
             &json!({"message": "not allowed"}),
         );
-        assert_eq!(
-            (f.code, f.msg.as_str()),
-            (EXIT_UNREACHABLE, "AccessDenied: not allowed")
+        assert_eq!(f.code, EXIT_UNREACHABLE);
+        assert!(
+            f.msg
+                .starts_with("AccessDenied: not allowed (root may do everything")
+                && f.msg.contains("50-cube-network-agent.rules.example"),
+            "{}",
+            f.msg
+        );
+        // `top` as a user polkit refuses: the streaming metrics call's
+        // bare varlink error is a refusal too (exit 4, with the hint).
+        let f = error_failure("org.varlink.service.PermissionDenied", &json!({}));
+        assert_eq!(f.code, EXIT_UNREACHABLE);
+        assert!(
+            f.msg
+                .starts_with("AccessDenied: the agent refused this user (root may")
+                && f.msg.contains("org.cube.NetworkAgent.read"),
+            "{}",
+            f.msg
         );
         let f = error_failure("org.cube.NetworkAgent.EventsLost", &json!({"missed": 7}));
         assert_eq!(f.code, EXIT_AGENT);

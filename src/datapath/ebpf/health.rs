@@ -1,0 +1,181 @@
+//! What the datapath tells Health: its programs and config, flow-table
+//! fill, pins, loopback mappings and the uplink; each check with a case
+//! that passes and one that fails (`check_cases`).
+
+use super::*;
+
+/// Health's `datapath`: the programs and their config (`config`: what the
+/// config map holds is what this agent wrote).
+fn datapath_check(what: &str, config: Result<(), String>) -> Check {
+    match config {
+        Ok(()) => ("datapath".into(), true, what.to_owned()),
+        Err(e) => (
+            "datapath".into(),
+            false,
+            format!("{e}: restart the agent; {what}"),
+        ),
+    }
+}
+
+/// Health's `datapath_pins`: every map is pinned where this agent pinned
+/// it (`problems`: the ones that are not). A map whose pin is gone goes
+/// with this agent's last reference: the next start would begin with
+/// empty flows, learned addresses and counters.
+fn pins_check(dir: &Path, problems: &[String], migrated: &[String]) -> Check {
+    let mut s = if problems.is_empty() {
+        format!("every map pinned in {}", dir.display())
+    } else {
+        format!(
+            "{}: {}; a restart now would lose what they hold (flows, learned addresses, \
+             counters): restart the agent only after checking what removed them",
+            dir.display(),
+            problems.join("; ")
+        )
+    };
+    if !migrated.is_empty() {
+        s.push_str(&format!(
+            "; layout changed at this start: {}",
+            migrated.join(", ")
+        ));
+    }
+    ("datapath_pins".into(), problems.is_empty(), s)
+}
+
+fn loopback_check(localnet: &Result<(), String>) -> Check {
+    (
+        "datapath_loopback".to_string(),
+        localnet.is_ok(),
+        match localnet {
+            Ok(()) => {
+                "host -> 127.0.0.1:host_port mappings enabled (lo: route_localnet=1 accept_local=1)"
+                    .into()
+            }
+            Err(e) => format!("host -> 127.0.0.1:host_port mappings unavailable: {e}"),
+        },
+    )
+}
+
+fn uplink_check(uplink: Option<&(String, u32, Ipv4Addr)>, ports: (u16, u16)) -> Check {
+    (
+        "datapath_uplink".to_string(),
+        uplink.is_some(),
+        match uplink {
+            Some((n, _, a)) => format!("SNAT to {a} on {n}, ports {}-{}", ports.0, ports.1),
+            None => "no uplink: egress and port mappings are dropped".into(),
+        },
+    )
+}
+
+/// A passing and a failing case of every check the datapath reports (for
+/// Health's `every_check_can_fail`).
+pub fn check_cases() -> Vec<(Check, Check)> {
+    let up = ("up0".to_owned(), 2, Ipv4Addr::new(10, 0, 0, 2));
+    vec![
+        (
+            datapath_check("x", Ok(())),
+            datapath_check("x", Err("unreadable".into())),
+        ),
+        (
+            flow_table_check(0, 0),
+            flow_table_check(FLOW_MAP_ENTRIES as usize, 0),
+        ),
+        (
+            pins_check(Path::new("/p"), &[], &[]),
+            pins_check(Path::new("/p"), &["ct: missing".into()], &[]),
+        ),
+        (
+            loopback_check(&Ok(())),
+            loopback_check(&Err("EPERM".into())),
+        ),
+        (
+            uplink_check(Some(&up), (1024, 2048)),
+            uplink_check(None, (1024, 2048)),
+        ),
+    ]
+}
+
+/// Flow-table pressure: `ct` (sandbox flows, LRU) and `hflow` (host
+/// flows, shared by per-sandbox shares); past capacity live flows are evicted or new ones
+/// refused, so 90 % is the warning line. Counted by the
+/// reaper every 2 s.
+fn flow_table_check(flows: usize, host_flows: usize) -> Check {
+    let pct = |n: usize, cap: u32| n as f64 * 100.0 / f64::from(cap);
+    let (f, h) = (
+        pct(flows, FLOW_MAP_ENTRIES),
+        pct(host_flows, HOST_FLOW_ENTRIES),
+    );
+    let ok = f < 90.0 && h < 90.0;
+    (
+        "flow_table".to_string(),
+        ok,
+        format!(
+            "{flows} of {} sandbox flows ({f:.1} %), {host_flows} of {} host flows ({h:.1} %){}",
+            FLOW_MAP_ENTRIES,
+            HOST_FLOW_ENTRIES,
+            if ok {
+                ""
+            } else {
+                "; at 90 % and above new flows evict live ones: fewer flows per sandbox, or shorter timeouts"
+            }
+        ),
+    )
+}
+
+impl EbpfDatapath {
+    /// Pins that are gone or hold another map than at load.
+    pub(super) fn pin_problems(&self) -> Vec<String> {
+        self.pin_ids
+            .iter()
+            .filter_map(|(name, id)| {
+                let path = self.node.pin_dir.join(name);
+                match MapData::from_pin(&path).and_then(|d| d.info()) {
+                    Ok(i) if i.id() == *id => None,
+                    Ok(_) => Some(format!("{name}: pinned to another map than this agent's")),
+                    Err(_) if !path.exists() => Some(format!("{name}: the pin is gone")),
+                    Err(e) => Some(format!("{name}: {e}")),
+                }
+            })
+            .collect()
+    }
+
+    pub(super) fn health_checks(&self) -> Vec<Check> {
+        let inner = self.lock();
+        let taps = self.stats.taps.load(Ordering::Relaxed);
+        let flows = self.stats.flows.load(Ordering::Relaxed);
+        let host_flows = self.stats.host_flows.load(Ordering::Relaxed);
+        let counters: Vec<String> = Self::counters(&inner)
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(k, n)| format!("{k}={n}"))
+            .collect();
+        // What the programs read: the config this agent wrote.
+        let config = match inner.maps.config.get(&0, 0) {
+            Ok(c) if c == self.config => Ok(()),
+            Ok(_) => Err("the config map holds another config than this agent wrote".to_owned()),
+            Err(e) => Err(format!("the config map cannot be read: {e}")),
+        };
+        drop(inner);
+        let what = format!(
+            "eBPF: from_guest on {taps} TAPs, {}; {flows} flows, {host_flows} host flows, \
+             {} reaped; counters: {}",
+            self.node_hooks
+                .iter()
+                .map(Hook::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            self.stats.reaped.load(Ordering::Relaxed),
+            if counters.is_empty() {
+                "none".into()
+            } else {
+                counters.join(" ")
+            }
+        );
+        vec![
+            datapath_check(&what, config),
+            flow_table_check(flows, host_flows),
+            pins_check(&self.node.pin_dir, &self.pin_problems(), &self.migrated),
+            loopback_check(&self.localnet),
+            uplink_check(self.node.uplink.as_ref(), self.node.snat_ports),
+        ]
+    }
+}

@@ -1,0 +1,473 @@
+//! The eBPF datapath: `ebpf/datapath.bpf.c` loaded once per agent with
+//! aya, programs shared by every TAP, maps pinned in a per-instance bpffs
+//! directory so they — and the filters, which outlive the agent — carry
+//! running flows across agent restarts.
+//!
+//! Attach model (docs/datapath.md): `from_guest` is the one filter of a
+//! shared tc ingress block; every TAP (and CNI veth host end) joins the
+//! datapath by creating its clsact qdisc bound to that block — a flat
+//! ~0.1 ms, where a qdisc and filter of its own per TAP cost more with
+//! every TAP on the node. A persistent, down TAP (`tc_block_anchor`) keeps
+//! the block alive with no sandbox on the node. The node programs are
+//! filters on the uplink, lo and the gateway device.
+//!
+//! Upgrade in place: every filter is created or **replaced** at the same
+//! priority and handle (`tc.rs`), so a new build's programs take over the
+//! block (every bound TAP at once) and each node hook atomically, before
+//! READY, with no moment without a program. TAPs an older build gave a
+//! qdisc and filter of their own keep them, with this build's program put
+//! in place, until they are recycled. Pinned maps are reused, migrated or
+//! refused by layout (`pins.rs`). Filters are never detached (not even when
+//! a TAP goes back to the pool: `from_guest` drops everything from a TAP
+//! with no `sandboxes` entry); `tap_attached` records which devices are
+//! bound so the ensure path does not ask the kernel. The kernel stays the
+//! truth: recovery, Reconcile and Health compare it with [`Datapath::check`]
+//! and the agent's RTNLGRP_TC watcher forgets a device's binding as soon as
+//! the kernel announces a qdisc or filter removal on it.
+//!
+//! Rooms: `load.rs` (object, programs, pins, the switch), `attach.rs`
+//! (tc block and filters, `check`), `entries.rs` (a sandbox's map entries,
+//! transactional), `learned.rs` (DNS-learned addresses), `reap.rs` (the
+//! flow reaper and host-flow shares), `health.rs` (what Health is told).
+//! This file holds the state they share and the `Datapath` trait's face.
+
+use std::collections::{HashMap as StdHashMap, HashSet};
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use aya::maps::lpm_trie::{Key, LpmTrie};
+use aya::maps::{Array, HashMap, MapData, PerCpuArray};
+use aya::programs::{ProgramFd, SchedClassifier};
+use aya::{Ebpf, EbpfLoader};
+use tracing::{debug, info, warn};
+
+use super::maps::*;
+use super::tc::{self, Target};
+use super::{
+    BLOCK_IFINDEX, Check, Datapath, DatapathError, FILTER_PRIORITY, Hook, Place, SandboxPath,
+};
+use crate::alloc::Protocol;
+use crate::netlink::TcHook;
+
+mod attach;
+mod entries;
+mod health;
+mod learned;
+mod load;
+mod reap;
+
+use attach::*;
+use entries::*;
+use reap::*;
+
+pub use health::check_cases;
+
+/// Handle of every filter (with [`FILTER_PRIORITY`]).
+const FILTER_HANDLE: u32 = 1;
+
+/// The programs, in the order they load.
+pub const PROGRAMS: [&str; 5] = [
+    "from_guest",
+    "from_uplink",
+    "to_sandbox_ip",
+    "from_host",
+    "to_uplink",
+];
+
+/// `tap_attached` values: how a TAP or veth carries `from_guest`.
+const BOUND: u32 = 2;
+
+/// A qdisc and filter of its own (attached by a build before the shared
+/// block; aya wrote 1).
+const OWN_FILTER: u32 = 1;
+
+/// Idle timeouts of flows (the reaper frees them; LRU maps also evict
+/// under pressure).
+#[derive(Debug, Clone, Copy)]
+pub struct FlowTimeouts {
+    pub tcp: Duration,
+    pub tcp_closing: Duration,
+    pub udp: Duration,
+    pub icmp: Duration,
+}
+
+impl FlowTimeouts {
+    /// How long a flow of `proto` in TCP state `state` may stay idle (any
+    /// FIN or RST: the closing timeout).
+    fn limit(&self, proto: u8, state: u8) -> Duration {
+        match proto as i32 {
+            libc::IPPROTO_TCP if state & DP_TCP_REMOTE_TW != 0 => {
+                self.tcp_closing.max(REMOTE_TIME_WAIT)
+            }
+            libc::IPPROTO_TCP if state != 0 => self.tcp_closing,
+            libc::IPPROTO_TCP => self.tcp,
+            libc::IPPROTO_UDP => self.udp,
+            _ => self.icmp,
+        }
+    }
+}
+
+/// Node facts the datapath needs.
+#[derive(Debug, Clone)]
+pub struct NodeInfo {
+    pub guest_ip: Ipv4Addr,
+    pub gateway_ip: Ipv4Addr,
+    pub host_ip: Ipv4Addr,
+    pub guest_mac: [u8; 6],
+    pub gateway_mac: [u8; 6],
+    pub gwdev_name: String,
+    pub gwdev_ifindex: u32,
+    pub gwdev_mac: [u8; 6],
+    /// (name, ifindex, IPv4 address) of the uplink, if there is one.
+    pub uplink: Option<(String, u32, Ipv4Addr)>,
+    pub snat_ports: (u16, u16),
+    pub pin_dir: PathBuf,
+    pub timeouts: FlowTimeouts,
+    /// The shared tc block of every TAP's ingress.
+    pub block: u32,
+    /// (name, ifindex) of the device that keeps the block alive.
+    pub anchor: (String, u32),
+    /// How the host-flow tables are shared between sandboxes.
+    pub hflow_shares: HflowShares,
+    /// uids besides root whose processes may open flows to sandbox
+    /// addresses.
+    pub host_access_uids: Vec<u32>,
+}
+
+fn ip_be(ip: Ipv4Addr) -> u32 {
+    u32::from_ne_bytes(ip.octets())
+}
+
+fn err(what: &'static str, e: impl std::fmt::Display) -> DatapathError {
+    DatapathError {
+        what,
+        detail: e.to_string(),
+        fatal: false,
+    }
+}
+
+fn tc_err(what: &'static str, target: impl std::fmt::Display, e: std::io::Error) -> DatapathError {
+    err(what, format!("{target}: {e}"))
+}
+
+/// This build's programs by name (fds: pinned or not, they stay loaded).
+type Programs = StdHashMap<&'static str, ProgramFd>;
+
+struct Maps {
+    config: Array<MapData, DpConfig>,
+    counters: PerCpuArray<MapData, u64>,
+    sandboxes: HashMap<MapData, u32, DpSandbox>,
+    by_ip: HashMap<MapData, u32, DpTap>,
+    allow: LpmTrie<MapData, DpPolicyData, u8>,
+    deny: LpmTrie<MapData, DpPolicyData, u8>,
+    portmap: HashMap<MapData, DpPortmapKey, DpPortmapVal>,
+    attached: HashMap<MapData, u32, u32>,
+    sb_stats: HashMap<MapData, u32, DpSbStats>,
+    sb_share: HashMap<MapData, u32, DpShare>,
+}
+
+/// (allow, deny) LPM keys installed for one sandbox.
+type PolicyKeys = (Vec<Key<DpPolicyData>>, Vec<Key<DpPolicyData>>);
+
+struct Inner {
+    maps: Maps,
+    /// sandbox ip -> policy keys installed for it (allow, deny).
+    policies: StdHashMap<u32, PolicyKeys>,
+    /// sandbox ip -> port-map keys installed for it.
+    portmaps: StdHashMap<u32, Vec<DpPortmapKey>>,
+}
+
+/// The reaper's own handles on the pinned maps, so walking tens of
+/// thousands of flows never holds the lock `attach` needs on the ensure
+/// path (map operations are safe to run concurrently in the kernel).
+struct Reaper {
+    ct: HashMap<MapData, DpCtKey, DpCtVal>,
+    ct_rev: HashMap<MapData, DpRevKey, DpRevVal>,
+    attached: HashMap<MapData, u32, u32>,
+    /// Read only: which generation owns each address now.
+    by_ip: HashMap<MapData, u32, DpTap>,
+    /// `by_ip` and `tap_attached` once more, for batched dumps.
+    by_ip_dump: MapData,
+    attached_dump: MapData,
+    /// Passes so far: attachments of gone devices are looked for on
+    /// every [`GONE_CHECK_EVERY`]th (a lookup per device).
+    passes: u64,
+    /// `ct` once more, for batched dumps (BPF_MAP_LOOKUP_BATCH).
+    ct_dump: MapData,
+    /// Host connections in the SNAT range (see `to_uplink`).
+    host_nat: HashMap<MapData, DpRevKey, DpCtVal>,
+    host_nat_dump: MapData,
+    /// Host <-> sandbox flows and their guest-side entries.
+    hflow: HashMap<MapData, DpHflowKey, DpHflowVal>,
+    hflow_dump: MapData,
+    hrev: HashMap<MapData, DpHrevKey, DpHrevVal>,
+    hrev_dump: MapData,
+    /// Each sandbox's share of the host-flow tables (recounted every pass)
+    /// and the node-wide pool's.
+    sb_share: HashMap<MapData, u32, DpShare>,
+    sb_share_dump: MapData,
+    share_pool: Array<MapData, DpSharePool>,
+    hflow_shares: HflowShares,
+    /// Per-sandbox counters: entries of gone devices are removed.
+    sb_stats: HashMap<MapData, u32, DpSbStats>,
+    sb_dump: MapData,
+}
+
+/// Counts refreshed by `maintain`, read by `checks` without touching maps.
+#[derive(Default)]
+struct Stats {
+    flows: AtomicUsize,
+    /// Host <-> sandbox flows and host connections in the SNAT range.
+    host_flows: AtomicUsize,
+    /// TAPs and veths running `from_guest`, and of those the ones with
+    /// an older build's filter of their own.
+    taps: AtomicUsize,
+    own: AtomicUsize,
+    reaped: AtomicU64,
+    /// Live sandbox flows per sandbox address (the `ct` key's form).
+    by_sandbox: Mutex<StdHashMap<u32, u64>>,
+}
+
+pub struct EbpfDatapath {
+    inner: Mutex<Inner>,
+    progs: Programs,
+    reaper: Mutex<Reaper>,
+    stats: Stats,
+    node: NodeInfo,
+    node_hooks: Vec<Hook>,
+    /// Tag of each program of this build (what `check` compares with).
+    tags: StdHashMap<&'static str, u64>,
+    /// TAPs and veths that keep an older build's qdisc and filter of their
+    /// own (this build's program replaced in place at load).
+    own_filter: Mutex<HashSet<u32>>,
+    /// Of those, the ones whose filter could not be replaced: they run
+    /// another build's program (Health says so until they converge).
+    stale: Mutex<Vec<(u32, String)>>,
+    /// The kernel announced a removal on the block or its anchor: put
+    /// them back before the next TAP joins (see `repair_block_if_lost`).
+    block_lost: std::sync::atomic::AtomicBool,
+    /// `tap_attached`, for forgetting a device without `inner`.
+    attached_forget: MapData,
+    /// `sb_stats` for readers (GetNetwork, metrics), without `inner`.
+    sb_read: Mutex<HashMap<MapData, u32, DpSbStats>>,
+    sb_read_dump: MapData,
+    /// `dns_learned`, written by the resolver's answers behind a lock of
+    /// its own (never `inner`, which the ensure path needs).
+    learned: Mutex<HashMap<MapData, DpLearnedKey, DpLearnedVal>>,
+    /// `by_ip` for reads without `inner` (the owner's generation).
+    by_ip_read: HashMap<MapData, u32, DpTap>,
+    /// `dns_learned` and `by_ip` for batched dumps without `inner`.
+    learned_dump: MapData,
+    by_ip_read_dump: MapData,
+    /// Pinned maps migrated or recreated at load (layout changed).
+    migrated: Vec<String>,
+    /// The config this agent wrote (what `datapath` compares the map with).
+    config: DpConfig,
+    /// The id of the map behind each pin, at load (what `datapath_pins`
+    /// compares the pins with).
+    pin_ids: Vec<(&'static str, u32)>,
+    /// Whether host -> 127.x:host_port mappings can work.
+    localnet: Result<(), String>,
+}
+
+impl EbpfDatapath {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn counters(inner: &Inner) -> Vec<(&'static str, u64)> {
+        COUNTER_NAMES
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let sum = inner
+                    .maps
+                    .counters
+                    .get(&(i as u32), 0)
+                    .map(|v| v.iter().sum())
+                    .unwrap_or(0);
+                (*name, sum)
+            })
+            .collect()
+    }
+}
+
+/// What `take_over_taps` found: devices with a filter of their own, those
+/// whose filter could not be replaced (ifindex, why), and how many run
+/// `from_guest`.
+struct TakenOver {
+    own: HashSet<u32>,
+    stale: Vec<(u32, String)>,
+    kept: usize,
+}
+
+fn monotonic_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
+        .unwrap_or(0)
+}
+
+impl Datapath for EbpfDatapath {
+    /// Transactional (`entries.rs`).
+    fn attach(&self, sb: &SandboxPath<'_>) -> Result<(), DatapathError> {
+        self.write_sandbox(sb)
+    }
+
+    fn prepare_tap(&self, _tap_name: &str, tap_ifindex: u32) -> Result<(), DatapathError> {
+        let mut guard = self.lock();
+        self.ensure_filter(&mut guard, tap_ifindex)
+    }
+
+    fn prepare_idle_tap(&self, _tap_name: &str, tap_ifindex: u32) -> Result<(), DatapathError> {
+        let mut guard = self.lock();
+        self.join(&mut guard, tap_ifindex, true)
+    }
+
+    fn node_hooks(&self) -> Vec<Hook> {
+        self.node_hooks.clone()
+    }
+
+    fn tap_hook(&self, tap_name: &str, tap_ifindex: u32) -> Option<Hook> {
+        let own = self
+            .own_filter
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&tap_ifindex);
+        Some(Hook {
+            device: tap_name.to_owned(),
+            ifindex: tap_ifindex,
+            place: if own {
+                Place::Filter(TcHook::Ingress)
+            } else {
+                Place::Bound(self.node.block)
+            },
+            program: "from_guest",
+        })
+    }
+
+    /// Compared by program tag with this build's (`attach.rs`).
+    fn check(&self, hooks: &[Hook]) -> Result<Vec<(usize, String)>, DatapathError> {
+        self.check_hooks(hooks)
+    }
+
+    fn reattach(&self, hook: &Hook) -> Result<(), DatapathError> {
+        let tap = hook.program == "from_guest"
+            && !matches!(hook.place, Place::Block(_))
+            && hook.ifindex != self.node.anchor.1;
+        if tap {
+            let mut guard = self.lock();
+            self.join(&mut guard, hook.ifindex, false)?;
+        } else {
+            install(&self.progs, hook)?;
+        }
+        info!(%hook, "datapath hook attached again");
+        Ok(())
+    }
+
+    fn forget_attachment(&self, ifindex: u32) {
+        if ifindex == BLOCK_IFINDEX || ifindex == self.node.anchor.1 {
+            self.block_lost.store(true, Ordering::Release);
+        }
+        super::pins::delete_u32(&self.attached_forget, ifindex);
+        self.own_filter
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&ifindex);
+    }
+
+    fn program_tags(&self) -> Vec<(&'static str, u64)> {
+        PROGRAMS.iter().map(|p| (*p, self.tags[p])).collect()
+    }
+
+    fn tap_counts(&self) -> (usize, usize) {
+        let own = self.stats.own.load(Ordering::Relaxed);
+        let taps = self.stats.taps.load(Ordering::Relaxed);
+        (taps.saturating_sub(own), own)
+    }
+
+    fn stale(&self) -> Vec<String> {
+        self.stale
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(_, s)| s.clone())
+            .collect()
+    }
+
+    fn learn(
+        &self,
+        sandbox_ip: Ipv4Addr,
+        addrs: &[(Ipv4Addr, Duration)],
+    ) -> Result<(), DatapathError> {
+        self.learn_addrs(sandbox_ip, addrs)
+    }
+
+    fn learned_entries(&self) -> Vec<(Ipv4Addr, Ipv4Addr, Duration)> {
+        self.learned_list()
+    }
+
+    fn forget(&self, sandbox_ip: Ipv4Addr, addrs: &[Ipv4Addr]) {
+        self.forget_addrs(sandbox_ip, addrs)
+    }
+
+    fn detach(&self, sb: &SandboxPath<'_>) -> Result<(), DatapathError> {
+        self.remove_sandbox(sb)
+    }
+
+    fn maintain(&self) {
+        self.reap()
+    }
+
+    fn flow_counts(&self) -> (u64, u64) {
+        (
+            self.stats.flows.load(Ordering::Relaxed) as u64,
+            self.stats.host_flows.load(Ordering::Relaxed) as u64,
+        )
+    }
+
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        Self::counters(&self.lock())
+    }
+
+    fn sandbox_counters(&self, ifindex: u32) -> Option<Vec<u64>> {
+        self.sb_read
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ifindex, 0)
+            .ok()
+            .map(|s| s.c.to_vec())
+    }
+
+    fn all_sandbox_counters(&self) -> StdHashMap<u32, Vec<u64>> {
+        dump_flows::<u32, DpSbStats>(&self.sb_read_dump)
+            .unwrap_or_else(|| {
+                self.sb_read
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .flatten()
+                    .collect()
+            })
+            .into_iter()
+            .map(|(i, s)| (i, s.c.to_vec()))
+            .collect()
+    }
+
+    fn live_flows(&self, sandbox_ip: Ipv4Addr) -> u64 {
+        self.stats
+            .by_sandbox
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ip_be(sandbox_ip))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn checks(&self) -> Vec<Check> {
+        self.health_checks()
+    }
+}

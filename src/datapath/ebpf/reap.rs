@@ -1,0 +1,345 @@
+//! The reaper: every 2 s a pass over the flow tables (batched dumps)
+//! removes expired flows and those of released sandboxes, recounts each
+//! sandbox's host-flow share, and forgets attachments and counters of
+//! devices that are gone.
+
+use super::*;
+
+/// How long a guest's DNS exchange over UDP keeps its host-flow entry
+/// when idle (the resolver answers within 3 s or not at all).
+const DNS_UDP_IDLE: Duration = Duration::from_secs(10);
+
+/// Every (key, value) of the flow map `map`, a few thousand per
+/// BPF_MAP_LOOKUP_BATCH call: the reaper's pass over 100k flows costs a
+/// few dozen syscalls instead of two per flow (aya's iterator), so it takes
+/// little CPU from the request path on a busy node. None if the kernel
+/// refuses batched lookups; the caller then walks entry by entry.
+pub(super) fn dump_flows<K: aya::Pod + Default, V: aya::Pod + Default>(
+    map: &MapData,
+) -> Option<Vec<(K, V)>> {
+    let (ks, vs) = (size_of::<K>(), size_of::<V>());
+    let (keys, vals, n) = crate::datapath::pins::batch_raw(map.fd().as_fd(), ks, vs).ok()??;
+    Some(
+        (0..n)
+            .map(|i| {
+                // SAFETY: `keys` and `vals` hold `n` entries of exactly
+                // these sizes; K and V are Pod (every bit pattern valid),
+                // read unaligned from the byte buffers.
+                unsafe {
+                    (
+                        std::ptr::read_unaligned(keys[i * ks..].as_ptr().cast::<K>()),
+                        std::ptr::read_unaligned(vals[i * vs..].as_ptr().cast::<V>()),
+                    )
+                }
+            })
+            .collect(),
+    )
+}
+
+/// The reaper looks for attachments of devices that no longer exist on
+/// every this many passes (the first included): one lookup per TAP.
+const GONE_CHECK_EVERY: u64 = 15;
+
+impl EbpfDatapath {
+    pub(super) fn reap(&self) {
+        let now = monotonic_ns();
+        let t = self.node.timeouts;
+        let mut guard = self.reaper.lock().unwrap_or_else(|p| p.into_inner());
+        let r = &mut *guard;
+        // Which generation owns each address now: a flow of another one
+        // belongs to a released sandbox (or an earlier owner).
+        let taps: StdHashMap<u32, DpTap> = dump_flows::<u32, DpTap>(&r.by_ip_dump)
+            .unwrap_or_else(|| r.by_ip.iter().flatten().collect())
+            .into_iter()
+            .collect();
+        let owners: StdHashMap<u32, u64> = taps.iter().map(|(ip, t)| (*ip, t.generation)).collect();
+        let mut flows = 0usize;
+        let mut stale_n = 0usize;
+        let mut by_sandbox: StdHashMap<u32, u64> = StdHashMap::new();
+        let all = dump_flows(&r.ct_dump).unwrap_or_else(|| r.ct.iter().flatten().collect());
+        let doomed: Vec<(DpCtKey, DpCtVal, bool)> = all
+            .into_iter()
+            .inspect(|_| flows += 1)
+            .filter_map(|(k, v)| {
+                let limit = t.limit(k.proto, v.state);
+                let stale = owners.get(&k.sandbox_ip) != Some(&v.generation);
+                let expired = now.saturating_sub(v.last_seen_ns) > limit.as_nanos() as u64;
+                if !stale && !expired {
+                    *by_sandbox.entry(k.sandbox_ip).or_default() += 1;
+                }
+                (stale || expired).then_some((k, v, stale && !expired))
+            })
+            .collect();
+        *self
+            .stats
+            .by_sandbox
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = by_sandbox;
+        let mut removed = 0usize;
+        for (k, v, stale) in &doomed {
+            // Re-read right before deleting: a flow touched or replaced since
+            // the dump (still live, or the new owner's) waits for the next
+            // pass, whichever way it was doomed.
+            if r.ct.get(k, 0).ok().as_ref() != Some(v) {
+                continue;
+            }
+            if *stale {
+                // The owners were read before the walk: an owner attached
+                // since then must not have its flows taken for stale.
+                if r.by_ip
+                    .get(&k.sandbox_ip, 0)
+                    .is_ok_and(|o| o.generation == v.generation)
+                {
+                    continue;
+                }
+                stale_n += 1;
+            }
+            Self::remove_flow(&mut r.ct, &mut r.ct_rev, k, v);
+            removed += 1;
+        }
+        let (host_flows, host_removed) = Self::reap_host_flows(r, &taps, now, t);
+        // Attachment records of TAPs that no longer exist.
+        let (mut taps, mut own) = (0usize, 0usize);
+        r.passes += 1;
+        let look = r.passes % GONE_CHECK_EVERY == 1;
+        let gone: Vec<u32> = dump_flows::<u32, u32>(&r.attached_dump)
+            .unwrap_or_else(|| r.attached.iter().flatten().collect())
+            .into_iter()
+            .inspect(|(_, how)| {
+                taps += 1;
+                own += usize::from(*how == OWN_FILTER);
+            })
+            .map(|(i, _)| i)
+            .filter(|i| look && !link_exists(*i))
+            .collect();
+        for i in &gone {
+            let _ = r.attached.remove(i);
+        }
+        // Counters of devices that are gone (released networks' TAPs and
+        // veths are deleted off the release path).
+        if look {
+            let keys: Vec<u32> = dump_flows::<u32, DpSbStats>(&r.sb_dump)
+                .unwrap_or_else(|| r.sb_stats.iter().flatten().collect())
+                .into_iter()
+                .map(|(i, _)| i)
+                .collect();
+            for i in keys.into_iter().filter(|i| !link_exists(*i)) {
+                let _ = r.sb_stats.remove(&i);
+            }
+            let shares: Vec<u32> = Self::shares(r).into_keys().collect();
+            for i in shares.into_iter().filter(|i| !link_exists(*i)) {
+                let _ = r.sb_share.remove(&i);
+            }
+            let orphans = Self::reap_orphan_hrev(r);
+            if orphans > 0 {
+                debug!(
+                    entries = orphans,
+                    "hrev entries without a host flow removed"
+                );
+            }
+        }
+        {
+            let mut o = self.own_filter.lock().unwrap_or_else(|p| p.into_inner());
+            o.retain(|i| !gone.contains(i));
+            own = own.min(o.len());
+        }
+        self.stats.own.store(own, Ordering::Relaxed);
+        self.stats.flows.store(flows - removed, Ordering::Relaxed);
+        self.stats
+            .host_flows
+            .store(host_flows - host_removed, Ordering::Relaxed);
+        self.stats.taps.store(taps - gone.len(), Ordering::Relaxed);
+        self.stats
+            .reaped
+            .fetch_add((removed + host_removed) as u64, Ordering::Relaxed);
+        if removed + host_removed > 0 {
+            debug!(
+                flows = removed,
+                of_released_sandboxes = stale_n,
+                host_flows = host_removed,
+                "expired flows and flows of released sandboxes reaped"
+            );
+        }
+    }
+
+    /// Removes a flow, and its SNAT reverse entry if that still points at
+    /// it (a port may have gone to another flow since).
+    fn remove_flow(
+        ct: &mut HashMap<MapData, DpCtKey, DpCtVal>,
+        ct_rev: &mut HashMap<MapData, DpRevKey, DpRevVal>,
+        k: &DpCtKey,
+        v: &DpCtVal,
+    ) {
+        let _ = ct.remove(k);
+        if v.kind == DP_CT_SNAT {
+            let rk = DpRevKey {
+                remote_ip: k.remote_ip,
+                remote_port: k.remote_port,
+                nat_port: v.nat_port,
+                proto: k.proto,
+                pad: [0; 3],
+            };
+            if ct_rev.get(&rk, 0).is_ok_and(|r| {
+                r.sandbox_ip == k.sandbox_ip
+                    && r.guest_port == k.guest_port
+                    && r.generation == v.generation
+            }) {
+                let _ = ct_rev.remove(&rk);
+            }
+        }
+    }
+
+    /// The reaper's pass over host flows: host connections in the SNAT
+    /// range (`host_nat`) and host <-> sandbox flows (`hflow`), expired by
+    /// the same timeouts, host <-> sandbox flows also when their sandbox
+    /// was released (generation). Each is re-read right before it is
+    /// deleted (a flow touched since the dump waits for the next pass), and
+    /// its reverse entry goes with it only if that still points at it.
+    /// Returns (flows seen, flows removed).
+    fn reap_host_flows(
+        r: &mut Reaper,
+        taps: &StdHashMap<u32, DpTap>,
+        now: u64,
+        t: FlowTimeouts,
+    ) -> (usize, usize) {
+        let expired = |proto: u8, state: u8, last: u64| {
+            now.saturating_sub(last) > t.limit(proto, state).as_nanos() as u64
+        };
+        // A guest's DNS over UDP (to its gateway, or redirected to the
+        // resolver) is done within the resolver's upstream timeout: its
+        // entries go after DNS_UDP_IDLE, not the UDP timeout, so a guest
+        // that resolves a lot holds few of its share.
+        let dns_udp = |k: &DpHflowKey, v: &DpHflowVal| {
+            k.proto == libc::IPPROTO_UDP as u8
+                && v.gw_port == 53u16.to_be()
+                && now.saturating_sub(v.last_seen_ns) > DNS_UDP_IDLE.as_nanos() as u64
+        };
+        let (mut seen, mut removed) = (0, 0);
+        let nat: Vec<(DpRevKey, DpCtVal)> =
+            dump_flows(&r.host_nat_dump).unwrap_or_else(|| r.host_nat.iter().flatten().collect());
+        seen += nat.len();
+        for (k, v) in nat {
+            if !expired(k.proto, v.state, v.last_seen_ns)
+                || r.host_nat.get(&k, 0).ok().as_ref() != Some(&v)
+            {
+                continue;
+            }
+            let _ = r.host_nat.remove(&k);
+            let rk = DpRevKey {
+                nat_port: v.nat_port,
+                ..k
+            };
+            if r.ct_rev
+                .get(&rk, 0)
+                .is_ok_and(|rv| rv.sandbox_ip == 0 && rv.guest_port == k.nat_port)
+            {
+                let _ = r.ct_rev.remove(&rk);
+            }
+            removed += 1;
+        }
+        let hflows: Vec<(DpHflowKey, DpHflowVal)> =
+            dump_flows(&r.hflow_dump).unwrap_or_else(|| r.hflow.iter().flatten().collect());
+        // Every sandbox's share, right after the dump: what the datapath
+        // adds and gives back from here on is carried over (see below).
+        let before = Self::shares(r);
+        seen += hflows.len();
+        let mut held: StdHashMap<u32, i64> = StdHashMap::new();
+        for (k, v) in hflows {
+            let owner = taps
+                .get(&v.sandbox_ip)
+                .filter(|o| o.generation == v.generation);
+            let stale = owner.is_none();
+            if !(stale || expired(k.proto, v.state, v.last_seen_ns) || dns_udp(&k, &v))
+                || r.hflow.get(&k, 0).ok().as_ref() != Some(&v)
+                || (stale
+                    && r.by_ip
+                        .get(&v.sandbox_ip, 0)
+                        .is_ok_and(|o| o.generation == v.generation))
+            {
+                if let Some(o) = owner {
+                    *held.entry(o.ifindex).or_default() += 1;
+                }
+                continue;
+            }
+            let _ = r.hflow.remove(&k);
+            let rk = DpHrevKey {
+                sandbox_ip: v.sandbox_ip,
+                guest_port: v.guest_port,
+                gw_port: v.gw_port,
+                proto: k.proto,
+                pad: [0; 3],
+            };
+            if r.hrev.get(&rk, 0).is_ok_and(|rv| rv.host == k) {
+                let _ = r.hrev.remove(&rk);
+            }
+            removed += 1;
+        }
+        Self::recount_shares(r, &before, &held);
+        (seen, removed)
+    }
+
+    /// Every sandbox's `sb_share` count (ifindex -> host flows).
+    fn shares(r: &Reaper) -> StdHashMap<u32, i64> {
+        dump_flows::<u32, DpShare>(&r.sb_share_dump)
+            .unwrap_or_else(|| r.sb_share.iter().flatten().collect())
+            .into_iter()
+            .map(|(i, s)| (i, i64::from(s.hflow)))
+            .collect()
+    }
+
+    /// Sets each sandbox's share to the host flows it holds: `held` (the
+    /// entries this pass saw and kept) plus what the datapath changed since
+    /// `before` was read (flows opened and closed meanwhile). The
+    /// datapath's own counting is exact for what it adds and removes; this
+    /// corrects what it cannot see (entries the reaper removed, an earlier
+    /// owner's). The shared pool follows from the counts.
+    fn recount_shares(r: &mut Reaper, before: &StdHashMap<u32, i64>, held: &StdHashMap<u32, i64>) {
+        const BPF_EXIST: u64 = 2;
+        let g = i64::from(r.hflow_shares.guaranteed);
+        let now = Self::shares(r);
+        let mut borrowed = 0i64;
+        for (ifindex, current) in &now {
+            let meanwhile = current - before.get(ifindex).copied().unwrap_or(*current);
+            let n = (held.get(ifindex).copied().unwrap_or(0) + meanwhile).max(0);
+            borrowed += (n - g).max(0);
+            if n != *current {
+                let _ = r.sb_share.insert(
+                    ifindex,
+                    DpShare {
+                        hflow: n as u32,
+                        pad: 0,
+                    },
+                    BPF_EXIST,
+                );
+            }
+        }
+        let _ = r.share_pool.set(
+            0,
+            DpSharePool {
+                hflow_borrowed: borrowed.min(i64::from(u32::MAX)) as u32,
+                pad: 0,
+            },
+            0,
+        );
+    }
+
+    /// `hrev` entries whose host flow is gone (its removal raced with a
+    /// takeover): removed so the map holds no more than `hflow`.
+    fn reap_orphan_hrev(r: &mut Reaper) -> usize {
+        let all: Vec<(DpHrevKey, DpHrevVal)> =
+            dump_flows(&r.hrev_dump).unwrap_or_else(|| r.hrev.iter().flatten().collect());
+        let mut n = 0;
+        for (k, v) in all {
+            let live = r.hflow.get(&v.host, 0).is_ok_and(|f| {
+                f.sandbox_ip == k.sandbox_ip
+                    && f.guest_port == k.guest_port
+                    && f.gw_port == k.gw_port
+            });
+            if !live && r.hrev.get(&k, 0).ok().as_ref() == Some(&v) {
+                let _ = r.hrev.remove(&k);
+                n += 1;
+            }
+        }
+        n
+    }
+}
