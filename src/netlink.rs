@@ -1297,6 +1297,17 @@ pub fn link_counters_dump() -> std::io::Result<std::collections::HashMap<u32, Li
     Ok(out)
 }
 
+/// Whether a network device with this ifindex exists in our namespace.
+/// (nix 0.30's `if_indextoname` treats only -1 as failure, but libc returns
+/// NULL for an unknown index, so it called every device alive and
+/// the datapath's `tap_attached` leaked an entry per retired TAP.)
+pub fn link_exists(ifindex: u32) -> bool {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: `buf` holds IF_NAMESIZE bytes, as if_indextoname(3) requires;
+    // it only writes the name there.
+    !unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) }.is_null()
+}
+
 #[cfg(test)]
 mod tests {
     /// Thread ids of this process named `name`.

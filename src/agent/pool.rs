@@ -10,7 +10,7 @@
 //! RCU grace period. Deletion uses its own netlink socket so it never
 //! delays a caller's netlink requests.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -75,6 +75,10 @@ struct Inner {
     retiring: Vec<PoolTap>,
     /// Links to delete that we hold no fd for (found at recovery).
     retiring_links: Vec<u32>,
+    /// Of the retiring devices, the ones already moved into the retire
+    /// group (by `discard` or a surplus `give_back`): the batch does not
+    /// move them again.
+    grouped: HashSet<u32>,
     /// When the oldest TAP now waiting for deletion was first seen.
     retiring_since: Option<Instant>,
     abnormal: Vec<Abnormal>,
@@ -239,9 +243,14 @@ impl TapPool {
             group: Some(self.retire_group),
             ..Default::default()
         };
-        if let Err(error) = self.nl.set_link(pt.ifindex, change).await {
-            // The batch deletion sets the group again, then deletes.
-            debug!(tap = pt.tap.name(), %error, "moving a handed-out TAP to the retire group");
+        match self.nl.set_link(pt.ifindex, change).await {
+            Ok(()) => {
+                self.lock().grouped.insert(pt.ifindex);
+            }
+            // The batch deletion moves it, then deletes.
+            Err(error) => {
+                debug!(tap = pt.tap.name(), %error, "moving a handed-out TAP to the retire group")
+            }
         }
         debug!(tap = pt.tap.name(), "handed-out TAP retired");
         self.retire(pt);
@@ -265,6 +274,9 @@ impl TapPool {
                 // Checked again here: concurrent releases all passed the
                 // first check while their resets were in flight.
                 if surplus || inner.idle.len() >= self.keep_limit() {
+                    if surplus {
+                        inner.grouped.insert(pt.ifindex);
+                    }
                     inner.retiring.push(pt);
                     drop(inner);
                     self.wake.notify_one();
@@ -490,12 +502,13 @@ impl TapPool {
     /// Deletes every retired TAP with one group RTM_DELLINK; falls back to
     /// one request per link if the group delete fails.
     pub async fn delete_retired(&self) {
-        let (taps, links) = {
+        let (taps, links, mut grouped) = {
             let mut inner = self.lock();
             inner.retiring_since = None;
             (
                 std::mem::take(&mut inner.retiring),
                 std::mem::take(&mut inner.retiring_links),
+                std::mem::take(&mut inner.grouped),
             )
         };
         if taps.is_empty() && links.is_empty() {
@@ -513,22 +526,29 @@ impl TapPool {
             }
         })
         .await;
-        let mut grouped = vec![];
+        // Into the retire group, those not moved yet: a group change only
+        // (no down: the group deletion closes every device in one batch,
+        // one RCU grace period for all, where a down each waits one per
+        // device under RTNL).
         for &index in &indexes {
+            if grouped.contains(&index) {
+                continue;
+            }
             let change = LinkChange {
                 group: Some(self.retire_group),
-                up: Some(false),
                 ..Default::default()
             };
             if self.nl_bg.set_link(index, change).await.is_ok() {
-                grouped.push(index);
+                grouped.insert(index);
             }
         }
         let started = Instant::now();
         let group_ok = self.nl_bg.delete_group(self.retire_group).await.is_ok();
         let mut errors = vec![];
         for &index in &indexes {
-            if !(group_ok && grouped.contains(&index)) {
+            // One by one: those the group deletion did not take (not in
+            // the group, moved out of it meanwhile, or the deletion failed).
+            if !(group_ok && grouped.contains(&index) && !crate::netlink::link_exists(index)) {
                 match self.nl_bg.delete_link(index).await {
                     // Gone already (a retired veth whose namespace was deleted).
                     Err(e) if e.errno() == Some(libc::ENODEV) => {}

@@ -156,16 +156,7 @@ fn filter_drift(target: Target, program: &str, tag: u64) -> std::io::Result<Opti
     )
 }
 
-/// Whether a network device with this ifindex exists in our namespace.
-/// (nix 0.30's `if_indextoname` treats only -1 as failure, but libc returns
-/// NULL for an unknown index, so it called every device alive and
-/// `tap_attached` leaked an entry per retired TAP.)
-pub(super) fn link_exists(ifindex: u32) -> bool {
-    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
-    // SAFETY: `buf` holds IF_NAMESIZE bytes, as if_indextoname(3) requires;
-    // it only writes the name there.
-    !unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) }.is_null()
-}
+pub(super) use crate::netlink::link_exists;
 
 impl EbpfDatapath {
     /// Binds a TAP's (or veth's) clsact qdisc to the shared block unless
