@@ -733,7 +733,10 @@ impl Writer {
         );
         for (done, change) in pending {
             match change {
-                Change::Put(k, v) => {
+                Change::Put(k, mut v) => {
+                    // Kept for snapshots: exactly its length (a record's
+                    // JSON is built with up to twice its size in capacity).
+                    v.shrink_to_fit();
                     self.mirror.insert(k, v);
                 }
                 Change::Delete(k) => {

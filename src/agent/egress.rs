@@ -118,9 +118,11 @@ struct Sandbox {
     /// The CIDR rules, for strict mode without name rules (the proxy then
     /// dials what the CIDRs allow, as the datapath would).
     cidrs: Arc<CidrRules>,
-    /// Dropped when this entry is replaced or removed: the proxy's
-    /// connections of the sandbox check again whether they may go on.
-    changed: tokio::sync::watch::Sender<()>,
+    /// Strict mode only (the proxy's connections): dropped when this entry
+    /// is replaced or removed, so they check again whether they may go on.
+    /// None for every other sandbox (a watch channel is ~400 bytes: 4 MB
+    /// at 10,000 sandboxes).
+    changed: Option<tokio::sync::watch::Sender<()>>,
     /// Its link's MTU: no UDP answer to it may be larger.
     mtu: u32,
 }
@@ -374,7 +376,7 @@ impl Egress {
                 patterns: patterns.clone(),
                 strict,
                 cidrs: cidrs.clone(),
-                changed: tokio::sync::watch::channel(()).0,
+                changed: strict.then(|| tokio::sync::watch::channel(()).0),
                 mtu: rec.mtu,
             },
         );
@@ -540,7 +542,10 @@ impl Egress {
 
     fn proxy_decide(&self, src: Ipv4Addr, name: Option<&str>) -> ProxyDecision {
         let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
-        let Some(sb) = sandboxes.get(&src).filter(|s| s.strict) else {
+        let Some((sb, tx)) = sandboxes
+            .get(&src)
+            .and_then(|s| s.changed.as_ref().map(|tx| (s, tx)))
+        else {
             return ProxyDecision::Stranger;
         };
         let sandbox_id = sb.id.clone();
@@ -553,13 +558,13 @@ impl Egress {
             (Some(_), Some(_)) => ProxyDecision::Dial {
                 sandbox_id,
                 cidrs: None,
-                changed: sb.changed.subscribe(),
+                changed: tx.subscribe(),
             },
             // No name rules: the CIDR rules decide the address.
             (Some(_), None) => ProxyDecision::Dial {
                 sandbox_id,
                 cidrs: Some(sb.cidrs.clone()),
-                changed: sb.changed.subscribe(),
+                changed: tx.subscribe(),
             },
         }
     }

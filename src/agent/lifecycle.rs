@@ -5,6 +5,7 @@
 
 use std::net::IpAddr;
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 use std::time::Instant;
 
 use tracing::{debug, info, warn};
@@ -273,7 +274,7 @@ impl Agent {
                 let ifname = ifname.clone();
                 match self.create_veth(&rec, &ifname, netns).await {
                     Ok(ifindex) => Network {
-                        rec,
+                        rec: Arc::new(rec),
                         ifindex,
                         tap: None,
                         handed_out: false,
@@ -291,7 +292,7 @@ impl Agent {
                 Ok(pt) => {
                     debug_assert_eq!(rec.tap_name, pt.tap.name());
                     Network {
-                        rec,
+                        rec: Arc::new(rec),
                         ifindex: pt.ifindex,
                         tap: Some(pt.tap),
                         handed_out: false,
@@ -306,13 +307,13 @@ impl Agent {
             .await
         {
             let err = failed("adding the neighbour entry", &e);
-            let rec = net.rec.clone();
+            let rec = (*net.rec).clone();
             self.recycle(&mut net).await;
             return Err((rec, err));
         }
         if let Err(e) = self.dp_attach(&net).await {
             let err = failed("programming the datapath", &e);
-            let rec = net.rec.clone();
+            let rec = (*net.rec).clone();
             self.unwire(&net).await;
             self.recycle(&mut net).await;
             return Err((rec, err));
@@ -603,7 +604,7 @@ impl Agent {
                 &self.port_rules(&sockets),
             )?
         };
-        let mut rec = net.rec.clone();
+        let mut rec = (*net.rec).clone();
         rec.port_mappings = mappings;
         rec.allow_internet_access = spec.allow_internet_access.unwrap_or(true);
         rec.allow_out = spec.allow_out;
@@ -612,7 +613,7 @@ impl Agent {
         rec.mtu = spec.mtu.unwrap_or(self.cfg.mtu);
         rec.idempotency_key = spec.idempotency_key;
         rec.egress_mode = spec.egress_mode;
-        if rec == net.rec {
+        if rec == *net.rec {
             return Ok(Ensured::Unchanged);
         }
         let undo_claims = |this: &Self| {
@@ -621,7 +622,7 @@ impl Agent {
                 a.ports.release(m.protocol, m.host_port);
             }
         };
-        let old = std::mem::replace(&mut net.rec, rec);
+        let old = std::mem::replace(&mut net.rec, Arc::new(rec));
         let result = self.apply_change(net, &old).await;
         if let Err(e) = result {
             net.rec = old;

@@ -96,7 +96,9 @@ fn failed(what: &str, e: &dyn std::error::Error) -> AgentError {
 
 /// A live sandbox network.
 struct Network {
-    rec: NetworkRecord,
+    /// Shared with its view (readers, D-Bus object, events): a change
+    /// replaces it whole.
+    rec: Arc<NetworkRecord>,
     /// The agent's own fd; `None` if the TAP could not be re-attached after
     /// a restart (another process holds its only queue).
     tap: Option<Tap>,
@@ -147,10 +149,12 @@ impl Network {
     }
 }
 
-/// What readers (Get/List) see; cloned out of the view map.
+/// What readers (Get/List) see; cloned out of the view map. The record
+/// is shared by the view map, the D-Bus objects and the events (one copy
+/// per network, not one each).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NetworkView {
-    pub record: NetworkRecord,
+    pub record: std::sync::Arc<NetworkRecord>,
     pub tap_ifindex: u32,
     pub tap_fd_held: bool,
 }

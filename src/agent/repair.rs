@@ -234,7 +234,7 @@ impl Agent {
         } else {
             validate_sandbox_id(id)?;
             let v = self.get(id)?;
-            vec![(id.to_owned(), v.record.network_handle)]
+            vec![(id.to_owned(), v.record.network_handle.clone())]
         };
         // After the list: every listed network's neighbour was installed
         // before this dump, and only its own slot changes it.

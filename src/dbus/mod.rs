@@ -357,7 +357,7 @@ pub fn traffic_value(t: &crate::agent::traffic::Traffic) -> OwnedValue {
 
 /// A network as the `a{sv}` the SPEC describes.
 pub fn network_dict(info: NetworkInfo) -> Dict {
-    let r = info.view.record;
+    let r = std::sync::Arc::unwrap_or_clone(info.view.record);
     let mut d = Dict::new();
     let mut put = |k: &str, v: Value<'_>| {
         d.insert(

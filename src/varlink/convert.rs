@@ -178,7 +178,7 @@ pub fn traffic(t: &crate::agent::traffic::Traffic) -> Value {
 
 /// A `Network`.
 pub fn network(info: NetworkInfo) -> Value {
-    let r = info.view.record;
+    let r = std::sync::Arc::unwrap_or_clone(info.view.record);
     let mut o = json!({
         "sandbox_id": r.sandbox_id,
         "network_handle": r.network_handle,
