@@ -581,10 +581,18 @@ fn quiet_json_legend_plurals_and_ascii() {
     assert_eq!(o.stdout.lines().count(), 3, "{o:?}");
     let o = ctl(bus, &["list", "--no-legend", "-q"]);
     assert_eq!(o.stdout.lines().count(), 2, "{o:?}");
+    // health -q: only the failing checks, no header and no summary.
     let o = ctl(bus, &["health", "--quiet"]);
     assert_eq!(o.code, 1, "{o:?}");
     assert!(!o.stdout.contains("degraded"), "{o:?}");
-    assert!(o.stdout.starts_with("CHECK"), "{o:?}");
+    assert!(!o.stdout.contains("CHECK"), "{o:?}");
+    assert!(!o.stdout.is_empty(), "{o:?}");
+    assert!(
+        o.stdout
+            .lines()
+            .all(|l| l.split_whitespace().nth(1) == Some("no")),
+        "{o:?}"
+    );
     let o = ctl(bus, &["release", "sbx-a", "-q"]);
     assert_eq!((o.code, o.stdout.as_str(), o.stderr.as_str()), (0, "", ""));
     let o = ctl(bus, &["release", "sbx-a", "-q"]);

@@ -16,8 +16,11 @@ pub async fn run(agent: &Agent, out: &Output) -> Res<u8> {
         print_json(out.json, &json!({"healthy": healthy, "checks": checks}));
     } else {
         // DETAIL is free text: the last column, the rest of the line.
+        // -q: only what is wrong, no header (the exit status says the
+        // rest: a quiet healthy agent prints nothing).
         let rows: Vec<Vec<String>> = checks
             .iter()
+            .filter(|(_, ok, _)| !(out.quiet && *ok))
             .map(|(n, ok, d)| {
                 vec![
                     cell(n, out.ascii),
@@ -27,7 +30,9 @@ pub async fn run(agent: &Agent, out: &Output) -> Res<u8> {
             })
             .collect();
         let header: &[&str] = &["CHECK", "OK", "DETAIL"];
-        emit(&table(out.legend.then_some(header), &rows));
+        if !(out.quiet && rows.is_empty()) {
+            emit(&table((out.legend && !out.quiet).then_some(header), &rows));
+        }
         if out.summaries() {
             emit(&format!(
                 "\n{}\n",
