@@ -184,6 +184,12 @@ while IFS= read -r line; do
         continue
     fi
     if out=$(A="$A" bash -c "$line" 2>&1 | tr -d "\0"; exit "${PIPESTATUS[0]}"); then
+        # What a comment promises is there: busctl tree's "one object per
+        # network" (README once ran it after the release: none).
+        if [[ "$line" == "busctl tree"*"one object per network"* && "$out" != *"/org/cube/NetworkAgent/network/"* ]]; then
+            nok "README: $line shows no network object: $(head -c 300 <<<"$out")"
+            continue
+        fi
         ok "README: $line"
     else
         nok "README: $line -> exit $?: $(head -c 400 <<<"$out")"
