@@ -229,6 +229,17 @@ impl NetConf {
                 "the network configuration on stdin is not a JSON object",
             )
         })?;
+        // A whole .conflist fed by hand: say what a runtime passes instead.
+        if obj.contains_key("plugins") && !obj.contains_key("type") {
+            return Err(CniError::new(
+                code::UNSUPPORTED_FIELD,
+                "this is a network configuration list (a .conflist with 'plugins'): a runtime \
+                 passes each plugin one element of 'plugins' with the list's 'name' and \
+                 'cniVersion' added, e.g. {\"cniVersion\":\"1.0.0\",\"name\":\"cube\",\
+                 \"type\":\"cube-cni\"} (README, \"Using it from containerd\")",
+            )
+            .with_details("plugins"));
+        }
         for (k, val) in obj {
             if !SPEC_KEYS.contains(&k.as_str())
                 && !PLUGIN_KEYS.contains(&k.as_str())
@@ -721,6 +732,13 @@ mod tests {
         assert_eq!(e.code, code::UNSUPPORTED_FIELD);
         assert!(
             e.msg.contains("'bridge'") && e.msg.contains("\"br0\""),
+            "{e:?}"
+        );
+        // The shipped .conflist fed by hand: what to pass instead.
+        let e = NetConf::parse(include_bytes!("../../examples/cni/10-cube.conflist")).unwrap_err();
+        assert_eq!(e.code, code::UNSUPPORTED_FIELD);
+        assert!(
+            e.msg.contains("network configuration list") && e.msg.contains(r#""type":"cube-cni""#),
             "{e:?}"
         );
         let e = NetConf::parse(br#"{"cniVersion":"2.0.0","name":"x"}"#).unwrap_err();

@@ -32,8 +32,8 @@ ovl() { # an overlay whose upper layer lives on tmpfs: writes vanish with us
     mkdir -p "$S/$n.up" "$S/$n.wk"
     mount -t overlay overlay -o "lowerdir=$1,upperdir=$S/$n.up,workdir=$S/$n.wk" "$1"
 }
-mkdir -p /usr/share/polkit-1/actions
-for d in /etc /var/lib /usr/local /usr/share/polkit-1/actions; do ovl "$d"; done
+mkdir -p /usr/share/polkit-1/actions /opt
+for d in /etc /var/lib /usr/local /usr/share/polkit-1/actions /opt; do ovl "$d"; done
 mount -t tmpfs -o mode=755 tmpfs /run
 mount -t sysfs sysfs /sys
 # The repository: target/quickstart.state is written there.
@@ -59,7 +59,7 @@ A="org.cube.NetworkAgent /org/cube/NetworkAgent org.cube.NetworkAgent"
 
 snapshot() {
     echo "## files"
-    find /etc /var/lib /usr/local /usr/share/polkit-1/actions /run -xdev 2>/dev/null | grep -v '^/run/netns' | sort
+    find /etc /var/lib /usr/local /usr/share/polkit-1/actions /opt /run -xdev 2>/dev/null | grep -v '^/run/netns' | sort
     echo "## mounts"
     findmnt -rn -o TARGET,FSTYPE | sort
     echo "## links"
@@ -196,6 +196,30 @@ while IFS= read -r line; do
     fi
 done <<<"$blocks"
 busctl --system call $A ReleaseNetwork s sbx-1 >/dev/null 2>&1
+
+# ---- README "Using it from containerd (CNI)": install, a hand-run ADD and
+# DEL, removal, every command verbatim ----------------------------------------
+cni=$(awk '/^### Using it from containerd/ {on = 1} /^## Configuration/ {on = 0}
+    on && /^```sh/ {inb = 1; next} on && inb && /^```/ {inb = 0; next} on && inb {print}' README.md)
+[ "$(grep -c 'cube-cni' <<<"$cni")" -ge 4 ] && ok "README's CNI section has its install, ADD, DEL and removal lines" ||
+    nok "README's CNI section: $(head -c 300 <<<"$cni")"
+while IFS= read -r line; do
+    [[ -z "${line// /}" || "$line" =~ ^[[:space:]]*# ]] && continue
+    if out=$(bash -c "$line" 2>&1); then
+        if [[ "$line" == *"ip -4 addr show eth0"* && "$out" != *"169.254.68.6/30"* ]] ||
+            [[ "$line" == "cubenetctl list"* && "$out" != *"cni:demo:eth0"* ]]; then
+            nok "README (CNI): $line: not what its comment says: $(head -c 300 <<<"$out")"
+        else
+            ok "README (CNI): ${line:0:100}"
+        fi
+    else
+        nok "README (CNI): $line -> $(head -c 400 <<<"$out")"
+    fi
+done <<<"$cni"
+out=$(CNI_COMMAND=ADD CNI_CONTAINERID=x CNI_NETNS=/proc/self/ns/net CNI_IFNAME=eth9 CNI_PATH=/opt/cni/bin \
+    target/release/cube-cni <examples/cni/10-cube.conflist 2>&1)
+[[ "$out" == *"network configuration list"*'"type":"cube-cni"'* ]] &&
+    ok "cube-cni fed the .conflist says what a runtime passes instead" || nok "cube-cni fed the conflist: $(head -c 300 <<<"$out")"
 
 # ---- Ctrl-C, then --remove ----------------------------------------------------
 kill -INT $QS 2>/dev/null
