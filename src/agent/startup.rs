@@ -210,10 +210,9 @@ impl Agent {
                 tokio::time::sleep(std::time::Duration::from_secs(30)).await;
             }
         });
-        // Memory the allocator holds after a burst of changes (requests'
-        // temporaries, replies, signals) goes back to the kernel once
-        // things are quiet again: glibc keeps freed pages inside its heap
-        // otherwise (a fill to 10,000 networks left ~8 MB of them).
+        // Freed heap pages go back to the kernel every 5 s while networks
+        // change (requests' temporaries, replies, signals): glibc keeps
+        // them inside its heap otherwise. Nothing to do when idle.
         let weak = Arc::downgrade(&agent);
         tokio::spawn(async move {
             let mut trimmed_at = 0;
