@@ -203,6 +203,9 @@ cni=$(awk '/^### Using it from containerd/ {on = 1} /^## Configuration/ {on = 0}
     on && /^```sh/ {inb = 1; next} on && inb && /^```/ {inb = 0; next} on && inb {print}' README.md)
 [ "$(grep -c 'cube-cni' <<<"$cni")" -ge 4 ] && ok "README's CNI section has its install, ADD, DEL and removal lines" ||
     nok "README's CNI section: $(head -c 300 <<<"$cni")"
+# The CNI directories README's removal leaves (a runtime and other plugins
+# use them): the test removes the ones this machine did not have.
+cni_dirs_before=$(ls -d /opt/cni /etc/cni 2>/dev/null)
 while IFS= read -r line; do
     [[ -z "${line// /}" || "$line" =~ ^[[:space:]]*# ]] && continue
     if out=$(bash -c "$line" 2>&1); then
@@ -216,6 +219,12 @@ while IFS= read -r line; do
         nok "README (CNI): $line -> $(head -c 400 <<<"$out")"
     fi
 done <<<"$cni"
+for d in /opt/cni /etc/cni; do
+    if ! grep -qx -- "$d" <<<"$cni_dirs_before"; then
+        # Empty but for the directories install -D made.
+        if [ -z "$(find "$d" -type f)" ]; then rm -r "$d"; else nok "README's CNI removal left files in $d: $(find "$d" -type f)"; fi
+    fi
+done
 out=$(CNI_COMMAND=ADD CNI_CONTAINERID=x CNI_NETNS=/proc/self/ns/net CNI_IFNAME=eth9 CNI_PATH=/opt/cni/bin \
     target/release/cube-cni <examples/cni/10-cube.conflist 2>&1)
 [[ "$out" == *"network configuration list"*'"type":"cube-cni"'* ]] &&
