@@ -473,9 +473,6 @@ impl Netlink {
         }
     }
 
-    /// One RTM_NEWLINK (set) carrying whichever attributes are Some: new name, mtu,
-    /// up/down, group. (Kernel applies name before flags, so rename+up in one message
-    /// works on a down link.) An empty change sends nothing.
     /// No IPv6 address generation on the (still down) link `index`
     /// (`addr_gen_mode none`): brought up, it gets no link-local address,
     /// so it sends no DAD, router solicitation or MLD report. Netlink, not
@@ -495,6 +492,9 @@ impl Netlink {
             .map_err(|source| NetlinkError::LinkSet { index, source })
     }
 
+    /// One RTM_NEWLINK (set) carrying whichever attributes are Some: new name, mtu,
+    /// up/down, group. (Kernel applies name before flags, so rename+up in one message
+    /// works on a down link.) An empty change sends nothing.
     pub async fn set_link(&self, index: u32, change: LinkChange) -> Result<(), NetlinkError> {
         debug!(index, ?change, "set link");
         if change.is_empty() {

@@ -23,7 +23,7 @@ const MAX_CALLERS: usize = 4096;
 pub struct Caller<'a> {
     /// "dbus" or "varlink".
     pub edge: &'a str,
-    /// The D-Bus unique name, or "" for varlink.
+    /// The D-Bus unique name, or the varlink caller's command.
     pub name: &'a str,
     pub uid: Option<u32>,
     pub pid: Option<i32>,

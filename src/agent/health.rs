@@ -357,13 +357,13 @@ pub const CHECKS: &[&str] = &[
     "datapath_programs",
 ];
 
-/// The checks' verdicts as functions of what they look at: no check is a
-/// constant.
 /// "1 sandbox", "2 sandboxes".
 pub fn count(n: usize, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
 }
 
+/// The checks' verdicts as functions of what they look at: no check is a
+/// constant.
 pub mod verdict {
     use super::super::{RecoveryReport, Uplink};
     use super::FD_OVERHEAD;

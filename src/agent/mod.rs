@@ -154,7 +154,7 @@ impl Network {
 /// per network, not one each).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NetworkView {
-    pub record: std::sync::Arc<NetworkRecord>,
+    pub record: Arc<NetworkRecord>,
     pub tap_ifindex: u32,
     pub tap_fd_held: bool,
 }

@@ -72,13 +72,11 @@ struct Abnormal {
 struct Inner {
     idle: VecDeque<PoolTap>,
     /// TAPs to delete in the next batch (we hold their fd).
-    retiring: Vec<PoolTap>,
+    /// With whether each is in the retire group already (moved by
+    /// `discard` or a surplus `give_back`: the batch does not move it again).
+    retiring: Vec<(PoolTap, bool)>,
     /// Links to delete that we hold no fd for (found at recovery).
     retiring_links: Vec<u32>,
-    /// Of the retiring devices, the ones already moved into the retire
-    /// group (by `discard` or a surplus `give_back`): the batch does not
-    /// move them again.
-    grouped: HashSet<u32>,
     /// When the oldest TAP now waiting for deletion was first seen.
     retiring_since: Option<Instant>,
     abnormal: Vec<Abnormal>,
@@ -208,13 +206,19 @@ impl TapPool {
         if inner.idle.len() < self.keep_limit() {
             inner.idle.push_back(tap);
         } else {
-            inner.retiring.push(tap);
+            inner.retiring.push((tap, false));
         }
     }
 
     /// Schedules deletion of a TAP we hold.
     pub fn retire(&self, tap: PoolTap) {
-        self.lock().retiring.push(tap);
+        self.retire_as(tap, false);
+    }
+
+    /// Schedules deletion of a TAP, `grouped` if it is in the retire
+    /// group already.
+    fn retire_as(&self, tap: PoolTap, grouped: bool) {
+        self.lock().retiring.push((tap, grouped));
         self.wake.notify_one();
     }
 
@@ -243,17 +247,16 @@ impl TapPool {
             group: Some(self.retire_group),
             ..Default::default()
         };
-        match self.nl.set_link(pt.ifindex, change).await {
-            Ok(()) => {
-                self.lock().grouped.insert(pt.ifindex);
-            }
-            // The batch deletion moves it, then deletes.
+        // Failed: the batch deletion moves it, then deletes.
+        let grouped = match self.nl.set_link(pt.ifindex, change).await {
+            Ok(()) => true,
             Err(error) => {
-                debug!(tap = pt.tap.name(), %error, "moving a handed-out TAP to the retire group")
+                debug!(tap = pt.tap.name(), %error, "moving a handed-out TAP to the retire group");
+                false
             }
-        }
+        };
         debug!(tap = pt.tap.name(), "handed-out TAP retired");
-        self.retire(pt);
+        self.retire_as(pt, grouped);
     }
 
     /// Resets a released TAP (pool name, down, default MTU) and returns it
@@ -274,10 +277,7 @@ impl TapPool {
                 // Checked again here: concurrent releases all passed the
                 // first check while their resets were in flight.
                 if surplus || inner.idle.len() >= self.keep_limit() {
-                    if surplus {
-                        inner.grouped.insert(pt.ifindex);
-                    }
-                    inner.retiring.push(pt);
+                    inner.retiring.push((pt, surplus));
                     drop(inner);
                     self.wake.notify_one();
                 } else {
@@ -378,7 +378,7 @@ impl TapPool {
         let trimmed = inner.idle.len() > limit;
         while inner.idle.len() > limit {
             if let Some(pt) = inner.idle.pop_back() {
-                inner.retiring.push(pt);
+                inner.retiring.push((pt, false));
             }
         }
         drop(inner);
@@ -489,7 +489,7 @@ impl TapPool {
                             inner
                                 .quarantined
                                 .push((a.tap.tap.name().to_owned(), a.error));
-                            inner.retiring.push(a.tap);
+                            inner.retiring.push((a.tap, false));
                             drop(inner);
                             self.changed();
                         }
@@ -502,19 +502,23 @@ impl TapPool {
     /// Deletes every retired TAP with one group RTM_DELLINK; falls back to
     /// one request per link if the group delete fails.
     pub async fn delete_retired(&self) {
-        let (taps, links, mut grouped) = {
+        let (taps, links) = {
             let mut inner = self.lock();
             inner.retiring_since = None;
             (
                 std::mem::take(&mut inner.retiring),
                 std::mem::take(&mut inner.retiring_links),
-                std::mem::take(&mut inner.grouped),
             )
         };
         if taps.is_empty() && links.is_empty() {
             return;
         }
-        let mut indexes: Vec<u32> = taps.iter().map(|t| t.ifindex).collect();
+        let mut grouped: HashSet<u32> = taps
+            .iter()
+            .filter(|(_, g)| *g)
+            .map(|(t, _)| t.ifindex)
+            .collect();
+        let mut indexes: Vec<u32> = taps.iter().map(|(t, _)| t.ifindex).collect();
         indexes.extend(links);
         // Close our fds first, and the fd store's copies. The last close of
         // a TAP fd waits for an RCU grace period: off the async workers.

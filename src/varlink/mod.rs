@@ -95,6 +95,8 @@ pub struct Peer {
     /// is someone else, so nothing is read about it and every call is
     /// refused.
     gone: bool,
+    /// How the logs name it ([`Peer::label`]), read once.
+    label: std::sync::OnceLock<String>,
 }
 
 /// `SO_PEERPIDFD` (Linux 6.5).
@@ -129,6 +131,7 @@ impl Peer {
             start_time: None,
             pidfd,
             gone,
+            label: std::sync::OnceLock::new(),
         };
         if gone {
             return Ok(peer);
@@ -143,14 +146,17 @@ impl Peer {
     }
 
     /// How the logs name the caller: its command (from /proc, as the
-    /// process that connected) or, unknown, "varlink peer".
-    pub fn label(&self) -> String {
-        self.pid
-            .filter(|_| self.alive())
-            .and_then(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).ok())
-            .map(|c| c.trim().to_owned())
-            .filter(|c| !c.is_empty())
-            .unwrap_or_else(|| "varlink peer".to_owned())
+    /// process that connected; read at the first refusal, then kept) or,
+    /// unknown, "varlink peer".
+    pub fn label(&self) -> &str {
+        self.label.get_or_init(|| {
+            self.pid
+                .filter(|_| self.alive())
+                .and_then(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).ok())
+                .map(|c| c.trim().to_owned())
+                .filter(|c| !c.is_empty())
+                .unwrap_or_else(|| "varlink peer".to_owned())
+        })
     }
 
     /// Whether the process that connected still runs (false when the
@@ -495,11 +501,10 @@ async fn message(agent: &Agent, peer: &Peer, stream: &mut UnixStream, msg: &[u8]
                 })
                 .unwrap_or_default(),
         };
-        let who = peer.label();
         crate::refusals::note(
             crate::refusals::Caller {
                 edge: "varlink",
-                name: &who,
+                name: peer.label(),
                 uid: Some(peer.uid),
                 pid: peer.pid,
             },
@@ -762,11 +767,10 @@ impl Drop for Share {
 /// a client that was still writing its request would see a broken pipe
 /// instead of the error.
 async fn refuse(stream: &mut UnixStream, peer: &Peer, why: String) {
-    let who = peer.label();
     crate::refusals::note(
         crate::refusals::Caller {
             edge: "varlink",
-            name: &who,
+            name: peer.label(),
             uid: Some(peer.uid),
             pid: peer.pid,
         },

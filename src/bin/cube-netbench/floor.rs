@@ -148,6 +148,10 @@ impl FloorNetwork {
 /// The kernel part of `--kernel`: TAPs and the netlink socket.
 struct Kernel {
     nl: cube_network_agent::netlink::Netlink,
+    /// The agent's default retire group and tc block (the floor runs in a
+    /// namespace of its own).
+    retire_group: u32,
+    block: u32,
     pool: Mutex<Pool>,
     wake: tokio::sync::Notify,
 }
@@ -160,13 +164,10 @@ struct Pool {
     next: u64,
 }
 
-/// The agent's pool size and group (see `agent::pool`).
+/// The agent's pool size in the bench (`--warm-pool 64`) and deletion
+/// batch (see `agent::pool`).
 const POOL: usize = 64;
-const RETIRE_GROUP: u32 = 0xc0be;
 const DELETE_BATCH: usize = 32;
-/// The tc block the floor's TAPs join (the agent's default is 0xc0be; the
-/// floor runs in a namespace of its own).
-const FLOOR_BLOCK: u32 = 0xc0be;
 
 impl Kernel {
     fn lock(&self) -> std::sync::MutexGuard<'_, Pool> {
@@ -184,7 +185,7 @@ impl Kernel {
         let ifindex = nix::net::if_::if_nametoindex(name.as_str()).map_err(|e| e.to_string())?;
         // Joined to a shared tc block, as every TAP must be to run the
         // datapath (its teardown is part of the deletion too).
-        cube_network_agent::datapath::tc::add_clsact(ifindex, Some(FLOOR_BLOCK))
+        cube_network_agent::datapath::tc::add_clsact(ifindex, Some(self.block))
             .map_err(|e| e.to_string())?;
         Ok((tap, ifindex))
     }
@@ -201,7 +202,7 @@ impl Kernel {
             }
             let batch = std::mem::take(&mut self.lock().retired);
             if !batch.is_empty() {
-                let _ = self.nl.delete_group(RETIRE_GROUP).await;
+                let _ = self.nl.delete_group(self.retire_group).await;
                 tokio::task::spawn_blocking(move || drop(batch));
             }
             let _ =
@@ -235,7 +236,7 @@ impl Kernel {
             return Ok(());
         };
         let change = cube_network_agent::netlink::LinkChange {
-            group: Some(RETIRE_GROUP),
+            group: Some(self.retire_group),
             ..Default::default()
         };
         self.nl
@@ -319,8 +320,11 @@ pub fn serve(address: &str, kernel: bool) -> std::result::Result<(), String> {
         .map_err(|e| e.to_string())?;
     rt.block_on(async {
         let kernel = if kernel {
+            let defaults = cube_network_agent::config::Config::default();
             let k = std::sync::Arc::new(Kernel {
                 nl: cube_network_agent::netlink::Netlink::new().map_err(|e| e.to_string())?,
+                retire_group: defaults.retire_group,
+                block: defaults.tc_block,
                 pool: Mutex::default(),
                 wake: tokio::sync::Notify::new(),
             });

@@ -690,10 +690,8 @@ where
     F: Fn(Connection, usize, usize) -> Fut,
     Fut: std::future::Future<Output = Result<()>>,
 {
-    let deadline = Instant::now() + Duration::from_secs_f64(secs);
-    let start = Instant::now();
     let op = &op;
-    let tasks = (0..callers).map(|c| {
+    per_second(callers, secs, |c, deadline| {
         let conn = conn.clone();
         async move {
             let mut n = 0usize;
@@ -701,10 +699,22 @@ where
                 op(conn.clone(), c, n).await?;
                 n += 1;
             }
-            Ok::<usize, Error>(n)
+            Ok(n)
         }
-    });
-    let total: usize = futures::future::try_join_all(tasks)
+    })
+    .await
+}
+
+/// Operations per second of `callers` tasks, each `task(caller, deadline)`
+/// returning how many it did before the deadline.
+async fn per_second<T, Fut>(callers: usize, secs: f64, task: T) -> Result<f64>
+where
+    T: Fn(usize, Instant) -> Fut,
+    Fut: std::future::Future<Output = Result<usize>>,
+{
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let start = Instant::now();
+    let total: usize = futures::future::try_join_all((0..callers).map(|c| task(c, deadline)))
         .await?
         .into_iter()
         .sum();
@@ -855,9 +865,7 @@ async fn varlink_call_on(
 
 /// Ensure+release pairs/s over varlink, a connection per caller.
 async fn varlink_pair_rate(path: &Path, callers: usize, secs: f64) -> Result<f64> {
-    let deadline = Instant::now() + Duration::from_secs_f64(secs);
-    let start = Instant::now();
-    let tasks = (0..callers).map(|c| async move {
+    per_second(callers, secs, |c, deadline| async move {
         let mut stream = tokio::net::UnixStream::connect(path)
             .await
             .map_err(|e| format!("varlink {}: {e}", path.display()))?;
@@ -878,13 +886,9 @@ async fn varlink_pair_rate(path: &Path, callers: usize, secs: f64) -> Result<f64
             .await?;
             n += 1;
         }
-        Ok::<usize, Error>(n)
-    });
-    let total: usize = futures::future::try_join_all(tasks)
-        .await?
-        .into_iter()
-        .sum();
-    Ok(total as f64 / start.elapsed().as_secs_f64())
+        Ok(n)
+    })
+    .await
 }
 
 /// Pairs/s of this build and of `base`, each on a fresh instance, in

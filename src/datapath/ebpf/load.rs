@@ -217,6 +217,28 @@ impl EbpfDatapath {
                 program: "to_uplink",
             });
         }
+        // Rebuild the per-sandbox indexes from the (possibly pinned) maps.
+        let mut policies: StdHashMap<u32, PolicyKeys> = StdHashMap::new();
+        for k in maps.allow.keys().flatten() {
+            policies.entry(k.data().sandbox_ip).or_default().0.push(k);
+        }
+        for k in maps.deny.keys().flatten() {
+            policies.entry(k.data().sandbox_ip).or_default().1.push(k);
+        }
+        // Deny values follow from the key (an older build wrote 1, the
+        // catch-all's, for every deny): rewritten before this build's
+        // programs run (an older build's read only a deny's presence), so
+        // no learned address ever passes a narrow deny.
+        for keys in policies.values() {
+            for k in &keys.1 {
+                let value = deny_value(k);
+                if maps.deny.get(k, 0).ok() != Some(value) {
+                    maps.deny
+                        .insert(k, value, 0)
+                        .map_err(|e| err("rewriting policy_deny", e))?;
+                }
+            }
+        }
         // The switch: from here on a failure is fatal (the agent must not
         // run a half-switched datapath; the next start takes it up again).
         undo.disarm();
@@ -249,27 +271,6 @@ impl EbpfDatapath {
         // Only lo is changed: packets arriving on lo are local by
         // construction.
         let localnet = crate::sysctl::enable_loopback_localnet();
-        // Rebuild the per-sandbox indexes from the (possibly pinned) maps.
-        let mut policies: StdHashMap<u32, PolicyKeys> = StdHashMap::new();
-        for k in maps.allow.keys().flatten() {
-            policies.entry(k.data().sandbox_ip).or_default().0.push(k);
-        }
-        for k in maps.deny.keys().flatten() {
-            policies.entry(k.data().sandbox_ip).or_default().1.push(k);
-        }
-        // Deny values follow from the key (an older build wrote 1, the
-        // catch-all's, for every deny): rewritten before any sandbox's
-        // learned address meets them.
-        for keys in policies.values() {
-            for k in &keys.1 {
-                let value = deny_value(k);
-                if maps.deny.get(k, 0).ok() != Some(value) {
-                    maps.deny
-                        .insert(k, value, 0)
-                        .map_err(|e| err("rewriting policy_deny", e))?;
-                }
-            }
-        }
         let mut portmaps: StdHashMap<u32, Vec<DpPortmapKey>> = StdHashMap::new();
         for (k, v) in maps.portmap.iter().flatten() {
             portmaps.entry(v.sandbox_ip).or_default().push(k);
