@@ -109,6 +109,18 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } sb_stats SEC(".maps");
 
+/* The uplink's shaper classes of a sandbox with an egress limit, keyed by
+ * TAP/veth ifindex (DP_F_SHAPE_OUT says to look), written by the agent at
+ * attach, removed with the network. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, struct dp_rate);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} sb_rate SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__type(key, __u32);
@@ -1502,6 +1514,15 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	    set_port(skb, src_port_off(l4), l4->sport, nat_port, l4))
 		return TC_ACT_SHOT;
 	count(DP_C_SNAT);
+	if ((sb->flags & DP_F_SHAPE_OUT) && c->shaper_ifindex) {
+		__u32 ifindex = skb->ifindex;
+		struct dp_rate *r = bpf_map_lookup_elem(&sb_rate, &ifindex);
+		if (r && r->out_small) {
+			/* Through the shaper; from_shaper sends it on. */
+			skb->priority = skb->len <= DP_SHAPE_SMALL ? r->out_small : r->out_bulk;
+			return bpf_redirect(c->shaper_ifindex, 0);
+		}
+	}
 	return forward_out(skb, c, ip->daddr, ip->tos, ip->protocol);
 }
 
@@ -1693,6 +1714,8 @@ int from_uplink(struct __sk_buff *skb)
 		count(DP_C_PORTMAP);
 	}
 	__u32 tap_ifindex = tap->ifindex;
+	if (tap->flags & DP_T_SHAPE_IN)
+		skb->priority = skb->len <= DP_SHAPE_SMALL ? DP_TAP_CLASS_SMALL : DP_TAP_CLASS_BULK;
 	if (l4.first_frag)
 		frag_note(&ip, tap_ifindex, tap->gen, ip.saddr, c->guest_ip);
 	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
@@ -1700,6 +1723,26 @@ int from_uplink(struct __sk_buff *skb)
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
 	return bpf_redirect(tap_ifindex, 0);
+}
+
+/* Ingress of the shaper device's peer: a limited sandbox's packet to the
+ * world, translated by from_guest and released by its HTB class, goes on
+ * out of the uplink. Nothing else is accepted here. */
+SEC("classifier")
+int from_shaper(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!c || !c->uplink_ip)
+		return TC_ACT_SHOT;
+	struct ethhdr eth;
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) || eth.h_proto != bpf_htons(ETH_P_IP))
+		return TC_ACT_SHOT;
+	struct iphdr ip;
+	struct l4info l4;
+	if (parse_ipv4(skb, &ip, &l4) || ip.saddr != c->uplink_ip)
+		return TC_ACT_SHOT;
+	skb->priority = 0;
+	return forward_out(skb, c, ip.daddr, ip.tos, ip.protocol);
 }
 
 /* host -> sandbox IP (routed into the gateway device): to the guest, from
@@ -1871,7 +1914,7 @@ int to_uplink(struct __sk_buff *skb)
 	if (port < c->snat_port_min || port > c->snat_port_max)
 		return TC_ACT_OK;
 	__u32 iif = skb->ingress_ifindex;
-	if (iif && bpf_map_lookup_elem(&sandboxes, &iif))
+	if (iif && (iif == c->shaper_peer_ifindex || bpf_map_lookup_elem(&sandboxes, &iif)))
 		return TC_ACT_OK;
 	struct dp_rev_key hk = {
 		.remote_ip = ip.daddr,

@@ -27,8 +27,13 @@ struct dp_config {
 	__u32 hflow_guaranteed;
 	__u32 hflow_cap;
 	__u32 hflow_borrow;
-	__u32 pad2;
-}; /* 64 bytes */
+	/* The shaper device (egress limits: HTB at its root; its peer's
+	 * ingress runs from_shaper, which sends packets on out of the
+	 * uplink); 0 = none. */
+	__u32 shaper_ifindex;
+	__u32 shaper_peer_ifindex;
+	__u32 pad3;
+}; /* 72 bytes */
 
 /* A sandbox's share of the node-wide tables (sb_share, keyed by the TAP or
  * veth ifindex, like sb_stats): entries it holds now. */
@@ -69,6 +74,8 @@ struct dp_sandbox {
  * ClientHello or the HTTP Host and dials the name itself; UDP to 443
  * (QUIC) is dropped so clients fall back to TCP. */
 #define DP_F_SNI 4u
+/* The sandbox's traffic to the world is shaped (sb_rate, DP_SHAPE_*). */
+#define DP_F_SHAPE_OUT 8u
 /* Below 1024, so that only a privileged process can bind them (a local
  * user could otherwise take them while the agent is down, and the
  * datapath would hand it the sandboxes' flows); 1021 and 1022 are the
@@ -94,8 +101,31 @@ struct dp_learned_val {
 /* sandbox ip -> TAP */
 struct dp_tap {
 	__u32 ifindex;
-	__u32 pad;
+	__u32 flags;           /* DP_T_* (0 in builds before bandwidth limits) */
 	__u64 gen;             /* the owner's generation */
+}; /* 16 bytes */
+/* What comes from the world to the sandbox is shaped (DP_TAP_CLASS_*). */
+#define DP_T_SHAPE_IN 1u
+
+/* Bandwidth limits (docs/datapath.md "Bandwidth") are shaped by HTB
+ * qdiscs the agent keeps, one class tree per limited sandbox: a parent at
+ * the limit and two leaves under it, "small" (packets of at most
+ * DP_SHAPE_SMALL bytes: pings, pure ACKs, DNS; served first) and "bulk".
+ * The programs only pick the class, by setting skb->priority to its id
+ * (HTB takes a packet whose priority names one of its leaves): world ->
+ * sandbox on the sandbox's own device (fixed ids, DP_TAP_CLASS_*);
+ * sandbox -> world on the shaper device (ids of the sandbox's own, in
+ * sb_rate), whose peer hands the packets on to the uplink: the uplink's
+ * own qdisc and the traffic of every unlimited sandbox never meet a
+ * shaper. */
+#define DP_SHAPE_SMALL 256
+#define DP_TAP_CLASS_SMALL 0xc0be0002u
+#define DP_TAP_CLASS_BULK 0xc0be0003u
+struct dp_rate {
+	__u32 out_small;       /* the uplink's class ids of the sandbox (0: */
+	__u32 out_bulk;        /* no egress limit) */
+	__u32 in_shaped;       /* (the agent's) 1: the device has a shaper */
+	__u32 pad;
 }; /* 16 bytes */
 
 /* policy tries: 64-bit key = sandbox ip (32 bits) + destination prefix.

@@ -1,6 +1,7 @@
 //! Configuration: `/etc/cube-network-agent/config.toml` (every key optional),
 //! overridden by command-line flags. All defaults live in [`Config::default`].
 
+use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
@@ -173,6 +174,17 @@ pub struct Config {
     /// addresses (docs/security.md); port mappings are open to every
     /// local process regardless.
     pub host_access_uids: Vec<u32>,
+    /// Bandwidth limits of a sandbox whose EnsureNetwork gives none, bits
+    /// per second with an optional k/M/G suffix ("100M"); "" = unlimited.
+    pub default_egress_rate: String,
+    pub default_ingress_rate: String,
+    /// The uplink's capacity each way ("10G"; "" = not set): Capacity
+    /// reports the limits committed against it, and EnsureNetwork refuses
+    /// (NodeFull) a limit that would commit more.
+    pub node_egress_rate: String,
+    pub node_ingress_rate: String,
+    /// Labels of the node (free-form), reported by Capacity and metrics.
+    pub labels: BTreeMap<String, String>,
 }
 
 impl Default for Config {
@@ -216,6 +228,11 @@ impl Default for Config {
             dns_ttl_min: 5,
             dns_ttl_max: 300,
             host_access_uids: Vec::new(),
+            default_egress_rate: String::new(),
+            default_ingress_rate: String::new(),
+            node_egress_rate: String::new(),
+            node_ingress_rate: String::new(),
+            labels: BTreeMap::new(),
         }
     }
 }
@@ -296,6 +313,11 @@ pub struct Derived {
     pub allowed_ports: PortSet,
     pub default_host_ip: Ipv4Addr,
     pub snat_ports: (u16, u16),
+    /// `default_egress_rate`/`default_ingress_rate`, bits/s (0 = unlimited).
+    pub default_bandwidth: crate::types::Bandwidth,
+    /// `node_egress_rate`/`node_ingress_rate`, bits/s (0 = not set).
+    pub node_egress_bps: u64,
+    pub node_ingress_bps: u64,
 }
 
 pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
@@ -753,7 +775,53 @@ impl Config {
                 ),
             ));
         }
+        let rate = |key: &'static str, v: &str| -> Result<u64, ConfigError> {
+            if v.is_empty() {
+                return Ok(0);
+            }
+            let r = crate::types::parse_rate(v).map_err(|why| invalid(key, why))?;
+            if !(crate::types::MIN_RATE_BPS..=crate::types::MAX_RATE_BPS).contains(&r) {
+                return Err(invalid(
+                    key,
+                    format!(
+                        "{r} bits/s is out of range {}-{}",
+                        crate::types::MIN_RATE_BPS,
+                        crate::types::MAX_RATE_BPS
+                    ),
+                ));
+            }
+            Ok(r)
+        };
+        let default_bandwidth = crate::types::Bandwidth {
+            egress_bps: rate("default_egress_rate", &self.default_egress_rate)?,
+            ingress_bps: rate("default_ingress_rate", &self.default_ingress_rate)?,
+            ..Default::default()
+        };
+        let node_egress_bps = rate("node_egress_rate", &self.node_egress_rate)?;
+        let node_ingress_bps = rate("node_ingress_rate", &self.node_ingress_rate)?;
+        for (k, v) in &self.labels {
+            if k.is_empty()
+                || k.len() > 64
+                || !k
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-' | b'/'))
+            {
+                return Err(invalid(
+                    "labels",
+                    format!("'{k}' is not a label name (1-64 of A-Z a-z 0-9 _ . - /)"),
+                ));
+            }
+            if v.len() > 256 || v.chars().any(char::is_control) {
+                return Err(invalid(
+                    "labels",
+                    format!("the value of '{k}' must be at most 256 printable characters"),
+                ));
+            }
+        }
         Ok(Derived {
+            default_bandwidth,
+            node_egress_bps,
+            node_ingress_bps,
             pool,
             guest_ip,
             guest_gateway,
@@ -804,6 +872,11 @@ Options (each overrides the same key of the config file):
   --dns-ttl-min SECS         learned addresses last at least [default: 5]
   --dns-ttl-max SECS         ... and at most this long [default: 300]
   --host-access-uids LIST    uids besides root that may connect to sandbox addresses, e.g. 1000,1001 [default: none]
+  --default-egress-rate RATE limit of a sandbox that asks for none, bits/s, e.g. 100M [default: unlimited]
+  --default-ingress-rate RATE  ... from the world to it [default: unlimited]
+  --node-egress-rate RATE    the uplink's capacity out: limits beyond it are refused [default: not set]
+  --node-ingress-rate RATE     ... and in [default: not set]
+  --labels K=V,...           node labels reported by Capacity [default: none]
   --print-config             print the effective configuration as TOML and exit
   -h, --help                 this help
   -V, --version              version
@@ -908,6 +981,11 @@ const VALUE_FLAGS: &[&str] = &[
     "--dns-ttl-min",
     "--dns-ttl-max",
     "--host-access-uids",
+    "--default-egress-rate",
+    "--default-ingress-rate",
+    "--node-egress-rate",
+    "--node-ingress-rate",
+    "--labels",
 ];
 
 fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigError> {
@@ -961,6 +1039,22 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
                 .map(str::trim)
                 .filter(|v| !v.is_empty())
                 .map(|v| number("host_access_uids", v))
+                .collect::<Result<_, _>>()?
+        }
+        "--default-egress-rate" => cfg.default_egress_rate = value,
+        "--default-ingress-rate" => cfg.default_ingress_rate = value,
+        "--node-egress-rate" => cfg.node_egress_rate = value,
+        "--node-ingress-rate" => cfg.node_ingress_rate = value,
+        "--labels" => {
+            cfg.labels = value
+                .split(',')
+                .map(str::trim)
+                .filter(|v| !v.is_empty())
+                .map(|kv| {
+                    kv.split_once('=')
+                        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                        .ok_or_else(|| invalid("labels", format!("'{kv}' is not KEY=VALUE")))
+                })
                 .collect::<Result<_, _>>()?
         }
         _ => {

@@ -573,6 +573,42 @@ impl Netlink {
         }
     }
 
+    /// Creates a veth pair `name` ↔ `peer`, both in this namespace, with
+    /// MTU `mtu` on both (down). Returns `name`'s ifindex.
+    pub async fn create_veth_pair(
+        &self,
+        name: &str,
+        peer: &str,
+        mtu: u32,
+    ) -> Result<u32, NetlinkError> {
+        debug!(name, peer, mtu, "create veth pair");
+        self.handle
+            .link()
+            .add(rtnetlink::LinkVeth::new(name, peer).mtu(mtu).build())
+            .execute()
+            .await
+            .map_err(|source| NetlinkError::VethAdd {
+                host: name.into(),
+                peer: peer.into(),
+                source,
+            })?;
+        let Some(p) = self.link_by_name(peer).await? else {
+            return Err(NetlinkError::VethMissing { name: peer.into() });
+        };
+        self.set_link(
+            p.index,
+            LinkChange {
+                mtu: Some(mtu),
+                ..Default::default()
+            },
+        )
+        .await?;
+        match self.link_by_name(name).await? {
+            Some(l) => Ok(l.index),
+            None => Err(NetlinkError::VethMissing { name: name.into() }),
+        }
+    }
+
     /// Deletes one link (RTM_DELLINK). ENODEV is reported as an error.
     pub async fn delete_link(&self, index: u32) -> Result<(), NetlinkError> {
         debug!(index, "delete link");

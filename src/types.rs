@@ -56,3 +56,144 @@ pub fn is_domain_entry(entry: &str) -> bool {
         .bytes()
         .any(|b| !(b.is_ascii_digit() || b == b'.' || b == b'/'))
 }
+
+/// A sandbox's bandwidth limits (docs/datapath.md "Bandwidth"): rates in
+/// bits per second (0 = unlimited), bursts in bytes (0 = the default,
+/// [`DEFAULT_BURST`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bandwidth {
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub egress_bps: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ingress_bps: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub egress_burst: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ingress_burst: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+/// What a sandbox idle long enough may send at once, when the caller
+/// gives no burst: 64 KiB (one full-size GSO packet).
+pub const DEFAULT_BURST: u64 = 64 * 1024;
+/// The lowest limit (1 kB/s) and the highest (1 Tbit/s).
+pub const MIN_RATE_BPS: u64 = 8_000;
+pub const MAX_RATE_BPS: u64 = 1_000_000_000_000;
+/// The largest burst (1 GiB).
+pub const MAX_BURST: u64 = 1 << 30;
+
+impl Bandwidth {
+    pub fn is_unlimited(&self) -> bool {
+        self.egress_bps == 0 && self.ingress_bps == 0
+    }
+
+    /// The burst in force for a direction (`burst` as given, 0 = default).
+    pub fn burst_or_default(burst: u64) -> u64 {
+        if burst == 0 { DEFAULT_BURST } else { burst }
+    }
+
+    /// Checks every field; the error names it.
+    pub fn check(&self) -> Result<(), String> {
+        for (key, v) in [
+            ("egress_bps", self.egress_bps),
+            ("ingress_bps", self.ingress_bps),
+        ] {
+            if v != 0 && !(MIN_RATE_BPS..=MAX_RATE_BPS).contains(&v) {
+                return Err(format!(
+                    "{key}: {v} bits/s is out of range {MIN_RATE_BPS}-{MAX_RATE_BPS} (0 = unlimited)"
+                ));
+            }
+        }
+        for (key, v, rate) in [
+            ("egress_burst", self.egress_burst, self.egress_bps),
+            ("ingress_burst", self.ingress_burst, self.ingress_bps),
+        ] {
+            if v > MAX_BURST {
+                return Err(format!(
+                    "{key}: {v} bytes is more than the largest burst, {MAX_BURST}"
+                ));
+            }
+            if v != 0 && rate == 0 {
+                return Err(format!(
+                    "{key}: a burst needs a rate ({}_bps)",
+                    key.trim_end_matches("_burst")
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parses a rate in bits per second: a number with an optional k, M, G or
+/// T suffix (powers of 1000, as `tc` and the CNI bandwidth plugin count),
+/// optionally followed by "bit" or "bps" ("100M", "1.5G", "40Mbit").
+pub fn parse_rate(s: &str) -> Result<u64, String> {
+    parse_scaled(s, &["bit", "bps"], 1000)
+        .ok_or_else(|| format!("'{s}' is not a rate (bits/s, e.g. 40M, 1G, 500k)"))
+}
+
+/// Parses a size in bytes: a number with an optional k, M or G suffix
+/// (powers of 1024), optionally followed by "B" or "iB" ("64k", "2MiB").
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    parse_scaled(s, &["ib", "b"], 1024)
+        .ok_or_else(|| format!("'{s}' is not a size (bytes, e.g. 64k, 2M)"))
+}
+
+fn parse_scaled(s: &str, units: &[&str], base: u64) -> Option<u64> {
+    let t = s.trim().to_ascii_lowercase();
+    let mut t = t.as_str();
+    for u in units {
+        if let Some(rest) = t.strip_suffix(u)
+            && !rest.is_empty()
+        {
+            t = rest;
+            break;
+        }
+    }
+    let (num, mult) = match t.chars().last()? {
+        'k' => (&t[..t.len() - 1], base),
+        'm' => (&t[..t.len() - 1], base.pow(2)),
+        'g' => (&t[..t.len() - 1], base.pow(3)),
+        't' => (&t[..t.len() - 1], base.pow(4)),
+        _ => (t, 1),
+    };
+    if num.is_empty() || !num.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return None;
+    }
+    let v: f64 = num.parse().ok()?;
+    let r = v * mult as f64;
+    (r.is_finite() && r >= 0.0 && r < 1.8e19).then_some(r.round() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_and_sizes_parse() {
+        assert_eq!(parse_rate("100M"), Ok(100_000_000));
+        assert_eq!(parse_rate("1.5G"), Ok(1_500_000_000));
+        assert_eq!(parse_rate("40Mbit"), Ok(40_000_000));
+        assert_eq!(parse_rate("500k"), Ok(500_000));
+        assert_eq!(parse_rate("8000"), Ok(8000));
+        assert!(parse_rate("fast").is_err());
+        assert!(parse_rate("-1M").is_err());
+        assert!(parse_rate("").is_err());
+        assert_eq!(parse_size("64k"), Ok(65536));
+        assert_eq!(parse_size("2MiB"), Ok(2 << 20));
+        assert_eq!(parse_size("1500"), Ok(1500));
+        let b = Bandwidth {
+            egress_bps: 1000,
+            ..Default::default()
+        };
+        assert!(b.check().unwrap_err().starts_with("egress_bps: 1000"));
+        let b = Bandwidth {
+            ingress_burst: 10,
+            ..Default::default()
+        };
+        assert!(b.check().unwrap_err().starts_with("ingress_burst"));
+    }
+}

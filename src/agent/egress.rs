@@ -179,6 +179,10 @@ struct Learned {
     name: String,
 }
 
+/// Learned destinations tracked by every sandbox's [`Mine`] together
+/// (Capacity's learned-address fill; one process serves one node).
+pub static LEARNED_TRACKED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// One sandbox's learned destinations, by destination and by expiry (the
 /// cap evicts the one expiring first: O(log n)).
 #[derive(Default)]
@@ -199,6 +203,7 @@ impl Mine {
             l.until = until;
             l.name = name.to_owned();
         } else {
+            LEARNED_TRACKED.fetch_add(1, Ordering::Relaxed);
             self.by_dst.insert(
                 dst,
                 Learned {
@@ -213,6 +218,7 @@ impl Mine {
 
     fn remove(&mut self, dst: Ipv4Addr) {
         if let Some(l) = self.by_dst.remove(&dst) {
+            LEARNED_TRACKED.fetch_sub(1, Ordering::Relaxed);
             self.by_until.remove(&(l.until, dst));
         }
     }
@@ -231,6 +237,7 @@ impl Mine {
                 continue;
             }
             self.by_dst.remove(&dst);
+            LEARNED_TRACKED.fetch_sub(1, Ordering::Relaxed);
             out.push(dst);
         }
         self.by_until.extend(skipped);
@@ -450,6 +457,7 @@ impl Egress {
         mine.map(|m| {
             let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
             m.by_until.clear();
+            LEARNED_TRACKED.fetch_sub(m.by_dst.len(), Ordering::Relaxed);
             m.by_dst.drain().map(|(d, _)| d).collect()
         })
         .unwrap_or_default()

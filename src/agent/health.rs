@@ -31,10 +31,10 @@ impl KernelChecks {
 
 /// Descriptors the agent needs besides one per TAP: buses, varlink
 /// connections, netlink and bpf maps, the store, journald.
-const FD_OVERHEAD: u64 = 1024;
+pub(super) const FD_OVERHEAD: u64 = 1024;
 
 /// RLIMIT_NOFILE (soft; the agent raises it to the hard limit at start).
-fn nofile() -> u64 {
+pub(super) fn nofile() -> u64 {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -63,7 +63,7 @@ impl Agent {
 
     /// TAP fds a full pool holds (and the resolver's and proxy's listening
     /// sockets).
-    fn tap_fds_needed(&self, pool_capacity: u32) -> u64 {
+    pub(super) fn tap_fds_needed(&self, pool_capacity: u32) -> u64 {
         u64::from(pool_capacity)
             + 2 * u64::from(self.cfg.warm_pool)
             + crate::systemd::SOCKET_FD_NAMES.len() as u64

@@ -16,10 +16,11 @@ use super::spec::{
     self, Attach, AttachRecord, Expect, NetnsFd, NetworkRecord, NetworkSpec, RECORD_VERSION,
     validate_sandbox_id,
 };
-use super::{Agent, AgentError, Ensured, Network, Outcome, failed, new_handle, now_unix};
+use super::{Agent, AgentError, Allocs, Ensured, Network, Outcome, failed, new_handle, now_unix};
 use crate::alloc::mapping::{Resolved, resolve_ports};
 use crate::netlink::LinkChange;
 use crate::tap::Tap;
+use crate::types::Bandwidth;
 
 /// Which TAP a new network gets (see [`Agent::choose_tap`]).
 pub(super) enum TapChoice {
@@ -156,15 +157,21 @@ impl Agent {
 
     async fn create_claimed(&self, id: &str, spec: NetworkSpec) -> Result<Network, AgentError> {
         let sockets = self.host_sockets(&spec, &[]).await?;
+        let bandwidth = self.bandwidth_for(&spec.bandwidth);
         let (ip, mappings) = {
             let mut a = self.allocs();
-            let ip = a.ips.allocate().ok_or_else(|| {
-                AgentError::AddressesExhausted(format!(
+            let ip = a.ips.allocate().ok_or_else(|| AgentError::NodeFull {
+                resource: "addresses",
+                detail: format!(
                     "no free sandbox address left in pool {} ({} in use)",
                     self.d.pool,
                     a.ips.capacity()
-                ))
+                ),
             })?;
+            if let Err(e) = self.commit_bandwidth(&mut a, &Bandwidth::default(), &bandwidth) {
+                a.ips.release(ip);
+                return Err(e);
+            }
             match resolve_ports(
                 &mut a.ports,
                 &spec.port_mappings,
@@ -174,6 +181,7 @@ impl Agent {
                 Ok(r) => (ip, r.mappings),
                 Err(e) => {
                     a.ips.release(ip);
+                    a.bw.sub(&bandwidth);
                     return Err(e.into());
                 }
             }
@@ -204,6 +212,7 @@ impl Agent {
             created_unix: now_unix(),
             attach: spec.attach.record(),
             egress_mode: spec.egress_mode,
+            bandwidth,
         };
         let netns = match &spec.attach {
             Attach::Veth { netns, .. } => Some(netns),
@@ -251,8 +260,65 @@ impl Agent {
         }
     }
 
+    /// The limits a sandbox gets: the caller's, the node's default for a
+    /// direction the caller left at 0.
+    pub(super) fn bandwidth_for(&self, asked: &Bandwidth) -> Bandwidth {
+        let d = &self.d.default_bandwidth;
+        let mut b = *asked;
+        if b.egress_bps == 0 {
+            b.egress_bps = d.egress_bps;
+        }
+        if b.ingress_bps == 0 {
+            b.ingress_bps = d.ingress_bps;
+        }
+        b
+    }
+
+    /// Moves a network's committed bandwidth from `old` to `new`, refused
+    /// (NodeFull, nothing changed) if a direction that grows would commit
+    /// more than the node's total (`node_egress_rate`/`node_ingress_rate`).
+    pub(super) fn commit_bandwidth(
+        &self,
+        a: &mut Allocs,
+        old: &Bandwidth,
+        new: &Bandwidth,
+    ) -> Result<(), AgentError> {
+        let mut next = a.bw;
+        next.sub(old);
+        next.add(new);
+        for (resource, total, was, is, asked) in [
+            (
+                "egress_bandwidth",
+                self.d.node_egress_bps,
+                a.bw.egress_bps,
+                next.egress_bps,
+                new.egress_bps,
+            ),
+            (
+                "ingress_bandwidth",
+                self.d.node_ingress_bps,
+                a.bw.ingress_bps,
+                next.ingress_bps,
+                new.ingress_bps,
+            ),
+        ] {
+            if total != 0 && is > total && is > was {
+                return Err(AgentError::NodeFull {
+                    resource,
+                    detail: format!(
+                        "a limit of {asked} bits/s would commit {is} of the node's {total} \
+                         ({was} committed)"
+                    ),
+                });
+            }
+        }
+        a.bw = next;
+        Ok(())
+    }
+
     pub(super) fn release_allocs(&self, rec: &NetworkRecord) {
         let mut a = self.allocs();
+        a.bw.sub(&rec.bandwidth);
         if let IpAddr::V4(ip) = rec.sandbox_ip {
             a.ips.release(ip);
         }
@@ -591,18 +657,26 @@ impl Agent {
             return Ok(Ensured::Unchanged);
         }
         let sockets = self.host_sockets(&spec, &net.rec.port_mappings).await?;
+        let (old_bw, new_bw) = (net.rec.bandwidth, self.bandwidth_for(&spec.bandwidth));
         let Resolved {
             mappings,
             claimed,
             stale,
         } = {
             let mut a = self.allocs();
-            resolve_ports(
+            let r = resolve_ports(
                 &mut a.ports,
                 &spec.port_mappings,
                 &net.rec.port_mappings,
                 &self.port_rules(&sockets),
-            )?
+            )?;
+            if let Err(e) = self.commit_bandwidth(&mut a, &old_bw, &new_bw) {
+                for m in &r.claimed {
+                    a.ports.release(m.protocol, m.host_port);
+                }
+                return Err(e);
+            }
+            r
         };
         let mut rec = (*net.rec).clone();
         rec.port_mappings = mappings;
@@ -613,15 +687,19 @@ impl Agent {
         rec.mtu = spec.mtu.unwrap_or(self.cfg.mtu);
         rec.idempotency_key = spec.idempotency_key;
         rec.egress_mode = spec.egress_mode;
-        if rec == *net.rec {
-            return Ok(Ensured::Unchanged);
-        }
+        rec.bandwidth = new_bw;
         let undo_claims = |this: &Self| {
             let mut a = this.allocs();
             for m in &claimed {
                 a.ports.release(m.protocol, m.host_port);
             }
+            a.bw.sub(&new_bw);
+            a.bw.add(&old_bw);
         };
+        if rec == *net.rec {
+            undo_claims(self);
+            return Ok(Ensured::Unchanged);
+        }
         let old = std::mem::replace(&mut net.rec, Arc::new(rec));
         let result = self.apply_change(net, &old).await;
         if let Err(e) = result {

@@ -7,6 +7,7 @@
 //! queues) sits behind short synchronous locks that are never held across
 //! kernel or disk I/O.
 
+pub mod capacity;
 pub mod domains;
 pub mod egress;
 pub mod events;
@@ -47,10 +48,14 @@ pub enum AgentError {
     InvalidArgument(String),
     #[error("no network for sandbox '{0}'")]
     NotFound(String),
-    #[error("{0}")]
-    AddressesExhausted(String),
-    #[error("{0}")]
-    PortsExhausted(String),
+    /// The node lacks a resource the request needs (another node may have
+    /// it): `resource` names it (addresses, host_ports, egress_bandwidth,
+    /// ingress_bandwidth).
+    #[error("node full ({resource}): {detail}")]
+    NodeFull {
+        resource: &'static str,
+        detail: String,
+    },
     #[error("{0}")]
     PortInUse(String),
     /// The TAP is attached to another process (a VMM) and the agent has no
@@ -120,6 +125,7 @@ fn sandbox_path(rec: &NetworkRecord, ifindex: u32) -> SandboxPath<'_> {
         allow_out: &rec.allow_out,
         deny_out: &rec.deny_out,
         strict_egress: !rec.egress_mode.is_dns(),
+        bandwidth: rec.bandwidth,
     }
 }
 
@@ -216,6 +222,27 @@ pub struct RecoveryReport {
 struct Allocs {
     ips: IpAllocator,
     ports: PortAllocator,
+    /// Bandwidth the live networks' limits commit, bits/s (Capacity, and
+    /// admission against `node_egress_rate`/`node_ingress_rate`).
+    bw: Committed,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Committed {
+    pub egress_bps: u64,
+    pub ingress_bps: u64,
+}
+
+impl Committed {
+    fn add(&mut self, b: &crate::types::Bandwidth) {
+        self.egress_bps = self.egress_bps.saturating_add(b.egress_bps);
+        self.ingress_bps = self.ingress_bps.saturating_add(b.ingress_bps);
+    }
+
+    fn sub(&mut self, b: &crate::types::Bandwidth) {
+        self.egress_bps = self.egress_bps.saturating_sub(b.egress_bps);
+        self.ingress_bps = self.ingress_bps.saturating_sub(b.ingress_bps);
+    }
 }
 
 /// Node facts looked up at start.
@@ -326,7 +353,10 @@ impl From<MappingError> for AgentError {
                 AgentError::PortInUse(e.to_string())
             }
             MappingError::NotAllowed { .. } => AgentError::InvalidArgument(e.to_string()),
-            MappingError::Exhausted { .. } => AgentError::PortsExhausted(e.to_string()),
+            MappingError::Exhausted { .. } => AgentError::NodeFull {
+                resource: "host_ports",
+                detail: e.to_string(),
+            },
         }
     }
 }

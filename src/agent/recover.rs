@@ -180,6 +180,7 @@ mod tests {
             created_unix: created,
             attach: Default::default(),
             egress_mode: Default::default(),
+            bandwidth: Default::default(),
         }
     }
 

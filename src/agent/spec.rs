@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::AgentError;
 use crate::alloc::Ipv4Cidr;
 use crate::config::{MAX_MTU, MIN_MTU};
-pub use crate::types::{NetnsFd, NetnsId, PortMapping};
+pub use crate::types::{Bandwidth, NetnsFd, NetnsId, PortMapping};
 
 pub const MAX_ID_LEN: usize = 128;
 pub const MAX_PORT_MAPPINGS: usize = 64;
@@ -61,6 +61,9 @@ pub struct NetworkSpec {
     pub attach: Attach,
     /// How names in `allow_out`/`deny_out` are enforced (default: DNS).
     pub egress_mode: EgressMode,
+    /// Bandwidth limits; a rate of 0 (or absent) means the node's default
+    /// (`default_egress_rate`/`default_ingress_rate`, unlimited unless set).
+    pub bandwidth: Bandwidth,
 }
 
 /// How a sandbox's egress by name is enforced (docs/egress.md).
@@ -404,6 +407,7 @@ impl NetworkSpec {
         if let Attach::Veth { ifname, .. } = &self.attach {
             validate_ifname("ifname", ifname)?;
         }
+        self.bandwidth.check().map_err(invalid)?;
         Ok(self)
     }
 
@@ -445,6 +449,10 @@ pub struct NetworkRecord {
     /// DNS (the default, and what older records mean) or SNI.
     #[serde(default, skip_serializing_if = "EgressMode::is_dns")]
     pub egress_mode: EgressMode,
+    /// The limits in force (the caller's, or the node's defaults when it
+    /// gave none); none in records from before limits.
+    #[serde(default, skip_serializing_if = "Bandwidth::is_unlimited")]
+    pub bandwidth: Bandwidth,
 }
 
 impl NetworkRecord {
@@ -650,6 +658,12 @@ mod tests {
             created_unix: 1,
             attach: Default::default(),
             egress_mode: EgressMode::Sni,
+            bandwidth: Bandwidth {
+                egress_bps: 40_000_000,
+                ingress_burst: 0,
+                ingress_bps: 1_000_000_000,
+                egress_burst: 1 << 20,
+            },
         };
         let bytes = rec.to_bytes();
         assert_eq!(NetworkRecord::from_bytes("sbx-1", &bytes).unwrap(), rec);

@@ -15,8 +15,8 @@ use super::events::Events;
 use super::pool::{self, PoolTap, TapPool};
 use super::spec::{AttachRecord, NetworkRecord};
 use super::{
-    Agent, Allocs, Gateway, Network, RecoveryReport, StartError, Uplink, kernel_reserved_ports,
-    recover,
+    Agent, Allocs, Committed, Gateway, Network, RecoveryReport, StartError, Uplink,
+    kernel_reserved_ports, recover,
 };
 use crate::alloc::{IpAllocator, PortAllocator};
 use crate::config::{Config, Derived};
@@ -27,6 +27,11 @@ use crate::tap::Tap;
 
 /// The `ip link` alias of the tc block anchor.
 pub(super) const ANCHOR_ALIAS: &str = "cube-network-agent: tc block anchor";
+/// The shaper device pair (egress limits, docs/datapath.md "Bandwidth").
+pub(super) const SHAPER_DEVICE: &str = "cube-shp";
+pub(super) const SHAPER_ALIAS: &str = "cube-network-agent: shaper";
+/// Its MTU: any packet a sandbox may send (GSO packets pass whatever it).
+const SHAPER_MTU: u32 = 65_535;
 
 impl Agent {
     /// Validates the configuration, opens the store, sets up the gateway
@@ -85,10 +90,14 @@ impl Agent {
         } else {
             None
         };
+        let shaper = match (&anchor, &uplink) {
+            (Some(_), Uplink::Found { .. }) => Self::shaper_devices(&nl).await,
+            _ => None,
+        };
         let loading = {
             let (cfg, d, gw, uplink) = (cfg.clone(), d.clone(), gw_link.clone(), uplink.clone());
             tokio::task::spawn_blocking(move || {
-                Self::build_datapath(&cfg, &d, &gw, &uplink, anchor.as_ref())
+                Self::build_datapath(&cfg, &d, &gw, &uplink, anchor.as_ref(), shaper)
             })
         };
         let links = nl.list_links().await?;
@@ -102,6 +111,7 @@ impl Agent {
         let allocs = Allocs {
             ips: IpAllocator::new(d.pool).expect("validated pool"),
             ports: PortAllocator::new(d.port_low, d.port_high, excluded),
+            bw: Committed::default(),
         };
         let events = Arc::new(Events::default());
         let pool = Arc::new(TapPool::new(
@@ -287,6 +297,59 @@ impl Agent {
         }
     }
 
+    /// The shaper device pair, `cube-shp` ↔ `cube-shp-r` (made once, kept
+    /// across restarts, up, no addresses, marked with [`SHAPER_ALIAS`]):
+    /// (shaper ifindex, peer ifindex). None, with a warning, if a device of
+    /// either name is someone else's: egress limits are then refused.
+    async fn shaper_devices(nl: &Netlink) -> Option<(u32, u32)> {
+        let peer = format!(
+            "{SHAPER_DEVICE}{}",
+            crate::datapath::ebpf::SHAPER_PEER_SUFFIX
+        );
+        let found = (
+            nl.link_by_name(SHAPER_DEVICE).await.ok()?,
+            nl.link_by_name(&peer).await.ok()?,
+        );
+        let ours = |l: &LinkInfo| {
+            l.kind.as_deref() == Some("veth") && l.alias.as_deref() == Some(SHAPER_ALIAS)
+        };
+        let (a, b) = match found {
+            (Some(a), Some(b)) if ours(&a) && ours(&b) => (a.index, b.index),
+            (None, None) => {
+                if let Err(e) = nl.create_veth_pair(SHAPER_DEVICE, &peer, SHAPER_MTU).await {
+                    warn!(error = %crate::error_chain(&e), "creating the shaper devices; egress limits are unavailable");
+                    return None;
+                }
+                let a = nl.link_by_name(SHAPER_DEVICE).await.ok()??.index;
+                let b = nl.link_by_name(&peer).await.ok()??.index;
+                (a, b)
+            }
+            _ => {
+                warn!(
+                    device = SHAPER_DEVICE,
+                    peer,
+                    "a device of the shaper's names is not the agent's; egress limits are unavailable"
+                );
+                return None;
+            }
+        };
+        for (index, name) in [(a, SHAPER_DEVICE), (b, peer.as_str())] {
+            if let Err(error) = crate::sysctl::disable_ipv6(name) {
+                debug!(device = name, %error, "could not disable IPv6 on the shaper device");
+            }
+            let change = crate::netlink::LinkChange {
+                up: Some(true),
+                alias: Some(SHAPER_ALIAS),
+                ..Default::default()
+            };
+            if let Err(e) = nl.set_link(index, change).await {
+                warn!(device = name, error = %crate::error_chain(&e), "bringing the shaper device up; egress limits are unavailable");
+                return None;
+            }
+        }
+        Some((a, b))
+    }
+
     /// The configured datapath; if the eBPF one cannot load, networks still
     /// get TAPs and addresses and Health says why packets do not flow —
     /// unless the failure is fatal (a pinned map it cannot migrate), which
@@ -297,6 +360,7 @@ impl Agent {
         gw: &LinkInfo,
         uplink: &Uplink,
         anchor: Option<&LinkInfo>,
+        shaper: Option<(u32, u32)>,
     ) -> Result<Arc<dyn Datapath>, StartError> {
         let Some(anchor) = anchor.filter(|_| cfg.datapath == crate::config::DatapathKind::Ebpf)
         else {
@@ -346,6 +410,8 @@ impl Agent {
                 d.pool.size().saturating_sub(3).min(u64::from(u32::MAX)) as u32,
             ),
             host_access_uids: cfg.host_access_uids.clone(),
+            shaper: shaper.map(|(s, _)| (SHAPER_DEVICE.to_owned(), s)),
+            shaper_peer: shaper.map(|(_, p)| p),
         };
         match crate::datapath::ebpf::EbpfDatapath::load(node) {
             Ok(dp) => Ok(Arc::new(dp)),
@@ -403,7 +469,7 @@ impl Agent {
         let neigh_ips: Vec<IpAddr> = neighbours.iter().map(|n| n.0).collect();
         let plan = {
             let a = self.allocs.get_mut().unwrap_or_else(|p| p.into_inner());
-            recover::classify(
+            let plan = recover::classify(
                 &self.cfg.tap_prefix,
                 self.cfg.retire_group,
                 records,
@@ -411,7 +477,13 @@ impl Agent {
                 &neigh_ips,
                 &mut a.ips,
                 &mut a.ports,
-            )
+            );
+            let mut bw = Committed::default();
+            for (rec, _) in &plan.networks {
+                bw.add(&rec.bandwidth);
+            }
+            a.bw = bw;
+            plan
         };
         for (key, bytes, reason) in &plan.quarantine {
             warn!(sandbox_id = key, reason, "record quarantined");

@@ -13,7 +13,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 
 use super::{Agent, AgentError, NetworkView, failed};
-use crate::datapath::maps::SB_COUNTER_NAMES;
+use crate::datapath::maps::{RATE_COUNTER_NAMES, SB_COUNTER_NAMES};
 use crate::metrics::{Family, Kind, Sample, Val};
 use crate::netlink::LinkCounters;
 
@@ -38,6 +38,9 @@ pub struct Traffic {
     /// The datapath's own counters for this sandbox: drops by reason and
     /// flows opened by kind, indexed like [`SB_COUNTER_NAMES`].
     pub datapath: [u64; SB_COUNTER_NAMES.len()],
+    /// Its bandwidth limits at work (paced, dropped beyond the horizon),
+    /// indexed like [`RATE_COUNTER_NAMES`].
+    pub throttled: [u64; RATE_COUNTER_NAMES.len()],
     /// Queries the resolver refused for the sandbox's domain rules (since
     /// this agent started: kept in memory, not across restarts).
     pub dns_refused: u64,
@@ -55,7 +58,13 @@ impl Traffic {
             rx_packets: c.tx_packets,
             rx_dropped: c.tx_dropped,
             flows,
-            datapath: dp_array(datapath),
+            datapath: dp_array(datapath.as_deref().unwrap_or_default()),
+            throttled: dp_array(
+                datapath
+                    .as_deref()
+                    .and_then(|d| d.get(SB_COUNTER_NAMES.len()..))
+                    .unwrap_or_default(),
+            ),
             dns_refused: 0,
         }
     }
@@ -72,6 +81,7 @@ impl Traffic {
             ("flows", self.flows),
         ];
         f.extend(SB_COUNTER_NAMES.iter().copied().zip(self.datapath));
+        f.extend(RATE_COUNTER_NAMES.iter().copied().zip(self.throttled));
         f.push(("dns_refused", self.dns_refused));
         f
     }
@@ -93,10 +103,10 @@ impl Traffic {
     }
 }
 
-fn dp_array(v: Option<Vec<u64>>) -> [u64; SB_COUNTER_NAMES.len()] {
-    let mut a = [0; SB_COUNTER_NAMES.len()];
-    for (slot, n) in a.iter_mut().zip(v.unwrap_or_default()) {
-        *slot = n;
+fn dp_array<const N: usize>(v: &[u64]) -> [u64; N] {
+    let mut a = [0; N];
+    for (slot, n) in a.iter_mut().zip(v) {
+        *slot = *n;
     }
     a
 }
@@ -275,6 +285,58 @@ impl Agent {
                 true,
                 &|t| t.new_flows().map(|(k, n)| (Some(k), n)).collect(),
             ),
+            per(
+                "sandbox_shaped_packets",
+                Kind::Counter,
+                None,
+                "Packets of a sandbox that went through its bandwidth limit's shaper, by direction (egress: to the world, ingress: from it); only values above 0",
+                true,
+                &|t| {
+                    vec![
+                        (Some("egress"), t.throttled[0]),
+                        (Some("ingress"), t.throttled[4]),
+                    ]
+                },
+            ),
+            per(
+                "sandbox_shaped_bytes",
+                Kind::Counter,
+                Some("bytes"),
+                "Bytes of those packets; only values above 0",
+                true,
+                &|t| {
+                    vec![
+                        (Some("egress"), t.throttled[1]),
+                        (Some("ingress"), t.throttled[5]),
+                    ]
+                },
+            ),
+            per(
+                "sandbox_shaper_delays",
+                Kind::Counter,
+                None,
+                "Times a sandbox's shaper held its traffic back for the limit (HTB overlimits), by direction; only values above 0",
+                true,
+                &|t| {
+                    vec![
+                        (Some("egress"), t.throttled[2]),
+                        (Some("ingress"), t.throttled[6]),
+                    ]
+                },
+            ),
+            per(
+                "sandbox_rate_drops",
+                Kind::Counter,
+                None,
+                "Packets of a sandbox its shaper dropped (its queue full), by direction; only values above 0",
+                true,
+                &|t| {
+                    vec![
+                        (Some("egress"), t.throttled[3]),
+                        (Some("ingress"), t.throttled[7]),
+                    ]
+                },
+            ),
         ];
         let gauge = |name, help, n: u64| Family {
             name,
@@ -357,6 +419,38 @@ impl Agent {
                 help,
                 unit: Some("seconds"),
                 samples: vec![Sample::node(Val::H(h.snapshot()))],
+            });
+        }
+        let cap = self.capacity();
+        f.push(Family {
+            name: "capacity",
+            kind: Kind::Gauge,
+            help: "The node's headroom as Capacity reports it, by resource (addresses_free, taps_creatable, host_ports_free_tcp, egress_bps_committed, ...)",
+            unit: None,
+            samples: cap
+                .fields()
+                .into_iter()
+                .filter(|(k, _)| *k != "labels")
+                .map(|(k, n)| Sample {
+                    object: None,
+                    field: Some(("resource", k)),
+                    value: Val::U(n),
+                })
+                .collect(),
+        });
+        if !cap.labels.is_empty() {
+            f.push(Family {
+                name: "node_labels",
+                kind: Kind::String,
+                help: "The node's labels (config labels), as k=v,...",
+                unit: None,
+                samples: vec![Sample::node(Val::S(
+                    cap.labels
+                        .iter()
+                        .map(|(k, v)| format!("{k}={v}"))
+                        .collect::<Vec<_>>()
+                        .join(","),
+                ))],
             });
         }
         f.push(Family {

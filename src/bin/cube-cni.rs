@@ -387,6 +387,17 @@ async fn add(env: &Env, conf: &NetConf) -> Result<Value, CniError> {
     if let Some(mode) = &conf.egress_mode {
         opts.insert("egress_mode", ZValue::from(mode.as_str()));
     }
+    let bw = conf.bandwidth;
+    for (key, v) in [
+        ("egress_bps", bw.egress_bps),
+        ("ingress_bps", bw.ingress_bps),
+        ("egress_burst", bw.egress_burst),
+        ("ingress_burst", bw.ingress_burst),
+    ] {
+        if v != 0 {
+            opts.insert(key, ZValue::from(v));
+        }
+    }
     let net: Dict = agent.call("EnsureNetwork", &(id.as_str(), opts)).await?;
     let f = facts(&net)?;
     let gw_mac: String = field(&net, "gateway_mac")?;

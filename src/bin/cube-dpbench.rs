@@ -522,6 +522,7 @@ impl Loaded {
                 allow_out: &allow,
                 deny_out: &deny,
                 strict_egress: false,
+                bandwidth: Default::default(),
             })?;
             if names {
                 d.learn(SANDBOX_IP, &[(WORLD_IP, Duration::from_secs(24 * 3600))])?;
@@ -597,6 +598,8 @@ fn load_ebpf(topo: &Topo, snat_port_range: Option<&str>) -> Result<Loaded> {
         anchor: ("cube-blk".into(), anchor_ifindex),
         hflow_shares: cube_network_agent::datapath::maps::HflowShares::for_pool(16381),
         host_access_uids: vec![],
+        shaper: None,
+        shaper_peer: None,
     };
     let dp = Arc::new(
         in_netns(&topo.node, move || EbpfDatapath::load(node))?

@@ -154,6 +154,10 @@ pub struct NetConf {
     pub egress_mode: Option<String>,
     pub dns: Option<Value>,
     pub port_mappings: Vec<PortMapping>,
+    /// `runtimeConfig.bandwidth` (the `bandwidth` capability, as the
+    /// reference plugin reads it: rates in bits/s, bursts in bits), here
+    /// with the bursts in bytes as the agent takes them.
+    pub bandwidth: crate::types::Bandwidth,
     pub prev_result: Option<Value>,
     /// GC: the attachments to keep, (container id, ifname).
     pub valid_attachments: Option<BTreeSet<(String, String)>>,
@@ -328,6 +332,10 @@ impl NetConf {
             None | Some(Value::Null) => vec![],
             Some(v) => parse_port_mappings(v)?,
         };
+        let bandwidth = match obj.get("runtimeConfig").and_then(|r| r.get("bandwidth")) {
+            None | Some(Value::Null) => Default::default(),
+            Some(v) => parse_bandwidth(v)?,
+        };
         let prev_result = obj.get("prevResult").filter(|v| !v.is_null()).cloned();
         let valid_attachments = match obj.get("cni.dev/valid-attachments") {
             None => None,
@@ -345,10 +353,50 @@ impl NetConf {
             egress_mode,
             dns,
             port_mappings,
+            bandwidth,
             prev_result,
             valid_attachments,
         })
     }
+}
+
+/// `runtimeConfig.bandwidth`: `ingressRate`/`egressRate` (bits/s) and
+/// `ingressBurst`/`egressBurst` (bits, turned into bytes); ingress is
+/// what the container receives, egress what it sends.
+fn parse_bandwidth(v: &Value) -> Result<crate::types::Bandwidth, CniError> {
+    let key = "runtimeConfig.bandwidth";
+    let o = v
+        .as_object()
+        .ok_or_else(|| config_err(format!("{key}: must be an object")))?;
+    let mut b = crate::types::Bandwidth::default();
+    for (k, n) in o {
+        let n = n.as_u64().ok_or_else(|| {
+            config_err(format!(
+                "{key}.{k}: {n} is not a whole number of bits (per second)"
+            ))
+        })?;
+        match k.as_str() {
+            "ingressRate" => b.ingress_bps = n,
+            "egressRate" => b.egress_bps = n,
+            "ingressBurst" => b.ingress_burst = n.div_ceil(8),
+            "egressBurst" => b.egress_burst = n.div_ceil(8),
+            other => {
+                return Err(config_err(format!(
+                    "{key}.{other}: unknown (ingressRate, ingressBurst, egressRate, egressBurst)"
+                )));
+            }
+        }
+    }
+    // The reference plugin takes a burst without a rate as no limit.
+    if b.ingress_bps == 0 {
+        b.ingress_burst = 0;
+    }
+    if b.egress_bps == 0 {
+        b.egress_burst = 0;
+    }
+    b.check()
+        .map_err(|why| config_err(format!("{key}: {why}")))?;
+    Ok(b)
 }
 
 fn parse_port_mappings(v: &Value) -> Result<Vec<PortMapping>, CniError> {
@@ -631,8 +679,8 @@ pub fn agent_error(name: &str, msg: &str) -> CniError {
     let c = match short {
         "InvalidArgument" => code::INVALID_CONFIG,
         "NotFound" => code::NOT_FOUND,
-        "AddressesExhausted" | "PortsExhausted" | "LimitsExceeded" | "ServiceUnknown"
-        | "NameHasNoOwner" | "NoReply" | "Timeout" | "TimedOut" => code::TRY_AGAIN_LATER,
+        "NodeFull" | "LimitsExceeded" | "ServiceUnknown" | "NameHasNoOwner" | "NoReply"
+        | "Timeout" | "TimedOut" => code::TRY_AGAIN_LATER,
         "PortInUse" => code::PORT_IN_USE,
         "Conflict" => code::NOT_THIS_ATTACHMENT,
         "AccessDenied" | "InteractiveAuthorizationRequired" => code::ACCESS_DENIED,
@@ -930,7 +978,7 @@ mod tests {
             code::PORT_IN_USE
         );
         assert_eq!(
-            agent_error("org.cube.NetworkAgent.Error.AddressesExhausted", "x").code,
+            agent_error("org.cube.NetworkAgent.Error.NodeFull", "x").code,
             code::TRY_AGAIN_LATER
         );
         assert_eq!(

@@ -23,7 +23,10 @@ pub struct DpConfig {
     pub hflow_guaranteed: u32,
     pub hflow_cap: u32,
     pub hflow_borrow: u32,
-    pub pad2: u32,
+    /// The shaper device (egress limits) and its peer; 0 = none.
+    pub shaper_ifindex: u32,
+    pub shaper_peer_ifindex: u32,
+    pub pad3: u32,
 }
 
 /// A sandbox's entries in the shared tables (`sb_share`, keyed by its TAP
@@ -86,6 +89,10 @@ pub const DP_F_INTERNET: u32 = 1;
 pub const DP_F_DOMAINS: u32 = 2;
 /// Strict egress (`egress_mode` "sni"): TCP to 80/443 goes to the proxy.
 pub const DP_F_SNI: u32 = 4;
+/// Traffic to the world is paced by the sandbox's `sb_rate` entry.
+pub const DP_F_SHAPE_OUT: u32 = 8;
+/// `DpTap::flags`: traffic from the world to the sandbox is paced.
+pub const DP_T_SHAPE_IN: u32 = 1;
 /// `policy_deny` values (ebpf/datapath.h): the catch-all 0.0.0.0/0, which
 /// an address learned for an allowed name passes, and every other deny
 /// CIDR, which beats it.
@@ -116,7 +123,8 @@ pub struct DpLearnedVal {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DpTap {
     pub ifindex: u32,
-    pub pad: u32,
+    /// `DP_T_*` (0 in builds before bandwidth limits).
+    pub flags: u32,
     /// Generation of the address's current owner: set when an address is
     /// attached with no `by_ip` entry (a new owner), kept by every later
     /// attach of it (converge, recovery, Reconcile, agent restarts: it is
@@ -283,6 +291,44 @@ pub struct DpFragVal {
     pub pad: u32,
 }
 
+/// `sb_rate` value (struct dp_rate), keyed by the sandbox's TAP or veth
+/// ifindex: its classes in the uplink's shaper.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpRate {
+    /// The uplink's classes of the sandbox; 0: no egress limit.
+    pub out_small: u32,
+    pub out_bulk: u32,
+    /// 1: the sandbox's device has a shaper (an ingress limit).
+    pub in_shaped: u32,
+    pub pad: u32,
+}
+
+/// The classes of the shaper on a sandbox's own device (ingress limits),
+/// as the datapath sets them (DP_TAP_CLASS_*): parent, small, bulk.
+pub const TAP_CLASS_PARENT: u32 = 0xc0be_0001;
+pub const TAP_CLASS_SMALL: u32 = 0xc0be_0002;
+pub const TAP_CLASS_BULK: u32 = 0xc0be_0003;
+/// The handle of every shaper qdisc the agent makes (`c0be:`).
+pub const SHAPER_HANDLE: u32 = 0xc0be_0000;
+/// Packets of at most this many bytes go to the "small" class.
+pub const SHAPE_SMALL: u32 = 256;
+
+/// A sandbox's shaper counters (its HTB classes' statistics), after
+/// [`SB_COUNTER_NAMES`] in what `Datapath::sandbox_counters` returns:
+/// packets and bytes that went through the shaper, how often one had to
+/// wait for the rate (overlimits), and drops (the class's queue full).
+pub const RATE_COUNTER_NAMES: &[&str] = &[
+    "egress_shaped_packets",
+    "egress_shaped_bytes",
+    "egress_delayed",
+    "egress_rate_dropped_packets",
+    "ingress_shaped_packets",
+    "ingress_shaped_bytes",
+    "ingress_delayed",
+    "ingress_rate_dropped_packets",
+];
+
 /// A sandbox's own datapath counters (`sb_stats`, keyed by its TAP or
 /// veth ifindex), indexed by [`SB_COUNTER_NAMES`].
 #[repr(C)]
@@ -312,6 +358,8 @@ pub const SB_COUNTER_NAMES: &[&str] = &[
 unsafe impl aya::Pod for DpConfig {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpSbStats {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpRate {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpShare {}
 // SAFETY: see above.
@@ -353,7 +401,7 @@ unsafe impl aya::Pod for DpFragVal {}
 
 // The C side's sizes (ebpf/datapath.h comments); a mismatch fails the build.
 const _: () = {
-    assert!(size_of::<DpConfig>() == 64);
+    assert!(size_of::<DpConfig>() == 72);
     assert!(size_of::<DpShare>() == 8);
     assert!(size_of::<DpSharePool>() == 8);
     assert!(size_of::<DpSandbox>() == 16);
@@ -374,6 +422,7 @@ const _: () = {
     assert!(size_of::<DpFragKey>() == 12);
     assert!(size_of::<DpFragVal>() == 32);
     assert!(size_of::<DpSbStats>() == 72);
+    assert!(size_of::<DpRate>() == 16);
 };
 
 /// Entries of the per-sandbox maps (`max_entries` in ebpf/datapath.bpf.c).
@@ -566,6 +615,14 @@ pub const PINNED: &[PinnedMap] = {
             SANDBOX_MAP_ENTRIES,
             Durable,
         ),
+        pinned(
+            "sb_rate",
+            Hash,
+            4,
+            size_of::<DpRate>(),
+            SANDBOX_MAP_ENTRIES,
+            Durable,
+        ),
     ]
 };
 
@@ -592,4 +649,5 @@ pub const COUNTER_NAMES: &[&str] = &[
     "host_access_denied",
     "host_flow_share_full",
     "no_host_flow",
+    "rate_drop",
 ];

@@ -11,6 +11,7 @@
 pub mod ebpf;
 pub mod maps;
 pub mod pins;
+pub mod shaper;
 pub mod tc;
 
 use std::net::IpAddr;
@@ -31,6 +32,8 @@ pub struct SandboxPath<'a> {
     pub deny_out: &'a [String],
     /// Strict egress (`egress_mode` "sni"): TCP to 80/443 via the proxy.
     pub strict_egress: bool,
+    /// Bandwidth limits (0 = unlimited).
+    pub bandwidth: crate::types::Bandwidth,
 }
 
 impl SandboxPath<'_> {
@@ -149,6 +152,11 @@ pub trait Datapath: Send + Sync {
     fn flow_counts(&self) -> (u64, u64) {
         (0, 0)
     }
+    /// Live SNAT flows as of the last `maintain` pass.
+    fn snat_flows(&self) -> u64 {
+        0
+    }
+
     /// The node-wide event and drop counters (name, packets).
     fn counters(&self) -> Vec<(&'static str, u64)> {
         vec![]

@@ -99,7 +99,7 @@ impl Conn {
 
     /// One request; its replies (a dump's messages, nothing for an
     /// acknowledged change). An error reply becomes its errno.
-    fn request(
+    pub(super) fn request(
         &mut self,
         msg: RouteNetlinkMessage,
         flags: u16,
@@ -193,7 +193,7 @@ fn request(msg: RouteNetlinkMessage, flags: u16) -> io::Result<Vec<RouteNetlinkM
     Conn::new()?.request(msg, flags)
 }
 
-fn tc_message(index: i32, handle: u32, parent: u32, info: u32) -> TcMessage {
+pub(super) fn tc_message(index: i32, handle: u32, parent: u32, info: u32) -> TcMessage {
     let mut m = TcMessage::default();
     m.header.index = index;
     m.header.handle = TcHandle::from(handle);

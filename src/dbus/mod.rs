@@ -18,7 +18,9 @@ use zbus::object_server::SignalEmitter;
 use zbus::zvariant::{OwnedObjectPath, OwnedValue, Value};
 use zbus::{Connection, DBusError, fdo, interface};
 
-use crate::agent::spec::{Attach, AttachRecord, EgressMode, Expect, NetworkSpec, PortMapping};
+use crate::agent::spec::{
+    Attach, AttachRecord, Bandwidth, EgressMode, Expect, NetworkSpec, PortMapping,
+};
 use crate::agent::{Agent, AgentError, NetworkInfo, ReconcileReport};
 use crate::auth::{Action, AuthError, Authority};
 use crate::config::BusChoice;
@@ -37,8 +39,7 @@ pub enum Error {
     ZBus(zbus::Error),
     InvalidArgument(String),
     NotFound(String),
-    AddressesExhausted(String),
-    PortsExhausted(String),
+    NodeFull(String),
     PortInUse(String),
     TapBusy(String),
     Conflict(String),
@@ -53,8 +54,7 @@ impl DBusError for Error {
             Error::ZBus(_) => "org.freedesktop.zbus.Error",
             Error::InvalidArgument(_) => "org.cube.NetworkAgent.Error.InvalidArgument",
             Error::NotFound(_) => "org.cube.NetworkAgent.Error.NotFound",
-            Error::AddressesExhausted(_) => "org.cube.NetworkAgent.Error.AddressesExhausted",
-            Error::PortsExhausted(_) => "org.cube.NetworkAgent.Error.PortsExhausted",
+            Error::NodeFull(_) => "org.cube.NetworkAgent.Error.NodeFull",
             Error::PortInUse(_) => "org.cube.NetworkAgent.Error.PortInUse",
             Error::TapBusy(_) => "org.cube.NetworkAgent.Error.TapBusy",
             Error::Conflict(_) => "org.cube.NetworkAgent.Error.Conflict",
@@ -71,8 +71,7 @@ impl DBusError for Error {
             Error::ZBus(_) => None,
             Error::InvalidArgument(m)
             | Error::NotFound(m)
-            | Error::AddressesExhausted(m)
-            | Error::PortsExhausted(m)
+            | Error::NodeFull(m)
             | Error::PortInUse(m)
             | Error::TapBusy(m)
             | Error::Conflict(m)
@@ -129,8 +128,7 @@ impl From<AgentError> for Error {
         match e {
             AgentError::InvalidArgument(m) => Error::InvalidArgument(m),
             e @ AgentError::NotFound(_) => Error::NotFound(e.to_string()),
-            AgentError::AddressesExhausted(m) => Error::AddressesExhausted(m),
-            AgentError::PortsExhausted(m) => Error::PortsExhausted(m),
+            e @ AgentError::NodeFull { .. } => Error::NodeFull(e.to_string()),
             AgentError::PortInUse(m) => Error::PortInUse(m),
             e @ AgentError::TapBusy { .. } => Error::TapBusy(e.to_string()),
             AgentError::Conflict(m) => Error::Conflict(m),
@@ -172,6 +170,10 @@ pub const OPTION_KEYS: &[&str] = &[
     "netns_fd",
     "ifname",
     "egress_mode",
+    "egress_bps",
+    "ingress_bps",
+    "egress_burst",
+    "ingress_burst",
 ];
 
 fn bad(msg: String) -> AgentError {
@@ -239,6 +241,10 @@ pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpe
             "egress_mode" => {
                 spec.egress_mode = EgressMode::parse(key, &typed::<String>(key, v, "s")?)?
             }
+            "egress_bps" => spec.bandwidth.egress_bps = typed(key, v, "t")?,
+            "ingress_bps" => spec.bandwidth.ingress_bps = typed(key, v, "t")?,
+            "egress_burst" => spec.bandwidth.egress_burst = typed(key, v, "t")?,
+            "ingress_burst" => spec.bandwidth.ingress_burst = typed(key, v, "t")?,
             other => {
                 return Err(bad(format!(
                     "unknown option '{other}' (known: {})",
@@ -397,12 +403,43 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
     }
     put("attach", Value::from(r.attach.name()));
     put("egress_mode", Value::from(r.egress_mode.as_str()));
+    let bw = r.bandwidth;
+    put("egress_bps", Value::from(bw.egress_bps));
+    put("ingress_bps", Value::from(bw.ingress_bps));
+    if bw.egress_bps != 0 {
+        put(
+            "egress_burst",
+            Value::from(Bandwidth::burst_or_default(bw.egress_burst)),
+        );
+    }
+    if bw.ingress_bps != 0 {
+        put(
+            "ingress_burst",
+            Value::from(Bandwidth::burst_or_default(bw.ingress_burst)),
+        );
+    }
     if let AttachRecord::Veth { ifname, netns } = r.attach {
         put("ifname", Value::from(ifname));
         if let Some(ns) = netns {
             put("netns", Value::from(ns.to_string()));
         }
     }
+    d
+}
+
+fn capacity_dict(c: &crate::agent::capacity::Capacity) -> Dict {
+    let mut d = Dict::new();
+    for (k, v) in c.fields() {
+        if k != "labels" {
+            d.insert(k.to_owned(), OwnedValue::from(v));
+        }
+    }
+    d.insert(
+        "labels".to_owned(),
+        Value::from(c.labels.clone().into_iter().collect::<HashMap<_, _>>())
+            .try_to_owned()
+            .expect("no fds in labels"),
+    );
     d
 }
 
@@ -642,6 +679,20 @@ impl Manager {
         }
         .await;
         self.logged(&header, "Health", "", result)
+    }
+
+    /// The node's headroom (docs/observability.md "Capacity"): free
+    /// addresses, TAPs, host ports; flow-table and learned-address fill;
+    /// bandwidth committed against the node's totals (t values), and the
+    /// node's labels (a{ss}).
+    #[zbus(out_args("capacity"))]
+    async fn capacity(&self, #[zbus(header)] header: Header<'_>) -> Result<Dict, Error> {
+        let result = async {
+            self.authorize(&header, Action::Read).await?;
+            Ok(capacity_dict(&self.agent.capacity()))
+        }
+        .await;
+        self.logged(&header, "Capacity", "", result)
     }
 
     #[zbus(property)]

@@ -6,7 +6,7 @@
 use serde_json::{Map, Value, json};
 
 use super::Failure;
-use crate::agent::spec::{EgressMode, Expect, NetworkSpec, PortMapping};
+use crate::agent::spec::{Bandwidth, EgressMode, Expect, NetworkSpec, PortMapping};
 use crate::agent::{AgentError, NetworkInfo, ReconcileReport};
 use crate::datapath::Check;
 
@@ -119,6 +119,10 @@ pub fn options(v: Option<&Value>) -> Result<NetworkSpec, Failure> {
                 spec.egress_mode =
                     EgressMode::parse(key, &as_string(v, key)?).map_err(|_| invalid(key))?
             }
+            "egress_bps" => spec.bandwidth.egress_bps = as_uint(v, key)?,
+            "ingress_bps" => spec.bandwidth.ingress_bps = as_uint(v, key)?,
+            "egress_burst" => spec.bandwidth.egress_burst = as_uint(v, key)?,
+            "ingress_burst" => spec.bandwidth.ingress_burst = as_uint(v, key)?,
             other => return Err(invalid(other)),
         }
     }
@@ -176,6 +180,18 @@ pub fn traffic(t: &crate::agent::traffic::Traffic) -> Value {
     )
 }
 
+/// A `Capacity`.
+pub fn capacity(c: &crate::agent::capacity::Capacity) -> Value {
+    let mut o: serde_json::Map<String, Value> = c
+        .fields()
+        .into_iter()
+        .filter(|(k, _)| *k != "labels")
+        .map(|(k, v)| (k.to_owned(), Value::from(v)))
+        .collect();
+    o.insert("labels".into(), json!(c.labels));
+    Value::Object(o)
+}
+
 /// A `Network`.
 pub fn network(info: NetworkInfo) -> Value {
     let r = std::sync::Arc::unwrap_or_clone(info.view.record);
@@ -208,6 +224,15 @@ pub fn network(info: NetworkInfo) -> Value {
         o["idempotency_key"] = Value::String(k);
     }
     o["attach"] = Value::String(r.attach.name().into());
+    let bw = r.bandwidth;
+    o["egress_bps"] = Value::from(bw.egress_bps);
+    o["ingress_bps"] = Value::from(bw.ingress_bps);
+    if bw.egress_bps != 0 {
+        o["egress_burst"] = Value::from(Bandwidth::burst_or_default(bw.egress_burst));
+    }
+    if bw.ingress_bps != 0 {
+        o["ingress_burst"] = Value::from(Bandwidth::burst_or_default(bw.ingress_burst));
+    }
     if let crate::agent::spec::AttachRecord::Veth { ifname, netns } = r.attach {
         o["ifname"] = Value::String(ifname);
         if let Some(ns) = netns {

@@ -272,8 +272,12 @@ impl Failure {
                 let name = match &e {
                     AgentError::InvalidArgument(_) => "InvalidArgument",
                     AgentError::NotFound(_) => "NotFound",
-                    AgentError::AddressesExhausted(_) => "AddressesExhausted",
-                    AgentError::PortsExhausted(_) => "PortsExhausted",
+                    AgentError::NodeFull { resource, .. } => {
+                        return json!({
+                            "error": format!("{INTERFACE}.NodeFull"),
+                            "parameters": {"resource": resource, "message": e.to_string()},
+                        });
+                    }
                     AgentError::PortInUse(_) => "PortInUse",
                     AgentError::TapBusy { .. } => "TapBusy",
                     AgentError::Conflict(_) => "Conflict",
@@ -344,7 +348,7 @@ async fn call(agent: &Agent, peer: &Peer, method: &str, p: Object) -> Result<Rep
             "EnsureNetwork" | "ReleaseNetwork" | "ReleaseNetworkIf" | "ReconcileNetwork"
             | "OpenTap",
         ) => Some(Operation::Manage),
-        Some("GetNetwork" | "ListNetworks" | "Health") => Some(Operation::Read),
+        Some("GetNetwork" | "ListNetworks" | "Health" | "Capacity") => Some(Operation::Read),
         _ => None,
     };
     if let Some(op) = op {
@@ -418,6 +422,10 @@ async fn call(agent: &Agent, peer: &Peer, method: &str, p: Object) -> Result<Rep
                 parameters: json!({ "tap_fd": 0 }),
                 fd: Some(fd),
             }
+        }
+        "org.cube.NetworkAgent.Capacity" => {
+            convert::only(&p, &[])?;
+            Reply::new(json!({ "capacity": convert::capacity(&agent.capacity()) }))
         }
         "org.cube.NetworkAgent.Health" => {
             convert::only(&p, &[])?;
@@ -981,8 +989,6 @@ mod tests {
         for e in [
             "InvalidArgument",
             "NotFound",
-            "AddressesExhausted",
-            "PortsExhausted",
             "PortInUse",
             "TapBusy",
             "Conflict",

@@ -89,6 +89,8 @@ pub struct EnsureOpts {
     pub egress_mode: Option<String>,
     pub no_internet: bool,
     pub mtu: Option<u32>,
+    /// Bandwidth limits as typed and as numbers (bits/s; bytes for bursts).
+    pub rates: Vec<(&'static str, String, u64)>,
     pub metadata: Vec<(String, String)>,
     pub idempotency_key: Option<String>,
 }
@@ -101,6 +103,7 @@ pub enum Cmd {
     Release(String),
     Reconcile(String),
     Health,
+    Capacity,
     OpenTap(String, Vec<String>),
     Watch,
     /// The metrics socket to read.
@@ -136,6 +139,8 @@ struct RawEnsure {
     egress_mode: Option<String>,
     no_internet: bool,
     mtu: Option<String>,
+    /// (option key, flag, value) of --egress-rate and the like.
+    rates: Vec<(&'static str, &'static str, String)>,
     metadata: Vec<String>,
     idempotency_key: Option<String>,
 }
@@ -146,6 +151,10 @@ pub const ENSURE_FLAGS: &[&str] = &[
     "--allow-out",
     "--deny-out",
     "--egress-mode",
+    "--egress-rate",
+    "--ingress-rate",
+    "--egress-burst",
+    "--ingress-burst",
     "--no-internet",
     "--mtu",
     "--metadata",
@@ -247,6 +256,16 @@ fn build_ensure(raw: RawEnsure) -> Res<EnsureOpts> {
             m.parse()
                 .map_err(|_| Failure::usage(format!("--mtu {m} is out of range")))?,
         );
+    }
+    for (key, flag, v) in raw.rates {
+        let n = if key.ends_with("_bps") {
+            cube_network_agent::types::parse_rate(&v)
+        } else {
+            cube_network_agent::types::parse_size(&v)
+        }
+        .map_err(|why| Failure::usage(format!("{flag} {v}: {why}")))?;
+        o.rates.retain(|(k, _, _)| *k != key);
+        o.rates.push((key, format!("{flag} {v}"), n));
     }
     for kv in &raw.metadata {
         match kv.split_once('=') {
@@ -360,6 +379,22 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
                 "--allow-out" if is_ensure => raw.allow_out.push(value(inline)?),
                 "--deny-out" if is_ensure => raw.deny_out.push(value(inline)?),
                 "--egress-mode" if is_ensure => raw.egress_mode = Some(value(inline)?),
+                "--egress-rate" if is_ensure => {
+                    raw.rates
+                        .push(("egress_bps", "--egress-rate", value(inline)?))
+                }
+                "--ingress-rate" if is_ensure => {
+                    raw.rates
+                        .push(("ingress_bps", "--ingress-rate", value(inline)?))
+                }
+                "--egress-burst" if is_ensure => {
+                    raw.rates
+                        .push(("egress_burst", "--egress-burst", value(inline)?))
+                }
+                "--ingress-burst" if is_ensure => {
+                    raw.rates
+                        .push(("ingress_burst", "--ingress-burst", value(inline)?))
+                }
                 "--no-internet" if is_ensure => {
                     no_value(&inline)?;
                     raw.no_internet = true;
@@ -463,6 +498,10 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
         "health" => {
             want(0)?;
             Cmd::Health
+        }
+        "capacity" => {
+            want(0)?;
+            Cmd::Capacity
         }
         "watch" => {
             want(0)?;

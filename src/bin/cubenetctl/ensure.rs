@@ -40,6 +40,9 @@ fn options(o: &EnsureOpts) -> HashMap<&'static str, Value<'static>> {
     if o.no_internet {
         m.insert("allow_internet_access", Value::from(false));
     }
+    for (key, _, n) in &o.rates {
+        m.insert(key, Value::from(*n));
+    }
     if let Some(mtu) = o.mtu {
         m.insert("mtu", Value::from(mtu));
     }
@@ -81,7 +84,11 @@ pub fn explain(o: &EnsureOpts, msg: &str) -> String {
             "idempotency_key" if o.idempotency_key.is_some() => Some("--idempotency-key".into()),
             "mtu" => o.mtu.map(|m| format!("--mtu {m}")),
             "egress_mode" => o.egress_mode.as_ref().map(|m| format!("--egress-mode {m}")),
-            _ => None,
+            k => o
+                .rates
+                .iter()
+                .find(|(key, _, _)| *key == k)
+                .map(|(_, typed, _)| typed.clone()),
         }
     };
     let mut out = String::with_capacity(msg.len() + 32);

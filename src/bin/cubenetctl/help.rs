@@ -59,6 +59,12 @@ converges it (same address and TAP). Errors name the option, e.g.
   --egress-mode=MODE      dns (default) or sni: TCP to 80/443 also goes
                           through the agent's proxy, which checks the TLS
                           SNI or HTTP Host against the names
+  --egress-rate=RATE      Limit what the sandbox sends to the world,
+                          bits/s with k/M/G (e.g. 100M); 0: the agent's
+                          default (unlimited unless configured)
+  --ingress-rate=RATE     Limit what the world sends to it, likewise
+  --egress-burst=SIZE     Bytes an idle sandbox may send at once, with
+                          k/M (default 64k); also --ingress-burst
   --no-internet           No internet access
   --mtu=N                 TAP MTU (default: the agent's)
   --metadata=KEY=VALUE    Attach metadata (repeatable)
@@ -92,6 +98,18 @@ the report lists errors.",
 'healthy' or 'degraded' (not with --quiet or --no-legend). Exit status 0
 if healthy, 1 if degraded. With --json,
 {\"healthy\": BOOL, \"checks\": [{\"name\", \"ok\", \"detail\"}...]}.",
+        options: "",
+    },
+    CommandDef {
+        name: "capacity",
+        args: "",
+        summary: "Show the node's headroom (for schedulers)",
+        help: "Calls Capacity and prints a RESOURCE / VALUE table: networks, free
+addresses, idle and creatable TAPs, free host ports, SNAT flows, flow
+table and learned-address fill, bandwidth committed against the node's
+totals (bits/s; a total of 0 is not set), then the node's labels. Cheap
+enough to poll every second. With --json, the Capacity object as the
+agent returns it.",
         options: "",
     },
     CommandDef {

@@ -10,6 +10,7 @@
 //! a contract for scripts: see `help` and man/cubenetctl.1.
 
 mod args;
+mod capacity;
 mod dbus;
 mod ensure;
 mod failure;
@@ -49,6 +50,7 @@ async fn run(g: &Global, cmd: Cmd) -> Res<Outcome> {
         Cmd::Release(id) => release::run(&agent, out, &id).await?,
         Cmd::Reconcile(id) => reconcile::run(&agent, out, &id).await?,
         Cmd::Health => health::run(&agent, out).await?,
+        Cmd::Capacity => capacity::run(&agent, out).await?,
         Cmd::OpenTap(id, argv) => return open_tap::run(&agent, &id, argv).await,
         Cmd::Watch | Cmd::Metrics(_) | Cmd::Top(_) => {
             unreachable!("watch, metrics and top run without D-Bus")

@@ -261,8 +261,37 @@ pub fn time_text(secs: i64) -> String {
 }
 
 /// A field's value as display lines (empty lists: `-`).
+/// Bits per second as `tc` writes them: "40Mbit", "1.5Gbit", "8000bit".
+pub fn human_rate(bps: u64) -> String {
+    for (unit, name) in [
+        (1_000_000_000_000, "Tbit"),
+        (1_000_000_000, "Gbit"),
+        (1_000_000, "Mbit"),
+        (1000, "Kbit"),
+    ] {
+        if bps >= unit {
+            let v = bps as f64 / unit as f64;
+            let s = format!("{v:.3}");
+            let s = s.trim_end_matches('0').trim_end_matches('.');
+            return format!("{s}{name}");
+        }
+    }
+    format!("{bps}bit")
+}
+
 fn value_lines(key: &str, v: &Json, out: &Output) -> Vec<String> {
     let lines: Vec<String> = match (key, v) {
+        ("egress_bps" | "ingress_bps", Json::Number(n)) => vec![match n.as_u64() {
+            Some(0) => "unlimited".into(),
+            Some(b) => human_rate(b),
+            None => n.to_string(),
+        }],
+        ("egress_burst" | "ingress_burst", Json::Number(n)) => {
+            vec![
+                n.as_u64()
+                    .map_or_else(|| n.to_string(), |b| format!("{b} bytes")),
+            ]
+        }
         ("port_mappings", Json::Array(a)) => a.iter().map(|m| port_line(m, out)).collect(),
         ("routes", Json::Array(a)) => a
             .iter()
@@ -369,6 +398,10 @@ pub const NETWORK_FIELDS: &[(&str, &str)] = &[
     ("allow_out", "Allow out"),
     ("deny_out", "Deny out"),
     ("egress_mode", "Egress mode"),
+    ("egress_bps", "Egress limit"),
+    ("egress_burst", "Egress burst"),
+    ("ingress_bps", "Ingress limit"),
+    ("ingress_burst", "Ingress burst"),
     ("routes", "Routes"),
     ("arp_neighbors", "ARP neighbors"),
     ("metadata", "Metadata"),

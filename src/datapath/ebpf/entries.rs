@@ -48,6 +48,7 @@ pub(super) fn policy_id(k: &Key<DpPolicyData>) -> PolicyId {
 enum Undo {
     Sandbox(u32, Option<DpSandbox>),
     ByIp(u32, Option<DpTap>),
+    Rate(u32, Option<DpRate>),
     /// Added by this call: removed on rollback.
     Allow(Key<DpPolicyData>),
     Deny(Key<DpPolicyData>),
@@ -107,6 +108,65 @@ fn portmap_entries(
         .collect()
 }
 
+/// A sandbox's classes in the uplink's shaper, from its index in the
+/// pool (stable across restarts, unique per address): three minors each,
+/// below the ones tc sets aside (0xffe0 and up), so a pool of up to 21,836
+/// sandboxes (a /18 holds 16,382) can limit every one.
+pub(super) fn uplink_tree(sandbox_ip: u32, host_ip: u32) -> Option<shaper::Tree> {
+    let index = u32::from_be(sandbox_ip).checked_sub(u32::from_be(host_ip))? + 1;
+    let base = index.checked_mul(3)?;
+    (base + 3 < 0xffe0).then(|| shaper::Tree {
+        parent: SHAPER_HANDLE | (base + 1),
+        small: SHAPER_HANDLE | (base + 2),
+        bulk: SHAPER_HANDLE | (base + 3),
+    })
+}
+
+/// The shapers a sandbox's limits have: its classes in the uplink's
+/// (egress), one on its own device (ingress).
+#[derive(Debug, Default)]
+pub(super) struct Shape {
+    egress: Option<shaper::Tree>,
+    ingress: bool,
+}
+
+impl Shape {
+    /// The sandbox's `sb_rate` entry (None: no limit).
+    fn rate(&self) -> Option<DpRate> {
+        if self.egress.is_none() && !self.ingress {
+            return None;
+        }
+        Some(DpRate {
+            out_small: self.egress.map_or(0, |t| t.small),
+            out_bulk: self.egress.map_or(0, |t| t.bulk),
+            in_shaped: u32::from(self.ingress),
+            pad: 0,
+        })
+    }
+}
+
+fn burst(b: u64) -> u64 {
+    crate::types::Bandwidth::burst_or_default(b)
+}
+
+/// The sum of a tree's two leaves' statistics in `all`.
+pub(super) fn leaves(
+    all: &StdHashMap<u32, shaper::ClassStats>,
+    t: shaper::Tree,
+) -> shaper::ClassStats {
+    [t.small, t.bulk]
+        .iter()
+        .filter_map(|id| all.get(id))
+        .fold(shaper::ClassStats::default(), |a, s| a.add(*s))
+}
+
+/// The tree on a sandbox's own device (the datapath's fixed ids).
+pub(super) const TAP_TREE: shaper::Tree = shaper::Tree {
+    parent: TAP_CLASS_PARENT,
+    small: TAP_CLASS_SMALL,
+    bulk: TAP_CLASS_BULK,
+};
+
 /// A `policy_deny` key's value: the catch-all 0.0.0.0/0 ("anything not
 /// allowed") is the one deny a learned address passes; every other deny
 /// CIDR beats it (`policy_allows`).
@@ -138,6 +198,13 @@ impl EbpfDatapath {
         let want_allow = Self::policy_keys(ip, sb.allow_out);
         let want_deny = Self::policy_keys(ip, sb.deny_out);
         let want_ports = portmap_entries(ip, sb.port_mappings)?;
+        let before = self
+            .rate_read
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ifindex, 0)
+            .ok();
+        let shape = self.shape(sb, ip)?;
         let mut guard = self.lock();
         let inner = &mut *guard;
         self.ensure_filter(inner, ifindex)?;
@@ -145,9 +212,9 @@ impl EbpfDatapath {
         let result = Self::write_entries(
             inner,
             &mut journal,
-            ip,
-            ifindex,
+            (ip, ifindex),
             sb,
+            &shape,
             (&want_allow, &want_deny),
             &want_ports,
         );
@@ -204,7 +271,96 @@ impl EbpfDatapath {
             ifindex,
             "datapath entries written"
         );
+        drop(guard);
+        self.unshape_leftovers(sb, &shape, before);
         Ok(())
+    }
+
+    /// Sets up the shapers `sb`'s limits need (before its entries point
+    /// packets at them): the uplink's root and the sandbox's classes there
+    /// for an egress limit, a root and classes on its device for an
+    /// ingress limit. Idempotent (recovery and converges call it again);
+    /// fails, with nothing of the sandbox's entries written, if a device
+    /// has a root qdisc of someone else's.
+    fn shape(&self, sb: &SandboxPath<'_>, ip: u32) -> Result<Shape, DatapathError> {
+        let bw = &sb.bandwidth;
+        let mut shape = Shape::default();
+        if bw.is_unlimited() {
+            return Ok(shape);
+        }
+        let fail = |e: std::io::Error| err("bandwidth limits", e.to_string());
+        let mut conn = tc::Conn::new().map_err(fail)?;
+        if bw.egress_bps != 0 {
+            let (Some(_), Some((name, uplink))) = (&self.node.uplink, &self.node.shaper) else {
+                return Err(err(
+                    "egress_bps",
+                    "the node has no uplink or no shaper device to limit the sandbox's \
+                     traffic on (Health: bandwidth)"
+                        .to_owned(),
+                ));
+            };
+            let tree = uplink_tree(ip, ip_be(self.node.host_ip)).ok_or_else(|| {
+                err(
+                    "egress_bps",
+                    "egress limits need the sandbox's index in the pool below 21,836 (pools of \
+                     up to a /18)"
+                        .to_owned(),
+                )
+            })?;
+            shaper::ensure_root(&mut conn, *uplink, name).map_err(fail)?;
+            shaper::set_tree(
+                &mut conn,
+                *uplink,
+                tree,
+                bw.egress_bps,
+                burst(bw.egress_burst),
+            )
+            .map_err(fail)?;
+            shape.egress = Some(tree);
+        }
+        if bw.ingress_bps != 0 {
+            shaper::ensure_root(&mut conn, sb.tap_ifindex, sb.tap_name).map_err(fail)?;
+            shaper::set_tree(
+                &mut conn,
+                sb.tap_ifindex,
+                TAP_TREE,
+                bw.ingress_bps,
+                burst(bw.ingress_burst),
+            )
+            .map_err(fail)?;
+            shape.ingress = true;
+        }
+        Ok(shape)
+    }
+
+    /// After a converge: removes the shapers of limits the sandbox no
+    /// longer has (`before`: its `sb_rate` entry before the attach).
+    fn unshape_leftovers(&self, sb: &SandboxPath<'_>, now: &Shape, before: Option<DpRate>) {
+        let Some(before) = before else {
+            return;
+        };
+        let Ok(mut conn) = tc::Conn::new() else {
+            return;
+        };
+        if before.out_small != 0
+            && now.egress.is_none()
+            && let Some((_, uplink)) = &self.node.shaper
+        {
+            let tree = shaper::Tree {
+                parent: before.out_small - 1,
+                small: before.out_small,
+                bulk: before.out_bulk,
+            };
+            if let Err(e) = shaper::remove_tree(&mut conn, *uplink, tree) {
+                warn!(sandbox_id = sb.sandbox_id, error = %e, "removing the sandbox's uplink shaper classes");
+            }
+        }
+        if before.in_shaped != 0
+            && !now.ingress
+            && let Err(e) = shaper::remove_root(&mut conn, sb.tap_ifindex)
+        {
+            warn!(sandbox_id = sb.sandbox_id, error = %e, "removing the shaper of the sandbox's device");
+        }
     }
 
     pub(super) fn remove_sandbox(&self, sb: &SandboxPath<'_>) -> Result<(), DatapathError> {
@@ -215,6 +371,8 @@ impl EbpfDatapath {
         let mut guard = self.lock();
         let inner = &mut *guard;
         let _ = inner.maps.sandboxes.remove(&sb.tap_ifindex);
+        let before = inner.maps.sb_rate.get(&sb.tap_ifindex, 0).ok();
+        let _ = inner.maps.sb_rate.remove(&sb.tap_ifindex);
         if inner
             .maps
             .by_ip
@@ -246,6 +404,13 @@ impl EbpfDatapath {
         // `sandboxes`/`by_ip` entries nothing reaches or leaves the TAP, and
         // the next owner of the address gets another generation, so none of
         // these flows ever matches its packets.
+        drop(guard);
+        // The device's own shaper goes with the device.
+        let none = Shape {
+            ingress: true,
+            ..Shape::default()
+        };
+        self.unshape_leftovers(sb, &none, before);
         debug!(sandbox_id = sb.sandbox_id, "datapath entries removed");
         Ok(())
     }
@@ -269,9 +434,9 @@ impl EbpfDatapath {
     fn write_entries(
         inner: &mut Inner,
         journal: &mut Vec<Undo>,
-        ip: u32,
-        ifindex: u32,
+        (ip, ifindex): (u32, u32),
         sb: &SandboxPath<'_>,
+        shape: &Shape,
         (want_allow, want_deny): (&[Key<DpPolicyData>], &[Key<DpPolicyData>]),
         want_ports: &[(DpPortmapKey, DpPortmapVal)],
     ) -> Result<(), DatapathError> {
@@ -303,6 +468,19 @@ impl EbpfDatapath {
         if sb.strict_egress {
             flags |= DP_F_SNI;
         }
+        if shape.egress.is_some() {
+            flags |= DP_F_SHAPE_OUT;
+        }
+        let prev = maps.sb_rate.get(&ifindex, 0).ok();
+        let rate = shape.rate();
+        if rate.is_some() || prev.is_some() {
+            journal.push(Undo::Rate(ifindex, prev));
+            let r = match rate {
+                Some(r) => maps.sb_rate.insert(ifindex, r, 0),
+                None => maps.sb_rate.remove(&ifindex),
+            };
+            r.map_err(|e| map_err("writing the sb_rate map", &e))?;
+        }
         let entry = DpSandbox {
             sandbox_ip: ip,
             flags,
@@ -328,7 +506,7 @@ impl EbpfDatapath {
             .insert(ifindex, DpShare::default(), BPF_NOEXIST);
         let tap = DpTap {
             ifindex,
-            pad: 0,
+            flags: if shape.ingress { DP_T_SHAPE_IN } else { 0 },
             generation,
         };
         let prev = maps.by_ip.get(&ip, 0).ok();
@@ -390,6 +568,8 @@ impl EbpfDatapath {
                 Undo::Sandbox(k, None) => maps.sandboxes.remove(&k),
                 Undo::ByIp(k, Some(v)) => maps.by_ip.insert(k, v, 0),
                 Undo::ByIp(k, None) => maps.by_ip.remove(&k),
+                Undo::Rate(k, Some(v)) => maps.sb_rate.insert(k, v, 0),
+                Undo::Rate(k, None) => maps.sb_rate.remove(&k),
                 Undo::Allow(k) => maps.allow.remove(&k),
                 Undo::Deny(k) => maps.deny.remove(&k),
                 Undo::Portmap(k, Some(v)) => maps.portmap.insert(k, v, 0),

@@ -126,6 +126,7 @@ impl EbpfDatapath {
             attached: take(&mut bpf, "tap_attached")?,
             sb_stats: take(&mut bpf, "sb_stats")?,
             sb_share: take(&mut bpf, "sb_share")?,
+            sb_rate: take(&mut bpf, "sb_rate")?,
         };
         let learned: HashMap<MapData, DpLearnedKey, DpLearnedVal> = take(&mut bpf, "dns_learned")?;
         let (uplink_ip, uplink_ifindex) = node
@@ -149,7 +150,9 @@ impl EbpfDatapath {
             hflow_guaranteed: node.hflow_shares.guaranteed,
             hflow_cap: node.hflow_shares.cap,
             hflow_borrow: node.hflow_shares.borrow,
-            pad2: 0,
+            shaper_ifindex: node.shaper.as_ref().map_or(0, |s| s.1),
+            shaper_peer_ifindex: node.shaper_peer.unwrap_or(0),
+            pad3: 0,
         };
         maps.config
             .set(0, cfg, 0)
@@ -203,6 +206,14 @@ impl EbpfDatapath {
                 program: "from_host",
             },
         ];
+        if let (Some((name, _)), Some(peer)) = (&node.shaper, &node.shaper_peer) {
+            node_hooks.push(Hook {
+                device: format!("{name}{SHAPER_PEER_SUFFIX}"),
+                ifindex: *peer,
+                place: Place::Filter(TcHook::Ingress),
+                program: "from_shaper",
+            });
+        }
         if let Some((name, index, _)) = &node.uplink {
             node_hooks.push(Hook {
                 device: name.clone(),
@@ -318,12 +329,20 @@ impl EbpfDatapath {
             sb_stats: HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_stats")?))
                 .map_err(|e| err("opening sb_stats", e))?,
             sb_dump: reopen("sb_stats")?,
+            sb_rate: HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_rate")?))
+                .map_err(|e| err("opening sb_rate", e))?,
+            rate_dump: reopen("sb_rate")?,
         };
         let sb_read = Mutex::new(
             HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_stats")?))
                 .map_err(|e| err("opening sb_stats", e))?,
         );
         let sb_read_dump = reopen("sb_stats")?;
+        let rate_read = Mutex::new(
+            HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_rate")?))
+                .map_err(|e| err("opening sb_rate", e))?,
+        );
+        let rate_read_dump = reopen("sb_rate")?;
         let attached_forget = reopen("tap_attached")?;
         let learned_dump = reopen("dns_learned")?;
         let by_ip_read_dump = reopen("by_ip")?;
@@ -372,6 +391,9 @@ impl EbpfDatapath {
             attached_forget,
             sb_read,
             sb_read_dump,
+            rate_read,
+            rate_read_dump,
+
             learned: Mutex::new(learned),
             by_ip_read,
             learned_dump,

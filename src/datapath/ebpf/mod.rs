@@ -46,6 +46,7 @@ use aya::{Ebpf, EbpfLoader};
 use tracing::{debug, info, warn};
 
 use super::maps::*;
+use super::shaper;
 use super::tc::{self, Target};
 use super::{
     BLOCK_IFINDEX, Check, Datapath, DatapathError, FILTER_PRIORITY, Hook, Place, SandboxPath,
@@ -70,13 +71,17 @@ pub use health::check_cases;
 const FILTER_HANDLE: u32 = 1;
 
 /// The programs, in the order they load.
-pub const PROGRAMS: [&str; 5] = [
+pub const PROGRAMS: [&str; 6] = [
     "from_guest",
     "from_uplink",
     "to_sandbox_ip",
     "from_host",
     "to_uplink",
+    "from_shaper",
 ];
+
+/// The shaper device's peer is named after it with this suffix.
+pub const SHAPER_PEER_SUFFIX: &str = "-r";
 
 /// `tap_attached` values: how a TAP or veth carries `from_guest`.
 const BOUND: u32 = 2;
@@ -136,6 +141,10 @@ pub struct NodeInfo {
     /// uids besides root whose processes may open flows to sandbox
     /// addresses.
     pub host_access_uids: Vec<u32>,
+    /// (name, ifindex) of the shaper device (egress limits: HTB at its
+    /// root), and its peer's ifindex (`from_shaper` on its ingress).
+    pub shaper: Option<(String, u32)>,
+    pub shaper_peer: Option<u32>,
 }
 
 fn ip_be(ip: Ipv4Addr) -> u32 {
@@ -168,6 +177,7 @@ struct Maps {
     attached: HashMap<MapData, u32, u32>,
     sb_stats: HashMap<MapData, u32, DpSbStats>,
     sb_share: HashMap<MapData, u32, DpShare>,
+    sb_rate: HashMap<MapData, u32, DpRate>,
 }
 
 /// (allow, deny) LPM keys installed for one sandbox.
@@ -215,12 +225,17 @@ struct Reaper {
     /// Per-sandbox counters: entries of gone devices are removed.
     sb_stats: HashMap<MapData, u32, DpSbStats>,
     sb_dump: MapData,
+    /// Bandwidth limits: entries of gone devices are removed.
+    sb_rate: HashMap<MapData, u32, DpRate>,
+    rate_dump: MapData,
 }
 
 /// Counts refreshed by `maintain`, read by `checks` without touching maps.
 #[derive(Default)]
 struct Stats {
     flows: AtomicUsize,
+    /// Live SNAT flows (each holds a port of the SNAT range for its remote).
+    snat_flows: AtomicUsize,
     /// Host <-> sandbox flows and host connections in the SNAT range.
     host_flows: AtomicUsize,
     /// TAPs and veths running `from_guest`, and of those the ones with
@@ -255,6 +270,10 @@ pub struct EbpfDatapath {
     /// `sb_stats` for readers (GetNetwork, metrics), without `inner`.
     sb_read: Mutex<HashMap<MapData, u32, DpSbStats>>,
     sb_read_dump: MapData,
+    /// `sb_rate` likewise (the pacing counters).
+    rate_read: Mutex<HashMap<MapData, u32, DpRate>>,
+    rate_read_dump: MapData,
+
     /// `dns_learned`, written by the resolver's answers behind a lock of
     /// its own (never `inner`, which the ensure path needs).
     learned: Mutex<HashMap<MapData, DpLearnedKey, DpLearnedVal>>,
@@ -303,6 +322,24 @@ struct TakenOver {
     own: HashSet<u32>,
     stale: Vec<(u32, String)>,
     kept: usize,
+}
+
+/// A sandbox's shaper counters in `maps::RATE_COUNTER_NAMES` order, from
+/// its two leaves on the uplink (egress) and on its device (ingress).
+fn rate_counters(
+    egress: shaper::ClassStats,
+    ingress: shaper::ClassStats,
+) -> [u64; RATE_COUNTER_NAMES.len()] {
+    [
+        egress.packets,
+        egress.bytes,
+        egress.overlimits,
+        egress.drops,
+        ingress.packets,
+        ingress.bytes,
+        ingress.overlimits,
+        ingress.drops,
+    ]
 }
 
 fn monotonic_ns() -> u64 {
@@ -433,16 +470,86 @@ impl Datapath for EbpfDatapath {
         Self::counters(&self.lock())
     }
 
+    fn snat_flows(&self) -> u64 {
+        self.stats.snat_flows.load(Ordering::Relaxed) as u64
+    }
+
     fn sandbox_counters(&self, ifindex: u32) -> Option<Vec<u64>> {
-        self.sb_read
+        let mut c = self
+            .sb_read
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(&ifindex, 0)
             .ok()
-            .map(|s| s.c.to_vec())
+            .map(|s| s.c.to_vec())?;
+        let rate = self
+            .rate_read
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ifindex, 0)
+            .ok();
+        let (mut egress, mut ingress) = Default::default();
+        if let Some(r) = rate
+            && let Ok(mut conn) = tc::Conn::new()
+        {
+            if r.out_small != 0
+                && let Some((_, uplink)) = &self.node.shaper
+            {
+                for id in [r.out_small, r.out_bulk] {
+                    if let Ok(Some(s)) = shaper::one_class(&mut conn, *uplink, id) {
+                        egress = s.add(egress);
+                    }
+                }
+            }
+            if r.in_shaped != 0
+                && let Ok(all) = shaper::class_stats(&mut conn, ifindex)
+            {
+                ingress = leaves(&all, TAP_TREE);
+            }
+        }
+        c.extend(rate_counters(egress, ingress));
+        Some(c)
     }
 
     fn all_sandbox_counters(&self) -> StdHashMap<u32, Vec<u64>> {
+        let rates: StdHashMap<u32, DpRate> = dump_flows::<u32, DpRate>(&self.rate_read_dump)
+            .unwrap_or_else(|| {
+                self.rate_read
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .flatten()
+                    .collect()
+            })
+            .into_iter()
+            .collect();
+        // One dump of the uplink's classes, one of each shaped device's.
+        let mut shaped: StdHashMap<u32, [u64; RATE_COUNTER_NAMES.len()]> = StdHashMap::new();
+        if !rates.is_empty()
+            && let Ok(mut conn) = tc::Conn::new()
+        {
+            let uplink = match &self.node.shaper {
+                Some((_, i)) if rates.values().any(|r| r.out_small != 0) => {
+                    shaper::class_stats(&mut conn, *i).unwrap_or_default()
+                }
+                _ => Default::default(),
+            };
+            for (i, r) in &rates {
+                let egress = [r.out_small, r.out_bulk]
+                    .iter()
+                    .filter_map(|id| uplink.get(id))
+                    .fold(shaper::ClassStats::default(), |a, s| a.add(*s));
+                let ingress = if r.in_shaped != 0 {
+                    leaves(
+                        &shaper::class_stats(&mut conn, *i).unwrap_or_default(),
+                        TAP_TREE,
+                    )
+                } else {
+                    Default::default()
+                };
+                shaped.insert(*i, rate_counters(egress, ingress));
+            }
+        }
         dump_flows::<u32, DpSbStats>(&self.sb_read_dump)
             .unwrap_or_else(|| {
                 self.sb_read
@@ -453,7 +560,16 @@ impl Datapath for EbpfDatapath {
                     .collect()
             })
             .into_iter()
-            .map(|(i, s)| (i, s.c.to_vec()))
+            .map(|(i, s)| {
+                let mut c = s.c.to_vec();
+                c.extend(
+                    shaped
+                        .get(&i)
+                        .copied()
+                        .unwrap_or([0; RATE_COUNTER_NAMES.len()]),
+                );
+                (i, c)
+            })
             .collect()
     }
 

@@ -56,6 +56,7 @@ impl EbpfDatapath {
         let mut flows = 0usize;
         let mut stale_n = 0usize;
         let mut by_sandbox: StdHashMap<u32, u64> = StdHashMap::new();
+        let mut snat = 0usize;
         let all = dump_flows(&r.ct_dump).unwrap_or_else(|| r.ct.iter().flatten().collect());
         let doomed: Vec<(DpCtKey, DpCtVal, bool)> = all
             .into_iter()
@@ -66,6 +67,7 @@ impl EbpfDatapath {
                 let expired = now.saturating_sub(v.last_seen_ns) > limit.as_nanos() as u64;
                 if !stale && !expired {
                     *by_sandbox.entry(k.sandbox_ip).or_default() += 1;
+                    snat += usize::from(v.kind == DP_CT_SNAT);
                 }
                 (stale || expired).then_some((k, v, stale && !expired))
             })
@@ -126,6 +128,14 @@ impl EbpfDatapath {
             for i in keys.into_iter().filter(|i| !link_exists(*i)) {
                 let _ = r.sb_stats.remove(&i);
             }
+            let rates: Vec<u32> = dump_flows::<u32, DpRate>(&r.rate_dump)
+                .unwrap_or_else(|| r.sb_rate.iter().flatten().collect())
+                .into_iter()
+                .map(|(i, _)| i)
+                .collect();
+            for i in rates.into_iter().filter(|i| !link_exists(*i)) {
+                let _ = r.sb_rate.remove(&i);
+            }
             let shares: Vec<u32> = Self::shares(r).into_keys().collect();
             for i in shares.into_iter().filter(|i| !link_exists(*i)) {
                 let _ = r.sb_share.remove(&i);
@@ -145,6 +155,7 @@ impl EbpfDatapath {
         }
         self.stats.own.store(own, Ordering::Relaxed);
         self.stats.flows.store(flows - removed, Ordering::Relaxed);
+        self.stats.snat_flows.store(snat, Ordering::Relaxed);
         self.stats
             .host_flows
             .store(host_flows - host_removed, Ordering::Relaxed);
