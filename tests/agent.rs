@@ -338,10 +338,8 @@ async fn host_ports_of_the_node_are_never_taken() {
         )
         .await
         .unwrap_err();
-    assert_eq!(
-        e.name, "org.cube.NetworkAgent.Error.PortsExhausted",
-        "{e:?}"
-    );
+    assert_eq!(e.name, "org.cube.NetworkAgent.Error.NodeFull", "{e:?}");
+    assert!(e.message.starts_with("node full (host_ports): "), "{e:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -505,7 +503,7 @@ async fn bad_input_gets_named_errors_and_changes_nothing() {
                     ("tcp", 4, 0, ""),
                 ]),
             )]),
-            "PortsExhausted",
+            "NodeFull",
             "port_mappings[3]",
         ),
     ];
@@ -559,8 +557,12 @@ async fn address_exhaustion_is_reported_and_recoverable() {
     }
     let before = snapshot(&env, &c).await;
     let e = c.ensure("s5", opts(vec![])).await.unwrap_err();
-    assert_eq!(e.name, "org.cube.NetworkAgent.Error.AddressesExhausted");
-    assert!(e.message.contains("10.77.0.0/29"), "{}", e.message);
+    assert_eq!(e.name, "org.cube.NetworkAgent.Error.NodeFull");
+    assert!(
+        e.message.starts_with("node full (addresses): ") && e.message.contains("10.77.0.0/29"),
+        "{}",
+        e.message
+    );
     assert_eq!(snapshot(&env, &c).await, before);
     assert!(c.release("s2").await.unwrap());
     let again = c.ensure("s5", opts(vec![])).await.unwrap();

@@ -465,3 +465,172 @@ async fn limits_pace_real_tcp_each_way_converge_live_and_spare_the_neighbours() 
     let (healthy, checks) = c.health().await;
     assert!(healthy, "{checks:?}");
 }
+
+/// A byte counter of interface `dev` (`rx` or `tx`) in namespace `ns`.
+fn link_bytes(ns: &str, dev: &str, dir: &str) -> u64 {
+    let out = Command::new("ip")
+        .args(["-n", ns, "-s", "-j", "link", "show", "dev", dev])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("ip -s link {dev} in {ns}: {e}"));
+    v[0]["stats64"][dir]["bytes"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no {dir} bytes of {dev} in {ns}: {v}"))
+}
+
+/// A TAP guest (smoltcp, MTU-sized frames: the interfaces count every
+/// frame's headers, so the rates are read off them) limited to 10 Mbit/s
+/// each way, set by `cubenetctl ensure --egress-rate 10M`.
+#[tokio::test]
+async fn a_tap_guest_is_shaped_each_way() {
+    if !root_or_skip() {
+        return;
+    }
+    let (env, world) = world::node(&[]);
+    let c = env.client().await;
+    let out = Command::new(env!("CARGO_BIN_EXE_cubenetctl"))
+        .args([
+            "--bus",
+            &env.address,
+            "ensure",
+            "vm",
+            "--egress-rate",
+            "10M",
+        ])
+        .args(["--ingress-rate", "10Mbit"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let net = c.get("vm").await.unwrap();
+    assert_eq!(u64_of(&net, "egress_bps"), 10 * MBIT);
+    let tap: String = net["tap_name"].try_clone().unwrap().try_into().unwrap();
+    let guest = common::guest::Guest::start_default(c.open_tap("vm").await.unwrap());
+
+    // Egress: 3 MB to a sink in the world, rate at the world's interface.
+    let sink = world.run(|| TcpListener::bind("0.0.0.0:7101").unwrap());
+    let sinking = std::thread::spawn(move || {
+        let (mut s, _) = sink.accept().unwrap();
+        let mut buf = vec![0u8; 65536];
+        while s.read(&mut buf).unwrap() > 0 {}
+        s.write_all(b"ok").unwrap();
+    });
+    let meter = Meter::start({
+        let ns = world.ns.clone();
+        move || link_bytes(&ns, "w0", "rx")
+    });
+    let start = Instant::now();
+    let payload = vec![0x33u8; 3_000_000];
+    let reply = guest
+        .tcp_connect_send_recv(
+            SocketAddrV4::new(WORLD_IP, 7101),
+            &payload,
+            Duration::from_secs(30),
+        )
+        .unwrap();
+    assert_eq!(reply, b"ok");
+    let took = start.elapsed().as_secs_f64();
+    sinking.join().unwrap();
+    let rate = meter.rate(
+        start + Duration::from_millis(500),
+        start + Duration::from_secs_f64(took - 0.3),
+    );
+    within_5_percent("a TAP guest's egress at the receiver", rate, 10 * MBIT);
+    drop(meter);
+
+    // Ingress: 3 MB from a source in the world, rate at the TAP (what it
+    // delivered to the guest).
+    let source = world.run(|| TcpListener::bind("0.0.0.0:7102").unwrap());
+    let sourcing = std::thread::spawn(move || {
+        let (mut s, _) = source.accept().unwrap();
+        let mut buf = vec![0u8; 1024];
+        while s.read(&mut buf).unwrap() > 0 {}
+        s.write_all(&vec![0x44u8; 3_000_000]).unwrap();
+    });
+    let meter = Meter::start({
+        let (ns, tap) = (env.ns.clone(), tap.clone());
+        move || link_bytes(&ns, &tap, "tx")
+    });
+    let start = Instant::now();
+    let got = guest
+        .tcp_exchange(
+            SocketAddrV4::new(WORLD_IP, 7102),
+            b"go",
+            common::guest::TcpOpts {
+                half_close: true,
+                max_bytes: Some(3_000_000),
+            },
+            Duration::from_secs(30),
+        )
+        .unwrap();
+    assert_eq!(got.len(), 3_000_000);
+    let took = start.elapsed().as_secs_f64();
+    sourcing.join().unwrap();
+    let rate = meter.rate(
+        start + Duration::from_millis(500),
+        start + Duration::from_secs_f64(took - 0.3),
+    );
+    within_5_percent("a TAP guest's ingress at the receiver", rate, 10 * MBIT);
+    let t = c.traffic("vm").await;
+    assert!(t["egress_delayed"] > 0 && t["ingress_delayed"] > 0, "{t:?}");
+}
+
+/// The burst: a sandbox idle long enough sends `egress_burst` bytes at
+/// once, then its limit. 8 Mbit/s (1 MB/s) with a 1 MiB burst: the first
+/// 0.9 MB arrive far faster than 1 MB/s, the whole 3 MB take about 2 s
+/// more.
+#[tokio::test]
+async fn a_burst_goes_at_once_then_the_limit_holds() {
+    if !root_or_skip() {
+        return;
+    }
+    let (env, world) = world::node(&[]);
+    let ctr = Ctr::new("bw-burst");
+    add(
+        &env,
+        "b",
+        &ctr,
+        json!({"runtimeConfig": {"bandwidth": {
+            "egressRate": 8 * MBIT, "egressBurst": 8 * 1024 * 1024,
+        }}}),
+    );
+    let c = env.client().await;
+    assert_eq!(
+        u64_of(&c.get(&cni_id("b")).await.unwrap(), "egress_burst"),
+        1024 * 1024
+    );
+    let sink = world.run(|| TcpListener::bind("0.0.0.0:7201").unwrap());
+    let marks = std::thread::spawn(move || {
+        let (mut s, _) = sink.accept().unwrap();
+        let mut buf = vec![0u8; 65536];
+        let (mut got, mut first, start) = (0usize, None, Instant::now());
+        loop {
+            let n = s.read(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            got += n;
+            if first.is_none() && got >= 900_000 {
+                first = Some(start.elapsed());
+            }
+        }
+        (first.unwrap(), start.elapsed(), got)
+    });
+    in_netns(&ctr.name, || {
+        let mut s = TcpStream::connect(SocketAddrV4::new(WORLD_IP, 7201)).unwrap();
+        s.write_all(&vec![0x55u8; 3_000_000]).unwrap();
+    });
+    let (first, all, got) = marks.join().unwrap();
+    eprintln!("burst: 0.9 MB after {first:?}, 3 MB after {all:?}");
+    assert_eq!(got, 3_000_000);
+    assert!(
+        first < Duration::from_millis(400),
+        "the burst did not go at once: 0.9 MB took {first:?}"
+    );
+    // 3 MB less the 1 MiB burst at 1 MB/s, plus headers: ~2.1 s.
+    let rest = all.as_secs_f64();
+    assert!(
+        (1.8..=2.6).contains(&rest),
+        "3 MB with a 1 MiB burst at 8 Mbit/s took {rest:.2} s"
+    );
+}

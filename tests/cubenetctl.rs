@@ -1237,3 +1237,150 @@ fn zsh_completion_parses() {
     let o = Command::new("zsh").arg("-n").arg(&file).output().unwrap();
     assert!(o.status.success() && o.stderr.is_empty(), "{o:?}");
 }
+
+/// Capacity on every edge (`cubenetctl capacity`, D-Bus through it, and
+/// varlink) follows fills and releases; refusals for want of a node
+/// resource are NodeFull naming it, and change nothing; bandwidth limits
+/// set with `cubenetctl ensure --egress-rate` are admitted against the
+/// node's total.
+#[test]
+fn capacity_follows_fills_and_node_full_names_the_resource() {
+    require_root!();
+    let (env, _world) = common::world::node(&[
+        "--pool-cidr",
+        "10.77.0.0/29",
+        "--warm-pool",
+        "2",
+        "--node-egress-rate",
+        "100M",
+        "--default-ingress-rate",
+        "5M",
+        "--labels",
+        "zone=z1,rack=r7",
+    ]);
+    let bus = Some(env.address.as_str());
+    let cap = |env: &Env| {
+        let o = ctl(Some(env.address.as_str()), &["capacity", "--json"]);
+        assert_eq!(o.code, 0, "{o:?}");
+        let j = json(&o);
+        // The same numbers over varlink (taken right after: nothing
+        // changes in between).
+        let v = varlink(env, "Capacity", json!({})).unwrap()["capacity"].clone();
+        for k in [
+            "networks",
+            "addresses_free",
+            "egress_bps_committed",
+            "host_ports_free_tcp",
+        ] {
+            assert_eq!(j[k], v[k], "{k}: cubenetctl {j}, varlink {v}");
+        }
+        j
+    };
+    let c0 = cap(&env);
+    assert_eq!(c0["networks"], 0);
+    assert_eq!(c0["addresses_free"], 5, "{c0}");
+    assert_eq!(c0["addresses_total"], 5);
+    assert_eq!(c0["egress_bps_total"], 100_000_000u64);
+    assert_eq!(c0["egress_bps_committed"], 0);
+    assert_eq!(c0["labels"], json!({"zone": "z1", "rack": "r7"}));
+    assert!(c0["taps_creatable"].as_u64().unwrap() >= 5, "{c0}");
+    assert_eq!(c0["host_ports_total"], 10_000);
+
+    let ok = |args: &[&str]| {
+        let o = ctl(bus, args);
+        assert_eq!(o.code, 0, "{args:?}: {o:?}");
+    };
+    ok(&["ensure", "s0", "--egress-rate", "30M", "--port", "tcp:80"]);
+    let c1 = cap(&env);
+    assert_eq!(c1["networks"], 1);
+    assert_eq!(c1["addresses_free"], 4);
+    assert_eq!(c1["egress_bps_committed"], 30_000_000u64);
+    // The node's default ingress limit applies to a network without one.
+    assert_eq!(c1["ingress_bps_committed"], 5_000_000u64);
+    assert_eq!(
+        c1["host_ports_free_tcp"].as_u64().unwrap() + 1,
+        c0["host_ports_free_tcp"].as_u64().unwrap()
+    );
+    let status = json(&ctl(bus, &["status", "s0", "--json"]));
+    assert_eq!(status["egress_bps"], 30_000_000u64);
+    assert_eq!(status["ingress_bps"], 5_000_000u64);
+    assert!(
+        ctl(bus, &["status", "s0"])
+            .stdout
+            .contains("Egress limit: 30Mbit"),
+        "{:?}",
+        ctl(bus, &["status", "s0"])
+    );
+
+    // Beyond the node's total: NodeFull, nothing changed.
+    let o = ctl(bus, &["ensure", "s1", "--egress-rate", "80M"]);
+    assert_ne!(o.code, 0);
+    assert!(
+        o.stderr.contains("node full (egress_bandwidth)") && o.stderr.contains("--egress-rate 80M"),
+        "{o:?}"
+    );
+    assert_eq!(cap(&env), c1);
+    assert_eq!(ctl(bus, &["status", "s1"]).code, 3);
+    let e = varlink(
+        &env,
+        "EnsureNetwork",
+        json!({"sandbox_id": "s1", "options": {"egress_bps": 80_000_000u64}}),
+    )
+    .unwrap_err();
+    assert_eq!(e.0, "org.cube.NetworkAgent.NodeFull", "{e:?}");
+    assert_eq!(e.1["resource"], "egress_bandwidth", "{e:?}");
+    ok(&["ensure", "s1", "--egress-rate", "70M"]);
+    assert_eq!(cap(&env)["egress_bps_committed"], 100_000_000u64);
+    // A converge that grows past the total is refused and keeps the old
+    // limit; one that shrinks always passes.
+    let o = ctl(
+        bus,
+        &["ensure", "s0", "--egress-rate", "40M", "--port", "tcp:80"],
+    );
+    assert!(o.stderr.contains("node full (egress_bandwidth)"), "{o:?}");
+    assert_eq!(
+        json(&ctl(bus, &["status", "s0", "--json"]))["egress_bps"],
+        30_000_000u64
+    );
+    ok(&["ensure", "s0", "--egress-rate", "10M", "--port", "tcp:80"]);
+    assert_eq!(cap(&env)["egress_bps_committed"], 80_000_000u64);
+
+    // Fill the pool: the next one is NodeFull (addresses).
+    for id in ["s2", "s3", "s4"] {
+        ok(&["ensure", id]);
+    }
+    let full = cap(&env);
+    assert_eq!(full["addresses_free"], 0);
+    assert_eq!(full["networks"], 5);
+    let o = ctl(bus, &["ensure", "s5"]);
+    assert!(o.stderr.contains("node full (addresses)"), "{o:?}");
+    let e = varlink(&env, "EnsureNetwork", json!({"sandbox_id": "s5"})).unwrap_err();
+    assert_eq!(e.1["resource"], "addresses", "{e:?}");
+    assert_eq!(cap(&env), full);
+
+    // Releases give everything back.
+    ok(&["release", "s1"]);
+    ok(&["release", "s0"]);
+    let after = cap(&env);
+    assert_eq!(after["addresses_free"], 2);
+    assert_eq!(after["egress_bps_committed"], 0);
+    assert_eq!(after["ingress_bps_committed"], 15_000_000u64);
+    assert_eq!(after["host_ports_free_tcp"], c0["host_ports_free_tcp"]);
+    // And the same numbers as metrics.
+    let m = ctl_env(
+        None,
+        &[(
+            "CUBENETCTL_REPORT",
+            env.dir
+                .join("report/org.cube.NetworkAgent")
+                .to_str()
+                .unwrap(),
+        )],
+        &["metrics"],
+    );
+    assert!(
+        m.stdout
+            .contains("cube_network_agent_capacity{resource=\"addresses_free\"} 2"),
+        "{m:?}"
+    );
+}

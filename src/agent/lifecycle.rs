@@ -286,9 +286,10 @@ impl Agent {
         let mut next = a.bw;
         next.sub(old);
         next.add(new);
-        for (resource, total, was, is, asked) in [
+        for (resource, key, total, was, is, asked) in [
             (
                 "egress_bandwidth",
+                "egress_bps",
                 self.d.node_egress_bps,
                 a.bw.egress_bps,
                 next.egress_bps,
@@ -296,6 +297,7 @@ impl Agent {
             ),
             (
                 "ingress_bandwidth",
+                "ingress_bps",
                 self.d.node_ingress_bps,
                 a.bw.ingress_bps,
                 next.ingress_bps,
@@ -306,8 +308,8 @@ impl Agent {
                 return Err(AgentError::NodeFull {
                     resource,
                     detail: format!(
-                        "a limit of {asked} bits/s would commit {is} of the node's {total} \
-                         ({was} committed)"
+                        "{key}: a limit of {asked} bits/s would commit {is} of the node's \
+                         {total} ({was} committed)"
                     ),
                 });
             }

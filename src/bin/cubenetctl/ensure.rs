@@ -92,6 +92,12 @@ pub fn explain(o: &EnsureOpts, msg: &str) -> String {
         }
     };
     let mut out = String::with_capacity(msg.len() + 32);
+    // "node full (RESOURCE): KEY: ..." names the option after the prefix.
+    let (prefix, msg) = match msg.split_once("): ") {
+        Some((p, m)) if p.starts_with("node full (") => (&msg[..p.len() + 3], m),
+        _ => ("", msg),
+    };
+    out.push_str(prefix);
     let mut rest = msg;
     if let Some((key, tail)) = msg.split_once(": ")
         && let Some(flag) = whole(key)
