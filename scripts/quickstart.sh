@@ -49,9 +49,10 @@ LO_SYSCTLS=(net.ipv4.conf.lo.route_localnet net.ipv4.conf.lo.accept_local)
 
 uplink() { ip -o -4 route show default 2>/dev/null | awk '{for (i = 1; i < NF; i++) if ($i == "dev") { print $(i + 1); exit }}'; }
 has_clsact() { tc qdisc show dev "$1" 2>/dev/null | grep -q '^qdisc clsact'; }
-# Links the agent makes: cube-dev, the tc block anchor cube-blk and the
+# Links the agent makes: cube-dev, the tc block anchor cube-blk, the shaper
+# pair cube-shp and cube-shp-r (bandwidth limits) and the
 # TAPs/veths of prefix ctap.
-agent_links() { ip -o link show 2>/dev/null | awk -F': ' '{sub(/@.*/, "", $2); print $2}' | grep -E '^(cube-dev|cube-blk|ctap)' || true; }
+agent_links() { ip -o link show 2>/dev/null | awk -F': ' '{sub(/@.*/, "", $2); print $2}' | grep -E '^(cube-dev|cube-blk|cube-shp|ctap)' || true; }
 
 # Field 22 of /proc/PID/stat (after the command name, which may hold spaces).
 start_time() { sed 's/^.*) //' "/proc/$1/stat" 2>/dev/null | awk '{print $20}'; }

@@ -696,7 +696,8 @@ async fn libcni_client_with_a_chained_stock_plugin() {
     let list = json!({
         "cniVersion": "1.0.0", "cniVersions": ["1.0.0", "1.1.0"], "name": "cube",
         "plugins": [
-            {"type": "cube-cni", "dbusAddress": env.address, "capabilities": {"portMappings": true}},
+            {"type": "cube-cni", "dbusAddress": env.address,
+             "capabilities": {"portMappings": true, "bandwidth": true}},
             {"type": "tuning", "sysctl": {"net.ipv4.conf.eth0.rp_filter": "0"}}
         ]
     });
@@ -723,7 +724,10 @@ async fn libcni_client_with_a_chained_stock_plugin() {
     let run = |verb: &str, cid: &str, ctr: &Ctr, cap: &str| run_if(verb, cid, ctr, cap, "eth0");
     let ctr = Ctr::new("lib");
     a_sysctl_default(&ctr);
-    let cap = r#"{"portMappings":[{"hostPort":20081,"containerPort":80,"protocol":"tcp"}]}"#;
+    // libcni passes the capability args the plugin declares: port mappings
+    // and the bandwidth capability (rates in bits/s, bursts in bits).
+    let cap = r#"{"portMappings":[{"hostPort":20081,"containerPort":80,"protocol":"tcp"}],
+        "bandwidth":{"ingressRate":20000000,"ingressBurst":1048576,"egressRate":30000000,"egressBurst":2097152}}"#;
     let (ok, out, err) = run("add", "lib1", &ctr, cap);
     assert!(ok, "libcni ADD: {out} {err}");
     let r: Value = serde_json::from_str(&out).unwrap();
@@ -736,6 +740,16 @@ async fn libcni_client_with_a_chained_stock_plugin() {
     );
     let net = c.get("cni:lib1:eth0").await.unwrap();
     assert_eq!(common::mappings(&net)[0].2, 20081);
+    let num = |k: &str| u64::try_from(net[k].try_clone().unwrap()).unwrap();
+    assert_eq!(
+        [
+            num("ingress_bps"),
+            num("ingress_burst"),
+            num("egress_bps"),
+            num("egress_burst")
+        ],
+        [20_000_000, 131_072, 30_000_000, 262_144]
+    );
     let (ok, out, err) = run("check", "lib1", &ctr, cap);
     assert!(
         ok,

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use common::{Env, mappings, opts, ports, s, tap_info};
 
 /// What a network looks like from outside: (ip, tap, mappings).
-type Shape = (String, String, Vec<(String, u16, u16, String)>);
+/// (sandbox IP, TAP, port mappings, ingress limit).
+type Shape = (String, String, Vec<(String, u16, u16, String)>, u64);
 
 #[derive(Debug, Clone, PartialEq)]
 enum Known {
@@ -22,7 +23,8 @@ enum Known {
 }
 
 fn shape(d: &common::Dict) -> Shape {
-    (s(d, "sandbox_ip"), s(d, "tap_name"), mappings(d))
+    let ingress = u64::try_from(d["ingress_bps"].try_clone().unwrap()).unwrap();
+    (s(d, "sandbox_ip"), s(d, "tap_name"), mappings(d), ingress)
 }
 
 /// xorshift64*: deterministic from the printed seed.
@@ -43,9 +45,14 @@ const TASKS: usize = 8;
 const IDS_PER_TASK: usize = 4;
 
 fn spec_for(rng: &mut Rng, idx: usize) -> common::Dict {
-    match rng.below(3) {
+    match rng.below(4) {
         0 => opts(vec![]),
         1 => opts(vec![("port_mappings", ports(&[("tcp", 80, 0, "")]))]),
+        // A bandwidth limit (a shaper on the TAP), changing between calls.
+        2 => opts(vec![(
+            "ingress_bps",
+            zbus::zvariant::Value::from(10_000_000 * (1 + rng.below(3))),
+        )]),
         _ => opts(vec![(
             "port_mappings",
             ports(&[("udp", 53, 0, ""), ("tcp", 22, 21000 + idx as u16, "")]),

@@ -896,6 +896,7 @@ const COMMANDS: &[&str] = &[
     "release",
     "reconcile",
     "health",
+    "capacity",
     "open-tap",
     "watch",
 ];

@@ -159,10 +159,16 @@ async fn upgrade_and_downgrade_in_place_keep_every_flow() {
     let live = c
         .ensure(
             "live",
-            opts(vec![(
-                "port_mappings",
-                ports(&[("udp", 7000, 0, ""), ("tcp", 8000, 0, "")]),
-            )]),
+            // Limited both ways: every datagram below goes through the
+            // shapers, which an upgrade keeps.
+            opts(vec![
+                (
+                    "port_mappings",
+                    ports(&[("udp", 7000, 0, ""), ("tcp", 8000, 0, "")]),
+                ),
+                ("egress_bps", zbus::zvariant::Value::from(100_000_000u64)),
+                ("ingress_bps", zbus::zvariant::Value::from(100_000_000u64)),
+            ]),
         )
         .await
         .unwrap();
@@ -262,6 +268,11 @@ async fn upgrade_and_downgrade_in_place_keep_every_flow() {
         "the long flow changed its SNAT port: {snat:?}"
     );
     tcp_roundtrip(&mut tcp, "after");
+    let t = env.client().await.traffic("live").await;
+    assert!(
+        t["egress_shaped_packets"] > 0 && t["ingress_shaped_packets"] > 0,
+        "the limits were not in force after the switches: {t:?}"
+    );
 }
 
 /// Creates a map pin with bpftool.

@@ -352,6 +352,7 @@ pub const CHECKS: &[&str] = &[
     "datapath_pins",
     "datapath_loopback",
     "datapath_uplink",
+    "bandwidth",
     "gateway_device",
     "datapath_filters",
     "datapath_programs",

@@ -33,7 +33,13 @@
 //! limited to names (docs/egress.md: `allow_out ["*.bench.test"]`,
 //! `deny_out ["0.0.0.0/0"]`, the world's address learned as after a
 //! lookup): the cost of domain rules on established and new flows, as a
-//! ratio of the same run (informational, no target).
+//! ratio of the same run (informational, no target). Last, bandwidth
+//! limits (docs/datapath.md "Bandwidth"; the shaper device pair is made in
+//! the node namespace as the agent makes it): the unlimited sandbox with a
+//! limited one on the node against none, alternating (target ≥ 0.98×), and
+//! the sandbox itself limited at 10 Mbit/s, 1 Gbit/s and 5 Gbit/s, each
+//! way, its wire rate (iperf3 goodput plus each segment's headers) against
+//! the limit (target ±5 %).
 //!
 //! Usage: `cube-dpbench [--secs N] [--rounds N] [--quick]
 //! [--ebpf-no-forward] [--guest-no-gso] [--hold]`. Needs root, iperf3 and nft (Debian: `iperf3
@@ -65,6 +71,7 @@ use cube_network_agent::alloc::Protocol;
 use cube_network_agent::config::{Config, parse_mac};
 use cube_network_agent::datapath::ebpf::{EbpfDatapath, FlowTimeouts, NodeInfo};
 use cube_network_agent::datapath::{Datapath, SandboxPath};
+use cube_network_agent::types::Bandwidth;
 
 type Result<T> = std::result::Result<T, String>;
 
@@ -487,6 +494,9 @@ struct Loaded {
     maintainer: Option<JoinHandle<()>>,
     node: String,
     n0_ifindex: u32,
+    /// A second sandbox device (veth n2 ↔ g2, both in the node namespace,
+    /// no traffic): a limited bystander for the bandwidth phase.
+    n2_ifindex: u32,
 }
 
 impl Loaded {
@@ -496,6 +506,41 @@ impl Loaded {
     /// with the world's address learned, as the resolver would have: every
     /// packet then takes the domain-rule path of from_guest.
     fn attach(&self, names: bool) -> Result<()> {
+        self.attach_limited(names, Bandwidth::default())
+    }
+
+    /// [`Loaded::attach`] without names, with bandwidth limits.
+    fn limit(&self, bandwidth: Bandwidth) -> Result<()> {
+        self.attach_limited(false, bandwidth)
+    }
+
+    /// Attaches (`on`) or detaches the limited bystander on n2 (40 Mbit/s
+    /// each way: its class trees in the shaper and on n2).
+    fn bystander(&self, on: bool) -> Result<()> {
+        let (d, ifindex) = (self.dp.clone(), self.n2_ifindex);
+        in_netns(&self.node, move || {
+            let sb = SandboxPath {
+                sandbox_id: "bystander",
+                tap_name: "n2",
+                tap_ifindex: ifindex,
+                sandbox_ip: Ipv4Addr::new(192, 168, 0, 3).into(),
+                port_mappings: &[],
+                allow_internet_access: true,
+                allow_out: &[],
+                deny_out: &[],
+                strict_egress: false,
+                bandwidth: Bandwidth {
+                    egress_bps: 40_000_000,
+                    ingress_bps: 40_000_000,
+                    ..Default::default()
+                },
+            };
+            if on { d.attach(&sb) } else { d.detach(&sb) }
+        })?
+        .map_err(|e| format!("the limited bystander on n2: {e}"))
+    }
+
+    fn attach_limited(&self, names: bool, bandwidth: Bandwidth) -> Result<()> {
         let (d, n0_ifindex) = (self.dp.clone(), self.n0_ifindex);
         in_netns(&self.node, move || {
             let pm = [PortMapping {
@@ -522,7 +567,7 @@ impl Loaded {
                 allow_out: &allow,
                 deny_out: &deny,
                 strict_egress: false,
-                bandwidth: Default::default(),
+                bandwidth,
             })?;
             if names {
                 d.learn(SANDBOX_IP, &[(WORLD_IP, Duration::from_secs(24 * 3600))])?;
@@ -575,6 +620,23 @@ fn load_ebpf(topo: &Topo, snat_port_range: Option<&str>) -> Result<Loaded> {
         &["-n", &topo.node, "tuntap", "add", "cube-blk", "mode", "tap"],
     )?;
     let (anchor_ifindex, _) = link_info(&topo.node, "cube-blk")?;
+    // The shaper device pair (egress limits) and a second sandbox device,
+    // as the agent makes them.
+    for (a, b, mtu) in [("cube-shp", "cube-shp-r", "65535"), ("n2", "g2", "1500")] {
+        run(
+            "ip",
+            &[
+                "-n", &topo.node, "link", "add", a, "mtu", mtu, "type", "veth", "peer", "name", b,
+                "mtu", mtu,
+            ],
+        )?;
+        for dev in [a, b] {
+            run("ip", &["-n", &topo.node, "link", "set", dev, "up"])?;
+        }
+    }
+    let (shaper_ifindex, _) = link_info(&topo.node, "cube-shp")?;
+    let (shaper_peer, _) = link_info(&topo.node, "cube-shp-r")?;
+    let (n2_ifindex, _) = link_info(&topo.node, "n2")?;
     let secs = |s: u32| Duration::from_secs(s.into());
     let node = NodeInfo {
         guest_ip: GUEST_IP,
@@ -598,8 +660,8 @@ fn load_ebpf(topo: &Topo, snat_port_range: Option<&str>) -> Result<Loaded> {
         anchor: ("cube-blk".into(), anchor_ifindex),
         hflow_shares: cube_network_agent::datapath::maps::HflowShares::for_pool(16381),
         host_access_uids: vec![],
-        shaper: None,
-        shaper_peer: None,
+        shaper: Some(("cube-shp".into(), shaper_ifindex)),
+        shaper_peer: Some(shaper_peer),
     };
     let dp = Arc::new(
         in_netns(&topo.node, move || EbpfDatapath::load(node))?
@@ -630,6 +692,7 @@ fn load_ebpf(topo: &Topo, snat_port_range: Option<&str>) -> Result<Loaded> {
         maintainer: Some(maintainer),
         node: topo.node.clone(),
         n0_ifindex,
+        n2_ifindex,
     };
     loaded.attach(false)?;
     Ok(loaded)
@@ -1026,6 +1089,11 @@ fn bench(args: &Args) -> std::result::Result<bool, Failure> {
         );
     }
 
+    let limits_met = bandwidth(&loaded, &bpf, args).map_err(Broken)?;
+    if !limits_met {
+        missed.push("bandwidth limits (see the table above)".into());
+    }
+
     let have_bpftool = cmd("bpftool")
         .arg("version")
         .stdout(Stdio::null())
@@ -1067,6 +1135,101 @@ fn bench(args: &Args) -> std::result::Result<bool, Failure> {
         );
     }
     Ok(missed.is_empty())
+}
+
+/// The wire bytes behind TCP goodput at MTU 1500 (MSS 1448 with the
+/// timestamp option): each segment carries 66 bytes of headers (Ethernet
+/// 14, IP 20, TCP 32), which is what a limit counts.
+const WIRE_PER_GOODPUT: f64 = (1448.0 + 66.0) / 1448.0;
+
+/// Bandwidth limits (docs/datapath.md "Bandwidth"): an unlimited sandbox's
+/// throughput with a limited one on the node against none, alternating;
+/// then the sandbox itself limited at 10 Mbit/s, 1 Gbit/s and 5 Gbit/s,
+/// each way, its achieved wire rate against the limit. True if every
+/// target held (unlimited ≥ 0.98×, limited within ±5 %).
+fn bandwidth(loaded: &Loaded, bpf: &Topo, args: &Args) -> Result<bool> {
+    let (mut alone, mut beside) = (Samples::default(), Samples::default());
+    for r in 0..args.rounds {
+        let order = if r % 2 == 0 {
+            [(false, &mut alone), (true, &mut beside)]
+        } else {
+            [(true, &mut beside), (false, &mut alone)]
+        };
+        for (on, s) in order {
+            loaded.bystander(on)?;
+            let e = iperf(&bpf.guest, WORLD_IP, IPERF_PORT, args.secs)?;
+            let i = iperf(&bpf.world, UPLINK_IP, HOST_PORT, args.secs)?;
+            s.egress.push(e);
+            s.ingress.push(i);
+        }
+    }
+    loaded.bystander(false)?;
+    println!(
+        "\nBandwidth limits: an unlimited sandbox with a limited one on the node (its trees in the shaper and on its device) vs none, {} round(s) alternating:",
+        args.rounds
+    );
+    println!(
+        "| {:<40} | {:>12} | {:>12} | {:>8} | {:<15} |",
+        "metric", "none limited", "one limited", "ratio", "target"
+    );
+    println!(
+        "|{:-<42}|{:->14}|{:->14}|{:->10}|{:-<17}|",
+        "", "", "", "", ""
+    );
+    let mut met = true;
+    for (name, a, b) in [
+        (
+            "egress guest->world (Gbit/s)",
+            median(&alone.egress),
+            median(&beside.egress),
+        ),
+        (
+            "ingress world->guest (Gbit/s)",
+            median(&alone.ingress),
+            median(&beside.ingress),
+        ),
+    ] {
+        let ok = b / a >= 0.98;
+        met &= ok;
+        println!(
+            "| {name:<40} | {a:>12.2} | {b:>12.2} | {:>7.2}× | ≥ 0.98× {:<7} |",
+            b / a,
+            if ok { "(met)" } else { "(MISSED)" }
+        );
+    }
+    println!(
+        "\nA limited sandbox's achieved rate (iperf3 goodput × {WIRE_PER_GOODPUT:.4}: the wire bytes a limit counts), {} s each:",
+        args.secs
+    );
+    println!(
+        "| {:<14} | {:>14} | {:>7} | {:>14} | {:>7} | {:<8} |",
+        "limit", "egress Mbit/s", "ratio", "ingress Mbit/s", "ratio", "±5 %"
+    );
+    println!(
+        "|{:-<16}|{:->16}|{:->9}|{:->16}|{:->9}|{:-<10}|",
+        "", "", "", "", "", ""
+    );
+    for bps in [10_000_000u64, 1_000_000_000, 5_000_000_000] {
+        loaded.limit(Bandwidth {
+            egress_bps: bps,
+            ingress_bps: bps,
+            ..Default::default()
+        })?;
+        let e = iperf(&bpf.guest, WORLD_IP, IPERF_PORT, args.secs)? * 1e9 * WIRE_PER_GOODPUT;
+        let i = iperf(&bpf.world, UPLINK_IP, HOST_PORT, args.secs)? * 1e9 * WIRE_PER_GOODPUT;
+        let (re, ri) = (e / bps as f64, i / bps as f64);
+        let ok = (0.95..=1.05).contains(&re) && (0.95..=1.05).contains(&ri);
+        met &= ok;
+        println!(
+            "| {:<14} | {:>14.1} | {re:>6.3}× | {:>14.1} | {ri:>6.3}× | {:<8} |",
+            format!("{} Mbit/s", bps / 1_000_000),
+            e / 1e6,
+            i / 1e6,
+            if ok { "met" } else { "MISSED" }
+        );
+    }
+    loaded.attach(false)?;
+    Ok(met)
 }
 
 fn main() -> ExitCode {

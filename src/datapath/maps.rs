@@ -649,5 +649,4 @@ pub const COUNTER_NAMES: &[&str] = &[
     "host_access_denied",
     "host_flow_share_full",
     "no_host_flow",
-    "rate_drop",
 ];

@@ -335,6 +335,7 @@ pub const METHODS: &[&str] = &[
     "org.cube.NetworkAgent.ListNetworks",
     "org.cube.NetworkAgent.OpenTap",
     "org.cube.NetworkAgent.Health",
+    "org.cube.NetworkAgent.Capacity",
     WATCH,
 ];
 

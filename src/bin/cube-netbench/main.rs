@@ -538,6 +538,14 @@ fn empty_options() -> HashMap<String, OwnedValue> {
     HashMap::new()
 }
 
+/// One Capacity call (what a scheduler polls).
+async fn capacity(conn: &Connection) -> Result<()> {
+    conn.call_method(Some(BUS_NAME), MANAGER_PATH, Some(IFACE), "Capacity", &())
+        .await
+        .map(drop)
+        .map_err(|e| format!("Capacity: {e}"))
+}
+
 async fn ping(conn: &Connection) -> Result<()> {
     conn.call_method(
         Some(BUS_NAME),
@@ -1737,6 +1745,21 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         zbus.p50() + tap.p50(),
     )
     .await?;
+    let mut v = Vec::with_capacity(200);
+    for _ in 0..200 {
+        v.push(timed(capacity(&conn)).await?);
+    }
+    let cap = Lat::new(v);
+    rows.push(
+        row(
+            format!("Capacity over D-Bus, {n} nets, p50 / p99"),
+            cap.show(),
+            format!("zbus Ping {:.0} µs", zbus.p50()),
+            ratio(cap.p50(), zbus.p50()),
+            "p50 <= 100 µs",
+        )
+        .met(cap.p50() <= 100.0),
+    );
     let rss = env.agent_rss_kb()?;
     rows.push(
         row(

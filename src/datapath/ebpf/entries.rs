@@ -307,7 +307,12 @@ impl EbpfDatapath {
                         .to_owned(),
                 )
             })?;
-            shaper::ensure_root(&mut conn, *uplink, name).map_err(fail)?;
+            {
+                // One root for every sandbox's tree: two first attaches at
+                // once would both find none and race to make it.
+                let _one = self.shaper_root.lock().unwrap_or_else(|p| p.into_inner());
+                shaper::ensure_root(&mut conn, *uplink, name).map_err(fail)?;
+            }
             shaper::set_tree(
                 &mut conn,
                 *uplink,

@@ -66,6 +66,46 @@ fn uplink_check(uplink: Option<&(String, u32, Ipv4Addr)>, ports: (u16, u16)) -> 
     )
 }
 
+/// Bandwidth limits: how many sandboxes have one each way; the egress ones
+/// need the shaper device with the agent's HTB at its root (`root`: what
+/// is there; None: no shaper device). Reconcile (an attach) puts a missing
+/// root back.
+fn bandwidth_check(
+    shaper: Option<&str>,
+    root: Option<&shaper::Root>,
+    egress: usize,
+    ingress: usize,
+) -> Check {
+    let limited = format!(
+        "{egress} with an egress limit, {ingress} with an ingress limit (on their own device)"
+    );
+    let (ok, detail) = match (shaper, root) {
+        (None, _) if egress > 0 => (
+            false,
+            format!("no shaper device, yet {limited}: their egress is not shaped"),
+        ),
+        (None, _) => (
+            true,
+            format!(
+                "no shaper device (no uplink, or a device of its names is someone else's): egress limits are refused; {limited}"
+            ),
+        ),
+        (Some(dev), Some(shaper::Root::Ours)) => {
+            (true, format!("shaper {dev}: HTB c0be:; {limited}"))
+        }
+        (Some(dev), _) if egress == 0 => (true, format!("shaper {dev} ready; {limited}")),
+        (Some(dev), Some(other)) => (
+            false,
+            format!(
+                "{dev}'s root qdisc is not the agent's HTB ({other:?}): {limited}, their egress is \
+                 not shaped; ReconcileNetwork puts it back"
+            ),
+        ),
+        (Some(dev), None) => (false, format!("{dev}'s qdisc cannot be read: {limited}")),
+    };
+    ("bandwidth".to_string(), ok, detail)
+}
+
 /// A passing and a failing case of every check the datapath reports (for
 /// Health's `every_check_can_fail`).
 pub fn check_cases() -> Vec<(Check, Check)> {
@@ -90,6 +130,15 @@ pub fn check_cases() -> Vec<(Check, Check)> {
         (
             uplink_check(Some(&up), (1024, 2048)),
             uplink_check(None, (1024, 2048)),
+        ),
+        (
+            bandwidth_check(Some("cube-shp"), Some(&shaper::Root::Ours), 2, 1),
+            bandwidth_check(
+                Some("cube-shp"),
+                Some(&shaper::Root::Default("noqueue".into())),
+                2,
+                1,
+            ),
         ),
     ]
 }
@@ -138,6 +187,34 @@ impl EbpfDatapath {
             .collect()
     }
 
+    fn bandwidth_health(&self) -> Check {
+        let rates: Vec<DpRate> = dump_flows::<u32, DpRate>(&self.rate_read_dump)
+            .unwrap_or_else(|| {
+                self.rate_read
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .flatten()
+                    .collect()
+            })
+            .into_iter()
+            .map(|(_, r)| r)
+            .collect();
+        let egress = rates.iter().filter(|r| r.out_small != 0).count();
+        let ingress = rates.iter().filter(|r| r.in_shaped != 0).count();
+        let root = self.node.shaper.as_ref().and_then(|(_, i)| {
+            tc::Conn::new()
+                .and_then(|mut c| shaper::root(&mut c, *i))
+                .ok()
+        });
+        bandwidth_check(
+            self.node.shaper.as_ref().map(|(n, _)| n.as_str()),
+            root.as_ref(),
+            egress,
+            ingress,
+        )
+    }
+
     pub(super) fn health_checks(&self) -> Vec<Check> {
         let inner = self.lock();
         let taps = self.stats.taps.load(Ordering::Relaxed);
@@ -176,6 +253,7 @@ impl EbpfDatapath {
             pins_check(&self.node.pin_dir, &self.pin_problems(), &self.migrated),
             loopback_check(&self.localnet),
             uplink_check(self.node.uplink.as_ref(), self.node.snat_ports),
+            self.bandwidth_health(),
         ]
     }
 }

@@ -206,14 +206,6 @@ impl EbpfDatapath {
                 program: "from_host",
             },
         ];
-        if let (Some((name, _)), Some(peer)) = (&node.shaper, &node.shaper_peer) {
-            node_hooks.push(Hook {
-                device: format!("{name}{SHAPER_PEER_SUFFIX}"),
-                ifindex: *peer,
-                place: Place::Filter(TcHook::Ingress),
-                program: "from_shaper",
-            });
-        }
         if let Some((name, index, _)) = &node.uplink {
             node_hooks.push(Hook {
                 device: name.clone(),
@@ -226,6 +218,15 @@ impl EbpfDatapath {
                 ifindex: *index,
                 place: Place::Filter(TcHook::Egress),
                 program: "to_uplink",
+            });
+        }
+        // Last: Health's datapath line lists the hooks in this order.
+        if let (Some((name, _)), Some(peer)) = (&node.shaper, &node.shaper_peer) {
+            node_hooks.push(Hook {
+                device: format!("{name}{SHAPER_PEER_SUFFIX}"),
+                ifindex: *peer,
+                place: Place::Filter(TcHook::Ingress),
+                program: "from_shaper",
             });
         }
         // Rebuild the per-sandbox indexes from the (possibly pinned) maps.
@@ -393,6 +394,7 @@ impl EbpfDatapath {
             sb_read_dump,
             rate_read,
             rate_read_dump,
+            shaper_root: Mutex::new(()),
 
             learned: Mutex::new(learned),
             by_ip_read,

@@ -273,6 +273,8 @@ pub struct EbpfDatapath {
     /// `sb_rate` likewise (the pacing counters).
     rate_read: Mutex<HashMap<MapData, u32, DpRate>>,
     rate_read_dump: MapData,
+    /// Held while the shaper device's root qdisc is checked and made.
+    shaper_root: Mutex<()>,
 
     /// `dns_learned`, written by the resolver's answers behind a lock of
     /// its own (never `inner`, which the ensure path needs).
