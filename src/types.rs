@@ -165,7 +165,7 @@ fn parse_scaled(s: &str, units: &[&str], base: u64) -> Option<u64> {
     }
     let v: f64 = num.parse().ok()?;
     let r = v * mult as f64;
-    (r.is_finite() && r >= 0.0 && r < 1.8e19).then_some(r.round() as u64)
+    (r.is_finite() && (0.0..1.8e19).contains(&r)).then_some(r.round() as u64)
 }
 
 #[cfg(test)]

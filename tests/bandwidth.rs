@@ -292,7 +292,7 @@ async fn converge_veth(c: &Client, cid: &str, ctr: &Ctr, limits: &[(&str, u64)])
 }
 
 #[tokio::test]
-async fn limits_pace_real_tcp_each_way_converge_live_and_spare_the_neighbours() {
+async fn limits_shape_real_tcp_each_way_converge_live_and_spare_the_neighbours() {
     if !root_or_skip() {
         return;
     }

@@ -332,7 +332,7 @@ fn parse_stats(replies: Vec<RouteNetlinkMessage>) -> HashMap<u32, ClassStats> {
 
 impl ClassStats {
     /// The sum of two classes' statistics (a tree's two leaves).
-    pub fn add(self, o: ClassStats) -> ClassStats {
+    pub fn plus(self, o: ClassStats) -> ClassStats {
         ClassStats {
             bytes: self.bytes + o.bytes,
             packets: self.packets + o.packets,

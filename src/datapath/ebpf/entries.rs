@@ -157,7 +157,7 @@ pub(super) fn leaves(
     [t.small, t.bulk]
         .iter()
         .filter_map(|id| all.get(id))
-        .fold(shaper::ClassStats::default(), |a, s| a.add(*s))
+        .fold(shaper::ClassStats::default(), |a, s| a.plus(*s))
 }
 
 /// The tree on a sandbox's own device (the datapath's fixed ids).

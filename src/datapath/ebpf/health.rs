@@ -188,18 +188,7 @@ impl EbpfDatapath {
     }
 
     fn bandwidth_health(&self) -> Check {
-        let rates: Vec<DpRate> = dump_flows::<u32, DpRate>(&self.rate_read_dump)
-            .unwrap_or_else(|| {
-                self.rate_read
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .iter()
-                    .flatten()
-                    .collect()
-            })
-            .into_iter()
-            .map(|(_, r)| r)
-            .collect();
+        let rates: Vec<DpRate> = self.rates().into_iter().map(|(_, r)| r).collect();
         let egress = rates.iter().filter(|r| r.out_small != 0).count();
         let ingress = rates.iter().filter(|r| r.in_shaped != 0).count();
         let root = self.node.shaper.as_ref().and_then(|(_, i)| {

@@ -326,6 +326,28 @@ struct TakenOver {
     kept: usize,
 }
 
+/// Every entry of a map: one batched dump (`dump`), else entry by entry
+/// (`map`, a kernel without batch lookups).
+fn read_all<V: aya::Pod + Default>(
+    dump: &MapData,
+    map: &Mutex<HashMap<MapData, u32, V>>,
+) -> Vec<(u32, V)> {
+    dump_flows::<u32, V>(dump).unwrap_or_else(|| {
+        map.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .flatten()
+            .collect()
+    })
+}
+
+impl EbpfDatapath {
+    /// Every `sb_rate` entry (the sandboxes with a limit).
+    fn rates(&self) -> Vec<(u32, DpRate)> {
+        read_all(&self.rate_read_dump, &self.rate_read)
+    }
+}
+
 /// A sandbox's shaper counters in `maps::RATE_COUNTER_NAMES` order, from
 /// its two leaves on the uplink (egress) and on its device (ingress).
 fn rate_counters(
@@ -499,7 +521,7 @@ impl Datapath for EbpfDatapath {
             {
                 for id in [r.out_small, r.out_bulk] {
                     if let Ok(Some(s)) = shaper::one_class(&mut conn, *uplink, id) {
-                        egress = s.add(egress);
+                        egress = s.plus(egress);
                     }
                 }
             }
@@ -514,17 +536,7 @@ impl Datapath for EbpfDatapath {
     }
 
     fn all_sandbox_counters(&self) -> StdHashMap<u32, Vec<u64>> {
-        let rates: StdHashMap<u32, DpRate> = dump_flows::<u32, DpRate>(&self.rate_read_dump)
-            .unwrap_or_else(|| {
-                self.rate_read
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .iter()
-                    .flatten()
-                    .collect()
-            })
-            .into_iter()
-            .collect();
+        let rates: StdHashMap<u32, DpRate> = self.rates().into_iter().collect();
         // One dump of the uplink's classes, one of each shaped device's.
         let mut shaped: StdHashMap<u32, [u64; RATE_COUNTER_NAMES.len()]> = StdHashMap::new();
         if !rates.is_empty()
@@ -540,7 +552,7 @@ impl Datapath for EbpfDatapath {
                 let egress = [r.out_small, r.out_bulk]
                     .iter()
                     .filter_map(|id| uplink.get(id))
-                    .fold(shaper::ClassStats::default(), |a, s| a.add(*s));
+                    .fold(shaper::ClassStats::default(), |a, s| a.plus(*s));
                 let ingress = if r.in_shaped != 0 {
                     leaves(
                         &shaper::class_stats(&mut conn, *i).unwrap_or_default(),
@@ -552,15 +564,7 @@ impl Datapath for EbpfDatapath {
                 shaped.insert(*i, rate_counters(egress, ingress));
             }
         }
-        dump_flows::<u32, DpSbStats>(&self.sb_read_dump)
-            .unwrap_or_else(|| {
-                self.sb_read
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .iter()
-                    .flatten()
-                    .collect()
-            })
+        read_all(&self.sb_read_dump, &self.sb_read)
             .into_iter()
             .map(|(i, s)| {
                 let mut c = s.c.to_vec();
