@@ -634,3 +634,33 @@ async fn a_burst_goes_at_once_then_the_limit_holds() {
         "3 MB with a 1 MiB burst at 8 Mbit/s took {rest:.2} s"
     );
 }
+
+/// A limit the node cannot enforce is refused, naming the option, and
+/// nothing is created: egress without an uplink, any limit without the
+/// eBPF datapath. An ingress limit needs no uplink.
+#[tokio::test]
+async fn limits_the_node_cannot_enforce_are_refused() {
+    if !root_or_skip() {
+        return;
+    }
+    let env = common::Env::new(&[]);
+    let c = env.client().await;
+    let bps = |k: &str| opts(vec![(k, Value::from(10 * MBIT))]);
+    let e = c.ensure("e", bps("egress_bps")).await.unwrap_err();
+    assert_eq!(e.name, "org.cube.NetworkAgent.Error.InvalidArgument");
+    assert!(e.message.starts_with("egress_bps: "), "{e:?}");
+    assert!(c.list().await.is_empty());
+    let net = c.ensure("i", bps("ingress_bps")).await.unwrap();
+    assert_eq!(u64_of(&net, "ingress_bps"), 10 * MBIT);
+    // (Not healthy as a whole: no uplink.)
+    let (_, checks) = c.health().await;
+    let bw = checks.iter().find(|c| c.0 == "bandwidth").unwrap();
+    assert!(bw.1, "{checks:?}");
+    assert!(bw.2.contains("1 with an ingress limit"), "{bw:?}");
+
+    let none = common::Env::new(&["--datapath", "none"]);
+    let c = none.client().await;
+    let e = c.ensure("i", bps("ingress_bps")).await.unwrap_err();
+    assert!(e.message.starts_with("ingress_bps: "), "{e:?}");
+    assert!(c.list().await.is_empty());
+}

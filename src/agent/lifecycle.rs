@@ -156,6 +156,7 @@ impl Agent {
     }
 
     async fn create_claimed(&self, id: &str, spec: NetworkSpec) -> Result<Network, AgentError> {
+        self.check_limits(&spec.bandwidth, &Bandwidth::default())?;
         let sockets = self.host_sockets(&spec, &[]).await?;
         let bandwidth = self.bandwidth_for(&spec.bandwidth);
         let (ip, mappings) = {
@@ -272,6 +273,28 @@ impl Agent {
             b.ingress_bps = d.ingress_bps;
         }
         b
+    }
+
+    /// Refuses a limit the caller asks for (a new one: `have` is what the
+    /// network has now) that the datapath cannot enforce: without an
+    /// uplink or its shaper device for egress, without the eBPF datapath
+    /// at all. The node's defaults are never refused (a node without an
+    /// uplink sends nothing to the world anyway).
+    fn check_limits(&self, asked: &Bandwidth, have: &Bandwidth) -> Result<(), AgentError> {
+        let (egress, ingress) = self.datapath.shapes();
+        if asked.egress_bps != 0 && asked.egress_bps != have.egress_bps && !egress {
+            return Err(AgentError::InvalidArgument(
+                "egress_bps: this node cannot enforce egress limits (no uplink, no eBPF \
+                 datapath, or its shaper device could not be made: Health 'bandwidth')"
+                    .into(),
+            ));
+        }
+        if asked.ingress_bps != 0 && asked.ingress_bps != have.ingress_bps && !ingress {
+            return Err(AgentError::InvalidArgument(
+                "ingress_bps: this node cannot enforce limits (no eBPF datapath)".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Moves a network's committed bandwidth from `old` to `new`, refused
@@ -658,6 +681,7 @@ impl Agent {
         if spec.idempotency_key.is_some() && spec.idempotency_key == net.rec.idempotency_key {
             return Ok(Ensured::Unchanged);
         }
+        self.check_limits(&spec.bandwidth, &net.rec.bandwidth)?;
         let sockets = self.host_sockets(&spec, &net.rec.port_mappings).await?;
         let (old_bw, new_bw) = (net.rec.bandwidth, self.bandwidth_for(&spec.bandwidth));
         let Resolved {

@@ -152,6 +152,10 @@ pub trait Datapath: Send + Sync {
     fn flow_counts(&self) -> (u64, u64) {
         (0, 0)
     }
+    /// Whether it can enforce (egress, ingress) bandwidth limits.
+    fn shapes(&self) -> (bool, bool) {
+        (false, false)
+    }
     /// Live SNAT flows as of the last `maintain` pass.
     fn snat_flows(&self) -> u64 {
         0

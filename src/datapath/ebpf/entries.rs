@@ -204,7 +204,7 @@ impl EbpfDatapath {
             .unwrap_or_else(|p| p.into_inner())
             .get(&ifindex, 0)
             .ok();
-        let shape = self.shape(sb, ip)?;
+        let shape = self.shape(sb, ip);
         let mut guard = self.lock();
         let inner = &mut *guard;
         self.ensure_filter(inner, ifindex)?;
@@ -277,65 +277,85 @@ impl EbpfDatapath {
     }
 
     /// Sets up the shapers `sb`'s limits need (before its entries point
-    /// packets at them): the uplink's root and the sandbox's classes there
-    /// for an egress limit, a root and classes on its device for an
-    /// ingress limit. Idempotent (recovery and converges call it again);
-    /// fails, with nothing of the sandbox's entries written, if a device
-    /// has a root qdisc of someone else's.
-    fn shape(&self, sb: &SandboxPath<'_>, ip: u32) -> Result<Shape, DatapathError> {
+    /// packets at them): the sandbox's classes in the shaper device's HTB
+    /// (made at its root the first time) for an egress limit, a root and
+    /// classes on its device for an ingress limit. Idempotent (recovery
+    /// and converges call it again). Never fails the attach: a direction
+    /// whose shaper cannot be set up (no uplink or shaper device, a root
+    /// qdisc of someone else's, a netlink error) is left unshaped and
+    /// reported by Health's `bandwidth` check until an attach succeeds;
+    /// the agent refuses a limit it knows it cannot enforce beforehand
+    /// (`Datapath::shapes`).
+    fn shape(&self, sb: &SandboxPath<'_>, ip: u32) -> Shape {
         let bw = &sb.bandwidth;
         let mut shape = Shape::default();
-        if bw.is_unlimited() {
-            return Ok(shape);
-        }
-        let fail = |e: std::io::Error| err("bandwidth limits", e.to_string());
-        let mut conn = tc::Conn::new().map_err(fail)?;
-        if bw.egress_bps != 0 {
-            let (Some(_), Some((name, uplink))) = (&self.node.uplink, &self.node.shaper) else {
-                return Err(err(
-                    "egress_bps",
-                    "the node has no uplink or no shaper device to limit the sandbox's \
-                     traffic on (Health: bandwidth)"
-                        .to_owned(),
-                ));
-            };
-            let tree = uplink_tree(ip, ip_be(self.node.host_ip)).ok_or_else(|| {
-                err(
-                    "egress_bps",
-                    "egress limits need the sandbox's index in the pool below 21,836 (pools of \
-                     up to a /18)"
-                        .to_owned(),
-                )
-            })?;
-            {
-                // One root for every sandbox's tree: two first attaches at
-                // once would both find none and race to make it.
-                let _one = self.shaper_root.lock().unwrap_or_else(|p| p.into_inner());
-                shaper::ensure_root(&mut conn, *uplink, name).map_err(fail)?;
+        let mut faults = vec![];
+        if !bw.is_unlimited() {
+            match tc::Conn::new() {
+                Ok(mut conn) => {
+                    if bw.egress_bps != 0 {
+                        match self.shape_egress(&mut conn, bw, ip) {
+                            Ok(tree) => shape.egress = Some(tree),
+                            Err(why) => faults.push(format!("egress: {why}")),
+                        }
+                    }
+                    if bw.ingress_bps != 0 {
+                        let r = shaper::ensure_root(&mut conn, sb.tap_ifindex, sb.tap_name)
+                            .and_then(|()| {
+                                shaper::set_tree(
+                                    &mut conn,
+                                    sb.tap_ifindex,
+                                    TAP_TREE,
+                                    bw.ingress_bps,
+                                    burst(bw.ingress_burst),
+                                )
+                            });
+                        match r {
+                            Ok(()) => shape.ingress = true,
+                            Err(e) => faults.push(format!("ingress: {e}")),
+                        }
+                    }
+                }
+                Err(e) => faults.push(format!("a netlink socket: {e}")),
             }
-            shaper::set_tree(
-                &mut conn,
-                *uplink,
-                tree,
-                bw.egress_bps,
-                burst(bw.egress_burst),
-            )
-            .map_err(fail)?;
-            shape.egress = Some(tree);
         }
-        if bw.ingress_bps != 0 {
-            shaper::ensure_root(&mut conn, sb.tap_ifindex, sb.tap_name).map_err(fail)?;
-            shaper::set_tree(
-                &mut conn,
-                sb.tap_ifindex,
-                TAP_TREE,
-                bw.ingress_bps,
-                burst(bw.ingress_burst),
-            )
-            .map_err(fail)?;
-            shape.ingress = true;
+        let mut f = self.shaper_faults.lock().unwrap_or_else(|p| p.into_inner());
+        if faults.is_empty() {
+            f.remove(&sb.tap_ifindex);
+        } else {
+            let why = format!("{}: {}", sb.sandbox_id, faults.join("; "));
+            warn!(
+                sandbox_id = sb.sandbox_id,
+                why, "a bandwidth limit is not enforced"
+            );
+            f.insert(sb.tap_ifindex, why);
         }
-        Ok(shape)
+        shape
+    }
+
+    /// The sandbox's classes in the shaper device's HTB (egress).
+    fn shape_egress(
+        &self,
+        conn: &mut tc::Conn,
+        bw: &crate::types::Bandwidth,
+        ip: u32,
+    ) -> Result<shaper::Tree, String> {
+        let (Some(_), Some((name, dev))) = (&self.node.uplink, &self.node.shaper) else {
+            return Err("the node has no uplink or no shaper device".into());
+        };
+        let tree = uplink_tree(ip, ip_be(self.node.host_ip)).ok_or(
+            "the sandbox's index in the pool is 21,836 or more (egress limits need pools of up \
+             to a /18)",
+        )?;
+        {
+            // One root for every sandbox's tree: two first attaches at
+            // once would both find none and race to make it.
+            let _one = self.shaper_root.lock().unwrap_or_else(|p| p.into_inner());
+            shaper::ensure_root(conn, *dev, name).map_err(|e| e.to_string())?;
+        }
+        shaper::set_tree(conn, *dev, tree, bw.egress_bps, burst(bw.egress_burst))
+            .map_err(|e| e.to_string())?;
+        Ok(tree)
     }
 
     /// After a converge: removes the shapers of limits the sandbox no
@@ -410,6 +430,10 @@ impl EbpfDatapath {
         // the next owner of the address gets another generation, so none of
         // these flows ever matches its packets.
         drop(guard);
+        self.shaper_faults
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&sb.tap_ifindex);
         // The device's own shaper goes with the device.
         let none = Shape {
             ingress: true,

@@ -73,9 +73,19 @@ fn uplink_check(uplink: Option<&(String, u32, Ipv4Addr)>, ports: (u16, u16)) -> 
 fn bandwidth_check(
     shaper: Option<&str>,
     root: Option<&shaper::Root>,
-    egress: usize,
-    ingress: usize,
+    (egress, ingress): (usize, usize),
+    faults: &[String],
 ) -> Check {
+    if !faults.is_empty() {
+        return (
+            "bandwidth".to_string(),
+            false,
+            format!(
+                "limits not enforced (ReconcileNetwork tries again): {}",
+                faults.join(" | ")
+            ),
+        );
+    }
     let limited = format!(
         "{egress} with an egress limit, {ingress} with an ingress limit (on their own device)"
     );
@@ -132,13 +142,17 @@ pub fn check_cases() -> Vec<(Check, Check)> {
             uplink_check(None, (1024, 2048)),
         ),
         (
-            bandwidth_check(Some("cube-shp"), Some(&shaper::Root::Ours), 2, 1),
+            bandwidth_check(Some("cube-shp"), Some(&shaper::Root::Ours), (2, 1), &[]),
             bandwidth_check(
                 Some("cube-shp"),
                 Some(&shaper::Root::Default("noqueue".into())),
-                2,
-                1,
+                (2, 1),
+                &[],
             ),
+        ),
+        (
+            bandwidth_check(None, None, (0, 1), &[]),
+            bandwidth_check(None, None, (0, 1), &["s: ingress: EPERM".into()]),
         ),
     ]
 }
@@ -196,11 +210,18 @@ impl EbpfDatapath {
                 .and_then(|mut c| shaper::root(&mut c, *i))
                 .ok()
         });
+        let faults: Vec<String> = self
+            .shaper_faults
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
         bandwidth_check(
             self.node.shaper.as_ref().map(|(n, _)| n.as_str()),
             root.as_ref(),
-            egress,
-            ingress,
+            (egress, ingress),
+            &faults,
         )
     }
 

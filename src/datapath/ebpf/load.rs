@@ -395,6 +395,7 @@ impl EbpfDatapath {
             rate_read,
             rate_read_dump,
             shaper_root: Mutex::new(()),
+            shaper_faults: Default::default(),
 
             learned: Mutex::new(learned),
             by_ip_read,

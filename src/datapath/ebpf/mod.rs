@@ -275,6 +275,9 @@ pub struct EbpfDatapath {
     rate_read_dump: MapData,
     /// Held while the shaper device's root qdisc is checked and made.
     shaper_root: Mutex<()>,
+    /// Sandboxes (by device) whose limit could not be set up, and why
+    /// (Health's `bandwidth`), until an attach of theirs succeeds.
+    shaper_faults: Mutex<std::collections::BTreeMap<u32, String>>,
 
     /// `dns_learned`, written by the resolver's answers behind a lock of
     /// its own (never `inner`, which the ensure path needs).
@@ -492,6 +495,13 @@ impl Datapath for EbpfDatapath {
 
     fn counters(&self) -> Vec<(&'static str, u64)> {
         Self::counters(&self.lock())
+    }
+
+    fn shapes(&self) -> (bool, bool) {
+        (
+            self.node.uplink.is_some() && self.node.shaper.is_some(),
+            true,
+        )
     }
 
     fn snat_flows(&self) -> u64 {
