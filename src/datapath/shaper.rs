@@ -197,11 +197,11 @@ fn class(
     .map(|_| ())
 }
 
-/// A byte FIFO of `limit` bytes as the leaf qdisc of `classid`.
+/// A byte FIFO of `limit` bytes as the leaf qdisc of `classid`: replaces
+/// the class's default qdisc (the kernel picks the handle, so it never
+/// meets another qdisc's), or changes the limit of the FIFO already there.
 fn leaf(conn: &mut Conn, ifindex: u32, classid: u32, limit: u32) -> io::Result<()> {
-    // The leaf's handle: the class's minor as its major.
-    let handle = (classid & 0xFFFF) << 16;
-    let mut m = tc_message(ifindex as i32, handle, classid, 0);
+    let mut m = tc_message(ifindex as i32, 0, classid, 0);
     m.attributes.push(TcAttribute::Kind("bfifo".into()));
     m.attributes.push(TcAttribute::Other(DefaultNla::new(
         TCA_OPTIONS,
