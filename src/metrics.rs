@@ -131,115 +131,245 @@ fn bound(b: f64) -> String {
     if s.contains('.') { s } else { format!("{s}.0") }
 }
 
+/// Where OpenMetrics text goes: as is, or as the body of a JSON string
+/// (the varlink reply carries the text as one string: written escaped in
+/// the same pass, never as a second multi-megabyte copy).
+pub struct TextOut<'a> {
+    buf: &'a mut Vec<u8>,
+    json: bool,
+}
+
+impl<'a> TextOut<'a> {
+    pub fn plain(buf: &'a mut Vec<u8>) -> Self {
+        Self { buf, json: false }
+    }
+
+    /// Text escaped for a JSON string's body (no quotes around it).
+    pub fn json(buf: &'a mut Vec<u8>) -> Self {
+        Self { buf, json: true }
+    }
+
+    /// Text with no character a JSON string escapes (names, numbers,
+    /// label keys): copied as is in both modes.
+    fn raw(&mut self, s: &str) {
+        debug_assert!(!s.bytes().any(|c| c < 0x20 || c == b'"' || c == b'\\'));
+        self.buf.extend_from_slice(s.as_bytes());
+    }
+
+    fn push(&mut self, s: &str) {
+        if self.json {
+            push_json_body(self.buf, s);
+        } else {
+            self.buf.extend_from_slice(s.as_bytes());
+        }
+    }
+
+    fn byte(&mut self, b: u8) {
+        match b {
+            b'\n' if self.json => self.buf.extend_from_slice(b"\\n"),
+            b'"' if self.json => self.buf.extend_from_slice(b"\\\""),
+            b'\\' if self.json => self.buf.extend_from_slice(b"\\\\"),
+            b => self.buf.push(b),
+        }
+    }
+}
+
+/// Appends `s` escaped as the inside of a JSON string: runs without a
+/// special character are copied whole.
+pub fn push_json_body(o: &mut Vec<u8>, s: &str) {
+    let b = s.as_bytes();
+    if plain(b) {
+        o.extend_from_slice(b);
+        return;
+    }
+    let mut run = 0;
+    for (i, &c) in b.iter().enumerate() {
+        let esc: &[u8] = match c {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0..=0x1f => {
+                o.extend_from_slice(&b[run..i]);
+                o.extend_from_slice(format!("\\u{c:04x}").as_bytes());
+                run = i + 1;
+                continue;
+            }
+            _ => continue,
+        };
+        o.extend_from_slice(&b[run..i]);
+        o.extend_from_slice(esc);
+        run = i + 1;
+    }
+    o.extend_from_slice(&b[run..]);
+}
+
+/// Whether `b` has no byte a JSON string or an OpenMetrics label value
+/// escapes (control characters, `"`, `\\`): a table lookup per byte, so
+/// the common case (sandbox ids, names) is a plain copy.
+fn plain(b: &[u8]) -> bool {
+    static SPECIAL: [bool; 256] = {
+        let mut t = [false; 256];
+        let mut c = 0;
+        while c < 0x20 {
+            t[c] = true;
+            c += 1;
+        }
+        t[b'"' as usize] = true;
+        t[b'\\' as usize] = true;
+        t
+    };
+    !b.iter().any(|&c| SPECIAL[usize::from(c)])
+}
+
 /// Writes `s` escaped as an OpenMetrics label value.
-fn push_escaped(o: &mut String, s: &str) {
-    if !s.contains(['\\', '"', '\n']) {
-        o.push_str(s);
+fn push_escaped(o: &mut TextOut, s: &str) {
+    if plain(s.as_bytes()) {
+        o.raw(s);
         return;
     }
     for c in s.chars() {
         match c {
-            '\\' => o.push_str("\\\\"),
-            '"' => o.push_str("\\\""),
-            '\n' => o.push_str("\\n"),
-            c => o.push(c),
+            '\\' => o.push("\\\\"),
+            '"' => o.push("\\\""),
+            '\n' => o.push("\\n"),
+            c => o.push(c.encode_utf8(&mut [0; 4])),
         }
     }
 }
 
 /// `{sandbox_id="...",field="...",extra}` (nothing if no label).
-fn push_labels(o: &mut String, s: &Sample, extra: Option<(&str, &str)>) {
+fn push_labels(o: &mut TextOut, s: &Sample, extra: Option<(&str, &str)>) {
     let mut first = true;
-    let mut sep = |o: &mut String| {
-        o.push(if first { '{' } else { ',' });
+    let mut sep = |o: &mut TextOut| {
+        o.byte(if first { b'{' } else { b',' });
         first = false;
     };
     if let Some(obj) = &s.object {
         sep(o);
-        o.push_str("sandbox_id=\"");
+        o.raw("sandbox_id=");
+        o.byte(b'"');
         push_escaped(o, obj);
-        o.push('"');
+        o.byte(b'"');
     }
     for (k, v) in s.field.iter().copied().chain(extra) {
         sep(o);
-        o.push_str(k);
-        o.push_str("=\"");
+        o.raw(k);
+        o.byte(b'=');
+        o.byte(b'"');
         push_escaped(o, v);
-        o.push('"');
+        o.byte(b'"');
     }
     if !first {
-        o.push('}');
+        o.byte(b'}');
     }
 }
 
 /// The OpenMetrics text exposition of `families` (ends with `# EOF`).
-/// One pass, no allocation per sample: a scrape at 10,000 sandboxes is
-/// ~100,000 lines.
 pub fn openmetrics(families: &[Family]) -> String {
-    use std::fmt::Write as _;
-    let mut o =
-        String::with_capacity(256 + families.iter().map(|f| f.samples.len() * 80).sum::<usize>());
-    let mut num = itoa::Buffer::new();
+    let mut buf =
+        Vec::with_capacity(256 + families.iter().map(|f| f.samples.len() * 80).sum::<usize>());
+    let mut o = TextOut::plain(&mut buf);
     for f in families {
-        let name = match f.unit {
-            Some(u) if !f.name.ends_with(u) => format!("{OPENMETRICS_PREFIX}{}_{u}", f.name),
-            _ => format!("{OPENMETRICS_PREFIX}{}", f.name),
-        };
-        let kind = match f.kind {
-            Kind::Counter => "counter",
-            Kind::Gauge => "gauge",
-            Kind::String => "info",
-            Kind::Histogram => "histogram",
-        };
-        let _ = writeln!(o, "# TYPE {name} {kind}");
-        if let Some(u) = f.unit {
-            let _ = writeln!(o, "# UNIT {name} {u}");
-        }
-        o.push_str("# HELP ");
-        o.push_str(&name);
-        o.push(' ');
-        push_escaped(&mut o, f.help);
-        o.push('\n');
-        for s in &f.samples {
-            match &s.value {
-                Val::U(v) => {
-                    o.push_str(&name);
-                    if f.kind == Kind::Counter {
-                        o.push_str("_total");
-                    }
-                    push_labels(&mut o, s, None);
-                    o.push(' ');
-                    o.push_str(num.format(*v));
-                    o.push('\n');
+        openmetrics_family(f, &mut o);
+    }
+    openmetrics_end(&mut o);
+    String::from_utf8(buf).expect("OpenMetrics text is built from strings")
+}
+
+/// The end of an exposition.
+pub fn openmetrics_end(o: &mut TextOut) {
+    o.push("# EOF");
+    o.byte(b'\n');
+}
+
+/// One family's OpenMetrics lines.
+pub fn openmetrics_family(f: &Family, o: &mut TextOut) {
+    openmetrics_header(f, o);
+    openmetrics_samples(f, &f.samples, o);
+}
+
+/// The family's name as OpenMetrics writes it (prefix, unit).
+fn openmetrics_name(f: &Family) -> String {
+    match f.unit {
+        Some(u) if !f.name.ends_with(u) => format!("{OPENMETRICS_PREFIX}{}_{u}", f.name),
+        _ => format!("{OPENMETRICS_PREFIX}{}", f.name),
+    }
+}
+
+/// A family's `# TYPE`, `# UNIT` and `# HELP` lines.
+pub fn openmetrics_header(f: &Family, o: &mut TextOut) {
+    let name = openmetrics_name(f);
+    let kind = match f.kind {
+        Kind::Counter => "counter",
+        Kind::Gauge => "gauge",
+        Kind::String => "info",
+        Kind::Histogram => "histogram",
+    };
+    o.push(&format!("# TYPE {name} {kind}"));
+    o.byte(b'\n');
+    if let Some(u) = f.unit {
+        o.push(&format!("# UNIT {name} {u}"));
+        o.byte(b'\n');
+    }
+    o.raw("# HELP ");
+    o.raw(&name);
+    o.byte(b' ');
+    push_escaped(o, f.help);
+    o.byte(b'\n');
+}
+
+/// The lines of `samples` (some of family `f`'s). One pass, no allocation
+/// per sample: a scrape at 10,000 sandboxes is ~60,000 lines.
+pub fn openmetrics_samples(f: &Family, samples: &[Sample], o: &mut TextOut) {
+    let mut num = itoa::Buffer::new();
+    let name = openmetrics_name(f);
+    let total = if f.kind == Kind::Counter {
+        format!("{name}_total")
+    } else {
+        name.clone()
+    };
+    for s in samples {
+        match &s.value {
+            Val::U(v) => {
+                o.raw(&total);
+                push_labels(o, s, None);
+                o.byte(b' ');
+                o.raw(num.format(*v));
+                o.byte(b'\n');
+            }
+            Val::S(text) => {
+                o.raw(&name);
+                o.raw("_info");
+                push_labels(o, s, Some(("value", text)));
+                o.raw(" 1");
+                o.byte(b'\n');
+            }
+            Val::H(h) => {
+                for (i, c) in h.cumulative.iter().enumerate() {
+                    let le = BUCKETS.get(i).map_or("+Inf".to_string(), |b| bound(*b));
+                    o.raw(&name);
+                    o.raw("_bucket");
+                    push_labels(o, s, Some(("le", &le)));
+                    o.byte(b' ');
+                    o.raw(num.format(*c));
+                    o.byte(b'\n');
                 }
-                Val::S(text) => {
-                    o.push_str(&name);
-                    o.push_str("_info");
-                    push_labels(&mut o, s, Some(("value", text)));
-                    o.push_str(" 1\n");
-                }
-                Val::H(h) => {
-                    for (i, c) in h.cumulative.iter().enumerate() {
-                        let le = BUCKETS.get(i).map_or("+Inf".to_string(), |b| bound(*b));
-                        o.push_str(&name);
-                        o.push_str("_bucket");
-                        push_labels(&mut o, s, Some(("le", &le)));
-                        let _ = writeln!(o, " {c}");
-                    }
-                    o.push_str(&name);
-                    o.push_str("_sum");
-                    push_labels(&mut o, s, None);
-                    let _ = writeln!(o, " {}", h.sum_seconds);
-                    o.push_str(&name);
-                    o.push_str("_count");
-                    push_labels(&mut o, s, None);
-                    let _ = writeln!(o, " {}", h.cumulative.last().copied().unwrap_or(0));
-                }
+                o.raw(&name);
+                o.raw("_sum");
+                push_labels(o, s, None);
+                o.raw(&format!(" {}", h.sum_seconds));
+                o.byte(b'\n');
+                o.raw(&name);
+                o.raw("_count");
+                push_labels(o, s, None);
+                o.byte(b' ');
+                o.raw(num.format(h.cumulative.last().copied().unwrap_or(0)));
+                o.byte(b'\n');
             }
         }
     }
-    o.push_str("# EOF\n");
-    o
 }
 
 /// `io.systemd.Metrics.Describe` replies: one per family (a histogram is
@@ -274,7 +404,9 @@ pub fn describe(families: &[Family]) -> Vec<Value> {
 
 /// Writes `s` as a JSON string.
 fn push_json_str(o: &mut Vec<u8>, s: &str) {
-    serde_json::to_writer(&mut *o, s).expect("a string serialises");
+    o.push(b'"');
+    push_json_body(o, s);
+    o.push(b'"');
 }
 
 /// `io.systemd.Metrics.List` replies, one per value, written as the
@@ -282,20 +414,55 @@ fn push_json_str(o: &mut Vec<u8>, s: &str) {
 /// last with `"continues":true`); returns how many. Written directly, not
 /// built as JSON values first: 10,000 sandboxes are ~100,000 replies.
 pub fn list_into(families: &[Family], out: &mut Vec<u8>) -> usize {
-    let mut n = 0usize;
-    let mut num = itoa::Buffer::new();
-    let mut one = |out: &mut Vec<u8>,
-                   f: &Family,
-                   suffix: &str,
-                   s: &Sample,
-                   value: &[u8],
-                   extra: Option<(&str, &str)>| {
-        if n > 0 {
+    let mut w = ListWriter::default();
+    for f in families {
+        w.family(f, out);
+    }
+    w.count()
+}
+
+/// [`list_into`] a family at a time, so a caller can send what is
+/// final (every reply but the last, which may still get `continues`)
+/// and reuse its buffer: a scrape never holds all its replies at once.
+#[derive(Default)]
+pub struct ListWriter {
+    n: usize,
+    last: usize,
+    num: itoa::Buffer,
+}
+
+impl ListWriter {
+    /// Replies written so far.
+    pub fn count(&self) -> usize {
+        self.n
+    }
+
+    /// How many bytes at the start of `out` are final.
+    pub fn settled(&self) -> usize {
+        self.last
+    }
+
+    /// The caller removed the first `k` settled bytes from `out`.
+    pub fn drained(&mut self, k: usize) {
+        self.last -= k;
+    }
+
+    fn one(
+        &mut self,
+        out: &mut Vec<u8>,
+        f: &Family,
+        suffix: &str,
+        s: &Sample,
+        value: &[u8],
+        extra: Option<(&str, &str)>,
+    ) {
+        if self.n > 0 {
             // The previous reply was not the last: its closing brace and
             // NUL make room for "continues".
             out.truncate(out.len() - 2);
             out.extend_from_slice(b",\"continues\":true}\0");
         }
+        self.last = out.len();
         out.extend_from_slice(b"{\"parameters\":{\"name\":\"");
         out.extend_from_slice(SYSTEMD_PREFIX.as_bytes());
         out.extend_from_slice(f.name.as_bytes());
@@ -318,34 +485,42 @@ pub fn list_into(families: &[Family], out: &mut Vec<u8>) -> usize {
             out.push(b'}');
         }
         out.extend_from_slice(b"}}\0");
-        n += 1;
-    };
-    for f in families {
-        for s in &f.samples {
+        self.n += 1;
+    }
+
+    /// Appends the replies of family `f`.
+    pub fn family(&mut self, f: &Family, out: &mut Vec<u8>) {
+        self.samples(f, &f.samples, out);
+    }
+
+    /// Appends the replies of `samples` (some of family `f`'s).
+    pub fn samples(&mut self, f: &Family, samples: &[Sample], out: &mut Vec<u8>) {
+        for s in samples {
             match &s.value {
-                Val::U(v) => one(out, f, "", s, num.format(*v).as_bytes(), None),
+                Val::U(v) => {
+                    let mut num = std::mem::take(&mut self.num);
+                    self.one(out, f, "", s, num.format(*v).as_bytes(), None);
+                    self.num = num;
+                }
                 Val::S(t) => {
                     let mut b = vec![];
                     push_json_str(&mut b, t);
-                    one(out, f, "", s, &b, None)
+                    self.one(out, f, "", s, &b, None)
                 }
                 Val::H(h) => {
                     for (i, c) in h.cumulative.iter().enumerate() {
                         let le = BUCKETS.get(i).map_or("+Inf".to_string(), |b| bound(*b));
-                        let c = num.format(*c).to_owned();
-                        one(out, f, "_bucket", s, c.as_bytes(), Some(("le", &le)));
+                        let c = c.to_string();
+                        self.one(out, f, "_bucket", s, c.as_bytes(), Some(("le", &le)));
                     }
                     let sum = serde_json::to_vec(&h.sum_seconds).expect("a float serialises");
-                    one(out, f, "_sum", s, &sum, None);
-                    let count = num
-                        .format(h.cumulative.last().copied().unwrap_or(0))
-                        .to_owned();
-                    one(out, f, "_count", s, count.as_bytes(), None);
+                    self.one(out, f, "_sum", s, &sum, None);
+                    let count = h.cumulative.last().copied().unwrap_or(0).to_string();
+                    self.one(out, f, "_count", s, count.as_bytes(), None);
                 }
             }
         }
     }
-    n
 }
 
 /// The `parameters` of every `io.systemd.Metrics.List` reply, parsed back

@@ -49,7 +49,7 @@ pub struct Traffic {
 impl Traffic {
     /// The device's counters turned around (the device receives what the
     /// sandbox sends).
-    pub fn of_device(c: &LinkCounters, flows: u64, datapath: Option<Vec<u64>>) -> Self {
+    pub fn of_device(c: &LinkCounters, flows: u64, datapath: Option<&[u64]>) -> Self {
         Self {
             tx_bytes: c.rx_bytes,
             tx_packets: c.rx_packets,
@@ -58,10 +58,9 @@ impl Traffic {
             rx_packets: c.tx_packets,
             rx_dropped: c.tx_dropped,
             flows,
-            datapath: dp_array(datapath.as_deref().unwrap_or_default()),
+            datapath: dp_array(datapath.unwrap_or_default()),
             throttled: dp_array(
                 datapath
-                    .as_deref()
                     .and_then(|d| d.get(SB_COUNTER_NAMES.len()..))
                     .unwrap_or_default(),
             ),
@@ -140,7 +139,7 @@ impl Agent {
         Ok(match link {
             Some(l) if l.name == view.record.tap_name => Traffic {
                 dns_refused,
-                ..Traffic::of_device(&l.counters, flows, dp)
+                ..Traffic::of_device(&l.counters, flows, dp.as_deref())
             },
             _ => Traffic {
                 flows,
@@ -157,7 +156,7 @@ impl Agent {
             .await
             .map_err(|e| AgentError::Failed(format!("dumping the devices' counters: {e}")))?
             .map_err(|e| failed("dumping the devices' counters", &e))?;
-        let mut dp = self.datapath.all_sandbox_counters();
+        let dp = self.datapath.all_sandbox_counters();
         let views = self.views.read().unwrap_or_else(|p| p.into_inner());
         Ok(views
             .values()
@@ -168,7 +167,7 @@ impl Agent {
                     // An ifindex names one device for life (the kernel
                     // does not reuse them soon): no name check needed.
                     Some(c) if v.tap_ifindex != 0 => {
-                        Traffic::of_device(c, flows, dp.remove(&v.tap_ifindex))
+                        Traffic::of_device(c, flows, dp.get(&v.tap_ifindex).map(|a| &a[..]))
                     }
                     _ => Traffic {
                         flows,
@@ -183,8 +182,9 @@ impl Agent {
 }
 
 /// Which counters of a [`Traffic`] a per-sandbox family shows, by
-/// direction (`None`: no direction field).
-type Pick = dyn Fn(&Traffic) -> Vec<(Option<&'static str>, u64)>;
+/// direction (`None`: no direction field), appended to a scratch list
+/// (no allocation per sandbox).
+type Pick = dyn Fn(&Traffic, &mut Vec<(Option<&'static str>, u64)>);
 
 impl Agent {
     /// Every metric family (see docs/observability.md): per sandbox from
@@ -202,9 +202,12 @@ impl Agent {
                       help: &'static str,
                       sparse: bool,
                       value: &Pick| {
-            let mut samples = Vec::with_capacity(all.len() * 2);
+            let mut samples = Vec::with_capacity(if sparse { 16 } else { all.len() * 2 });
+            let mut picked = Vec::with_capacity(8);
             for (id, t) in &all {
-                for (which, n) in value(t) {
+                picked.clear();
+                value(t, &mut picked);
+                for &(which, n) in &picked {
                     if sparse && n == 0 {
                         continue;
                     }
@@ -233,7 +236,7 @@ impl Agent {
                 Some("bytes"),
                 "Bytes of the L2 frames a sandbox sent (direction=tx) and was delivered (rx), as its TAP or veth counts them",
                 false,
-                &|t| vec![(Some("tx"), t.tx_bytes), (Some("rx"), t.rx_bytes)],
+                &|t, o| o.extend([(Some("tx"), t.tx_bytes), (Some("rx"), t.rx_bytes)]),
             ),
             per(
                 "sandbox_packets",
@@ -241,7 +244,7 @@ impl Agent {
                 None,
                 "Frames a sandbox sent (direction=tx) and was delivered (rx)",
                 false,
-                &|t| vec![(Some("tx"), t.tx_packets), (Some("rx"), t.rx_packets)],
+                &|t, o| o.extend([(Some("tx"), t.tx_packets), (Some("rx"), t.rx_packets)]),
             ),
             per(
                 "sandbox_device_drops",
@@ -249,7 +252,7 @@ impl Agent {
                 None,
                 "Frames the kernel dropped at a sandbox's device: sent by it (tx) or meant for it (rx, its VMM did not read); only values above 0",
                 true,
-                &|t| vec![(Some("tx"), t.tx_dropped), (Some("rx"), t.rx_dropped)],
+                &|t, o| o.extend([(Some("tx"), t.tx_dropped), (Some("rx"), t.rx_dropped)]),
             ),
             per(
                 "sandbox_flows",
@@ -257,7 +260,7 @@ impl Agent {
                 None,
                 "Live flows of a sandbox (NAT'ed out, port-mapped in), counted every 2 s",
                 false,
-                &|t| vec![(None, t.flows)],
+                &|t, o| o.extend([(None, t.flows)]),
             ),
             per_by(
                 "reason",
@@ -266,7 +269,7 @@ impl Agent {
                 None,
                 "Packets of a sandbox the datapath dropped, by reason (spoofed, policy, malformed, no_route, no_port, unsupported); only values above 0",
                 true,
-                &|t| t.drops().map(|(r, n)| (Some(r), n)).collect(),
+                &|t, o| o.extend(t.drops().map(|(r, n)| (Some(r), n))),
             ),
             per(
                 "sandbox_dns_refused",
@@ -274,7 +277,7 @@ impl Agent {
                 None,
                 "DNS queries of a sandbox the agent's resolver refused for its domain rules (since the agent started); only values above 0",
                 true,
-                &|t| vec![(None, t.dns_refused)],
+                &|t, o| o.extend([(None, t.dns_refused)]),
             ),
             per_by(
                 "kind",
@@ -283,7 +286,7 @@ impl Agent {
                 None,
                 "Flows the datapath opened for a sandbox, by kind (snat: to the world, portmap: from the world, host); only values above 0",
                 true,
-                &|t| t.new_flows().map(|(k, n)| (Some(k), n)).collect(),
+                &|t, o| o.extend(t.new_flows().map(|(k, n)| (Some(k), n))),
             ),
             per(
                 "sandbox_shaped_packets",
@@ -291,11 +294,11 @@ impl Agent {
                 None,
                 "Packets of a sandbox that went through its bandwidth limit's shaper, by direction (egress: to the world, ingress: from it); only values above 0",
                 true,
-                &|t| {
-                    vec![
+                &|t, o| {
+                    o.extend([
                         (Some("egress"), t.throttled[0]),
                         (Some("ingress"), t.throttled[4]),
-                    ]
+                    ])
                 },
             ),
             per(
@@ -304,11 +307,11 @@ impl Agent {
                 Some("bytes"),
                 "Bytes of those packets; only values above 0",
                 true,
-                &|t| {
-                    vec![
+                &|t, o| {
+                    o.extend([
                         (Some("egress"), t.throttled[1]),
                         (Some("ingress"), t.throttled[5]),
-                    ]
+                    ])
                 },
             ),
             per(
@@ -317,11 +320,11 @@ impl Agent {
                 None,
                 "Times a sandbox's shaper held its traffic back for the limit (HTB overlimits), by direction; only values above 0",
                 true,
-                &|t| {
-                    vec![
+                &|t, o| {
+                    o.extend([
                         (Some("egress"), t.throttled[2]),
                         (Some("ingress"), t.throttled[6]),
-                    ]
+                    ])
                 },
             ),
             per(
@@ -330,11 +333,11 @@ impl Agent {
                 None,
                 "Packets of a sandbox its shaper dropped (its queue full), by direction; only values above 0",
                 true,
-                &|t| {
-                    vec![
+                &|t, o| {
+                    o.extend([
                         (Some("egress"), t.throttled[3]),
                         (Some("ingress"), t.throttled[7]),
-                    ]
+                    ])
                 },
             ),
         ];

@@ -106,6 +106,10 @@ impl std::fmt::Display for Hook {
     }
 }
 
+/// A sandbox device's counters: `maps::SB_COUNTER_NAMES`, then
+/// `maps::RATE_COUNTER_NAMES`.
+pub type SandboxCounters = [u64; maps::SB_COUNTER_NAMES.len() + maps::RATE_COUNTER_NAMES.len()];
+
 pub trait Datapath: Send + Sync {
     /// Installs or replaces the sandbox's datapath state (idempotent).
     fn attach(&self, sandbox: &SandboxPath<'_>) -> Result<(), DatapathError>;
@@ -145,7 +149,7 @@ pub trait Datapath: Send + Sync {
     /// Takes learned addresses back: flows to them stop too.
     fn forget(&self, _sandbox_ip: std::net::Ipv4Addr, _addrs: &[std::net::Ipv4Addr]) {}
     /// Every sandbox device's counters (one batched dump).
-    fn all_sandbox_counters(&self) -> std::collections::HashMap<u32, Vec<u64>> {
+    fn all_sandbox_counters(&self) -> std::collections::HashMap<u32, SandboxCounters> {
         Default::default()
     }
     /// (sandbox flows, host flows) as of the last `maintain` pass.

@@ -19,6 +19,7 @@ use tracing::{debug, info, warn};
 
 use super::{Operation, Peer, SERVICE_IDL, SERVICE_INTERFACE, authorize};
 use crate::agent::Agent;
+use crate::metrics::TextOut;
 
 pub const METRICS_INTERFACE: &str = "io.systemd.Metrics";
 pub const METRICS_IDL: &str = include_str!("../../varlink/io.systemd.Metrics.varlink");
@@ -78,47 +79,106 @@ fn error(name: &str, parameters: Value) -> Value {
     json!({ "error": name, "parameters": parameters })
 }
 
-/// How the families become replies: `List` writes its stream directly.
+/// How the families become replies.
 enum Render {
     Describe,
     List,
 }
 
-/// The replies to one call, as the bytes to send (NUL-terminated
-/// messages, every one of a stream but the last with `continues`).
-async fn call(
+/// What a call answers: replies as values, or metric families rendered
+/// straight onto the socket.
+enum Reply {
+    Values(Vec<Value>),
+    List(Vec<crate::metrics::Family>),
+    OpenMetrics(Vec<crate::metrics::Family>),
+}
+
+/// A scrape's replies go out in pieces of about this size: the buffer is
+/// reused, so a scrape at 10,000 sandboxes never builds (and page-faults
+/// in) its whole multi-megabyte answer.
+const CHUNK: usize = 256 << 10;
+/// Samples rendered between two looks at the buffer (~100 bytes each).
+const SAMPLES_PER_CHUNK: usize = 512;
+
+/// Sends the replies to one call (NUL-terminated messages, every one of a
+/// stream but the last with `continues`) into `w` (`None`: a oneway call,
+/// nothing sent); returns the bytes sent.
+async fn call<W: AsyncWriteExt + Unpin>(
     agent: &Agent,
     peer: &Peer,
     method: &str,
     p: &Map<String, Value>,
     more: bool,
-) -> Vec<u8> {
-    let mut out = Vec::new();
-    for v in call_values(agent, peer, method, p, more, &mut out).await {
-        serde_json::to_writer(&mut out, &v).expect("a reply serialises");
-        out.push(0);
+    mut w: Option<&mut W>,
+) -> io::Result<usize> {
+    let mut out = Vec::with_capacity(CHUNK + (64 << 10));
+    let mut sent = 0;
+    let mut flush = async |out: &mut Vec<u8>, k: usize| -> io::Result<()> {
+        if let Some(w) = w.as_mut() {
+            w.write_all(&out[..k]).await?;
+        }
+        sent += k;
+        out.drain(..k);
+        Ok(())
+    };
+    match call_values(agent, peer, method, p, more).await {
+        Reply::Values(values) => {
+            for v in values {
+                serde_json::to_writer(&mut out, &v).expect("a reply serialises");
+                out.push(0);
+            }
+        }
+        Reply::List(families) => {
+            let mut lw = crate::metrics::ListWriter::default();
+            for f in &families {
+                for part in f.samples.chunks(SAMPLES_PER_CHUNK) {
+                    lw.samples(f, part, &mut out);
+                    if out.len() >= CHUNK {
+                        let k = lw.settled();
+                        flush(&mut out, k).await?;
+                        lw.drained(k);
+                    }
+                }
+            }
+        }
+        Reply::OpenMetrics(families) => {
+            out.extend_from_slice(b"{\"parameters\":{\"text\":\"");
+            for f in &families {
+                crate::metrics::openmetrics_header(f, &mut TextOut::json(&mut out));
+                for part in f.samples.chunks(SAMPLES_PER_CHUNK) {
+                    crate::metrics::openmetrics_samples(f, part, &mut TextOut::json(&mut out));
+                    if out.len() >= CHUNK {
+                        let k = out.len();
+                        flush(&mut out, k).await?;
+                    }
+                }
+            }
+            crate::metrics::openmetrics_end(&mut TextOut::json(&mut out));
+            out.extend_from_slice(b"\"}}\0");
+        }
     }
-    out
+    let k = out.len();
+    flush(&mut out, k).await?;
+    Ok(sent)
 }
 
-/// The replies as values, or (List) written into `out` directly.
+/// The replies to one call.
 async fn call_values(
     agent: &Agent,
     peer: &Peer,
     method: &str,
     p: &Map<String, Value>,
     more: bool,
-    out: &mut Vec<u8>,
-) -> Vec<Value> {
+) -> Reply {
     let stream = match method {
         "org.varlink.service.GetInfo" => {
-            return vec![json!({"parameters": {
+            return Reply::Values(vec![json!({"parameters": {
                 "vendor": "cube-network-agent",
                 "product": "cube-network-agent",
                 "version": env!("CARGO_PKG_VERSION"),
                 "url": "man:cube-network-agent(8)",
                 "interfaces": [SERVICE_INTERFACE, METRICS_INTERFACE, OPENMETRICS_INTERFACE],
-            }})];
+            }})]);
         }
         "org.varlink.service.GetInterfaceDescription" => {
             let description = match p.get("interface").and_then(Value::as_str) {
@@ -126,28 +186,28 @@ async fn call_values(
                 Some(METRICS_INTERFACE) => METRICS_IDL,
                 Some(OPENMETRICS_INTERFACE) => OPENMETRICS_IDL,
                 Some(other) => {
-                    return vec![error(
+                    return Reply::Values(vec![error(
                         "org.varlink.service.InterfaceNotFound",
                         json!({ "interface": other }),
-                    )];
+                    )]);
                 }
                 None => {
-                    return vec![error(
+                    return Reply::Values(vec![error(
                         "org.varlink.service.InvalidParameter",
                         json!({ "parameter": "interface" }),
-                    )];
+                    )]);
                 }
             };
-            return vec![json!({"parameters": { "description": description }})];
+            return Reply::Values(vec![json!({"parameters": { "description": description }})]);
         }
         "io.systemd.Metrics.List" => Some(Render::List),
         "io.systemd.Metrics.Describe" => Some(Render::Describe),
         "org.cube.NetworkAgent.Metrics.OpenMetrics" => None,
         other => {
-            return vec![error(
+            return Reply::Values(vec![error(
                 "org.varlink.service.MethodNotFound",
                 json!({ "method": other }),
-            )];
+            )]);
         }
     };
     if let Err(denied) = authorize(peer, Operation::Read).await {
@@ -161,53 +221,45 @@ async fn call_values(
         } else {
             json!({ "message": denied.0 })
         };
-        return vec![error(name, params)];
+        return Reply::Values(vec![error(name, params)]);
     }
     if stream.is_some() && !more {
-        return vec![error("org.varlink.service.ExpectedMore", json!({}))];
+        return Reply::Values(vec![error("org.varlink.service.ExpectedMore", json!({}))]);
     }
     let families = match agent.metrics().await {
         Ok(f) => f,
         Err(e) => {
             let m = e.to_string();
-            return vec![match stream {
+            return Reply::Values(vec![match stream {
                 Some(_) => error("io.systemd.Metrics.NoSuchMetric", json!({})),
                 None => error(
                     "org.cube.NetworkAgent.Metrics.Failed",
                     json!({ "message": m }),
                 ),
-            }];
+            }]);
         }
     };
     match stream {
-        Some(Render::List) => {
-            crate::metrics::list_into(&families, out);
-            vec![]
-        }
+        Some(Render::List) => Reply::List(families),
         Some(Render::Describe) => {
             let items = crate::metrics::describe(&families);
             let n = items.len();
-            items
-                .into_iter()
-                .enumerate()
-                .map(|(i, v)| {
-                    if i + 1 < n {
-                        json!({ "parameters": v, "continues": true })
-                    } else {
-                        json!({ "parameters": v })
-                    }
-                })
-                .collect()
+            Reply::Values(
+                items
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, v)| {
+                        if i + 1 < n {
+                            json!({ "parameters": v, "continues": true })
+                        } else {
+                            json!({ "parameters": v })
+                        }
+                    })
+                    .collect(),
+            )
         }
-        None => {
-            // Written directly: the text is megabytes at 10,000 sandboxes.
-            let text = crate::metrics::openmetrics(&families);
-            out.reserve(text.len() + text.len() / 8 + 64);
-            out.extend_from_slice(b"{\"parameters\":{\"text\":");
-            serde_json::to_writer(&mut *out, &text).expect("a string serialises");
-            out.extend_from_slice(b"}}\0");
-            vec![]
-        }
+        // Written onto the socket a family at a time (`call`).
+        None => Reply::OpenMetrics(families),
     }
 }
 
@@ -249,18 +301,10 @@ async fn connection(agent: Arc<Agent>, slots: Arc<Slots>, mut stream: UnixStream
                 Some(Value::Object(p)) => p,
                 _ => Map::new(),
             };
-            let out = call(&agent, &peer, &method, &params, more).await;
-            debug!(
-                method,
-                uid = peer.uid,
-                bytes = out.len(),
-                "report socket call"
-            );
-            if oneway {
-                continue;
-            }
-            if stream.write_all(&out).await.is_err() {
-                return;
+            let to = if oneway { None } else { Some(&mut stream) };
+            match call(&agent, &peer, &method, &params, more, to).await {
+                Ok(bytes) => debug!(method, uid = peer.uid, bytes, "report socket call"),
+                Err(_) => return,
             }
         }
         if buf.len() > MAX_REQUEST {

@@ -1290,42 +1290,63 @@ fn varlink_call(path: &Path, method: &str, more: bool) -> Result<Vec<serde_json:
 }
 
 /// Full scrapes of the metrics socket with `n` networks: the agent's CPU
-/// per scrape (every thread's schedstat), OpenMetrics and io.systemd.Metrics.
+/// per scrape (every thread's schedstat), OpenMetrics and io.systemd.Metrics,
+/// in `ROUNDS` rounds of `SCRAPES` scrapes each (the two formats alternate by
+/// round); the target holds only if every round's mean meets it.
 fn scrape_rows(env: &Env, dir: &Path, n: usize, rows: &mut Vec<Row>) -> Result<()> {
-    const SCRAPES: u32 = 5;
+    const ROUNDS: usize = 3;
+    const SCRAPES: u32 = 3;
+    // The fill's background work (pool refill, heap trim) must not be
+    // billed to the first scrape.
+    std::thread::sleep(Duration::from_secs(2));
     let sock = dir.join("report.sock");
-    let mut measure = |what: &str, method: &str, more: bool| -> Result<()> {
-        let (mut cpu, mut wall, mut size) = (Duration::ZERO, Duration::ZERO, 0usize);
-        for _ in 0..SCRAPES {
-            let c0 = env.agent_cpu()?;
-            let t0 = Instant::now();
-            let replies = varlink_call(&sock, method, more)?;
-            wall += t0.elapsed();
-            cpu += env.agent_cpu()? - c0;
-            size = replies.len();
+    let formats = [
+        (
+            "OpenMetrics",
+            "org.cube.NetworkAgent.Metrics.OpenMetrics",
+            false,
+        ),
+        ("io.systemd.Metrics.List", "io.systemd.Metrics.List", true),
+    ];
+    // Per format: (agent CPU ms per round, wall ms per round, replies).
+    let mut seen = [
+        (Vec::new(), Vec::new(), 0usize),
+        (Vec::new(), Vec::new(), 0),
+    ];
+    for _ in 0..ROUNDS {
+        for ((_, method, more), (cpus, walls, size)) in formats.iter().zip(seen.iter_mut()) {
+            let (mut cpu, mut wall) = (Duration::ZERO, Duration::ZERO);
+            for _ in 0..SCRAPES {
+                let c0 = env.agent_cpu()?;
+                let t0 = Instant::now();
+                let replies = varlink_call(&sock, method, *more)?;
+                wall += t0.elapsed();
+                cpu += env.agent_cpu()? - c0;
+                *size = replies.len();
+            }
+            cpus.push(cpu.as_secs_f64() * 1e3 / f64::from(SCRAPES));
+            walls.push(wall.as_secs_f64() * 1e3 / f64::from(SCRAPES));
         }
-        let cpu_ms = cpu.as_secs_f64() * 1e3 / f64::from(SCRAPES);
+    }
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.1}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for ((what, _, _), (cpus, walls, size)) in formats.iter().zip(seen.iter()) {
         rows.push(
             row(
-                format!("metrics scrape, {what}, {n} nets: agent CPU / wall"),
-                format!(
-                    "{cpu_ms:.1} ms / {:.1} ms ({size} replies)",
-                    wall.as_secs_f64() * 1e3 / f64::from(SCRAPES)
-                ),
+                format!("metrics scrape, {what}, {n} nets: agent CPU / wall, {ROUNDS} rounds of {SCRAPES}"),
+                format!("{} ms / {} ms ({size} replies)", list(cpus), list(walls)),
                 "-",
                 "-",
-                "agent CPU <= 50 ms",
+                "agent CPU <= 50 ms in every round",
             )
-            .met(cpu_ms <= 50.0),
+            .met(cpus.iter().all(|&c| c <= 50.0)),
         );
-        Ok(())
-    };
-    measure(
-        "OpenMetrics",
-        "org.cube.NetworkAgent.Metrics.OpenMetrics",
-        false,
-    )?;
-    measure("io.systemd.Metrics.List", "io.systemd.Metrics.List", true)
+    }
+    Ok(())
 }
 
 fn ms(d: Duration) -> String {

@@ -545,7 +545,7 @@ impl Datapath for EbpfDatapath {
         Some(c)
     }
 
-    fn all_sandbox_counters(&self) -> StdHashMap<u32, Vec<u64>> {
+    fn all_sandbox_counters(&self) -> StdHashMap<u32, crate::datapath::SandboxCounters> {
         let rates: StdHashMap<u32, DpRate> = self.rates().into_iter().collect();
         // One dump of the uplink's classes, one of each shaped device's.
         let mut shaped: StdHashMap<u32, [u64; RATE_COUNTER_NAMES.len()]> = StdHashMap::new();
@@ -577,13 +577,12 @@ impl Datapath for EbpfDatapath {
         read_all(&self.sb_read_dump, &self.sb_read)
             .into_iter()
             .map(|(i, s)| {
-                let mut c = s.c.to_vec();
-                c.extend(
-                    shaped
-                        .get(&i)
-                        .copied()
-                        .unwrap_or([0; RATE_COUNTER_NAMES.len()]),
-                );
+                let mut c = [0; SB_COUNTER_NAMES.len() + RATE_COUNTER_NAMES.len()];
+                let (sb, rate) = c.split_at_mut(SB_COUNTER_NAMES.len());
+                sb.copy_from_slice(&s.c);
+                if let Some(r) = shaped.get(&i) {
+                    rate.copy_from_slice(r);
+                }
                 (i, c)
             })
             .collect()
