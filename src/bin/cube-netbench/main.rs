@@ -477,19 +477,7 @@ impl Env {
 
     /// The agent's CPU time so far (every thread, from schedstat: ns).
     fn agent_cpu(&self) -> Result<Duration> {
-        let pid = self.agent_pid()?;
-        let mut ns = 0u64;
-        for t in fs::read_dir(format!("/proc/{pid}/task")).map_err(|e| e.to_string())? {
-            let t = t.map_err(|e| e.to_string())?;
-            if let Ok(s) = fs::read_to_string(t.path().join("schedstat")) {
-                ns += s
-                    .split_whitespace()
-                    .next()
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .unwrap_or(0);
-            }
-        }
-        Ok(Duration::from_nanos(ns))
+        process_cpu(self.agent_pid()?)
     }
 
     fn agent_rss_kb(&self) -> Result<u64> {
@@ -958,6 +946,64 @@ async fn baseline_rows(
 struct FloorProc {
     child: Child,
     name: String,
+}
+
+/// A process's CPU time so far: every thread's on-CPU time from
+/// schedstat, kernel work done in its system calls included (ns).
+fn process_cpu(pid: u32) -> Result<Duration> {
+    let mut ns = 0u64;
+    for t in fs::read_dir(format!("/proc/{pid}/task")).map_err(|e| e.to_string())? {
+        let t = t.map_err(|e| e.to_string())?;
+        if let Ok(s) = fs::read_to_string(t.path().join("schedstat")) {
+            ns += s
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    Ok(Duration::from_nanos(ns))
+}
+
+/// The machine's busy and total CPU time so far (/proc/stat, in ticks).
+fn machine_cpu() -> (u64, u64) {
+    let stat = fs::read_to_string("/proc/stat").unwrap_or_default();
+    let Some(line) = stat.lines().next() else {
+        return (0, 0);
+    };
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let total: u64 = v.iter().sum();
+    // idle and iowait.
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    (total - idle, total)
+}
+
+/// What a pair-rate window cost: the server's CPU per pair (µs) and how
+/// busy the machine was (0..1).
+struct PairCost {
+    rate: f64,
+    cpu_per_pair_us: f64,
+    busy: f64,
+}
+
+async fn costed<F: std::future::Future<Output = Result<f64>>>(
+    pid: u32,
+    secs: f64,
+    window: F,
+) -> Result<PairCost> {
+    let (c0, m0) = (process_cpu(pid)?, machine_cpu());
+    let rate = window.await?;
+    let (c1, m1) = (process_cpu(pid)?, machine_cpu());
+    let pairs = (rate * secs).max(1.0);
+    Ok(PairCost {
+        rate,
+        cpu_per_pair_us: (c1 - c0).as_secs_f64() * 1e6 / pairs,
+        busy: (m1.0 - m0.0) as f64 / (m1.1 - m0.1).max(1) as f64,
+    })
 }
 
 impl FloorProc {
@@ -1539,7 +1585,13 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         args.throughput_secs
     );
     let t1 = pair_rate(&conn, 1, args.throughput_secs).await?;
-    let t16 = pair_rate(&conn, CONCURRENT_CALLERS, args.throughput_secs).await?;
+    let c16 = costed(
+        env.agent_pid()?,
+        args.throughput_secs,
+        pair_rate(&conn, CONCURRENT_CALLERS, args.throughput_secs),
+    )
+    .await?;
+    let t16 = c16.rate;
     // Every signal the agent emits while 16 callers run pairs, counted by a
     // second connection that asked the bus for all of them (the bus then
     // delivers each signal once more, to it: a run of its own).
@@ -1555,9 +1607,13 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
     // The same, plus the kernel work of the safe TAP lifecycle.
     let (kns, _) = env.new_instance()?;
     let kernel_floor = FloorProc::start(env, Some(&kns))?;
-    let k16 = kernel_floor
-        .pair_rate(&conn, CONCURRENT_CALLERS, args.throughput_secs)
-        .await?;
+    let kc16 = costed(
+        kernel_floor.child.id(),
+        args.throughput_secs,
+        kernel_floor.pair_rate(&conn, CONCURRENT_CALLERS, args.throughput_secs),
+    )
+    .await?;
+    let k16 = kc16.rate;
     drop(kernel_floor);
     let serial_cap = 1e6 / (2.0 * floor_warm);
     rows.push(row(
@@ -1618,6 +1674,23 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         )
         .met(t16 >= 0.8 * k16),
     );
+    rows.push(row(
+        format!(
+            "server CPU per pair (every thread, kernel work included), {CONCURRENT_CALLERS} callers"
+        ),
+        format!(
+            "{:.0} µs (machine {:.0} % busy)",
+            c16.cpu_per_pair_us,
+            100.0 * c16.busy
+        ),
+        format!(
+            "safe-lifecycle floor {:.0} µs ({:.0} % busy)",
+            kc16.cpu_per_pair_us,
+            100.0 * kc16.busy
+        ),
+        ratio(c16.cpu_per_pair_us, kc16.cpu_per_pair_us),
+        "-",
+    ));
     rows.push(row(
         "bus floor efficiency: 2·floor pairs/s ÷ Ping calls/s",
         format!("{:.2}", 2.0 * f16 / ping16),
