@@ -9,10 +9,10 @@
 
 _cubenetctl_commands='list status ensure release reconcile health capacity open-tap watch metrics top'
 _cubenetctl_global_opts='-h --help -V --version --bus= --varlink= --json= -j -q --quiet --no-legend --no-pager'
-_cubenetctl_ensure_opts='--port= --allow-out= --deny-out= --egress-mode= --egress-rate= --ingress-rate= --egress-burst= --ingress-burst= --no-internet --mtu= --metadata= --idempotency-key='
+_cubenetctl_ensure_opts='--port= --allow-out= --deny-out= --egress-mode= --egress-rate= --ingress-rate= --egress-burst= --ingress-burst= --no-internet --mtu= --metadata= --idempotency-key= --clone-of='
 _cubenetctl_top_opts='--interval= --count='
 # Options whose value may follow as the next word.
-_cubenetctl_value_opts='--bus --varlink --port --allow-out --deny-out --egress-mode --egress-rate --ingress-rate --egress-burst --ingress-burst --mtu --metadata --idempotency-key --interval --count'
+_cubenetctl_value_opts='--bus --varlink --port --allow-out --deny-out --egress-mode --egress-rate --ingress-rate --egress-burst --ingress-burst --mtu --metadata --idempotency-key --clone-of --interval --count'
 
 # Sets _cubenetctl_words/_cubenetctl_cword: COMP_WORDS with the pieces that
 # COMP_WORDBREAKS split off ("--json" "=" "pretty", "cni" ":" "x") joined
@@ -134,7 +134,7 @@ _cubenetctl() {
         mapfile -t COMPREPLY < <(compgen -W 'dns sni' -- "$cur")
         return 0
         ;;
-    --port | --allow-out | --deny-out | --mtu | --metadata | --idempotency-key | --interval | --count)
+    --port | --allow-out | --deny-out | --mtu | --metadata | --idempotency-key | --clone-of | --interval | --count)
         [[ $prev == --port ]] && mapfile -t COMPREPLY < <(compgen -W 'tcp: udp:' -- "$cur")
         _cubenetctl_finish "$cur"
         return 0

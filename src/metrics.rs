@@ -124,6 +124,8 @@ pub static RELEASE_LATENCY: Histogram = Histogram {
     counts: [const { AtomicU64::new(0) }; BUCKETS.len() + 1],
     sum_ns: AtomicU64::new(0),
 };
+/// Networks made with `clone_of` since the agent started.
+pub static NETWORKS_CLONED: AtomicU64 = AtomicU64::new(0);
 
 fn bound(b: f64) -> String {
     // OpenMetrics canonical floats: "0.001", "1.0".

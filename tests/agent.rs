@@ -212,6 +212,116 @@ async fn ensure_is_idempotent_and_converges() {
     assert_eq!(u(&retry, "mtu"), u(&k, "mtu"));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clones_take_the_source_spec_with_fresh_host_ports() {
+    require_root!();
+    let mut env = Env::new(&[]);
+    let c = env.client().await;
+    let golden = c
+        .ensure(
+            "golden",
+            opts(vec![
+                (
+                    "port_mappings",
+                    ports(&[("tcp", 80, 0, ""), ("udp", 53, 0, "")]),
+                ),
+                ("allow_internet_access", Value::from(false)),
+                ("allow_out", Value::from(vec!["10.1.0.0/16".to_string()])),
+                ("deny_out", Value::from(vec!["10.1.2.0/24".to_string()])),
+                ("mtu", Value::from(1400u32)),
+                (
+                    "metadata",
+                    Value::from(HashMap::from([("role".to_string(), "golden".to_string())])),
+                ),
+            ]),
+        )
+        .await
+        .unwrap();
+    // Three clones at once, each naming only its source and its metadata.
+    let make = |i: usize| {
+        let c = &c;
+        async move {
+            c.ensure(
+                &format!("clone-{i}"),
+                opts(vec![
+                    ("clone_of", Value::from("golden")),
+                    (
+                        "metadata",
+                        Value::from(HashMap::from([("clone".to_string(), i.to_string())])),
+                    ),
+                ]),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let clones = futures::future::join_all((0..3).map(make)).await;
+    let mut host_ports: BTreeSet<(String, u16)> =
+        mappings(&golden).into_iter().map(|m| (m.0, m.2)).collect();
+    let mut ips = BTreeSet::from([s(&golden, "sandbox_ip")]);
+    for (i, n) in clones.iter().enumerate() {
+        assert_eq!(s(n, "cloned_from"), "golden");
+        for k in ["allow_out", "deny_out"] {
+            assert_eq!(
+                Vec::<String>::try_from(n[k].try_clone().unwrap()).unwrap(),
+                Vec::<String>::try_from(golden[k].try_clone().unwrap()).unwrap(),
+                "{k}"
+            );
+        }
+        assert!(!bool::try_from(n["allow_internet_access"].try_clone().unwrap()).unwrap());
+        assert_eq!(u(n, "mtu"), 1400);
+        assert_eq!(env.links()[&s(n, "tap_name")].mtu, 1400, "clone's TAP MTU");
+        let md: HashMap<String, String> =
+            HashMap::try_from(n["metadata"].try_clone().unwrap()).unwrap();
+        assert_eq!(md, HashMap::from([("clone".to_string(), i.to_string())]));
+        // Same mappings, each on a host port of its own.
+        let (want, got) = (mappings(&golden), mappings(n));
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!((&g.0, g.1), (&w.0, w.1));
+            assert!(
+                host_ports.insert((g.0.clone(), g.2)),
+                "{} host port {} given twice",
+                g.0,
+                g.2
+            );
+        }
+        assert!(ips.insert(s(n, "sandbox_ip")), "address given twice");
+    }
+    assert!(!golden.contains_key("cloned_from"));
+
+    // A retried clone changes nothing (metadata aside); the source can go.
+    let again = c
+        .ensure("clone-0", opts(vec![("clone_of", Value::from("golden"))]))
+        .await
+        .unwrap();
+    assert_eq!(mappings(&again), mappings(&clones[0]));
+    assert_eq!(s(&again, "network_handle"), s(&clones[0], "network_handle"));
+    let e = c
+        .ensure("clone-0", opts(vec![("clone_of", Value::from("clone-1"))]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.name, "org.cube.NetworkAgent.Error.Conflict", "{e:?}");
+    assert!(e.message.contains("was cloned from 'golden'"), "{e:?}");
+    assert!(c.release("golden").await.unwrap());
+    let e = c
+        .ensure("clone-9", opts(vec![("clone_of", Value::from("golden"))]))
+        .await
+        .unwrap_err();
+    assert!(e.message.contains("no network 'golden'"), "{e:?}");
+
+    // Where a network was cloned from survives a crash.
+    env.kill_agent();
+    env.start_agent();
+    let c = env.client().await;
+    for (i, before) in clones.iter().enumerate() {
+        let n = c.get(&format!("clone-{i}")).await.unwrap();
+        assert_eq!(s(&n, "cloned_from"), "golden");
+        assert_eq!(mappings(&n), mappings(before));
+    }
+    assert_eq!(c.list().await.len(), 3);
+}
+
 /// Everything observable that a failed call must not change.
 async fn snapshot(
     env: &Env,
@@ -505,6 +615,39 @@ async fn bad_input_gets_named_errors_and_changes_nothing() {
             )]),
             "NodeFull",
             "port_mappings[3]",
+        ),
+        (
+            "ok-1",
+            opts(vec![("clone_of", Value::from("nope"))]),
+            "InvalidArgument",
+            "clone_of: there is no network 'nope'",
+        ),
+        (
+            "ok-1",
+            opts(vec![("clone_of", Value::from("ok-1"))]),
+            "InvalidArgument",
+            "clone_of: 'ok-1' is the network being made",
+        ),
+        (
+            "ok-1",
+            opts(vec![("clone_of", Value::from("a/b"))]),
+            "InvalidArgument",
+            "clone_of: sandbox_id: character '/'",
+        ),
+        (
+            "ok-1",
+            opts(vec![
+                ("clone_of", Value::from("holder")),
+                ("allow_out", Value::from(vec!["10.0.0.0/8".to_string()])),
+            ]),
+            "InvalidArgument",
+            "only metadata and idempotency_key may come with it (got allow_out)",
+        ),
+        (
+            "holder",
+            opts(vec![("clone_of", Value::from("ok-2"))]),
+            "Conflict",
+            "network 'holder' exists and was not made as a clone",
         ),
     ];
     for (id, o, name, fragment) in cases {

@@ -339,7 +339,8 @@ fn json_network_equals_varlink_network() {
     );
     assert_eq!(o.code, 0, "{o:?}");
     let ensured = json(&o);
-    assert_eq!(ctl(bus, &["ensure", "sbx-w"]).code, 0);
+    // sbx-w: a clone of sbx-v (its mappings on host ports of its own).
+    assert_eq!(ctl(bus, &["ensure", "sbx-w", "--clone-of=sbx-v"]).code, 0);
 
     let o = ctl(bus, &["status", "sbx-v", "--json"]);
     assert_eq!(o.code, 0, "{o:?}");
@@ -361,6 +362,28 @@ fn json_network_equals_varlink_network() {
     assert_eq!(vl["port_mappings"][1]["host_ip"], "127.0.0.1");
     assert_eq!(vl["idempotency_key"], "req-1");
     assert_eq!(vl["allow_internet_access"], false);
+    let w = json(&ctl(bus, &["status", "sbx-w", "--json"]));
+    let vw =
+        varlink(&env, "GetNetwork", json!({"sandbox_id": "sbx-w"})).unwrap()["network"].clone();
+    assert_eq!(without_traffic(w), without_traffic(vw.clone()));
+    assert_eq!(vw["cloned_from"], "sbx-v");
+    assert_eq!(vw["deny_out"], vl["deny_out"]);
+    assert_ne!(
+        vw["port_mappings"][0]["host_port"],
+        vl["port_mappings"][0]["host_port"]
+    );
+    let human = ctl(bus, &["status", "sbx-w"]);
+    assert!(
+        human.stdout.contains("Cloned from") && human.stdout.contains("sbx-v"),
+        "{human:?}"
+    );
+    let o = ctl(bus, &["ensure", "sbx-x", "--clone-of=sbx-v", "--mtu=1400"]);
+    assert!(
+        o.code != 0
+            && o.stderr.contains("--clone-of sbx-v (clone_of)")
+            && o.stderr.contains("(got mtu)"),
+        "{o:?}"
+    );
 
     let o = ctl(bus, &["list", "--json"]);
     let mut all = varlink(&env, "ListNetworks", json!({})).unwrap()["networks"]

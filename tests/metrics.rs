@@ -107,7 +107,13 @@ async fn openmetrics_and_io_systemd_metrics_agree_with_getnetwork() {
     let c = env.client().await;
     let echo = world.udp_echo(0);
     c.ensure("m-busy", opts(vec![])).await.unwrap();
-    c.ensure("m-idle", opts(vec![])).await.unwrap();
+    // m-idle is a clone of m-busy (counted below).
+    c.ensure(
+        "m-idle",
+        opts(vec![("clone_of", zbus::zvariant::Value::from("m-busy"))]),
+    )
+    .await
+    .unwrap();
     let guest = RawGuest::new(c.open_tap("m-busy").await.unwrap());
     for i in 0..5u8 {
         let f = udp_frame(
@@ -179,6 +185,8 @@ async fn openmetrics_and_io_systemd_metrics_agree_with_getnetwork() {
         );
     }
     assert_eq!(find("cube_network_agent_networks", &[]), 2.0);
+    assert_eq!(find("cube_network_agent_cloned_networks", &[]), 1.0);
+    assert_eq!(find("cube_network_agent_networks_cloned_total", &[]), 1.0);
     assert_eq!(find("cube_network_agent_healthy", &[]), 1.0);
     assert_eq!(
         find("cube_network_agent_ensure_network_seconds_count", &[]),

@@ -304,6 +304,24 @@ async fn lifecycle_over_varlink_shared_with_dbus() {
             .len(),
         2
     );
+    // A clone of it made over varlink: the source's mapping on a host port
+    // of its own, and where it came from (D-Bus sees the same).
+    let n3 = v
+        .agent(
+            "EnsureNetwork",
+            json!({"sandbox_id": "sbx-3", "options": {"clone_of": "sbx-2"}}),
+        )
+        .unwrap()["network"]
+        .clone();
+    assert_eq!(n3["cloned_from"], "sbx-2");
+    assert_eq!(n3["port_mappings"][0]["container_port"], 53);
+    assert_ne!(
+        n3["port_mappings"][0]["host_port"],
+        n2["port_mappings"][0]["host_port"]
+    );
+    assert_eq!(s(&c.get("sbx-3").await.unwrap(), "cloned_from"), "sbx-2");
+    assert!(n2.get("cloned_from").is_none(), "{n2}");
+    assert!(c.release("sbx-3").await.unwrap());
 
     // Release: true, then false; gone on both edges.
     assert_eq!(

@@ -52,9 +52,16 @@ impl Agent {
         let result = {
             let mut guard = slot.lock().await;
             let done = match guard.as_mut() {
-                Some(net) => self.converge(net, spec).await.map(|e| (net.view(), e)),
+                Some(net) => match self.spec_for_clone(net, spec) {
+                    Ok(spec) => self.converge(net, spec).await.map(|e| (net.view(), e)),
+                    Err(e) => Err(e),
+                },
                 None => match self.create(id, spec).await {
                     Ok(net) => {
+                        if net.rec.cloned_from.is_some() {
+                            crate::metrics::NETWORKS_CLONED
+                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
                         let view = net.view();
                         *guard = Some(net);
                         Ok((view, Ensured::Created))
@@ -94,7 +101,62 @@ impl Agent {
         result
     }
 
+    /// With `clone_of`, an existing network converges to its own spec
+    /// (a retried clone changes nothing but metadata), if it is a clone
+    /// of that source.
+    fn spec_for_clone(&self, net: &Network, spec: NetworkSpec) -> Result<NetworkSpec, AgentError> {
+        let Some(src) = &spec.clone_of else {
+            return Ok(spec);
+        };
+        match &net.rec.cloned_from {
+            Some(from) if from == src => Ok(NetworkSpec::of_record(&net.rec, &spec)),
+            from => Err(AgentError::Conflict(format!(
+                "clone_of: network '{}' exists and {}, not from '{src}'; release it first, or \
+                 ensure it without clone_of",
+                net.rec.sandbox_id,
+                match from {
+                    Some(f) => format!("was cloned from '{f}'"),
+                    None => "was not made as a clone".to_owned(),
+                }
+            ))),
+        }
+    }
+
+    /// The spec of a new clone: its source's (see [`NetworkSpec::clone_from`]).
+    fn clone_spec(&self, id: &str, spec: NetworkSpec) -> Result<NetworkSpec, AgentError> {
+        let Some(src) = &spec.clone_of else {
+            return Ok(spec);
+        };
+        if src == id {
+            return Err(AgentError::InvalidArgument(format!(
+                "clone_of: '{id}' is the network being made; a clone needs another source"
+            )));
+        }
+        let source = self
+            .views
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(src.as_str())
+            .map(|v| v.record.clone())
+            .ok_or_else(|| {
+                AgentError::InvalidArgument(format!(
+                    "clone_of: there is no network '{src}' to clone (it must exist while its \
+                     clones are made)"
+                ))
+            })?;
+        if !source.attach.is_tap() {
+            return Err(AgentError::InvalidArgument(format!(
+                "clone_of: '{src}' is a {} attachment (CNI); only TAP networks (VMs) are cloned",
+                source.attach.name()
+            )));
+        }
+        let mut cloned = NetworkSpec::clone_from(&source, &spec).validated()?;
+        cloned.clone_of = spec.clone_of;
+        Ok(self.normalise(cloned))
+    }
+
     pub(super) async fn create(&self, id: &str, spec: NetworkSpec) -> Result<Network, AgentError> {
+        let spec = self.clone_spec(id, spec)?;
         let claim = match &spec.attach {
             Attach::Veth { netns, .. } => {
                 crate::netns::check_foreign_netns(std::os::fd::AsFd::as_fd(&*netns.fd))
@@ -214,6 +276,7 @@ impl Agent {
             attach: spec.attach.record(),
             egress_mode: spec.egress_mode,
             bandwidth,
+            cloned_from: spec.clone_of,
         };
         let netns = match &spec.attach {
             Attach::Veth { netns, .. } => Some(netns),

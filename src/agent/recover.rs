@@ -181,6 +181,7 @@ mod tests {
             attach: Default::default(),
             egress_mode: Default::default(),
             bandwidth: Default::default(),
+            cloned_from: None,
         }
     }
 

@@ -64,6 +64,11 @@ pub struct NetworkSpec {
     /// Bandwidth limits; a rate of 0 (or absent) means the node's default
     /// (`default_egress_rate`/`default_ingress_rate`, unlimited unless set).
     pub bandwidth: Bandwidth,
+    /// A new network takes this sandbox's spec (port mappings with fresh
+    /// host ports, policy, egress rules, MTU, limits): a clone restored
+    /// from a snapshot of it. Only `metadata` and `idempotency_key` may
+    /// come with it.
+    pub clone_of: Option<String>,
 }
 
 /// How a sandbox's egress by name is enforced (docs/egress.md).
@@ -408,7 +413,62 @@ impl NetworkSpec {
             validate_ifname("ifname", ifname)?;
         }
         self.bandwidth.check().map_err(invalid)?;
+        if let Some(src) = &self.clone_of {
+            validate_sandbox_id(src).map_err(|e| match e {
+                AgentError::InvalidArgument(m) => invalid(format!("clone_of: {m}")),
+                other => other,
+            })?;
+            let given = [
+                ("port_mappings", !self.port_mappings.is_empty()),
+                (
+                    "allow_internet_access",
+                    self.allow_internet_access.is_some(),
+                ),
+                ("allow_out", !self.allow_out.is_empty()),
+                ("deny_out", !self.deny_out.is_empty()),
+                ("mtu", self.mtu.is_some()),
+                ("attach", self.attach != Attach::Tap),
+                ("egress_mode", !self.egress_mode.is_dns()),
+                ("bandwidth", self.bandwidth != Bandwidth::default()),
+            ];
+            if let Some((key, _)) = given.iter().find(|(_, set)| *set) {
+                return Err(invalid(format!(
+                    "clone_of: a clone takes the source's port mappings, policy, MTU and \
+                     limits; only metadata and idempotency_key may come with it (got {key})"
+                )));
+            }
+        }
         Ok(self)
+    }
+
+    /// What `rec` was ensured with, as a spec: converging a network with it
+    /// changes nothing. `metadata` and `idempotency_key` are the caller's;
+    /// no `clone_of` (the spec is a whole one).
+    pub fn of_record(rec: &NetworkRecord, caller: &NetworkSpec) -> NetworkSpec {
+        NetworkSpec {
+            port_mappings: rec.port_mappings.clone(),
+            allow_internet_access: Some(rec.allow_internet_access),
+            allow_out: rec.allow_out.clone(),
+            deny_out: rec.deny_out.clone(),
+            metadata: caller.metadata.clone(),
+            idempotency_key: caller.idempotency_key.clone(),
+            mtu: Some(rec.mtu),
+            attach: Attach::Tap,
+            egress_mode: rec.egress_mode,
+            bandwidth: rec.bandwidth,
+            clone_of: None,
+        }
+    }
+
+    /// The spec of a new clone of `source`: the source's, with every
+    /// mapping's host port left to the allocator (the source holds its
+    /// own), and the caller's metadata and idempotency key.
+    pub fn clone_from(source: &NetworkRecord, caller: &NetworkSpec) -> NetworkSpec {
+        let mut spec = Self::of_record(source, caller);
+        for m in &mut spec.port_mappings {
+            m.host_port = 0;
+        }
+        spec
     }
 
     /// The id rule that ties ids to attachments: `cni:` ids name CNI
@@ -453,6 +513,9 @@ pub struct NetworkRecord {
     /// gave none); none in records from before limits.
     #[serde(default, skip_serializing_if = "Bandwidth::is_unlimited")]
     pub bandwidth: Bandwidth,
+    /// The sandbox whose spec this network was created from (`clone_of`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloned_from: Option<String>,
 }
 
 impl NetworkRecord {
@@ -638,6 +701,33 @@ mod tests {
             ..Default::default()
         };
         assert!(err(key).contains("idempotency_key"));
+        let clone = |spec: NetworkSpec| NetworkSpec {
+            clone_of: Some("golden".into()),
+            ..spec
+        };
+        clone(NetworkSpec::default()).validated().unwrap();
+        clone(NetworkSpec {
+            metadata: [("k".to_string(), "v".to_string())].into(),
+            idempotency_key: Some("req".into()),
+            ..Default::default()
+        })
+        .validated()
+        .unwrap();
+        let e = err(clone(cidr(&["1.1.1.1"])));
+        assert!(
+            e.contains("clone_of") && e.contains("(got deny_out)"),
+            "{e}"
+        );
+        let e = err(clone(NetworkSpec {
+            mtu: Some(1400),
+            ..Default::default()
+        }));
+        assert!(e.contains("(got mtu)"), "{e}");
+        let e = err(NetworkSpec {
+            clone_of: Some("-x".into()),
+            ..Default::default()
+        });
+        assert!(e.contains("clone_of: sandbox_id: must not start"), "{e}");
     }
 
     #[test]
@@ -664,9 +754,37 @@ mod tests {
                 ingress_bps: 1_000_000_000,
                 egress_burst: 1 << 20,
             },
+            cloned_from: Some("golden".into()),
         };
         let bytes = rec.to_bytes();
         assert_eq!(NetworkRecord::from_bytes("sbx-1", &bytes).unwrap(), rec);
+        // A record from before clones loads with none.
+        let mut old: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        old.as_object_mut().unwrap().remove("cloned_from");
+        let old = NetworkRecord::from_bytes("sbx-1", &serde_json::to_vec(&old).unwrap()).unwrap();
+        assert_eq!(old.cloned_from, None);
+
+        // A clone's spec is the source's with fresh host ports and the
+        // caller's metadata; converging with the record's own changes
+        // nothing.
+        let caller = NetworkSpec {
+            metadata: [("clone".to_string(), "1".to_string())].into(),
+            clone_of: Some("sbx-1".into()),
+            ..Default::default()
+        };
+        let c = NetworkSpec::clone_from(&rec, &caller).validated().unwrap();
+        assert_eq!(c.port_mappings, vec![pm(Protocol::Udp, 53, 0, "")]);
+        assert_eq!((c.allow_internet_access, c.mtu), (Some(false), Some(1300)));
+        assert_eq!(
+            (&c.allow_out, c.egress_mode),
+            (&rec.allow_out, EgressMode::Sni)
+        );
+        assert_eq!(
+            (c.bandwidth, &c.metadata),
+            (rec.bandwidth, &caller.metadata)
+        );
+        let same = NetworkSpec::of_record(&rec, &caller);
+        assert_eq!(same.port_mappings, rec.port_mappings);
         assert!(
             NetworkRecord::from_bytes("other", &bytes)
                 .unwrap_err()

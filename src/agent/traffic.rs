@@ -351,6 +351,26 @@ impl Agent {
         let (healthy, _) = self.health().await;
         let (flows, host_flows) = self.datapath.flow_counts();
         f.push(gauge("networks", "Sandbox networks", all.len() as u64));
+        let clones = self
+            .views
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter(|v| v.record.cloned_from.is_some())
+            .count();
+        f.push(gauge(
+            "cloned_networks",
+            "Sandbox networks made as clones of another (clone_of)",
+            clones as u64,
+        ));
+        f.push(Family {
+            kind: Kind::Counter,
+            ..gauge(
+                "networks_cloned",
+                "Networks made with clone_of since the agent started",
+                crate::metrics::NETWORKS_CLONED.load(std::sync::atomic::Ordering::Relaxed),
+            )
+        });
         f.push(gauge(
             "idle_taps",
             "Idle TAPs in the warm pool",

@@ -174,6 +174,7 @@ pub const OPTION_KEYS: &[&str] = &[
     "ingress_bps",
     "egress_burst",
     "ingress_burst",
+    "clone_of",
 ];
 
 fn bad(msg: String) -> AgentError {
@@ -245,6 +246,7 @@ pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpe
             "ingress_bps" => spec.bandwidth.ingress_bps = typed(key, v, "t")?,
             "egress_burst" => spec.bandwidth.egress_burst = typed(key, v, "t")?,
             "ingress_burst" => spec.bandwidth.ingress_burst = typed(key, v, "t")?,
+            "clone_of" => spec.clone_of = Some(typed(key, v, "s")?),
             other => {
                 return Err(bad(format!(
                     "unknown option '{other}' (known: {})",
@@ -400,6 +402,9 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
     put("created_unix", Value::from(r.created_unix));
     if let Some(k) = r.idempotency_key {
         put("idempotency_key", Value::from(k));
+    }
+    if let Some(src) = r.cloned_from {
+        put("cloned_from", Value::from(src));
     }
     put("attach", Value::from(r.attach.name()));
     put("egress_mode", Value::from(r.egress_mode.as_str()));

@@ -123,6 +123,7 @@ pub fn options(v: Option<&Value>) -> Result<NetworkSpec, Failure> {
             "ingress_bps" => spec.bandwidth.ingress_bps = as_uint(v, key)?,
             "egress_burst" => spec.bandwidth.egress_burst = as_uint(v, key)?,
             "ingress_burst" => spec.bandwidth.ingress_burst = as_uint(v, key)?,
+            "clone_of" => spec.clone_of = Some(as_string(v, key)?),
             other => return Err(invalid(other)),
         }
     }
@@ -223,6 +224,9 @@ pub fn network(info: NetworkInfo) -> Value {
     if let Some(k) = r.idempotency_key {
         o["idempotency_key"] = Value::String(k);
     }
+    if let Some(src) = r.cloned_from {
+        o["cloned_from"] = Value::String(src);
+    }
     o["attach"] = Value::String(r.attach.name().into());
     let bw = r.bandwidth;
     o["egress_bps"] = Value::from(bw.egress_bps);
@@ -282,6 +286,13 @@ mod tests {
             "mtu": 1400,
         });
         let s = options(Some(&v)).unwrap();
+        assert_eq!(
+            options(Some(&json!({"clone_of": "golden"})))
+                .unwrap()
+                .clone_of
+                .as_deref(),
+            Some("golden")
+        );
         assert_eq!(s.port_mappings.len(), 1);
         assert_eq!(s.allow_internet_access, Some(false));
         assert_eq!(s.allow_out, vec!["10.0.0.0/8"]);

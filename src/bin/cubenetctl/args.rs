@@ -93,6 +93,7 @@ pub struct EnsureOpts {
     pub rates: Vec<(&'static str, String, u64)>,
     pub metadata: Vec<(String, String)>,
     pub idempotency_key: Option<String>,
+    pub clone_of: Option<String>,
 }
 
 #[derive(Debug)]
@@ -143,6 +144,7 @@ struct RawEnsure {
     rates: Vec<(&'static str, &'static str, String)>,
     metadata: Vec<String>,
     idempotency_key: Option<String>,
+    clone_of: Option<String>,
 }
 
 /// The options of `ensure` (accepted only after the command name).
@@ -159,6 +161,7 @@ pub const ENSURE_FLAGS: &[&str] = &[
     "--mtu",
     "--metadata",
     "--idempotency-key",
+    "--clone-of",
 ];
 
 fn parse_bus(s: &str, origin: &str) -> Res<Bus> {
@@ -243,6 +246,7 @@ fn build_ensure(raw: RawEnsure) -> Res<EnsureOpts> {
         egress_mode: raw.egress_mode,
         no_internet: raw.no_internet,
         idempotency_key: raw.idempotency_key,
+        clone_of: raw.clone_of,
         ..EnsureOpts::default()
     };
     for p in &raw.ports {
@@ -402,6 +406,7 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
                 "--mtu" if is_ensure => raw.mtu = Some(value(inline)?),
                 "--metadata" if is_ensure => raw.metadata.push(value(inline)?),
                 "--idempotency-key" if is_ensure => raw.idempotency_key = Some(value(inline)?),
+                "--clone-of" if is_ensure => raw.clone_of = Some(value(inline)?),
                 "--interval" if is_top => interval = Some(value(inline)?),
                 "--count" if is_top => count = Some(value(inline)?),
                 f if TOP_FLAGS.contains(&f) => {

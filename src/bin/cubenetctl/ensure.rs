@@ -53,6 +53,9 @@ fn options(o: &EnsureOpts) -> HashMap<&'static str, Value<'static>> {
     if let Some(k) = &o.idempotency_key {
         m.insert("idempotency_key", Value::from(k.clone()));
     }
+    if let Some(src) = &o.clone_of {
+        m.insert("clone_of", Value::from(src.clone()));
+    }
     m
 }
 
@@ -82,6 +85,7 @@ pub fn explain(o: &EnsureOpts, msg: &str) -> String {
             "deny_out" if !o.deny_out.is_empty() => Some("--deny-out".into()),
             "metadata" if !o.metadata.is_empty() => Some("--metadata".into()),
             "idempotency_key" if o.idempotency_key.is_some() => Some("--idempotency-key".into()),
+            "clone_of" => o.clone_of.as_ref().map(|s| format!("--clone-of {s}")),
             "mtu" => o.mtu.map(|m| format!("--mtu {m}")),
             "egress_mode" => o.egress_mode.as_ref().map(|m| format!("--egress-mode {m}")),
             k => o

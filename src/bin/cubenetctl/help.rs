@@ -69,7 +69,11 @@ converges it (same address and TAP). Errors name the option, e.g.
   --mtu=N                 TAP MTU (default: the agent's)
   --metadata=KEY=VALUE    Attach metadata (repeatable)
   --idempotency-key=KEY   A repeat with the same key returns the stored
-                          network without re-applying anything",
+                          network without re-applying anything
+  --clone-of=ID           A new network takes sandbox ID's spec (ports
+                          get fresh host ports): a VM clone restored from
+                          a snapshot of it; only --metadata and
+                          --idempotency-key may come with it",
     },
     CommandDef {
         name: "release",

@@ -406,6 +406,7 @@ pub const NETWORK_FIELDS: &[(&str, &str)] = &[
     ("arp_neighbors", "ARP neighbors"),
     ("metadata", "Metadata"),
     ("idempotency_key", "Idempotency key"),
+    ("cloned_from", "Cloned from"),
     ("attach", "Attach"),
     ("ifname", "Interface"),
     ("netns", "Namespace"),
