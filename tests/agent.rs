@@ -322,6 +322,35 @@ async fn clones_take_the_source_spec_with_fresh_host_ports() {
     assert_eq!(c.list().await.len(), 3);
 }
 
+/// A source whose limit came from the node's default (this node has no
+/// uplink, so it could not shape a limit anyone asked for): its clones get
+/// the default as every network that asks for none does, not a refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clones_of_a_network_with_default_limits() {
+    require_root!();
+    let env = Env::new(&["--default-egress-rate", "10M"]);
+    let c = env.client().await;
+    let src = c.ensure("src", opts(vec![])).await.unwrap();
+    let e = c
+        .ensure(
+            "asks",
+            opts(vec![("egress_bps", Value::from(20_000_000u64))]),
+        )
+        .await
+        .unwrap_err();
+    assert!(e.message.contains("cannot enforce egress limits"), "{e:?}");
+    let clone = c
+        .ensure("clone", opts(vec![("clone_of", Value::from("src"))]))
+        .await
+        .unwrap();
+    for n in [&src, &clone] {
+        assert_eq!(
+            u64::try_from(n["egress_bps"].try_clone().unwrap()).unwrap(),
+            10_000_000
+        );
+    }
+}
+
 /// Everything observable that a failed call must not change.
 async fn snapshot(
     env: &Env,

@@ -150,7 +150,27 @@ impl Agent {
                 source.attach.name()
             )));
         }
-        let mut cloned = NetworkSpec::clone_from(&source, &spec).validated()?;
+        let from_source = |e: AgentError| match e {
+            AgentError::InvalidArgument(m) => {
+                AgentError::InvalidArgument(format!("clone_of: the spec of '{src}': {m}"))
+            }
+            other => other,
+        };
+        let mut cloned = NetworkSpec::clone_from(&source, &spec)
+            .validated()
+            .map_err(from_source)?;
+        // A rate the source got from the node's defaults stays a default
+        // (never refused, as for any network that asks for none).
+        let d = &self.d.default_bandwidth;
+        if d.egress_bps != 0 && cloned.bandwidth.egress_bps == d.egress_bps {
+            cloned.bandwidth.egress_bps = 0;
+        }
+        if d.ingress_bps != 0 && cloned.bandwidth.ingress_bps == d.ingress_bps {
+            cloned.bandwidth.ingress_bps = 0;
+        }
+        // The source's MTU was checked against the uplink when it was made;
+        // the uplink may have changed since.
+        self.check_mtu(&cloned).map_err(from_source)?;
         cloned.clone_of = spec.clone_of;
         Ok(self.normalise(cloned))
     }
