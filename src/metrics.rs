@@ -415,6 +415,7 @@ fn push_json_str(o: &mut Vec<u8>, s: &str) {
 /// NUL-terminated varlink messages they are sent as (every one but the
 /// last with `"continues":true`); returns how many. Written directly, not
 /// built as JSON values first: 10,000 sandboxes are ~100,000 replies.
+/// (The report socket streams them with [`ListWriter`].)
 pub fn list_into(families: &[Family], out: &mut Vec<u8>) -> usize {
     let mut w = ListWriter::default();
     for f in families {
@@ -430,7 +431,6 @@ pub fn list_into(families: &[Family], out: &mut Vec<u8>) -> usize {
 pub struct ListWriter {
     n: usize,
     last: usize,
-    num: itoa::Buffer,
 }
 
 impl ListWriter {
@@ -497,13 +497,10 @@ impl ListWriter {
 
     /// Appends the replies of `samples` (some of family `f`'s).
     pub fn samples(&mut self, f: &Family, samples: &[Sample], out: &mut Vec<u8>) {
+        let mut num = itoa::Buffer::new();
         for s in samples {
             match &s.value {
-                Val::U(v) => {
-                    let mut num = std::mem::take(&mut self.num);
-                    self.one(out, f, "", s, num.format(*v).as_bytes(), None);
-                    self.num = num;
-                }
+                Val::U(v) => self.one(out, f, "", s, num.format(*v).as_bytes(), None),
                 Val::S(t) => {
                     let mut b = vec![];
                     push_json_str(&mut b, t);
@@ -512,12 +509,12 @@ impl ListWriter {
                 Val::H(h) => {
                     for (i, c) in h.cumulative.iter().enumerate() {
                         let le = BUCKETS.get(i).map_or("+Inf".to_string(), |b| bound(*b));
-                        let c = c.to_string();
+                        let c = num.format(*c);
                         self.one(out, f, "_bucket", s, c.as_bytes(), Some(("le", &le)));
                     }
                     let sum = serde_json::to_vec(&h.sum_seconds).expect("a float serialises");
                     self.one(out, f, "_sum", s, &sum, None);
-                    let count = h.cumulative.last().copied().unwrap_or(0).to_string();
+                    let count = num.format(h.cumulative.last().copied().unwrap_or(0));
                     self.one(out, f, "_count", s, count.as_bytes(), None);
                 }
             }

@@ -820,7 +820,7 @@ struct Clones {
     serial: Lat,
     explicit: Lat,
     burst: Lat,
-    plain_burst: Lat,
+    explicit_burst: Lat,
 }
 
 async fn clone_phase(conn: &Connection, n: usize, callers: usize) -> Result<Clones> {
@@ -852,10 +852,9 @@ async fn clone_phase(conn: &Connection, n: usize, callers: usize) -> Result<Clon
             owned(zbus::zvariant::Value::from("bench-clone-src"))?,
         )]))
     };
-    // As the warm rows: each released (untimed) before the next, so the
-    // warm pool never runs dry and only clone_of's own cost shows.
-    // Alternating with the same spec given explicitly (what clone_of
-    // saves the caller from passing), so the difference is clone_of's own.
+    // As the warm rows, each released (untimed) before the next, so the
+    // warm pool never runs dry; alternating with the same spec given
+    // explicitly, so the difference is clone_of's own.
     let (mut serial, mut explicit) = (Vec::with_capacity(n), Vec::with_capacity(n));
     for i in 0..n {
         let id = format!("bench-clone-s{i}");
@@ -892,13 +891,13 @@ async fn clone_phase(conn: &Connection, n: usize, callers: usize) -> Result<Clon
         Ok(Lat::new(per.into_iter().flatten().collect()))
     }
     let burst_clones = burst(conn, n, callers, "bench-clone-b", &clone_opts).await?;
-    let plain = burst(conn, n, callers, "bench-explicit-b", &source_opts).await?;
+    let explicit_burst = burst(conn, n, callers, "bench-explicit-b", &source_opts).await?;
     release(conn, "bench-clone-src").await?;
     Ok(Clones {
         serial: Lat::new(serial),
         explicit: Lat::new(explicit),
         burst: burst_clones,
-        plain_burst: plain,
+        explicit_burst,
     })
 }
 
@@ -1441,8 +1440,8 @@ fn varlink_call(path: &Path, method: &str, more: bool) -> Result<Vec<serde_json:
 
 /// Full scrapes of the metrics socket with `n` networks: the agent's CPU
 /// per scrape (every thread's schedstat), OpenMetrics and io.systemd.Metrics,
-/// in `ROUNDS` rounds of `SCRAPES` scrapes each (the two formats alternate by
-/// round); the target holds only if every round's mean meets it.
+/// in `ROUNDS` rounds, each `SCRAPES` scrapes of one format then of the
+/// other; the target holds only if every round's mean meets it.
 fn scrape_rows(env: &Env, dir: &Path, n: usize, rows: &mut Vec<Row>) -> Result<()> {
     const ROUNDS: usize = 3;
     const SCRAPES: u32 = 3;
@@ -1687,8 +1686,8 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
     rows.push(row(
         format!("EnsureNetwork with clone_of, {CLONES} clones kept, {CONCURRENT_CALLERS} callers at once"),
         clones.burst.show(),
-        format!("same spec given, same burst {}", clones.plain_burst.show()),
-        ratio(clones.burst.p99(), clones.plain_burst.p99()),
+        format!("same spec given, same burst {}", clones.explicit_burst.show()),
+        ratio(clones.burst.p99(), clones.explicit_burst.p99()),
         "-",
     ));
     rows.push(
