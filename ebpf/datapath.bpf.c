@@ -272,6 +272,24 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } tap_attached SEC(".maps");
 
+/* Paused sandboxes: the first packet of each pause (TAP/veth ifindex ->
+ * what it was), and the ring that tells the agent. Pinned: what the ring
+ * holds when the agent stops is read by the next one. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, struct dp_wake);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} wake_sent SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, DP_WAKES_BYTES);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} wakes SEC(".maps");
+
 struct l4info {
 	__u32 off;      /* offset of the L4 header */
 	__u32 csum_off; /* offset of its checksum */
@@ -1446,6 +1464,156 @@ __noinline int steer_to_agent(struct __sk_buff *skb)
 	return STEER_PASS;
 }
 
+/* A packet for a paused sandbox is dropped (the sender retransmits;
+ * docs/design.md "Paused sandboxes"); the first one of each pause is
+ * reported: `wake_sent` takes it only if empty (the agent empties it
+ * when it arms a pause), and the ring tells the agent. A full ring gives
+ * the slot back, so the next packet tries again. `what`: the sandbox's
+ * port (bits 0-15), the sender's port (16-31), protocol (32-39) and
+ * DP_WAKE_* (40-47). A global function: verified once. */
+__noinline int paused_drop(__u32 ifindex, __u64 gen, __u32 sandbox_ip, __u32 remote_ip,
+			   __u64 what)
+{
+	struct dp_wake w = {
+		.gen = gen,
+		.sandbox_ip = sandbox_ip,
+		.ifindex = ifindex,
+		.remote_ip = remote_ip,
+		.port = (__u16)what,
+		.remote_port = (__u16)(what >> 16),
+		.proto = (__u8)(what >> 32),
+		.kind = (__u8)(what >> 40),
+	};
+	if (bpf_map_update_elem(&wake_sent, &ifindex, &w, BPF_NOEXIST) == 0 &&
+	    bpf_ringbuf_output(&wakes, &w, sizeof(w), 0) != 0)
+		bpf_map_delete_elem(&wake_sent, &ifindex);
+	count(DP_C_PAUSED_DROP);
+	return TC_ACT_SHOT;
+}
+
+static __always_inline __u64 wake_what(__u16 port, __u16 remote_port, __u8 proto, __u8 kind)
+{
+	return (__u64)port | ((__u64)remote_port << 16) | ((__u64)proto << 32) |
+	       ((__u64)kind << 40);
+}
+
+/* A guest's TCP segment (not a SYN) with no flow entry may belong to a
+ * live flow whose `ct` entry the LRU evicted while its reverse entry
+ * lives: the reverse entry names the flow's SNAT port (probed as
+ * tuple_alloc claims them). 0 and the port if so. */
+__noinline int snat_rescue(const struct dp_ct_key *key, __u64 gen, __u16 *nat_port)
+{
+	struct dp_config *c = get_config();
+	if (!key || !nat_port || !c)
+		return -1;
+	__u32 range = (__u32)c->snat_port_max - c->snat_port_min + 1;
+	if (c->snat_port_max < c->snat_port_min || range == 0)
+		return -1;
+	__u32 h = bpf_ntohs(key->guest_port) + key->sandbox_ip * 2654435761u;
+	struct dp_rev_key rk = {
+		.remote_ip = key->remote_ip,
+		.remote_port = key->remote_port,
+		.proto = key->proto,
+	};
+	for (int i = 0; i < 32; i++) {
+		__u16 p = bpf_htons(c->snat_port_min + (h + i * 7919u) % range);
+		if (p == 0)
+			continue;
+		rk.nat_port = p;
+		struct dp_rev_val *rv = bpf_map_lookup_elem(&ct_rev, &rk);
+		if (rv && rv->sandbox_ip == key->sandbox_ip && rv->guest_port == key->guest_port &&
+		    rv->gen == gen) {
+			*nat_port = p;
+			return 0;
+		}
+	}
+	return -1;
+}
+
+/* The 16-bit one's complement sum of `n` bytes (n even) at `p`, unfolded. */
+static __always_inline __u32 csum_words(const void *p, int n)
+{
+	const __u16 *w = p;
+	__u32 s = 0;
+	for (int i = 0; i < n / 2; i++)
+		s += w[i];
+	return s;
+}
+
+static __always_inline __u16 csum_fold32(__u32 s)
+{
+	s = (s & 0xffff) + (s >> 16);
+	s = (s & 0xffff) + (s >> 16);
+	return (__u16)s;
+}
+
+/* A guest's TCP segment (not an RST) of a connection this sandbox never
+ * opened (a guest restored from a snapshot keeps its connections; their
+ * flows belong to the sandbox it was snapshotted in, or to no one): the
+ * frame is turned into the RST a closed port answers with (RFC 9293
+ * 3.10.7.1: SEQ = the segment's ACK, else ACK = its end) and sent back
+ * to the guest, so the connection ends within a round trip instead of
+ * leaving with a new SNAT port and hanging until the guest gives up.
+ * Whether the frame has a partial checksum (a VMM's TAP offload: the
+ * guest's side sums the header) is asked of the kernel: a checksum
+ * update of a non-pseudo-header word changes the field only when the
+ * checksum is complete. */
+__noinline int stale_reset(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!skb || !c)
+		return TC_ACT_SHOT;
+	struct {
+		struct iphdr ip;
+		struct tcphdr th;
+	} h, r;
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &h, sizeof(h)) || h.ip.ihl != 5 ||
+	    h.ip.protocol != IPPROTO_TCP || h.th.rst)
+		return TC_ACT_SHOT;
+	__u32 csum_off = ETH_HLEN + sizeof(struct iphdr) + __builtin_offsetof(struct tcphdr, check);
+	__u16 before, after;
+	if (bpf_l4_csum_replace(skb, csum_off, 0, bpf_htons(1), 2) ||
+	    bpf_skb_load_bytes(skb, csum_off, &after, 2))
+		return TC_ACT_SHOT;
+	before = h.th.check;
+	int partial = before == after;
+
+	__u32 tot = bpf_ntohs(h.ip.tot_len);
+	__u32 hdrs = sizeof(struct iphdr) + h.th.doff * 4;
+	__u32 seg = (tot > hdrs ? tot - hdrs : 0) + h.th.syn + h.th.fin;
+	__builtin_memset(&r, 0, sizeof(r));
+	r.ip.version = 4;
+	r.ip.ihl = 5;
+	r.ip.tot_len = bpf_htons(sizeof(r));
+	r.ip.frag_off = bpf_htons(0x4000); /* DF */
+	r.ip.ttl = 64;
+	r.ip.protocol = IPPROTO_TCP;
+	r.ip.saddr = h.ip.daddr;
+	r.ip.daddr = h.ip.saddr;
+	r.ip.check = ~csum_fold32(csum_words(&r.ip, sizeof(r.ip)));
+	r.th.source = h.th.dest;
+	r.th.dest = h.th.source;
+	r.th.doff = 5;
+	r.th.rst = 1;
+	if (h.th.ack) {
+		r.th.seq = h.th.ack_seq;
+	} else {
+		r.th.ack = 1;
+		r.th.ack_seq = bpf_htonl(bpf_ntohl(h.th.seq) + seg);
+	}
+	__u32 pseudo = (r.ip.saddr >> 16) + (r.ip.saddr & 0xffff) + (r.ip.daddr >> 16) +
+		       (r.ip.daddr & 0xffff) + bpf_htons(IPPROTO_TCP) + bpf_htons(sizeof(r.th));
+	if (partial)
+		r.th.check = csum_fold32(pseudo);
+	else
+		r.th.check = ~csum_fold32(pseudo + csum_words(&r.th, sizeof(r.th)));
+	if (bpf_skb_change_tail(skb, ETH_HLEN + sizeof(r), 0) ||
+	    bpf_skb_store_bytes(skb, ETH_HLEN, &r, sizeof(r), 0) ||
+	    set_macs(skb, c->guest_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	return bpf_redirect(skb->ifindex, 0);
+}
+
 /* guest -> world: SNAT after the policy check, or the reply side of a
  * port-mapped flow the world opened (admitted on the way in, so not
  * subject to the sandbox's egress policy). */
@@ -1492,6 +1660,18 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 		touch(v, l4, DIR_OUT);
 		note_close(skb, v, l4);
 		nat_port = v->nat_port;
+	} else if (l4->proto == IPPROTO_TCP &&
+		   (l4->tcp_flags & (TCP_SYN | TCP_ACK)) != TCP_SYN) {
+		/* Not a SYN and no flow: an evicted live flow, or a stale one. */
+		if (snat_rescue(&key, sb->gen, &nat_port)) {
+			count(DP_C_STALE_TCP);
+			sb_count(skb->ifindex, DP_S_STALE_TCP);
+			return stale_reset(skb);
+		}
+		struct dp_ct_val nv = {.nat_port = nat_port, .kind = DP_CT_SNAT, .gen = sb->gen};
+		touch(&nv, l4, DIR_OUT);
+		bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
+		count(DP_C_STALE_TCP_RESCUED);
 	} else {
 		struct syn_info si = {
 			.syn = l4->proto == IPPROTO_TCP &&
@@ -1714,6 +1894,10 @@ int from_uplink(struct __sk_buff *skb)
 		count(DP_C_PORTMAP);
 	}
 	__u32 tap_ifindex = tap->ifindex;
+	if (tap->flags & DP_T_PAUSED)
+		return paused_drop(tap_ifindex, tap->gen, sandbox_ip, ip.saddr,
+				   wake_what(guest_port, rk.remote_port, l4.proto,
+					     rv ? DP_WAKE_REPLY : DP_WAKE_PORTMAP));
 	if (tap->flags & DP_T_SHAPE_IN)
 		skb->priority = skb->len <= DP_SHAPE_SMALL ? DP_TAP_CLASS_SMALL : DP_TAP_CLASS_BULK;
 	if (l4.first_frag)
@@ -1811,6 +1995,11 @@ int to_sandbox_ip(struct __sk_buff *skb)
 		if (set_port(skb, src_port_off(&l4), l4.sport, gw_port, &l4))
 			return TC_ACT_SHOT;
 	}
+	if (tap->flags & DP_T_PAUSED)
+		return paused_drop(tap_ifindex, gen, dst, ip.saddr,
+				   wake_what(l4.proto == IPPROTO_ICMP ? 0 : l4.dport,
+					     l4.proto == IPPROTO_ICMP ? 0 : l4.sport, l4.proto,
+					     DP_WAKE_HOST));
 	if (l4.first_frag)
 		frag_note(&ip, tap_ifindex, gen, peer ? peer : c->gateway_ip, c->guest_ip);
 	/* A proxied flow's replies come from the address the guest dialled. */
@@ -1851,6 +2040,7 @@ int from_host(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	__u32 tap_ifindex = tap->ifindex;
 	__u64 gen = tap->gen;
+	__u32 tap_flags = tap->flags;
 	struct dp_hflow_key hk = {
 		.saddr = ip.saddr,
 		.daddr = ip.daddr,
@@ -1876,6 +2066,9 @@ int from_host(struct __sk_buff *skb)
 	if (hflow_in(skb, c, &hk, sandbox_ip, tap_ifindex, container_port, gen, DP_HF_LO, 0, &l4,
 		     &gw_port, &peer))
 		return TC_ACT_SHOT;
+	if (tap_flags & DP_T_PAUSED)
+		return paused_drop(tap_ifindex, gen, sandbox_ip, ip.saddr,
+				   wake_what(container_port, l4.sport, l4.proto, DP_WAKE_HOST));
 	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
 	    set_addr(skb, IP_SRC_OFF, ip.saddr, c->gateway_ip, &l4) ||
 	    set_port(skb, dst_port_off(&l4), l4.dport, container_port, &l4) ||

@@ -106,6 +106,28 @@ struct dp_tap {
 }; /* 16 bytes */
 /* What comes from the world to the sandbox is shaped (DP_TAP_CLASS_*). */
 #define DP_T_SHAPE_IN 1u
+/* The sandbox's VM is paused (EnsureNetwork `paused`): packets for it are
+ * dropped, and the first one of each pause is reported (dp_wake). */
+#define DP_T_PAUSED 2u
+
+/* The first packet for a paused sandbox, as reported to the agent (the
+ * `wakes` ring buffer) and kept in `wake_sent` (keyed by the TAP/veth
+ * ifindex) until the agent arms the next pause: at most one per pause. */
+struct dp_wake {
+	__u64 gen;             /* the owner's generation */
+	__u32 sandbox_ip;
+	__u32 ifindex;
+	__u32 remote_ip;       /* who sent it: a world address, or the host's */
+	__u16 port;            /* the sandbox's port it was for (ICMP: 0) */
+	__u16 remote_port;
+	__u8 proto;
+	__u8 kind;             /* DP_WAKE_* */
+	__u8 pad[6];
+}; /* 32 bytes */
+#define DP_WAKE_REPLY 0    /* a reply to a flow the sandbox opened */
+#define DP_WAKE_PORTMAP 1  /* a new or running flow to a port mapping */
+#define DP_WAKE_HOST 2     /* the node: to the sandbox address, or a mapped port via lo */
+#define DP_WAKES_BYTES (256 * 1024)
 
 /* Bandwidth limits (docs/datapath.md "Bandwidth") are shaped by HTB
  * qdiscs the agent keeps, one class tree per limited sandbox: a parent at
@@ -285,11 +307,16 @@ enum dp_sb_counter {
 	DP_S_NEW_SNAT,     /* flows the sandbox opened to the world */
 	DP_S_NEW_PORTMAP,  /* flows the world opened to a mapped port */
 	DP_S_NEW_HOST,     /* flows between the host and the sandbox */
+	/* A TCP segment (not a SYN) of a connection this sandbox never opened
+	 * (a guest restored from a snapshot, a flow that expired): dropped,
+	 * and the guest gets an RST (none for an RST). After the counters
+	 * above: entries of older builds (72 bytes) convert by appending 0. */
+	DP_S_STALE_TCP,
 	DP_S_MAX,
 };
 struct dp_sb_stats {
 	__u64 c[DP_S_MAX];
-}; /* 72 bytes */
+}; /* 80 bytes */
 
 /* counters (per CPU) */
 enum dp_counter {
@@ -314,6 +341,9 @@ enum dp_counter {
 	DP_C_HOST_DENIED,         /* a node process without host access opened a flow to a sandbox */
 	DP_C_HOST_SHARE,          /* a host <-> sandbox flow beyond its sandbox's share */
 	DP_C_NO_HOST_FLOW,        /* a guest's TCP segment of a host <-> sandbox flow nobody has */
+	DP_C_STALE_TCP,           /* a guest's TCP segment of a world flow it never opened (RST back) */
+	DP_C_STALE_TCP_RESCUED,   /* ... whose flow entry was evicted: taken back from its reverse entry */
+	DP_C_PAUSED_DROP,         /* a packet for a paused sandbox (dropped) */
 	DP_C_MAX,
 };
 

@@ -8,7 +8,8 @@
 # in nspawn: activation, notify, watchdog, fd store, journald, polkit, fd
 # passing and signals through the bus) twice, with dbus-daemon and then with
 # dbus-broker as the system bus, and a real Linux guest under QEMU/TCG on an
-# agent TAP (tests/vm).
+# agent TAP (tests/vm: run.sh, and snapshot.sh: a snapshot restored as
+# three clones at once).
 # CRASH_ITERATIONS=N and CRASH_SEED=S tune the crash test.
 # Not root: a developer run skips the kernel and bus tests (they say so);
 # under CI (CI set, see tests/root.sh) it fails at once, and so would every
@@ -34,6 +35,7 @@ if [ "$(id -u)" = 0 ]; then
     tests/newcomer/run.sh
     tests/polkit/run.sh
     tests/vm/run.sh
+    CNA_BUILD=0 tests/vm/snapshot.sh
     # Both buses, each with its own "N passed, M failed"; either failing fails.
     sd=0
     CNA_BUILD=0 BUS=dbus-daemon tests/systemd/run.sh || sd=1

@@ -126,6 +126,8 @@ pub static RELEASE_LATENCY: Histogram = Histogram {
 };
 /// Networks made with `clone_of` since the agent started.
 pub static NETWORKS_CLONED: AtomicU64 = AtomicU64::new(0);
+/// TrafficWhilePaused events since the agent started.
+pub static PAUSED_TRAFFIC_EVENTS: AtomicU64 = AtomicU64::new(0);
 
 fn bound(b: f64) -> String {
     // OpenMetrics canonical floats: "0.001", "1.0".

@@ -670,7 +670,7 @@ async fn bad_input_gets_named_errors_and_changes_nothing() {
                 ("allow_out", Value::from(vec!["10.0.0.0/8".to_string()])),
             ]),
             "InvalidArgument",
-            "only metadata and idempotency_key may come with it (got allow_out)",
+            "only metadata, idempotency_key and paused may come with it (got allow_out)",
         ),
         (
             "holder",

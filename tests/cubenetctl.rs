@@ -1166,7 +1166,11 @@ fn bash_completion_completes_commands_options_and_values() {
         ["off", "pretty", "short"]
     );
     assert_eq!(complete("cubenetctl --json=p", &none), ["pretty"]);
-    assert_eq!(complete("cubenetctl ensure x --p", &none), ["--port="]);
+    assert_eq!(
+        complete("cubenetctl ensure x --p", &none),
+        ["--paused", "--port="]
+    );
+    assert_eq!(complete("cubenetctl ensure x --po", &none), ["--port="]);
     assert_eq!(complete("cubenetctl list --p", &none), Vec::<String>::new());
     assert_eq!(
         complete("cubenetctl ensure x --no-i", &none),

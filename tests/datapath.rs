@@ -721,3 +721,237 @@ async fn the_reaper_drops_a_released_sandboxs_flows() {
     }
     drop(keep);
 }
+
+/// The world namespace's TCP `OutRsts` (resets its kernel sent).
+fn world_out_rsts(world: &World) -> u64 {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", &world.ns, "cat", "/proc/net/snmp"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut tcp = text.lines().filter(|l| l.starts_with("Tcp:"));
+    let (names, values) = (tcp.next().unwrap(), tcp.next().unwrap());
+    let i = names
+        .split_whitespace()
+        .position(|n| n == "OutRsts")
+        .unwrap();
+    values.split_whitespace().nth(i).unwrap().parse().unwrap()
+}
+
+/// A guest restored from a snapshot keeps connections its new sandbox
+/// never opened: their segments must not leave (the world's firewall may
+/// drop them, and the connection would hang until the guest gives up) but
+/// end at once with the RST a closed port sends, made by the datapath.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tcp_segment_of_a_connection_the_sandbox_never_opened_gets_an_rst() {
+    require_root!();
+    let (env, world) = node(&[]);
+    let c = env.client().await;
+    c.ensure("restored", opts(vec![])).await.unwrap();
+    let raw = RawGuest::new(c.open_tap("restored").await.unwrap());
+    let server = world.tcp_server(8080);
+    let rsts_before = world_out_rsts(&world);
+    let from = SocketAddrV4::new(GUEST_IP, 41000);
+    let rst_for = |port: u16| {
+        move |f: &[u8]| {
+            guest::parse_tcp(f)
+                .is_some_and(|t| t.dst.port() == port && t.flags & guest::TCP_RST != 0)
+        }
+    };
+
+    // Data with ACK (an established connection's next segment): RST, SEQ =
+    // the segment's ACK, from the remote's address and port, to the guest.
+    let seg = guest::tcp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        from,
+        server,
+        1000,
+        5000,
+        guest::TCP_ACK | guest::TCP_PSH,
+        b"stale data",
+    );
+    raw.send(&seg).unwrap();
+    let f = raw
+        .recv_match(T, rst_for(41000))
+        .expect("no RST for a stale ACK segment");
+    let rst = guest::parse_tcp(&f).unwrap();
+    assert_eq!(
+        (rst.src, rst.dst, rst.seq, rst.flags, rst.payload.len()),
+        (server, from, 5000, guest::TCP_RST, 0),
+        "{rst:?}"
+    );
+    assert!(rst.checksums_ok, "{rst:?}");
+    assert_eq!(guest::eth_src(&f), Some(GATEWAY_MAC));
+    assert_eq!(guest::eth_dst(&f), Some(GUEST_MAC));
+
+    // No ACK (a FIN alone): RST+ACK acknowledging the segment (FIN counts 1).
+    let from2 = SocketAddrV4::new(GUEST_IP, 41001);
+    raw.send(&guest::tcp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        from2,
+        server,
+        7000,
+        0,
+        guest::TCP_FIN,
+        b"xyz",
+    ))
+    .unwrap();
+    let f = raw
+        .recv_match(T, rst_for(41001))
+        .expect("no RST for a stale FIN");
+    let rst = guest::parse_tcp(&f).unwrap();
+    assert_eq!(
+        (rst.seq, rst.ack, rst.flags),
+        (0, 7004, guest::TCP_RST | guest::TCP_ACK),
+        "{rst:?}"
+    );
+    assert!(rst.checksums_ok, "{rst:?}");
+
+    // The same from a VMM with checksum offload (a partial checksum): the
+    // RST's checksum is right once the receiving side completes it.
+    let from3 = SocketAddrV4::new(GUEST_IP, 41002);
+    raw.send_partial_csum(&guest::tcp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        from3,
+        server,
+        9000,
+        123_456,
+        guest::TCP_ACK,
+        &[7u8; 600],
+    ))
+    .unwrap();
+    let f = raw
+        .recv_match(T, rst_for(41002))
+        .expect("no RST for a partial-checksum segment");
+    let rst = guest::parse_tcp(&f).unwrap();
+    assert_eq!((rst.seq, rst.flags), (123_456, guest::TCP_RST), "{rst:?}");
+    assert!(rst.checksums_ok, "{rst:?}");
+
+    // An RST is never answered.
+    let from4 = SocketAddrV4::new(GUEST_IP, 41003);
+    raw.send(&guest::tcp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        from4,
+        server,
+        1,
+        0,
+        guest::TCP_RST,
+        b"",
+    ))
+    .unwrap();
+    assert!(
+        raw.recv_match(Duration::from_millis(300), |f| guest::parse_tcp(f)
+            .is_some())
+            .is_none(),
+        "an RST was answered"
+    );
+
+    // Nothing reached the world (its kernel would have reset the unknown
+    // segments itself), and the sandbox and node counters say why.
+    assert_eq!(
+        world_out_rsts(&world),
+        rsts_before,
+        "a stale segment reached the world"
+    );
+    assert!(world.peers(8080).is_empty());
+    let t = c.traffic("restored").await;
+    assert_eq!(t["drop_stale_tcp"], 4, "{t:?}");
+    assert_eq!(t["new_flows_snat"], 0, "{t:?}");
+    let (_, checks) = c.health().await;
+    assert_eq!(counter(&checks, "stale_tcp"), 4, "{checks:?}");
+
+    // A SYN still opens a connection as before.
+    drop(raw);
+    let g = Guest::start_default(c.open_tap("restored").await.unwrap());
+    assert_eq!(
+        g.tcp_connect_send_recv(server, b"fresh", T).unwrap(),
+        b"world:fresh"
+    );
+    drop(env);
+}
+
+/// `ct` is an LRU: a live flow whose entry was evicted must not be taken
+/// for a stale one. Its SNAT reverse entry still names its port, and the
+/// flow goes on with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_flow_whose_flow_entry_was_evicted_goes_on_with_its_port() {
+    require_root!();
+    let (env, world) = node(&[]);
+    let c = env.client().await;
+    c.ensure("evicted", opts(vec![])).await.unwrap();
+    let raw = RawGuest::new(c.open_tap("evicted").await.unwrap());
+    let server = world.tcp_server(8080);
+    let from = SocketAddrV4::new(GUEST_IP, 42000);
+    raw.send(&guest::tcp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        from,
+        server,
+        100,
+        0,
+        guest::TCP_SYN,
+        b"",
+    ))
+    .unwrap();
+    let synack = raw
+        .recv_match(T, |f| {
+            guest::parse_tcp(f).is_some_and(|t| t.flags == guest::TCP_SYN | guest::TCP_ACK)
+        })
+        .expect("no SYN-ACK from the world");
+    let synack = guest::parse_tcp(&synack).unwrap();
+    assert_eq!(synack.ack, 101);
+
+    // Evict: every flow entry goes, the reverse entries stay.
+    let ct = env.dir.join("bpf").join("ct").display().to_string();
+    let dump: serde_json::Value =
+        serde_json::from_str(&env.ns_cmd(&["bpftool", "-j", "map", "dump", "pinned", &ct]))
+            .unwrap();
+    let flows = dump.as_array().unwrap();
+    assert_eq!(flows.len(), 1, "{dump}");
+    let mut args = vec!["bpftool", "map", "delete", "pinned", &ct, "key", "hex"];
+    let key: Vec<String> = flows[0]["key"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_str().unwrap().trim_start_matches("0x").to_owned())
+        .collect();
+    args.extend(key.iter().map(String::as_str));
+    env.ns_cmd(&args);
+
+    // The handshake's ACK with data and FIN: the world answers on the
+    // same connection.
+    raw.send(&guest::tcp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        from,
+        server,
+        101,
+        synack.seq.wrapping_add(1),
+        guest::TCP_ACK | guest::TCP_PSH | guest::TCP_FIN,
+        b"still here",
+    ))
+    .unwrap();
+    let reply = raw
+        .recv_match(T, |f| {
+            guest::parse_tcp(f)
+                .is_some_and(|t| !t.payload.is_empty() || t.flags & guest::TCP_RST != 0)
+        })
+        .map(|f| guest::parse_tcp(&f).unwrap())
+        .expect("nothing came back on the evicted flow");
+    assert_eq!(
+        reply.flags & guest::TCP_RST,
+        0,
+        "the live flow was reset: {reply:?}"
+    );
+    assert_eq!(reply.payload, b"world:still here", "{reply:?}");
+    assert_eq!(world.peers(8080).len(), 1, "{:?}", world.peers(8080));
+    let t = c.traffic("evicted").await;
+    assert_eq!(t["drop_stale_tcp"], 0, "{t:?}");
+    let (_, checks) = c.health().await;
+    assert_eq!(counter(&checks, "stale_tcp_rescued"), 1, "{checks:?}");
+    drop(env);
+}

@@ -107,10 +107,13 @@ async fn openmetrics_and_io_systemd_metrics_agree_with_getnetwork() {
     let c = env.client().await;
     let echo = world.udp_echo(0);
     c.ensure("m-busy", opts(vec![])).await.unwrap();
-    // m-idle is a clone of m-busy (counted below).
+    // m-idle is a clone of m-busy, paused (both counted below).
     c.ensure(
         "m-idle",
-        opts(vec![("clone_of", zbus::zvariant::Value::from("m-busy"))]),
+        opts(vec![
+            ("clone_of", zbus::zvariant::Value::from("m-busy")),
+            ("paused", zbus::zvariant::Value::from(true)),
+        ]),
     )
     .await
     .unwrap();
@@ -186,6 +189,11 @@ async fn openmetrics_and_io_systemd_metrics_agree_with_getnetwork() {
     }
     assert_eq!(find("cube_network_agent_networks", &[]), 2.0);
     assert_eq!(find("cube_network_agent_cloned_networks", &[]), 1.0);
+    assert_eq!(find("cube_network_agent_paused_networks", &[]), 1.0);
+    assert_eq!(
+        find("cube_network_agent_traffic_while_paused_total", &[]),
+        0.0
+    );
     assert_eq!(find("cube_network_agent_networks_cloned_total", &[]), 1.0);
     assert_eq!(find("cube_network_agent_healthy", &[]), 1.0);
     assert_eq!(

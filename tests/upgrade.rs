@@ -314,6 +314,84 @@ fn dump(env: &Env, path: &str) -> Vec<(Vec<u8>, Vec<u8>)> {
         .collect()
 }
 
+/// Replaces the pinned map `name` (of `kind`, `key`-byte keys, `value`-byte
+/// values) with one of an older layout: `old_value`-byte values, each
+/// entry's value cut to that. Returns the entries as they were.
+fn repin_older(
+    env: &Env,
+    name: &str,
+    kind: &str,
+    key: u32,
+    value: usize,
+    old_value: u32,
+    entries: u32,
+) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let bpf = env.dir.join("bpf");
+    let live = bpf.join(name).display().to_string();
+    let older = bpf.join(format!("{name}_v1")).display().to_string();
+    let was = dump(env, &live);
+    create_pin(env, &older, kind, key, old_value, entries, name);
+    for (k, v) in &was {
+        assert_eq!(v.len(), value);
+        let mut args = vec![
+            "bpftool".to_owned(),
+            "map".into(),
+            "update".into(),
+            "pinned".into(),
+            older.clone(),
+            "key".into(),
+            "hex".into(),
+        ];
+        args.extend(hex(k));
+        args.extend(["value".into(), "hex".into()]);
+        args.extend(hex(&v[..old_value as usize]));
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        env.ns_cmd(&a);
+    }
+    std::fs::rename(&older, &live).unwrap();
+    assert_eq!(common::pin_value_size(&live), u64::from(old_value));
+    was
+}
+
+/// The per-sandbox counters of the builds before `drop_stale_tcp` (nine
+/// counters, 72 bytes) keep their values and gain the new one at 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_counters_of_the_older_layout_are_migrated() {
+    require_root!();
+    let (mut env, world) = node(&[]);
+    let c = env.client().await;
+    c.ensure("s", opts(vec![])).await.unwrap();
+    let g = Guest::start_default(c.open_tap("s").await.unwrap());
+    let echo = world.udp_echo(5858);
+    for p in [40001, 40002, 40003] {
+        g.udp_exchange(Some(p), echo, b"x", T).unwrap();
+    }
+    let before = c.traffic("s").await;
+    assert_eq!(before["new_flows_snat"], 3, "{before:?}");
+    drop(c);
+    env.kill_agent();
+    let entries = repin_older(&env, "sb_stats", "hash", 4, 80, 72, 65536);
+    assert!(!entries.is_empty(), "no sb_stats entry");
+
+    env.start_agent();
+    let c = env.client().await;
+    let (ok, checks) = c.health().await;
+    assert!(ok, "{checks:#?}");
+    let pins = &check(&checks, "datapath_pins").2;
+    assert!(
+        pins.contains("sb_stats migrated (was Hash, key 4 B, value 72 B"),
+        "{pins}"
+    );
+    let sb = env.dir.join("bpf").join("sb_stats").display().to_string();
+    assert_eq!(common::pin_value_size(&sb), 80);
+    let after = c.traffic("s").await;
+    assert_eq!(after["new_flows_snat"], 3, "{after:?}");
+    assert_eq!(after["drop_stale_tcp"], 0, "{after:?}");
+    // And the migrated entry counts on.
+    g.udp_exchange(Some(40004), echo, b"y", T).unwrap();
+    assert_eq!(c.traffic("s").await["new_flows_snat"], 4);
+}
+
 fn hex(b: &[u8]) -> Vec<String> {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -334,28 +412,8 @@ async fn a_flow_table_of_the_older_layout_is_migrated_with_its_flows() {
     // 24-byte values (no seq_last/pad, local_addr where ts_last is).
     let bpf = env.dir.join("bpf");
     let ct = bpf.join("ct").display().to_string();
-    let entries = dump(&env, &ct);
+    let entries = repin_older(&env, "ct", "lru_hash", 16, 32, 24, 262144);
     assert!(!entries.is_empty(), "no flow in ct");
-    let v1 = bpf.join("ct_v1").display().to_string();
-    create_pin(&env, &v1, "lru_hash", 16, 24, 262144, "ct");
-    for (k, v) in &entries {
-        assert_eq!(v.len(), 32);
-        let mut args = vec![
-            "bpftool".to_owned(),
-            "map".into(),
-            "update".into(),
-            "pinned".into(),
-            v1.clone(),
-            "key".into(),
-            "hex".into(),
-        ];
-        args.extend(hex(k));
-        args.extend(["value".into(), "hex".into()]);
-        args.extend(hex(&v[..24]));
-        let a: Vec<&str> = args.iter().map(String::as_str).collect();
-        env.ns_cmd(&a);
-    }
-    std::fs::rename(&v1, &ct).unwrap();
     assert_eq!(common::pin_value_size(&ct), 24);
 
     env.start_agent();

@@ -30,6 +30,28 @@ pub enum Change {
     /// Node-wide facts may have changed: counters (networks, idle TAPs,
     /// free addresses) or Health (a filter removed, a TAP quarantined...).
     Node,
+    /// The datapath dropped the first packet for a paused sandbox (one
+    /// per pause): what arrived, so an orchestrator can resume its VM.
+    TrafficWhilePaused {
+        sandbox_id: String,
+        traffic: PausedTraffic,
+    },
+}
+
+/// What arrived for a paused sandbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PausedTraffic {
+    /// "tcp", "udp" or "icmp".
+    pub protocol: &'static str,
+    /// The sandbox's port it was for (0 for ICMP).
+    pub port: u16,
+    /// Who sent it: a world address, or the node's own.
+    pub remote_ip: std::net::Ipv4Addr,
+    pub remote_port: u16,
+    /// "reply" (to a flow the sandbox opened), "port_mapping" (a flow to
+    /// one of its mappings) or "host" (the node, to its address or a
+    /// mapped port on the node).
+    pub via: &'static str,
 }
 
 impl Change {
@@ -39,7 +61,9 @@ impl Change {
             Change::Ensured { view, .. } | Change::Repaired { view, .. } => {
                 Some(&view.record.sandbox_id)
             }
-            Change::Released { sandbox_id } => Some(sandbox_id),
+            Change::Released { sandbox_id } | Change::TrafficWhilePaused { sandbox_id, .. } => {
+                Some(sandbox_id)
+            }
             Change::Node => None,
         }
     }
@@ -52,6 +76,7 @@ impl Change {
             Change::Released { .. } => "released",
             Change::Repaired { .. } => "repaired",
             Change::Node => "node",
+            Change::TrafficWhilePaused { .. } => "traffic_while_paused",
         }
     }
 }

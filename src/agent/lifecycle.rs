@@ -297,6 +297,7 @@ impl Agent {
             egress_mode: spec.egress_mode,
             bandwidth,
             cloned_from: spec.clone_of,
+            paused: spec.paused,
         };
         let netns = match &spec.attach {
             Attach::Veth { netns, .. } => Some(netns),
@@ -797,6 +798,7 @@ impl Agent {
         rec.idempotency_key = spec.idempotency_key;
         rec.egress_mode = spec.egress_mode;
         rec.bandwidth = new_bw;
+        rec.paused = spec.paused;
         let undo_claims = |this: &Self| {
             let mut a = this.allocs();
             for m in &claimed {

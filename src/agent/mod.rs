@@ -13,6 +13,7 @@ pub mod egress;
 pub mod events;
 mod health;
 mod lifecycle;
+mod pause;
 pub mod pool;
 mod ports;
 pub mod recover;
@@ -126,6 +127,7 @@ fn sandbox_path(rec: &NetworkRecord, ifindex: u32) -> SandboxPath<'_> {
         deny_out: &rec.deny_out,
         strict_egress: !rec.egress_mode.is_dns(),
         bandwidth: rec.bandwidth,
+        paused: rec.paused,
     }
 }
 

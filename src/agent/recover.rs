@@ -182,6 +182,7 @@ mod tests {
             egress_mode: Default::default(),
             bandwidth: Default::default(),
             cloned_from: None,
+            paused: false,
         }
     }
 

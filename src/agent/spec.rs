@@ -69,6 +69,9 @@ pub struct NetworkSpec {
     /// from a snapshot of it. Only `metadata` and `idempotency_key` may
     /// come with it.
     pub clone_of: Option<String>,
+    /// The sandbox's VM is paused: packets for it are dropped, and the
+    /// first one of each pause is reported (`TrafficWhilePaused`).
+    pub paused: bool,
 }
 
 /// How a sandbox's egress by name is enforced (docs/egress.md).
@@ -434,7 +437,7 @@ impl NetworkSpec {
             if let Some((key, _)) = given.iter().find(|(_, set)| *set) {
                 return Err(invalid(format!(
                     "clone_of: a clone takes the source's port mappings, policy, MTU and \
-                     limits; only metadata and idempotency_key may come with it (got {key})"
+                     limits; only metadata, idempotency_key and paused may come with it (got {key})"
                 )));
             }
         }
@@ -457,6 +460,7 @@ impl NetworkSpec {
             egress_mode: rec.egress_mode,
             bandwidth: rec.bandwidth,
             clone_of: None,
+            paused: caller.paused,
         }
     }
 
@@ -516,6 +520,10 @@ pub struct NetworkRecord {
     /// The sandbox whose spec this network was created from (`clone_of`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cloned_from: Option<String>,
+    /// Paused (EnsureNetwork `paused`): packets for the sandbox are
+    /// dropped and the first of each pause reported.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
 }
 
 impl NetworkRecord {
@@ -755,14 +763,16 @@ mod tests {
                 egress_burst: 1 << 20,
             },
             cloned_from: Some("golden".into()),
+            paused: true,
         };
         let bytes = rec.to_bytes();
         assert_eq!(NetworkRecord::from_bytes("sbx-1", &bytes).unwrap(), rec);
-        // A record from before clones loads with none.
+        // A record from before clones and pauses loads with neither.
         let mut old: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         old.as_object_mut().unwrap().remove("cloned_from");
+        old.as_object_mut().unwrap().remove("paused");
         let old = NetworkRecord::from_bytes("sbx-1", &serde_json::to_vec(&old).unwrap()).unwrap();
-        assert_eq!(old.cloned_from, None);
+        assert_eq!((old.cloned_from, old.paused), (None, false));
 
         // A clone's spec is the source's with fresh host ports and the
         // caller's metadata; converging with the record's own changes

@@ -206,6 +206,7 @@ impl Agent {
             .serving
             .store(true, std::sync::atomic::Ordering::Release);
         tokio::spawn(agent.pool.clone().run());
+        agent.spawn_wake_reader();
         let weak = Arc::downgrade(&agent);
         tokio::spawn(async move {
             if let Some(agent) = weak.upgrade() {

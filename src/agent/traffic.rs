@@ -351,18 +351,35 @@ impl Agent {
         let (healthy, _) = self.health().await;
         let (flows, host_flows) = self.datapath.flow_counts();
         f.push(gauge("networks", "Sandbox networks", all.len() as u64));
-        let clones = self
+        let (clones, paused) = self
             .views
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .values()
-            .filter(|v| v.record.cloned_from.is_some())
-            .count();
+            .fold((0u64, 0u64), |(c, p), v| {
+                (
+                    c + u64::from(v.record.cloned_from.is_some()),
+                    p + u64::from(v.record.paused),
+                )
+            });
         f.push(gauge(
             "cloned_networks",
             "Sandbox networks made as clones of another (clone_of)",
-            clones as u64,
+            clones,
         ));
+        f.push(gauge(
+            "paused_networks",
+            "Sandbox networks paused (EnsureNetwork paused)",
+            paused,
+        ));
+        f.push(Family {
+            kind: Kind::Counter,
+            ..gauge(
+                "traffic_while_paused",
+                "TrafficWhilePaused events (the first packet for a paused sandbox, one per pause) since the agent started",
+                crate::metrics::PAUSED_TRAFFIC_EVENTS.load(std::sync::atomic::Ordering::Relaxed),
+            )
+        });
         f.push(Family {
             kind: Kind::Counter,
             ..gauge(

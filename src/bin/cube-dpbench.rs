@@ -534,6 +534,7 @@ impl Loaded {
                     ingress_bps: 40_000_000,
                     ..Default::default()
                 },
+                paused: false,
             };
             if on { d.attach(&sb) } else { d.detach(&sb) }
         })?
@@ -568,6 +569,7 @@ impl Loaded {
                 deny_out: &deny,
                 strict_egress: false,
                 bandwidth,
+                paused: false,
             })?;
             if names {
                 d.learn(SANDBOX_IP, &[(WORLD_IP, Duration::from_secs(24 * 3600))])?;

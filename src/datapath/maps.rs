@@ -93,6 +93,34 @@ pub const DP_F_SNI: u32 = 4;
 pub const DP_F_SHAPE_OUT: u32 = 8;
 /// `DpTap::flags`: traffic from the world to the sandbox is paced.
 pub const DP_T_SHAPE_IN: u32 = 1;
+/// `DpTap::flags`: the sandbox is paused (packets for it dropped, the
+/// first of each pause reported in `wakes`).
+pub const DP_T_PAUSED: u32 = 2;
+
+/// The first packet for a paused sandbox (`wakes` ring, `wake_sent`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpWake {
+    pub generation: u64,
+    pub sandbox_ip: u32,
+    pub ifindex: u32,
+    /// Who sent it (network order): a world address, or the node's own.
+    pub remote_ip: u32,
+    /// The sandbox's port it was for, and the sender's (network order).
+    pub port: u16,
+    pub remote_port: u16,
+    pub proto: u8,
+    /// `DP_WAKE_*`.
+    pub kind: u8,
+    pub pad: [u8; 6],
+}
+/// `DpWake::kind`: a reply to a flow the sandbox opened, a flow to one of
+/// its port mappings, the node itself.
+pub const DP_WAKE_REPLY: u8 = 0;
+pub const DP_WAKE_PORTMAP: u8 = 1;
+pub const DP_WAKE_HOST: u8 = 2;
+/// Bytes of the `wakes` ring buffer (`DP_WAKES_BYTES`).
+pub const WAKES_BYTES: u32 = 256 * 1024;
 /// `policy_deny` values (ebpf/datapath.h): the catch-all 0.0.0.0/0, which
 /// an address learned for an allowed name passes, and every other deny
 /// CIDR, which beats it.
@@ -349,6 +377,7 @@ pub const SB_COUNTER_NAMES: &[&str] = &[
     "new_flows_snat",
     "new_flows_portmap",
     "new_flows_host",
+    "drop_stale_tcp",
 ];
 
 // Each type below is #[repr(C)], Copy, made only of integers and byte
@@ -360,6 +389,8 @@ unsafe impl aya::Pod for DpConfig {}
 unsafe impl aya::Pod for DpSbStats {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpRate {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpWake {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpShare {}
 // SAFETY: see above.
@@ -421,8 +452,9 @@ const _: () = {
     assert!(size_of::<DpHrevVal>() == 24);
     assert!(size_of::<DpFragKey>() == 12);
     assert!(size_of::<DpFragVal>() == 32);
-    assert!(size_of::<DpSbStats>() == 72);
+    assert!(size_of::<DpSbStats>() == 80);
     assert!(size_of::<DpRate>() == 16);
+    assert!(size_of::<DpWake>() == 32);
 };
 
 /// Entries of the per-sandbox maps (`max_entries` in ebpf/datapath.bpf.c).
@@ -623,6 +655,15 @@ pub const PINNED: &[PinnedMap] = {
             SANDBOX_MAP_ENTRIES,
             Durable,
         ),
+        pinned(
+            "wake_sent",
+            Hash,
+            4,
+            size_of::<DpWake>(),
+            SANDBOX_MAP_ENTRIES,
+            Durable,
+        ),
+        pinned("wakes", RingBuf, 0, 0, WAKES_BYTES, Durable),
     ]
 };
 
@@ -649,4 +690,7 @@ pub const COUNTER_NAMES: &[&str] = &[
     "host_access_denied",
     "host_flow_share_full",
     "no_host_flow",
+    "stale_tcp",
+    "stale_tcp_rescued",
+    "paused_drop",
 ];

@@ -34,6 +34,9 @@ pub struct SandboxPath<'a> {
     pub strict_egress: bool,
     /// Bandwidth limits (0 = unlimited).
     pub bandwidth: crate::types::Bandwidth,
+    /// Paused: packets for the sandbox are dropped; the first one of each
+    /// pause is reported (`Datapath::wakes`).
+    pub paused: bool,
 }
 
 impl SandboxPath<'_> {
@@ -110,7 +113,39 @@ impl std::fmt::Display for Hook {
 /// `maps::RATE_COUNTER_NAMES`.
 pub type SandboxCounters = [u64; maps::SB_COUNTER_NAMES.len() + maps::RATE_COUNTER_NAMES.len()];
 
+/// The datapath's reports of the first packet for each paused sandbox
+/// (a ring buffer the programs fill; pollable through its fd).
+pub struct WakeRing(pub(crate) aya::maps::RingBuf<aya::maps::MapData>);
+
+impl WakeRing {
+    /// Every report waiting in the ring.
+    pub fn drain(&mut self) -> Vec<maps::DpWake> {
+        let mut out = vec![];
+        while let Some(item) = self.0.next() {
+            if item.len() >= std::mem::size_of::<maps::DpWake>() {
+                // SAFETY: the ring holds `struct dp_wake` records (32
+                // bytes, checked above), written by `paused_drop`; DpWake
+                // is its #[repr(C)] twin, valid for every bit pattern, and
+                // read unaligned.
+                out.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) });
+            }
+        }
+        out
+    }
+}
+
+impl std::os::fd::AsRawFd for WakeRing {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
 pub trait Datapath: Send + Sync {
+    /// The reports of traffic for paused sandboxes, once (None: taken
+    /// already, or a datapath without them).
+    fn wake_ring(&self) -> Option<WakeRing> {
+        None
+    }
     /// Installs or replaces the sandbox's datapath state (idempotent).
     fn attach(&self, sandbox: &SandboxPath<'_>) -> Result<(), DatapathError>;
     /// Removes every entry of the sandbox; missing entries are not an error.

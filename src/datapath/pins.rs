@@ -111,8 +111,23 @@ fn host_nat_v1(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
     Some((k.to_vec(), out))
 }
 
+/// `sb_stats` of the builds before `drop_stale_tcp`: 9 counters; the new
+/// one is appended (0).
+fn sb_stats_v1(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
+    if v.len() != 72 {
+        return None;
+    }
+    let mut out = v.to_vec();
+    out.resize(80, 0);
+    Some((k.to_vec(), out))
+}
+
 /// The conversions this build knows: (map, old value size, how).
-const CONVERSIONS: &[(&str, usize, Convert)] = &[("ct", 24, ct_v1), ("host_nat", 24, host_nat_v1)];
+const CONVERSIONS: &[(&str, usize, Convert)] = &[
+    ("ct", 24, ct_v1),
+    ("host_nat", 24, host_nat_v1),
+    ("sb_stats", 72, sb_stats_v1),
+];
 
 /// What happens to one map.
 #[derive(Debug)]

@@ -33,6 +33,7 @@ const NODE_EVERY: Duration = Duration::from_millis(100);
 enum Signal {
     Ensured(String, super::Dict),
     Released(String),
+    TrafficWhilePaused(String, super::Dict),
 }
 
 /// A network's object as registered: reads of it need the read action.
@@ -148,6 +149,13 @@ impl Mirror {
                 Some(Signal::Released(sandbox_id.clone()))
             }
             Change::Node => None,
+            Change::TrafficWhilePaused {
+                sandbox_id,
+                traffic,
+            } => Some(Signal::TrafficWhilePaused(
+                sandbox_id.clone(),
+                super::paused_traffic_dict(traffic),
+            )),
         })
     }
 
@@ -156,6 +164,9 @@ impl Mirror {
         match signal {
             Signal::Ensured(id, dict) => Manager::network_ensured(&emitter, &id, dict).await,
             Signal::Released(id) => Manager::network_released(&emitter, &id).await,
+            Signal::TrafficWhilePaused(id, dict) => {
+                Manager::traffic_while_paused(&emitter, &id, dict).await
+            }
         }
     }
 
@@ -272,7 +283,10 @@ impl Mirror {
             }
             let mut node = false;
             for ev in &batch {
-                node |= !matches!(ev.change, Change::Repaired { .. });
+                node |= !matches!(
+                    ev.change,
+                    Change::Repaired { .. } | Change::TrafficWhilePaused { .. }
+                );
                 let signal = match self.apply(ev).await {
                     Ok(signal) => signal,
                     Err(e) => {

@@ -175,6 +175,7 @@ pub const OPTION_KEYS: &[&str] = &[
     "egress_burst",
     "ingress_burst",
     "clone_of",
+    "paused",
 ];
 
 fn bad(msg: String) -> AgentError {
@@ -247,6 +248,7 @@ pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpe
             "egress_burst" => spec.bandwidth.egress_burst = typed(key, v, "t")?,
             "ingress_burst" => spec.bandwidth.ingress_burst = typed(key, v, "t")?,
             "clone_of" => spec.clone_of = Some(typed(key, v, "s")?),
+            "paused" => spec.paused = typed(key, v, "b")?,
             other => {
                 return Err(bad(format!(
                     "unknown option '{other}' (known: {})",
@@ -364,6 +366,23 @@ pub fn traffic_value(t: &crate::agent::traffic::Traffic) -> OwnedValue {
 }
 
 /// A network as the `a{sv}` the SPEC describes.
+/// TrafficWhilePaused's details.
+pub fn paused_traffic_dict(t: &crate::agent::events::PausedTraffic) -> Dict {
+    let mut d = Dict::new();
+    let mut put = |k: &str, v: Value<'_>| {
+        d.insert(
+            k.to_owned(),
+            v.try_to_owned().expect("no fds in the details"),
+        );
+    };
+    put("protocol", Value::from(t.protocol));
+    put("port", Value::from(t.port));
+    put("remote_ip", Value::from(t.remote_ip.to_string()));
+    put("remote_port", Value::from(t.remote_port));
+    put("via", Value::from(t.via));
+    d
+}
+
 pub fn network_dict(info: NetworkInfo) -> Dict {
     let r = std::sync::Arc::unwrap_or_clone(info.view.record);
     let mut d = Dict::new();
@@ -406,6 +425,7 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
     if let Some(src) = r.cloned_from {
         put("cloned_from", Value::from(src));
     }
+    put("paused", Value::from(r.paused));
     put("attach", Value::from(r.attach.name()));
     put("egress_mode", Value::from(r.egress_mode.as_str()));
     let bw = r.bandwidth;
@@ -734,6 +754,16 @@ impl Manager {
 
     #[zbus(signal)]
     async fn network_released(emitter: &SignalEmitter<'_>, sandbox_id: &str) -> zbus::Result<()>;
+
+    /// The first packet for a paused sandbox (one per pause; dropped):
+    /// `protocol`, `port` (the sandbox's), `remote_ip`, `remote_port`,
+    /// `via` ("reply", "port_mapping" or "host").
+    #[zbus(signal)]
+    async fn traffic_while_paused(
+        emitter: &SignalEmitter<'_>,
+        sandbox_id: &str,
+        details: Dict,
+    ) -> zbus::Result<()>;
 }
 
 /// One object per network, listed by the ObjectManager on the manager.

@@ -124,6 +124,7 @@ pub fn options(v: Option<&Value>) -> Result<NetworkSpec, Failure> {
             "egress_burst" => spec.bandwidth.egress_burst = as_uint(v, key)?,
             "ingress_burst" => spec.bandwidth.ingress_burst = as_uint(v, key)?,
             "clone_of" => spec.clone_of = Some(as_string(v, key)?),
+            "paused" => spec.paused = as_bool(v, key)?,
             other => return Err(invalid(other)),
         }
     }
@@ -227,6 +228,7 @@ pub fn network(info: NetworkInfo) -> Value {
     if let Some(src) = r.cloned_from {
         o["cloned_from"] = Value::String(src);
     }
+    o["paused"] = Value::Bool(r.paused);
     o["attach"] = Value::String(r.attach.name().into());
     let bw = r.bandwidth;
     o["egress_bps"] = Value::from(bw.egress_bps);

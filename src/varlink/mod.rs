@@ -637,6 +637,19 @@ async fn watch(agent: &Agent, peer: &Peer, stream: &mut UnixStream, more: bool, 
                 event["repairs"] = json!(repairs);
             }
             Change::Released { sandbox_id } => event["sandbox_id"] = json!(sandbox_id),
+            Change::TrafficWhilePaused {
+                sandbox_id,
+                traffic,
+            } => {
+                event["sandbox_id"] = json!(sandbox_id);
+                event["traffic"] = json!({
+                    "protocol": traffic.protocol,
+                    "port": traffic.port,
+                    "remote_ip": traffic.remote_ip.to_string(),
+                    "remote_port": traffic.remote_port,
+                    "via": traffic.via,
+                });
+            }
         }
         let reply = json!({"parameters": {"event": event}, "continues": true});
         if let Next::Close(why) = send(stream, &reply).await {

@@ -188,7 +188,16 @@ fn read_frame(fd: BorrowedFd<'_>) -> ReadOutcome {
 
 fn write_frame(fd: BorrowedFd<'_>, frame: &[u8]) -> Result<(), String> {
     // A zeroed virtio_net_hdr: no checksum offload, GSO_NONE.
+    write_frame_hdr(fd, [0; VNET_HDR_LEN], frame)
+}
+
+fn write_frame_hdr(
+    fd: BorrowedFd<'_>,
+    hdr: [u8; VNET_HDR_LEN],
+    frame: &[u8],
+) -> Result<(), String> {
     let mut buf = vec![0u8; VNET_HDR_LEN + frame.len()];
+    buf[..VNET_HDR_LEN].copy_from_slice(&hdr);
     buf[VNET_HDR_LEN..].copy_from_slice(frame);
     // SAFETY: `buf` is a live buffer of `buf.len()` bytes; write(2) only reads it.
     let n = unsafe { libc::write(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len()) };
@@ -1199,6 +1208,25 @@ impl RawGuest {
         write_frame(self.fd.as_fd(), frame)
     }
 
+    /// Writes an IPv4 TCP frame (from [`tcp_frame`]) as a VMM with
+    /// checksum offload does: `NEEDS_CSUM` in the vnet header, the TCP
+    /// checksum field holding only the pseudo-header sum.
+    pub fn send_partial_csum(&self, frame: &[u8]) -> Result<(), String> {
+        let start = 14 + usize::from(frame[14] & 0x0f) * 4;
+        let tcp_len = frame.len() - start;
+        let mut f = frame.to_vec();
+        let mut pseudo = Vec::with_capacity(12);
+        pseudo.extend_from_slice(&f[26..34]);
+        pseudo.extend_from_slice(&[0, 6]);
+        pseudo.extend_from_slice(&(tcp_len as u16).to_be_bytes());
+        f[start + 16..start + 18].copy_from_slice(&fold(sum16(&pseudo)).to_be_bytes());
+        let mut hdr = [0u8; VNET_HDR_LEN];
+        hdr[0] = VIRTIO_NET_HDR_F_NEEDS_CSUM;
+        hdr[6..8].copy_from_slice(&(start as u16).to_le_bytes());
+        hdr[8..10].copy_from_slice(&16u16.to_le_bytes());
+        write_frame_hdr(self.fd.as_fd(), hdr, &f)
+    }
+
     /// Every frame that arrives within `timeout`.
     pub fn recv(&self, timeout: Duration) -> Vec<Vec<u8>> {
         let mut out = Vec::new();
@@ -1375,6 +1403,86 @@ pub fn udp_frame(
     f.extend_from_slice(&ipv4_header(*src.ip(), *dst.ip(), 17, udp_len));
     f.extend_from_slice(&udp);
     f
+}
+
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_PSH: u8 = 0x08;
+pub const TCP_ACK: u8 = 0x10;
+
+/// An IPv4 TCP frame (20-byte header, no options) with a complete checksum.
+#[allow(clippy::too_many_arguments)]
+pub fn tcp_frame(
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+    seq: u32,
+    ack: u32,
+    flags: u8,
+    payload: &[u8],
+) -> Vec<u8> {
+    let tcp_len = 20 + payload.len();
+    let mut tcp = Vec::with_capacity(tcp_len);
+    tcp.extend_from_slice(&src.port().to_be_bytes());
+    tcp.extend_from_slice(&dst.port().to_be_bytes());
+    tcp.extend_from_slice(&seq.to_be_bytes());
+    tcp.extend_from_slice(&ack.to_be_bytes());
+    tcp.extend_from_slice(&[5 << 4, flags, 0xff, 0xff, 0, 0, 0, 0]);
+    tcp.extend_from_slice(payload);
+    let cs = !fold(l4_sum(*src.ip(), *dst.ip(), 6, &tcp));
+    tcp[16..18].copy_from_slice(&cs.to_be_bytes());
+    let mut f = eth_header(dst_mac, src_mac, ETH_P_IP);
+    f.extend_from_slice(&ipv4_header(*src.ip(), *dst.ip(), 6, tcp_len));
+    f.extend_from_slice(&tcp);
+    f
+}
+
+fn l4_sum(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4: &[u8]) -> u32 {
+    let mut pseudo = Vec::with_capacity(12 + l4.len());
+    pseudo.extend_from_slice(&src.octets());
+    pseudo.extend_from_slice(&dst.octets());
+    pseudo.extend_from_slice(&[0, proto]);
+    pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+    pseudo.extend_from_slice(l4);
+    sum16(&pseudo)
+}
+
+/// A TCP segment as parsed from a frame, with whether both its IP and
+/// TCP checksums are right.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpSeg {
+    pub src: SocketAddrV4,
+    pub dst: SocketAddrV4,
+    pub seq: u32,
+    pub ack: u32,
+    pub flags: u8,
+    pub ttl: u8,
+    pub payload: Vec<u8>,
+    pub checksums_ok: bool,
+}
+
+pub fn parse_tcp(f: &[u8]) -> Option<TcpSeg> {
+    let (src, dst, proto, l4) = parse_ipv4(f)?;
+    if proto != 6 || l4.len() < 20 {
+        return None;
+    }
+    let ihl = usize::from(f[14] & 0x0f) * 4;
+    let doff = usize::from(l4[12] >> 4) * 4;
+    let be16 = |o: usize| u16::from_be_bytes([l4[o], l4[o + 1]]);
+    let be32 = |o: usize| u32::from_be_bytes([l4[o], l4[o + 1], l4[o + 2], l4[o + 3]]);
+    Some(TcpSeg {
+        src: SocketAddrV4::new(src, be16(0)),
+        dst: SocketAddrV4::new(dst, be16(2)),
+        seq: be32(4),
+        ack: be32(8),
+        flags: l4[13],
+        ttl: f[22],
+        payload: l4.get(doff..)?.to_vec(),
+        checksums_ok: fold(sum16(&f[14..14 + ihl])) == 0xffff
+            && fold(l4_sum(src, dst, 6, l4)) == 0xffff,
+    })
 }
 
 fn ipv4_header(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, payload_len: usize) -> [u8; 20] {

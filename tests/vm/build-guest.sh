@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the guest for tests/vm/run.sh: a stock Debian kernel and a
-# busybox-static initramfs, cached under $CNA_VM_CACHE
+# Builds the guest for tests/vm/run.sh and tests/vm/snapshot.sh: a stock
+# Debian kernel and a busybox-static initramfs, cached under $CNA_VM_CACHE
 # (default /var/cache/cube-network-agent-test-vm). Prints the cache
 # directory on its last line of stdout.
 #
@@ -25,7 +25,9 @@
 # writes /www/index.html (a marker) and /www/big.bin (2 MiB of random
 # bytes, CNA_BIG bytes if cna.big=N is on the command line), starts
 # `httpd -p 80 -h /www` (with /cgi-bin/sum: md5sum + size of a POST body;
-# /cgi-bin/snmp: /proc/net/snmp)
+# /cgi-bin/snmp: /proc/net/snmp; /cgi-bin/fetch?TAG: the guest itself GETs
+# http://WORLD/index.html?from=TAG and answers with that body, so the host
+# can make a guest, e.g. one restored from a snapshot, dial the world)
 # and prints marker lines on the serial console:
 #   GUEST-KERNEL-UP, GUEST-NET-UP, GUEST-BIG size=N md5=M,
 #   GUEST-CHECK <name> rc=<exit code> <facts...>  (one per guest-side check)
@@ -33,7 +35,16 @@
 # The guest-side checks need cna.world=HOST:PORT on the kernel command
 # line (a web server with /index.html, /big.bin and POST /upload answering
 # "<size> <md5>"): small GET, large GET (GSO towards the guest), large
-# POST (TSO from the guest), ICMP echo. Without it the guest only serves.
+# POST (TSO from the guest), ICMP echo. Without it the guest only serves
+# (and /cgi-bin/fetch fails); cna.checks=0 skips these checks but keeps
+# WORLD for /cgi-bin/fetch.
+# cna.stale=HOST:PORT (opt-in, for tests/vm/snapshot.sh): after
+# GUEST-NET-UP the guest also keeps one long-lived TCP connection to
+# HOST:PORT open in the background, sending "tick N" every 0.3 s and
+# reading nothing, and when it ends (reset, error) prints
+#   GUEST-STALE-END rc=<nc's exit code> uptime=<seconds>
+# A clone restored from a snapshot taken meanwhile resumes that
+# connection (a pre-snapshot connection the node should end).
 # After GUEST-DONE it keeps serving until QEMU is killed.
 set -euo pipefail
 
@@ -116,7 +127,18 @@ CGI
 printf 'Content-Type: text/plain\r\n\r\n'
 cat /proc/net/snmp
 CGI
-    chmod +x "$R/www/cgi-bin/sum" "$R/www/cgi-bin/snmp"
+    cat >"$R/www/cgi-bin/fetch" <<'CGI'
+#!/bin/sh
+# GET /cgi-bin/fetch?TAG: the guest GETs http://WORLD/index.html?from=TAG
+# (WORLD from cna.world=, written by /init) and answers with the body.
+printf 'Content-Type: text/plain\r\n\r\n'
+W=$(cat /etc/cna-world 2>/dev/null)
+[ -n "$W" ] || { echo "fetch: no cna.world= on the kernel command line"; exit 0; }
+timeout 15 wget -q -O /tmp/fetch.$$ "http://$W/index.html?from=$QUERY_STRING"; r=$?
+if [ $r = 0 ]; then cat /tmp/fetch.$$; else echo "fetch: wget http://$W/ failed rc=$r"; fi
+rm -f /tmp/fetch.$$
+CGI
+    chmod +x "$R/www/cgi-bin/sum" "$R/www/cgi-bin/snmp" "$R/www/cgi-bin/fetch"
     cat >"$R/init" <<INIT
 #!/bin/busybox sh
 MODULES="$MODULES"
@@ -128,13 +150,16 @@ mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 for m in $MODULES; do [ -e /lib/modules/$m.ko ] && insmod /lib/modules/$m.ko 2>/dev/null; done
 echo "GUEST-KERNEL-UP uptime=$(cut -d' ' -f1 /proc/uptime)"
-WORLD= BIG=2097152
+WORLD= BIG=2097152 STALE= CHECKS=1
 for a in $(cat /proc/cmdline); do
     case $a in
     cna.world=*) WORLD=${a#cna.world=} ;;
     cna.big=*) BIG=${a#cna.big=} ;;
+    cna.stale=*) STALE=${a#cna.stale=} ;;
+    cna.checks=*) CHECKS=${a#cna.checks=} ;;
     esac
 done
+echo "$WORLD" >/etc/cna-world
 i=0
 while [ ! -e /sys/class/net/eth0 ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
 ip link set lo up
@@ -147,7 +172,15 @@ head -c "$BIG" /dev/urandom >/www/big.bin
 httpd -p 80 -h /www
 echo "GUEST-NET-UP uptime=$(cut -d' ' -f1 /proc/uptime)"
 echo "GUEST-BIG size=$(wc -c </www/big.bin) md5=$(md5sum </www/big.bin | cut -d' ' -f1)"
-if [ -n "$WORLD" ]; then
+if [ -n "$STALE" ]; then
+    # A long-lived connection that only sends: nc exits when it is reset
+    # (or fails), then the writer dies of SIGPIPE at its next line.
+    (
+        (n=0; while :; do n=$((n + 1)); echo "tick $n"; sleep 0.3; done) | nc "${STALE%:*}" "${STALE##*:}" >/dev/null
+        echo "GUEST-STALE-END rc=$? uptime=$(cut -d' ' -f1 /proc/uptime)"
+    ) &
+fi
+if [ -n "$WORLD" ] && [ "$CHECKS" != 0 ]; then
     H=${WORLD%:*}
     # small GET (also the first packets: ARP for the gateway, SNAT setup)
     r=1; for t in 1 2 3; do

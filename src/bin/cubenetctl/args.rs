@@ -94,6 +94,7 @@ pub struct EnsureOpts {
     pub metadata: Vec<(String, String)>,
     pub idempotency_key: Option<String>,
     pub clone_of: Option<String>,
+    pub paused: bool,
 }
 
 #[derive(Debug)]
@@ -145,6 +146,7 @@ struct RawEnsure {
     metadata: Vec<String>,
     idempotency_key: Option<String>,
     clone_of: Option<String>,
+    paused: bool,
 }
 
 /// The options of `ensure` (accepted only after the command name).
@@ -162,6 +164,7 @@ pub const ENSURE_FLAGS: &[&str] = &[
     "--metadata",
     "--idempotency-key",
     "--clone-of",
+    "--paused",
 ];
 
 fn parse_bus(s: &str, origin: &str) -> Res<Bus> {
@@ -247,6 +250,7 @@ fn build_ensure(raw: RawEnsure) -> Res<EnsureOpts> {
         no_internet: raw.no_internet,
         idempotency_key: raw.idempotency_key,
         clone_of: raw.clone_of,
+        paused: raw.paused,
         ..EnsureOpts::default()
     };
     for p in &raw.ports {
@@ -407,6 +411,10 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
                 "--metadata" if is_ensure => raw.metadata.push(value(inline)?),
                 "--idempotency-key" if is_ensure => raw.idempotency_key = Some(value(inline)?),
                 "--clone-of" if is_ensure => raw.clone_of = Some(value(inline)?),
+                "--paused" if is_ensure => {
+                    no_value(&inline)?;
+                    raw.paused = true;
+                }
                 "--interval" if is_top => interval = Some(value(inline)?),
                 "--count" if is_top => count = Some(value(inline)?),
                 f if TOP_FLAGS.contains(&f) => {

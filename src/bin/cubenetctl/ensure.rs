@@ -56,6 +56,9 @@ fn options(o: &EnsureOpts) -> HashMap<&'static str, Value<'static>> {
     if let Some(src) = &o.clone_of {
         m.insert("clone_of", Value::from(src.clone()));
     }
+    if o.paused {
+        m.insert("paused", Value::from(true));
+    }
     m
 }
 

@@ -72,8 +72,11 @@ converges it (same address and TAP). Errors name the option, e.g.
                           network without re-applying anything
   --clone-of=ID           A new network takes sandbox ID's spec (ports
                           get fresh host ports): a VM clone restored from
-                          a snapshot of it; only --metadata and
-                          --idempotency-key may come with it",
+                          a snapshot of it; only --metadata,
+                          --idempotency-key and --paused may come with it
+  --paused                The sandbox's VM is paused: packets for it are
+                          dropped, the first one of each pause reported
+                          (TrafficWhilePaused); leave it out to resume",
     },
     CommandDef {
         name: "release",
@@ -168,10 +171,12 @@ the socket cannot be reached or reading is not allowed.",
 --varlink) and prints one line per event until interrupted:
 SEQ KIND SANDBOX SANDBOX-IP TAP PORTS, where KIND is current (the
 networks at the start, one line each), created, updated, repaired
-(followed by what was repaired) or released ('-' for the address, TAP
-and ports). With --json, one JSON object per line: the event as varlink
-sends it ({\"seq\", \"kind\", \"sandbox_id\", \"network\", \"repairs\",
-\"networks\"}). Exit status 1 if the agent ends the stream (it stops, or
+(followed by what was repaired), released ('-' for the address, TAP
+and ports) or traffic_while_paused (the first packet for a paused
+sandbox: PROTO/PORT from REMOTE:PORT via reply, port_mapping or host).
+With --json, one JSON object per line: the event as varlink sends it
+({\"seq\", \"kind\", \"sandbox_id\", \"network\", \"repairs\",
+\"networks\", \"traffic\"}). Exit status 1 if the agent ends the stream (it stops, or
 this watcher fell behind: EventsLost), 4 if the socket cannot be reached.",
         options: "",
     },

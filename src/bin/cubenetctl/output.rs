@@ -337,13 +337,14 @@ fn value_lines(key: &str, v: &Json, out: &Output) -> Vec<String> {
                 ),
                 format!("{} live flows", n("flows")),
                 format!(
-                    "dropped by the datapath (spoofed {}, policy {}, malformed {}, no route {}, no port {}, unsupported {})",
+                    "dropped by the datapath (spoofed {}, policy {}, malformed {}, no route {}, no port {}, unsupported {}, stale TCP {})",
                     n("drop_spoofed"),
                     n("drop_policy"),
                     n("drop_malformed"),
                     n("drop_no_route"),
                     n("drop_no_port"),
-                    n("drop_unsupported")
+                    n("drop_unsupported"),
+                    n("drop_stale_tcp")
                 ),
                 format!(
                     "flows opened {} to the world, {} from the world (port mappings), {} with the host",
@@ -407,6 +408,7 @@ pub const NETWORK_FIELDS: &[(&str, &str)] = &[
     ("metadata", "Metadata"),
     ("idempotency_key", "Idempotency key"),
     ("cloned_from", "Cloned from"),
+    ("paused", "Paused"),
     ("attach", "Attach"),
     ("ifname", "Interface"),
     ("netns", "Namespace"),

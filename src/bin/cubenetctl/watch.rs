@@ -57,6 +57,21 @@ pub fn event_lines(ev: &Json, out: &Output) -> Vec<String> {
         l.push(' ');
         l.push_str(&text(&r.join("; "), out.ascii));
     }
+    if let Some(t) = ev.get("traffic") {
+        let f = |k: &str| t.get(k).map(jstr).unwrap_or_default();
+        l.push(' ');
+        l.push_str(&text(
+            &format!(
+                "{}/{} from {}:{} via {}",
+                f("protocol"),
+                f("port"),
+                f("remote_ip"),
+                f("remote_port"),
+                f("via")
+            ),
+            out.ascii,
+        ));
+    }
     vec![l]
 }
 
@@ -121,6 +136,13 @@ mod tests {
         assert_eq!(
             event_lines(&c, &OUT),
             ["5 created a 192.168.0.2 ctap1 tcp:80:20000"]
+        );
+        let w = json!({"seq": 7, "kind": "traffic_while_paused", "sandbox_id": "a",
+            "traffic": {"protocol": "tcp", "port": 80, "remote_ip": "198.51.100.2",
+                        "remote_port": 40000, "via": "port_mapping"}});
+        assert_eq!(
+            event_lines(&w, &OUT),
+            ["7 traffic_while_paused a - - - tcp/80 from 198.51.100.2:40000 via port_mapping"]
         );
         let r = json!({"seq": 6, "kind": "released", "sandbox_id": "a"});
         assert_eq!(event_lines(&r, &OUT), ["6 released a - - -"]);

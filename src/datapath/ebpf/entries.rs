@@ -533,17 +533,31 @@ impl EbpfDatapath {
         let _ = maps
             .sb_share
             .insert(ifindex, DpShare::default(), BPF_NOEXIST);
-        let tap = DpTap {
+        let mut tap = DpTap {
             ifindex,
             flags: if shape.ingress { DP_T_SHAPE_IN } else { 0 },
             generation,
         };
+        if sb.paused {
+            tap.flags |= DP_T_PAUSED;
+        }
         let prev = maps.by_ip.get(&ip, 0).ok();
+        // A pause starts (or ends): the device's last report goes, so the
+        // first packet of this pause is reported (a restart re-attaching
+        // a paused sandbox keeps the report: at most one per pause).
+        let was_paused = prev.is_some_and(|p| p.ifindex == ifindex && p.flags & DP_T_PAUSED != 0);
+        let rearm = was_paused != sb.paused;
+        if rearm && sb.paused {
+            let _ = maps.wake_sent.remove(&ifindex);
+        }
         if prev != Some(tap) {
             journal.push(Undo::ByIp(ip, prev));
             maps.by_ip
                 .insert(ip, tap, 0)
                 .map_err(|e| map_err("writing the by_ip map", &e))?;
+        }
+        if rearm && !sb.paused {
+            let _ = maps.wake_sent.remove(&ifindex);
         }
         // A policy key's value follows from the key (allow: 1; deny: see
         // below): a key this sandbox already

@@ -127,7 +127,9 @@ impl EbpfDatapath {
             sb_stats: take(&mut bpf, "sb_stats")?,
             sb_share: take(&mut bpf, "sb_share")?,
             sb_rate: take(&mut bpf, "sb_rate")?,
+            wake_sent: take(&mut bpf, "wake_sent")?,
         };
+        let wakes: aya::maps::RingBuf<MapData> = take(&mut bpf, "wakes")?;
         let learned: HashMap<MapData, DpLearnedKey, DpLearnedVal> = take(&mut bpf, "dns_learned")?;
         let (uplink_ip, uplink_ifindex) = node
             .uplink
@@ -333,6 +335,8 @@ impl EbpfDatapath {
             sb_rate: HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_rate")?))
                 .map_err(|e| err("opening sb_rate", e))?,
             rate_dump: reopen("sb_rate")?,
+            wake_sent: HashMap::try_from(aya::maps::Map::HashMap(reopen("wake_sent")?))
+                .map_err(|e| err("opening wake_sent", e))?,
         };
         let sb_read = Mutex::new(
             HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_stats")?))
@@ -405,6 +409,7 @@ impl EbpfDatapath {
             localnet,
             config: written,
             pin_ids,
+            wakes: Mutex::new(Some(wakes)),
         };
         // Counts for Health come from the first reaper pass (2 s after start);
         // walking every flow and TAP here would delay READY.

@@ -178,6 +178,8 @@ struct Maps {
     sb_stats: HashMap<MapData, u32, DpSbStats>,
     sb_share: HashMap<MapData, u32, DpShare>,
     sb_rate: HashMap<MapData, u32, DpRate>,
+    /// The first packet of each pause, per device: emptied to arm a pause.
+    wake_sent: HashMap<MapData, u32, DpWake>,
 }
 
 /// (allow, deny) LPM keys installed for one sandbox.
@@ -228,6 +230,8 @@ struct Reaper {
     /// Bandwidth limits: entries of gone devices are removed.
     sb_rate: HashMap<MapData, u32, DpRate>,
     rate_dump: MapData,
+    /// Wake reports: entries of gone devices are removed.
+    wake_sent: HashMap<MapData, u32, DpWake>,
 }
 
 /// Counts refreshed by `maintain`, read by `checks` without touching maps.
@@ -296,6 +300,8 @@ pub struct EbpfDatapath {
     pin_ids: Vec<(&'static str, u32)>,
     /// Whether host -> 127.x:host_port mappings can work.
     localnet: Result<(), String>,
+    /// The `wakes` ring, until the agent takes it (`Datapath::wake_ring`).
+    wakes: Mutex<Option<aya::maps::RingBuf<MapData>>>,
 }
 
 impl EbpfDatapath {
@@ -376,6 +382,14 @@ fn monotonic_ns() -> u64 {
 }
 
 impl Datapath for EbpfDatapath {
+    fn wake_ring(&self) -> Option<super::WakeRing> {
+        self.wakes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .map(super::WakeRing)
+    }
+
     /// Transactional (`entries.rs`).
     fn attach(&self, sb: &SandboxPath<'_>) -> Result<(), DatapathError> {
         self.write_sandbox(sb)

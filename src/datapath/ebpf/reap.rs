@@ -140,6 +140,10 @@ impl EbpfDatapath {
             for i in shares.into_iter().filter(|i| !link_exists(*i)) {
                 let _ = r.sb_share.remove(&i);
             }
+            let woken: Vec<u32> = r.wake_sent.keys().flatten().collect();
+            for i in woken.into_iter().filter(|i| !link_exists(*i)) {
+                let _ = r.wake_sent.remove(&i);
+            }
             let orphans = Self::reap_orphan_hrev(r);
             if orphans > 0 {
                 debug!(

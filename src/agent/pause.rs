@@ -1,0 +1,117 @@
+//! Paused sandboxes: the datapath drops packets for a network made or
+//! converged with `paused` and reports the first one of each pause in a
+//! ring buffer (ebpf `paused_drop`); this reader turns each report into a
+//! `TrafficWhilePaused` event for the edges (a D-Bus signal, a varlink
+//! `WatchNetworks` event), so an orchestrator can resume the VM.
+//!
+//! The ring is pinned: reports made while the agent is down are read by
+//! the next start, and the kernel's consumer position means none is read
+//! twice. A report is published only if its network is still paused on
+//! the device it came from (a resume racing the report wins).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use tokio::io::unix::AsyncFd;
+use tracing::{debug, info, warn};
+
+use super::Agent;
+use super::events::{Change, PausedTraffic};
+use crate::datapath::WakeRing;
+use crate::datapath::maps::{DP_WAKE_HOST, DP_WAKE_PORTMAP, DpWake};
+
+impl Agent {
+    /// Reads the datapath's reports for as long as the agent lives.
+    pub(super) fn spawn_wake_reader(self: &Arc<Self>) {
+        let Some(ring) = self.datapath.wake_ring() else {
+            return;
+        };
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            // SAFETY: the ring's fd is its map's, owned by the RingBuf
+            // inside the AsyncFd: open, and the same fd, for as long as
+            // the AsyncFd lives (WakeRing never replaces it).
+            let mut ring = match unsafe { AsyncFd::register(ring) } {
+                Ok(r) => r,
+                Err(e) => {
+                    warn!(error = %e, "cannot poll the datapath's paused-traffic ring: no TrafficWhilePaused events");
+                    return;
+                }
+            };
+            let drain = |ring: &mut WakeRing| {
+                let wakes = ring.drain();
+                let Some(agent) = weak.upgrade() else {
+                    return false;
+                };
+                for w in wakes {
+                    agent.note_wake(w);
+                }
+                true
+            };
+            // What the ring holds from before this start first.
+            if !drain(ring.get_mut()) {
+                return;
+            }
+            loop {
+                let mut guard = match ring.readable_mut().await {
+                    Ok(g) => g,
+                    Err(e) => {
+                        warn!(error = %e, "polling the paused-traffic ring failed");
+                        return;
+                    }
+                };
+                let alive = drain(guard.get_inner_mut());
+                guard.clear_ready();
+                if !alive {
+                    return;
+                }
+            }
+        });
+    }
+
+    /// One report: published if its network is (still) paused on that
+    /// device and generation's address.
+    fn note_wake(&self, w: DpWake) {
+        let ip = std::net::Ipv4Addr::from(w.sandbox_ip.to_ne_bytes());
+        let found = self
+            .views
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .find(|v| v.record.sandbox_ip == std::net::IpAddr::V4(ip) && v.tap_ifindex == w.ifindex)
+            .map(|v| (v.record.sandbox_id.clone(), v.record.paused));
+        let Some((sandbox_id, true)) = found else {
+            debug!(sandbox_ip = %ip, ifindex = w.ifindex, "traffic report for a network no longer paused");
+            return;
+        };
+        let traffic = PausedTraffic {
+            protocol: match i32::from(w.proto) {
+                libc::IPPROTO_TCP => "tcp",
+                libc::IPPROTO_UDP => "udp",
+                _ => "icmp",
+            },
+            port: u16::from_be(w.port),
+            remote_ip: std::net::Ipv4Addr::from(w.remote_ip.to_ne_bytes()),
+            remote_port: u16::from_be(w.remote_port),
+            via: match w.kind {
+                DP_WAKE_PORTMAP => "port_mapping",
+                DP_WAKE_HOST => "host",
+                _ => "reply",
+            },
+        };
+        info!(
+            sandbox_id,
+            protocol = traffic.protocol,
+            port = traffic.port,
+            remote = %traffic.remote_ip,
+            remote_port = traffic.remote_port,
+            via = traffic.via,
+            "traffic for a paused sandbox"
+        );
+        crate::metrics::PAUSED_TRAFFIC_EVENTS.fetch_add(1, Ordering::Relaxed);
+        self.events.publish(Change::TrafficWhilePaused {
+            sandbox_id,
+            traffic,
+        });
+    }
+}
