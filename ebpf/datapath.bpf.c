@@ -1361,6 +1361,11 @@ static __always_inline __u16 proxy_port(const struct dp_sandbox *sb, const struc
  * from remote:port). A TCP tuple whose agent-side key another live flow
  * holds (the same source port to another address) is dropped; for UDP
  * the newer flow takes the key. */
+/* guest_to_proxy's answer for a TCP segment of no flow: its caller
+ * (from_guest's level: the stack of a third call would not fit) sends the
+ * RST with stale_reset. Not a TC_ACT_* value. */
+#define PROXY_STALE 0x7ffe
+
 static __always_inline int guest_to_proxy(struct __sk_buff *skb, const struct dp_config *c,
 					  const struct dp_sandbox *sb, const struct iphdr *ip,
 					  const struct l4info *l4, __u16 pport)
@@ -1388,12 +1393,13 @@ static __always_inline int guest_to_proxy(struct __sk_buff *skb, const struct dp
 		hv->last_seen_ns = bpf_ktime_get_ns();
 		hv->state = tcp_state(hv->state, l4, DIR_OUT);
 	} else {
-		/* Only a SYN opens a TCP flow (a segment of one whose entry is
-		 * gone reaches no connection of the agent's). */
-		if (l4->proto == IPPROTO_TCP && !syn) {
-			count(DP_C_NO_HOST_FLOW);
-			return TC_ACT_SHOT;
-		}
+		/* Only a SYN opens a TCP flow: a segment of one whose entry
+		 * is gone (a guest restored from a snapshot, an expired flow)
+		 * reaches no connection of the agent's; the guest gets the
+		 * RST (docs/datapath.md "TCP segments of connections the
+		 * sandbox never opened"). */
+		if (l4->proto == IPPROTO_TCP && !syn)
+			return PROXY_STALE;
 		if (share_take(skb->ifindex)) {
 			count(DP_C_HOST_SHARE);
 			sb_count(skb->ifindex, DP_S_NO_PORT);
@@ -1647,6 +1653,11 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	if ((dp == bpf_htons(53) || dp == bpf_htons(80) || dp == bpf_htons(443)) &&
 	    (sb->flags & (DP_F_SNI | DP_F_DOMAINS)) && !(v && v->kind == DP_CT_PORTMAP)) {
 		int r = steer_to_agent(skb);
+		if (r == PROXY_STALE) {
+			count(DP_C_STALE_TCP);
+			sb_count(skb->ifindex, DP_S_STALE_TCP);
+			return stale_reset(skb);
+		}
 		if (r != STEER_PASS)
 			return r;
 	}

@@ -126,6 +126,9 @@ pub static RELEASE_LATENCY: Histogram = Histogram {
 };
 /// Networks made with `clone_of` since the agent started.
 pub static NETWORKS_CLONED: AtomicU64 = AtomicU64::new(0);
+/// Clones' networks handed to their first VMM (OpenTap) since the agent
+/// started: snapshots restored onto them.
+pub static CLONES_RESTORED: AtomicU64 = AtomicU64::new(0);
 /// TrafficWhilePaused events since the agent started.
 pub static PAUSED_TRAFFIC_EVENTS: AtomicU64 = AtomicU64::new(0);
 

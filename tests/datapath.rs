@@ -864,6 +864,45 @@ async fn a_tcp_segment_of_a_connection_the_sandbox_never_opened_gets_an_rst() {
     let (_, checks) = c.health().await;
     assert_eq!(counter(&checks, "stale_tcp"), 4, "{checks:?}");
 
+    // Strict egress: TCP to 443 goes to the agent's proxy; a stale
+    // segment there (no proxy flow) gets its RST too, from the address
+    // the guest dialled.
+    c.ensure(
+        "strict",
+        opts(vec![
+            ("egress_mode", Value::from("sni")),
+            ("allow_out", Value::from(vec!["example.com".to_string()])),
+        ]),
+    )
+    .await
+    .unwrap();
+    let strict = RawGuest::new(c.open_tap("strict").await.unwrap());
+    let https = SocketAddrV4::new(Ipv4Addr::new(203, 0, 113, 9), 443);
+    let from5 = SocketAddrV4::new(GUEST_IP, 41004);
+    strict
+        .send(&guest::tcp_frame(
+            GUEST_MAC,
+            GATEWAY_MAC,
+            from5,
+            https,
+            55,
+            77,
+            guest::TCP_ACK | guest::TCP_PSH,
+            b"tls bytes",
+        ))
+        .unwrap();
+    let f = strict
+        .recv_match(T, rst_for(41004))
+        .expect("no RST for a stale segment to the proxy");
+    let rst = guest::parse_tcp(&f).unwrap();
+    assert_eq!(
+        (rst.src, rst.seq, rst.flags),
+        (https, 77, guest::TCP_RST),
+        "{rst:?}"
+    );
+    assert!(rst.checksums_ok, "{rst:?}");
+    assert_eq!(c.traffic("strict").await["drop_stale_tcp"], 1);
+
     // A SYN still opens a connection as before.
     drop(raw);
     let g = Guest::start_default(c.open_tap("restored").await.unwrap());
@@ -874,18 +913,9 @@ async fn a_tcp_segment_of_a_connection_the_sandbox_never_opened_gets_an_rst() {
     drop(env);
 }
 
-/// `ct` is an LRU: a live flow whose entry was evicted must not be taken
-/// for a stale one. Its SNAT reverse entry still names its port, and the
-/// flow goes on with it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_live_flow_whose_flow_entry_was_evicted_goes_on_with_its_port() {
-    require_root!();
-    let (env, world) = node(&[]);
-    let c = env.client().await;
-    c.ensure("evicted", opts(vec![])).await.unwrap();
-    let raw = RawGuest::new(c.open_tap("evicted").await.unwrap());
-    let server = world.tcp_server(8080);
-    let from = SocketAddrV4::new(GUEST_IP, 42000);
+/// A raw guest's TCP handshake with `server` from `from` (SYN out, the
+/// world's SYN-ACK back): the SYN-ACK.
+fn raw_handshake(raw: &RawGuest, from: SocketAddrV4, server: SocketAddrV4) -> guest::TcpSeg {
     raw.send(&guest::tcp_frame(
         GUEST_MAC,
         GATEWAY_MAC,
@@ -904,6 +934,78 @@ async fn a_live_flow_whose_flow_entry_was_evicted_goes_on_with_its_port() {
         .expect("no SYN-ACK from the world");
     let synack = guest::parse_tcp(&synack).unwrap();
     assert_eq!(synack.ack, 101);
+    synack
+}
+
+/// The handshake's ACK with `data` and FIN after [`raw_handshake`]: what
+/// the world's server answers on the same connection (an RST fails).
+fn raw_finish(
+    raw: &RawGuest,
+    from: SocketAddrV4,
+    server: SocketAddrV4,
+    synack: &guest::TcpSeg,
+) -> Vec<u8> {
+    raw.send(&guest::tcp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        from,
+        server,
+        101,
+        synack.seq.wrapping_add(1),
+        guest::TCP_ACK | guest::TCP_PSH | guest::TCP_FIN,
+        b"still here",
+    ))
+    .unwrap();
+    let reply = raw
+        .recv_match(T, |f| {
+            guest::parse_tcp(f)
+                .is_some_and(|t| !t.payload.is_empty() || t.flags & guest::TCP_RST != 0)
+        })
+        .map(|f| guest::parse_tcp(&f).unwrap())
+        .expect("nothing came back on the flow");
+    assert_eq!(
+        reply.flags & guest::TCP_RST,
+        0,
+        "the live flow was reset: {reply:?}"
+    );
+    reply.payload
+}
+
+/// A restart keeps every flow (pinned maps): the next segment of a TCP
+/// connection opened before a kill -9 goes on, never taken for a stale one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tcp_connection_opened_before_a_kill_goes_on_after_the_restart() {
+    require_root!();
+    let (mut env, world) = node(&[]);
+    let c = env.client().await;
+    c.ensure("kept", opts(vec![])).await.unwrap();
+    let raw = RawGuest::new(c.open_tap("kept").await.unwrap());
+    let server = world.tcp_server(8080);
+    let from = SocketAddrV4::new(GUEST_IP, 43000);
+    let synack = raw_handshake(&raw, from, server);
+    drop(c);
+    env.kill_agent();
+    env.start_agent();
+    assert_eq!(raw_finish(&raw, from, server, &synack), b"world:still here");
+    assert_eq!(world.peers(8080).len(), 1, "{:?}", world.peers(8080));
+    let c = env.client().await;
+    assert_eq!(c.traffic("kept").await["drop_stale_tcp"], 0);
+    drop(env);
+}
+
+/// `ct` is an LRU: a live flow whose entry was evicted must not be taken
+/// for a stale one. Its SNAT reverse entry still names its port, and the
+/// flow goes on with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_flow_whose_flow_entry_was_evicted_goes_on_with_its_port() {
+    require_root!();
+    let (env, world) = node(&[]);
+    let c = env.client().await;
+    c.ensure("evicted", opts(vec![])).await.unwrap();
+    let raw = RawGuest::new(c.open_tap("evicted").await.unwrap());
+    let server = world.tcp_server(8080);
+    let from = SocketAddrV4::new(GUEST_IP, 42000);
+    let synack = raw_handshake(&raw, from, server);
 
     // Evict: every flow entry goes, the reverse entries stay.
     let ct = env.dir.join("bpf").join("ct").display().to_string();
@@ -924,30 +1026,7 @@ async fn a_live_flow_whose_flow_entry_was_evicted_goes_on_with_its_port() {
 
     // The handshake's ACK with data and FIN: the world answers on the
     // same connection.
-    raw.send(&guest::tcp_frame(
-        GUEST_MAC,
-        GATEWAY_MAC,
-        from,
-        server,
-        101,
-        synack.seq.wrapping_add(1),
-        guest::TCP_ACK | guest::TCP_PSH | guest::TCP_FIN,
-        b"still here",
-    ))
-    .unwrap();
-    let reply = raw
-        .recv_match(T, |f| {
-            guest::parse_tcp(f)
-                .is_some_and(|t| !t.payload.is_empty() || t.flags & guest::TCP_RST != 0)
-        })
-        .map(|f| guest::parse_tcp(&f).unwrap())
-        .expect("nothing came back on the evicted flow");
-    assert_eq!(
-        reply.flags & guest::TCP_RST,
-        0,
-        "the live flow was reset: {reply:?}"
-    );
-    assert_eq!(reply.payload, b"world:still here", "{reply:?}");
+    assert_eq!(raw_finish(&raw, from, server, &synack), b"world:still here");
     assert_eq!(world.peers(8080).len(), 1, "{:?}", world.peers(8080));
     let t = c.traffic("evicted").await;
     assert_eq!(t["drop_stale_tcp"], 0, "{t:?}");

@@ -117,6 +117,9 @@ async fn openmetrics_and_io_systemd_metrics_agree_with_getnetwork() {
     )
     .await
     .unwrap();
+    // A VMM restores a snapshot onto the clone (twice: counted once).
+    drop(c.open_tap("m-idle").await.unwrap());
+    drop(c.open_tap("m-idle").await.unwrap());
     let guest = RawGuest::new(c.open_tap("m-busy").await.unwrap());
     for i in 0..5u8 {
         let f = udp_frame(
@@ -190,6 +193,7 @@ async fn openmetrics_and_io_systemd_metrics_agree_with_getnetwork() {
     assert_eq!(find("cube_network_agent_networks", &[]), 2.0);
     assert_eq!(find("cube_network_agent_cloned_networks", &[]), 1.0);
     assert_eq!(find("cube_network_agent_paused_networks", &[]), 1.0);
+    assert_eq!(find("cube_network_agent_clones_restored_total", &[]), 1.0);
     assert_eq!(
         find("cube_network_agent_traffic_while_paused_total", &[]),
         0.0

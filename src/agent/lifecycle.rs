@@ -999,6 +999,10 @@ impl Agent {
         let fd = tap
             .dup()
             .map_err(|e| failed("duplicating the TAP fd", &e))?;
+        if !net.handed_out && net.rec.cloned_from.is_some() {
+            // A clone's first VMM: a snapshot restored onto it.
+            crate::metrics::CLONES_RESTORED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         net.handed_out = true;
         Ok(fd)
     }

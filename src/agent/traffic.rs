@@ -367,6 +367,14 @@ impl Agent {
             "Sandbox networks made as clones of another (clone_of)",
             clones,
         ));
+        f.push(Family {
+            kind: Kind::Counter,
+            ..gauge(
+                "clones_restored",
+                "Clones' networks opened by their first VMM (OpenTap: a snapshot restored onto them) since the agent started",
+                crate::metrics::CLONES_RESTORED.load(std::sync::atomic::Ordering::Relaxed),
+            )
+        });
         f.push(gauge(
             "paused_networks",
             "Sandbox networks paused (EnsureNetwork paused)",
