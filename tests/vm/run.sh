@@ -22,7 +22,10 @@
 # Needs root: not root it skips in a developer run (exit 0, "SKIPPED") and
 # fails under CI (CI set, see tests/root.sh; exit 2). Every tool it uses is
 # installed by scripts/deps.sh; a missing one is a setup failure, and a GSO
-# check that cannot run (no tcpdump) counts as failed. Environment:
+# check that cannot run (no tcpdump) counts as failed. Shared parts (setup,
+# cleanup, results) are in tests/vm/lib.sh. Environment:
+#   CNA_AGENT, CNA_CTL the binaries (default: target/release/ of this tree)
+#   CNA_BUILD=0      do not run `cargo build --release --bins` first
 #   CNA_VM_CACHE     guest build cache (build-guest.sh)
 #   CNA_VM_KEEP=1    keep the temporary directory (logs, captures)
 #   CNA_VM_TCPDUMP=1 capture on up0 and the TAP into the temporary directory
@@ -34,110 +37,20 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 . "$ROOT/tests/root.sh"
 require_root tests/vm/run.sh "network namespaces, TAPs, bpffs"
-AGENT=$ROOT/target/release/cube-network-agent
-CTL=$ROOT/target/release/cubenetctl
 BIG=${CNA_VM_BIG:-2097152}
 WORLD_IP=198.51.100.2
 NODE_IP=198.51.100.1
 START=$(date +%s.%N)
-
-elapsed() { awk -v s="$START" -v n="$(date +%s.%N)" 'BEGIN{printf "%.1f", n-s}'; }
-log() { echo "# [$(elapsed)s] $*"; }
-die() {
-    echo "# setup failed: $*"
-    exit 2
-}
+. "$ROOT/tests/vm/lib.sh"
 
 # The tools this script and build-guest.sh run; scripts/deps.sh installs them.
-for tool in ip dbus-daemon busctl curl md5sum mount mountpoint umount tcpdump \
-    qemu-system-x86_64 awk sed cut head tail sort tr seq mktemp; do
-    command -v "$tool" >/dev/null || die "$tool not installed (run scripts/deps.sh)"
-done
-PY=/usr/bin/python3
-[ -x "$PY" ] || PY=$(command -v python3) || die "python3 not installed (run scripts/deps.sh)"
-
-# --- binaries and guest --------------------------------------------------------
-# Always ask cargo (a no-op when up to date): stale binaries would test old
-# code. Others may be mid-edit: retry, then fall back to existing binaries.
-for attempt in 1 2 3; do
-    if (cd "$ROOT" && cargo build --release --bins -q 2>"/tmp/cna-vm-build.$$.log"); then
-        rm -f "/tmp/cna-vm-build.$$.log"
-        break
-    fi
-    if [ $attempt = 3 ]; then
-        tail -20 "/tmp/cna-vm-build.$$.log"; rm -f "/tmp/cna-vm-build.$$.log"
-        [ -x "$AGENT" ] && [ -x "$CTL" ] || { echo "# cargo build failed 3 times"; exit 2; }
-        log "WARNING: cargo build failed 3 times; testing the existing binaries"
-        break
-    fi
-    log "cargo build failed (someone mid-edit?), retrying in 60 s"
-    sleep 60
-done
-CACHE=$("$ROOT/tests/vm/build-guest.sh" | tail -1) || { echo "# building the guest failed"; exit 2; }
-[ -s "$CACHE/vmlinux" ] && [ -s "$CACHE/initramfs.cpio.gz" ] || { echo "# no guest in $CACHE"; exit 2; }
-log "guest: $CACHE"
-
-# --- cleanup -------------------------------------------------------------------
-T=$(mktemp -d /tmp/cna-vm.XXXXXX)
-NS=cnavm-$$
-WNS=$NS-w
-PIDS=()
-FAILED=0
-PASSED=0
-cleanup() {
-    local rc=$?
-    trap - EXIT INT TERM
-    for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
-        kill "${PIDS[i]}" 2>/dev/null
-    done
-    for p in "${PIDS[@]}"; do
-        # Up to 2 s for a clean exit, then SIGKILL.
-        for _ in $(seq 20); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
-        kill -9 "$p" 2>/dev/null
-        wait "$p" 2>/dev/null
-    done
-    # Anything still inside our namespaces was started by us.
-    for n in "$NS" "$WNS"; do
-        for p in $(ip netns pids "$n" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
-        ip netns del "$n" 2>/dev/null
-    done
-    mountpoint -q "$T/bpf" && umount "$T/bpf"
-    if [ "${CNA_VM_KEEP:-0}" = 1 ]; then
-        echo "# kept $T"
-    else
-        rm -rf "$T"
-    fi
-    exit $rc
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-ok() { echo "ok - $1"; PASSED=$((PASSED + 1)); }
-notok() {
-    echo "not ok - $1"
-    shift
-    for l in "$@"; do echo "#   $l"; done
-    FAILED=$((FAILED + 1))
-}
-# check NAME EXPECTED ACTUAL
-check() {
-    if [ "$2" = "$3" ]; then ok "$1"; else notok "$1" "expected: $2" "got:      $3"; fi
-}
+vm_tools ip dbus-daemon busctl curl md5sum mount mountpoint umount tcpdump \
+    qemu-system-x86_64 awk sed cut head tail sort tr seq mktemp
+vm_binaries
+vm_scratch vm
 
 # --- node, world, bus ------------------------------------------------------------
-mkdir -p "$T/bpf" "$T/state" "$T/run" "$T/www"
-ip netns add "$NS" || die "ip netns add $NS"
-ip netns add "$WNS" || die "ip netns add $WNS"
-ip -n "$NS" link set lo up
-ip -n "$WNS" link set lo up
-# The agent's own bpffs: `ip netns exec` remounts /sys (see tests/common/mod.rs).
-mount -t bpf bpf "$T/bpf" || die "mount bpffs"
-ip -n "$NS" link add up0 type veth peer name w0 netns "$WNS" || die "veth"
-ip -n "$NS" addr add $NODE_IP/24 dev up0
-ip -n "$WNS" addr add $WORLD_IP/24 dev w0
-ip -n "$NS" link set up0 up
-ip -n "$WNS" link set w0 up
-ip -n "$NS" route replace default via $WORLD_IP dev up0 || die "default route"
+vm_topology
 
 # World web server: GET files from www/, POST /upload answers "<size> <md5>";
 # logs every client address (the SNAT check).
@@ -167,28 +80,14 @@ PY
 ip netns exec "$WNS" "$PY" "$T/world.py" "$T/www" >"$T/world.out" 2>"$T/world.log" &
 PIDS+=($!)
 
-ADDR="unix:path=$T/bus.sock"
-dbus-daemon --config-file="$ROOT/tests/data/bus.conf" --address="$ADDR" --nofork --nopidfile \
-    >/dev/null 2>"$T/dbus.log" &
-PIDS+=($!)
+vm_bus
 
 for _ in $(seq 100); do grep -q WORLD-READY "$T/world.out" 2>/dev/null && [ -S "$T/bus.sock" ] && break; sleep 0.05; done
 grep -q WORLD-READY "$T/world.out" || die "world http server did not start: $(cat "$T/world.log")"
 [ -S "$T/bus.sock" ] || die "dbus-daemon did not start: $(cat "$T/dbus.log")"
 
 # --- agent -------------------------------------------------------------------------
-ip netns exec "$NS" "$AGENT" --bus "$ADDR" --state-dir "$T/state" --runtime-dir "$T/run" --report-socket "$T/report.sock" \
-    --bpf-pin-dir "$T/bpf" --config /dev/null --warm-pool 2 --log-level debug \
-    >/dev/null 2>"$T/agent.log" &
-AGENT_PID=$!
-PIDS+=($AGENT_PID)
-for _ in $(seq 200); do
-    kill -0 $AGENT_PID 2>/dev/null || { tail -20 "$T/agent.log"; die "agent exited"; }
-    busctl --address "$ADDR" status org.cube.NetworkAgent >/dev/null 2>&1 && break
-    sleep 0.05
-done
-busctl --address "$ADDR" status org.cube.NetworkAgent >/dev/null 2>&1 || { tail -20 "$T/agent.log"; die "agent did not take its bus name"; }
-log "agent up (pid $AGENT_PID)"
+vm_agent
 
 "$CTL" --bus "$ADDR" --json ensure vm-1 --port tcp:80 >"$T/ensure.json" 2>"$T/ensure.err" ||
     die "cubenetctl ensure: $(cat "$T/ensure.err")"

@@ -70,103 +70,21 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 . "$ROOT/tests/root.sh"
 require_root tests/vm/snapshot.sh "network namespaces, TAPs, bpffs"
-AGENT=${CNA_AGENT:-$ROOT/target/release/cube-network-agent}
-CTL=${CNA_CTL:-$ROOT/target/release/cubenetctl}
 WORLD_IP=198.51.100.2
 NODE_IP=198.51.100.1
 CLONES=3
 STALE_WAIT=5
 START=$(date +%s.%N)
 
-now() { date +%s.%N; }
-elapsed() { awk -v s="$START" -v n="$(now)" 'BEGIN{printf "%.1f", n-s}'; }
+. "$ROOT/tests/vm/lib.sh"
 # since T0 [T1]: T1 - T0 in seconds (T1 defaults to now)
 since() { awk -v s="$1" -v n="${2:-$(now)}" 'BEGIN{printf "%.1f", n-s}'; }
-log() { echo "# [$(elapsed)s] $*"; }
-die() {
-    echo "# setup failed: $*"
-    exit 2
-}
 
-for tool in ip dbus-daemon busctl curl mount mountpoint umount tcpdump nft sysctl \
-    qemu-system-x86_64 awk sed cut head tail sort tr seq wc mktemp; do
-    command -v "$tool" >/dev/null || die "$tool not installed (run scripts/deps.sh)"
-done
-PY=/usr/bin/python3
-[ -x "$PY" ] || PY=$(command -v python3) || die "python3 not installed (run scripts/deps.sh)"
+vm_tools ip dbus-daemon busctl curl mount mountpoint umount tcpdump nft sysctl \
+    qemu-system-x86_64 awk sed cut head tail sort tr seq wc mktemp
+vm_binaries
+vm_scratch snap
 
-# --- binaries and guest --------------------------------------------------------
-# Unless CNA_BUILD=0, ask cargo (a no-op when up to date): stale binaries
-# would test old code. Others may be mid-edit: retry, then fall back to
-# existing binaries.
-if [ "${CNA_BUILD:-1}" != 0 ]; then
-    for attempt in 1 2 3; do
-        if (cd "$ROOT" && cargo build --release --bins -q 2>"/tmp/cna-vm-build.$$.log"); then
-            rm -f "/tmp/cna-vm-build.$$.log"
-            break
-        fi
-        if [ $attempt = 3 ]; then
-            tail -20 "/tmp/cna-vm-build.$$.log"; rm -f "/tmp/cna-vm-build.$$.log"
-            [ -x "$AGENT" ] && [ -x "$CTL" ] || { echo "# cargo build failed 3 times"; exit 2; }
-            log "WARNING: cargo build failed 3 times; testing the existing binaries"
-            break
-        fi
-        log "cargo build failed (someone mid-edit?), retrying in 60 s"
-        sleep 60
-    done
-fi
-[ -x "$AGENT" ] || die "no agent binary $AGENT"
-[ -x "$CTL" ] || die "no cubenetctl binary $CTL"
-CACHE=$("$ROOT/tests/vm/build-guest.sh" | tail -1) || { echo "# building the guest failed"; exit 2; }
-[ -s "$CACHE/vmlinux" ] && [ -s "$CACHE/initramfs.cpio.gz" ] || { echo "# no guest in $CACHE"; exit 2; }
-log "guest: $CACHE; agent: $AGENT"
-
-# --- cleanup -------------------------------------------------------------------
-T=$(mktemp -d /tmp/cna-snap.XXXXXX)
-NS=cnasnap-$$
-WNS=$NS-w
-PIDS=()
-FAILED=0
-PASSED=0
-cleanup() {
-    local rc=$?
-    trap - EXIT INT TERM
-    for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
-        kill "${PIDS[i]}" 2>/dev/null
-    done
-    for p in "${PIDS[@]}"; do
-        # Up to 2 s for a clean exit, then SIGKILL.
-        for _ in $(seq 20); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
-        kill -9 "$p" 2>/dev/null
-        wait "$p" 2>/dev/null
-    done
-    # Anything still inside our namespaces was started by us.
-    for n in "$NS" "$WNS"; do
-        for p in $(ip netns pids "$n" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
-        ip netns del "$n" 2>/dev/null
-    done
-    mountpoint -q "$T/bpf" && umount "$T/bpf"
-    if [ "${CNA_VM_KEEP:-0}" = 1 ]; then
-        echo "# kept $T"
-    else
-        rm -rf "$T"
-    fi
-    exit $rc
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-ok() { echo "ok - $1"; PASSED=$((PASSED + 1)); }
-notok() {
-    echo "not ok - $1"
-    shift
-    for l in "$@"; do echo "#   $l"; done
-    FAILED=$((FAILED + 1))
-}
-# check NAME EXPECTED ACTUAL
-check() {
-    if [ "$2" = "$3" ]; then ok "$1"; else notok "$1" "expected: $2" "got:      $3"; fi
-}
 summary() {
     if [ $FAILED -gt 0 ]; then
         for c in src $(seq -f 'clone-%g' $CLONES); do
@@ -182,19 +100,7 @@ summary() {
 }
 
 # --- node, world, bus ------------------------------------------------------------
-mkdir -p "$T/bpf" "$T/state" "$T/run" "$T/www"
-ip netns add "$NS" || die "ip netns add $NS"
-ip netns add "$WNS" || die "ip netns add $WNS"
-ip -n "$NS" link set lo up
-ip -n "$WNS" link set lo up
-# The agent's own bpffs: `ip netns exec` remounts /sys (see tests/common/mod.rs).
-mount -t bpf bpf "$T/bpf" || die "mount bpffs"
-ip -n "$NS" link add up0 type veth peer name w0 netns "$WNS" || die "veth"
-ip -n "$NS" addr add $NODE_IP/24 dev up0
-ip -n "$WNS" addr add $WORLD_IP/24 dev w0
-ip -n "$NS" link set up0 up
-ip -n "$WNS" link set w0 up
-ip -n "$NS" route replace default via $WORLD_IP dev up0 || die "default route"
+vm_topology
 
 # The world's firewall: segments of connections it does not know are
 # dropped (conntrack "invalid": no mid-stream pickup), not answered by RST,
@@ -255,10 +161,7 @@ PY
 ip netns exec "$WNS" "$PY" "$T/tick.py" >"$T/ticks.log" 2>"$T/tick.err" &
 PIDS+=($!)
 
-ADDR="unix:path=$T/bus.sock"
-dbus-daemon --config-file="$ROOT/tests/data/bus.conf" --address="$ADDR" --nofork --nopidfile \
-    >/dev/null 2>"$T/dbus.log" &
-PIDS+=($!)
+vm_bus
 
 for _ in $(seq 100); do
     grep -q WORLD-READY "$T/world.out" 2>/dev/null && grep -q TICK-READY "$T/tick.err" 2>/dev/null &&
@@ -270,18 +173,7 @@ grep -q TICK-READY "$T/tick.err" || die "world tick server did not start: $(cat 
 [ -S "$T/bus.sock" ] || die "dbus-daemon did not start: $(cat "$T/dbus.log")"
 
 # --- agent -------------------------------------------------------------------------
-ip netns exec "$NS" "$AGENT" --bus "$ADDR" --state-dir "$T/state" --runtime-dir "$T/run" --report-socket "$T/report.sock" \
-    --bpf-pin-dir "$T/bpf" --config /dev/null --warm-pool 2 --log-level debug \
-    >/dev/null 2>"$T/agent.log" &
-AGENT_PID=$!
-PIDS+=("$AGENT_PID")
-for _ in $(seq 200); do
-    kill -0 $AGENT_PID 2>/dev/null || { tail -20 "$T/agent.log"; die "agent exited"; }
-    busctl --address "$ADDR" status org.cube.NetworkAgent >/dev/null 2>&1 && break
-    sleep 0.05
-done
-busctl --address "$ADDR" status org.cube.NetworkAgent >/dev/null 2>&1 || { tail -20 "$T/agent.log"; die "agent did not take its bus name"; }
-log "agent up (pid $AGENT_PID)"
+vm_agent
 
 # netinfo FILE: "SANDBOX_IP TAP HOST_PORT_OF_TCP_80 CLONED_FROM" from a
 # network's JSON (cloned_from "-" when absent).
