@@ -60,8 +60,11 @@ impl Agent {
                         return;
                     }
                 };
-                let alive = drain(guard.get_inner_mut());
+                // Cleared before draining: a report committed while the
+                // ring is drained sets readiness again (cleared after, its
+                // wakeup could be lost until the next report).
                 guard.clear_ready();
+                let alive = drain(guard.get_inner_mut());
                 if !alive {
                     return;
                 }
