@@ -1620,6 +1620,356 @@ __noinline int stale_reset(struct __sk_buff *skb)
 	return bpf_redirect(skb->ifindex, 0);
 }
 
+/* ---- The guests' IPv6 link (docs/dual-stack.md) ------------------------
+ * There is no IPv6 egress yet (NAT66 is a later slice), so the link is
+ * what a router with no upstream offers: Router Solicitations get a Router
+ * Advertisement with the on-link prefix for SLAAC and a router lifetime of
+ * 0 (no default route: connections off the link fail at once in the
+ * guest), the gateway's addresses answer Neighbour Solicitations and
+ * echo, and whatever a guest still sends off its link (a static default
+ * route) gets an RST or an ICMPv6 unreachable back at once, never a
+ * timeout. Guests' RAs, redirects and DHCPv6 server messages are dropped
+ * and counted; MLD and DAD are dropped quietly. */
+
+#define IPPROTO_ICMPV6 58
+#define ICMP6_DST_UNREACH 1
+#define ICMP6_ECHO_REQUEST 128
+#define ICMP6_ECHO_REPLY 129
+#define ND_ROUTER_SOLICIT 133
+#define ND_ROUTER_ADVERT 134
+#define ND_NEIGHBOR_SOLICIT 135
+#define ND_NEIGHBOR_ADVERT 136
+#define ND_REDIRECT 137
+
+struct ip6h {
+	__be32 vtcflow;
+	__be16 plen;
+	__u8 nexthdr;
+	__u8 hlim;
+	__u32 saddr[4];
+	__u32 daddr[4];
+};
+
+/* fe80::/64 or the guests' prefix, with the modified EUI-64 of `mac`. */
+static __always_inline void v6_eui64(__u32 *a, __u32 hi0, __u32 hi1, const __u8 *mac)
+{
+	a[0] = bpf_htonl(hi0);
+	a[1] = bpf_htonl(hi1);
+	a[2] = bpf_htonl(((__u32)(mac[0] ^ 2) << 24) | ((__u32)mac[1] << 16) |
+			 ((__u32)mac[2] << 8) | 0xff);
+	a[3] = bpf_htonl(0xfe000000 | ((__u32)mac[3] << 16) | ((__u32)mac[4] << 8) | mac[5]);
+}
+
+static __always_inline void v6_fixed(__u32 *a, __u32 lo)
+{
+	a[0] = bpf_htonl(DP_V6_PREFIX0);
+	a[1] = bpf_htonl(DP_V6_PREFIX1);
+	a[2] = 0;
+	a[3] = bpf_htonl(lo);
+}
+
+static __always_inline int v6_eui64_eq(const __u32 *a, __u32 hi0, __u32 hi1, const __u8 *mac)
+{
+	return a[0] == bpf_htonl(hi0) && a[1] == bpf_htonl(hi1) &&
+	       a[2] == bpf_htonl(((__u32)(mac[0] ^ 2) << 24) | ((__u32)mac[1] << 16) |
+				 ((__u32)mac[2] << 8) | 0xff) &&
+	       a[3] == bpf_htonl(0xfe000000 | ((__u32)mac[3] << 16) | ((__u32)mac[4] << 8) | mac[5]);
+}
+
+static __always_inline int v6_fixed_eq(const __u32 *a, __u32 lo)
+{
+	return a[0] == bpf_htonl(DP_V6_PREFIX0) && a[1] == bpf_htonl(DP_V6_PREFIX1) && !a[2] &&
+	       a[3] == bpf_htonl(lo);
+}
+
+static __always_inline int v6_is_guest(const __u32 *a, const __u8 *guest_mac)
+{
+	return v6_fixed_eq(a, DP_V6_GUEST_LO) ||
+	       v6_eui64_eq(a, DP_V6_PREFIX0, DP_V6_PREFIX1, guest_mac) ||
+	       v6_eui64_eq(a, 0xfe800000, 0, guest_mac);
+}
+
+static __always_inline int v6_is_gateway(const __u32 *a, const __u8 *gateway_mac)
+{
+	return v6_fixed_eq(a, DP_V6_GATEWAY_LO) || v6_eui64_eq(a, 0xfe800000, 0, gateway_mac);
+}
+
+/* The ICMPv6/TCP/UDP pseudo-header's sum. */
+static __always_inline __u32 v6_pseudo(const struct ip6h *ip, __u32 len, __u8 proto)
+{
+	return csum_words(ip->saddr, 32) + bpf_htons(len) + bpf_htons(proto);
+}
+
+/* Whether the frame's L4 checksum is partial (offloaded to the far side);
+ * see stale_reset. */
+static __always_inline int l4_partial(struct __sk_buff *skb, __u32 csum_off)
+{
+	__u16 before, after;
+	if (bpf_skb_load_bytes(skb, csum_off, &before, 2) ||
+	    bpf_l4_csum_replace(skb, csum_off, 0, bpf_htons(1), 2) ||
+	    bpf_skb_load_bytes(skb, csum_off, &after, 2))
+		return -1;
+	return before == after;
+}
+
+/* Replaces the frame with `len` bytes of IPv6 packet from `p` and sends it
+ * back to the guest. */
+static __always_inline int v6_answer(struct __sk_buff *skb, const struct dp_config *c,
+				     const void *p, __u32 len)
+{
+	if (bpf_skb_change_tail(skb, ETH_HLEN + len, 0) ||
+	    bpf_skb_store_bytes(skb, ETH_HLEN, p, len, 0) ||
+	    set_macs(skb, c->guest_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	return bpf_redirect(skb->ifindex, 0);
+}
+
+struct v6_ra {
+	struct ip6h ip;
+	__u8 type, code;
+	__u16 csum;
+	__u8 hop_limit, flags;
+	__be16 lifetime;
+	__be32 reachable, retrans;
+	__u8 sll_type, sll_len, sll[6];
+	__u8 pi_type, pi_len, pi_prefix_len, pi_flags;
+	__be32 pi_valid, pi_preferred, pi_reserved;
+	__u32 pi_prefix[4];
+};
+struct v6_na {
+	struct ip6h ip;
+	__u8 type, code;
+	__u16 csum;
+	__be32 flags;
+	__u32 target[4];
+	__u8 tll_type, tll_len, tll[6];
+};
+struct v6_rst {
+	struct ip6h ip;
+	struct tcphdr th;
+};
+struct v6_unreach {
+	struct ip6h ip;
+	__u8 type, code;
+	__u16 csum;
+	__u16 unused[2];
+	struct ip6h qip;
+	__u8 ql4[8];
+};
+_Static_assert(sizeof(struct v6_ra) == 96, "RA layout");
+_Static_assert(sizeof(struct v6_na) == 72, "NA layout");
+_Static_assert(sizeof(struct v6_unreach) == 96, "unreachable layout");
+
+__noinline int guest_ipv6(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!skb || !c)
+		return TC_ACT_SHOT;
+	__u32 ifindex = skb->ifindex;
+	union {
+		struct v6_ra ra;
+		struct v6_na na;
+		struct v6_rst r;
+		struct v6_unreach e;
+	} u;
+	__u8 dmac[6];
+	struct {
+		struct ip6h ip;
+		__u8 l4[8]; /* ICMPv6 type, code; TCP/UDP ports */
+	} h;
+	if (bpf_skb_load_bytes(skb, 0, dmac, sizeof(dmac)) ||
+	    bpf_skb_load_bytes(skb, ETH_HLEN, &h, sizeof(h)) || (bpf_ntohl(h.ip.vtcflow) >> 28) != 6) {
+		count(DP_C_MALFORMED);
+		sb_count(ifindex, DP_S_MALFORMED);
+		return TC_ACT_SHOT;
+	}
+	/* Hop-by-hop options: MLD reports (router alert); nothing else a
+	 * guest needs. Quietly. */
+	if (h.ip.nexthdr == 0)
+		return TC_ACT_SHOT;
+	int mcast = (bpf_ntohl(h.ip.daddr[0]) >> 24) == 0xff;
+	/* The link's only other node is the gateway: unicast goes to its MAC,
+	 * multicast to 33:33:<low 32 bits>. */
+	if (mcast ? !(dmac[0] == 0x33 && dmac[1] == 0x33) : !mac_eq(dmac, c->gateway_mac)) {
+		count(DP_C_SPOOF_DROP);
+		sb_count(ifindex, DP_S_SPOOFED);
+		return TC_ACT_SHOT;
+	}
+	__u8 type = h.l4[0];
+	int icmp = h.ip.nexthdr == IPPROTO_ICMPV6;
+	/* Duplicate address detection (an NS from ::) is never answered with
+	 * an NA, the guest's addresses are its own; but it means the guest's
+	 * link just came up, and an RA right then spares it the wait for its
+	 * link-local address and its Router Solicitation. */
+	int dad = 0;
+	if (!v6_is_guest(h.ip.saddr, c->guest_mac)) {
+		dad = !(h.ip.saddr[0] | h.ip.saddr[1] | h.ip.saddr[2] | h.ip.saddr[3]) && icmp &&
+		      type == ND_NEIGHBOR_SOLICIT;
+		if (!dad) {
+			count(DP_C_SPOOF_DROP);
+			sb_count(ifindex, DP_S_SPOOFED);
+			return TC_ACT_SHOT;
+		}
+	}
+	if (icmp) {
+		if (type == ND_ROUTER_ADVERT || type == ND_REDIRECT) {
+			count(DP_C_ROGUE_ND);
+			sb_count(ifindex, DP_S_SPOOFED);
+			return TC_ACT_SHOT;
+		}
+		if (type >= 130 && type <= 136 && h.ip.hlim != 255)
+			return TC_ACT_SHOT; /* ND and MLD come from the link only */
+		if (type == ND_ROUTER_SOLICIT || dad) {
+			__builtin_memset(&u.ra, 0, sizeof(u.ra));
+			__u32 len = sizeof(u.ra) - sizeof(u.ra.ip);
+			u.ra.ip.vtcflow = bpf_htonl(0x60000000);
+			u.ra.ip.plen = bpf_htons(len);
+			u.ra.ip.nexthdr = IPPROTO_ICMPV6;
+			u.ra.ip.hlim = 255;
+			v6_eui64(u.ra.ip.saddr, 0xfe800000, 0, c->gateway_mac);
+			u.ra.ip.daddr[0] = bpf_htonl(0xff020000); /* all nodes */
+			u.ra.ip.daddr[3] = bpf_htonl(1);
+			u.ra.type = ND_ROUTER_ADVERT;
+			u.ra.hop_limit = 64;
+			/* lifetime 0: not a default router (no IPv6 egress yet) */
+			u.ra.sll_type = 1;
+			u.ra.sll_len = 1;
+			__builtin_memcpy(u.ra.sll, c->gateway_mac, 6);
+			u.ra.pi_type = 3;
+			u.ra.pi_len = 4;
+			u.ra.pi_prefix_len = 64;
+			u.ra.pi_flags = 0xc0; /* on-link, autonomous */
+			u.ra.pi_valid = 0xffffffff;
+			u.ra.pi_preferred = 0xffffffff;
+			v6_fixed(u.ra.pi_prefix, 0);
+			u.ra.csum = ~csum_fold32(v6_pseudo(&u.ra.ip, len, IPPROTO_ICMPV6) +
+					       csum_words(&u.ra.type, len));
+			count(DP_C_ND_REPLY);
+			return v6_answer(skb, c, &u.ra, sizeof(u.ra));
+		}
+		if (type == ND_NEIGHBOR_SOLICIT) {
+			__u32 off = ETH_HLEN + sizeof(struct ip6h) + 8;
+			if (bpf_skb_load_bytes(skb, off, u.na.target, sizeof(u.na.target)) ||
+			    !v6_is_gateway(u.na.target, c->gateway_mac))
+				return TC_ACT_SHOT; /* nobody else is on the link */
+			__u32 len = sizeof(u.na) - sizeof(u.na.ip);
+			u.na.ip.vtcflow = bpf_htonl(0x60000000);
+			u.na.ip.plen = bpf_htons(len);
+			u.na.ip.nexthdr = IPPROTO_ICMPV6;
+			u.na.ip.hlim = 255;
+			__builtin_memcpy(u.na.ip.saddr, u.na.target, 16);
+			__builtin_memcpy(u.na.ip.daddr, h.ip.saddr, 16);
+			u.na.type = ND_NEIGHBOR_ADVERT;
+			u.na.code = 0;
+			u.na.csum = 0;
+			u.na.flags = bpf_htonl(0xe0000000); /* router, solicited, override */
+			u.na.tll_type = 2;
+			u.na.tll_len = 1;
+			__builtin_memcpy(u.na.tll, c->gateway_mac, 6);
+			u.na.csum = ~csum_fold32(v6_pseudo(&u.na.ip, len, IPPROTO_ICMPV6) +
+					       csum_words(&u.na.type, len));
+			count(DP_C_ND_REPLY);
+			return v6_answer(skb, c, &u.na, sizeof(u.na));
+		}
+		if (type == ICMP6_ECHO_REQUEST && v6_is_gateway(h.ip.daddr, c->gateway_mac)) {
+			/* Turned around in place: swapping the addresses keeps
+			 * the pseudo-header's sum. */
+			__u32 csum_off = ETH_HLEN + sizeof(struct ip6h) + 2;
+			__u32 a_off = ETH_HLEN + __builtin_offsetof(struct ip6h, saddr);
+			if (bpf_skb_store_bytes(skb, a_off, h.ip.daddr, 16, 0) ||
+			    bpf_skb_store_bytes(skb, a_off + 16, h.ip.saddr, 16, 0) ||
+			    bpf_l4_csum_replace(skb, csum_off, bpf_htons(ICMP6_ECHO_REQUEST << 8),
+						bpf_htons(ICMP6_ECHO_REPLY << 8), 2) ||
+			    bpf_skb_store_bytes(skb, ETH_HLEN + sizeof(struct ip6h), &(__u8){ICMP6_ECHO_REPLY},
+						1, 0) ||
+			    set_macs(skb, c->guest_mac, c->gateway_mac))
+				return TC_ACT_SHOT;
+			count(DP_C_ND_REPLY);
+			return bpf_redirect(ifindex, 0);
+		}
+		if (type >= 130 && type <= 143)
+			return TC_ACT_SHOT; /* MLD, NA, ...: quietly */
+	}
+	if (h.ip.nexthdr == IPPROTO_UDP && (h.l4[0] << 8 | h.l4[1]) == 547) {
+		count(DP_C_ROGUE_ND); /* a DHCPv6 server or relay */
+		sb_count(ifindex, DP_S_SPOOFED);
+		return TC_ACT_SHOT;
+	}
+	/* No error answers a multicast packet (RFC 4443 2.4). */
+	if (mcast)
+		return TC_ACT_SHOT;
+
+	/* Everything else has nowhere to go: refused at once. */
+	count(DP_C_IPV6_REFUSED);
+	sb_count(ifindex, DP_S_NO_ROUTE);
+	__u32 l4_off = ETH_HLEN + sizeof(struct ip6h);
+	if (h.ip.nexthdr == IPPROTO_TCP) {
+		struct tcphdr th;
+		if (bpf_skb_load_bytes(skb, l4_off, &th, sizeof(th)) || th.rst)
+			return TC_ACT_SHOT;
+		int partial = l4_partial(skb, l4_off + __builtin_offsetof(struct tcphdr, check));
+		if (partial < 0)
+			return TC_ACT_SHOT;
+		__u32 plen = bpf_ntohs(h.ip.plen);
+		__u32 seg = (plen > th.doff * 4u ? plen - th.doff * 4u : 0) + th.syn + th.fin;
+		
+		__builtin_memset(&u.r, 0, sizeof(u.r));
+		u.r.ip.vtcflow = bpf_htonl(0x60000000);
+		u.r.ip.plen = bpf_htons(sizeof(u.r.th));
+		u.r.ip.nexthdr = IPPROTO_TCP;
+		u.r.ip.hlim = 64;
+		__builtin_memcpy(u.r.ip.saddr, h.ip.daddr, 16);
+		__builtin_memcpy(u.r.ip.daddr, h.ip.saddr, 16);
+		u.r.th.source = th.dest;
+		u.r.th.dest = th.source;
+		u.r.th.doff = 5;
+		u.r.th.rst = 1;
+		if (th.ack) {
+			u.r.th.seq = th.ack_seq;
+		} else {
+			u.r.th.ack = 1;
+			u.r.th.ack_seq = bpf_htonl(bpf_ntohl(th.seq) + seg);
+		}
+		__u32 pseudo = v6_pseudo(&u.r.ip, sizeof(u.r.th), IPPROTO_TCP);
+		if (partial)
+			u.r.th.check = csum_fold32(pseudo);
+		else
+			u.r.th.check = ~csum_fold32(pseudo + csum_words(&u.r.th, sizeof(u.r.th)));
+		return v6_answer(skb, c, &u.r, sizeof(u.r));
+	}
+	if (icmp && type < 128)
+		return TC_ACT_SHOT; /* never an error about an error */
+	/* Destination unreachable, no route, quoting the header and the first
+	 * 8 bytes after it (enough for the guest to find the socket). A
+	 * partial UDP checksum stays partial: the far side sums from the
+	 * ICMPv6 header and stores at its offset 6, inside the "unused" word,
+	 * which receivers ignore; seeded with the pseudo-header's sum, the
+	 * message's checksum comes out right wherever it is stored. */
+	int partial = 0;
+	if (h.ip.nexthdr == IPPROTO_UDP) {
+		partial = l4_partial(skb, l4_off + 6);
+		if (partial < 0)
+			return TC_ACT_SHOT;
+	}
+	__builtin_memset(&u.e, 0, sizeof(u.e));
+	u.e.qip = h.ip;
+	__builtin_memcpy(u.e.ql4, h.l4, 8);
+	__u32 len = sizeof(u.e) - sizeof(u.e.ip);
+	u.e.ip.vtcflow = bpf_htonl(0x60000000);
+	u.e.ip.plen = bpf_htons(len);
+	u.e.ip.nexthdr = IPPROTO_ICMPV6;
+	u.e.ip.hlim = 64;
+	v6_eui64(u.e.ip.saddr, 0xfe800000, 0, c->gateway_mac);
+	__builtin_memcpy(u.e.ip.daddr, h.ip.saddr, 16);
+	u.e.type = ICMP6_DST_UNREACH;
+	__u32 pseudo = v6_pseudo(&u.e.ip, len, IPPROTO_ICMPV6);
+	if (partial)
+		u.e.unused[1] = csum_fold32(pseudo);
+	else
+		u.e.csum = ~csum_fold32(pseudo + csum_words(&u.e.type, len));
+	return v6_answer(skb, c, &u.e, sizeof(u.e));
+}
+
 /* guest -> world: SNAT after the policy check, or the reply side of a
  * port-mapped flow the world opened (admitted on the way in, so not
  * subject to the sandbox's egress policy). */
@@ -1741,6 +2091,8 @@ int from_guest(struct __sk_buff *skb)
 	}
 	if (eth.h_proto == bpf_htons(ETH_P_ARP))
 		return proxy_arp(skb, c);
+	if (eth.h_proto == bpf_htons(ETH_P_IPV6) && (c->flags & DP_CFG_IPV6))
+		return guest_ipv6(skb);
 	if (eth.h_proto != bpf_htons(ETH_P_IP)) {
 		sb_count(ifindex, DP_S_UNSUPPORTED);
 		return TC_ACT_SHOT;
@@ -1799,6 +2151,151 @@ static __always_inline int host_nat_reply(struct __sk_buff *skb, const struct dp
 	return TC_ACT_OK;
 }
 
+/* RFC 1624: a checksum after a 16-bit word of what it covers changes
+ * from `from` to `to` (both as they sit in the packet). */
+static __always_inline __u16 csum_upd16(__u16 check, __u16 from, __u16 to)
+{
+	return ~csum_fold32((__u16)~check + (__u16)~from + to);
+}
+
+/* ... after a 32-bit word (an address) changes. */
+static __always_inline __u16 csum_upd32(__u16 check, __u32 from, __u32 to)
+{
+	return ~csum_fold32((__u16)~check + (__u16)~(from >> 16) + (__u16)~(from & 0xffff) +
+			    (to >> 16) + (to & 0xffff));
+}
+
+#define ICMP_DEST_UNREACH 3
+#define ICMP_TIME_EXCEEDED 11
+#define ICMP_PARAMETERPROB 12
+
+/* An ICMP error from the world about a packet of a sandbox flow (a SNAT
+ * flow the sandbox opened, or the sandbox's side of a port-mapped one):
+ * the quoted packet left as (uplink address, NAT port); the error goes to
+ * the guest as if the guest's own packet had met it: the outer
+ * destination, the quoted source address and port, and the checksums
+ * (outer IP, ICMP, quoted IP, quoted UDP or ICMP echo, quoted TCP when
+ * the quote holds it) rewritten. Above all "fragmentation needed" (path
+ * MTU discovery: dropped, a guest's large DF packets vanish on any
+ * narrower link); also unreachable, time exceeded (traceroute), parameter
+ * problem. Errors about nothing a live sandbox holds go to the host. */
+struct icmp_err_hdrs {
+	struct iphdr ip;    /* outer, no options */
+	struct icmphdr icmp;
+	struct iphdr in;    /* the quoted header, no options */
+	__u16 l4[4];        /* its first 8 bytes after it */
+};
+
+__noinline int icmp_error_in(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!skb || !c)
+		return TC_ACT_OK;
+	struct icmp_err_hdrs h;
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &h, sizeof(h)) || h.ip.ihl != 5 ||
+	    h.in.version != 4 || h.in.ihl != 5 || h.in.saddr != c->uplink_ip ||
+	    (h.in.frag_off & bpf_htons(IP_OFFSET)))
+		return TC_ACT_OK;
+	__u8 proto = h.in.protocol;
+	__u16 nat_port, remote_port;
+	if (proto == IPPROTO_TCP || proto == IPPROTO_UDP) {
+		nat_port = h.l4[0];
+		remote_port = h.l4[1];
+	} else if (proto == IPPROTO_ICMP && ((__u8 *)h.l4)[0] == ICMP_ECHO) {
+		nat_port = h.l4[2]; /* the echo id */
+		remote_port = 0;
+	} else {
+		return TC_ACT_OK;
+	}
+	struct dp_ct_key key = {
+		.remote_ip = h.in.daddr,
+		.remote_port = remote_port,
+		.proto = proto,
+	};
+	__u8 kind;
+	__u64 gen;
+	struct dp_rev_key rk = {
+		.remote_ip = h.in.daddr,
+		.remote_port = remote_port,
+		.nat_port = nat_port,
+		.proto = proto,
+	};
+	struct dp_rev_val *rv = bpf_map_lookup_elem(&ct_rev, &rk);
+	if (rv) {
+		if (!rv->sandbox_ip)
+			return TC_ACT_OK; /* a host connection to_uplink moved */
+		key.sandbox_ip = rv->sandbox_ip;
+		key.guest_port = rv->guest_port;
+		gen = rv->gen;
+		kind = DP_CT_SNAT;
+	} else {
+		if (proto == IPPROTO_ICMP)
+			return TC_ACT_OK;
+		struct dp_portmap_val *pm = find_portmap(c->uplink_ip, nat_port, proto, 1);
+		if (!pm)
+			return TC_ACT_OK;
+		key.sandbox_ip = pm->sandbox_ip;
+		key.guest_port = pm->container_port;
+		struct dp_tap *t = bpf_map_lookup_elem(&by_ip, &key.sandbox_ip);
+		if (!t)
+			return TC_ACT_OK;
+		gen = t->gen;
+		kind = DP_CT_PORTMAP;
+	}
+	/* Only a live flow of the address's current owner: an error never
+	 * reaches a sandbox about packets it did not send. */
+	struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
+	if (!v || v->gen != gen || v->nat_port != nat_port || v->kind != kind)
+		return TC_ACT_OK;
+	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &key.sandbox_ip);
+	if (!tap || tap->gen != gen)
+		return TC_ACT_OK;
+	if (tap->flags & DP_T_PAUSED)
+		return TC_ACT_SHOT;
+	__u32 tap_ifindex = tap->ifindex;
+
+	__u32 uplink = c->uplink_ip, guest = c->guest_ip;
+	__u16 port = key.guest_port;
+	__u16 ic = h.icmp.checksum;
+	__u16 tcp_check = 0, tcp_new = 0;
+	__u32 tcp_off = ETH_HLEN + sizeof(h) - sizeof(h.l4) + __builtin_offsetof(struct tcphdr, check);
+	int tcp_quoted = proto == IPPROTO_TCP && skb->len >= tcp_off + 2;
+	if (tcp_quoted) {
+		if (bpf_skb_load_bytes(skb, tcp_off, &tcp_check, 2))
+			return TC_ACT_OK;
+		tcp_new = csum_upd32(csum_upd16(tcp_check, nat_port, port), uplink, guest);
+		ic = csum_upd16(ic, tcp_check, tcp_new);
+	}
+	if (proto == IPPROTO_ICMP) {
+		__u16 old = h.l4[1];
+		h.l4[1] = csum_upd16(old, nat_port, port);
+		h.l4[2] = port;
+		ic = csum_upd16(csum_upd16(ic, nat_port, port), old, h.l4[1]);
+	} else {
+		h.l4[0] = port;
+		ic = csum_upd16(ic, nat_port, port);
+		if (proto == IPPROTO_UDP && h.l4[3]) {
+			__u16 old = h.l4[3];
+			__u16 n = csum_upd32(csum_upd16(old, nat_port, port), uplink, guest);
+			h.l4[3] = n ? n : 0xffff;
+			ic = csum_upd16(ic, old, h.l4[3]);
+		}
+	}
+	__u16 in_check = h.in.check;
+	h.in.check = csum_upd32(in_check, uplink, guest);
+	h.in.saddr = guest;
+	ic = csum_upd16(csum_upd32(ic, uplink, guest), in_check, h.in.check);
+	h.icmp.checksum = ic;
+	h.ip.check = csum_upd32(h.ip.check, h.ip.daddr, guest);
+	h.ip.daddr = guest;
+	if (bpf_skb_store_bytes(skb, ETH_HLEN, &h, sizeof(h), 0) ||
+	    (tcp_quoted && bpf_skb_store_bytes(skb, tcp_off, &tcp_new, 2, 0)) ||
+	    set_macs(skb, c->guest_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	count(DP_C_ICMP_ERROR);
+	return bpf_redirect(tap_ifindex, 0);
+}
+
 SEC("classifier")
 int from_uplink(struct __sk_buff *skb)
 {
@@ -1816,6 +2313,10 @@ int from_uplink(struct __sk_buff *skb)
 		int rc = frag_follow(skb, c, &ip, &l4);
 		return rc < 0 ? TC_ACT_OK : rc;
 	}
+	if (l4.proto == IPPROTO_ICMP &&
+	    (l4.icmp_type == ICMP_DEST_UNREACH || l4.icmp_type == ICMP_TIME_EXCEEDED ||
+	     l4.icmp_type == ICMP_PARAMETERPROB))
+		return icmp_error_in(skb);
 	if (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP &&
 	    !(l4.proto == IPPROTO_ICMP && l4.icmp_type == ICMP_ECHOREPLY))
 		return TC_ACT_OK;

@@ -32,8 +32,21 @@ struct dp_config {
 	 * uplink); 0 = none. */
 	__u32 shaper_ifindex;
 	__u32 shaper_peer_ifindex;
-	__u32 pad3;
+	__u32 flags;           /* DP_CFG_*; was padding (0) in older builds */
 }; /* 72 bytes */
+
+/* dp_config.flags */
+#define DP_CFG_IPV6 1 /* the guests' IPv6 link (RA, NA, refusals); else IPv6 is dropped */
+
+/* The guests' IPv6 link (docs/dual-stack.md): the same on every TAP and
+ * node, so a snapshot restores anywhere. The guest's addresses are
+ * fd63:7562:6500::6 (static), the prefix's modified EUI-64 of the guest
+ * MAC (SLAAC) and fe80:: with the same interface id; the gateway answers
+ * as the link-local address of the gateway MAC and fd63:7562:6500::5. */
+#define DP_V6_PREFIX0 0xfd637562 /* fd63:7562:6500::/64, first word (host order) */
+#define DP_V6_PREFIX1 0x65000000
+#define DP_V6_GUEST_LO 6  /* ::6 */
+#define DP_V6_GATEWAY_LO 5 /* ::5 */
 
 /* A sandbox's share of the node-wide tables (sb_share, keyed by the TAP or
  * veth ifindex, like sb_stats): entries it holds now. */
@@ -298,12 +311,12 @@ struct dp_frag_val {
  * statistics cannot say: the datapath's drops by reason and the flows it
  * opened by kind. Counted only on drop and new-flow paths. */
 enum dp_sb_counter {
-	DP_S_SPOOFED,      /* source MAC/IP or destination MAC not the guest's/gateway's */
+	DP_S_SPOOFED,      /* source MAC/IP or destination MAC not the guest's/gateway's; a guest's RA, redirect, DHCPv6 server message */
 	DP_S_POLICY,       /* egress denied by the sandbox's policy */
 	DP_S_MALFORMED,    /* a frame the datapath could not parse */
-	DP_S_NO_ROUTE,     /* no uplink, no route, or a fragment (NAT needs ports) */
+	DP_S_NO_ROUTE,     /* no uplink, no route, a fragment (NAT needs ports), IPv6 off the link (refused) */
 	DP_S_NO_PORT,      /* no free SNAT or gateway-side port for a new flow */
-	DP_S_UNSUPPORTED,  /* not IPv4/ARP, or an IP protocol the datapath does not NAT */
+	DP_S_UNSUPPORTED,  /* not IPv4/ARP/IPv6, or an IP protocol the datapath does not NAT */
 	DP_S_NEW_SNAT,     /* flows the sandbox opened to the world */
 	DP_S_NEW_PORTMAP,  /* flows the world opened to a mapped port */
 	DP_S_NEW_HOST,     /* flows between the host and the sandbox */
@@ -344,6 +357,10 @@ enum dp_counter {
 	DP_C_STALE_TCP,           /* a guest's TCP segment of a world flow it never opened (RST back) */
 	DP_C_STALE_TCP_RESCUED,   /* ... whose flow entry was evicted: taken back from its reverse entry */
 	DP_C_PAUSED_DROP,         /* a packet for a paused sandbox (dropped) */
+	DP_C_ND_REPLY,            /* a guest's Router or Neighbour Solicitation (or echo to the gateway) answered */
+	DP_C_ROGUE_ND,            /* an RA, redirect or DHCPv6 server message from a guest (dropped) */
+	DP_C_IPV6_REFUSED,        /* a guest's IPv6 packet off its link: RST or ICMPv6 unreachable back */
+	DP_C_ICMP_ERROR,          /* an ICMP error from the world about a sandbox flow, translated to the guest */
 	DP_C_MAX,
 };
 

@@ -49,6 +49,47 @@ impl TryFrom<String> for BusChoice {
     }
 }
 
+/// Whether guests get an IPv6 link (docs/dual-stack.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(into = "String", try_from = "String")]
+pub enum Ipv6Mode {
+    /// The guests' IPv6 link: Router Advertisements with the fixed
+    /// on-link prefix, the gateway's addresses, and an immediate RST or
+    /// ICMPv6 unreachable for anything sent off the link (there is no
+    /// IPv6 egress yet).
+    #[default]
+    Auto,
+    /// Every IPv6 frame from a guest is dropped (the builds before).
+    Off,
+}
+
+impl From<Ipv6Mode> for String {
+    fn from(m: Ipv6Mode) -> String {
+        match m {
+            Ipv6Mode::Auto => "auto".into(),
+            Ipv6Mode::Off => "off".into(),
+        }
+    }
+}
+
+impl TryFrom<&str> for Ipv6Mode {
+    type Error = String;
+    fn try_from(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Ipv6Mode::Auto),
+            "off" => Ok(Ipv6Mode::Off),
+            _ => Err(format!("'{s}' is not 'auto' or 'off'")),
+        }
+    }
+}
+
+impl TryFrom<String> for Ipv6Mode {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        Ipv6Mode::try_from(s.as_str())
+    }
+}
+
 /// Which packet datapath programs the sandboxes' traffic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(into = "String", try_from = "String")]
@@ -109,6 +150,10 @@ pub struct Config {
     pub guest_gateway: String,
     pub guest_mac: String,
     pub gateway_mac: String,
+    /// "auto" (default): guests get an IPv6 link (fixed ULA prefix by
+    /// Router Advertisement, gateway addresses, fast refusal off the
+    /// link); "off": a guest's IPv6 is dropped.
+    pub ipv6: Ipv6Mode,
     /// Automatic host ports for port mappings come from this range.
     pub host_port_range: String,
     /// Ports never chosen automatically (kernel `ip_local_reserved_ports`
@@ -202,6 +247,7 @@ impl Default for Config {
             guest_gateway: "169.254.68.5".into(),
             guest_mac: "20:90:6f:fc:fc:fc".into(),
             gateway_mac: "20:90:6f:cf:cf:cf".into(),
+            ipv6: Ipv6Mode::Auto,
             host_port_range: "20000-29999".into(),
             reserved_host_ports: String::new(),
             allowed_host_ports: String::new(),
@@ -857,6 +903,7 @@ Options (each overrides the same key of the config file):
   --state-dir PATH           durable records [default: $STATE_DIRECTORY or /var/lib/cube-network-agent]
   --runtime-dir PATH         runtime files [default: $RUNTIME_DIRECTORY or /run/cube-network-agent]
   --datapath ebpf|none       packet datapath [default: ebpf]
+  --ipv6 auto|off            the guests' IPv6 link (RA, fast refusal off it) [default: auto]
   --bpf-pin-dir PATH         bpffs directory for pinned maps [default: /sys/fs/bpf/cube-network-agent]
   --tc-block N               shared tc block of every TAP's ingress (N+1: egress) [default: 49342]
   --tc-block-anchor NAME     down TAP that keeps the block alive [default: cube-blk]
@@ -964,6 +1011,7 @@ const VALUE_FLAGS: &[&str] = &[
     "--runtime-dir",
     "--log-level",
     "--datapath",
+    "--ipv6",
     "--bpf-pin-dir",
     "--tc-block",
     "--tc-block-anchor",
@@ -1010,6 +1058,9 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
         "--datapath" => {
             cfg.datapath =
                 DatapathKind::try_from(value.as_str()).map_err(|why| invalid("datapath", why))?
+        }
+        "--ipv6" => {
+            cfg.ipv6 = Ipv6Mode::try_from(value.as_str()).map_err(|why| invalid("ipv6", why))?
         }
         "--bpf-pin-dir" => cfg.bpf_pin_dir = value.into(),
         "--tc-block" => cfg.tc_block = number("tc_block", &value)?,
@@ -1110,6 +1161,17 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("line 1, key 'mtu'"), "{e}");
+    }
+
+    #[test]
+    fn ipv6_mode_is_auto_or_off() {
+        assert_eq!(Config::default().ipv6, Ipv6Mode::Auto);
+        let c = Config::from_toml("ipv6 = \"off\"\n", Path::new("c.toml")).unwrap();
+        assert_eq!(c.ipv6, Ipv6Mode::Off);
+        let e = Config::from_toml("ipv6 = \"on\"\n", Path::new("c.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'on' is not 'auto' or 'off'"), "{e}");
     }
 
     #[test]

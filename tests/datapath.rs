@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4};
 use std::time::Duration;
 
 use common::guest::{self, GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_MAC, Guest, RawGuest};
@@ -1032,5 +1032,493 @@ async fn a_live_flow_whose_flow_entry_was_evicted_goes_on_with_its_port() {
     assert_eq!(t["drop_stale_tcp"], 0, "{t:?}");
     let (_, checks) = c.health().await;
     assert_eq!(counter(&checks, "stale_tcp_rescued"), 1, "{checks:?}");
+    drop(env);
+}
+
+/// The ICMPv6 message of a frame the datapath sent the guest, if it is
+/// one of `ty` from `src`; its checksum must be right.
+fn icmp6_from(f: &[u8], ty: u8, src: Ipv6Addr) -> Option<guest::Ip6Pkt> {
+    let p = guest::parse_ip6(f)?;
+    (p.next == 58 && p.l4.first() == Some(&ty) && p.src == src).then_some(p)
+}
+
+/// The ND options of an RA or NA (after `fixed` bytes of message):
+/// (type, body).
+fn nd_options(l4: &[u8], fixed: usize) -> Vec<(u8, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut o = &l4[fixed..];
+    while o.len() >= 8 && o[1] != 0 {
+        let n = usize::from(o[1]) * 8;
+        out.push((o[0], o[2..n.min(o.len())].to_vec()));
+        o = &o[n.min(o.len())..];
+    }
+    out
+}
+
+/// The guests' IPv6 link (docs/dual-stack.md), with no IPv6 egress yet:
+/// a Router Solicitation gets the fixed prefix for SLAAC and no default
+/// route; the gateway answers Neighbour Solicitations and echo; anything
+/// sent off the link is refused at once (TCP: RST, else ICMPv6
+/// unreachable), never left to time out; DAD gets no NA but an RA; spoofed
+/// sources and a guest's RA or DHCPv6 server messages are dropped and
+/// counted. With `ipv6 = off` nothing is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_guests_ipv6_link_answers_and_refuses_at_once() {
+    use guest::{GATEWAY_IP6, GATEWAY_LL, GUEST_IP6, GUEST_LL, GUEST_SLAAC, ip6_frame};
+    require_root!();
+    let (env, _world) = node(&[]);
+    let c = env.client().await;
+    c.ensure("v6", opts(vec![])).await.unwrap();
+    let raw = RawGuest::new(c.open_tap("v6").await.unwrap());
+    let all_routers = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 2);
+    let mcast_mac = |a: Ipv6Addr| {
+        let o = a.octets();
+        [0x33, 0x33, o[12], o[13], o[14], o[15]]
+    };
+
+    // RS -> RA: from the gateway's link-local address and MAC, hop limit
+    // 255, router lifetime 0 (no default route: no IPv6 egress yet), the
+    // gateway MAC, and fd63:7562:6500::/64 on-link and autonomous with
+    // infinite lifetimes.
+    let rs = [133u8, 0, 0, 0, 0, 0, 0, 0];
+    raw.send(&ip6_frame(
+        GUEST_MAC,
+        mcast_mac(all_routers),
+        GUEST_LL,
+        all_routers,
+        58,
+        255,
+        &rs,
+    ))
+    .unwrap();
+    let f = raw
+        .recv_match(T, |f| icmp6_from(f, 134, GATEWAY_LL).is_some())
+        .expect("no Router Advertisement for a Router Solicitation");
+    let ra = guest::parse_ip6(&f).unwrap();
+    assert!(ra.checksum_ok, "{ra:?}");
+    assert_eq!(
+        (ra.hlim, ra.dst),
+        (255, Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1))
+    );
+    assert_eq!(
+        (guest::eth_src(&f), guest::eth_dst(&f)),
+        (Some(GATEWAY_MAC), Some(GUEST_MAC))
+    );
+    assert_eq!(
+        u16::from_be_bytes([ra.l4[6], ra.l4[7]]),
+        0,
+        "router lifetime"
+    );
+    let opts6 = nd_options(&ra.l4, 16);
+    assert!(opts6.contains(&(1, GATEWAY_MAC.to_vec())), "{opts6:?}");
+    let pi = &opts6
+        .iter()
+        .find(|o| o.0 == 3)
+        .expect("no prefix information")
+        .1;
+    assert_eq!((pi[0], pi[1] & 0xc0), (64, 0xc0), "{pi:?}");
+    assert_eq!(&pi[2..10], &[0xff; 8], "{pi:?}");
+    assert_eq!(
+        &pi[14..22],
+        &[0xfd, 0x63, 0x75, 0x62, 0x65, 0, 0, 0],
+        "{pi:?}"
+    );
+
+    // NS for either gateway address -> NA (router, solicited, override,
+    // the gateway MAC); for anything else on the link: nothing.
+    for (src, target) in [
+        (GUEST_LL, GATEWAY_LL),
+        (GUEST_IP6, GATEWAY_IP6),
+        (GUEST_SLAAC, GATEWAY_LL),
+    ] {
+        let mut ns = vec![135u8, 0, 0, 0, 0, 0, 0, 0];
+        ns.extend_from_slice(&target.octets());
+        ns.extend_from_slice(&[1, 1]);
+        ns.extend_from_slice(&GUEST_MAC);
+        raw.send(&ip6_frame(
+            GUEST_MAC,
+            GATEWAY_MAC,
+            src,
+            target,
+            58,
+            255,
+            &ns,
+        ))
+        .unwrap();
+        let f = raw
+            .recv_match(T, |f| icmp6_from(f, 136, target).is_some())
+            .unwrap_or_else(|| panic!("no NA for {target} asked by {src}"));
+        let na = guest::parse_ip6(&f).unwrap();
+        assert!(na.checksum_ok, "{na:?}");
+        assert_eq!(
+            (na.dst, na.hlim, na.l4[4] & 0xe0),
+            (src, 255, 0xe0),
+            "{na:?}"
+        );
+        assert_eq!(&na.l4[8..24], &target.octets());
+        assert_eq!(nd_options(&na.l4, 24), vec![(2, GATEWAY_MAC.to_vec())]);
+    }
+    let other = Ipv6Addr::new(0xfd63, 0x7562, 0x6500, 0, 0, 0, 0, 9);
+    let mut ns = vec![135u8, 0, 0, 0, 0, 0, 0, 0];
+    ns.extend_from_slice(&other.octets());
+    raw.send(&ip6_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        GUEST_IP6,
+        other,
+        58,
+        255,
+        &ns,
+    ))
+    .unwrap();
+    // DAD for the guest's own address (from ::): not answered either.
+    let mut dad = vec![135u8, 0, 0, 0, 0, 0, 0, 0];
+    dad.extend_from_slice(&GUEST_IP6.octets());
+    let solicited = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 1, 0xff00, 6);
+    raw.send(&ip6_frame(
+        GUEST_MAC,
+        mcast_mac(solicited),
+        Ipv6Addr::UNSPECIFIED,
+        solicited,
+        58,
+        255,
+        &dad,
+    ))
+    .unwrap();
+    // A DAD probe is never answered with an NA (the address is the
+    // guest's), but it means the guest's link just came up: an RA follows.
+    let mut got = Vec::new();
+    let _ = raw.recv_match(Duration::from_millis(300), |f| {
+        if let Some(p) = guest::parse_ip6(f) {
+            got.push((p.src, p.l4[0]));
+        }
+        false
+    });
+    assert_eq!(got, vec![(GATEWAY_LL, 134)], "answered: {got:?}");
+
+    // Echo to the gateway -> echo reply with the same id, sequence, data.
+    let echo = [128u8, 0, 0, 0, 0x12, 0x34, 0, 7, b'p', b'i', b'n', b'g'];
+    raw.send(&ip6_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        GUEST_IP6,
+        GATEWAY_IP6,
+        58,
+        64,
+        &echo,
+    ))
+    .unwrap();
+    let f = raw
+        .recv_match(T, |f| icmp6_from(f, 129, GATEWAY_IP6).is_some())
+        .expect("no echo reply from the gateway");
+    let reply = guest::parse_ip6(&f).unwrap();
+    assert!(reply.checksum_ok, "{reply:?}");
+    assert_eq!((reply.dst, &reply.l4[4..]), (GUEST_IP6, &echo[4..]));
+
+    // Off the link: a SYN gets RST|ACK from the address it dialled, at once.
+    let remote = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1);
+    let rst_to = |port: u16| {
+        move |f: &[u8]| {
+            guest::parse_ip6(f).is_some_and(|p| {
+                p.next == 6
+                    && u16::from_be_bytes([p.l4[2], p.l4[3]]) == port
+                    && p.l4[13] & guest::TCP_RST != 0
+            })
+        }
+    };
+    let syn = guest::tcp6_segment(42000, 443, 1000, 0, guest::TCP_SYN, b"");
+    raw.send(&ip6_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        GUEST_SLAAC,
+        remote,
+        6,
+        64,
+        &syn,
+    ))
+    .unwrap();
+    let f = raw
+        .recv_match(T, rst_to(42000))
+        .expect("no RST for an IPv6 SYN off the link");
+    let rst = guest::parse_ip6(&f).unwrap();
+    assert!(rst.checksum_ok, "{rst:?}");
+    let be32 = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+    assert_eq!(
+        (
+            rst.src,
+            rst.dst,
+            u16::from_be_bytes([rst.l4[0], rst.l4[1]]),
+            be32(&rst.l4[8..]),
+            rst.l4[13]
+        ),
+        (
+            remote,
+            GUEST_SLAAC,
+            443,
+            1001,
+            guest::TCP_RST | guest::TCP_ACK
+        ),
+        "{rst:?}"
+    );
+    // ... and so does a data segment from a VMM with checksum offload.
+    let data = guest::tcp6_segment(
+        42001,
+        80,
+        5,
+        9999,
+        guest::TCP_ACK | guest::TCP_PSH,
+        &[1u8; 300],
+    );
+    raw.send_partial_csum6(&ip6_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        GUEST_IP6,
+        remote,
+        6,
+        64,
+        &data,
+    ))
+    .unwrap();
+    let f = raw
+        .recv_match(T, rst_to(42001))
+        .expect("no RST for a partial-checksum segment");
+    let rst = guest::parse_ip6(&f).unwrap();
+    assert!(rst.checksum_ok, "{rst:?}");
+    assert_eq!(
+        (be32(&rst.l4[4..]), rst.l4[13]),
+        (9999, guest::TCP_RST),
+        "{rst:?}"
+    );
+
+    // UDP off the link: destination unreachable (no route) from the
+    // gateway, quoting the datagram's header; with and without offload.
+    let udp = guest::udp6_datagram(42002, 53, b"query");
+    let datagram = ip6_frame(GUEST_MAC, GATEWAY_MAC, GUEST_IP6, remote, 17, 64, &udp);
+    for partial in [false, true] {
+        if partial {
+            raw.send_partial_csum6(&datagram).unwrap();
+        } else {
+            raw.send(&datagram).unwrap();
+        }
+        let f = raw
+            .recv_match(T, |f| icmp6_from(f, 1, GATEWAY_LL).is_some())
+            .unwrap_or_else(|| panic!("no unreachable for UDP (partial: {partial})"));
+        let e = guest::parse_ip6(&f).unwrap();
+        assert!(e.checksum_ok, "partial {partial}: {e:?}");
+        assert_eq!((e.dst, e.l4[1]), (GUEST_IP6, 0), "{e:?}");
+        assert_eq!(&e.l4[8..8 + 40], &datagram[14..54], "quoted header");
+        assert_eq!(&e.l4[48..52], &datagram[54..58], "quoted ports");
+    }
+
+    // Hostile: a spoofed source, a guest's RA, a DHCPv6 server's reply.
+    let (healthy, checks) = c.health().await;
+    let dp = &checks.iter().find(|c| c.0 == "datapath").unwrap().2;
+    assert!(healthy && dp.contains("ipv6=link "), "{checks:?}");
+    let (rogue0, spoof0) = (counter(&checks, "rogue_nd"), counter(&checks, "spoof_drop"));
+    let spoofed = Ipv6Addr::new(0xfd63, 0x7562, 0x6500, 0, 0, 0, 0, 7);
+    raw.send(&ip6_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        spoofed,
+        remote,
+        6,
+        64,
+        &syn,
+    ))
+    .unwrap();
+    let mut rogue_ra = vec![134u8, 0, 0, 0, 64, 0, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 0, 0];
+    rogue_ra.extend_from_slice(&[1, 1]);
+    rogue_ra.extend_from_slice(&GUEST_MAC);
+    let all_nodes = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1);
+    raw.send(&ip6_frame(
+        GUEST_MAC,
+        mcast_mac(all_nodes),
+        GUEST_LL,
+        all_nodes,
+        58,
+        255,
+        &rogue_ra,
+    ))
+    .unwrap();
+    let dhcp = guest::udp6_datagram(547, 546, b"advertise");
+    raw.send(&ip6_frame(
+        GUEST_MAC,
+        mcast_mac(all_nodes),
+        GUEST_LL,
+        all_nodes,
+        17,
+        64,
+        &dhcp,
+    ))
+    .unwrap();
+    assert!(
+        raw.recv_match(Duration::from_millis(300), |f| guest::parse_ip6(f)
+            .is_some())
+            .is_none(),
+        "a spoofed or rogue packet was answered"
+    );
+    let (_, checks) = c.health().await;
+    assert_eq!(counter(&checks, "rogue_nd") - rogue0, 2, "{checks:?}");
+    assert_eq!(counter(&checks, "spoof_drop") - spoof0, 1, "{checks:?}");
+    assert_eq!(
+        counter(&checks, "nd_reply"),
+        6,
+        "2 RA, 3 NA, 1 echo: {checks:?}"
+    );
+    assert_eq!(counter(&checks, "ipv6_refused"), 4, "{checks:?}");
+    let t = c.traffic("v6").await;
+    assert_eq!((t["drop_spoofed"], t["drop_no_route"]), (3, 4), "{t:?}");
+    assert_eq!(t["new_flows_snat"], 0, "{t:?}");
+    drop(env);
+
+    // ipv6 = off: the builds before (every IPv6 frame dropped).
+    let (env, _world) = node(&["--ipv6", "off"]);
+    let c = env.client().await;
+    c.ensure("off", opts(vec![])).await.unwrap();
+    let raw = RawGuest::new(c.open_tap("off").await.unwrap());
+    raw.send(&ip6_frame(
+        GUEST_MAC,
+        mcast_mac(all_routers),
+        GUEST_LL,
+        all_routers,
+        58,
+        255,
+        &rs,
+    ))
+    .unwrap();
+    raw.send(&ip6_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        GUEST_IP6,
+        remote,
+        6,
+        64,
+        &syn,
+    ))
+    .unwrap();
+    assert!(
+        raw.recv_match(Duration::from_millis(500), |f| guest::parse_ip6(f)
+            .is_some())
+            .is_none(),
+        "ipv6 = off answered"
+    );
+    assert_eq!(c.traffic("off").await["drop_unsupported"], 2);
+    let (_, checks) = c.health().await;
+    let dp = &checks.iter().find(|c| c.0 == "datapath").unwrap().2;
+    assert!(dp.contains("ipv6=off"), "{checks:?}");
+    drop(env);
+}
+
+/// An ICMP error from the world about a sandbox's flow reaches the guest
+/// as if its own packet had met it (path MTU discovery lives on
+/// "fragmentation needed"; here the world kernel's own port unreachable):
+/// for a flow the sandbox opened and for its side of a port-mapped one,
+/// the quoted packet names the guest's address and port, every checksum
+/// is right, and another sandbox with the same guest tuple gets only its
+/// own errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn icmp_errors_about_a_sandbox_flow_reach_its_guest_translated() {
+    require_root!();
+    let (env, world) = node(&[]);
+    let c = env.client().await;
+    let net = c
+        .ensure(
+            "icmp-a",
+            opts(vec![("port_mappings", ports(&[("udp", 5300, 0, "")]))]),
+        )
+        .await
+        .unwrap();
+    let hp = mappings(&net)[0].2;
+    c.ensure("icmp-b", opts(vec![])).await.unwrap();
+    let a = RawGuest::new(c.open_tap("icmp-a").await.unwrap());
+    let b = RawGuest::new(c.open_tap("icmp-b").await.unwrap());
+    let is_error = |f: &[u8]| guest::parse_icmp_error(f).is_some();
+
+    // A datagram to a world port nobody listens on: port unreachable.
+    let from = SocketAddrV4::new(GUEST_IP, 43000);
+    let closed = SocketAddrV4::new(world::WORLD_IP, 5999);
+    a.send(&guest::udp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        from,
+        closed,
+        b"anyone?",
+    ))
+    .unwrap();
+    let f = a
+        .recv_match(T, is_error)
+        .expect("no ICMP error for a datagram to a closed world port");
+    let e = guest::parse_icmp_error(&f).unwrap();
+    assert_eq!(
+        (
+            e.src,
+            e.dst,
+            e.kind,
+            e.inner_src,
+            e.inner_dst,
+            e.inner_proto
+        ),
+        (world::WORLD_IP, GUEST_IP, (3, 3), from, closed, 17),
+        "{e:?}"
+    );
+    assert!(e.checksums_ok, "{e:?}");
+    assert_eq!(
+        (guest::eth_src(&f), guest::eth_dst(&f)),
+        (Some(GATEWAY_MAC), Some(GUEST_MAC))
+    );
+    // The same guest tuple from another sandbox: its own error only.
+    b.send(&guest::udp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        from,
+        closed,
+        b"me too",
+    ))
+    .unwrap();
+    let f = b
+        .recv_match(T, is_error)
+        .expect("no ICMP error for the other sandbox");
+    assert!(guest::parse_icmp_error(&f).unwrap().checksums_ok);
+    assert!(
+        a.recv_match(Duration::from_millis(300), is_error).is_none(),
+        "another sandbox's error reached this guest"
+    );
+
+    // A port-mapped flow: the world sends from a socket it then closes;
+    // the guest's answer meets port unreachable.
+    let wport = world.run(move || {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(b"ping", SocketAddrV4::new(world::NODE_IP, hp))
+            .unwrap();
+        s.local_addr().unwrap().port()
+    });
+    a.recv_match(T, |f| {
+        guest::parse_ipv4(f)
+            .is_some_and(|(_, d, p, l4)| p == 17 && d == GUEST_IP && l4.ends_with(b"ping"))
+    })
+    .expect("the mapped datagram");
+    let wsrc = SocketAddrV4::new(world::WORLD_IP, wport);
+    let mapped = SocketAddrV4::new(GUEST_IP, 5300);
+    a.send(&guest::udp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        mapped,
+        wsrc,
+        b"pong",
+    ))
+    .unwrap();
+    let f = a
+        .recv_match(T, is_error)
+        .expect("no ICMP error for the mapped flow's answer");
+    let e = guest::parse_icmp_error(&f).unwrap();
+    assert_eq!(
+        (e.kind, e.inner_src, e.inner_dst),
+        ((3, 3), mapped, wsrc),
+        "{e:?}"
+    );
+    assert!(e.checksums_ok, "{e:?}");
+
+    let (_, checks) = c.health().await;
+    assert_eq!(counter(&checks, "icmp_error"), 3, "{checks:?}");
     drop(env);
 }

@@ -26,6 +26,7 @@ const RESOLVER: SocketAddrV4 = SocketAddrV4::new(GATEWAY_IP, 53);
 
 const TYPE_A: u16 = 1;
 const TYPE_HTTPS: u16 = 65;
+const TYPE_AAAA: u16 = 28;
 
 /// dnsmasq in the world namespace, killed on drop.
 struct Dnsmasq(Child);
@@ -145,6 +146,54 @@ fn connects(g: &Guest, dst: SocketAddrV4) -> bool {
 fn domain_opts(allow: &[&str], deny: &[&str]) -> common::Dict {
     let list = |l: &[&str]| Value::from(l.iter().map(|s| s.to_string()).collect::<Vec<_>>());
     opts(vec![("allow_out", list(allow)), ("deny_out", list(deny))])
+}
+
+/// Sandboxes have no IPv6 beyond their link yet: an AAAA question gets
+/// NODATA from the agent (the upstream has the record, so a forwarded
+/// answer would carry it), so a dual-stack client goes to IPv4 at once;
+/// the A answer is forwarded as before, with and without domain rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aaaa_questions_get_nodata_while_sandboxes_have_no_ipv6_egress() {
+    require_root!();
+    let (env, world) = node(&["--dns-upstream", "198.51.100.2"]);
+    let _dns = dnsmasq_with(
+        &world,
+        &["--host-record=dual.allowed.test,198.51.100.2,2001:db8::2".to_string()],
+    );
+    let upstream = world.run(|| {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        s.send_to(
+            &query(7, "dual.allowed.test", TYPE_AAAA),
+            SocketAddrV4::new(WORLD_IP, 53),
+        )
+        .unwrap();
+        let mut b = [0u8; 512];
+        let n = s.recv(&mut b).unwrap();
+        b[..n].to_vec()
+    });
+    assert_eq!(
+        parsed(&upstream, "dual.allowed.test").1,
+        1,
+        "the upstream's AAAA answer"
+    );
+    let c = env.client().await;
+    for (id, o) in [
+        ("plain", opts(vec![])),
+        ("named", domain_opts(&["*.allowed.test"], &[])),
+    ] {
+        let (_, g) = guest_for(&c, id, o).await;
+        assert_eq!(
+            resolve(&g, "dual.allowed.test", TYPE_AAAA),
+            (0, 0, vec![]),
+            "{id}"
+        );
+        assert_eq!(
+            resolve(&g, "dual.allowed.test", TYPE_A),
+            (0, 1, vec![WORLD_IP]),
+            "{id}"
+        );
+    }
 }
 
 /// "Only *.allowed.test": the names resolve and connect, nothing else

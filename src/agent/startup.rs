@@ -413,6 +413,7 @@ impl Agent {
             host_access_uids: cfg.host_access_uids.clone(),
             shaper: shaper.map(|(s, _)| (SHAPER_DEVICE.to_owned(), s)),
             shaper_peer: shaper.map(|(_, p)| p),
+            ipv6_link: cfg.ipv6 == crate::config::Ipv6Mode::Auto,
         };
         match crate::datapath::ebpf::EbpfDatapath::load(node) {
             Ok(dp) => Ok(Arc::new(dp)),

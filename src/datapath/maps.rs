@@ -26,7 +26,8 @@ pub struct DpConfig {
     /// The shaper device (egress limits) and its peer; 0 = none.
     pub shaper_ifindex: u32,
     pub shaper_peer_ifindex: u32,
-    pub pad3: u32,
+    /// `DP_CFG_*` (was padding).
+    pub flags: u32,
 }
 
 /// A sandbox's entries in the shared tables (`sb_share`, keyed by its TAP
@@ -667,6 +668,9 @@ pub const PINNED: &[PinnedMap] = {
     ]
 };
 
+/// `dp_config.flags`: the guests' IPv6 link is on.
+pub const DP_CFG_IPV6: u32 = 1;
+
 /// Counter indexes (enum dp_counter).
 pub const COUNTER_NAMES: &[&str] = &[
     "arp_reply",
@@ -693,4 +697,8 @@ pub const COUNTER_NAMES: &[&str] = &[
     "stale_tcp",
     "stale_tcp_rescued",
     "paused_drop",
+    "nd_reply",
+    "rogue_nd",
+    "ipv6_refused",
+    "icmp_error",
 ];

@@ -1,7 +1,8 @@
 //! The resolver for sandboxes (docs/egress.md), a wire edge: DNS over UDP
 //! and TCP on the gateway device's address, port 53 (what a guest reaches
 //! at its gateway). It parses the question, asks the core
-//! ([`Agent::dns_decide`]), answers REFUSED or NODATA itself, or forwards
+//! ([`Agent::dns_decide`]), answers REFUSED or NODATA itself (NODATA for
+//! every AAAA question: sandboxes have no IPv6 egress yet), or forwards
 //! the query to the upstream resolver and, for a sandbox with domain
 //! rules, has the answer's addresses learned ([`Agent::dns_learn`])
 //! before the answer is sent on.
@@ -45,6 +46,7 @@ const IPV4_UDP_HEADERS: u32 = 28;
 const TYPE_OPT: u16 = 41;
 
 const TYPE_A: u16 = 1;
+const TYPE_AAAA: u16 = 28;
 const TYPE_CNAME: u16 = 5;
 const TYPE_SVCB: u16 = 64;
 const TYPE_HTTPS: u16 = 65;
@@ -672,6 +674,10 @@ fn plan(agent: &Agent, upstream: Option<SocketAddrV4>, src: Ipv4Addr, query: &[u
         DnsDecision::Stranger | DnsDecision::Refuse { .. } => {
             return Plan::Reply(reply(query, &q, RCODE_REFUSED));
         }
+        // No sandbox has IPv6 beyond its link yet (docs/dual-stack.md):
+        // an IPv6 address would be a connection that fails, so a
+        // dual-stack client is told at once that there is none.
+        _ if q.qtype == TYPE_AAAA => return Plan::Reply(reply(query, &q, 0)),
         DnsDecision::Forward => None,
         // Their hints (ipv4hint) would be addresses never learned: a
         // client falls back to A.

@@ -19,7 +19,7 @@
 #![allow(dead_code)]
 
 use std::collections::VecDeque;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
@@ -1509,4 +1509,185 @@ pub fn parse_ipv4(f: &[u8]) -> Option<(Ipv4Addr, Ipv4Addr, u8, &[u8])> {
     let end = (14 + total).min(f.len());
     let ip = |o: usize| Ipv4Addr::new(f[o], f[o + 1], f[o + 2], f[o + 3]);
     Some((ip(26), ip(30), f[23], f.get(14 + ihl..end)?))
+}
+
+// ---------------------------------------------------------------------------
+// IPv6 frames (the guests' IPv6 link, docs/dual-stack.md)
+
+pub const ETH_P_IPV6: u16 = 0x86dd;
+/// The guest's fixed IPv6 address and the gateway's two.
+pub const GUEST_IP6: Ipv6Addr = Ipv6Addr::new(0xfd63, 0x7562, 0x6500, 0, 0, 0, 0, 6);
+pub const GATEWAY_IP6: Ipv6Addr = Ipv6Addr::new(0xfd63, 0x7562, 0x6500, 0, 0, 0, 0, 5);
+pub const GATEWAY_LL: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0x2290, 0x6fff, 0xfecf, 0xcfcf);
+/// The link-local and SLAAC addresses of [`GUEST_MAC`] (modified EUI-64).
+pub const GUEST_LL: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0x2290, 0x6fff, 0xfefc, 0xfcfc);
+pub const GUEST_SLAAC: Ipv6Addr =
+    Ipv6Addr::new(0xfd63, 0x7562, 0x6500, 0, 0x2290, 0x6fff, 0xfefc, 0xfcfc);
+
+fn l4_sum6(src: Ipv6Addr, dst: Ipv6Addr, next: u8, l4: &[u8]) -> u32 {
+    let mut pseudo = Vec::with_capacity(40 + l4.len());
+    pseudo.extend_from_slice(&src.octets());
+    pseudo.extend_from_slice(&dst.octets());
+    pseudo.extend_from_slice(&(l4.len() as u32).to_be_bytes());
+    pseudo.extend_from_slice(&[0, 0, 0, next]);
+    pseudo.extend_from_slice(l4);
+    sum16(&pseudo)
+}
+
+/// Where the L4 checksum of `next` (ICMPv6, TCP, UDP) sits in its header.
+fn csum_at6(next: u8) -> usize {
+    match next {
+        6 => 16,
+        17 => 6,
+        _ => 2,
+    }
+}
+
+/// An IPv6 frame carrying `l4` (its checksum filled in), hop limit `hlim`.
+#[allow(clippy::too_many_arguments)]
+pub fn ip6_frame(
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    src: Ipv6Addr,
+    dst: Ipv6Addr,
+    next: u8,
+    hlim: u8,
+    l4: &[u8],
+) -> Vec<u8> {
+    let mut l4 = l4.to_vec();
+    let at = csum_at6(next);
+    l4[at..at + 2].copy_from_slice(&[0, 0]);
+    let cs = !fold(l4_sum6(src, dst, next, &l4));
+    l4[at..at + 2].copy_from_slice(&cs.to_be_bytes());
+    let mut f = eth_header(dst_mac, src_mac, ETH_P_IPV6);
+    f.extend_from_slice(&[0x60, 0, 0, 0]);
+    f.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+    f.extend_from_slice(&[next, hlim]);
+    f.extend_from_slice(&src.octets());
+    f.extend_from_slice(&dst.octets());
+    f.extend_from_slice(&l4);
+    f
+}
+
+/// A TCP header (no options) and payload, checksum left to [`ip6_frame`].
+pub fn tcp6_segment(
+    sport: u16,
+    dport: u16,
+    seq: u32,
+    ack: u32,
+    flags: u8,
+    payload: &[u8],
+) -> Vec<u8> {
+    let mut t = Vec::with_capacity(20 + payload.len());
+    t.extend_from_slice(&sport.to_be_bytes());
+    t.extend_from_slice(&dport.to_be_bytes());
+    t.extend_from_slice(&seq.to_be_bytes());
+    t.extend_from_slice(&ack.to_be_bytes());
+    t.extend_from_slice(&[5 << 4, flags, 0xff, 0xff, 0, 0, 0, 0]);
+    t.extend_from_slice(payload);
+    t
+}
+
+/// A UDP header and payload, checksum left to [`ip6_frame`].
+pub fn udp6_datagram(sport: u16, dport: u16, payload: &[u8]) -> Vec<u8> {
+    let mut u = Vec::with_capacity(8 + payload.len());
+    u.extend_from_slice(&sport.to_be_bytes());
+    u.extend_from_slice(&dport.to_be_bytes());
+    u.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    u.extend_from_slice(&[0, 0]);
+    u.extend_from_slice(payload);
+    u
+}
+
+/// An IPv6 packet as parsed from a frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ip6Pkt {
+    pub src: Ipv6Addr,
+    pub dst: Ipv6Addr,
+    pub next: u8,
+    pub hlim: u8,
+    pub l4: Vec<u8>,
+    /// The L4 checksum (ICMPv6, TCP, UDP) is right.
+    pub checksum_ok: bool,
+}
+
+pub fn parse_ip6(f: &[u8]) -> Option<Ip6Pkt> {
+    if eth_type(f)? != ETH_P_IPV6 || f.len() < 54 || f[14] >> 4 != 6 {
+        return None;
+    }
+    let plen = usize::from(u16::from_be_bytes([f[18], f[19]]));
+    let l4 = f.get(54..54 + plen)?.to_vec();
+    let a = |o: usize| Ipv6Addr::from(<[u8; 16]>::try_from(&f[o..o + 16]).unwrap());
+    let (src, dst, next) = (a(22), a(38), f[20]);
+    Some(Ip6Pkt {
+        src,
+        dst,
+        next,
+        hlim: f[21],
+        checksum_ok: fold(l4_sum6(src, dst, next, &l4)) == 0xffff,
+        l4,
+    })
+}
+
+impl RawGuest {
+    /// Writes an IPv6 TCP or UDP frame (from [`ip6_frame`]) as a VMM with
+    /// checksum offload does: `NEEDS_CSUM`, the checksum field holding
+    /// only the pseudo-header sum.
+    pub fn send_partial_csum6(&self, frame: &[u8]) -> Result<(), String> {
+        let p = parse_ip6(frame).ok_or("not an IPv6 frame")?;
+        let at = csum_at6(p.next);
+        let mut f = frame.to_vec();
+        let pseudo = l4_sum6(p.src, p.dst, p.next, &[]) + p.l4.len() as u32;
+        f[54 + at..56 + at].copy_from_slice(&fold(pseudo).to_be_bytes());
+        let mut hdr = [0u8; VNET_HDR_LEN];
+        hdr[0] = VIRTIO_NET_HDR_F_NEEDS_CSUM;
+        hdr[6..8].copy_from_slice(&54u16.to_le_bytes());
+        hdr[8..10].copy_from_slice(&(at as u16).to_le_bytes());
+        write_frame_hdr(self.fd.as_fd(), hdr, &f)
+    }
+}
+
+/// An ICMPv4 error as parsed from a frame: who sent it, to whom, its
+/// (type, code), the quoted packet's tuple, and whether every checksum
+/// is right (outer IP, ICMP, quoted IP, and the quoted UDP datagram's
+/// when it is quoted whole).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IcmpError {
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub kind: (u8, u8),
+    pub inner_src: SocketAddrV4,
+    pub inner_dst: SocketAddrV4,
+    pub inner_proto: u8,
+    pub checksums_ok: bool,
+}
+
+pub fn parse_icmp_error(f: &[u8]) -> Option<IcmpError> {
+    let (src, dst, proto, icmp) = parse_ipv4(f)?;
+    if proto != 1 || icmp.len() < 36 || ![3, 11, 12].contains(&icmp[0]) {
+        return None;
+    }
+    let inner = &icmp[8..];
+    let ihl = usize::from(inner[0] & 0x0f) * 4;
+    let a = |o: usize| Ipv4Addr::new(inner[o], inner[o + 1], inner[o + 2], inner[o + 3]);
+    let (isrc, idst, iproto) = (a(12), a(16), inner[9]);
+    let l4 = inner.get(ihl..)?;
+    let port = |o: usize| u16::from_be_bytes([l4[o], l4[o + 1]]);
+    let outer_ihl = usize::from(f[14] & 0x0f) * 4;
+    let mut ok = fold(sum16(&f[14..14 + outer_ihl])) == 0xffff
+        && fold(sum16(icmp)) == 0xffff
+        && fold(sum16(&inner[..ihl])) == 0xffff;
+    let inner_len = usize::from(u16::from_be_bytes([inner[2], inner[3]]));
+    if iproto == 17 && inner.len() >= inner_len && u16::from_be_bytes([l4[6], l4[7]]) != 0 {
+        ok &= fold(l4_sum(isrc, idst, 17, &l4[..inner_len - ihl])) == 0xffff;
+    }
+    Some(IcmpError {
+        src,
+        dst,
+        kind: (icmp[0], icmp[1]),
+        inner_src: SocketAddrV4::new(isrc, port(0)),
+        inner_dst: SocketAddrV4::new(idst, port(2)),
+        inner_proto: iproto,
+        checksums_ok: ok,
+    })
 }

@@ -30,13 +30,17 @@
 # can make a guest, e.g. one restored from a snapshot, dial the world)
 # and prints marker lines on the serial console:
 #   GUEST-KERNEL-UP, GUEST-NET-UP, GUEST-BIG size=N md5=M,
+#   GUEST-CHECK ipv6-slaac addr=<the SLAAC address or none> after=<s since link up>,
 #   GUEST-CHECK <name> rc=<exit code> <facts...>  (one per guest-side check)
 #   GUEST-DONE
 # The guest-side checks need cna.world=HOST:PORT on the kernel command
 # line (a web server with /index.html, /big.bin and POST /upload answering
 # "<size> <md5>"): small GET, large GET (GSO towards the guest), large
-# POST (TSO from the guest), ICMP echo. Without it the guest only serves
-# (and /cgi-bin/fetch fails); cna.checks=0 skips these checks but keeps
+# POST (TSO from the guest), ICMP echo, and the IPv6 link (echo to the
+# gateway, no default route, a connection off the link refused). Without it the guest only serves
+# (and /cgi-bin/fetch fails); cna.far=HOST:PORT (a server like WORLD's
+# behind a narrower link) adds a large POST and GET there (path MTU
+# discovery); cna.checks=0 skips these checks but keeps
 # WORLD for /cgi-bin/fetch.
 # cna.stale=HOST:PORT (opt-in, for tests/vm/snapshot.sh): after
 # GUEST-NET-UP the guest also keeps one long-lived TCP connection to
@@ -150,13 +154,14 @@ mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 for m in $MODULES; do [ -e /lib/modules/$m.ko ] && insmod /lib/modules/$m.ko 2>/dev/null; done
 echo "GUEST-KERNEL-UP uptime=$(cut -d' ' -f1 /proc/uptime)"
-WORLD= BIG=2097152 STALE= CHECKS=1
+WORLD= BIG=2097152 STALE= CHECKS=1 FAR=
 for a in $(cat /proc/cmdline); do
     case $a in
     cna.world=*) WORLD=${a#cna.world=} ;;
     cna.big=*) BIG=${a#cna.big=} ;;
     cna.stale=*) STALE=${a#cna.stale=} ;;
     cna.checks=*) CHECKS=${a#cna.checks=} ;;
+    cna.far=*) FAR=${a#cna.far=} ;;
     esac
 done
 echo "$WORLD" >/etc/cna-world
@@ -166,7 +171,21 @@ ip link set lo up
 ip link set eth0 mtu 1300
 ip addr add 169.254.68.6/30 dev eth0
 ip link set eth0 up
+LINKUP=$(cut -d' ' -f1 /proc/uptime)
 ip route add default via 169.254.68.5
+# IPv6 by Router Advertisement alone (the kernel's defaults): when the
+# SLAAC address of the gateway's prefix is usable (DAD done), how long
+# after link up.
+(
+    i=0 a=
+    while [ $i -lt 200 ]; do
+        a=$(ip -6 addr show dev eth0 scope global | grep -v tentative | grep -o 'fd63:7562:6500:[0-9a-f:]*/64')
+        [ -n "$a" ] && break
+        sleep 0.05; i=$((i + 1))
+    done
+    echo "GUEST-CHECK ipv6-slaac addr=${a:-none} after=$(awk -v a="$LINKUP" -v b="$(cut -d' ' -f1 /proc/uptime)" 'BEGIN{printf "%.2f", b-a}')"
+    touch /tmp/slaac-done
+) &
 echo "cna-vm-guest-marker" >/www/index.html
 head -c "$BIG" /dev/urandom >/www/big.bin
 httpd -p 80 -h /www
@@ -197,9 +216,32 @@ if [ -n "$WORLD" ] && [ "$CHECKS" != 0 ]; then
     base64 /www/big.bin >/tmp/up.b64
     timeout 30 wget -q -O /tmp/up --post-file /tmp/up.b64 "http://$WORLD/upload"; r=$?
     echo "GUEST-CHECK egress-post-large rc=$r sent=$(wc -c </tmp/up.b64)/$(md5sum </tmp/up.b64 | cut -d' ' -f1) got=$(tr ' ' / </tmp/up 2>/dev/null)"
+    if [ -n "$FAR" ]; then
+        # The same behind a narrower link (path MTU discovery).
+        rm -f /tmp/up
+        timeout 30 wget -q -O /tmp/up --post-file /tmp/up.b64 "http://$FAR/upload"; r=$?
+        echo "GUEST-CHECK far-post-large rc=$r sent=$(wc -c </tmp/up.b64)/$(md5sum </tmp/up.b64 | cut -d' ' -f1) got=$(tr ' ' / </tmp/up 2>/dev/null)"
+        timeout 30 wget -q -O /tmp/big "http://$FAR/big.bin"; r=$?
+        echo "GUEST-CHECK far-get-large rc=$r size=$(wc -c </tmp/big) md5=$(md5sum </tmp/big | cut -d' ' -f1)"
+        rm -f /tmp/big
+    fi
     rm -f /tmp/up.b64
     ping -c 1 -W 3 "$H" >/tmp/ping 2>&1; r=$?
     echo "GUEST-CHECK egress-ping rc=$r"
+    # IPv6 link: the gateway answers (NS, echo); no default route is
+    # advertised (no IPv6 egress yet); a connection off the link sent
+    # anyway (a static default route) is refused at once, not left to
+    # time out.
+    i=0; while [ ! -e /tmp/slaac-done ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
+    ping -6 -c 1 -W 3 fd63:7562:6500::5 >/tmp/ping 2>&1; r=$?
+    echo "GUEST-CHECK ipv6-ping-gateway rc=$r"
+    echo "GUEST-CHECK ipv6-default-route $(ip -6 route show default | grep -q . && echo present || echo none)"
+    ip -6 route add default via fe80::2290:6fff:fecf:cfcf dev eth0
+    t0=$(cut -d' ' -f1 /proc/uptime)
+    nc -w 5 2001:db8::1 80 </dev/null >/tmp/nc 2>&1; r=$?
+    t1=$(cut -d' ' -f1 /proc/uptime)
+    ip -6 route del default via fe80::2290:6fff:fecf:cfcf dev eth0
+    echo "GUEST-CHECK ipv6-off-link rc=$r took=$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') $(grep -o 'Connection refused\|timed out\|unreachable' /tmp/nc | head -n 1 | tr ' ' _)"
 fi
 echo "GUEST-DONE uptime=$(cut -d' ' -f1 /proc/uptime)"
 while :; do sleep 3600; done

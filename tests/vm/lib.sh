@@ -89,7 +89,7 @@ vm_cleanup() {
         wait "$p" 2>/dev/null
     done
     # Anything still inside our namespaces was started by us.
-    for n in "$NS" "$WNS"; do
+    for n in "$NS" "$WNS" "$NS-m" "$NS-f"; do
         for p in $(ip netns pids "$n" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
         ip netns del "$n" 2>/dev/null
     done

@@ -80,10 +80,41 @@ PY
 ip netns exec "$WNS" "$PY" "$T/world.py" "$T/www" >"$T/world.out" 2>"$T/world.log" &
 PIDS+=($!)
 
+# A far server behind a narrower link (path MTU discovery): the world
+# routes 203.0.113.8/30 through a middle namespace over a 1280-byte link,
+# and the far server's own link is 1500 bytes, so it advertises a full MSS
+# and the guest's 1300-byte DF packets meet "fragmentation needed" at the
+# world, sent to the node's address: only the datapath's translation gets
+# it to the guest (without, its large uploads there hang).
+MNS=$NS-m
+FNS=$NS-f
+FAR_IP=203.0.113.10
+ip netns add "$MNS" && ip netns add "$FNS" || die "ip netns add $MNS $FNS"
+ip -n "$WNS" link add m0 type veth peer name m1 netns "$MNS" || die "veth m0"
+ip -n "$MNS" link add f0 type veth peer name f1 netns "$FNS" || die "veth f0"
+ip -n "$WNS" link set m0 mtu 1280 up
+ip -n "$MNS" link set m1 mtu 1280 up
+ip -n "$MNS" link set f0 up
+ip -n "$FNS" link set f1 up
+ip -n "$FNS" link set lo up
+ip -n "$WNS" addr add 203.0.113.1/30 dev m0
+ip -n "$MNS" addr add 203.0.113.2/30 dev m1
+ip -n "$MNS" addr add 203.0.113.9/30 dev f0
+ip -n "$FNS" addr add "$FAR_IP/30" dev f1
+ip -n "$WNS" route add 203.0.113.8/30 via 203.0.113.2 || die "route to the far server"
+ip -n "$MNS" route add default via 203.0.113.1
+ip -n "$FNS" route add default via 203.0.113.9
+ip netns exec "$WNS" sysctl -qw net.ipv4.ip_forward=1
+ip netns exec "$MNS" sysctl -qw net.ipv4.ip_forward=1
+ip netns exec "$FNS" "$PY" "$T/world.py" "$T/www" >"$T/far.out" 2>"$T/far.log" &
+PIDS+=($!)
+
 vm_bus
 
 for _ in $(seq 100); do grep -q WORLD-READY "$T/world.out" 2>/dev/null && [ -S "$T/bus.sock" ] && break; sleep 0.05; done
 grep -q WORLD-READY "$T/world.out" || die "world http server did not start: $(cat "$T/world.log")"
+for _ in $(seq 100); do grep -q WORLD-READY "$T/far.out" 2>/dev/null && break; sleep 0.05; done
+grep -q WORLD-READY "$T/far.out" || die "far http server did not start: $(cat "$T/far.log")"
 [ -S "$T/bus.sock" ] || die "dbus-daemon did not start: $(cat "$T/dbus.log")"
 
 # --- agent -------------------------------------------------------------------------
@@ -127,7 +158,7 @@ ip netns exec "$NS" "$CTL" --bus "$ADDR" open-tap vm-1 -- \
     -nodefaults -display none -monitor none -no-reboot \
     -serial "file:$T/console.log" \
     -kernel "$CACHE/vmlinux" -initrd "$CACHE/initramfs.cpio.gz" \
-    -append "console=ttyS0 quiet panic=-1 rdinit=/init cna.world=$WORLD_IP:8000 cna.big=$BIG" \
+    -append "console=ttyS0 quiet panic=-1 rdinit=/init cna.world=$WORLD_IP:8000 cna.far=$FAR_IP:8000 cna.big=$BIG" \
     -netdev tap,id=n0,fd=3,vhost=off \
     -device virtio-net-pci,netdev=n0,mac=20:90:6f:fc:fc:fc,romfile= \
     </dev/null >"$T/qemu.log" 2>&1 &
@@ -173,6 +204,20 @@ sent=$(sed -n 's/.*sent=\([^ ]*\).*/\1/p' <<<"$r")
 check "guest -> world: POST ${sent%/*} bytes (TSO/partial checksums from the guest)" "rc=0 sent=$sent got=$sent" "$r"
 r=$(gcheck egress-ping)
 check "guest -> world: ping" "rc=0" "$r"
+r=$(gcheck far-post-large)
+sent=$(sed -n 's/.*sent=\([^ ]*\).*/\1/p' <<<"$r")
+check "guest -> far server behind a 1280-byte link: POST ${sent%/*} bytes (fragmentation needed translated to the guest)" \
+    "rc=0 sent=$sent got=$sent" "$r"
+r=$(gcheck far-get-large)
+check "guest <- far server behind a 1280-byte link: GET $BIG bytes" "rc=0 size=$BIG md5=$WORLD_BIG_MD5" "$r"
+r=$(gcheck ipv6-slaac)
+check "guest IPv6: the SLAAC address from the gateway's RA alone (${r##*after=} s after link up)" \
+    "addr=fd63:7562:6500:0:2290:6fff:fefc:fcfc/64" "${r%% *}"
+check "guest IPv6: ping the gateway fd63:7562:6500::5" "rc=0" "$(gcheck ipv6-ping-gateway)"
+check "guest IPv6: no default route advertised (no IPv6 egress yet)" "none" "$(gcheck ipv6-default-route)"
+r=$(gcheck ipv6-off-link)
+check "guest IPv6: a connection off the link is refused at once (took ${r#*took=})" "rc=1 Connection_refused" \
+    "$(sed 's/ took=[^ ]*//' <<<"$r")"
 clients=$(sed -n 's/^client=\([^ ]*\) .*/\1/p' "$T/world.log" | sort -u | tr '\n' ' ')
 check "world sees the uplink address as the client (SNAT)" "$NODE_IP " "$clients"
 log "guest egress checks done"

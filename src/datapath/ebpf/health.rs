@@ -243,13 +243,18 @@ impl EbpfDatapath {
         };
         drop(inner);
         let what = format!(
-            "eBPF: from_guest on {taps} TAPs, {}; {flows} flows, {host_flows} host flows, \
+            "eBPF: from_guest on {taps} TAPs, {}; {}; {flows} flows, {host_flows} host flows, \
              {} reaped; counters: {}",
             self.node_hooks
                 .iter()
                 .map(Hook::to_string)
                 .collect::<Vec<_>>()
                 .join(", "),
+            if self.config.flags & crate::datapath::maps::DP_CFG_IPV6 != 0 {
+                "ipv6=link (no egress: off-link refused, AAAA NODATA)"
+            } else {
+                "ipv6=off"
+            },
             self.stats.reaped.load(Ordering::Relaxed),
             if counters.is_empty() {
                 "none".into()

@@ -154,7 +154,11 @@ impl EbpfDatapath {
             hflow_borrow: node.hflow_shares.borrow,
             shaper_ifindex: node.shaper.as_ref().map_or(0, |s| s.1),
             shaper_peer_ifindex: node.shaper_peer.unwrap_or(0),
-            pad3: 0,
+            flags: if node.ipv6_link {
+                crate::datapath::maps::DP_CFG_IPV6
+            } else {
+                0
+            },
         };
         maps.config
             .set(0, cfg, 0)

@@ -145,6 +145,8 @@ pub struct NodeInfo {
     /// root), and its peer's ifindex (`from_shaper` on its ingress).
     pub shaper: Option<(String, u32)>,
     pub shaper_peer: Option<u32>,
+    /// The guests' IPv6 link (RA, NA, fast refusal): config `ipv6`.
+    pub ipv6_link: bool,
 }
 
 fn ip_be(ip: Ipv4Addr) -> u32 {
