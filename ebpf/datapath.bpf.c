@@ -2067,90 +2067,6 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	return forward_out(skb, c, ip->daddr, ip->tos, ip->protocol);
 }
 
-SEC("classifier")
-int from_guest(struct __sk_buff *skb)
-{
-	struct dp_config *c = get_config();
-	if (!c)
-		return TC_ACT_SHOT;
-	__u32 ifindex = skb->ifindex;
-	struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
-	if (!sb)
-		return TC_ACT_SHOT; /* an idle pool TAP: nothing leaves it */
-
-	struct ethhdr eth;
-	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth))) {
-		count(DP_C_MALFORMED);
-		sb_count(ifindex, DP_S_MALFORMED);
-		return TC_ACT_SHOT;
-	}
-	if (!mac_eq(eth.h_source, c->guest_mac)) {
-		count(DP_C_SPOOF_DROP);
-		sb_count(ifindex, DP_S_SPOOFED);
-		return TC_ACT_SHOT;
-	}
-	if (eth.h_proto == bpf_htons(ETH_P_ARP))
-		return proxy_arp(skb, c);
-	if (eth.h_proto == bpf_htons(ETH_P_IPV6) && (c->flags & DP_CFG_IPV6))
-		return guest_ipv6(skb);
-	if (eth.h_proto != bpf_htons(ETH_P_IP)) {
-		sb_count(ifindex, DP_S_UNSUPPORTED);
-		return TC_ACT_SHOT;
-	}
-	/* Only the gateway is on the guest's link: no frame goes straight to
-	 * another guest. */
-	if (!mac_eq(eth.h_dest, c->gateway_mac)) {
-		count(DP_C_SPOOF_DROP);
-		sb_count(ifindex, DP_S_SPOOFED);
-		return TC_ACT_SHOT;
-	}
-	struct iphdr ip;
-	struct l4info l4;
-	if (parse_ipv4(skb, &ip, &l4)) {
-		count(DP_C_MALFORMED);
-		sb_count(ifindex, DP_S_MALFORMED);
-		return TC_ACT_SHOT;
-	}
-	if (ip.saddr != c->guest_ip) {
-		count(DP_C_SPOOF_DROP);
-		sb_count(ifindex, DP_S_SPOOFED);
-		return TC_ACT_SHOT;
-	}
-	if (ip.daddr == c->gateway_ip) {
-		/* The proxy's ports take only what guest_to_proxy sends them. */
-		if (l4.proto == IPPROTO_TCP && (l4.dport == bpf_htons(DP_PROXY_TLS_PORT) ||
-						l4.dport == bpf_htons(DP_PROXY_HTTP_PORT))) {
-			count(DP_C_POLICY_DROP);
-			sb_count(ifindex, DP_S_POLICY);
-			return TC_ACT_SHOT;
-		}
-		return guest_to_gateway(skb);
-	}
-	return guest_to_world(skb, c, sb, &ip, &l4);
-}
-
-/* A reply to a host connection that to_uplink moved off a sandbox flow's
- * tuple gets its own port back; the host's stack takes it from there. */
-static __always_inline int host_nat_reply(struct __sk_buff *skb, const struct dp_rev_key *rk,
-					  const struct dp_rev_val *rv, const struct l4info *l4)
-{
-	struct dp_rev_key hk = {
-		.remote_ip = rk->remote_ip,
-		.remote_port = rk->remote_port,
-		.nat_port = rv->guest_port,
-		.proto = rk->proto,
-	};
-	struct dp_ct_val *hv = bpf_map_lookup_elem(&host_nat, &hk);
-	if (!hv || hv->nat_port != rk->nat_port) {
-		bpf_map_delete_elem(&ct_rev, rk);
-		return TC_ACT_OK;
-	}
-	touch(hv, l4, DIR_IN);
-	if (set_port(skb, dst_port_off(l4), rk->nat_port, hk.nat_port, l4))
-		return TC_ACT_SHOT;
-	return TC_ACT_OK;
-}
-
 /* RFC 1624: a checksum after a 16-bit word of what it covers changes
  * from `from` to `to` (both as they sit in the packet). */
 static __always_inline __u16 csum_upd16(__u16 check, __u16 from, __u16 to)
@@ -2294,6 +2210,162 @@ __noinline int icmp_error_in(struct __sk_buff *skb)
 		return TC_ACT_SHOT;
 	count(DP_C_ICMP_ERROR);
 	return bpf_redirect(tap_ifindex, 0);
+}
+
+/* The other way: an ICMP error a guest sends about a packet of a flow it
+ * holds (a port-mapped flow the world opened, or a reply to one it
+ * opened: "port unreachable" above all) leaves as the node's: the outer
+ * source, the quoted destination address and port (what the world sent
+ * to: the uplink address and the flow's NAT or host port) and the
+ * checksums are rewritten. Not subject to the egress policy (the flow was
+ * admitted, and the error goes to the flow's remote only); anything about
+ * no live flow of this sandbox is dropped. */
+__noinline int icmp_error_out(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!skb || !c)
+		return TC_ACT_SHOT;
+	__u32 ifindex = skb->ifindex;
+	struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
+	struct icmp_err_hdrs h;
+	if (!sb || !c->uplink_ip || bpf_skb_load_bytes(skb, ETH_HLEN, &h, sizeof(h)) ||
+	    h.ip.ihl != 5 || h.in.version != 4 || h.in.ihl != 5 || h.in.daddr != c->guest_ip ||
+	    h.in.saddr != h.ip.daddr || (h.in.frag_off & bpf_htons(IP_OFFSET)) ||
+	    (h.in.protocol != IPPROTO_TCP && h.in.protocol != IPPROTO_UDP))
+		goto drop;
+	struct dp_ct_key key = {
+		.sandbox_ip = sb->sandbox_ip,
+		.remote_ip = h.in.saddr,
+		.guest_port = h.l4[1],
+		.remote_port = h.l4[0],
+		.proto = h.in.protocol,
+	};
+	struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
+	if (!v || v->gen != sb->gen)
+		goto drop;
+	__u32 uplink = c->uplink_ip, guest = c->guest_ip;
+	__u16 port = key.guest_port, nat_port = v->nat_port;
+	__u16 ic = h.icmp.checksum;
+	__u16 tcp_check = 0, tcp_new = 0;
+	__u32 tcp_off = ETH_HLEN + sizeof(h) - sizeof(h.l4) + __builtin_offsetof(struct tcphdr, check);
+	int tcp_quoted = h.in.protocol == IPPROTO_TCP && skb->len >= tcp_off + 2;
+	if (tcp_quoted) {
+		if (bpf_skb_load_bytes(skb, tcp_off, &tcp_check, 2))
+			goto drop;
+		tcp_new = csum_upd32(csum_upd16(tcp_check, port, nat_port), guest, uplink);
+		ic = csum_upd16(ic, tcp_check, tcp_new);
+	}
+	h.l4[1] = nat_port;
+	ic = csum_upd16(ic, port, nat_port);
+	if (h.in.protocol == IPPROTO_UDP && h.l4[3]) {
+		__u16 old = h.l4[3];
+		__u16 n = csum_upd32(csum_upd16(old, port, nat_port), guest, uplink);
+		h.l4[3] = n ? n : 0xffff;
+		ic = csum_upd16(ic, old, h.l4[3]);
+	}
+	__u16 in_check = h.in.check;
+	h.in.check = csum_upd32(in_check, guest, uplink);
+	h.in.daddr = uplink;
+	ic = csum_upd16(csum_upd32(ic, guest, uplink), in_check, h.in.check);
+	h.icmp.checksum = ic;
+	h.ip.check = csum_upd32(h.ip.check, h.ip.saddr, uplink);
+	h.ip.saddr = uplink;
+	if (bpf_skb_store_bytes(skb, ETH_HLEN, &h, sizeof(h), 0) ||
+	    (tcp_quoted && bpf_skb_store_bytes(skb, tcp_off, &tcp_new, 2, 0)))
+		return TC_ACT_SHOT;
+	count(DP_C_ICMP_ERROR);
+	return forward_out(skb, c, h.ip.daddr, h.ip.tos, IPPROTO_ICMP);
+drop:
+	sb_count(ifindex, DP_S_UNSUPPORTED);
+	return TC_ACT_SHOT;
+}
+
+SEC("classifier")
+int from_guest(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!c)
+		return TC_ACT_SHOT;
+	__u32 ifindex = skb->ifindex;
+	struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
+	if (!sb)
+		return TC_ACT_SHOT; /* an idle pool TAP: nothing leaves it */
+
+	struct ethhdr eth;
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth))) {
+		count(DP_C_MALFORMED);
+		sb_count(ifindex, DP_S_MALFORMED);
+		return TC_ACT_SHOT;
+	}
+	if (!mac_eq(eth.h_source, c->guest_mac)) {
+		count(DP_C_SPOOF_DROP);
+		sb_count(ifindex, DP_S_SPOOFED);
+		return TC_ACT_SHOT;
+	}
+	if (eth.h_proto == bpf_htons(ETH_P_ARP))
+		return proxy_arp(skb, c);
+	if (eth.h_proto == bpf_htons(ETH_P_IPV6) && (c->flags & DP_CFG_IPV6))
+		return guest_ipv6(skb);
+	if (eth.h_proto != bpf_htons(ETH_P_IP)) {
+		sb_count(ifindex, DP_S_UNSUPPORTED);
+		return TC_ACT_SHOT;
+	}
+	/* Only the gateway is on the guest's link: no frame goes straight to
+	 * another guest. */
+	if (!mac_eq(eth.h_dest, c->gateway_mac)) {
+		count(DP_C_SPOOF_DROP);
+		sb_count(ifindex, DP_S_SPOOFED);
+		return TC_ACT_SHOT;
+	}
+	struct iphdr ip;
+	struct l4info l4;
+	if (parse_ipv4(skb, &ip, &l4)) {
+		count(DP_C_MALFORMED);
+		sb_count(ifindex, DP_S_MALFORMED);
+		return TC_ACT_SHOT;
+	}
+	if (ip.saddr != c->guest_ip) {
+		count(DP_C_SPOOF_DROP);
+		sb_count(ifindex, DP_S_SPOOFED);
+		return TC_ACT_SHOT;
+	}
+	if (ip.daddr == c->gateway_ip) {
+		/* The proxy's ports take only what guest_to_proxy sends them. */
+		if (l4.proto == IPPROTO_TCP && (l4.dport == bpf_htons(DP_PROXY_TLS_PORT) ||
+						l4.dport == bpf_htons(DP_PROXY_HTTP_PORT))) {
+			count(DP_C_POLICY_DROP);
+			sb_count(ifindex, DP_S_POLICY);
+			return TC_ACT_SHOT;
+		}
+		return guest_to_gateway(skb);
+	}
+	if (l4.proto == IPPROTO_ICMP &&
+	    (l4.icmp_type == ICMP_DEST_UNREACH || l4.icmp_type == ICMP_TIME_EXCEEDED ||
+	     l4.icmp_type == ICMP_PARAMETERPROB))
+		return icmp_error_out(skb);
+	return guest_to_world(skb, c, sb, &ip, &l4);
+}
+
+/* A reply to a host connection that to_uplink moved off a sandbox flow's
+ * tuple gets its own port back; the host's stack takes it from there. */
+static __always_inline int host_nat_reply(struct __sk_buff *skb, const struct dp_rev_key *rk,
+					  const struct dp_rev_val *rv, const struct l4info *l4)
+{
+	struct dp_rev_key hk = {
+		.remote_ip = rk->remote_ip,
+		.remote_port = rk->remote_port,
+		.nat_port = rv->guest_port,
+		.proto = rk->proto,
+	};
+	struct dp_ct_val *hv = bpf_map_lookup_elem(&host_nat, &hk);
+	if (!hv || hv->nat_port != rk->nat_port) {
+		bpf_map_delete_elem(&ct_rev, rk);
+		return TC_ACT_OK;
+	}
+	touch(hv, l4, DIR_IN);
+	if (set_port(skb, dst_port_off(l4), rk->nat_port, hk.nat_port, l4))
+		return TC_ACT_SHOT;
+	return TC_ACT_OK;
 }
 
 SEC("classifier")

@@ -197,3 +197,35 @@ mod tests {
         assert!(b.check().unwrap_err().starts_with("ingress_burst"));
     }
 }
+
+/// The guests' static IPv6 address, the same on every TAP and node (the
+/// twin of 169.254.68.6; docs/dual-stack.md); the datapath's own copy is
+/// `DP_V6_PREFIX*`/`DP_V6_GUEST_LO` in ebpf/datapath.h.
+pub const GUEST_IPV6: std::net::Ipv6Addr =
+    std::net::Ipv6Addr::new(0xfd63, 0x7562, 0x6500, 0, 0, 0, 0, 6);
+
+/// The link-local address of `mac` (modified EUI-64, RFC 4291 2.5.1).
+pub fn link_local(mac: &[u8; 6]) -> std::net::Ipv6Addr {
+    let w = |a: u8, b: u8| u16::from_be_bytes([a, b]);
+    std::net::Ipv6Addr::new(
+        0xfe80,
+        0,
+        0,
+        0,
+        w(mac[0] ^ 2, mac[1]),
+        w(mac[2], 0xff),
+        w(0xfe, mac[3]),
+        w(mac[4], mac[5]),
+    )
+}
+
+#[cfg(test)]
+mod ipv6_tests {
+    #[test]
+    fn the_gateway_macs_link_local_address() {
+        assert_eq!(
+            super::link_local(&[0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]).to_string(),
+            "fe80::2290:6fff:fecf:cfcf"
+        );
+    }
+}

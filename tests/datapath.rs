@@ -1068,7 +1068,11 @@ async fn the_guests_ipv6_link_answers_and_refuses_at_once() {
     require_root!();
     let (env, _world) = node(&[]);
     let c = env.client().await;
-    c.ensure("v6", opts(vec![])).await.unwrap();
+    let net = c.ensure("v6", opts(vec![])).await.unwrap();
+    assert_eq!(
+        (s(&net, "guest_ipv6"), s(&net, "gateway_ipv6")),
+        ("fd63:7562:6500::6/64".into(), GATEWAY_LL.to_string())
+    );
     let raw = RawGuest::new(c.open_tap("v6").await.unwrap());
     let all_routers = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 2);
     let mcast_mac = |a: Ipv6Addr| {
@@ -1374,7 +1378,11 @@ async fn the_guests_ipv6_link_answers_and_refuses_at_once() {
     // ipv6 = off: the builds before (every IPv6 frame dropped).
     let (env, _world) = node(&["--ipv6", "off"]);
     let c = env.client().await;
-    c.ensure("off", opts(vec![])).await.unwrap();
+    let net = c.ensure("off", opts(vec![])).await.unwrap();
+    assert!(
+        !net.contains_key("guest_ipv6") && !net.contains_key("gateway_ipv6"),
+        "{net:?}"
+    );
     let raw = RawGuest::new(c.open_tap("off").await.unwrap());
     raw.send(&ip6_frame(
         GUEST_MAC,
@@ -1520,5 +1528,90 @@ async fn icmp_errors_about_a_sandbox_flow_reach_its_guest_translated() {
 
     let (_, checks) = c.health().await;
     assert_eq!(counter(&checks, "icmp_error"), 3, "{checks:?}");
+    drop(env);
+}
+
+/// The other way: a guest's ICMP error about a packet of a flow it holds
+/// (here: nothing listens on its mapped UDP port) leaves as the node's, so
+/// the world's connected socket sees "connection refused" at once instead
+/// of waiting; a forged error about a flow the sandbox does not hold is
+/// dropped and reaches nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guests_icmp_error_about_its_flow_reaches_the_world_translated() {
+    require_root!();
+    let (env, world) = node(&[]);
+    let c = env.client().await;
+    let net = c
+        .ensure(
+            "icmp-out",
+            opts(vec![("port_mappings", ports(&[("udp", 5300, 0, "")]))]),
+        )
+        .await
+        .unwrap();
+    let hp = mappings(&net)[0].2;
+    let g = RawGuest::new(c.open_tap("icmp-out").await.unwrap());
+    let mapped = SocketAddrV4::new(world::NODE_IP, hp);
+    let sock = world.run(move || {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.connect(mapped).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        s
+    });
+    let arrived = |payload: &'static [u8]| {
+        move |f: &[u8]| {
+            guest::parse_ipv4(f)
+                .is_some_and(|(_, d, p, l4)| p == 17 && d == GUEST_IP && l4.ends_with(payload))
+        }
+    };
+
+    // A forged error first: it quotes a flow with another world port.
+    sock.send(b"first").unwrap();
+    let f = g
+        .recv_match(T, arrived(b"first"))
+        .expect("the mapped datagram");
+    let (world_ip, _, _, _) = guest::parse_ipv4(&f).unwrap();
+    let mut forged = f[14..].to_vec();
+    let p = u16::from_be_bytes([forged[20], forged[21]]).wrapping_add(1);
+    forged[20..22].copy_from_slice(&p.to_be_bytes());
+    let unsupported = c.traffic("icmp-out").await["drop_unsupported"];
+    g.send(&guest::icmp_error_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        GUEST_IP,
+        world_ip,
+        (3, 3),
+        &forged,
+    ))
+    .unwrap();
+    let deadline = std::time::Instant::now() + T;
+    while c.traffic("icmp-out").await["drop_unsupported"] == unsupported {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the forged error was not dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Nobody listens in the guest: port unreachable, quoting what arrived.
+    sock.send(b"anyone home?").unwrap();
+    let f = g
+        .recv_match(T, arrived(b"anyone home?"))
+        .expect("the mapped datagram");
+    g.send(&guest::icmp_error_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        GUEST_IP,
+        world_ip,
+        (3, 3),
+        &f[14..],
+    ))
+    .unwrap();
+    let mut b = [0u8; 64];
+    let e = sock
+        .recv(&mut b)
+        .expect_err("the world's socket got no error");
+    assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+    let (_, checks) = c.health().await;
+    assert_eq!(counter(&checks, "icmp_error"), 1, "{checks:?}");
     drop(env);
 }

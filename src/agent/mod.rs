@@ -175,6 +175,11 @@ pub struct NetworkInfo {
     pub gateway_ip: String,
     pub guest_mac: String,
     pub gateway_mac: String,
+    /// The guest's static IPv6 address (CIDR) and the gateway's link-local
+    /// address, on a TAP with the IPv6 link (config `ipv6`); a guest may
+    /// configure itself from the gateway's Router Advertisements instead.
+    pub guest_ipv6: Option<String>,
+    pub gateway_ipv6: Option<String>,
     /// (destination CIDR, gateway, device) inside the guest.
     pub routes: Vec<(String, String, String)>,
     /// (ip, mac, device) permanent neighbours inside the guest.
@@ -478,7 +483,14 @@ impl Agent {
         let dev = "eth0".to_string();
         let gw = self.d.guest_gateway.to_string();
         let gw_mac = format_mac(&self.d.gateway_mac);
+        // The datapath's IPv6 link (docs/datapath.md): TAPs only (cube-cni
+        // configures containers for IPv4).
+        let ipv6 = self.cfg.ipv6 == crate::config::Ipv6Mode::Auto
+            && self.cfg.datapath == crate::config::DatapathKind::Ebpf
+            && view.record.attach == spec::AttachRecord::Tap;
         NetworkInfo {
+            guest_ipv6: ipv6.then(|| format!("{}/64", crate::types::GUEST_IPV6)),
+            gateway_ipv6: ipv6.then(|| crate::types::link_local(&self.d.gateway_mac).to_string()),
             view,
             guest_ip: format!("{}/{}", self.d.guest_ip, self.cfg.guest_prefix_len),
             gateway_ip: gw.clone(),

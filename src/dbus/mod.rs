@@ -401,6 +401,12 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
     put("gateway_ip", Value::from(info.gateway_ip));
     put("guest_mac", Value::from(info.guest_mac));
     put("gateway_mac", Value::from(info.gateway_mac));
+    if let Some(a) = info.guest_ipv6 {
+        put("guest_ipv6", Value::from(a));
+    }
+    if let Some(a) = info.gateway_ipv6 {
+        put("gateway_ipv6", Value::from(a));
+    }
     put("mtu", Value::from(r.mtu));
     put(
         "port_mappings",

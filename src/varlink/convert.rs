@@ -228,6 +228,12 @@ pub fn network(info: NetworkInfo) -> Value {
     if let Some(src) = r.cloned_from {
         o["cloned_from"] = Value::String(src);
     }
+    if let Some(a) = info.guest_ipv6 {
+        o["guest_ipv6"] = Value::String(a);
+    }
+    if let Some(a) = info.gateway_ipv6 {
+        o["gateway_ipv6"] = Value::String(a);
+    }
     o["paused"] = Value::Bool(r.paused);
     o["attach"] = Value::String(r.attach.name().into());
     let bw = r.bandwidth;

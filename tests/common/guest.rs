@@ -1691,3 +1691,23 @@ pub fn parse_icmp_error(f: &[u8]) -> Option<IcmpError> {
         checksums_ok: ok,
     })
 }
+
+/// An ICMPv4 error frame (`kind`: type, code) quoting `quoted` (an IP
+/// packet, as much of it as given).
+pub fn icmp_error_frame(
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    kind: (u8, u8),
+    quoted: &[u8],
+) -> Vec<u8> {
+    let mut icmp = vec![kind.0, kind.1, 0, 0, 0, 0, 0, 0];
+    icmp.extend_from_slice(quoted);
+    let cs = !fold(sum16(&icmp));
+    icmp[2..4].copy_from_slice(&cs.to_be_bytes());
+    let mut f = eth_header(dst_mac, src_mac, ETH_P_IP);
+    f.extend_from_slice(&ipv4_header(src, dst, 1, icmp.len()));
+    f.extend_from_slice(&icmp);
+    f
+}

@@ -394,6 +394,8 @@ pub const NETWORK_FIELDS: &[(&str, &str)] = &[
     ("gateway_ip", "Gateway IP"),
     ("guest_mac", "Guest MAC"),
     ("gateway_mac", "Gateway MAC"),
+    ("guest_ipv6", "Guest IPv6"),
+    ("gateway_ipv6", "Gateway IPv6"),
     ("port_mappings", "Ports"),
     ("allow_internet_access", "Internet"),
     ("allow_out", "Allow out"),
