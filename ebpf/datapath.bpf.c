@@ -2102,6 +2102,65 @@ struct icmp_err_hdrs {
 	__u16 l4[4];        /* its first 8 bytes after it */
 };
 
+/* Moves an ICMP error's quoted packet from address `from` and port
+ * `from_port` (quoted L4 word `pw`: 0 = TCP/UDP source, 1 = destination,
+ * 2 = echo id) to `to` and `to_port`, on its source side (`quoted_src`:
+ * the outer destination moves too) or its destination side (the outer
+ * source), with every checksum it touches: outer IP, ICMP, the quoted IP
+ * header, the quoted UDP or echo checksum, and the quoted TCP checksum
+ * when the quote holds it (RFC 1624 updates; the rest of the quote is
+ * left as it is). Stores the headers; <0: the packet could not be read or
+ * written. */
+static __always_inline int icmp_err_rewrite(struct __sk_buff *skb, struct icmp_err_hdrs *h,
+					    int pw, __u16 from_port, __u16 to_port, __u32 from,
+					    __u32 to, int quoted_src)
+{
+	__u8 proto = h->in.protocol;
+	__u16 ic = h->icmp.checksum;
+	__u16 tcp_check = 0, tcp_new = 0;
+	__u32 tcp_off = ETH_HLEN + sizeof(*h) - sizeof(h->l4) + __builtin_offsetof(struct tcphdr, check);
+	int tcp_quoted = proto == IPPROTO_TCP && skb->len >= tcp_off + 2;
+	if (tcp_quoted) {
+		if (bpf_skb_load_bytes(skb, tcp_off, &tcp_check, 2))
+			return -1;
+		tcp_new = csum_upd32(csum_upd16(tcp_check, from_port, to_port), from, to);
+		ic = csum_upd16(ic, tcp_check, tcp_new);
+	}
+	if (pw == 2) {
+		__u16 old = h->l4[1];
+		h->l4[1] = csum_upd16(old, from_port, to_port);
+		ic = csum_upd16(ic, old, h->l4[1]);
+		h->l4[2] = to_port;
+	} else if (pw) {
+		h->l4[1] = to_port;
+	} else {
+		h->l4[0] = to_port;
+	}
+	ic = csum_upd16(ic, from_port, to_port);
+	if (proto == IPPROTO_UDP && h->l4[3]) {
+		__u16 old = h->l4[3];
+		__u16 n = csum_upd32(csum_upd16(old, from_port, to_port), from, to);
+		h->l4[3] = n ? n : 0xffff;
+		ic = csum_upd16(ic, old, h->l4[3]);
+	}
+	__u16 in_check = h->in.check;
+	h->in.check = csum_upd32(in_check, from, to);
+	if (quoted_src) {
+		h->in.saddr = to;
+		h->ip.check = csum_upd32(h->ip.check, h->ip.daddr, to);
+		h->ip.daddr = to;
+	} else {
+		h->in.daddr = to;
+		h->ip.check = csum_upd32(h->ip.check, h->ip.saddr, to);
+		h->ip.saddr = to;
+	}
+	h->icmp.checksum = csum_upd16(csum_upd32(ic, from, to), in_check, h->in.check);
+	if (bpf_skb_store_bytes(skb, ETH_HLEN, h, sizeof(*h), 0) ||
+	    (tcp_quoted && bpf_skb_store_bytes(skb, tcp_off, &tcp_new, 2, 0)))
+		return -1;
+	return 0;
+}
+
 __noinline int icmp_error_in(struct __sk_buff *skb)
 {
 	struct dp_config *c = get_config();
@@ -2170,42 +2229,8 @@ __noinline int icmp_error_in(struct __sk_buff *skb)
 		return TC_ACT_SHOT;
 	__u32 tap_ifindex = tap->ifindex;
 
-	__u32 uplink = c->uplink_ip, guest = c->guest_ip;
-	__u16 port = key.guest_port;
-	__u16 ic = h.icmp.checksum;
-	__u16 tcp_check = 0, tcp_new = 0;
-	__u32 tcp_off = ETH_HLEN + sizeof(h) - sizeof(h.l4) + __builtin_offsetof(struct tcphdr, check);
-	int tcp_quoted = proto == IPPROTO_TCP && skb->len >= tcp_off + 2;
-	if (tcp_quoted) {
-		if (bpf_skb_load_bytes(skb, tcp_off, &tcp_check, 2))
-			return TC_ACT_OK;
-		tcp_new = csum_upd32(csum_upd16(tcp_check, nat_port, port), uplink, guest);
-		ic = csum_upd16(ic, tcp_check, tcp_new);
-	}
-	if (proto == IPPROTO_ICMP) {
-		__u16 old = h.l4[1];
-		h.l4[1] = csum_upd16(old, nat_port, port);
-		h.l4[2] = port;
-		ic = csum_upd16(csum_upd16(ic, nat_port, port), old, h.l4[1]);
-	} else {
-		h.l4[0] = port;
-		ic = csum_upd16(ic, nat_port, port);
-		if (proto == IPPROTO_UDP && h.l4[3]) {
-			__u16 old = h.l4[3];
-			__u16 n = csum_upd32(csum_upd16(old, nat_port, port), uplink, guest);
-			h.l4[3] = n ? n : 0xffff;
-			ic = csum_upd16(ic, old, h.l4[3]);
-		}
-	}
-	__u16 in_check = h.in.check;
-	h.in.check = csum_upd32(in_check, uplink, guest);
-	h.in.saddr = guest;
-	ic = csum_upd16(csum_upd32(ic, uplink, guest), in_check, h.in.check);
-	h.icmp.checksum = ic;
-	h.ip.check = csum_upd32(h.ip.check, h.ip.daddr, guest);
-	h.ip.daddr = guest;
-	if (bpf_skb_store_bytes(skb, ETH_HLEN, &h, sizeof(h), 0) ||
-	    (tcp_quoted && bpf_skb_store_bytes(skb, tcp_off, &tcp_new, 2, 0)) ||
+	if (icmp_err_rewrite(skb, &h, proto == IPPROTO_ICMP ? 2 : 0, nat_port, key.guest_port,
+			     c->uplink_ip, c->guest_ip, 1) ||
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
 	count(DP_C_ICMP_ERROR);
@@ -2243,35 +2268,7 @@ __noinline int icmp_error_out(struct __sk_buff *skb)
 	struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
 	if (!v || v->gen != sb->gen)
 		goto drop;
-	__u32 uplink = c->uplink_ip, guest = c->guest_ip;
-	__u16 port = key.guest_port, nat_port = v->nat_port;
-	__u16 ic = h.icmp.checksum;
-	__u16 tcp_check = 0, tcp_new = 0;
-	__u32 tcp_off = ETH_HLEN + sizeof(h) - sizeof(h.l4) + __builtin_offsetof(struct tcphdr, check);
-	int tcp_quoted = h.in.protocol == IPPROTO_TCP && skb->len >= tcp_off + 2;
-	if (tcp_quoted) {
-		if (bpf_skb_load_bytes(skb, tcp_off, &tcp_check, 2))
-			goto drop;
-		tcp_new = csum_upd32(csum_upd16(tcp_check, port, nat_port), guest, uplink);
-		ic = csum_upd16(ic, tcp_check, tcp_new);
-	}
-	h.l4[1] = nat_port;
-	ic = csum_upd16(ic, port, nat_port);
-	if (h.in.protocol == IPPROTO_UDP && h.l4[3]) {
-		__u16 old = h.l4[3];
-		__u16 n = csum_upd32(csum_upd16(old, port, nat_port), guest, uplink);
-		h.l4[3] = n ? n : 0xffff;
-		ic = csum_upd16(ic, old, h.l4[3]);
-	}
-	__u16 in_check = h.in.check;
-	h.in.check = csum_upd32(in_check, guest, uplink);
-	h.in.daddr = uplink;
-	ic = csum_upd16(csum_upd32(ic, guest, uplink), in_check, h.in.check);
-	h.icmp.checksum = ic;
-	h.ip.check = csum_upd32(h.ip.check, h.ip.saddr, uplink);
-	h.ip.saddr = uplink;
-	if (bpf_skb_store_bytes(skb, ETH_HLEN, &h, sizeof(h), 0) ||
-	    (tcp_quoted && bpf_skb_store_bytes(skb, tcp_off, &tcp_new, 2, 0)))
+	if (icmp_err_rewrite(skb, &h, 1, key.guest_port, v->nat_port, c->guest_ip, c->uplink_ip, 0))
 		return TC_ACT_SHOT;
 	count(DP_C_ICMP_ERROR);
 	return forward_out(skb, c, h.ip.daddr, h.ip.tos, IPPROTO_ICMP);

@@ -1417,6 +1417,30 @@ async fn the_guests_ipv6_link_answers_and_refuses_at_once() {
     drop(env);
 }
 
+/// A raw guest on a new network `id` whose udp/5300 is mapped, and the
+/// mapping's host port.
+async fn udp_mapped_raw_guest(c: &common::Client, id: &str) -> (RawGuest, u16) {
+    let net = c
+        .ensure(
+            id,
+            opts(vec![("port_mappings", ports(&[("udp", 5300, 0, "")]))]),
+        )
+        .await
+        .unwrap();
+    (
+        RawGuest::new(c.open_tap(id).await.unwrap()),
+        mappings(&net)[0].2,
+    )
+}
+
+/// A frame is a UDP datagram for the guest ending in `payload`.
+fn udp_to_guest_ending(payload: &'static [u8]) -> impl Fn(&[u8]) -> bool {
+    move |f: &[u8]| {
+        guest::parse_ipv4(f)
+            .is_some_and(|(_, d, p, l4)| p == 17 && d == GUEST_IP && l4.ends_with(payload))
+    }
+}
+
 /// An ICMP error from the world about a sandbox's flow reaches the guest
 /// as if its own packet had met it (path MTU discovery lives on
 /// "fragmentation needed"; here the world kernel's own port unreachable):
@@ -1429,16 +1453,8 @@ async fn icmp_errors_about_a_sandbox_flow_reach_its_guest_translated() {
     require_root!();
     let (env, world) = node(&[]);
     let c = env.client().await;
-    let net = c
-        .ensure(
-            "icmp-a",
-            opts(vec![("port_mappings", ports(&[("udp", 5300, 0, "")]))]),
-        )
-        .await
-        .unwrap();
-    let hp = mappings(&net)[0].2;
+    let (a, hp) = udp_mapped_raw_guest(&c, "icmp-a").await;
     c.ensure("icmp-b", opts(vec![])).await.unwrap();
-    let a = RawGuest::new(c.open_tap("icmp-a").await.unwrap());
     let b = RawGuest::new(c.open_tap("icmp-b").await.unwrap());
     let is_error = |f: &[u8]| guest::parse_icmp_error(f).is_some();
 
@@ -1500,11 +1516,8 @@ async fn icmp_errors_about_a_sandbox_flow_reach_its_guest_translated() {
             .unwrap();
         s.local_addr().unwrap().port()
     });
-    a.recv_match(T, |f| {
-        guest::parse_ipv4(f)
-            .is_some_and(|(_, d, p, l4)| p == 17 && d == GUEST_IP && l4.ends_with(b"ping"))
-    })
-    .expect("the mapped datagram");
+    a.recv_match(T, udp_to_guest_ending(b"ping"))
+        .expect("the mapped datagram");
     let wsrc = SocketAddrV4::new(world::WORLD_IP, wport);
     let mapped = SocketAddrV4::new(GUEST_IP, 5300);
     a.send(&guest::udp_frame(
@@ -1541,15 +1554,7 @@ async fn a_guests_icmp_error_about_its_flow_reaches_the_world_translated() {
     require_root!();
     let (env, world) = node(&[]);
     let c = env.client().await;
-    let net = c
-        .ensure(
-            "icmp-out",
-            opts(vec![("port_mappings", ports(&[("udp", 5300, 0, "")]))]),
-        )
-        .await
-        .unwrap();
-    let hp = mappings(&net)[0].2;
-    let g = RawGuest::new(c.open_tap("icmp-out").await.unwrap());
+    let (g, hp) = udp_mapped_raw_guest(&c, "icmp-out").await;
     let mapped = SocketAddrV4::new(world::NODE_IP, hp);
     let sock = world.run(move || {
         let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
@@ -1557,17 +1562,11 @@ async fn a_guests_icmp_error_about_its_flow_reaches_the_world_translated() {
         s.set_read_timeout(Some(T)).unwrap();
         s
     });
-    let arrived = |payload: &'static [u8]| {
-        move |f: &[u8]| {
-            guest::parse_ipv4(f)
-                .is_some_and(|(_, d, p, l4)| p == 17 && d == GUEST_IP && l4.ends_with(payload))
-        }
-    };
 
     // A forged error first: it quotes a flow with another world port.
     sock.send(b"first").unwrap();
     let f = g
-        .recv_match(T, arrived(b"first"))
+        .recv_match(T, udp_to_guest_ending(b"first"))
         .expect("the mapped datagram");
     let (world_ip, _, _, _) = guest::parse_ipv4(&f).unwrap();
     let mut forged = f[14..].to_vec();
@@ -1595,7 +1594,7 @@ async fn a_guests_icmp_error_about_its_flow_reaches_the_world_translated() {
     // Nobody listens in the guest: port unreachable, quoting what arrived.
     sock.send(b"anyone home?").unwrap();
     let f = g
-        .recv_match(T, arrived(b"anyone home?"))
+        .recv_match(T, udp_to_guest_ending(b"anyone home?"))
         .expect("the mapped datagram");
     g.send(&guest::icmp_error_frame(
         GUEST_MAC,
