@@ -1553,6 +1553,38 @@ static __always_inline __u16 csum_fold32(__u32 s)
 	return (__u16)s;
 }
 
+/* Whether the frame's L4 checksum at `csum_off` is partial (a VMM's TAP
+ * offload: the receiving side sums the header); <0: unreadable. Asked of
+ * the kernel: a checksum update of a word outside the pseudo-header
+ * changes the field only when the checksum is complete. */
+static __always_inline int l4_partial(struct __sk_buff *skb, __u32 csum_off)
+{
+	__u16 before, after;
+	if (bpf_skb_load_bytes(skb, csum_off, &before, 2) ||
+	    bpf_l4_csum_replace(skb, csum_off, 0, bpf_htons(1), 2) ||
+	    bpf_skb_load_bytes(skb, csum_off, &after, 2))
+		return -1;
+	return before == after;
+}
+
+/* The TCP header (no options, checksum 0) of the RST a closed port sends
+ * for segment `th` carrying `payload` bytes (RFC 9293 3.10.7.1: SEQ = its
+ * ACK, else RST|ACK acknowledging it). */
+static __always_inline void rst_for(const struct tcphdr *th, __u32 payload, struct tcphdr *r)
+{
+	__builtin_memset(r, 0, sizeof(*r));
+	r->source = th->dest;
+	r->dest = th->source;
+	r->doff = 5;
+	r->rst = 1;
+	if (th->ack) {
+		r->seq = th->ack_seq;
+	} else {
+		r->ack = 1;
+		r->ack_seq = bpf_htonl(bpf_ntohl(th->seq) + payload + th->syn + th->fin);
+	}
+}
+
 /* A guest's TCP segment (not an RST) of a connection this sandbox never
  * opened (a guest restored from a snapshot keeps its connections; their
  * flows belong to the sandbox it was snapshotted in, or to no one): the
@@ -1576,18 +1608,14 @@ __noinline int stale_reset(struct __sk_buff *skb)
 	if (bpf_skb_load_bytes(skb, ETH_HLEN, &h, sizeof(h)) || h.ip.ihl != 5 ||
 	    h.ip.protocol != IPPROTO_TCP || h.th.rst)
 		return TC_ACT_SHOT;
-	__u32 csum_off = ETH_HLEN + sizeof(struct iphdr) + __builtin_offsetof(struct tcphdr, check);
-	__u16 before, after;
-	if (bpf_l4_csum_replace(skb, csum_off, 0, bpf_htons(1), 2) ||
-	    bpf_skb_load_bytes(skb, csum_off, &after, 2))
+	int partial = l4_partial(skb, ETH_HLEN + sizeof(struct iphdr) +
+					   __builtin_offsetof(struct tcphdr, check));
+	if (partial < 0)
 		return TC_ACT_SHOT;
-	before = h.th.check;
-	int partial = before == after;
 
 	__u32 tot = bpf_ntohs(h.ip.tot_len);
 	__u32 hdrs = sizeof(struct iphdr) + h.th.doff * 4;
-	__u32 seg = (tot > hdrs ? tot - hdrs : 0) + h.th.syn + h.th.fin;
-	__builtin_memset(&r, 0, sizeof(r));
+	__builtin_memset(&r.ip, 0, sizeof(r.ip));
 	r.ip.version = 4;
 	r.ip.ihl = 5;
 	r.ip.tot_len = bpf_htons(sizeof(r));
@@ -1597,16 +1625,7 @@ __noinline int stale_reset(struct __sk_buff *skb)
 	r.ip.saddr = h.ip.daddr;
 	r.ip.daddr = h.ip.saddr;
 	r.ip.check = ~csum_fold32(csum_words(&r.ip, sizeof(r.ip)));
-	r.th.source = h.th.dest;
-	r.th.dest = h.th.source;
-	r.th.doff = 5;
-	r.th.rst = 1;
-	if (h.th.ack) {
-		r.th.seq = h.th.ack_seq;
-	} else {
-		r.th.ack = 1;
-		r.th.ack_seq = bpf_htonl(bpf_ntohl(h.th.seq) + seg);
-	}
+	rst_for(&h.th, tot > hdrs ? tot - hdrs : 0, &r.th);
 	__u32 pseudo = (r.ip.saddr >> 16) + (r.ip.saddr & 0xffff) + (r.ip.daddr >> 16) +
 		       (r.ip.daddr & 0xffff) + bpf_htons(IPPROTO_TCP) + bpf_htons(sizeof(r.th));
 	if (partial)
@@ -1698,18 +1717,6 @@ static __always_inline int v6_is_gateway(const __u32 *a, const __u8 *gateway_mac
 static __always_inline __u32 v6_pseudo(const struct ip6h *ip, __u32 len, __u8 proto)
 {
 	return csum_words(ip->saddr, 32) + bpf_htons(len) + bpf_htons(proto);
-}
-
-/* Whether the frame's L4 checksum is partial (offloaded to the far side);
- * see stale_reset. */
-static __always_inline int l4_partial(struct __sk_buff *skb, __u32 csum_off)
-{
-	__u16 before, after;
-	if (bpf_skb_load_bytes(skb, csum_off, &before, 2) ||
-	    bpf_l4_csum_replace(skb, csum_off, 0, bpf_htons(1), 2) ||
-	    bpf_skb_load_bytes(skb, csum_off, &after, 2))
-		return -1;
-	return before == after;
 }
 
 /* Replaces the frame with `len` bytes of IPv6 packet from `p` and sends it
@@ -1911,25 +1918,14 @@ __noinline int guest_ipv6(struct __sk_buff *skb)
 		if (partial < 0)
 			return TC_ACT_SHOT;
 		__u32 plen = bpf_ntohs(h.ip.plen);
-		__u32 seg = (plen > th.doff * 4u ? plen - th.doff * 4u : 0) + th.syn + th.fin;
-		
-		__builtin_memset(&u.r, 0, sizeof(u.r));
+		__builtin_memset(&u.r.ip, 0, sizeof(u.r.ip));
 		u.r.ip.vtcflow = bpf_htonl(0x60000000);
 		u.r.ip.plen = bpf_htons(sizeof(u.r.th));
 		u.r.ip.nexthdr = IPPROTO_TCP;
 		u.r.ip.hlim = 64;
 		__builtin_memcpy(u.r.ip.saddr, h.ip.daddr, 16);
 		__builtin_memcpy(u.r.ip.daddr, h.ip.saddr, 16);
-		u.r.th.source = th.dest;
-		u.r.th.dest = th.source;
-		u.r.th.doff = 5;
-		u.r.th.rst = 1;
-		if (th.ack) {
-			u.r.th.seq = th.ack_seq;
-		} else {
-			u.r.th.ack = 1;
-			u.r.th.ack_seq = bpf_htonl(bpf_ntohl(th.seq) + seg);
-		}
+		rst_for(&th, plen > th.doff * 4u ? plen - th.doff * 4u : 0, &u.r.th);
 		__u32 pseudo = v6_pseudo(&u.r.ip, sizeof(u.r.th), IPPROTO_TCP);
 		if (partial)
 			u.r.th.check = csum_fold32(pseudo);
