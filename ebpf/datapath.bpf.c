@@ -49,6 +49,9 @@
 #ifndef AF_INET
 #define AF_INET 2
 #endif
+#ifndef AF_INET6
+#define AF_INET6 10
+#endif
 /* From linux/if_arp.h and linux/icmp.h, which drag in libc headers. */
 #define ICMP_ECHOREPLY 0
 #define ICMP_ECHO 8
@@ -190,6 +193,38 @@ struct {
 	__uint(max_entries, 262144);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } ct_rev SEC(".maps");
+
+/* NAT66 flows: the IPv6 twins of ct and ct_rev (same sizes). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct dp_ct6_key);
+	__type(value, struct dp_ct_val);
+	__uint(max_entries, 262144);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ct6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct dp_rev6_key);
+	__type(value, struct dp_rev_val);
+	__uint(max_entries, 262144);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ct_rev6 SEC(".maps");
+
+/* Programs reached by tail call (each with a 512-byte stack of its own):
+ * the IPv6 world paths. Pinned, so that the entries outlive the agent
+ * (a program array is emptied when its last user reference goes). */
+#define TAIL_GUEST6_OUT 0
+#define TAIL_UPLINK6_IN 1
+#define TAIL_GUEST6_RST 2
+#define TAIL_ICMP6_ERROR_IN 3
+struct {
+	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
+	__uint(key_size, sizeof(__u32));
+	__uint(value_size, sizeof(__u32));
+	__uint(max_entries, 4);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} tails SEC(".maps");
 
 /* Host connections in the SNAT range: (remote, remote port, the host's
  * own port) -> the port it leaves with (identity unless a sandbox flow
@@ -860,6 +895,20 @@ __noinline int snat_alloc(struct __sk_buff *skb, const struct dp_ct_key *key, __
 	};
 	__u32 h = bpf_ntohs(key->guest_port) + key->sandbox_ip * 2654435761u;
 	return tuple_alloc(skb, c, key->remote_ip, key->remote_port, key->proto, &rv, h, si,
+			   nat_port);
+}
+
+/* A port for a host connection (to_uplink) whose own port a sandbox flow
+ * holds (hk: its tuple, nat_port = its own port). A global function: its
+ * 32 probes are verified once, apart from to_uplink's paths. */
+__noinline int host_tuple_alloc(struct __sk_buff *skb, const struct dp_rev_key *hk, __u32 h,
+				const struct syn_info *si, __u16 *nat_port)
+{
+	struct dp_config *c = get_config();
+	if (!skb || !hk || !si || !nat_port || !c)
+		return -1;
+	struct dp_rev_val rv = {.sandbox_ip = 0, .guest_port = hk->nat_port, .gen = 0};
+	return tuple_alloc(skb, c, hk->remote_ip, hk->remote_port, hk->proto, &rv, h, si,
 			   nat_port);
 }
 
@@ -1652,6 +1701,7 @@ __noinline int stale_reset(struct __sk_buff *skb)
 
 #define IPPROTO_ICMPV6 58
 #define ICMP6_DST_UNREACH 1
+#define ICMP6_PARAM_PROB 4
 #define ICMP6_ECHO_REQUEST 128
 #define ICMP6_ECHO_REPLY 129
 #define ND_ROUTER_SOLICIT 133
@@ -1719,20 +1769,22 @@ static __always_inline __u32 v6_pseudo(const struct ip6h *ip, __u32 len, __u8 pr
 	return csum_words(ip->saddr, 32) + bpf_htons(len) + bpf_htons(proto);
 }
 
-/* Replaces the frame with `len` bytes of IPv6 packet from `p` and sends it
- * back to the guest. */
+/* Replaces the frame with an IPv6 packet of `total` bytes, the first
+ * `len` from `p` (the rest stored by the caller), and sends it back to
+ * the guest. */
 static __always_inline int v6_answer(struct __sk_buff *skb, const struct dp_config *c,
-				     const void *p, __u32 len)
+				     const void *p, __u32 len, __u32 total)
 {
-	if (bpf_skb_change_tail(skb, ETH_HLEN + len, 0) ||
+	if (bpf_skb_change_tail(skb, ETH_HLEN + total, 0) ||
 	    bpf_skb_store_bytes(skb, ETH_HLEN, p, len, 0) ||
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
 	return bpf_redirect(skb->ifindex, 0);
 }
 
+/* The RA after its IPv6 header (built in guest_ipv6's copy of the
+ * guest's header, whose job is done by then: the stack is full). */
 struct v6_ra {
-	struct ip6h ip;
 	__u8 type, code;
 	__u16 csum;
 	__u8 hop_limit, flags;
@@ -1742,6 +1794,11 @@ struct v6_ra {
 	__u8 pi_type, pi_len, pi_prefix_len, pi_flags;
 	__be32 pi_valid, pi_preferred, pi_reserved;
 	__u32 pi_prefix[4];
+	/* Route Information (RFC 4191) for ::/0: the default route with a
+	 * lifetime of its own, infinite, so a guest keeps it with no periodic
+	 * RAs (a router lifetime is at most 9000 s; Linux takes the longer). */
+	__u8 ri_type, ri_len, ri_prefix_len, ri_flags;
+	__be32 ri_lifetime;
 };
 struct v6_na {
 	struct ip6h ip;
@@ -1755,19 +1812,38 @@ struct v6_rst {
 	struct ip6h ip;
 	struct tcphdr th;
 };
+/* Destination unreachable, up to the quote (the guest's own header and 8
+ * bytes: guest_ipv6's copy of them follows). */
 struct v6_unreach {
 	struct ip6h ip;
 	__u8 type, code;
 	__u16 csum;
 	__u16 unused[2];
-	struct ip6h qip;
-	__u8 ql4[8];
 };
-_Static_assert(sizeof(struct v6_ra) == 96, "RA layout");
+_Static_assert(sizeof(struct v6_ra) == 64, "RA layout");
 _Static_assert(sizeof(struct v6_na) == 72, "NA layout");
-_Static_assert(sizeof(struct v6_unreach) == 96, "unreachable layout");
+_Static_assert(sizeof(struct v6_unreach) == 48, "unreachable layout");
 
-__noinline int guest_ipv6(struct __sk_buff *skb)
+/* guest_ipv6's answer for a packet to the world from a sandbox that may
+ * send there (from_guest tail-calls guest6_out). */
+#define V6_TO_WORLD 0x7700
+/* guest_ipv6's modes: judge the packet; or refuse what is not the link's
+ * (counted as refused, or not: the caller counted why). */
+#define V6_JUDGE 0
+#define V6_REFUSE 1
+#define V6_REFUSE_QUIET 2
+
+/* Whether the guest on `ifindex` is sent IPv6 to the world (the node has
+ * IPv6 egress and the sandbox may use it). */
+static __always_inline int v6_router(const struct dp_config *c, __u32 ifindex)
+{
+	if (!(c->flags & DP_CFG_IPV6_EGRESS))
+		return 0;
+	struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
+	return sb && (sb->flags & DP_F_V6_OUT);
+}
+
+__noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 {
 	struct dp_config *c = get_config();
 	if (!skb || !c)
@@ -1828,17 +1904,17 @@ __noinline int guest_ipv6(struct __sk_buff *skb)
 			return TC_ACT_SHOT; /* ND and MLD come from the link only */
 		if (type == ND_ROUTER_SOLICIT || dad) {
 			__builtin_memset(&u.ra, 0, sizeof(u.ra));
-			__u32 len = sizeof(u.ra) - sizeof(u.ra.ip);
-			u.ra.ip.vtcflow = bpf_htonl(0x60000000);
-			u.ra.ip.plen = bpf_htons(len);
-			u.ra.ip.nexthdr = IPPROTO_ICMPV6;
-			u.ra.ip.hlim = 255;
-			v6_eui64(u.ra.ip.saddr, 0xfe800000, 0, c->gateway_mac);
-			u.ra.ip.daddr[0] = bpf_htonl(0xff020000); /* all nodes */
-			u.ra.ip.daddr[3] = bpf_htonl(1);
+			__u32 len = sizeof(u.ra);
+			__builtin_memset(&h.ip, 0, sizeof(h.ip));
+			h.ip.vtcflow = bpf_htonl(0x60000000);
+			h.ip.plen = bpf_htons(len);
+			h.ip.nexthdr = IPPROTO_ICMPV6;
+			h.ip.hlim = 255;
+			v6_eui64(h.ip.saddr, 0xfe800000, 0, c->gateway_mac);
+			h.ip.daddr[0] = bpf_htonl(0xff020000); /* all nodes */
+			h.ip.daddr[3] = bpf_htonl(1);
 			u.ra.type = ND_ROUTER_ADVERT;
 			u.ra.hop_limit = 64;
-			/* lifetime 0: not a default router (no IPv6 egress yet) */
 			u.ra.sll_type = 1;
 			u.ra.sll_len = 1;
 			__builtin_memcpy(u.ra.sll, c->gateway_mac, 6);
@@ -1849,10 +1925,22 @@ __noinline int guest_ipv6(struct __sk_buff *skb)
 			u.ra.pi_valid = 0xffffffff;
 			u.ra.pi_preferred = 0xffffffff;
 			v6_fixed(u.ra.pi_prefix, 0);
-			u.ra.csum = ~csum_fold32(v6_pseudo(&u.ra.ip, len, IPPROTO_ICMPV6) +
-					       csum_words(&u.ra.type, len));
+			u.ra.ri_type = 24;
+			u.ra.ri_len = 1;
+			/* Without IPv6 egress, lifetimes 0: not a default router. */
+			if (v6_router(c, ifindex)) {
+				u.ra.lifetime = bpf_htons(9000);
+				u.ra.ri_lifetime = 0xffffffff;
+			}
+			u.ra.csum = ~csum_fold32(v6_pseudo(&h.ip, len, IPPROTO_ICMPV6) +
+					       csum_words(&u.ra, len));
 			count(DP_C_ND_REPLY);
-			return v6_answer(skb, c, &u.ra, sizeof(u.ra));
+			if (bpf_skb_change_tail(skb, ETH_HLEN + sizeof(h.ip) + len, 0) ||
+			    bpf_skb_store_bytes(skb, ETH_HLEN, &h.ip, sizeof(h.ip), 0) ||
+			    bpf_skb_store_bytes(skb, ETH_HLEN + sizeof(h.ip), &u.ra, len, 0) ||
+			    set_macs(skb, c->guest_mac, c->gateway_mac))
+				return TC_ACT_SHOT;
+			return bpf_redirect(ifindex, 0);
 		}
 		if (type == ND_NEIGHBOR_SOLICIT) {
 			__u32 off = ETH_HLEN + sizeof(struct ip6h) + 8;
@@ -1876,7 +1964,7 @@ __noinline int guest_ipv6(struct __sk_buff *skb)
 			u.na.csum = ~csum_fold32(v6_pseudo(&u.na.ip, len, IPPROTO_ICMPV6) +
 					       csum_words(&u.na.type, len));
 			count(DP_C_ND_REPLY);
-			return v6_answer(skb, c, &u.na, sizeof(u.na));
+			return v6_answer(skb, c, &u.na, sizeof(u.na), sizeof(u.na));
 		}
 		if (type == ICMP6_ECHO_REQUEST && v6_is_gateway(h.ip.daddr, c->gateway_mac)) {
 			/* Turned around in place: swapping the addresses keeps
@@ -1906,9 +1994,18 @@ __noinline int guest_ipv6(struct __sk_buff *skb)
 	if (mcast)
 		return TC_ACT_SHOT;
 
+	/* The world (not the link, nor link-local), for a sandbox that may
+	 * reach it: NAT66 in guest6_out. */
+	__u32 d0 = bpf_ntohl(h.ip.daddr[0]);
+	if (mode == V6_JUDGE && (d0 >> 22) != (0xfe800000 >> 22) &&
+	    !(d0 == DP_V6_PREFIX0 && bpf_ntohl(h.ip.daddr[1]) == DP_V6_PREFIX1) &&
+	    bpf_ntohl(h.ip.saddr[0]) != 0xfe800000 && v6_router(c, ifindex))
+		return V6_TO_WORLD;
 	/* Everything else has nowhere to go: refused at once. */
-	count(DP_C_IPV6_REFUSED);
-	sb_count(ifindex, DP_S_NO_ROUTE);
+	if (mode != V6_REFUSE_QUIET) {
+		count(DP_C_IPV6_REFUSED);
+		sb_count(ifindex, DP_S_NO_ROUTE);
+	}
 	__u32 l4_off = ETH_HLEN + sizeof(struct ip6h);
 	if (h.ip.nexthdr == IPPROTO_TCP) {
 		struct tcphdr th;
@@ -1931,7 +2028,7 @@ __noinline int guest_ipv6(struct __sk_buff *skb)
 			u.r.th.check = csum_fold32(pseudo);
 		else
 			u.r.th.check = ~csum_fold32(pseudo + csum_words(&u.r.th, sizeof(u.r.th)));
-		return v6_answer(skb, c, &u.r, sizeof(u.r));
+		return v6_answer(skb, c, &u.r, sizeof(u.r), sizeof(u.r));
 	}
 	if (icmp && type < 128)
 		return TC_ACT_SHOT; /* never an error about an error */
@@ -1948,9 +2045,7 @@ __noinline int guest_ipv6(struct __sk_buff *skb)
 			return TC_ACT_SHOT;
 	}
 	__builtin_memset(&u.e, 0, sizeof(u.e));
-	u.e.qip = h.ip;
-	__builtin_memcpy(u.e.ql4, h.l4, 8);
-	__u32 len = sizeof(u.e) - sizeof(u.e.ip);
+	__u32 len = sizeof(u.e) - sizeof(u.e.ip) + sizeof(h);
 	u.e.ip.vtcflow = bpf_htonl(0x60000000);
 	u.e.ip.plen = bpf_htons(len);
 	u.e.ip.nexthdr = IPPROTO_ICMPV6;
@@ -1962,8 +2057,11 @@ __noinline int guest_ipv6(struct __sk_buff *skb)
 	if (partial)
 		u.e.unused[1] = csum_fold32(pseudo);
 	else
-		u.e.csum = ~csum_fold32(pseudo + csum_words(&u.e.type, len));
-	return v6_answer(skb, c, &u.e, sizeof(u.e));
+		u.e.csum = ~csum_fold32(pseudo + csum_words(&u.e.type, 8) + csum_words(&h, sizeof(h)));
+	if (bpf_skb_change_tail(skb, ETH_HLEN + sizeof(u.e) + sizeof(h), 0) ||
+	    bpf_skb_store_bytes(skb, ETH_HLEN + sizeof(u.e), &h, sizeof(h), 0))
+		return TC_ACT_SHOT;
+	return v6_answer(skb, c, &u.e, sizeof(u.e), sizeof(u.e) + sizeof(h));
 }
 
 /* guest -> world: SNAT after the policy check, or the reply side of a
@@ -2273,6 +2371,612 @@ drop:
 	return TC_ACT_SHOT;
 }
 
+/* ---- NAT66 (docs/dual-stack.md): the IPv6 twins of the SNAT path ---- */
+
+/* Whether `d` is a destination the world may be sent to over IPv6 by
+ * default: global unicast (2000::/3) but for the blocks that embed an
+ * IPv4 address, which would slip past the IPv4 rules, or are IETF
+ * protocol assignments (2001::/23, Teredo 2001::/32 among them; 2002::/16
+ * 6to4). Everything else never is: ULAs fc00::/7 (the v6 metadata address
+ * fd00:ec2::254 among them), link-local, multicast, loopback, ::,
+ * v4-mapped ::ffff:0:0/96 and NAT64 64:ff9b::/96. */
+static __always_inline int v6_world(const __u32 *d)
+{
+	__u32 a0 = bpf_ntohl(d[0]);
+	if ((a0 >> 29) != 1)
+		return 0;
+	if ((a0 >> 16) == 0x2002 || (a0 & 0xfffffe00) == 0x20010000)
+		return 0;
+	return 1;
+}
+
+static __always_inline int v6_eq(const __u32 *a, const __u32 *b)
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
+}
+
+/* The IPv6 twin of host_socket (saddr:sport -> daddr:dport as it arrives). */
+static __always_inline int host_socket6(struct __sk_buff *skb, __u8 proto, const __u32 *saddr,
+					__u16 sport, const __u32 *daddr, __u16 dport)
+{
+	struct bpf_sock_tuple t = {};
+	__builtin_memcpy(t.ipv6.saddr, saddr, 16);
+	__builtin_memcpy(t.ipv6.daddr, daddr, 16);
+	t.ipv6.sport = sport;
+	t.ipv6.dport = dport;
+	if (proto == IPPROTO_TCP) {
+		struct bpf_sock *sk =
+			bpf_skc_lookup_tcp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
+		if (!sk)
+			return 0;
+		bpf_sk_release(sk);
+		return 1;
+	}
+	if (proto == IPPROTO_UDP) {
+		struct bpf_sock *sk =
+			bpf_sk_lookup_udp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
+		if (!sk)
+			return 0;
+		bpf_sk_release(sk);
+		return 1;
+	}
+	return 0;
+}
+
+static __always_inline void ct6_key_of(struct dp_ct6_key *k, const struct dp_rev6_key *rk,
+				       const struct dp_rev_val *rv)
+{
+	__builtin_memset(k, 0, sizeof(*k));
+	k->sandbox_ip = rv->sandbox_ip;
+	__builtin_memcpy(k->remote_ip, rk->remote_ip, 16);
+	k->guest_port = rv->guest_port;
+	k->remote_port = rk->remote_port;
+	k->proto = rk->proto;
+	k->gaddr = (__u8)rv->pad;
+}
+
+/* As drop_stale, for NAT66 flows. */
+static __always_inline void drop_stale6(const struct dp_ct6_key *k, const struct dp_ct_val *v)
+{
+	struct dp_rev6_key rk = {};
+	__builtin_memcpy(rk.remote_ip, k->remote_ip, 16);
+	rk.remote_port = k->remote_port;
+	rk.nat_port = v->nat_port;
+	rk.proto = k->proto;
+	struct dp_rev_val *rv = bpf_map_lookup_elem(&ct_rev6, &rk);
+	if (rv && rv->gen == v->gen && rv->sandbox_ip == k->sandbox_ip &&
+	    rv->guest_port == k->guest_port && rv->pad == k->gaddr)
+		bpf_map_delete_elem(&ct_rev6, &rk);
+	bpf_map_delete_elem(&ct6, k);
+}
+
+/* As snat_port_reusable, for NAT66 tuples (no host connections here:
+ * to_uplink drops a node packet on a tuple a sandbox flow holds). */
+static __always_inline int snat6_port_reusable(const struct dp_rev6_key *rk,
+					       const struct syn_info *si)
+{
+	struct dp_rev_val *old = bpf_map_lookup_elem(&ct_rev6, rk);
+	if (!old)
+		return 1;
+	__u32 old_ip = old->sandbox_ip;
+	__u64 old_gen = old->gen;
+	struct dp_ct6_key ok;
+	ct6_key_of(&ok, rk, old);
+	struct dp_ct_val *ov = bpf_map_lookup_elem(&ct6, &ok);
+	if (!ov || ov->gen != old_gen || ov->nat_port != rk->nat_port)
+		return 1; /* the reverse entry outlived its flow */
+	struct dp_tap *owner = bpf_map_lookup_elem(&by_ip, &old_ip);
+	int reopen = si->syn && rk->proto == IPPROTO_TCP;
+	if (owner && owner->gen == old_gen &&
+	    !(reopen && tcp_closed(ov->state) && time_wait_accepts(ov, si->ts, si->seq)))
+		return 0;
+	bpf_map_delete_elem(&ct6, &ok);
+	return 1;
+}
+
+static __always_inline __u32 nat6_hash(const struct dp_ct6_key *key)
+{
+	return bpf_ntohs(key->guest_port) + (key->sandbox_ip + key->gaddr) * 2654435761u;
+}
+
+/* As snat_alloc and tuple_alloc: the NAT66 port of a new flow, from the
+ * SNAT range, claimed in ct_rev6; a port whose reply tuple a host socket
+ * would receive is skipped. */
+__noinline int snat6_alloc(struct __sk_buff *skb, const struct dp_ct6_key *key, __u64 gen,
+			   const struct syn_info *si, __u16 *nat_port)
+{
+	struct dp_config *c = get_config();
+	if (!skb || !key || !si || !nat_port || !c)
+		return -1;
+	__u32 range = (__u32)c->snat_port_max - c->snat_port_min + 1;
+	if (c->snat_port_max < c->snat_port_min || range == 0)
+		return -1;
+	struct dp_rev_val rv = {
+		.sandbox_ip = key->sandbox_ip,
+		.guest_port = key->guest_port,
+		.pad = key->gaddr,
+		.gen = gen,
+	};
+	struct dp_rev6_key rk = {};
+	__builtin_memcpy(rk.remote_ip, key->remote_ip, 16);
+	rk.remote_port = key->remote_port;
+	rk.proto = key->proto;
+	__u32 h = nat6_hash(key);
+	for (int i = 0; i < 32; i++) {
+		__u16 p = bpf_htons(c->snat_port_min + (h + i * 7919u) % range);
+		if (p == 0)
+			continue;
+		rk.nat_port = p;
+		if (bpf_map_update_elem(&ct_rev6, &rk, &rv, BPF_NOEXIST) != 0) {
+			if (!snat6_port_reusable(&rk, si) ||
+			    bpf_map_update_elem(&ct_rev6, &rk, &rv, BPF_ANY) != 0)
+				continue;
+			struct dp_rev_val *won = bpf_map_lookup_elem(&ct_rev6, &rk);
+			if (!won || won->sandbox_ip != rv.sandbox_ip ||
+			    won->guest_port != rv.guest_port || won->pad != rv.pad ||
+			    won->gen != rv.gen)
+				continue;
+		}
+		if (host_socket6(skb, key->proto, key->remote_ip, key->remote_port,
+				 c->uplink_ip6, p)) {
+			bpf_map_delete_elem(&ct_rev6, &rk);
+			continue;
+		}
+		*nat_port = p;
+		return 0;
+	}
+	return -1;
+}
+
+/* As snat_rescue: the port of a live NAT66 flow whose ct6 entry the LRU
+ * evicted, from its reverse entry. */
+__noinline int snat6_rescue(const struct dp_ct6_key *key, __u64 gen, __u16 *nat_port)
+{
+	struct dp_config *c = get_config();
+	if (!key || !nat_port || !c)
+		return -1;
+	__u32 range = (__u32)c->snat_port_max - c->snat_port_min + 1;
+	if (c->snat_port_max < c->snat_port_min || range == 0)
+		return -1;
+	struct dp_rev6_key rk = {};
+	__builtin_memcpy(rk.remote_ip, key->remote_ip, 16);
+	rk.remote_port = key->remote_port;
+	rk.proto = key->proto;
+	__u32 h = nat6_hash(key);
+	for (int i = 0; i < 32; i++) {
+		__u16 p = bpf_htons(c->snat_port_min + (h + i * 7919u) % range);
+		if (p == 0)
+			continue;
+		rk.nat_port = p;
+		struct dp_rev_val *rv = bpf_map_lookup_elem(&ct_rev6, &rk);
+		if (rv && rv->sandbox_ip == key->sandbox_ip && rv->guest_port == key->guest_port &&
+		    rv->pad == key->gaddr && rv->gen == gen) {
+			*nat_port = p;
+			return 0;
+		}
+	}
+	return -1;
+}
+
+/* Replaces an IPv6 address (at `off`), fixing the pseudo-header part of
+ * the L4 checksum (TCP, UDP and ICMPv6 all cover it). */
+static __always_inline int set_addr6(struct __sk_buff *skb, __u32 off, __u32 *old,
+				     const __u32 *new, const struct l4info *l4)
+{
+	__s64 diff = bpf_csum_diff(old, 16, (__u32 *)new, 16, 0);
+	if (diff < 0 ||
+	    bpf_l4_csum_replace(skb, l4->csum_off, 0, diff, BPF_F_PSEUDO_HDR | l4_csum_flags(l4)))
+		return -1;
+	return bpf_skb_store_bytes(skb, off, (__u32 *)new, 16, 0);
+}
+
+/* Parses an IPv6 packet's TCP, UDP or ICMPv6 header right after the fixed
+ * one (no extension headers: a guest's fragments are dropped, as IPv4's). */
+static __always_inline int parse_ipv6(struct __sk_buff *skb, struct ip6h *ip,
+				      struct l4info *l4)
+{
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, ip, sizeof(*ip)) ||
+	    (bpf_ntohl(ip->vtcflow) >> 28) != 6)
+		return -1;
+	__builtin_memset(l4, 0, sizeof(*l4));
+	l4->proto = ip->nexthdr;
+	l4->off = ETH_HLEN + sizeof(*ip);
+	if (ip->nexthdr == IPPROTO_TCP) {
+		struct tcphdr th;
+		if (bpf_skb_load_bytes(skb, l4->off, &th, sizeof(th)))
+			return -1;
+		l4->sport = th.source;
+		l4->dport = th.dest;
+		l4->csum_off = l4->off + __builtin_offsetof(struct tcphdr, check);
+		l4->tcp_flags = (th.fin ? TCP_FIN : 0) | (th.rst ? TCP_RST : 0) |
+				(th.syn ? TCP_SYN : 0) | (th.ack ? TCP_ACK : 0);
+		l4->tcp_doff = th.doff;
+		l4->tcp_seq = bpf_ntohl(th.seq);
+		__u32 hdr = th.doff * 4;
+		__u32 plen = bpf_ntohs(ip->plen);
+		l4->tcp_end = l4->tcp_seq + (plen > hdr ? plen - hdr : 0) + th.fin + th.syn;
+	} else if (ip->nexthdr == IPPROTO_UDP) {
+		struct udphdr uh;
+		if (bpf_skb_load_bytes(skb, l4->off, &uh, sizeof(uh)))
+			return -1;
+		l4->sport = uh.source;
+		l4->dport = uh.dest;
+		l4->csum_off = l4->off + __builtin_offsetof(struct udphdr, check);
+	} else if (ip->nexthdr == IPPROTO_ICMPV6) {
+		__u8 ih[8];
+		if (bpf_skb_load_bytes(skb, l4->off, ih, sizeof(ih)))
+			return -1;
+		l4->icmp_type = ih[0];
+		l4->sport = *(__u16 *)&ih[4]; /* echo id */
+		l4->dport = l4->sport;
+		l4->csum_off = l4->off + 2;
+		/* src_port_off/dst_port_off find the id at 4, as ICMP's. */
+		l4->proto = IPPROTO_ICMP;
+	}
+	return 0;
+}
+
+/* Out of the uplink to `daddr` (see forward_out). */
+static __always_inline int forward_out6(struct __sk_buff *skb, const struct dp_config *c,
+					const __u32 *daddr, __u8 proto)
+{
+	struct bpf_fib_lookup fib = {};
+	fib.family = AF_INET6;
+	fib.l4_protocol = proto;
+	fib.tot_len = 0;
+	__builtin_memcpy(fib.ipv6_src, c->uplink_ip6, 16);
+	__builtin_memcpy(fib.ipv6_dst, daddr, 16);
+	fib.ifindex = c->uplink_ifindex;
+	int rc = bpf_fib_lookup(skb, &fib, sizeof(fib), BPF_FIB_LOOKUP_OUTPUT);
+	if (rc == BPF_FIB_LKUP_RET_SUCCESS) {
+		if (set_macs(skb, fib.dmac, fib.smac))
+			return TC_ACT_SHOT;
+		return bpf_redirect(fib.ifindex, 0);
+	}
+	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH) {
+		struct bpf_redir_neigh nh = {.nh_family = AF_INET6};
+		__builtin_memcpy(nh.ipv6_nh, fib.ipv6_dst, 16);
+		return bpf_redirect_neigh(fib.ifindex, &nh, sizeof(nh), 0);
+	}
+	if (rc == BPF_FIB_LKUP_RET_FWD_DISABLED)
+		return bpf_redirect_neigh(c->uplink_ifindex, NULL, 0, 0);
+	count(DP_C_NO_ROUTE);
+	sb_count(skb->ifindex, DP_S_NO_ROUTE);
+	return TC_ACT_SHOT;
+}
+
+/* guest -> the IPv6 world (from_guest's tail call, after guest_ipv6 checked
+ * the link: source, MACs, an off-link unicast destination, a sandbox with
+ * DP_F_V6_OUT): the default denies, then NAT66 to the uplink's address
+ * with a port of the SNAT range, as guest_to_world does for IPv4. */
+SEC("classifier")
+int guest6_out(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	__u32 ifindex = skb->ifindex;
+	struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
+	if (!c || !sb || !(c->flags & DP_CFG_IPV6_EGRESS))
+		return TC_ACT_SHOT;
+	struct ip6h ip;
+	struct l4info l4;
+	if (parse_ipv6(skb, &ip, &l4)) {
+		count(DP_C_MALFORMED);
+		sb_count(ifindex, DP_S_MALFORMED);
+		return TC_ACT_SHOT;
+	}
+	if (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP &&
+	    !(l4.proto == IPPROTO_ICMP && l4.icmp_type == ICMP6_ECHO_REQUEST)) {
+		sb_count(ifindex, DP_S_UNSUPPORTED);
+		return TC_ACT_SHOT;
+	}
+	if (!(sb->flags & DP_F_INTERNET) || !v6_world(ip.daddr)) {
+		count(DP_C_POLICY_DROP);
+		sb_count(ifindex, DP_S_POLICY);
+		return TC_ACT_SHOT;
+	}
+	struct dp_ct6_key key = {
+		.sandbox_ip = sb->sandbox_ip,
+		.guest_port = l4.sport,
+		.remote_port = l4.proto == IPPROTO_ICMP ? 0 : l4.dport,
+		.proto = l4.proto,
+		.gaddr = v6_fixed_eq(ip.saddr, DP_V6_GUEST_LO) ? DP_GADDR_FIXED : DP_GADDR_SLAAC,
+	};
+	__builtin_memcpy(key.remote_ip, ip.daddr, 16);
+	__u64 gen = sb->gen;
+	__u16 nat_port;
+	struct dp_ct_val *v = bpf_map_lookup_elem(&ct6, &key);
+	if (v && v->gen != gen) {
+		drop_stale6(&key, v);
+		v = NULL;
+	}
+	if (v) {
+		touch(v, &l4, DIR_OUT);
+		note_close(skb, v, &l4);
+		nat_port = v->nat_port;
+	} else if (l4.proto == IPPROTO_TCP &&
+		   (l4.tcp_flags & (TCP_SYN | TCP_ACK)) != TCP_SYN) {
+		if (snat6_rescue(&key, gen, &nat_port)) {
+			count(DP_C_STALE_TCP);
+			sb_count(ifindex, DP_S_STALE_TCP);
+			/* Its RST, from guest_ipv6 (whose stack and this one's
+			 * do not fit one call chain). */
+			bpf_tail_call(skb, &tails, TAIL_GUEST6_RST);
+			return TC_ACT_SHOT;
+		}
+		struct dp_ct_val nv = {.nat_port = nat_port, .kind = DP_CT_SNAT, .gen = gen};
+		touch(&nv, &l4, DIR_OUT);
+		bpf_map_update_elem(&ct6, &key, &nv, BPF_ANY);
+		count(DP_C_STALE_TCP_RESCUED);
+	} else {
+		struct syn_info si = {
+			.syn = l4.proto == IPPROTO_TCP &&
+			       (l4.tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN,
+			.seq = l4.tcp_seq,
+		};
+		if (si.syn)
+			si.ts = tcp_tsval(skb, &l4);
+		if (snat6_alloc(skb, &key, gen, &si, &nat_port)) {
+			count(DP_C_NO_PORT);
+			sb_count(ifindex, DP_S_NO_PORT);
+			return TC_ACT_SHOT;
+		}
+		struct dp_ct_val nv = {.nat_port = nat_port, .kind = DP_CT_SNAT, .gen = gen};
+		touch(&nv, &l4, DIR_OUT);
+		bpf_map_update_elem(&ct6, &key, &nv, BPF_ANY);
+		sb_count(ifindex, DP_S_NEW_SNAT);
+	}
+	if (set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, saddr), ip.saddr,
+		      c->uplink_ip6, &l4) ||
+	    set_port(skb, src_port_off(&l4), l4.sport, nat_port, &l4))
+		return TC_ACT_SHOT;
+	count(DP_C_NAT66);
+	if ((sb->flags & DP_F_SHAPE_OUT) && c->shaper_ifindex) {
+		struct dp_rate *r = bpf_map_lookup_elem(&sb_rate, &ifindex);
+		if (r && r->out_small) {
+			skb->priority = skb->len <= DP_SHAPE_SMALL ? r->out_small : r->out_bulk;
+			return bpf_redirect(c->shaper_ifindex, 0);
+		}
+	}
+	return forward_out6(skb, c, ip.daddr, ip.nexthdr);
+}
+
+/* The live NAT66 flow whose replies have the tuple `rk`: its forward key
+ * in `k` and entry in `*vp`, and its sandbox's TAP; NULL when there is
+ * none (a reverse entry that outlived its flow, or a released sandbox's
+ * flow: removed). */
+static __always_inline struct dp_tap *nat66_flow(const struct dp_rev6_key *rk,
+						 struct dp_ct6_key *k, struct dp_ct_val **vp)
+{
+	struct dp_rev_val *rv = bpf_map_lookup_elem(&ct_rev6, rk);
+	if (!rv)
+		return NULL;
+	__u32 sandbox_ip = rv->sandbox_ip;
+	__u64 gen = rv->gen;
+	ct6_key_of(k, rk, rv);
+	struct dp_ct_val *v = bpf_map_lookup_elem(&ct6, k);
+	if (!v || v->gen != gen || v->nat_port != rk->nat_port) {
+		bpf_map_delete_elem(&ct_rev6, rk);
+		return NULL;
+	}
+	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
+	if (!tap || tap->gen != gen) {
+		drop_stale6(k, v);
+		return NULL;
+	}
+	*vp = v;
+	return tap;
+}
+
+/* The guest's address a NAT66 flow was sent from. */
+static __always_inline void v6_guest_addr(__u32 *a, __u8 gaddr, const struct dp_config *c)
+{
+	if (gaddr == DP_GADDR_FIXED)
+		v6_fixed(a, DP_V6_GUEST_LO);
+	else
+		v6_eui64(a, DP_V6_PREFIX0, DP_V6_PREFIX1, c->guest_mac);
+}
+
+/* RFC 1624 for a 128-bit word (an IPv6 address) of what a checksum covers. */
+static __always_inline __u16 csum_upd128(__u16 check, const __u32 *from, const __u32 *to)
+{
+	__u32 sum = (__u16)~check;
+	for (int i = 0; i < 4; i++)
+		sum += (__u16)~(from[i] >> 16) + (__u16)~(from[i] & 0xffff) + (to[i] >> 16) +
+		       (to[i] & 0xffff);
+	return ~csum_fold32(sum);
+}
+
+/* An ICMPv6 error and the packet it quotes (no extension headers). */
+struct icmp6_err_hdrs {
+	struct ip6h ip;
+	__u8 type, code;
+	__u16 csum;
+	__u32 info;          /* Packet Too Big: the MTU */
+	struct ip6h in;      /* the quoted header */
+	__u16 l4[4];         /* its first 8 bytes after it */
+};
+
+/* An ICMPv6 error from the world about a packet of a NAT66 flow (quoted
+ * as sent: from the uplink's address and the NAT port): to the guest as
+ * if its own packet had met it, the outer destination, the quoted source
+ * address and port and every checksum it touches rewritten. Above all
+ * Packet Too Big: IPv6 routers never fragment, so without it a guest's
+ * large packets vanish on any narrower link. Errors about nothing a live
+ * sandbox holds go to the node. */
+SEC("classifier")
+int icmp6_error_in(struct __sk_buff *skb)
+{
+	/* A program of its own (uplink6_in's tail call): its stack and
+	 * uplink6_in's do not fit one call chain. */
+	struct dp_config *c = get_config();
+	if (!c)
+		return TC_ACT_OK;
+	struct icmp6_err_hdrs h;
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &h, sizeof(h)) ||
+	    !v6_eq(h.in.saddr, c->uplink_ip6))
+		return TC_ACT_OK;
+	__u8 proto = h.in.nexthdr;
+	int echo = proto == IPPROTO_ICMPV6;
+	if (echo ? (h.l4[0] & 0xff) != ICMP6_ECHO_REQUEST
+		 : proto != IPPROTO_TCP && proto != IPPROTO_UDP)
+		return TC_ACT_OK;
+	struct dp_rev6_key rk = {
+		.remote_port = echo ? 0 : h.l4[1],
+		.nat_port = echo ? h.l4[2] : h.l4[0],
+		.proto = echo ? IPPROTO_ICMP : proto,
+	};
+	__builtin_memcpy(rk.remote_ip, h.in.daddr, 16);
+	struct dp_ct6_key k;
+	struct dp_ct_val *v;
+	struct dp_tap *tap = nat66_flow(&rk, &k, &v);
+	if (!tap)
+		return TC_ACT_OK;
+	if (tap->flags & DP_T_PAUSED)
+		return paused_drop(tap->ifindex, tap->gen, k.sandbox_ip, 0,
+				   wake_what(k.guest_port, rk.remote_port, rk.proto, DP_WAKE_REPLY));
+	__u32 ifindex = tap->ifindex;
+	__u32 guest[4];
+	v6_guest_addr(guest, k.gaddr, c);
+	__u16 from_port = rk.nat_port, to_port = k.guest_port;
+	__u16 ic = csum_upd128(h.csum, h.ip.daddr, guest);
+	ic = csum_upd128(ic, h.in.saddr, guest);
+	ic = csum_upd16(ic, from_port, to_port);
+	/* The quoted L4 checksum (pseudo-header: the quoted source; and the
+	 * port): UDP's and echo's are in the 8 bytes, TCP's when quoted. */
+	__u32 tcp_off = ETH_HLEN + sizeof(h) - sizeof(h.l4) + __builtin_offsetof(struct tcphdr, check);
+	__u16 tcp_check = 0, tcp_new = 0;
+	int tcp_quoted = proto == IPPROTO_TCP && skb->len >= tcp_off + 2;
+	if (tcp_quoted) {
+		if (bpf_skb_load_bytes(skb, tcp_off, &tcp_check, 2))
+			return TC_ACT_SHOT;
+		tcp_new = csum_upd128(csum_upd16(tcp_check, from_port, to_port), h.in.saddr, guest);
+		ic = csum_upd16(ic, tcp_check, tcp_new);
+	}
+	int cw = echo ? 1 : 3; /* the quoted checksum's word */
+	if (proto != IPPROTO_TCP) {
+		__u16 old = h.l4[cw];
+		__u16 n = csum_upd128(csum_upd16(old, from_port, to_port), h.in.saddr, guest);
+		h.l4[cw] = n = (n || echo) ? n : 0xffff; /* UDP: 0 is "none" */
+		ic = csum_upd16(ic, old, n);
+	}
+	h.l4[echo ? 2 : 0] = to_port;
+	__builtin_memcpy(h.in.saddr, guest, 16);
+	__builtin_memcpy(h.ip.daddr, guest, 16);
+	h.csum = ic;
+	if (bpf_skb_store_bytes(skb, ETH_HLEN, &h, sizeof(h), 0) ||
+	    (tcp_quoted && bpf_skb_store_bytes(skb, tcp_off, &tcp_new, 2, 0)) ||
+	    set_macs(skb, c->guest_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	count(DP_C_ICMP_ERROR);
+	return bpf_redirect(ifindex, 0);
+}
+
+/* A guest's TCP segment to the IPv6 world of a flow it never opened gets
+ * the RST a closed port sends (guest6_out counted it as stale). */
+SEC("classifier")
+int guest6_rst(struct __sk_buff *skb)
+{
+	return guest_ipv6(skb, V6_REFUSE_QUIET);
+}
+
+/* the IPv6 world -> a NAT66 flow's guest (from_uplink's tail call): the
+ * reply side of guest6_out. Anything else is the node's own. */
+SEC("classifier")
+int uplink6_in(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!c || !(c->flags & DP_CFG_IPV6_EGRESS))
+		return TC_ACT_OK;
+	struct ip6h ip;
+	struct l4info l4;
+	if (parse_ipv6(skb, &ip, &l4) || !v6_eq(ip.daddr, c->uplink_ip6))
+		return TC_ACT_OK;
+	if (l4.proto == IPPROTO_ICMP && l4.icmp_type >= ICMP6_DST_UNREACH &&
+	    l4.icmp_type <= ICMP6_PARAM_PROB)
+	{
+		bpf_tail_call(skb, &tails, TAIL_ICMP6_ERROR_IN);
+		return TC_ACT_OK;
+	}
+	if (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP &&
+	    !(l4.proto == IPPROTO_ICMP && l4.icmp_type == ICMP6_ECHO_REPLY))
+		return TC_ACT_OK;
+	struct dp_rev6_key rk = {
+		.remote_port = l4.proto == IPPROTO_ICMP ? 0 : l4.sport,
+		.nat_port = l4.dport,
+		.proto = l4.proto,
+	};
+	__builtin_memcpy(rk.remote_ip, ip.saddr, 16);
+	struct dp_ct6_key key;
+	struct dp_ct_val *v;
+	struct dp_tap *tap = nat66_flow(&rk, &key, &v);
+	if (!tap)
+		return TC_ACT_OK; /* the node's own */
+	touch(v, &l4, DIR_IN);
+	count(DP_C_NAT66_REPLY);
+	__u32 tap_ifindex = tap->ifindex;
+	__u16 guest_port = key.guest_port;
+	if (tap->flags & DP_T_PAUSED)
+		return paused_drop(tap_ifindex, tap->gen, key.sandbox_ip, 0,
+				   wake_what(guest_port, rk.remote_port, l4.proto, DP_WAKE_REPLY));
+	if (tap->flags & DP_T_SHAPE_IN)
+		skb->priority = skb->len <= DP_SHAPE_SMALL ? DP_TAP_CLASS_SMALL : DP_TAP_CLASS_BULK;
+	__u32 guest[4];
+	v6_guest_addr(guest, key.gaddr, c);
+	if (set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, daddr), ip.daddr, guest,
+		      &l4) ||
+	    set_port(skb, dst_port_off(&l4), l4.dport, guest_port, &l4) ||
+	    set_macs(skb, c->guest_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	return bpf_redirect(tap_ifindex, 0);
+}
+
+/* The node's own IPv6 packet out of the uplink (to_uplink): on a tuple a
+ * live sandbox flow holds, it would take that flow's replies, so it is
+ * dropped (the SNAT range is the sandboxes'; snat6_alloc never takes a
+ * tuple a node socket already has). */
+__noinline int to_uplink6(struct __sk_buff *skb)
+{
+	/* A global function: verified once, apart from to_uplink's IPv4
+	 * paths (together past the verifier's budget). */
+	struct dp_config *c = get_config();
+	if (!skb || !c)
+		return TC_ACT_OK;
+	struct ip6h ip;
+	struct l4info l4;
+	if (parse_ipv6(skb, &ip, &l4) || !v6_eq(ip.saddr, c->uplink_ip6))
+		return TC_ACT_OK;
+	if (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP &&
+	    !(l4.proto == IPPROTO_ICMP && l4.icmp_type == ICMP6_ECHO_REQUEST))
+		return TC_ACT_OK;
+	__u16 port = bpf_ntohs(l4.sport);
+	if (port < c->snat_port_min || port > c->snat_port_max)
+		return TC_ACT_OK;
+	__u32 iif = skb->ingress_ifindex;
+	if (iif && (iif == c->shaper_peer_ifindex || bpf_map_lookup_elem(&sandboxes, &iif)))
+		return TC_ACT_OK; /* a sandbox's, translated */
+	struct dp_rev6_key rk = {
+		.remote_port = l4.proto == IPPROTO_ICMP ? 0 : l4.dport,
+		.nat_port = l4.sport,
+		.proto = l4.proto,
+	};
+	__builtin_memcpy(rk.remote_ip, ip.daddr, 16);
+	struct dp_rev_val *rv = bpf_map_lookup_elem(&ct_rev6, &rk);
+	if (!rv)
+		return TC_ACT_OK;
+	struct syn_info si = {
+		.syn = l4.proto == IPPROTO_TCP && (l4.tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN,
+		.seq = l4.tcp_seq,
+	};
+	if (si.syn)
+		si.ts = tcp_tsval(skb, &l4);
+	if (snat6_port_reusable(&rk, &si)) {
+		bpf_map_delete_elem(&ct_rev6, &rk);
+		return TC_ACT_OK;
+	}
+	count(DP_C_NAT66_HOST_HELD);
+	return TC_ACT_SHOT;
+}
+
 SEC("classifier")
 int from_guest(struct __sk_buff *skb)
 {
@@ -2297,8 +3001,13 @@ int from_guest(struct __sk_buff *skb)
 	}
 	if (eth.h_proto == bpf_htons(ETH_P_ARP))
 		return proxy_arp(skb, c);
-	if (eth.h_proto == bpf_htons(ETH_P_IPV6) && (c->flags & DP_CFG_IPV6))
-		return guest_ipv6(skb);
+	if (eth.h_proto == bpf_htons(ETH_P_IPV6) && (c->flags & DP_CFG_IPV6)) {
+		int r = guest_ipv6(skb, V6_JUDGE);
+		if (r != V6_TO_WORLD)
+			return r;
+		bpf_tail_call(skb, &tails, TAIL_GUEST6_OUT);
+		return guest_ipv6(skb, V6_REFUSE); /* not loaded: no egress */
+	}
 	if (eth.h_proto != bpf_htons(ETH_P_IP)) {
 		sb_count(ifindex, DP_S_UNSUPPORTED);
 		return TC_ACT_SHOT;
@@ -2365,10 +3074,17 @@ SEC("classifier")
 int from_uplink(struct __sk_buff *skb)
 {
 	struct dp_config *c = get_config();
-	if (!c || !c->uplink_ip)
+	if (!c)
 		return TC_ACT_OK;
 	struct ethhdr eth;
-	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) || eth.h_proto != bpf_htons(ETH_P_IP))
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)))
+		return TC_ACT_OK;
+	if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
+		if (c->flags & DP_CFG_IPV6_EGRESS)
+			bpf_tail_call(skb, &tails, TAIL_UPLINK6_IN);
+		return TC_ACT_OK;
+	}
+	if (!c->uplink_ip || eth.h_proto != bpf_htons(ETH_P_IP))
 		return TC_ACT_OK;
 	struct iphdr ip;
 	struct l4info l4;
@@ -2493,10 +3209,20 @@ SEC("classifier")
 int from_shaper(struct __sk_buff *skb)
 {
 	struct dp_config *c = get_config();
-	if (!c || !c->uplink_ip)
+	if (!c)
 		return TC_ACT_SHOT;
 	struct ethhdr eth;
-	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) || eth.h_proto != bpf_htons(ETH_P_IP))
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)))
+		return TC_ACT_SHOT;
+	if (eth.h_proto == bpf_htons(ETH_P_IPV6) && (c->flags & DP_CFG_IPV6_EGRESS)) {
+		struct ip6h ip6;
+		if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip6, sizeof(ip6)) ||
+		    !v6_eq(ip6.saddr, c->uplink_ip6))
+			return TC_ACT_SHOT;
+		skb->priority = 0;
+		return forward_out6(skb, c, ip6.daddr, ip6.nexthdr);
+	}
+	if (!c->uplink_ip || eth.h_proto != bpf_htons(ETH_P_IP))
 		return TC_ACT_SHOT;
 	struct iphdr ip;
 	struct l4info l4;
@@ -2668,10 +3394,14 @@ SEC("classifier")
 int to_uplink(struct __sk_buff *skb)
 {
 	struct dp_config *c = get_config();
-	if (!c || !c->uplink_ip)
+	if (!c)
 		return TC_ACT_OK;
 	struct ethhdr eth;
-	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) || eth.h_proto != bpf_htons(ETH_P_IP))
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)))
+		return TC_ACT_OK;
+	if (eth.h_proto == bpf_htons(ETH_P_IPV6))
+		return (c->flags & DP_CFG_IPV6_EGRESS) ? to_uplink6(skb) : TC_ACT_OK;
+	if (!c->uplink_ip || eth.h_proto != bpf_htons(ETH_P_IP))
 		return TC_ACT_OK;
 	struct iphdr ip;
 	struct l4info l4;
@@ -2710,8 +3440,7 @@ int to_uplink(struct __sk_buff *skb)
 		    (snat_port_reusable(&hk, &si) &&
 		     bpf_map_update_elem(&ct_rev, &hk, &rv, BPF_ANY) == 0)) {
 			out = l4.sport;
-		} else if (tuple_alloc(skb, c, hk.remote_ip, hk.remote_port, hk.proto, &rv,
-				       port + ip.daddr * 2654435761u, &si, &out)) {
+		} else if (host_tuple_alloc(skb, &hk, port + ip.daddr * 2654435761u, &si, &out)) {
 			/* The whole range is held to this remote endpoint: the
 			 * connection keeps its port (as before this program). */
 			return TC_ACT_OK;

@@ -33,10 +33,15 @@ struct dp_config {
 	__u32 shaper_ifindex;
 	__u32 shaper_peer_ifindex;
 	__u32 flags;           /* DP_CFG_*; was padding (0) in older builds */
-}; /* 72 bytes */
+	/* NAT66: the uplink's global IPv6 address (DP_CFG_IPV6_EGRESS). */
+	__u32 uplink_ip6[4];
+}; /* 88 bytes */
 
 /* dp_config.flags */
 #define DP_CFG_IPV6 1 /* the guests' IPv6 link (RA, NA, refusals); else IPv6 is dropped */
+/* The uplink has a global IPv6 address (uplink_ip6) and an IPv6 default
+ * route: sandboxes with DP_F_V6_OUT reach the world over IPv6 (NAT66). */
+#define DP_CFG_IPV6_EGRESS 2
 
 /* The guests' IPv6 link (docs/dual-stack.md): the same on every TAP and
  * node, so a snapshot restores anywhere. The guest's addresses are
@@ -89,6 +94,11 @@ struct dp_sandbox {
 #define DP_F_SNI 4u
 /* The sandbox's traffic to the world is shaped (sb_rate, DP_SHAPE_*). */
 #define DP_F_SHAPE_OUT 8u
+/* The sandbox's IPv6 reaches the world (NAT66) when the node has IPv6
+ * egress: written for sandboxes whose policy is the internet with the
+ * default denies only (no allow/deny CIDR, no domain rule, not strict;
+ * docs/dual-stack.md). Others get their IPv6 refused at once. */
+#define DP_F_V6_OUT 16u
 /* Below 1024, so that only a privileged process can bind them (a local
  * user could otherwise take them while the agent is down, and the
  * datapath would hand it the sandboxes' flows); 1021 and 1022 are the
@@ -227,6 +237,29 @@ struct dp_ct_val {
 #define DP_TCP_RST 4
 #define DP_TCP_REMOTE_TW 8 /* the other end closed first: it keeps TIME_WAIT */
 
+/* NAT66 flows (docs/dual-stack.md): the IPv6 twins of ct and ct_rev,
+ * with the same values. The sandbox is still named by its IPv4 address
+ * (unique on the node: generations, by_ip and the reaper serve both
+ * families); `gaddr` says which of the guest's addresses sent it. */
+struct dp_ct6_key {
+	__u32 sandbox_ip;
+	__u32 remote_ip[4];
+	__u16 guest_port;      /* TCP/UDP source port, ICMPv6 echo id */
+	__u16 remote_port;     /* 0 for ICMPv6 */
+	__u8 proto;
+	__u8 gaddr;            /* DP_GADDR_* */
+	__u8 pad[2];
+}; /* 28 bytes */
+#define DP_GADDR_FIXED 0   /* fd63:7562:6500::6 */
+#define DP_GADDR_SLAAC 1   /* the prefix's EUI-64 of the guest MAC */
+struct dp_rev6_key {
+	__u32 remote_ip[4];
+	__u16 remote_port;
+	__u16 nat_port;
+	__u8 proto;
+	__u8 pad[3];
+}; /* 24 bytes */
+/* ct_rev6 values are dp_rev_val with `pad` = the guest address (DP_GADDR_*). */
 /* SNAT replies: (remote, remote port, nat port) -> the sandbox's flow */
 struct dp_rev_key {
 	__u32 remote_ip;
@@ -361,6 +394,9 @@ enum dp_counter {
 	DP_C_ROGUE_ND,            /* an RA, redirect or DHCPv6 server message from a guest (dropped) */
 	DP_C_IPV6_REFUSED,        /* a guest's IPv6 packet off its link: RST or ICMPv6 unreachable back */
 	DP_C_ICMP_ERROR,          /* an ICMP error from the world about a sandbox flow, translated to the guest */
+	DP_C_NAT66,               /* a sandbox's IPv6 packet to the world (NAT66) */
+	DP_C_NAT66_REPLY,         /* the world's IPv6 packet of a sandbox's NAT66 flow */
+	DP_C_NAT66_HOST_HELD,     /* a node's IPv6 packet on a tuple a sandbox's NAT66 flow holds (dropped) */
 	DP_C_MAX,
 };
 

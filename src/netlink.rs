@@ -1016,6 +1016,81 @@ impl Netlink {
         Ok(Some((link, addr)))
     }
 
+    /// The address NAT66 uses on `ifindex`: a global-scope IPv6 address
+    /// that is usable (not tentative, failed or deprecated) and not a
+    /// temporary (privacy) one, global unicast (2000::/3) first; `None`
+    /// also when the namespace has no IPv6 default route out of `ifindex`
+    /// (nothing would carry the sandboxes' IPv6 to the world).
+    pub async fn ipv6_egress_addr(
+        &self,
+        ifindex: u32,
+    ) -> Result<Option<std::net::Ipv6Addr>, NetlinkError> {
+        use rtnetlink::packet_route::address::{AddressFlags, AddressScope};
+        let routes: Vec<RouteMessage> = {
+            let _one = self.dumps.lock().await;
+            let req = RouteMessageBuilder::<std::net::Ipv6Addr>::new().build();
+            self.handle
+                .route()
+                .get(req)
+                .execute()
+                .try_collect()
+                .await
+                .map_err(|source| NetlinkError::Dump {
+                    what: "ipv6 routes",
+                    source,
+                })?
+        };
+        let default_out = routes.iter().any(|r| {
+            r.header.destination_prefix_length == 0
+                && r.header.kind == RouteType::Unicast
+                && route_table(r) == u32::from(RouteHeader::RT_TABLE_MAIN)
+                && route_oif(r) == Some(ifindex)
+        });
+        if !default_out {
+            debug!(ifindex, "no ipv6 default route out of the uplink");
+            return Ok(None);
+        }
+        let msgs: Vec<_> = {
+            let _one = self.dumps.lock().await;
+            let mut req = self.handle.address().get().set_link_index_filter(ifindex);
+            req.message_mut().header.family = AddressFamily::Inet6;
+            req.execute()
+                .try_collect()
+                .await
+                .map_err(|source| NetlinkError::Dump {
+                    what: "addresses",
+                    source,
+                })?
+        };
+        let unusable = AddressFlags::Tentative
+            | AddressFlags::Dadfailed
+            | AddressFlags::Deprecated
+            | AddressFlags::Secondary;
+        let mut found: Vec<std::net::Ipv6Addr> = msgs
+            .iter()
+            .filter(|m| {
+                m.header.family == AddressFamily::Inet6
+                    && m.header.index == ifindex
+                    && m.header.scope == AddressScope::Universe
+            })
+            .filter(|m| {
+                let flags = m.attributes.iter().find_map(|a| match a {
+                    AddressAttribute::Flags(f) => Some(*f),
+                    _ => None,
+                });
+                !flags.is_some_and(|f| f.intersects(unusable))
+            })
+            .filter_map(|m| {
+                m.attributes.iter().find_map(|a| match a {
+                    AddressAttribute::Address(IpAddr::V6(v6)) => Some(*v6),
+                    _ => None,
+                })
+            })
+            .collect();
+        found.sort_by_key(|a| (a.segments()[0] >> 13) != 1);
+        Ok(found.first().copied())
+    }
+
     /// Every IPv4 address of the namespace (any link).
     pub async fn local_ipv4_addrs(&self) -> Result<Vec<Ipv4Addr>, NetlinkError> {
         Ok(self

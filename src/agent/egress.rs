@@ -125,6 +125,9 @@ struct Sandbox {
     changed: Option<tokio::sync::watch::Sender<()>>,
     /// Its link's MTU: no UDP answer to it may be larger.
     mtu: u32,
+    /// Its IPv6 may reach the world on a node with IPv6 egress (as
+    /// `SandboxPath::ipv6_egress`): AAAA questions are forwarded for it.
+    v6_out: bool,
 }
 
 /// A sandbox's CIDR rules: allow beats deny, anything else goes.
@@ -358,12 +361,17 @@ impl Egress {
         // Without internet access there is nothing to dial for it.
         let strict = !rec.egress_mode.is_dns() && rec.allow_internet_access;
         let cidrs = Arc::new(CidrRules::from_lists(&rec.allow_out, &rec.deny_out));
+        let v6_out = rec.allow_internet_access
+            && rec.allow_out.is_empty()
+            && rec.deny_out.is_empty()
+            && rec.egress_mode.is_dns();
         let same = |s: &Sandbox| {
             s.id == rec.sandbox_id
                 && s.patterns == patterns
                 && s.strict == strict
                 && s.cidrs == cidrs
                 && s.mtu == rec.mtu
+                && s.v6_out == v6_out
         };
         // Most view updates (ensure replies, fd held, Reconcile) change
         // neither: a shared lock is enough to see that.
@@ -385,6 +393,7 @@ impl Egress {
                 cidrs: cidrs.clone(),
                 changed: strict.then(|| tokio::sync::watch::channel(()).0),
                 mtu: rec.mtu,
+                v6_out,
             },
         );
         drop(sandboxes);
@@ -546,6 +555,11 @@ impl Egress {
                 },
             },
         }
+    }
+
+    fn v6_out(&self, src: Ipv4Addr) -> bool {
+        let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
+        sandboxes.get(&src).is_some_and(|s| s.v6_out)
     }
 
     fn proxy_decide(&self, src: Ipv4Addr, name: Option<&str>) -> ProxyDecision {
@@ -939,6 +953,27 @@ impl Agent {
             );
         }
         d
+    }
+
+    /// Whether the sandbox at `src` is told IPv6 addresses (AAAA answers):
+    /// the node has IPv6 egress and the sandbox may use it. Any other gets
+    /// NODATA, so a dual-stack client goes to IPv4 at once.
+    pub fn dns_aaaa(&self, src: Ipv4Addr) -> bool {
+        self.ipv6_egress() && self.egress.v6_out(src)
+    }
+
+    /// Whether NAT66 runs: the guests' IPv6 link is on and the uplink has
+    /// an IPv6 address for it (and a default route).
+    pub fn ipv6_egress(&self) -> bool {
+        self.cfg.ipv6 == crate::config::Ipv6Mode::Auto
+            && matches!(
+                self.uplink,
+                super::Uplink::Found {
+                    addr: Some(_),
+                    addr6: Some(_),
+                    ..
+                }
+            )
     }
 
     /// Lets the sandbox at `src` start flows to the answer's addresses

@@ -429,8 +429,16 @@ pub mod verdict {
                 name,
                 addr: Some(a),
                 mtu,
+                addr6,
                 ..
-            } => ("uplink".into(), true, format!("{name} {a}, MTU {mtu}")),
+            } => (
+                "uplink".into(),
+                true,
+                match addr6 {
+                    Some(a6) => format!("{name} {a} {a6}, MTU {mtu}"),
+                    None => format!("{name} {a}, MTU {mtu}"),
+                },
+            ),
             Uplink::Found {
                 name, addr: None, ..
             } => (
@@ -681,6 +689,7 @@ mod tests {
             name: "eth0".into(),
             ifindex: 2,
             addr: Some(std::net::Ipv4Addr::new(10, 0, 0, 2)),
+            addr6: None,
             mtu,
         };
         let pool = |quarantined: Vec<(String, String)>| PoolStats {

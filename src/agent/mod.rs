@@ -265,6 +265,9 @@ enum Uplink {
         name: String,
         ifindex: u32,
         addr: Option<Ipv4Addr>,
+        /// The address NAT66 uses (a usable global IPv6 address, and an
+        /// IPv6 default route out of it), if any.
+        addr6: Option<std::net::Ipv6Addr>,
         /// Its MTU at start: no sandbox MTU may exceed it (a guest's
         /// full-size packet could not leave, and the datapath sends no
         /// "fragmentation needed").
@@ -483,11 +486,10 @@ impl Agent {
         let dev = "eth0".to_string();
         let gw = self.d.guest_gateway.to_string();
         let gw_mac = format_mac(&self.d.gateway_mac);
-        // The datapath's IPv6 link (docs/datapath.md): TAPs only (cube-cni
-        // configures containers for IPv4).
+        // The datapath's IPv6 link (docs/datapath.md), on TAPs and veths
+        // alike (cube-cni then leaves the container's IPv6 on).
         let ipv6 = self.cfg.ipv6 == crate::config::Ipv6Mode::Auto
-            && self.cfg.datapath == crate::config::DatapathKind::Ebpf
-            && view.record.attach == spec::AttachRecord::Tap;
+            && self.cfg.datapath == crate::config::DatapathKind::Ebpf;
         NetworkInfo {
             guest_ipv6: ipv6.then(|| format!("{}/64", crate::types::GUEST_IPV6)),
             gateway_ipv6: ipv6.then(|| crate::types::link_local(&self.d.gateway_mac).to_string()),

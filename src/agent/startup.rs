@@ -76,7 +76,9 @@ impl Agent {
         }
         let uplink = Self::find_uplink(&nl, &cfg.uplink).await;
         match &uplink {
-            Uplink::Found { name, addr, .. } => info!(uplink = name, address = ?addr, "uplink"),
+            Uplink::Found {
+                name, addr, addr6, ..
+            } => info!(uplink = name, address = ?addr, ipv6 = ?addr6, "uplink"),
             Uplink::Missing(why) => warn!(
                 reason = why.as_str(),
                 "no uplink; egress and port mappings are unavailable"
@@ -414,6 +416,14 @@ impl Agent {
             shaper: shaper.map(|(s, _)| (SHAPER_DEVICE.to_owned(), s)),
             shaper_peer: shaper.map(|(_, p)| p),
             ipv6_link: cfg.ipv6 == crate::config::Ipv6Mode::Auto,
+            uplink_ip6: match uplink {
+                Uplink::Found {
+                    addr: Some(_),
+                    addr6,
+                    ..
+                } => *addr6,
+                _ => None,
+            },
         };
         match crate::datapath::ebpf::EbpfDatapath::load(node) {
             Ok(dp) => Ok(Arc::new(dp)),
@@ -427,10 +437,23 @@ impl Agent {
         }
     }
 
+    /// The uplink's NAT66 address (see [`Netlink::ipv6_egress_addr`]); a
+    /// failure to read it is no IPv6 egress, logged.
+    async fn uplink_ipv6(nl: &Netlink, ifindex: u32) -> Option<std::net::Ipv6Addr> {
+        match nl.ipv6_egress_addr(ifindex).await {
+            Ok(a) => a,
+            Err(e) => {
+                warn!(error = %crate::error_chain(&e), "reading the uplink's IPv6 addresses: no IPv6 egress");
+                None
+            }
+        }
+    }
+
     pub(super) async fn find_uplink(nl: &Netlink, configured: &str) -> Uplink {
         if configured.is_empty() {
             return match nl.default_uplink().await {
                 Ok(Some((link, addr))) => Uplink::Found {
+                    addr6: Self::uplink_ipv6(nl, link.index).await,
                     name: link.name,
                     ifindex: link.index,
                     addr,
@@ -448,6 +471,7 @@ impl Agent {
                     .ok()
                     .and_then(|a| a.first().map(|(ip, _)| *ip));
                 Uplink::Found {
+                    addr6: Self::uplink_ipv6(nl, link.index).await,
                     name: link.name,
                     ifindex: link.index,
                     addr,

@@ -270,6 +270,7 @@ fn facts(d: &Dict) -> Result<NetFacts, CniError> {
         gateway_ip: field(d, "gateway_ip")?,
         guest_mac: field(d, "guest_mac")?,
         mtu: field(d, "mtu")?,
+        guest_ipv6: field(d, "guest_ipv6").ok(),
     })
 }
 
@@ -460,12 +461,16 @@ async fn configure_inside(
     nl.add_ipv4_addr(link.index, addr, len)
         .await
         .map_err(|e| netns_err("adding the address", e))?;
-    // IPv4 only, as the datapath: with IPv6 addresses, the interface's
-    // router solicitations, DAD and MLD reports would be dropped (and
-    // counted as unsupported) from the moment it is up.
-    nl.ipv6_quiet(link.index)
-        .await
-        .map_err(|e| netns_err("turning IPv6 address generation off", e))?;
+    // With the guests' IPv6 link the container configures IPv6 from the
+    // gateway's Router Advertisements (its SLAAC address, and a default
+    // route where the sandbox's IPv6 reaches the world). Without it, IPv4
+    // only, as the datapath: the interface's router solicitations, DAD and
+    // MLD reports would be dropped from the moment it is up.
+    if f.guest_ipv6.is_none() {
+        nl.ipv6_quiet(link.index)
+            .await
+            .map_err(|e| netns_err("turning IPv6 address generation off", e))?;
+    }
     let up = cube_network_agent::netlink::LinkChange {
         up: Some(true),
         ..Default::default()

@@ -573,6 +573,10 @@ pub struct NetFacts {
     pub gateway_ip: String,
     pub guest_mac: String,
     pub mtu: u32,
+    /// The guests' IPv6 link is on (the agent's `guest_ipv6`): the
+    /// container keeps IPv6 and configures it from the gateway's Router
+    /// Advertisements, as a VM guest does.
+    pub guest_ipv6: Option<String>,
 }
 
 fn version_at_least(v: &str, major: u32, minor: u32) -> bool {
@@ -893,6 +897,7 @@ mod tests {
             gateway_ip: "169.254.68.5".into(),
             guest_mac: "20:90:6f:fc:fc:fc".into(),
             mtu: 1300,
+            guest_ipv6: None,
         }
     }
 

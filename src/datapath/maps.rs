@@ -28,6 +28,9 @@ pub struct DpConfig {
     pub shaper_peer_ifindex: u32,
     /// `DP_CFG_*` (was padding).
     pub flags: u32,
+    /// NAT66: the uplink's global IPv6 address (`DP_CFG_IPV6_EGRESS`),
+    /// network byte order.
+    pub uplink_ip6: [u8; 16],
 }
 
 /// A sandbox's entries in the shared tables (`sb_share`, keyed by its TAP
@@ -92,6 +95,9 @@ pub const DP_F_DOMAINS: u32 = 2;
 pub const DP_F_SNI: u32 = 4;
 /// Traffic to the world is paced by the sandbox's `sb_rate` entry.
 pub const DP_F_SHAPE_OUT: u32 = 8;
+/// The sandbox's IPv6 reaches the world (NAT66) on a node with IPv6
+/// egress: the internet with the default denies only (docs/dual-stack.md).
+pub const DP_F_V6_OUT: u32 = 16;
 /// `DpTap::flags`: traffic from the world to the sandbox is paced.
 pub const DP_T_SHAPE_IN: u32 = 1;
 /// `DpTap::flags`: the sandbox is paused (packets for it dropped, the
@@ -236,6 +242,32 @@ pub const REMOTE_TIME_WAIT: std::time::Duration = std::time::Duration::from_secs
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct DpRevKey {
     pub remote_ip: u32,
+    pub remote_port: u16,
+    pub nat_port: u16,
+    pub proto: u8,
+    pub pad: [u8; 3],
+}
+
+/// A NAT66 flow as the sandbox sees it (`ct6`; values are [`DpCtVal`]).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DpCt6Key {
+    pub sandbox_ip: u32,
+    pub remote_ip: [u8; 16],
+    pub guest_port: u16,
+    pub remote_port: u16,
+    pub proto: u8,
+    /// Which of the guest's addresses sent it (0 the fixed one, 1 SLAAC).
+    pub gaddr: u8,
+    pub pad: [u8; 2],
+}
+
+/// NAT66 replies (`ct_rev6`; values are [`DpRevVal`], `pad` = the guest
+/// address as in [`DpCt6Key::gaddr`]).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DpRev6Key {
+    pub remote_ip: [u8; 16],
     pub remote_port: u16,
     pub nat_port: u16,
     pub proto: u8,
@@ -419,6 +451,10 @@ unsafe impl aya::Pod for DpRevKey {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpRevVal {}
 // SAFETY: see above.
+unsafe impl aya::Pod for DpCt6Key {}
+// SAFETY: see above.
+unsafe impl aya::Pod for DpRev6Key {}
+// SAFETY: see above.
 unsafe impl aya::Pod for DpHflowKey {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpHflowVal {}
@@ -433,7 +469,9 @@ unsafe impl aya::Pod for DpFragVal {}
 
 // The C side's sizes (ebpf/datapath.h comments); a mismatch fails the build.
 const _: () = {
-    assert!(size_of::<DpConfig>() == 72);
+    assert!(size_of::<DpConfig>() == 88);
+    assert!(size_of::<DpCt6Key>() == 28);
+    assert!(size_of::<DpRev6Key>() == 24);
     assert!(size_of::<DpShare>() == 8);
     assert!(size_of::<DpSharePool>() == 8);
     assert!(size_of::<DpSandbox>() == 16);
@@ -587,6 +625,24 @@ pub const PINNED: &[PinnedMap] = {
             FLOW_MAP_ENTRIES,
             Durable,
         ),
+        pinned(
+            "ct6",
+            LruHash,
+            size_of::<DpCt6Key>(),
+            size_of::<DpCtVal>(),
+            FLOW_MAP_ENTRIES,
+            Durable,
+        ),
+        pinned(
+            "ct_rev6",
+            LruHash,
+            size_of::<DpRev6Key>(),
+            size_of::<DpRevVal>(),
+            FLOW_MAP_ENTRIES,
+            Durable,
+        ),
+        // Program fds: every start writes its own programs.
+        pinned("tails", ProgramArray, 4, 4, 4, Rebuilt),
         // The only record of which TAPs an older build attached.
         pinned("tap_attached", Hash, 4, 4, SANDBOX_MAP_ENTRIES, Durable),
         pinned(
@@ -670,6 +726,9 @@ pub const PINNED: &[PinnedMap] = {
 
 /// `dp_config.flags`: the guests' IPv6 link is on.
 pub const DP_CFG_IPV6: u32 = 1;
+/// `dp_config.flags`: NAT66 (the uplink has a global IPv6 address and an
+/// IPv6 default route).
+pub const DP_CFG_IPV6_EGRESS: u32 = 2;
 
 /// Counter indexes (enum dp_counter).
 pub const COUNTER_NAMES: &[&str] = &[
@@ -701,4 +760,7 @@ pub const COUNTER_NAMES: &[&str] = &[
     "rogue_nd",
     "ipv6_refused",
     "icmp_error",
+    "nat66",
+    "nat66_reply",
+    "nat66_host_held",
 ];

@@ -40,6 +40,19 @@ pub struct SandboxPath<'a> {
 }
 
 impl SandboxPath<'_> {
+    /// Whether the sandbox's IPv6 may reach the world (NAT66, on a node
+    /// with IPv6 egress): its policy is the internet with the default
+    /// denies only. Rules (CIDRs and names, IPv4's today) and strict mode
+    /// are not yet carried over to IPv6, so a sandbox with any of them is
+    /// IPv4-only: its IPv6 to the world is refused at once
+    /// (docs/dual-stack.md).
+    pub fn ipv6_egress(&self) -> bool {
+        self.allow_internet_access
+            && self.allow_out.is_empty()
+            && self.deny_out.is_empty()
+            && !self.strict_egress
+    }
+
     /// Whether `allow_out` or `deny_out` has a domain pattern.
     pub fn has_domain_rules(&self) -> bool {
         self.allow_out

@@ -2,7 +2,7 @@
 //! and TCP on the gateway device's address, port 53 (what a guest reaches
 //! at its gateway). It parses the question, asks the core
 //! ([`Agent::dns_decide`]), answers REFUSED or NODATA itself (NODATA for
-//! every AAAA question: sandboxes have no IPv6 egress yet), or forwards
+//! every AAAA question of a sandbox whose IPv6 does not reach the world), or forwards
 //! the query to the upstream resolver and, for a sandbox with domain
 //! rules, has the answer's addresses learned ([`Agent::dns_learn`])
 //! before the answer is sent on.
@@ -674,10 +674,13 @@ fn plan(agent: &Agent, upstream: Option<SocketAddrV4>, src: Ipv4Addr, query: &[u
         DnsDecision::Stranger | DnsDecision::Refuse { .. } => {
             return Plan::Reply(reply(query, &q, RCODE_REFUSED));
         }
-        // No sandbox has IPv6 beyond its link yet (docs/dual-stack.md):
+        // A sandbox whose IPv6 does not reach the world (no IPv6 egress on
+        // the node, or rules that are IPv4's only: docs/dual-stack.md):
         // an IPv6 address would be a connection that fails, so a
         // dual-stack client is told at once that there is none.
-        _ if q.qtype == TYPE_AAAA => return Plan::Reply(reply(query, &q, 0)),
+        _ if q.qtype == TYPE_AAAA && !agent.dns_aaaa(src) => {
+            return Plan::Reply(reply(query, &q, 0));
+        }
         DnsDecision::Forward => None,
         // Their hints (ipv4hint) would be addresses never learned: a
         // client falls back to A.

@@ -38,6 +38,12 @@ pub const WORLD_IF: &str = "w0";
 pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 pub const WORLD_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
 pub const PREFIX_LEN: u8 = 24;
+/// IPv6 on the same link ([`World::add_ipv6`]): the node's global
+/// address (what NAT66 sends from) and the world's.
+pub const NODE_IP6: std::net::Ipv6Addr =
+    std::net::Ipv6Addr::new(0x2001, 0xdb8, 0xc0be, 0, 0, 0, 0, 1);
+pub const WORLD_IP6: std::net::Ipv6Addr =
+    std::net::Ipv6Addr::new(0x2001, 0xdb8, 0xc0be, 0, 0, 0, 0, 2);
 
 type Peers = Arc<Mutex<Vec<SocketAddr>>>;
 
@@ -74,13 +80,14 @@ pub fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'sta
 
 /// Connect to `addr`, write `payload`, half-close, read until EOF.
 pub fn tcp_exchange(
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     payload: &[u8],
     timeout: Duration,
 ) -> Result<Vec<u8>, String> {
+    let addr: SocketAddr = addr.into();
     let deadline = Instant::now() + timeout;
-    let mut s = TcpStream::connect_timeout(&addr.into(), timeout)
-        .map_err(|e| format!("connect {addr}: {e}"))?;
+    let mut s =
+        TcpStream::connect_timeout(&addr, timeout).map_err(|e| format!("connect {addr}: {e}"))?;
     let left = |d: Instant| {
         d.saturating_duration_since(Instant::now())
             .max(Duration::from_millis(1))
@@ -111,11 +118,17 @@ pub fn tcp_exchange(
 /// Send one datagram from an ephemeral port and wait for one back
 /// (re-sent every 250 ms).
 pub fn udp_exchange(
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     payload: &[u8],
     timeout: Duration,
 ) -> Result<Vec<u8>, String> {
-    let s = UdpSocket::bind("0.0.0.0:0").map_err(|e| format!("udp bind: {e}"))?;
+    let addr: SocketAddr = addr.into();
+    let any = if addr.is_ipv6() {
+        "[::]:0"
+    } else {
+        "0.0.0.0:0"
+    };
+    let s = UdpSocket::bind(any).map_err(|e| format!("udp bind: {e}"))?;
     let deadline = Instant::now() + timeout;
     let mut buf = [0u8; 65536];
     loop {
@@ -143,10 +156,11 @@ pub fn udp_exchange(
 /// [`tcp_exchange`] from inside the namespace `ns`.
 pub fn tcp_exchange_in(
     ns: &str,
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     payload: &[u8],
     timeout: Duration,
 ) -> Result<Vec<u8>, String> {
+    let addr: SocketAddr = addr.into();
     let payload = payload.to_vec();
     in_netns(ns, move || tcp_exchange(addr, &payload, timeout))
 }
@@ -154,10 +168,11 @@ pub fn tcp_exchange_in(
 /// [`udp_exchange`] from inside the namespace `ns`.
 pub fn udp_exchange_in(
     ns: &str,
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     payload: &[u8],
     timeout: Duration,
 ) -> Result<Vec<u8>, String> {
+    let addr: SocketAddr = addr.into();
     let payload = payload.to_vec();
     in_netns(ns, move || udp_exchange(addr, &payload, timeout))
 }
@@ -174,7 +189,8 @@ pub struct Server {
 impl Server {
     /// A TCP server on `addr` in namespace `ns`: reads to EOF (or 2 s of
     /// silence), answers `prefix` + what it read, closes.
-    pub fn tcp(ns: &str, addr: SocketAddrV4, prefix: &[u8]) -> Server {
+    pub fn tcp(ns: &str, addr: impl Into<SocketAddr>, prefix: &[u8]) -> Server {
+        let addr: SocketAddr = addr.into();
         let listener = in_netns(ns, move || TcpListener::bind(addr))
             .unwrap_or_else(|e| panic!("bind tcp {addr} in {ns}: {e}"));
         listener.set_nonblocking(true).unwrap();
@@ -209,7 +225,8 @@ impl Server {
 
     /// A UDP server on `addr` in namespace `ns`: answers every datagram
     /// with `prefix` + its payload.
-    pub fn udp(ns: &str, addr: SocketAddrV4, prefix: &[u8]) -> Server {
+    pub fn udp(ns: &str, addr: impl Into<SocketAddr>, prefix: &[u8]) -> Server {
+        let addr: SocketAddr = addr.into();
         let sock = in_netns(ns, move || UdpSocket::bind(addr))
             .unwrap_or_else(|e| panic!("bind udp {addr} in {ns}: {e}"));
         sock.set_read_timeout(Some(Duration::from_millis(20)))
@@ -320,6 +337,45 @@ impl World {
         world
     }
 
+    /// IPv6 on the uplink: `NODE_IP6`/64 on up0 and `WORLD_IP6`/64 on w0
+    /// (no duplicate address detection: usable at once), the node's IPv6
+    /// default route via the world, and the world's extra `more`
+    /// addresses (/128 on w0: hosts the node routes to the world). The
+    /// agent sees it after a restart.
+    pub fn add_ipv6(&self, more: &[std::net::Ipv6Addr]) {
+        let node6 = format!("{NODE_IP6}/64");
+        let world6 = format!("{WORLD_IP6}/64");
+        ip(&[
+            "-n",
+            &self.node_ns,
+            "addr",
+            "add",
+            &node6,
+            "dev",
+            UPLINK,
+            "nodad",
+        ]);
+        ip(&[
+            "-n", &self.ns, "addr", "add", &world6, "dev", WORLD_IF, "nodad",
+        ]);
+        for a in more {
+            let a = format!("{a}/128");
+            ip(&["-n", &self.ns, "addr", "add", &a, "dev", WORLD_IF, "nodad"]);
+        }
+        ip(&[
+            "-n",
+            &self.node_ns,
+            "-6",
+            "route",
+            "replace",
+            "default",
+            "via",
+            &WORLD_IP6.to_string(),
+            "dev",
+            UPLINK,
+        ]);
+    }
+
     /// [`World::create`] next to `env`'s namespace. The running agent does
     /// not see the new uplink until it is restarted.
     pub fn attach(env: &Env) -> World {
@@ -368,6 +424,25 @@ impl World {
         let port = s.addr.port();
         self.servers.lock().unwrap().push(s);
         World::world_addr(port)
+    }
+
+    /// [`World::tcp_server`] on [::]:`port` (every world address, IPv6
+    /// and IPv4).
+    pub fn tcp_server6(&self, port: u16) -> u16 {
+        let any6 = SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), port);
+        let s = Server::tcp(&self.ns, any6, b"world:");
+        let port = s.addr.port();
+        self.servers.lock().unwrap().push(s);
+        port
+    }
+
+    /// [`World::udp_echo`] on [::]:`port`.
+    pub fn udp_echo6(&self, port: u16) -> u16 {
+        let any6 = SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), port);
+        let s = Server::udp(&self.ns, any6, b"world:");
+        let port = s.addr.port();
+        self.servers.lock().unwrap().push(s);
+        port
     }
 
     /// Peers seen by the world's server(s) on `port` (TCP and UDP).

@@ -500,6 +500,9 @@ impl EbpfDatapath {
         if shape.egress.is_some() {
             flags |= DP_F_SHAPE_OUT;
         }
+        if sb.ipv6_egress() {
+            flags |= DP_F_V6_OUT;
+        }
         let prev = maps.sb_rate.get(&ifindex, 0).ok();
         let rate = shape.rate();
         if rate.is_some() || prev.is_some() {

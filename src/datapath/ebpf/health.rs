@@ -250,11 +250,7 @@ impl EbpfDatapath {
                 .map(Hook::to_string)
                 .collect::<Vec<_>>()
                 .join(", "),
-            if self.config.flags & crate::datapath::maps::DP_CFG_IPV6 != 0 {
-                "ipv6=link (no egress: off-link refused, AAAA NODATA)"
-            } else {
-                "ipv6=off"
-            },
+            ipv6_mode(&self.config),
             self.stats.reaped.load(Ordering::Relaxed),
             if counters.is_empty() {
                 "none".into()
@@ -270,5 +266,20 @@ impl EbpfDatapath {
             uplink_check(self.node.uplink.as_ref(), self.node.snat_ports),
             self.bandwidth_health(),
         ]
+    }
+}
+
+/// The datapath's IPv6 mode, as the programs read it from `config`.
+fn ipv6_mode(c: &crate::datapath::maps::DpConfig) -> String {
+    use crate::datapath::maps::{DP_CFG_IPV6, DP_CFG_IPV6_EGRESS};
+    if c.flags & DP_CFG_IPV6 == 0 {
+        "ipv6=off".into()
+    } else if c.flags & DP_CFG_IPV6_EGRESS != 0 {
+        format!(
+            "ipv6=nat66 via {} (sandboxes with no egress rules)",
+            std::net::Ipv6Addr::from(c.uplink_ip6)
+        )
+    } else {
+        "ipv6=link (no egress: off-link refused, AAAA NODATA)".into()
     }
 }

@@ -154,12 +154,31 @@ impl EbpfDatapath {
             hflow_borrow: node.hflow_shares.borrow,
             shaper_ifindex: node.shaper.as_ref().map_or(0, |s| s.1),
             shaper_peer_ifindex: node.shaper_peer.unwrap_or(0),
-            flags: if node.ipv6_link {
-                crate::datapath::maps::DP_CFG_IPV6
-            } else {
-                0
+            flags: match (node.ipv6_link, node.uplink_ip6) {
+                (false, _) => 0,
+                (true, None) => crate::datapath::maps::DP_CFG_IPV6,
+                (true, Some(_)) => {
+                    crate::datapath::maps::DP_CFG_IPV6 | crate::datapath::maps::DP_CFG_IPV6_EGRESS
+                }
             },
+            uplink_ip6: node
+                .uplink_ip6
+                .filter(|_| node.ipv6_link)
+                .map_or([0; 16], |a| a.octets()),
         };
+        // The tail-called programs, before any hook runs the programs that
+        // call them (an empty slot: IPv6 to the world is refused).
+        {
+            let mut tails: aya::maps::ProgramArray<MapData> = take(&mut bpf, "tails")?;
+            for (slot, name) in super::TAILS {
+                let fd = progs
+                    .get(name)
+                    .ok_or_else(|| err("finding a tail-called program", name))?;
+                tails
+                    .set(slot, fd, 0)
+                    .map_err(|e| err("writing the tails map", e))?;
+            }
+        }
         maps.config
             .set(0, cfg, 0)
             .map_err(|e| err("writing the config map", e))?;
@@ -306,6 +325,11 @@ impl EbpfDatapath {
             .max();
         LAST_GENERATION.fetch_max(newest.unwrap_or(0), Ordering::Relaxed);
         let reaper = Reaper {
+            ct6: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("ct6")?))
+                .map_err(|e| err("opening ct6", e))?,
+            ct_rev6: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("ct_rev6")?))
+                .map_err(|e| err("opening ct_rev6", e))?,
+            ct6_dump: reopen("ct6")?,
             ct: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("ct")?))
                 .map_err(|e| err("opening ct", e))?,
             ct_rev: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("ct_rev")?))

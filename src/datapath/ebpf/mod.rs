@@ -71,13 +71,26 @@ pub use health::check_cases;
 const FILTER_HANDLE: u32 = 1;
 
 /// The programs, in the order they load.
-pub const PROGRAMS: [&str; 6] = [
+pub const PROGRAMS: [&str; 10] = [
     "from_guest",
     "from_uplink",
     "to_sandbox_ip",
     "from_host",
     "to_uplink",
     "from_shaper",
+    // Reached by tail call (`tails`), attached nowhere.
+    "guest6_out",
+    "uplink6_in",
+    "guest6_rst",
+    "icmp6_error_in",
+];
+
+/// `tails` slots (TAIL_* in the C source) and their programs.
+pub const TAILS: [(u32, &str); 4] = [
+    (0, "guest6_out"),
+    (1, "uplink6_in"),
+    (2, "guest6_rst"),
+    (3, "icmp6_error_in"),
 ];
 
 /// The shaper device's peer is named after it with this suffix.
@@ -147,6 +160,9 @@ pub struct NodeInfo {
     pub shaper_peer: Option<u32>,
     /// The guests' IPv6 link (RA, NA, fast refusal): config `ipv6`.
     pub ipv6_link: bool,
+    /// NAT66 (with `ipv6_link`): the uplink's global IPv6 address, when it
+    /// has one and the node an IPv6 default route out of it.
+    pub uplink_ip6: Option<std::net::Ipv6Addr>,
 }
 
 fn ip_be(ip: Ipv4Addr) -> u32 {
@@ -234,6 +250,10 @@ struct Reaper {
     rate_dump: MapData,
     /// Wake reports: entries of gone devices are removed.
     wake_sent: HashMap<MapData, u32, DpWake>,
+    /// NAT66 flows, their reverse entries, and `ct6` for batched dumps.
+    ct6: HashMap<MapData, DpCt6Key, DpCtVal>,
+    ct_rev6: HashMap<MapData, DpRev6Key, DpRevVal>,
+    ct6_dump: MapData,
 }
 
 /// Counts refreshed by `maintain`, read by `checks` without touching maps.

@@ -53,52 +53,47 @@ impl EbpfDatapath {
             .into_iter()
             .collect();
         let owners: StdHashMap<u32, u64> = taps.iter().map(|(ip, t)| (*ip, t.generation)).collect();
-        let mut flows = 0usize;
-        let mut stale_n = 0usize;
-        let mut by_sandbox: StdHashMap<u32, u64> = StdHashMap::new();
-        let mut snat = 0usize;
+        let mut pass = FlowPass {
+            owners: &owners,
+            now,
+            timeouts: t,
+            by_sandbox: StdHashMap::new(),
+            seen: 0,
+            snat: 0,
+            removed: 0,
+            stale: 0,
+        };
         let all = dump_flows(&r.ct_dump).unwrap_or_else(|| r.ct.iter().flatten().collect());
-        let doomed: Vec<(DpCtKey, DpCtVal, bool)> = all
-            .into_iter()
-            .inspect(|_| flows += 1)
-            .filter_map(|(k, v)| {
-                let limit = t.limit(k.proto, v.state);
-                let stale = owners.get(&k.sandbox_ip) != Some(&v.generation);
-                let expired = now.saturating_sub(v.last_seen_ns) > limit.as_nanos() as u64;
-                if !stale && !expired {
-                    *by_sandbox.entry(k.sandbox_ip).or_default() += 1;
-                    snat += usize::from(v.kind == DP_CT_SNAT);
-                }
-                (stale || expired).then_some((k, v, stale && !expired))
-            })
-            .collect();
+        for (k, v) in pass.doomed(all, |k: &DpCtKey| (k.sandbox_ip, k.proto)) {
+            // Re-read right before deleting: a flow touched or replaced since
+            // the dump (still live, or the new owner's) waits for the next
+            // pass, whichever way it was doomed.
+            if r.ct.get(&k, 0).ok().as_ref() == Some(&v) && pass.confirm(&r.by_ip, k.sandbox_ip, &v)
+            {
+                Self::remove_flow(&mut r.ct, &mut r.ct_rev, &k, &v);
+            }
+        }
+        let all = dump_flows(&r.ct6_dump).unwrap_or_else(|| r.ct6.iter().flatten().collect());
+        for (k, v) in pass.doomed(all, |k: &DpCt6Key| (k.sandbox_ip, k.proto)) {
+            if r.ct6.get(&k, 0).ok().as_ref() == Some(&v)
+                && pass.confirm(&r.by_ip, k.sandbox_ip, &v)
+            {
+                Self::remove_flow6(&mut r.ct6, &mut r.ct_rev6, &k, &v);
+            }
+        }
+        let FlowPass {
+            by_sandbox,
+            seen: flows,
+            snat,
+            removed,
+            stale: stale_n,
+            ..
+        } = pass;
         *self
             .stats
             .by_sandbox
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = by_sandbox;
-        let mut removed = 0usize;
-        for (k, v, stale) in &doomed {
-            // Re-read right before deleting: a flow touched or replaced since
-            // the dump (still live, or the new owner's) waits for the next
-            // pass, whichever way it was doomed.
-            if r.ct.get(k, 0).ok().as_ref() != Some(v) {
-                continue;
-            }
-            if *stale {
-                // The owners were read before the walk: an owner attached
-                // since then must not have its flows taken for stale.
-                if r.by_ip
-                    .get(&k.sandbox_ip, 0)
-                    .is_ok_and(|o| o.generation == v.generation)
-                {
-                    continue;
-                }
-                stale_n += 1;
-            }
-            Self::remove_flow(&mut r.ct, &mut r.ct_rev, k, v);
-            removed += 1;
-        }
         let (host_flows, host_removed) = Self::reap_host_flows(r, &taps, now, t);
         // Attachment records of TAPs that no longer exist.
         let (mut taps, mut own) = (0usize, 0usize);
@@ -201,6 +196,32 @@ impl EbpfDatapath {
             }) {
                 let _ = ct_rev.remove(&rk);
             }
+        }
+    }
+
+    /// Removes a NAT66 flow, and its reverse entry if that still points at
+    /// it.
+    fn remove_flow6(
+        ct6: &mut HashMap<MapData, DpCt6Key, DpCtVal>,
+        ct_rev6: &mut HashMap<MapData, DpRev6Key, DpRevVal>,
+        k: &DpCt6Key,
+        v: &DpCtVal,
+    ) {
+        let _ = ct6.remove(k);
+        let rk = DpRev6Key {
+            remote_ip: k.remote_ip,
+            remote_port: k.remote_port,
+            nat_port: v.nat_port,
+            proto: k.proto,
+            pad: [0; 3],
+        };
+        if ct_rev6.get(&rk, 0).is_ok_and(|r| {
+            r.sandbox_ip == k.sandbox_ip
+                && r.guest_port == k.guest_port
+                && r.pad == u16::from(k.gaddr)
+                && r.generation == v.generation
+        }) {
+            let _ = ct_rev6.remove(&rk);
         }
     }
 
@@ -356,5 +377,61 @@ impl EbpfDatapath {
             }
         }
         n
+    }
+}
+
+/// One pass over the sandbox flow tables (`ct`, `ct6`): what is live per
+/// sandbox, and which flows go (expired, or of a released sandbox).
+struct FlowPass<'a> {
+    /// Which generation owns each address now (read before the walk).
+    owners: &'a StdHashMap<u32, u64>,
+    now: u64,
+    timeouts: FlowTimeouts,
+    by_sandbox: StdHashMap<u32, u64>,
+    seen: usize,
+    snat: usize,
+    removed: usize,
+    stale: usize,
+}
+
+impl FlowPass<'_> {
+    /// The flows of `all` to remove; `who` names a key's sandbox and
+    /// protocol. Live ones are counted.
+    fn doomed<K>(
+        &mut self,
+        all: Vec<(K, DpCtVal)>,
+        who: impl Fn(&K) -> (u32, u8),
+    ) -> Vec<(K, DpCtVal)> {
+        self.seen += all.len();
+        all.into_iter()
+            .filter(|(k, v)| {
+                let (sandbox, proto) = who(k);
+                let limit = self.timeouts.limit(proto, v.state);
+                let stale = self.owners.get(&sandbox) != Some(&v.generation);
+                let expired = self.now.saturating_sub(v.last_seen_ns) > limit.as_nanos() as u64;
+                if !stale && !expired {
+                    *self.by_sandbox.entry(sandbox).or_default() += 1;
+                    self.snat += usize::from(v.kind == DP_CT_SNAT);
+                }
+                stale || expired
+            })
+            .collect()
+    }
+
+    /// Whether a doomed flow (re-read unchanged) may go now: one of a
+    /// released sandbox only if no owner of its generation attached since
+    /// the owners were read (they were read before the walk). Counts it.
+    fn confirm(&mut self, by_ip: &HashMap<MapData, u32, DpTap>, sandbox: u32, v: &DpCtVal) -> bool {
+        if self.owners.get(&sandbox) != Some(&v.generation) {
+            if by_ip
+                .get(&sandbox, 0)
+                .is_ok_and(|o| o.generation == v.generation)
+            {
+                return false;
+            }
+            self.stale += 1;
+        }
+        self.removed += 1;
+        true
     }
 }

@@ -1,0 +1,302 @@
+//! NAT66 (docs/dual-stack.md) with real kernels on both sides: CNI
+//! containers get their IPv6 from the agent's Router Advertisements alone
+//! and reach an IPv6 world from the node's address; the default denies
+//! hold (the world listens on them: a leak would answer); a sandbox whose
+//! rules are IPv4's only is refused at once; a connection outlives kill -9.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use common::Env;
+use common::ctr::{Ctr, add};
+use common::world::{
+    NODE_IP6, Server, WORLD_IP6, World, counter, in_netns, tcp_exchange_in, udp_exchange_in,
+};
+use serde_json::json;
+
+/// The cloud metadata service's IPv6 address, and another ULA host: the
+/// node routes both to the world, which answers on both.
+const METADATA6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254);
+const ULA_HOST: Ipv6Addr = Ipv6Addr::new(0xfd12, 0x3456, 0, 0, 0, 0, 0, 1);
+/// The SLAAC address of the fixed guest MAC in the guests' prefix.
+const GUEST_SLAAC: Ipv6Addr =
+    Ipv6Addr::new(0xfd63, 0x7562, 0x6500, 0, 0x2290, 0x6fff, 0xfefc, 0xfcfc);
+const GATEWAY_LL: &str = "fe80::2290:6fff:fecf:cfcf";
+const T: Duration = Duration::from_secs(5);
+
+fn datapath_detail(checks: &[(String, bool, String)]) -> String {
+    checks
+        .iter()
+        .find(|c| c.0 == "datapath")
+        .map(|c| c.2.clone())
+        .unwrap_or_default()
+}
+
+/// Waits until the container's eth0 has a usable (not tentative) global
+/// IPv6 address and, with `route`, an IPv6 default route; how long it took
+/// and the address.
+fn ready6(ctr: &Ctr, route: bool, within: Duration) -> Option<(Duration, Ipv6Addr)> {
+    let t = Instant::now();
+    while t.elapsed() < within {
+        let addrs = ctr.ip_json(&["-6", "addr", "show", "dev", "eth0", "scope", "global"]);
+        let usable = addrs
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|l| l["addr_info"].as_array().cloned().unwrap_or_default())
+            .find(|a| a["tentative"].as_bool() != Some(true))
+            .and_then(|a| a["local"].as_str().and_then(|s| s.parse().ok()));
+        let routed = !route
+            || ctr
+                .ip_json(&["-6", "route", "show", "default"])
+                .as_array()
+                .is_some_and(|r| !r.is_empty());
+        if let (Some(a), true) = (usable, routed) {
+            return Some((t.elapsed(), a));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+/// A world server that echoes every line on one connection (for a
+/// connection that must outlive a restart).
+fn line_echo(world: &World) -> u16 {
+    let any6 = SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), 0);
+    let l = world.run(move || TcpListener::bind(any6).unwrap());
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        if let Ok((mut s, _)) = l.accept() {
+            let mut buf = [0u8; 256];
+            while let Ok(n) = s.read(&mut buf) {
+                if n == 0 || s.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    port
+}
+
+/// A far host behind the world, reached through a 1280-byte link (the
+/// world routes; the far end's own MTU is 1500, so its MSS does not hide
+/// the narrow hop): what the node sends it larger than 1280 bytes meets a
+/// Packet Too Big. Deleted on drop.
+struct Far {
+    ns: String,
+}
+
+const FAR_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0xfa, 0, 0, 0, 0, 2);
+
+impl Far {
+    fn behind(world: &World) -> Far {
+        let ns = format!("{}-f", world.ns);
+        let sh = |cmd: &str| {
+            let ok = std::process::Command::new("sh")
+                .args(["-c", cmd])
+                .status()
+                .unwrap()
+                .success();
+            assert!(ok, "{cmd}");
+        };
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &ns])
+            .stderr(std::process::Stdio::null())
+            .status();
+        sh(&format!("ip netns add {ns}"));
+        let far = Far { ns: ns.clone() };
+        let w = &world.ns;
+        sh(&format!(
+            "ip -n {w} link add w1 mtu 1280 type veth peer name f0 mtu 1500 netns {ns} && \
+             ip netns exec {w} sysctl -qw net.ipv6.conf.all.forwarding=1 && \
+             ip -n {w} addr add 2001:db8:fa::1/64 dev w1 nodad && ip -n {w} link set w1 up && \
+             ip -n {ns} addr add {FAR_IP6}/64 dev f0 nodad && ip -n {ns} link set f0 up && \
+             ip -n {ns} link set lo up && ip -n {ns} -6 route add default via 2001:db8:fa::1"
+        ));
+        far
+    }
+}
+
+impl Drop for Far {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.ns])
+            .status();
+    }
+}
+
+fn roundtrip(s: &mut TcpStream, msg: &[u8]) -> Result<Vec<u8>, String> {
+    s.write_all(msg).map_err(|e| format!("write: {e}"))?;
+    let mut buf = vec![0u8; msg.len()];
+    s.read_exact(&mut buf).map_err(|e| format!("read: {e}"))?;
+    Ok(buf)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
+    require_root!();
+    let mut env = Env::new(&[]);
+    let world = World::attach(&env);
+    world.add_ipv6(&[METADATA6, ULA_HOST]);
+    env.kill_agent();
+    env.start_agent();
+    let c = env.client().await;
+    let (_, checks) = c.health().await;
+    let dp = datapath_detail(&checks);
+    assert!(dp.contains(&format!("ipv6=nat66 via {NODE_IP6}")), "{dp}");
+
+    let open = Ctr::new("v6open");
+    add(&env, "open", &open, json!({}));
+    let ruled = Ctr::new("v6rules");
+    add(
+        &env,
+        "ruled",
+        &ruled,
+        json!({"allowOut": ["198.51.100.0/24"]}),
+    );
+
+    // From RAs alone: the SLAAC address of the guest MAC and a default
+    // route via the gateway.
+    let Some((took, addr)) = ready6(&open, true, Duration::from_secs(10)) else {
+        panic!(
+            "no usable IPv6 address and default route from the agent's RAs: {}",
+            open.sh("ip -6 addr; ip -6 route; ip link; sysctl -a 2>/dev/null | grep -E 'eth0.(accept_ra|forwarding|disable_ipv6|addr_gen)'")
+        );
+    };
+    eprintln!("usable IPv6 address and default route {took:?} after ADD");
+    assert_eq!(addr, GUEST_SLAAC);
+    let route = open.ip_json(&["-6", "route", "show", "default"]);
+    assert_eq!(route[0]["gateway"].as_str(), Some(GATEWAY_LL), "{route}");
+
+    // TCP, UDP and echo to the world, all from the node's address.
+    let tport = world.tcp_server6(0);
+    let uport = world.udp_echo6(0);
+    let got = tcp_exchange_in(
+        &open.name,
+        SocketAddr::new(WORLD_IP6.into(), tport),
+        b"over tcp6",
+        T,
+    );
+    let Ok(got) = got else {
+        let (_, checks) = c.health().await;
+        panic!("{got:?}: {}", datapath_detail(&checks));
+    };
+    assert_eq!(got, b"world:over tcp6");
+    let got = udp_exchange_in(
+        &open.name,
+        SocketAddr::new(WORLD_IP6.into(), uport),
+        b"over udp6",
+        T,
+    )
+    .unwrap();
+    assert_eq!(got, b"world:over udp6");
+    let ping = open.sh(&format!(
+        "busybox ping -6 -c 1 -W 3 {WORLD_IP6} && echo PONG"
+    ));
+    assert!(ping.contains("PONG"), "{ping}");
+    let seen: Vec<SocketAddr> = world
+        .peers(tport)
+        .into_iter()
+        .chain(world.peers(uport))
+        .collect();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    for p in &seen {
+        assert_eq!(
+            p.ip(),
+            IpAddr::V6(NODE_IP6),
+            "NAT66: the world sees the node: {seen:?}"
+        );
+        assert!(p.port() >= 1024, "{seen:?}");
+    }
+
+    // The default denies: the metadata address and a ULA host are never
+    // reached, though the world answers on both.
+    let (_, checks) = c.health().await;
+    let denied_before = counter(&checks, "policy_drop");
+    for dst in [METADATA6, ULA_HOST] {
+        let r = tcp_exchange_in(
+            &open.name,
+            SocketAddr::new(dst.into(), tport),
+            b"leak",
+            Duration::from_millis(1500),
+        );
+        assert!(r.is_err(), "{dst} reached: {r:?}");
+    }
+    assert_eq!(world.peers(tport).len(), 1, "{:?}", world.peers(tport));
+    let (_, checks) = c.health().await;
+    assert!(
+        counter(&checks, "policy_drop") >= denied_before + 2,
+        "{checks:?}"
+    );
+    assert!(counter(&checks, "nat66") >= 3, "{checks:?}");
+    assert!(counter(&checks, "nat66_reply") >= 3, "{checks:?}");
+
+    // Rules that are IPv4's only: no default route in the RA, and a
+    // static one meets a refusal at once; the world sees nobody.
+    let (_, raddr) = ready6(&ruled, false, Duration::from_secs(10)).expect("no SLAAC address");
+    assert_eq!(raddr, GUEST_SLAAC);
+    std::thread::sleep(Duration::from_millis(300));
+    let r = ruled.ip_json(&["-6", "route", "show", "default"]);
+    assert!(r.as_array().is_none_or(|r| r.is_empty()), "{r}");
+    ruled.sh(&format!(
+        "ip -6 route add default via {GATEWAY_LL} dev eth0"
+    ));
+    let t = Instant::now();
+    let r = tcp_exchange_in(
+        &ruled.name,
+        SocketAddr::new(WORLD_IP6.into(), tport),
+        b"ruled",
+        Duration::from_secs(3),
+    );
+    let refused_in = t.elapsed();
+    assert!(r.as_ref().is_err_and(|e| e.contains("refused")), "{r:?}");
+    assert!(refused_in < Duration::from_millis(500), "{refused_in:?}");
+    assert_eq!(world.peers(tport).len(), 1, "{:?}", world.peers(tport));
+
+    // Path MTU: an upload to a host behind a 1280-byte hop completes
+    // only if the hop's Packet Too Big reaches the container, translated.
+    let far = Far::behind(&world);
+    let far_server = Server::tcp(
+        &far.ns,
+        SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), 0),
+        b"far:",
+    );
+    let big = vec![b'x'; 100_000];
+    let (_, checks) = c.health().await;
+    let errors_before = counter(&checks, "icmp_error");
+    let got = tcp_exchange_in(
+        &open.name,
+        SocketAddr::new(FAR_IP6.into(), far_server.addr.port()),
+        &big,
+        Duration::from_secs(10),
+    );
+    let (_, checks) = c.health().await;
+    let got = got.unwrap_or_else(|e| panic!("{e}: {}", datapath_detail(&checks)));
+    assert_eq!(got.len(), 4 + big.len());
+    assert!(counter(&checks, "icmp_error") > errors_before, "{checks:?}");
+    let pmtu = open.sh(&format!("ip -6 route get {FAR_IP6}"));
+    assert!(pmtu.contains("mtu 1280"), "{pmtu}");
+    drop(far_server);
+    drop(far);
+
+    // kill -9 and restart: the connection goes on (pinned flow tables).
+    let eport = line_echo(&world);
+    let mut s = in_netns(&open.name, move || {
+        TcpStream::connect_timeout(&SocketAddr::new(WORLD_IP6.into(), eport), T).unwrap()
+    });
+    s.set_read_timeout(Some(T)).unwrap();
+    assert_eq!(roundtrip(&mut s, b"before").unwrap(), b"before");
+    env.kill_agent();
+    assert_eq!(roundtrip(&mut s, b"agent down").unwrap(), b"agent down");
+    env.start_agent();
+    let c = env.client().await;
+    assert_eq!(roundtrip(&mut s, b"after").unwrap(), b"after");
+    let (_, checks) = c.health().await;
+    assert!(
+        datapath_detail(&checks).contains("ipv6=nat66"),
+        "{checks:?}"
+    );
+}
