@@ -148,14 +148,17 @@ fn domain_opts(allow: &[&str], deny: &[&str]) -> common::Dict {
     opts(vec![("allow_out", list(allow)), ("deny_out", list(deny))])
 }
 
-/// Sandboxes have no IPv6 beyond their link yet: an AAAA question gets
-/// NODATA from the agent (the upstream has the record, so a forwarded
-/// answer would carry it), so a dual-stack client goes to IPv4 at once;
-/// the A answer is forwarded as before, with and without domain rules.
+/// A sandbox whose IPv6 does not reach the world (a node without IPv6
+/// egress; a sandbox with rules, which are IPv4's only) gets NODATA for an
+/// AAAA question from the agent (the upstream has the record, so a
+/// forwarded answer would carry it), so a dual-stack client goes to IPv4
+/// at once; the A answer is forwarded as before, with and without domain
+/// rules. Once the node has IPv6 egress, a sandbox without rules (NAT66)
+/// gets the AAAA answer; one with domain rules still gets NODATA.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn aaaa_questions_get_nodata_while_sandboxes_have_no_ipv6_egress() {
+async fn aaaa_questions_get_nodata_unless_the_sandbox_has_ipv6_egress() {
     require_root!();
-    let (env, world) = node(&["--dns-upstream", "198.51.100.2"]);
+    let (mut env, world) = node(&["--dns-upstream", "198.51.100.2"]);
     let _dns = dnsmasq_with(
         &world,
         &["--host-record=dual.allowed.test,198.51.100.2,2001:db8::2".to_string()],
@@ -193,6 +196,18 @@ async fn aaaa_questions_get_nodata_while_sandboxes_have_no_ipv6_egress() {
             (0, 1, vec![WORLD_IP]),
             "{id}"
         );
+    }
+    world.add_ipv6(&[]);
+    env.kill_agent();
+    env.start_agent();
+    let c = env.client().await;
+    for (id, o, aaaa) in [
+        ("plain6", opts(vec![]), 1),
+        ("named6", domain_opts(&["*.allowed.test"], &[]), 0),
+    ] {
+        let (_, g) = guest_for(&c, id, o).await;
+        let (rcode, answers, _) = resolve(&g, "dual.allowed.test", TYPE_AAAA);
+        assert_eq!((rcode, answers), (0, aaaa), "{id}");
     }
 }
 

@@ -259,7 +259,9 @@ struct Reaper {
 /// Counts refreshed by `maintain`, read by `checks` without touching maps.
 #[derive(Default)]
 struct Stats {
+    /// Live sandbox flows, both families, and of them NAT66's (`ct6`).
     flows: AtomicUsize,
+    flows6: AtomicUsize,
     /// Live SNAT flows (each holds a port of the SNAT range for its remote).
     snat_flows: AtomicUsize,
     /// Host <-> sandbox flows and host connections in the SNAT range.

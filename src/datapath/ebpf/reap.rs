@@ -73,6 +73,7 @@ impl EbpfDatapath {
                 Self::remove_flow(&mut r.ct, &mut r.ct_rev, &k, &v);
             }
         }
+        let ipv4_live = pass.seen - pass.removed;
         let all = dump_flows(&r.ct6_dump).unwrap_or_else(|| r.ct6.iter().flatten().collect());
         for (k, v) in pass.doomed(all, |k: &DpCt6Key| (k.sandbox_ip, k.proto)) {
             if r.ct6.get(&k, 0).ok().as_ref() == Some(&v)
@@ -154,6 +155,9 @@ impl EbpfDatapath {
         }
         self.stats.own.store(own, Ordering::Relaxed);
         self.stats.flows.store(flows - removed, Ordering::Relaxed);
+        self.stats
+            .flows6
+            .store(flows - removed - ipv4_live, Ordering::Relaxed);
         self.stats.snat_flows.store(snat, Ordering::Relaxed);
         self.stats
             .host_flows
