@@ -157,6 +157,12 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
         &ruled,
         json!({"allowOut": ["198.51.100.0/24"]}),
     );
+    // GetNetwork says whose IPv6 reaches the world.
+    for (id, want) in [("cni:open:eth0", true), ("cni:ruled:eth0", false)] {
+        let net = c.get(id).await.unwrap();
+        let v = bool::try_from(net["ipv6_egress"].try_clone().unwrap()).unwrap();
+        assert_eq!(v, want, "{id}");
+    }
 
     // From RAs alone: the SLAAC address of the guest MAC and a default
     // route via the gateway.

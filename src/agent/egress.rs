@@ -361,10 +361,7 @@ impl Egress {
         // Without internet access there is nothing to dial for it.
         let strict = !rec.egress_mode.is_dns() && rec.allow_internet_access;
         let cidrs = Arc::new(CidrRules::from_lists(&rec.allow_out, &rec.deny_out));
-        let v6_out = rec.allow_internet_access
-            && rec.allow_out.is_empty()
-            && rec.deny_out.is_empty()
-            && rec.egress_mode.is_dns();
+        let v6_out = rec.ipv6_open();
         let same = |s: &Sandbox| {
             s.id == rec.sandbox_id
                 && s.patterns == patterns

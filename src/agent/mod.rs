@@ -180,6 +180,9 @@ pub struct NetworkInfo {
     /// configure itself from the gateway's Router Advertisements instead.
     pub guest_ipv6: Option<String>,
     pub gateway_ipv6: Option<String>,
+    /// With the IPv6 link: the sandbox's IPv6 reaches the world (NAT66;
+    /// its RAs carry a default route).
+    pub ipv6_egress: bool,
     /// (destination CIDR, gateway, device) inside the guest.
     pub routes: Vec<(String, String, String)>,
     /// (ip, mac, device) permanent neighbours inside the guest.
@@ -491,6 +494,7 @@ impl Agent {
         let ipv6 = self.cfg.ipv6 == crate::config::Ipv6Mode::Auto
             && self.cfg.datapath == crate::config::DatapathKind::Ebpf;
         NetworkInfo {
+            ipv6_egress: ipv6 && self.ipv6_egress() && view.record.ipv6_open(),
             guest_ipv6: ipv6.then(|| format!("{}/64", crate::types::GUEST_IPV6)),
             gateway_ipv6: ipv6.then(|| crate::types::link_local(&self.d.gateway_mac).to_string()),
             view,

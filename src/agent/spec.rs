@@ -527,6 +527,18 @@ pub struct NetworkRecord {
 }
 
 impl NetworkRecord {
+    /// Whether the sandbox's policy lets its IPv6 reach the world (NAT66,
+    /// on a node with IPv6 egress): the internet with the default denies
+    /// only. Its rules (CIDRs, names) and strict mode are IPv4's only, so
+    /// a sandbox with any of them is IPv4-only (docs/dual-stack.md). As
+    /// `SandboxPath::ipv6_egress` for the datapath.
+    pub fn ipv6_open(&self) -> bool {
+        self.allow_internet_access
+            && self.allow_out.is_empty()
+            && self.deny_out.is_empty()
+            && self.egress_mode.is_dns()
+    }
+
     pub fn to_bytes(&self) -> Vec<u8> {
         serde_json::to_vec(self).expect("a record always serialises")
     }

@@ -406,6 +406,7 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
     }
     if let Some(a) = info.gateway_ipv6 {
         put("gateway_ipv6", Value::from(a));
+        put("ipv6_egress", Value::from(info.ipv6_egress));
     }
     put("mtu", Value::from(r.mtu));
     put(

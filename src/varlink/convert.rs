@@ -233,6 +233,7 @@ pub fn network(info: NetworkInfo) -> Value {
     }
     if let Some(a) = info.gateway_ipv6 {
         o["gateway_ipv6"] = Value::String(a);
+        o["ipv6_egress"] = Value::Bool(info.ipv6_egress);
     }
     o["paused"] = Value::Bool(r.paused);
     o["attach"] = Value::String(r.attach.name().into());

@@ -396,6 +396,7 @@ pub const NETWORK_FIELDS: &[(&str, &str)] = &[
     ("gateway_mac", "Gateway MAC"),
     ("guest_ipv6", "Guest IPv6"),
     ("gateway_ipv6", "Gateway IPv6"),
+    ("ipv6_egress", "IPv6 egress"),
     ("port_mappings", "Ports"),
     ("allow_internet_access", "Internet"),
     ("allow_out", "Allow out"),
