@@ -451,6 +451,35 @@ static __always_inline int mac_eq(const __u8 *a, const __u8 *b)
 }
 
 /* Reads the IPv4 header and what NAT needs of L4. <0: malformed. */
+/* The TCP or UDP header at l4->off (l4->proto says which): ports, the
+ * checksum's offset, and TCP's flags and sequence numbers (`len`: the
+ * bytes from the L4 header on, for the sequence after the segment). */
+static __always_inline int parse_ports(struct __sk_buff *skb, struct l4info *l4, __u32 len)
+{
+	if (l4->proto == IPPROTO_TCP) {
+		struct tcphdr th;
+		if (bpf_skb_load_bytes(skb, l4->off, &th, sizeof(th)))
+			return -1;
+		l4->sport = th.source;
+		l4->dport = th.dest;
+		l4->csum_off = l4->off + __builtin_offsetof(struct tcphdr, check);
+		l4->tcp_flags = (th.fin ? TCP_FIN : 0) | (th.rst ? TCP_RST : 0) |
+				(th.syn ? TCP_SYN : 0) | (th.ack ? TCP_ACK : 0);
+		l4->tcp_doff = th.doff;
+		l4->tcp_seq = bpf_ntohl(th.seq);
+		__u32 hdr = th.doff * 4;
+		l4->tcp_end = l4->tcp_seq + (len > hdr ? len - hdr : 0) + th.fin + th.syn;
+		return 0;
+	}
+	struct udphdr uh;
+	if (bpf_skb_load_bytes(skb, l4->off, &uh, sizeof(uh)))
+		return -1;
+	l4->sport = uh.source;
+	l4->dport = uh.dest;
+	l4->csum_off = l4->off + __builtin_offsetof(struct udphdr, check);
+	return 0;
+}
+
 static __always_inline int parse_ipv4(struct __sk_buff *skb, struct iphdr *ip,
 				      struct l4info *l4)
 {
@@ -467,27 +496,9 @@ static __always_inline int parse_ipv4(struct __sk_buff *skb, struct iphdr *ip,
 	}
 	if (ip->frag_off & bpf_htons(IP_MF))
 		l4->first_frag = 1;
-	if (ip->protocol == IPPROTO_TCP) {
-		struct tcphdr th;
-		if (bpf_skb_load_bytes(skb, l4->off, &th, sizeof(th)))
-			return -1;
-		l4->sport = th.source;
-		l4->dport = th.dest;
-		l4->csum_off = l4->off + __builtin_offsetof(struct tcphdr, check);
-		l4->tcp_flags = (th.fin ? TCP_FIN : 0) | (th.rst ? TCP_RST : 0) |
-				(th.syn ? TCP_SYN : 0) | (th.ack ? TCP_ACK : 0);
-		l4->tcp_doff = th.doff;
-		l4->tcp_seq = bpf_ntohl(th.seq);
-		__u32 hdrs = ip->ihl * 4 + th.doff * 4;
-		__u32 tot = bpf_ntohs(ip->tot_len);
-		l4->tcp_end = l4->tcp_seq + (tot > hdrs ? tot - hdrs : 0) + th.fin + th.syn;
-	} else if (ip->protocol == IPPROTO_UDP) {
-		struct udphdr uh;
-		if (bpf_skb_load_bytes(skb, l4->off, &uh, sizeof(uh)))
-			return -1;
-		l4->sport = uh.source;
-		l4->dport = uh.dest;
-		l4->csum_off = l4->off + __builtin_offsetof(struct udphdr, check);
+	if (ip->protocol == IPPROTO_TCP || ip->protocol == IPPROTO_UDP) {
+		__u32 tot = bpf_ntohs(ip->tot_len), hl = ip->ihl * 4;
+		return parse_ports(skb, l4, tot > hl ? tot - hl : 0);
 	} else if (ip->protocol == IPPROTO_ICMP) {
 		struct icmphdr ih;
 		if (bpf_skb_load_bytes(skb, l4->off, &ih, sizeof(ih)))
@@ -2581,27 +2592,8 @@ static __always_inline int parse_ipv6(struct __sk_buff *skb, struct ip6h *ip,
 	__builtin_memset(l4, 0, sizeof(*l4));
 	l4->proto = ip->nexthdr;
 	l4->off = ETH_HLEN + sizeof(*ip);
-	if (ip->nexthdr == IPPROTO_TCP) {
-		struct tcphdr th;
-		if (bpf_skb_load_bytes(skb, l4->off, &th, sizeof(th)))
-			return -1;
-		l4->sport = th.source;
-		l4->dport = th.dest;
-		l4->csum_off = l4->off + __builtin_offsetof(struct tcphdr, check);
-		l4->tcp_flags = (th.fin ? TCP_FIN : 0) | (th.rst ? TCP_RST : 0) |
-				(th.syn ? TCP_SYN : 0) | (th.ack ? TCP_ACK : 0);
-		l4->tcp_doff = th.doff;
-		l4->tcp_seq = bpf_ntohl(th.seq);
-		__u32 hdr = th.doff * 4;
-		__u32 plen = bpf_ntohs(ip->plen);
-		l4->tcp_end = l4->tcp_seq + (plen > hdr ? plen - hdr : 0) + th.fin + th.syn;
-	} else if (ip->nexthdr == IPPROTO_UDP) {
-		struct udphdr uh;
-		if (bpf_skb_load_bytes(skb, l4->off, &uh, sizeof(uh)))
-			return -1;
-		l4->sport = uh.source;
-		l4->dport = uh.dest;
-		l4->csum_off = l4->off + __builtin_offsetof(struct udphdr, check);
+	if (ip->nexthdr == IPPROTO_TCP || ip->nexthdr == IPPROTO_UDP) {
+		return parse_ports(skb, l4, bpf_ntohs(ip->plen));
 	} else if (ip->nexthdr == IPPROTO_ICMPV6) {
 		__u8 ih[8];
 		if (bpf_skb_load_bytes(skb, l4->off, ih, sizeof(ih)))

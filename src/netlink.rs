@@ -973,19 +973,25 @@ impl Netlink {
     }
 
     async fn ipv4_routes(&self) -> Result<Vec<RouteMessage>, NetlinkError> {
-        debug!("dump ipv4 routes");
-        let _one = self.dumps.lock().await;
         let req = RouteMessageBuilder::<Ipv4Addr>::new().build();
+        self.route_dump(req, "ipv4 routes").await
+    }
+
+    /// Every route of the family `req` asks for.
+    async fn route_dump(
+        &self,
+        req: RouteMessage,
+        what: &'static str,
+    ) -> Result<Vec<RouteMessage>, NetlinkError> {
+        debug!(what, "dump routes");
+        let _one = self.dumps.lock().await;
         self.handle
             .route()
             .get(req)
             .execute()
             .try_collect()
             .await
-            .map_err(|source| NetlinkError::Dump {
-                what: "ipv4 routes",
-                source,
-            })
+            .map_err(|source| NetlinkError::Dump { what, source })
     }
 
     /// The IPv4 default route's output interface (lowest metric, main table) and that
@@ -1026,20 +1032,8 @@ impl Netlink {
         ifindex: u32,
     ) -> Result<Option<std::net::Ipv6Addr>, NetlinkError> {
         use rtnetlink::packet_route::address::{AddressFlags, AddressScope};
-        let routes: Vec<RouteMessage> = {
-            let _one = self.dumps.lock().await;
-            let req = RouteMessageBuilder::<std::net::Ipv6Addr>::new().build();
-            self.handle
-                .route()
-                .get(req)
-                .execute()
-                .try_collect()
-                .await
-                .map_err(|source| NetlinkError::Dump {
-                    what: "ipv6 routes",
-                    source,
-                })?
-        };
+        let req = RouteMessageBuilder::<std::net::Ipv6Addr>::new().build();
+        let routes = self.route_dump(req, "ipv6 routes").await?;
         let default_out = routes.iter().any(|r| {
             r.header.destination_prefix_length == 0
                 && r.header.kind == RouteType::Unicast
