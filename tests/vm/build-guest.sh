@@ -37,7 +37,9 @@
 # line (a web server with /index.html, /big.bin and POST /upload answering
 # "<size> <md5>"): small GET, large GET (GSO towards the guest), large
 # POST (TSO from the guest), ICMP echo, and the IPv6 link (echo to the
-# gateway, no default route, a connection off the link refused). Without it the guest only serves
+# gateway, whether a default route was advertised, a connection to an
+# unrouted address failing at once); cna.world6=[ADDR]:PORT adds a GET
+# over IPv6 (NAT66). Without cna.world the guest only serves
 # (and /cgi-bin/fetch fails); cna.far=HOST:PORT (a server like WORLD's
 # behind a narrower link) adds a large POST and GET there (path MTU
 # discovery); cna.checks=0 skips these checks but keeps
@@ -154,7 +156,7 @@ mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 for m in $MODULES; do [ -e /lib/modules/$m.ko ] && insmod /lib/modules/$m.ko 2>/dev/null; done
 echo "GUEST-KERNEL-UP uptime=$(cut -d' ' -f1 /proc/uptime)"
-WORLD= BIG=2097152 STALE= CHECKS=1 FAR=
+WORLD= BIG=2097152 STALE= CHECKS=1 FAR= WORLD6=
 for a in $(cat /proc/cmdline); do
     case $a in
     cna.world=*) WORLD=${a#cna.world=} ;;
@@ -162,6 +164,7 @@ for a in $(cat /proc/cmdline); do
     cna.stale=*) STALE=${a#cna.stale=} ;;
     cna.checks=*) CHECKS=${a#cna.checks=} ;;
     cna.far=*) FAR=${a#cna.far=} ;;
+    cna.world6=*) WORLD6=${a#cna.world6=} ;;
     esac
 done
 echo "$WORLD" >/etc/cna-world
@@ -228,19 +231,27 @@ if [ -n "$WORLD" ] && [ "$CHECKS" != 0 ]; then
     rm -f /tmp/up.b64
     ping -c 1 -W 3 "$H" >/tmp/ping 2>&1; r=$?
     echo "GUEST-CHECK egress-ping rc=$r"
-    # IPv6 link: the gateway answers (NS, echo); no default route is
-    # advertised (no IPv6 egress yet); a connection off the link sent
-    # anyway (a static default route) is refused at once, not left to
-    # time out.
+    # IPv6 link: the gateway answers (NS, echo); whether a default route
+    # is advertised (NAT66 on the node) and, with cna.world6, a GET over it.
     i=0; while [ ! -e /tmp/slaac-done ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
     ping -6 -c 1 -W 3 fd63:7562:6500::5 >/tmp/ping 2>&1; r=$?
     echo "GUEST-CHECK ipv6-ping-gateway rc=$r"
-    echo "GUEST-CHECK ipv6-default-route $(ip -6 route show default | grep -q . && echo present || echo none)"
-    ip -6 route add default via fe80::2290:6fff:fecf:cfcf dev eth0
+    had=$(ip -6 route show default | grep -q . && echo present || echo none)
+    echo "GUEST-CHECK ipv6-default-route $had"
+    if [ -n "$WORLD6" ]; then
+        r=1; for t in 1 2 3; do
+            timeout 10 wget -q -O /tmp/small6 "http://$WORLD6/index.html" && { r=0; break; }; sleep 0.5
+        done
+        echo "GUEST-CHECK ipv6-egress-get rc=$r body=$(head -n 1 /tmp/small6 2>/dev/null | head -c 64 | tr -dc 'a-zA-Z0-9.:-')"
+    fi
+    # Off the link to an address nobody routes: without NAT66 (a static
+    # default route) refused by the gateway, with it the world's ICMPv6
+    # error, translated; either way at once.
+    [ "$had" = none ] && ip -6 route add default via fe80::2290:6fff:fecf:cfcf dev eth0
     t0=$(cut -d' ' -f1 /proc/uptime)
     nc -w 5 2001:db8::1 80 </dev/null >/tmp/nc 2>&1; r=$?
     t1=$(cut -d' ' -f1 /proc/uptime)
-    ip -6 route del default via fe80::2290:6fff:fecf:cfcf dev eth0
+    [ "$had" = none ] && ip -6 route del default via fe80::2290:6fff:fecf:cfcf dev eth0
     echo "GUEST-CHECK ipv6-off-link rc=$r took=$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') $(grep -o 'Connection refused\|timed out\|unreachable' /tmp/nc | head -n 1 | tr ' ' _)"
 fi
 echo "GUEST-DONE uptime=$(cut -d' ' -f1 /proc/uptime)"

@@ -12,6 +12,11 @@
 # Checks (TAP-style `ok - name` / `not ok - name`, then `N passed, M failed`):
 #   guest -> world   small GET, 2 MiB GET, 2 MiB POST, ping; the world sees
 #                    the uplink address (SNAT)
+#   guest IPv6       the SLAAC address and a default route from the RAs
+#                    alone; GET from the world's IPv6 address, which sees
+#                    the node's (NAT66, the uplink has 2001:db8:c0be::1/64);
+#                    an address the world has no route to fails at once
+#                    (the world's ICMPv6 error translated)
 #   world -> node 198.51.100.1:<host port> -> guest:80 (port-mapped ingress):
 #                    small GET, 2 MiB GET, 2 MiB POST
 #   node -> sandbox IP:80 (host access): small GET, 2 MiB GET, 2 MiB POST
@@ -51,6 +56,14 @@ vm_scratch vm
 
 # --- node, world, bus ------------------------------------------------------------
 vm_topology
+# IPv6 on the uplink: the guest's IPv6 reaches the world by NAT66. The
+# world forwards IPv6, so what it has no route to gets an ICMPv6 error.
+WORLD_IP6=2001:db8:c0be::2
+NODE_IP6=2001:db8:c0be::1
+ip -n "$NS" addr add "$NODE_IP6/64" dev up0 nodad
+ip -n "$WNS" addr add "$WORLD_IP6/64" dev w0 nodad
+ip -n "$NS" -6 route replace default via "$WORLD_IP6" dev up0 || die "IPv6 default route"
+ip netns exec "$WNS" sysctl -qw net.ipv6.conf.all.forwarding=1
 
 # World web server: GET files from www/, POST /upload answers "<size> <md5>";
 # logs every client address (the SNAT check).
@@ -72,12 +85,19 @@ class H(http.server.SimpleHTTPRequestHandler):
         body = ("%d %s\n" % (got, h.hexdigest())).encode()
         self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
         self.wfile.write(body)
+import socket
 http.server.ThreadingHTTPServer.allow_reuse_address = True
-s = http.server.ThreadingHTTPServer(("0.0.0.0", 8000), functools.partial(H, directory=sys.argv[1]))
+host = sys.argv[2] if len(sys.argv) > 2 else "0.0.0.0"
+if ":" in host:
+    http.server.ThreadingHTTPServer.address_family = socket.AF_INET6
+s = http.server.ThreadingHTTPServer((host, int(sys.argv[3]) if len(sys.argv) > 3 else 8000),
+                                    functools.partial(H, directory=sys.argv[1]))
 print("WORLD-READY", flush=True)
 s.serve_forever()
 PY
 ip netns exec "$WNS" "$PY" "$T/world.py" "$T/www" >"$T/world.out" 2>"$T/world.log" &
+PIDS+=($!)
+ip netns exec "$WNS" "$PY" "$T/world.py" "$T/www" "$WORLD_IP6" 8006 >"$T/world6.out" 2>"$T/world6.log" &
 PIDS+=($!)
 
 # A far server behind a narrower link (path MTU discovery): the world
@@ -113,6 +133,8 @@ vm_bus
 
 for _ in $(seq 100); do grep -q WORLD-READY "$T/world.out" 2>/dev/null && [ -S "$T/bus.sock" ] && break; sleep 0.05; done
 grep -q WORLD-READY "$T/world.out" || die "world http server did not start: $(cat "$T/world.log")"
+for _ in $(seq 100); do grep -q WORLD-READY "$T/world6.out" 2>/dev/null && break; sleep 0.05; done
+grep -q WORLD-READY "$T/world6.out" || die "world IPv6 http server did not start: $(cat "$T/world6.log")"
 for _ in $(seq 100); do grep -q WORLD-READY "$T/far.out" 2>/dev/null && break; sleep 0.05; done
 grep -q WORLD-READY "$T/far.out" || die "far http server did not start: $(cat "$T/far.log")"
 [ -S "$T/bus.sock" ] || die "dbus-daemon did not start: $(cat "$T/dbus.log")"
@@ -158,7 +180,7 @@ ip netns exec "$NS" "$CTL" --bus "$ADDR" open-tap vm-1 -- \
     -nodefaults -display none -monitor none -no-reboot \
     -serial "file:$T/console.log" \
     -kernel "$CACHE/vmlinux" -initrd "$CACHE/initramfs.cpio.gz" \
-    -append "console=ttyS0 quiet panic=-1 rdinit=/init cna.world=$WORLD_IP:8000 cna.far=$FAR_IP:8000 cna.big=$BIG" \
+    -append "console=ttyS0 quiet panic=-1 rdinit=/init cna.world=$WORLD_IP:8000 cna.world6=[$WORLD_IP6]:8006 cna.far=$FAR_IP:8000 cna.big=$BIG" \
     -netdev tap,id=n0,fd=3,vhost=off \
     -device virtio-net-pci,netdev=n0,mac=20:90:6f:fc:fc:fc,romfile= \
     </dev/null >"$T/qemu.log" 2>&1 &
@@ -214,10 +236,14 @@ r=$(gcheck ipv6-slaac)
 check "guest IPv6: the SLAAC address from the gateway's RA alone (${r##*after=} s after link up)" \
     "addr=fd63:7562:6500:0:2290:6fff:fefc:fcfc/64" "${r%% *}"
 check "guest IPv6: ping the gateway fd63:7562:6500::5" "rc=0" "$(gcheck ipv6-ping-gateway)"
-check "guest IPv6: no default route advertised (no IPv6 egress yet)" "none" "$(gcheck ipv6-default-route)"
+check "guest IPv6: a default route from the RA alone (NAT66 on this node)" "present" "$(gcheck ipv6-default-route)"
+r=$(gcheck ipv6-egress-get)
+check "guest IPv6 -> world [$WORLD_IP6]: GET small page (NAT66)" "rc=0 body=cna-vm-world-marker" "$r"
+clients6=$(sed -n 's/^client=\([^ ]*\) .*/\1/p' "$T/world6.log" | sort -u | tr '\n' ' ')
+check "world sees the uplink's IPv6 address as the client (NAT66)" "$NODE_IP6 " "$clients6"
 r=$(gcheck ipv6-off-link)
-check "guest IPv6: a connection off the link is refused at once (took ${r#*took=})" "rc=1 Connection_refused" \
-    "$(sed 's/ took=[^ ]*//' <<<"$r")"
+check "guest IPv6: an address the world has no route to fails at once, its ICMPv6 error translated (took ${r#*took=})" \
+    "rc=1 unreachable" "$(sed 's/ took=[^ ]*//' <<<"$r")"
 clients=$(sed -n 's/^client=\([^ ]*\) .*/\1/p' "$T/world.log" | sort -u | tr '\n' ' ')
 check "world sees the uplink address as the client (SNAT)" "$NODE_IP " "$clients"
 log "guest egress checks done"
