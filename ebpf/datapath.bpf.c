@@ -158,6 +158,24 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } policy_deny SEC(".maps");
 
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct dp_policy6_key);
+	__type(value, __u8);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} policy6_allow SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct dp_policy6_key);
+	__type(value, __u8);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} policy6_deny SEC(".maps");
+
 /* Not an LRU: the kernel would evict entries that started flows depend
  * on, of any sandbox. The agent bounds it (a per-sandbox cap, release,
  * converge); entries take memory only once written. */
@@ -2401,6 +2419,38 @@ static __always_inline int v6_world(const __u32 *d)
 	return 1;
 }
 
+/* Whether a sandbox with IPv6 rules (DP_F_V6_RULES) may send to d0..d3
+ * (the destination's words, network order), as policy_allows for IPv4:
+ * only unicast a NAT can reach (global 2000::/3 and unique-local
+ * fc00::/7, less the sandboxes' own link and the prefixes that embed
+ * IPv4 addresses: 6to4 and 2001::/23, which the IPv4 rules judge); then
+ * an allow CIDR; a unique-local address only under one (as the v6 world
+ * of a sandbox without rules has none); then a deny CIDR, the catch-all
+ * included (no address is learned for IPv6 yet). A global function: its
+ * own frame (guest6_out's is full), verified once. */
+__noinline int policy6_allows(__u32 sandbox_ip, __u32 d0, __u32 d1, __u32 d2, __u32 d3)
+{
+	__u32 a0 = bpf_ntohl(d0);
+	int ula = (a0 >> 25) == (0xfc000000u >> 25);
+	if ((a0 >> 29) != 1 && !ula)
+		return 0;
+	if ((a0 >> 16) == 0x2002 || (a0 & 0xfffffe00) == 0x20010000)
+		return 0;
+	if (a0 == DP_V6_PREFIX0 && bpf_ntohl(d1) == DP_V6_PREFIX1)
+		return 0;
+	struct dp_policy6_key pk = {.prefixlen = 160, .sandbox_ip = sandbox_ip};
+	__u32 *w = (__u32 *)pk.dst;
+	w[0] = d0;
+	w[1] = d1;
+	w[2] = d2;
+	w[3] = d3;
+	if (bpf_map_lookup_elem(&policy6_allow, &pk))
+		return 1;
+	if (ula)
+		return 0;
+	return !bpf_map_lookup_elem(&policy6_deny, &pk);
+}
+
 static __always_inline int v6_eq(const __u32 *a, const __u32 *b)
 {
 	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
@@ -2661,7 +2711,11 @@ int guest6_out(struct __sk_buff *skb)
 		sb_count(ifindex, DP_S_UNSUPPORTED);
 		return TC_ACT_SHOT;
 	}
-	if (!(sb->flags & DP_F_INTERNET) || !v6_world(ip.daddr)) {
+	if (!(sb->flags & DP_F_INTERNET) ||
+	    !((sb->flags & DP_F_V6_RULES)
+		      ? policy6_allows(sb->sandbox_ip, ip.daddr[0], ip.daddr[1], ip.daddr[2],
+				       ip.daddr[3])
+		      : v6_world(ip.daddr))) {
 		count(DP_C_POLICY_DROP);
 		sb_count(ifindex, DP_S_POLICY);
 		return TC_ACT_SHOT;

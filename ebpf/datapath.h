@@ -95,10 +95,15 @@ struct dp_sandbox {
 /* The sandbox's traffic to the world is shaped (sb_rate, DP_SHAPE_*). */
 #define DP_F_SHAPE_OUT 8u
 /* The sandbox's IPv6 reaches the world (NAT66) when the node has IPv6
- * egress: written for sandboxes whose policy is the internet with the
- * default denies only (no allow/deny CIDR, no domain rule, not strict;
+ * egress: written for sandboxes whose policy is the internet under CIDR
+ * rules that leave some IPv6 open (no domain rule, not strict;
  * docs/dual-stack.md). Others get their IPv6 refused at once. */
 #define DP_F_V6_OUT 16u
+/* The sandbox has IPv6 policy entries (policy6_allow / policy6_deny: an
+ * IPv6 CIDR of its allow_out or deny_out, or the catch-all deny): its
+ * IPv6 egress is judged by policy6_allows, not by the default denies
+ * alone. */
+#define DP_F_V6_RULES 32u
 /* Below 1024, so that only a privileged process can bind them (a local
  * user could otherwise take them while the agent is down, and the
  * datapath would hand it the sandboxes' flows); 1021 and 1022 are the
@@ -185,6 +190,14 @@ struct dp_policy_key {
 	__u32 sandbox_ip;
 	__u32 dst;
 }; /* 12 bytes */
+/* The IPv6 twin (policy6_allow / policy6_deny): 160-bit key, same values;
+ * the deny catch-all is ::/0 (written for 0.0.0.0/0 too: "anything not
+ * allowed" covers both families, and ::/0 covers IPv4's). */
+struct dp_policy6_key {
+	__u32 prefixlen;       /* 32 + CIDR length */
+	__u32 sandbox_ip;
+	__u8 dst[16];
+}; /* 24 bytes */
 
 /* (host address, protocol, host port) -> (sandbox, container port).
  * host_ip 0 is the wildcard (0.0.0.0 / ""): the uplink address and

@@ -50,11 +50,33 @@ impl PartialEq for NetnsFd {
 impl Eq for NetnsFd {}
 
 /// Whether a policy entry is a domain pattern rather than an address or
-/// CIDR (those are digits, dots and one slash).
+/// CIDR (IPv4: digits, dots and one slash; IPv6: has a colon, which no
+/// name has).
 pub fn is_domain_entry(entry: &str) -> bool {
-    entry
-        .bytes()
-        .any(|b| !(b.is_ascii_digit() || b == b'.' || b == b'/'))
+    !entry.contains(':')
+        && entry
+            .bytes()
+            .any(|b| !(b.is_ascii_digit() || b == b'.' || b == b'/'))
+}
+
+/// Whether a normalised CIDR is the catch-all of either family (0.0.0.0/0,
+/// ::/0). In `deny_out` it is "anything not allowed" for both families:
+/// an IPv4 allow-list must not leave IPv6 open.
+pub fn is_catch_all(cidr: &str) -> bool {
+    cidr == "0.0.0.0/0" || cidr == "::/0"
+}
+
+/// Whether a sandbox's policy lets its IPv6 reach the world (NAT66, on a
+/// node with IPv6 egress): the internet under CIDR rules, of either
+/// family, that leave some IPv6 open (not the catch-all deny without an
+/// IPv6 allow CIDR). Name rules and strict mode are IPv4's only so far,
+/// so a sandbox with them is IPv4-only: its IPv6 to the world is refused
+/// at once (docs/dual-stack.md).
+pub fn ipv6_open(internet: bool, strict: bool, allow_out: &[String], deny_out: &[String]) -> bool {
+    let names = allow_out.iter().chain(deny_out).any(|e| is_domain_entry(e));
+    let v6_allowed = allow_out.iter().any(|e| e.contains(':'));
+    let all_denied = deny_out.iter().any(|e| is_catch_all(e));
+    internet && !strict && !names && (v6_allowed || !all_denied)
 }
 
 /// A sandbox's bandwidth limits (docs/datapath.md "Bandwidth"): rates in

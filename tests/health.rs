@@ -503,3 +503,30 @@ async fn a_gateway_device_changed_by_someone_else_is_reported_and_repaired() {
         reconcile_heals(&c, "gateway device cube-dev").await;
     }
 }
+
+/// A `tails` slot someone emptied (the programs IPv6 to and from the world
+/// is handed to by tail call): `datapath` names the slot, and a restart
+/// writes it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_emptied_tail_call_slot_is_reported() {
+    require_root!();
+    let mut env = common::Env::new(&[]);
+    let c = env.client().await;
+    let checks = c.health().await.1;
+    let dp = check(&checks, "datapath");
+    assert!(dp.1, "{dp:?}");
+    let tails = env.dir.join("bpf").join("tails").display().to_string();
+    env.ns_cmd(&[
+        "bpftool", "map", "delete", "pinned", &tails, "key", "1", "0", "0", "0",
+    ]);
+    let (healthy, checks) = c.health().await;
+    let dp = check(&checks, "datapath");
+    assert!(!healthy && !dp.1, "{dp:?}");
+    assert!(dp.2.contains("tails[1] (uplink6_in) is empty"), "{dp:?}");
+    env.kill_agent();
+    env.start_agent();
+    let c = env.client().await;
+    let checks = c.health().await.1;
+    let dp = check(&checks, "datapath");
+    assert!(dp.1, "{dp:?}");
+}

@@ -1,8 +1,10 @@
 //! NAT66 (docs/dual-stack.md) with real kernels on both sides: CNI
 //! containers get their IPv6 from the agent's Router Advertisements alone
 //! and reach an IPv6 world from the node's address; the default denies
-//! hold (the world listens on them: a leak would answer); a sandbox whose
-//! rules are IPv4's only is refused at once; a connection outlives kill -9.
+//! hold (the world listens on them: a leak would answer); CIDR rules of
+//! both families hold over IPv6 as over IPv4; a sandbox whose rules are
+//! IPv4's only (names) or close all IPv6 is refused at once; a connection
+//! outlives kill -9.
 
 mod common;
 
@@ -13,7 +15,8 @@ use std::time::{Duration, Instant};
 use common::Env;
 use common::ctr::{Ctr, add};
 use common::world::{
-    NODE_IP6, Server, WORLD_IP6, World, counter, in_netns, tcp_exchange_in, udp_exchange_in,
+    NODE_IP6, Server, WORLD_IP, WORLD_IP6, World, counter, in_netns, tcp_exchange_in,
+    udp_exchange_in,
 };
 use serde_json::json;
 
@@ -21,6 +24,8 @@ use serde_json::json;
 /// node routes both to the world, which answers on both.
 const METADATA6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254);
 const ULA_HOST: Ipv6Addr = Ipv6Addr::new(0xfd12, 0x3456, 0, 0, 0, 0, 0, 1);
+/// A global address of the world other than `WORLD_IP6`, outside its /64.
+const OTHER6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x5eed, 0, 0, 0, 0, 7);
 /// The SLAAC address of the fixed guest MAC in the guests' prefix.
 const GUEST_SLAAC: Ipv6Addr =
     Ipv6Addr::new(0xfd63, 0x7562, 0x6500, 0, 0x2290, 0x6fff, 0xfefc, 0xfcfc);
@@ -155,7 +160,7 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
         &env,
         "ruled",
         &ruled,
-        json!({"allowOut": ["198.51.100.0/24"]}),
+        json!({"allowOut": ["*.allowed.test"]}),
     );
     // GetNetwork says whose IPv6 reaches the world.
     for (id, want) in [("cni:open:eth0", true), ("cni:ruled:eth0", false)] {
@@ -240,7 +245,7 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
     assert!(counter(&checks, "nat66") >= 3, "{checks:?}");
     assert!(counter(&checks, "nat66_reply") >= 3, "{checks:?}");
 
-    // Rules that are IPv4's only: no default route in the RA, and a
+    // Name rules (IPv4's only so far): no default route in the RA, and a
     // static one meets a refusal at once; the world sees nobody.
     let (_, raddr) = ready6(&ruled, false, Duration::from_secs(10)).expect("no SLAAC address");
     assert_eq!(raddr, GUEST_SLAAC);
@@ -304,5 +309,153 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
     assert!(
         datapath_detail(&checks).contains("ipv6=nat66"),
         "{checks:?}"
+    );
+}
+
+/// The IPv4 policy tests (tests/datapath.rs
+/// `egress_policy_and_changes_apply_to_new_flows`, the allow-lists of
+/// tests/egress.rs) over IPv6, each case a container with its own rules:
+/// a deny CIDR drops, an allow CIDR beats it, an allow-list (the catch-all
+/// deny) closes everything else of both families, a unique-local host is
+/// reached only under an allow CIDR and the metadata address never
+/// without one; rules that leave no IPv6 open (an IPv4 allow-list, the
+/// IPv6 catch-all, no internet) give no IPv6 route and a refusal at once,
+/// and ::/0 denied closes IPv4 too. The world answers on every address it
+/// is asked for: each connection it sees must be one the rules allow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipv6_cidr_rules_hold_as_the_ipv4_ones_with_no_leak() {
+    require_root!();
+    let mut env = Env::new(&[]);
+    let world = World::attach(&env);
+    world.add_ipv6(&[METADATA6, ULA_HOST, OTHER6]);
+    env.kill_agent();
+    env.start_agent();
+    let c = env.client().await;
+    let port = world.tcp_server6(0);
+    let w6 = WORLD_IP6.to_string();
+    let ula = format!("{ULA_HOST}");
+    // (container, CNI rules, IPv6 open, [(destination, reached)])
+    let v4 = IpAddr::V4(WORLD_IP);
+    let cases = [
+        (
+            "deny",
+            json!({"denyOut": ["2001:db8::/32"], "allowOut": [w6]}),
+            true,
+            vec![
+                (IpAddr::V6(WORLD_IP6), true),
+                (IpAddr::V6(OTHER6), false),
+                (IpAddr::V6(METADATA6), false),
+                (IpAddr::V6(ULA_HOST), false),
+                (v4, true),
+            ],
+        ),
+        (
+            "list6",
+            json!({"denyOut": ["0.0.0.0/0"], "allowOut": [w6, ula]}),
+            true,
+            vec![
+                (IpAddr::V6(WORLD_IP6), true),
+                (IpAddr::V6(ULA_HOST), true),
+                (IpAddr::V6(OTHER6), false),
+                (IpAddr::V6(METADATA6), false),
+                (v4, false),
+            ],
+        ),
+        (
+            "list4",
+            json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["198.51.100.0/24"]}),
+            false,
+            vec![(IpAddr::V6(WORLD_IP6), false), (v4, true)],
+        ),
+        (
+            "deny6all",
+            json!({"denyOut": ["::/0"]}),
+            false,
+            vec![(IpAddr::V6(WORLD_IP6), false), (v4, false)],
+        ),
+        (
+            "offline",
+            json!({"allowInternetAccess": false}),
+            false,
+            vec![(IpAddr::V6(WORLD_IP6), false), (v4, false)],
+        ),
+    ];
+    let ctrs: Vec<Ctr> = cases
+        .iter()
+        .map(|(name, rules, _, _)| {
+            let ctr = Ctr::new(&format!("v6p{name}"));
+            add(&env, name, &ctr, rules.clone());
+            ctr
+        })
+        .collect();
+    let (_, checks) = c.health().await;
+    let denied_before = counter(&checks, "policy_drop");
+    let mut reached = 0;
+    let mut dropped = 0;
+    for ((name, _, open, dsts), ctr) in cases.iter().zip(&ctrs) {
+        let net = c.get(&format!("cni:{name}:eth0")).await.unwrap();
+        let v = bool::try_from(net["ipv6_egress"].try_clone().unwrap()).unwrap();
+        assert_eq!(v, *open, "{name}: ipv6_egress");
+        let Some(_) = ready6(ctr, *open, Duration::from_secs(10)) else {
+            panic!(
+                "{name}: no IPv6 address{}: {}",
+                if *open { " and route" } else { "" },
+                ctr.sh("ip -6 addr; ip -6 route")
+            );
+        };
+        if !*open {
+            // No route from the RAs; a static one meets a refusal at once.
+            std::thread::sleep(Duration::from_millis(300));
+            let r = ctr.ip_json(&["-6", "route", "show", "default"]);
+            assert!(r.as_array().is_none_or(|r| r.is_empty()), "{name}: {r}");
+            ctr.sh(&format!(
+                "ip -6 route add default via {GATEWAY_LL} dev eth0"
+            ));
+        }
+        for (dst, want) in dsts {
+            let t = Instant::now();
+            let r = tcp_exchange_in(
+                &ctr.name,
+                SocketAddr::new(*dst, port),
+                b"rule",
+                Duration::from_millis(1500),
+            );
+            if *want {
+                assert_eq!(r.as_deref(), Ok(&b"world:rule"[..]), "{name} -> {dst}");
+                reached += 1;
+                continue;
+            }
+            assert!(r.is_err(), "{name} -> {dst} reached: {r:?}");
+            if dst.is_ipv6() && !*open {
+                let e = r.unwrap_err();
+                assert!(e.contains("refused"), "{name} -> {dst}: {e}");
+                assert!(
+                    t.elapsed() < Duration::from_millis(500),
+                    "{name}: {:?}",
+                    t.elapsed()
+                );
+            } else {
+                dropped += 1;
+            }
+        }
+    }
+    // No leak: the world saw exactly the allowed connections, each from
+    // the node's address.
+    let peers = world.peers(port);
+    assert_eq!(peers.len(), reached, "{peers:?}");
+    for p in &peers {
+        let from = match p.ip() {
+            IpAddr::V6(a) => a.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(a)),
+            a => a,
+        };
+        assert!(
+            from == IpAddr::V6(NODE_IP6) || from == IpAddr::V4(common::world::NODE_IP),
+            "{peers:?}"
+        );
+    }
+    let (_, checks) = c.health().await;
+    assert!(
+        counter(&checks, "policy_drop") >= denied_before + dropped,
+        "{dropped} drops expected: {checks:?}"
     );
 }

@@ -2,12 +2,12 @@
 //! (`NetworkRecord`), and the rules both must follow. Pure code.
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use serde::{Deserialize, Serialize};
 
 use super::AgentError;
-use crate::alloc::Ipv4Cidr;
+use crate::alloc::{Ipv4Cidr, Ipv6Cidr};
 use crate::config::{MAX_MTU, MIN_MTU};
 pub use crate::types::{Bandwidth, NetnsFd, NetnsId, PortMapping};
 
@@ -298,6 +298,30 @@ fn invalid(msg: String) -> AgentError {
 
 /// Normalises a policy CIDR list: plain addresses become /32, host bits are
 /// an error (with the corrected network), duplicates are removed.
+/// One address or CIDR of either family in its canonical form (an address
+/// as its /32 or /128).
+fn normalise_cidr(item: &str) -> Result<String, String> {
+    let bad = |family: &str| format!("'{item}' is not an {family} address or CIDR");
+    if item.contains(':') {
+        let cidr: Ipv6Cidr = if item.contains('/') {
+            item.parse()
+                .map_err(|e: crate::alloc::ip::CidrError| e.to_string())?
+        } else {
+            let ip: Ipv6Addr = item.parse().map_err(|_| bad("IPv6"))?;
+            Ipv6Cidr::new(ip, 128).expect("a /128 has no host bits")
+        };
+        return Ok(cidr.to_string());
+    }
+    let cidr: Ipv4Cidr = if item.contains('/') {
+        item.parse()
+            .map_err(|e: crate::alloc::ip::CidrError| e.to_string())?
+    } else {
+        let ip: Ipv4Addr = item.parse().map_err(|_| bad("IPv4"))?;
+        Ipv4Cidr::new(ip, 32).expect("a /32 has no host bits")
+    };
+    Ok(cidr.to_string())
+}
+
 fn normalise_cidrs(key: &str, list: &[String]) -> Result<Vec<String>, AgentError> {
     if list.len() > MAX_CIDRS {
         return Err(invalid(format!(
@@ -310,7 +334,7 @@ fn normalise_cidrs(key: &str, list: &[String]) -> Result<Vec<String>, AgentError
         if super::domains::is_domain_entry(item) {
             let pattern = super::domains::DomainPattern::parse(item).map_err(|why| {
                 invalid(format!(
-                    "{key}[{i}]: '{item}' is not an IPv4 address, CIDR or domain pattern: {why}"
+                    "{key}[{i}]: '{item}' is not an IP address, CIDR or domain pattern: {why}"
                 ))
             })?;
             let s = pattern.to_string();
@@ -319,18 +343,7 @@ fn normalise_cidrs(key: &str, list: &[String]) -> Result<Vec<String>, AgentError
             }
             continue;
         }
-        let cidr: Ipv4Cidr = if item.contains('/') {
-            item.parse()
-                .map_err(|e| invalid(format!("{key}[{i}]: {e}")))?
-        } else {
-            let ip: Ipv4Addr = item.parse().map_err(|_| {
-                invalid(format!(
-                    "{key}[{i}]: '{item}' is not an IPv4 address or CIDR"
-                ))
-            })?;
-            Ipv4Cidr::new(ip, 32).expect("a /32 has no host bits")
-        };
-        let s = cidr.to_string();
+        let s = normalise_cidr(item).map_err(|e| invalid(format!("{key}[{i}]: {e}")))?;
         if !out.contains(&s) {
             out.push(s);
         }
@@ -527,16 +540,15 @@ pub struct NetworkRecord {
 }
 
 impl NetworkRecord {
-    /// Whether the sandbox's policy lets its IPv6 reach the world (NAT66,
-    /// on a node with IPv6 egress): the internet with the default denies
-    /// only. Its rules (CIDRs, names) and strict mode are IPv4's only, so
-    /// a sandbox with any of them is IPv4-only (docs/dual-stack.md). As
-    /// `SandboxPath::ipv6_egress` for the datapath.
+    /// Whether the sandbox's IPv6 may reach the world
+    /// ([`crate::types::ipv6_open`]).
     pub fn ipv6_open(&self) -> bool {
-        self.allow_internet_access
-            && self.allow_out.is_empty()
-            && self.deny_out.is_empty()
-            && self.egress_mode.is_dns()
+        crate::types::ipv6_open(
+            self.allow_internet_access,
+            !self.egress_mode.is_dns(),
+            &self.allow_out,
+            &self.deny_out,
+        )
     }
 
     pub fn to_bytes(&self) -> Vec<u8> {
@@ -688,7 +700,7 @@ mod tests {
         assert!(err(cidr(&["1.1.1.1", "1.2.3.400"])).contains("deny_out[1]"));
         let e = err(cidr(&["1.1.1.1", "a..example.com"]));
         assert!(
-            e.contains("deny_out[1]: 'a..example.com' is not an IPv4 address, CIDR or domain pattern: an empty label"),
+            e.contains("deny_out[1]: 'a..example.com' is not an IP address, CIDR or domain pattern: an empty label"),
             "{e}"
         );
         let e = err(cidr(&["*.com"]));
@@ -706,6 +718,23 @@ mod tests {
             norm.deny_out,
             vec!["1.1.1.1/32", "10.0.0.0/8", "*.example.com"]
         );
+        // IPv6: addresses and CIDRs, in canonical form.
+        let norm = cidr(&["2001:DB8::1", "2001:db8:0::/32", "::/0", "2001:db8::1/128"])
+            .validated()
+            .unwrap();
+        assert_eq!(
+            norm.deny_out,
+            vec!["2001:db8::1/128", "2001:db8::/32", "::/0"]
+        );
+        let e = err(cidr(&["2001:db8::1/32"]));
+        assert!(
+            e.contains("deny_out[0]") && e.contains("did you mean 2001:db8::/32"),
+            "{e}"
+        );
+        let e = err(cidr(&["10.0.0.0/8", "2001:db8::/200"]));
+        assert!(e.contains("deny_out[1]") && e.contains("0-128"), "{e}");
+        let e = err(cidr(&["fe80::1%eth0"]));
+        assert!(e.contains("is not an IPv6 address or CIDR"), "{e}");
         let mtu = NetworkSpec {
             mtu: Some(50),
             ..Default::default()
@@ -748,6 +777,35 @@ mod tests {
             ..Default::default()
         });
         assert!(e.contains("clone_of: sandbox_id: must not start"), "{e}");
+    }
+
+    #[test]
+    fn ipv6_is_open_unless_names_strict_or_every_ipv6_address_is_denied() {
+        let rec = |allow: &[&str], deny: &[&str]| -> NetworkRecord {
+            serde_json::from_value(serde_json::json!({
+                "version": RECORD_VERSION, "sandbox_id": "s", "network_handle": "h",
+                "sandbox_ip": "192.168.0.2", "tap_name": "t", "mtu": 1500,
+                "port_mappings": [], "allow_internet_access": true,
+                "allow_out": allow, "deny_out": deny, "metadata": {},
+                "created_unix": 1,
+            }))
+            .unwrap()
+        };
+        assert!(rec(&[], &[]).ipv6_open());
+        assert!(rec(&["10.0.0.0/8"], &["1.1.1.1/32"]).ipv6_open());
+        assert!(rec(&[], &["2001:db8::/32"]).ipv6_open());
+        assert!(rec(&["2001:db8::1/128"], &["0.0.0.0/0"]).ipv6_open());
+        // An IPv4 allow-list, or ::/0 denied: no IPv6 left open.
+        assert!(!rec(&["198.51.100.0/24"], &["0.0.0.0/0"]).ipv6_open());
+        assert!(!rec(&[], &["::/0"]).ipv6_open());
+        // Names are IPv4's only so far.
+        assert!(!rec(&["*.example.com"], &[]).ipv6_open());
+        let mut strict = rec(&[], &[]);
+        strict.egress_mode = EgressMode::Sni;
+        assert!(!strict.ipv6_open());
+        let mut off = rec(&[], &[]);
+        off.allow_internet_access = false;
+        assert!(!off.ipv6_open());
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Bitmap allocator for sandbox IPv4 addresses.
+//! Bitmap allocator for sandbox IPv4 addresses, and the CIDR types.
 //!
 //! The network address, the first host address (the gateway on `cube-dev`)
 //! and the broadcast address are reserved. Allocation is round-robin: the
@@ -6,7 +6,7 @@
 //! not reused until the cursor has gone round the whole pool.
 
 use std::fmt;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
 
 /// An IPv4 network in CIDR notation with no host bits set.
@@ -24,6 +24,10 @@ pub enum CidrError {
     Address(String),
     #[error("'{0}' has an invalid prefix length (0-32)")]
     Prefix(String),
+    #[error("'{0}' has an invalid IPv6 address")]
+    Address6(String),
+    #[error("'{0}' has an invalid prefix length (0-128)")]
+    Prefix6(String),
     #[error("'{given}' has host bits set; did you mean {suggested}?")]
     HostBits { given: String, suggested: String },
 }
@@ -99,6 +103,68 @@ impl FromStr for Ipv4Cidr {
 }
 
 impl fmt::Display for Ipv4Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.network, self.prefix_len)
+    }
+}
+
+/// An IPv6 network in CIDR notation with no host bits set (the rules'
+/// IPv6 CIDRs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ipv6Cidr {
+    network: Ipv6Addr,
+    prefix_len: u8,
+}
+
+fn mask6(prefix_len: u8) -> u128 {
+    u128::MAX
+        .checked_shl(128 - u32::from(prefix_len))
+        .unwrap_or(0)
+}
+
+impl Ipv6Cidr {
+    pub fn new(network: Ipv6Addr, prefix_len: u8) -> Option<Self> {
+        if prefix_len > 128 || u128::from(network) & !mask6(prefix_len) != 0 {
+            return None;
+        }
+        Some(Self {
+            network,
+            prefix_len,
+        })
+    }
+
+    pub fn network(&self) -> Ipv6Addr {
+        self.network
+    }
+
+    pub fn prefix_len(&self) -> u8 {
+        self.prefix_len
+    }
+
+    pub fn contains(&self, ip: Ipv6Addr) -> bool {
+        u128::from(ip) & mask6(self.prefix_len) == u128::from(self.network)
+    }
+}
+
+impl FromStr for Ipv6Cidr {
+    type Err = CidrError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (addr, len) = s.split_once('/').ok_or_else(|| CidrError::Form(s.into()))?;
+        let addr: Ipv6Addr = addr.parse().map_err(|_| CidrError::Address6(s.into()))?;
+        let len: u8 = len
+            .parse()
+            .ok()
+            .filter(|l| *l <= 128)
+            .ok_or_else(|| CidrError::Prefix6(s.into()))?;
+        Self::new(addr, len).ok_or_else(|| CidrError::HostBits {
+            given: s.into(),
+            suggested: format!("{}/{len}", Ipv6Addr::from(u128::from(addr) & mask6(len))),
+        })
+    }
+}
+
+impl fmt::Display for Ipv6Cidr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.network, self.prefix_len)
     }
@@ -395,5 +461,31 @@ mod tests {
         let mut a = IpAllocator::new(cidr("10.0.0.0/29")).unwrap();
         a.set_cursor_after(Ipv4Addr::new(10, 0, 0, 6));
         assert_eq!(a.allocate(), Some(Ipv4Addr::new(10, 0, 0, 2)));
+    }
+
+    #[test]
+    fn parse_ipv6_cidr() {
+        let c: Ipv6Cidr = "2001:db8::/32".parse().unwrap();
+        assert_eq!(c.prefix_len(), 32);
+        assert!(c.contains("2001:db8:ffff::1".parse().unwrap()));
+        assert!(!c.contains("2001:db9::1".parse().unwrap()));
+        let all: Ipv6Cidr = "::/0".parse().unwrap();
+        assert!(all.contains("fd00:ec2::254".parse().unwrap()));
+        let one: Ipv6Cidr = "2001:db8::1/128".parse().unwrap();
+        assert!(one.contains("2001:db8::1".parse().unwrap()));
+        assert!(!one.contains("2001:db8::2".parse().unwrap()));
+        let e = "2001:db8::1/32"
+            .parse::<Ipv6Cidr>()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("did you mean 2001:db8::/32"), "{e}");
+        let e = "2001:db8::/129"
+            .parse::<Ipv6Cidr>()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("0-128"), "{e}");
+        let e = "2001:zz8::/32".parse::<Ipv6Cidr>().unwrap_err().to_string();
+        assert!(e.contains("invalid IPv6 address"), "{e}");
+        assert_eq!(c.to_string(), "2001:db8::/32");
     }
 }

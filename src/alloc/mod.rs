@@ -6,5 +6,5 @@ pub mod ip;
 pub mod mapping;
 pub mod port;
 
-pub use ip::{IpAllocator, Ipv4Cidr};
+pub use ip::{IpAllocator, Ipv4Cidr, Ipv6Cidr};
 pub use port::{PortAllocator, PortSet, Protocol};

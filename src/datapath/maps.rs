@@ -96,8 +96,10 @@ pub const DP_F_SNI: u32 = 4;
 /// Traffic to the world is paced by the sandbox's `sb_rate` entry.
 pub const DP_F_SHAPE_OUT: u32 = 8;
 /// The sandbox's IPv6 reaches the world (NAT66) on a node with IPv6
-/// egress: the internet with the default denies only (docs/dual-stack.md).
+/// egress ([`crate::types::ipv6_open`]).
 pub const DP_F_V6_OUT: u32 = 16;
+/// The sandbox has IPv6 policy entries (`policy6_allow`/`policy6_deny`).
+pub const DP_F_V6_RULES: u32 = 32;
 /// `DpTap::flags`: traffic from the world to the sandbox is paced.
 pub const DP_T_SHAPE_IN: u32 = 1;
 /// `DpTap::flags`: the sandbox is paused (packets for it dropped, the
@@ -176,6 +178,14 @@ pub struct DpTap {
 pub struct DpPolicyData {
     pub sandbox_ip: u32,
     pub dst: u32,
+}
+
+/// The IPv6 twin of [`DpPolicyData`] (`policy6_allow`/`policy6_deny`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DpPolicy6Data {
+    pub sandbox_ip: u32,
+    pub dst: [u8; 16],
 }
 
 /// `host_ip` 0 is the wildcard (every node address: the uplink address
@@ -439,6 +449,8 @@ unsafe impl aya::Pod for DpTap {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpPolicyData {}
 // SAFETY: see above.
+unsafe impl aya::Pod for DpPolicy6Data {}
+// SAFETY: see above.
 unsafe impl aya::Pod for DpPortmapKey {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpPortmapVal {}
@@ -479,6 +491,7 @@ const _: () = {
     assert!(size_of::<DpLearnedKey>() == 8);
     assert!(size_of::<DpLearnedVal>() == 16);
     assert!(size_of::<DpPolicyData>() + 4 == 12);
+    assert!(size_of::<DpPolicy6Data>() + 4 == 24);
     assert!(size_of::<DpPortmapKey>() == 8);
     assert!(size_of::<DpPortmapVal>() == 8);
     assert!(size_of::<DpCtKey>() == 16);
@@ -559,6 +572,7 @@ pub const PINNED: &[PinnedMap] = {
     use Keep::*;
     use aya::maps::MapType::*;
     let policy_key = size_of::<DpPolicyData>() + 4;
+    let policy6_key = size_of::<DpPolicy6Data>() + 4;
     &[
         pinned("config", Array, 4, size_of::<DpConfig>(), 1, Rebuilt),
         pinned(
@@ -597,6 +611,22 @@ pub const PINNED: &[PinnedMap] = {
             "policy_deny",
             LpmTrie,
             policy_key,
+            1,
+            SANDBOX_MAP_ENTRIES,
+            Durable,
+        ),
+        pinned(
+            "policy6_allow",
+            LpmTrie,
+            policy6_key,
+            1,
+            SANDBOX_MAP_ENTRIES,
+            Durable,
+        ),
+        pinned(
+            "policy6_deny",
+            LpmTrie,
+            policy6_key,
             1,
             SANDBOX_MAP_ENTRIES,
             Durable,

@@ -40,17 +40,15 @@ pub struct SandboxPath<'a> {
 }
 
 impl SandboxPath<'_> {
-    /// Whether the sandbox's IPv6 may reach the world (NAT66, on a node
-    /// with IPv6 egress): its policy is the internet with the default
-    /// denies only. Rules (CIDRs and names, IPv4's today) and strict mode
-    /// are not yet carried over to IPv6, so a sandbox with any of them is
-    /// IPv4-only: its IPv6 to the world is refused at once
-    /// (docs/dual-stack.md).
+    /// Whether the sandbox's IPv6 may reach the world
+    /// ([`crate::types::ipv6_open`]).
     pub fn ipv6_egress(&self) -> bool {
-        self.allow_internet_access
-            && self.allow_out.is_empty()
-            && self.deny_out.is_empty()
-            && !self.strict_egress
+        crate::types::ipv6_open(
+            self.allow_internet_access,
+            self.strict_egress,
+            self.allow_out,
+            self.deny_out,
+        )
     }
 
     /// Whether `allow_out` or `deny_out` has a domain pattern.

@@ -421,6 +421,24 @@ fn bpf_elem(
     }
 }
 
+/// The id of the program in slot `slot` of a program array (the kernel
+/// answers a lookup with the id); `None`: the slot is empty.
+pub(crate) fn prog_array_slot(fd: BorrowedFd<'_>, slot: u32) -> io::Result<Option<u32>> {
+    let mut id = 0u32;
+    // A program array's keys and values are 4 bytes each.
+    match bpf_elem(
+        BPF_MAP_LOOKUP_ELEM,
+        fd,
+        (&raw const slot).cast(),
+        (&raw mut id) as u64,
+        0,
+    ) {
+        Ok(()) => Ok(Some(id)),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Bytes of one value as the syscalls see it: per-CPU maps hold a value
 /// (rounded up to 8 bytes) per possible CPU.
 fn value_bytes(kind: MapType, value: usize) -> io::Result<usize> {

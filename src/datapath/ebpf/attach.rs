@@ -316,7 +316,7 @@ impl EbpfDatapath {
         let mut all: Option<StdHashMap<u32, Option<u32>>> = None;
         let mut out = vec![];
         for (i, h) in hooks.iter().enumerate() {
-            let tag = self.tags.get(h.program).copied().unwrap_or(0);
+            let tag = self.tags.get(h.program).map_or(0, |p| p.tag);
             let drift = match h.place {
                 Place::Bound(block) => {
                     let binding = match bindings[i] {

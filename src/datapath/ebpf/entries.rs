@@ -37,21 +37,14 @@ fn proto_num(p: Protocol) -> u8 {
     }
 }
 
-/// A policy key as a comparable value (aya's `Key` is packed, no `Eq`).
-pub(super) type PolicyId = (u32, DpPolicyData);
-
-pub(super) fn policy_id(k: &Key<DpPolicyData>) -> PolicyId {
-    (k.prefix_len(), k.data())
-}
-
 /// One change `attach` made, with what to put back.
 enum Undo {
     Sandbox(u32, Option<DpSandbox>),
     ByIp(u32, Option<DpTap>),
     Rate(u32, Option<DpRate>),
     /// Added by this call: removed on rollback.
-    Allow(Key<DpPolicyData>),
-    Deny(Key<DpPolicyData>),
+    Policy(Added<DpPolicyData>),
+    Policy6(Added<DpPolicy6Data>),
     Portmap(DpPortmapKey, Option<DpPortmapVal>),
 }
 
@@ -167,17 +160,6 @@ pub(super) const TAP_TREE: shaper::Tree = shaper::Tree {
     bulk: TAP_CLASS_BULK,
 };
 
-/// A `policy_deny` key's value: the catch-all 0.0.0.0/0 ("anything not
-/// allowed") is the one deny a learned address passes; every other deny
-/// CIDR beats it (`policy_allows`).
-pub(super) fn deny_value(k: &Key<DpPolicyData>) -> u8 {
-    if k.prefix_len() == 32 {
-        DP_DENY_CATCH_ALL
-    } else {
-        DP_DENY_BEATS_LEARNED
-    }
-}
-
 impl EbpfDatapath {
     /// Transactional: every entry written is journalled with what it
     /// replaced, and if any write fails the journal is played back, so a
@@ -195,8 +177,14 @@ impl EbpfDatapath {
         let ip = ip_be(v4);
         let ifindex = sb.tap_ifindex;
         // Everything that can be refused is checked before the first write.
-        let want_allow = Self::policy_keys(ip, sb.allow_out);
-        let want_deny = Self::policy_keys(ip, sb.deny_out);
+        let want4 = (
+            policy::keys4(ip, sb.allow_out, false),
+            policy::keys4(ip, sb.deny_out, true),
+        );
+        let want6 = (
+            policy::keys6(ip, sb.allow_out, false),
+            policy::keys6(ip, sb.deny_out, true),
+        );
         let want_ports = portmap_entries(ip, sb.port_mappings)?;
         let before = self
             .rate_read
@@ -215,7 +203,7 @@ impl EbpfDatapath {
             (ip, ifindex),
             sb,
             &shape,
-            (&want_allow, &want_deny),
+            (&want4, &want6),
             &want_ports,
         );
         if let Err(e) = result {
@@ -230,26 +218,8 @@ impl EbpfDatapath {
             return Err(e);
         }
         // Committed: drop what the new state no longer wants.
-        let (old_allow, old_deny) = inner.policies.remove(&ip).unwrap_or_default();
-        let keep_allow: HashSet<PolicyId> = want_allow.iter().map(policy_id).collect();
-        let keep_deny: HashSet<PolicyId> = want_deny.iter().map(policy_id).collect();
-        for k in old_allow
-            .iter()
-            .filter(|k| !keep_allow.contains(&policy_id(k)))
-        {
-            let _ = inner.maps.allow.remove(k);
-        }
-        for k in old_deny
-            .iter()
-            .filter(|k| !keep_deny.contains(&policy_id(k)))
-        {
-            let _ = inner.maps.deny.remove(k);
-        }
-        // Only sandboxes with rules have an entry (most have none: an empty
-        // entry each was ~1.5 MB at 10,000 sandboxes).
-        if !(want_allow.is_empty() && want_deny.is_empty()) {
-            inner.policies.insert(ip, (want_allow, want_deny));
-        }
+        inner.policy4.commit(ip, want4);
+        inner.policy6.commit(ip, want6);
         let wanted: HashSet<DpPortmapKey> = want_ports.iter().map(|(k, _)| *k).collect();
         for k in inner.portmaps.remove(&ip).unwrap_or_default() {
             if !wanted.contains(&k)
@@ -406,13 +376,8 @@ impl EbpfDatapath {
         {
             let _ = inner.maps.by_ip.remove(&ip);
         }
-        let (allow, deny) = inner.policies.remove(&ip).unwrap_or_default();
-        for k in &allow {
-            let _ = inner.maps.allow.remove(k);
-        }
-        for k in &deny {
-            let _ = inner.maps.deny.remove(k);
-        }
+        inner.policy4.remove(ip);
+        inner.policy6.remove(ip);
         for k in inner.portmaps.remove(&ip).unwrap_or_default() {
             // Only if still ours (a port may already be mapped again).
             if inner
@@ -444,21 +409,6 @@ impl EbpfDatapath {
         Ok(())
     }
 
-    pub(super) fn policy_keys(ip: u32, list: &[String]) -> Vec<Key<DpPolicyData>> {
-        list.iter()
-            .filter_map(|c| c.parse::<crate::alloc::Ipv4Cidr>().ok())
-            .map(|c| {
-                Key::new(
-                    32 + u32::from(c.prefix_len()),
-                    DpPolicyData {
-                        sandbox_ip: ip,
-                        dst: ip_be(c.network()),
-                    },
-                )
-            })
-            .collect()
-    }
-
     /// Writes the sandbox's entries, journalling each change (see `attach`).
     fn write_entries(
         inner: &mut Inner,
@@ -466,9 +416,18 @@ impl EbpfDatapath {
         (ip, ifindex): (u32, u32),
         sb: &SandboxPath<'_>,
         shape: &Shape,
-        (want_allow, want_deny): (&[Key<DpPolicyData>], &[Key<DpPolicyData>]),
+        (want4, want6): (&Wanted<DpPolicyData>, &Wanted<DpPolicy6Data>),
         want_ports: &[(DpPortmapKey, DpPortmapVal)],
     ) -> Result<(), DatapathError> {
+        // The rules before the flags that make the programs read them (a
+        // new sandbox is never judged without its keys). Only the keys
+        // this sandbox does not have yet are written.
+        inner
+            .policy4
+            .write(ip, (&want4.0, &want4.1), journal, Undo::Policy)?;
+        inner
+            .policy6
+            .write(ip, (&want6.0, &want6.1), journal, Undo::Policy6)?;
         let maps = &mut inner.maps;
         // The address's owner keeps its generation (converge, recovery,
         // Reconcile, a TAP recreated under a new ifindex); an address with
@@ -502,6 +461,9 @@ impl EbpfDatapath {
         }
         if sb.ipv6_egress() {
             flags |= DP_F_V6_OUT;
+        }
+        if !(want6.0.is_empty() && want6.1.is_empty()) {
+            flags |= DP_F_V6_RULES;
         }
         let prev = maps.sb_rate.get(&ifindex, 0).ok();
         let rate = shape.rate();
@@ -562,37 +524,6 @@ impl EbpfDatapath {
         if rearm && !sb.paused {
             let _ = maps.wake_sent.remove(&ifindex);
         }
-        // A policy key's value follows from the key (allow: 1; deny: see
-        // below): a key this sandbox already
-        // has is left alone, a new one is journalled as added. (An LPM
-        // `get` is a longest-prefix match, so the index, not the map, says
-        // which keys exist.)
-        let (have_allow, have_deny) = inner
-            .policies
-            .get(&ip)
-            .map(|(a, d)| {
-                (
-                    a.iter().map(policy_id).collect::<HashSet<_>>(),
-                    d.iter().map(policy_id).collect::<HashSet<_>>(),
-                )
-            })
-            .unwrap_or_default();
-        for k in want_allow {
-            if !have_allow.contains(&policy_id(k)) {
-                maps.allow
-                    .insert(k, 1, 0)
-                    .map_err(|e| map_err("writing policy_allow (allow_out)", &e))?;
-                journal.push(Undo::Allow(*k));
-            }
-        }
-        for k in want_deny {
-            if !have_deny.contains(&policy_id(k)) {
-                maps.deny
-                    .insert(k, deny_value(k), 0)
-                    .map_err(|e| map_err("writing policy_deny (deny_out)", &e))?;
-                journal.push(Undo::Deny(*k));
-            }
-        }
         for (k, v) in want_ports {
             let prev = maps.portmap.get(k, 0).ok();
             if prev != Some(*v) {
@@ -616,8 +547,8 @@ impl EbpfDatapath {
                 Undo::ByIp(k, None) => maps.by_ip.remove(&k),
                 Undo::Rate(k, Some(v)) => maps.sb_rate.insert(k, v, 0),
                 Undo::Rate(k, None) => maps.sb_rate.remove(&k),
-                Undo::Allow(k) => maps.allow.remove(&k),
-                Undo::Deny(k) => maps.deny.remove(&k),
+                Undo::Policy(a) => inner.policy4.roll_back(a),
+                Undo::Policy6(a) => inner.policy6.roll_back(a),
                 Undo::Portmap(k, Some(v)) => maps.portmap.insert(k, v, 0),
                 Undo::Portmap(k, None) => maps.portmap.remove(&k),
             };

@@ -205,6 +205,26 @@ impl EbpfDatapath {
             .collect()
     }
 
+    /// `tails` slots that do not hold this agent's program (an empty slot
+    /// refuses what its program would carry: IPv6 to and from the world).
+    fn tail_problems(&self) -> Vec<String> {
+        use std::os::fd::AsFd;
+        TAILS
+            .iter()
+            .filter_map(|&(slot, name)| {
+                let want = self.tags.get(name).map(|p| p.id);
+                match crate::datapath::pins::prog_array_slot(self.tails_read.fd().as_fd(), slot) {
+                    Ok(Some(id)) if Some(id) == want => None,
+                    Ok(Some(id)) => Some(format!(
+                        "tails[{slot}] holds program {id}, not this agent's {name}"
+                    )),
+                    Ok(None) => Some(format!("tails[{slot}] ({name}) is empty")),
+                    Err(e) => Some(format!("tails[{slot}] ({name}) cannot be read: {e}")),
+                }
+            })
+            .collect()
+    }
+
     fn bandwidth_health(&self) -> Check {
         let rates: Vec<DpRate> = self.rates().into_iter().map(|(_, r)| r).collect();
         let egress = rates.iter().filter(|r| r.out_small != 0).count();
@@ -246,6 +266,11 @@ impl EbpfDatapath {
             Err(e) => Err(format!("the config map cannot be read: {e}")),
         };
         drop(inner);
+        // And the programs the IPv6 paths tail-call.
+        let config = config.and_then(|()| match self.tail_problems() {
+            p if p.is_empty() => Ok(()),
+            p => Err(p.join("; ")),
+        });
         let what = format!(
             "eBPF: from_guest on {taps} TAPs, {}; {}; {flows} flows, {host_flows} host flows, \
              {} reaped; counters: {}",
@@ -280,7 +305,7 @@ fn ipv6_mode(c: &crate::datapath::maps::DpConfig) -> String {
         "ipv6=off".into()
     } else if c.flags & DP_CFG_IPV6_EGRESS != 0 {
         format!(
-            "ipv6=nat66 via {} (sandboxes with no egress rules)",
+            "ipv6=nat66 via {} (sandboxes without name rules or strict mode)",
             std::net::Ipv6Addr::from(c.uplink_ip6)
         )
     } else {

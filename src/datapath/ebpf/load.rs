@@ -120,8 +120,6 @@ impl EbpfDatapath {
             counters: take(&mut bpf, "counters")?,
             sandboxes: take(&mut bpf, "sandboxes")?,
             by_ip: take(&mut bpf, "by_ip")?,
-            allow: take(&mut bpf, "policy_allow")?,
-            deny: take(&mut bpf, "policy_deny")?,
             portmap: take(&mut bpf, "portmap")?,
             attached: take(&mut bpf, "tap_attached")?,
             sb_stats: take(&mut bpf, "sb_stats")?,
@@ -254,28 +252,15 @@ impl EbpfDatapath {
                 program: "from_shaper",
             });
         }
-        // Rebuild the per-sandbox indexes from the (possibly pinned) maps.
-        let mut policies: StdHashMap<u32, PolicyKeys> = StdHashMap::new();
-        for k in maps.allow.keys().flatten() {
-            policies.entry(k.data().sandbox_ip).or_default().0.push(k);
-        }
-        for k in maps.deny.keys().flatten() {
-            policies.entry(k.data().sandbox_ip).or_default().1.push(k);
-        }
-        // Deny values follow from the key (an older build wrote 1, the
-        // catch-all's, for every deny): rewritten before this build's
-        // programs run (an older build's read only a deny's presence), so
-        // no learned address ever passes a narrow deny.
-        for keys in policies.values() {
-            for k in &keys.1 {
-                let value = deny_value(k);
-                if maps.deny.get(k, 0).ok() != Some(value) {
-                    maps.deny
-                        .insert(k, value, 0)
-                        .map_err(|e| err("rewriting policy_deny", e))?;
-                }
-            }
-        }
+        // The per-sandbox indexes from the (possibly pinned) maps.
+        let policy4 = Policies::new(
+            take(&mut bpf, "policy_allow")?,
+            take(&mut bpf, "policy_deny")?,
+        )?;
+        let policy6 = Policies::new(
+            take(&mut bpf, "policy6_allow")?,
+            take(&mut bpf, "policy6_deny")?,
+        )?;
         // The switch: from here on a failure is fatal (the agent must not
         // run a half-switched datapath; the next start takes it up again).
         undo.disarm();
@@ -377,6 +362,7 @@ impl EbpfDatapath {
         );
         let rate_read_dump = reopen("sb_rate")?;
         let attached_forget = reopen("tap_attached")?;
+        let tails_read = reopen("tails")?;
         let learned_dump = reopen("dns_learned")?;
         let by_ip_read_dump = reopen("by_ip")?;
         let by_ip_read = HashMap::try_from(aya::maps::Map::HashMap(reopen("by_ip")?))
@@ -395,7 +381,7 @@ impl EbpfDatapath {
         info!(
             pin_dir = %node.pin_dir.display(),
             node_programs = ?names,
-            from_guest_tag = format!("{:016x}", tags["from_guest"]),
+            from_guest_tag = format!("{:016x}", tags["from_guest"].tag),
             own_filter = own_filter.len(),
             migrated = ?migrated,
             programs = if reused { "pinned by an earlier start of this build" } else { "loaded and verified" },
@@ -405,7 +391,8 @@ impl EbpfDatapath {
         let dp = Self {
             inner: Mutex::new(Inner {
                 maps,
-                policies,
+                policy4,
+                policy6,
                 portmaps,
             }),
             progs,
@@ -418,6 +405,7 @@ impl EbpfDatapath {
             node,
             node_hooks,
             tags,
+            tails_read,
             own_filter: Mutex::new(own_filter),
             stale: Mutex::new(stale),
             block_lost: Default::default(),
@@ -453,11 +441,17 @@ impl EbpfDatapath {
         bpf: &mut Ebpf,
         pin_dir: &Path,
         maps_kept: bool,
-    ) -> Result<(Programs, StdHashMap<&'static str, u64>, bool), DatapathError> {
+    ) -> Result<(Programs, StdHashMap<&'static str, ProgId>, bool), DatapathError> {
         let (mut progs, mut tags) = (Programs::new(), StdHashMap::new());
         let mut keep = |name: &'static str, p: &SchedClassifier| -> Result<(), DatapathError> {
             let info = p.info().map_err(|e| err("reading a program's tag", e))?;
-            tags.insert(name, info.tag());
+            tags.insert(
+                name,
+                ProgId {
+                    tag: info.tag(),
+                    id: info.id(),
+                },
+            );
             let fd = p
                 .fd()
                 .map_err(|e| err("program fd", e))?

@@ -59,10 +59,12 @@ mod entries;
 mod health;
 mod learned;
 mod load;
+mod policy;
 mod reap;
 
 use attach::*;
 use entries::*;
+use policy::{Added, Policies, Wanted};
 use reap::*;
 
 pub use health::check_cases;
@@ -184,13 +186,18 @@ fn tc_err(what: &'static str, target: impl std::fmt::Display, e: std::io::Error)
 /// This build's programs by name (fds: pinned or not, they stay loaded).
 type Programs = StdHashMap<&'static str, ProgramFd>;
 
+/// A loaded program's tag (what it is) and id (which one).
+#[derive(Debug, Clone, Copy)]
+struct ProgId {
+    tag: u64,
+    id: u32,
+}
+
 struct Maps {
     config: Array<MapData, DpConfig>,
     counters: PerCpuArray<MapData, u64>,
     sandboxes: HashMap<MapData, u32, DpSandbox>,
     by_ip: HashMap<MapData, u32, DpTap>,
-    allow: LpmTrie<MapData, DpPolicyData, u8>,
-    deny: LpmTrie<MapData, DpPolicyData, u8>,
     portmap: HashMap<MapData, DpPortmapKey, DpPortmapVal>,
     attached: HashMap<MapData, u32, u32>,
     sb_stats: HashMap<MapData, u32, DpSbStats>,
@@ -200,13 +207,11 @@ struct Maps {
     wake_sent: HashMap<MapData, u32, DpWake>,
 }
 
-/// (allow, deny) LPM keys installed for one sandbox.
-type PolicyKeys = (Vec<Key<DpPolicyData>>, Vec<Key<DpPolicyData>>);
-
 struct Inner {
     maps: Maps,
-    /// sandbox ip -> policy keys installed for it (allow, deny).
-    policies: StdHashMap<u32, PolicyKeys>,
+    /// The CIDR rules' tries of each family.
+    policy4: Policies<DpPolicyData>,
+    policy6: Policies<DpPolicy6Data>,
     /// sandbox ip -> port-map keys installed for it.
     portmaps: StdHashMap<u32, Vec<DpPortmapKey>>,
 }
@@ -282,8 +287,11 @@ pub struct EbpfDatapath {
     stats: Stats,
     node: NodeInfo,
     node_hooks: Vec<Hook>,
-    /// Tag of each program of this build (what `check` compares with).
-    tags: StdHashMap<&'static str, u64>,
+    /// Tag and id of each program of this build (what `check` compares
+    /// with; the ids: what `tails` must hold).
+    tags: StdHashMap<&'static str, ProgId>,
+    /// `tails`, for Health to read its slots.
+    tails_read: MapData,
     /// TAPs and veths that keep an older build's qdisc and filter of their
     /// own (this build's program replaced in place at load).
     own_filter: Mutex<HashSet<u32>>,
@@ -482,7 +490,7 @@ impl Datapath for EbpfDatapath {
     }
 
     fn program_tags(&self) -> Vec<(&'static str, u64)> {
-        PROGRAMS.iter().map(|p| (*p, self.tags[p])).collect()
+        PROGRAMS.iter().map(|p| (*p, self.tags[p].tag)).collect()
     }
 
     fn tap_counts(&self) -> (usize, usize) {
