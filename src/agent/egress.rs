@@ -148,9 +148,16 @@ impl CidrRules {
                 })
                 .collect()
         };
+        let mut deny = pick(deny_out);
+        // The catch-all deny of either family closes both (as in the
+        // datapath's keys): `::/0` denies every IPv4 address too.
+        let all = Ipv4Cidr::new(Ipv4Addr::UNSPECIFIED, 0).expect("/0");
+        if deny_out.iter().any(|e| crate::types::is_catch_all(e)) && !deny.contains(&all) {
+            deny.push(all);
+        }
         CidrRules {
             allow: pick(allow_out),
-            deny: pick(deny_out),
+            deny,
         }
     }
 
@@ -1140,5 +1147,24 @@ impl Agent {
         if let (false, Some(ip)) = (gone.is_empty(), v4(rec.sandbox_ip)) {
             self.datapath.forget(ip, &gone);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_catch_all_deny_of_either_family_closes_ipv4_for_the_proxy() {
+        let l = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let dst = Ipv4Addr::new(203, 0, 113, 7);
+        for all in ["0.0.0.0/0", "::/0"] {
+            let r = CidrRules::from_lists(&l(&["198.51.100.0/24"]), &l(&[all]));
+            assert!(!r.allows(dst), "{all}");
+            assert!(r.allows(Ipv4Addr::new(198, 51, 100, 2)), "{all}");
+        }
+        // IPv6 CIDRs say nothing about IPv4 addresses.
+        let r = CidrRules::from_lists(&l(&["2001:db8::/32"]), &l(&["2001:db8:1::/48"]));
+        assert!(r.allows(dst));
     }
 }
