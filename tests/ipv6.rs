@@ -459,3 +459,57 @@ async fn ipv6_cidr_rules_hold_as_the_ipv4_ones_with_no_leak() {
         "{dropped} drops expected: {checks:?}"
     );
 }
+
+/// The node's own addresses are not the world: a sandbox with NAT66 never
+/// reaches a service of the node on the uplink's IPv6 address (nor, as
+/// ever, on its IPv4 one) — host ↔ sandbox goes through the gateway and
+/// its admission only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_nodes_own_addresses_are_not_the_world() {
+    require_root!();
+    let mut env = Env::new(&[]);
+    let world = World::attach(&env);
+    world.add_ipv6(&[]);
+    env.kill_agent();
+    env.start_agent();
+    let host = Server::tcp(
+        &env.ns,
+        SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), 0),
+        b"host:",
+    );
+    let port = host.addr.port();
+    let open = Ctr::new("v6host");
+    add(&env, "host", &open, json!({}));
+    ready6(&open, true, Duration::from_secs(10)).expect("no IPv6 route");
+    // With forwarding off (the kernel routes what the datapath hands it)
+    // and on (the datapath's own route lookup says "local").
+    for forwarding in ["0", "1"] {
+        for (key, dst) in [
+            ("net.ipv6.conf.all.forwarding", IpAddr::V6(NODE_IP6)),
+            ("net.ipv4.ip_forward", IpAddr::V4(common::world::NODE_IP)),
+        ] {
+            env.ns_cmd(&["sysctl", "-qw", &format!("{key}={forwarding}")]);
+            let r = tcp_exchange_in(
+                &open.name,
+                SocketAddr::new(dst, port),
+                b"in",
+                Duration::from_millis(1500),
+            );
+            assert!(
+                r.is_err(),
+                "forwarding {forwarding}: the node's {dst} reached: {r:?}"
+            );
+        }
+    }
+    assert!(host.peers().is_empty(), "{:?}", host.peers());
+    // The world still answers with forwarding on (the datapath's own
+    // next-hop lookup, where the other tests leave it to the kernel).
+    let wport = world.tcp_server6(0);
+    let got = tcp_exchange_in(
+        &open.name,
+        SocketAddr::new(WORLD_IP6.into(), wport),
+        b"fwd",
+        T,
+    );
+    assert_eq!(got.as_deref(), Ok(&b"world:fwd"[..]));
+}
