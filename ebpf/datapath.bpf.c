@@ -190,6 +190,15 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct dp_learned6_key);
+	__type(value, struct dp_learned_val);
+	__uint(max_entries, DP_LEARNED_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} dns_learned6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
 	__type(key, struct dp_portmap_key);
 	__type(value, struct dp_portmap_val);
 	__uint(max_entries, 65536);
@@ -2419,36 +2428,50 @@ static __always_inline int v6_world(const __u32 *d)
 	return 1;
 }
 
-/* Whether a sandbox with IPv6 rules (DP_F_V6_RULES) may send to d0..d3
- * (the destination's words, network order), as policy_allows for IPv4:
- * only unicast a NAT can reach (global 2000::/3 and unique-local
- * fc00::/7, less the sandboxes' own link and the prefixes that embed
- * IPv4 addresses: 6to4 and 2001::/23, which the IPv4 rules judge); then
- * an allow CIDR; a unique-local address only under one (as the v6 world
- * of a sandbox without rules has none); then a deny CIDR, the catch-all
- * included (no address is learned for IPv6 yet). A global function: its
- * own frame (guest6_out's is full), verified once. */
-__noinline int policy6_allows(__u32 sandbox_ip, __u32 d0, __u32 d1, __u32 d2, __u32 d3)
+/* An IPv6 address as a global function's argument (a sized type). */
+struct dp_in6 {
+	__u32 w[4];
+};
+
+/* Whether a sandbox with IPv6 rules (DP_F_V6_RULES) may send to `d`, as
+ * policy_allows for IPv4: only unicast a NAT can reach (global 2000::/3
+ * and unique-local fc00::/7, less the sandboxes' own link and the
+ * prefixes that embed IPv4 addresses: 6to4 and 2001::/23, which the IPv4
+ * rules judge); then an allow CIDR; a unique-local address only under
+ * one (as the v6 world of a sandbox without rules has none); then a deny
+ * CIDR other than the catch-all drops; then an address the resolver
+ * learned for the sandbox (AAAA, dns_learned6; `fresh`: no flow yet);
+ * then the catch-all. A global function: its own frame (guest6_out's is
+ * full), verified once. */
+__noinline int policy6_allows(const struct dp_sandbox *sb, const struct dp_in6 *d, int fresh)
 {
-	__u32 a0 = bpf_ntohl(d0);
+	if (!sb || !d)
+		return 0;
+	__u32 a0 = bpf_ntohl(d->w[0]);
 	int ula = (a0 >> 25) == (0xfc000000u >> 25);
 	if ((a0 >> 29) != 1 && !ula)
 		return 0;
 	if ((a0 >> 16) == 0x2002 || (a0 & 0xfffffe00) == 0x20010000)
 		return 0;
-	if (a0 == DP_V6_PREFIX0 && bpf_ntohl(d1) == DP_V6_PREFIX1)
+	if (a0 == DP_V6_PREFIX0 && bpf_ntohl(d->w[1]) == DP_V6_PREFIX1)
 		return 0;
-	struct dp_policy6_key pk = {.prefixlen = 160, .sandbox_ip = sandbox_ip};
-	__u32 *w = (__u32 *)pk.dst;
-	w[0] = d0;
-	w[1] = d1;
-	w[2] = d2;
-	w[3] = d3;
+	struct dp_policy6_key pk = {.prefixlen = 160, .sandbox_ip = sb->sandbox_ip};
+	__builtin_memcpy(pk.dst, d->w, 16);
 	if (bpf_map_lookup_elem(&policy6_allow, &pk))
 		return 1;
 	if (ula)
 		return 0;
-	return !bpf_map_lookup_elem(&policy6_deny, &pk);
+	__u8 *deny = bpf_map_lookup_elem(&policy6_deny, &pk);
+	if (deny && *deny != DP_DENY_CATCH_ALL)
+		return 0;
+	if (sb->flags & DP_F_DOMAINS) {
+		struct dp_learned6_key lk = {.sandbox_ip = sb->sandbox_ip};
+		__builtin_memcpy(lk.dst, d->w, 16);
+		struct dp_learned_val *lv = bpf_map_lookup_elem(&dns_learned6, &lk);
+		if (lv && lv->gen == sb->gen && (!fresh || lv->expires_ns > bpf_ktime_get_ns()))
+			return 1;
+	}
+	return !deny;
 }
 
 static __always_inline int v6_eq(const __u32 *a, const __u32 *b)
@@ -2711,15 +2734,6 @@ int guest6_out(struct __sk_buff *skb)
 		sb_count(ifindex, DP_S_UNSUPPORTED);
 		return TC_ACT_SHOT;
 	}
-	if (!(sb->flags & DP_F_INTERNET) ||
-	    !((sb->flags & DP_F_V6_RULES)
-		      ? policy6_allows(sb->sandbox_ip, ip.daddr[0], ip.daddr[1], ip.daddr[2],
-				       ip.daddr[3])
-		      : v6_world(ip.daddr))) {
-		count(DP_C_POLICY_DROP);
-		sb_count(ifindex, DP_S_POLICY);
-		return TC_ACT_SHOT;
-	}
 	struct dp_ct6_key key = {
 		.sandbox_ip = sb->sandbox_ip,
 		.guest_port = l4.sport,
@@ -2734,6 +2748,17 @@ int guest6_out(struct __sk_buff *skb)
 	if (v && v->gen != gen) {
 		drop_stale6(&key, v);
 		v = NULL;
+	}
+	/* The policy on every packet, as IPv4's (a changed rule stops a flow);
+	 * DNS and DNS-over-TLS of a sandbox with domain rules go to the
+	 * agent's resolver only, which is IPv4's: dropped here. */
+	if (!(sb->flags & DP_F_INTERNET) || resolver_bypass(sb, &l4) ||
+	    !((sb->flags & DP_F_V6_RULES)
+		      ? policy6_allows(sb, (const struct dp_in6 *)ip.daddr, !v)
+		      : v6_world(ip.daddr))) {
+		count(DP_C_POLICY_DROP);
+		sb_count(ifindex, DP_S_POLICY);
+		return TC_ACT_SHOT;
 	}
 	if (v) {
 		touch(v, &l4, DIR_OUT);

@@ -95,9 +95,9 @@ struct dp_sandbox {
 /* The sandbox's traffic to the world is shaped (sb_rate, DP_SHAPE_*). */
 #define DP_F_SHAPE_OUT 8u
 /* The sandbox's IPv6 reaches the world (NAT66) when the node has IPv6
- * egress: written for sandboxes whose policy is the internet under CIDR
- * rules that leave some IPv6 open (no domain rule, not strict;
- * docs/dual-stack.md). Others get their IPv6 refused at once. */
+ * egress: written for sandboxes whose policy is the internet under rules
+ * that leave some IPv6 open (not strict; docs/dual-stack.md). Others get
+ * their IPv6 refused at once. */
 #define DP_F_V6_OUT 16u
 /* The sandbox has IPv6 policy entries (policy6_allow / policy6_deny: an
  * IPv6 CIDR of its allow_out or deny_out, or the catch-all deny): its
@@ -124,6 +124,12 @@ struct dp_learned_val {
 	__u64 gen;             /* the owner's generation when learned */
 }; /* 16 bytes */
 #define DP_LEARNED_MAX 1048576 /* 10,000 sandboxes x 100 */
+/* The IPv6 twin (dns_learned6: AAAA answers), same values; the agent's
+ * per-sandbox cap counts both families together. */
+struct dp_learned6_key {
+	__u32 sandbox_ip;
+	__u8 dst[16];
+}; /* 20 bytes */
 #define DP_HFLOW_MAX 262144    /* hflow and hrev: never evicted, shared by shares */
 
 /* sandbox ip -> TAP */

@@ -67,16 +67,17 @@ pub fn is_catch_all(cidr: &str) -> bool {
 }
 
 /// Whether a sandbox's policy lets its IPv6 reach the world (NAT66, on a
-/// node with IPv6 egress): the internet under CIDR rules, of either
-/// family, that leave some IPv6 open (not the catch-all deny without an
-/// IPv6 allow CIDR). Name rules and strict mode are IPv4's only so far,
-/// so a sandbox with them is IPv4-only: its IPv6 to the world is refused
-/// at once (docs/dual-stack.md).
+/// node with IPv6 egress): the internet under rules that leave some IPv6
+/// open — not the catch-all deny with neither an IPv6 allow CIDR nor an
+/// allowed name (whose AAAA answers are learned). Strict mode is IPv4's
+/// only so far (its proxy dials IPv4), so a strict sandbox is IPv4-only:
+/// its IPv6 to the world is refused at once (docs/dual-stack.md).
 pub fn ipv6_open(internet: bool, strict: bool, allow_out: &[String], deny_out: &[String]) -> bool {
-    let names = allow_out.iter().chain(deny_out).any(|e| is_domain_entry(e));
-    let v6_allowed = allow_out.iter().any(|e| e.contains(':'));
+    let opened = allow_out
+        .iter()
+        .any(|e| e.contains(':') || is_domain_entry(e));
     let all_denied = deny_out.iter().any(|e| is_catch_all(e));
-    internet && !strict && !names && (v6_allowed || !all_denied)
+    internet && !strict && (opened || !all_denied)
 }
 
 /// A sandbox's bandwidth limits (docs/datapath.md "Bandwidth"): rates in

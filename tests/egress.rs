@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::ctr::{self, Ctr};
 use common::dnsd::Dnsd;
+use common::dnsmasq::Dnsmasq;
 use common::guest::TcpOpts;
 use common::guest::{GATEWAY_IP, Guest};
 use common::opts;
@@ -28,65 +29,21 @@ const TYPE_A: u16 = 1;
 const TYPE_HTTPS: u16 = 65;
 const TYPE_AAAA: u16 = 28;
 
-/// dnsmasq in the world namespace, killed on drop.
-struct Dnsmasq(Child);
-
-impl Drop for Dnsmasq {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn dnsmasq(world: &World) -> Dnsmasq {
     dnsmasq_with(world, &[])
 }
 
+/// The egress tests' records (and `extra`).
 fn dnsmasq_with(world: &World, extra: &[String]) -> Dnsmasq {
-    let child = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &world.ns,
-            "dnsmasq",
-            "--keep-in-foreground",
-        ])
-        .args(["--conf-file=/dev/null", "--user=root", "--group=root"])
-        .args([
-            "--pid-file=",
-            "--bind-interfaces",
-            "--no-resolv",
-            "--no-hosts",
-        ])
-        .arg(format!("--listen-address={WORLD_IP}"))
-        .arg(format!("--address=/www.allowed.test/{WORLD_IP}"))
-        .arg(format!("--address=/denied.test/{OTHER_IP}"))
-        .arg(format!("--host-record=target.cdn.test,{OTHER_IP}"))
-        .arg("--cname=alias.allowed.test,target.cdn.test")
-        .arg("--local-ttl=1")
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("dnsmasq (Debian package dnsmasq-base; .ci/run installs it)");
-    let guard = Dnsmasq(child);
-    // Until it answers.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let q = query(1, "www.allowed.test", TYPE_A);
-        let got = world.run(move || {
-            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
-            s.set_read_timeout(Some(Duration::from_millis(200)))
-                .unwrap();
-            s.send_to(&q, SocketAddrV4::new(WORLD_IP, 53)).unwrap();
-            let mut b = [0u8; 512];
-            s.recv(&mut b).is_ok()
-        });
-        if got {
-            return guard;
-        }
-        assert!(Instant::now() < deadline, "dnsmasq did not answer");
-    }
+    let mut records = vec![
+        format!("--address=/www.allowed.test/{WORLD_IP}"),
+        format!("--address=/denied.test/{OTHER_IP}"),
+        format!("--host-record=target.cdn.test,{OTHER_IP}"),
+        "--cname=alias.allowed.test,target.cdn.test".to_string(),
+        "--local-ttl=1".to_string(),
+    ];
+    records.extend_from_slice(extra);
+    common::dnsmasq::start(world, &records, "www.allowed.test")
 }
 
 fn query(id: u16, name: &str, qtype: u16) -> Vec<u8> {
@@ -125,7 +82,10 @@ fn parsed(reply: &[u8], name: &str) -> (u8, u16, Vec<Ipv4Addr>) {
     let addrs = answer_addrs(reply, name)
         .unwrap_or_default()
         .into_iter()
-        .map(|(a, _)| a)
+        .filter_map(|(a, _)| match a {
+            std::net::IpAddr::V4(a) => Some(a),
+            std::net::IpAddr::V6(_) => None,
+        })
         .collect();
     (reply[3] & 0x0f, an, addrs)
 }
@@ -153,8 +113,9 @@ fn domain_opts(allow: &[&str], deny: &[&str]) -> common::Dict {
 /// AAAA question from the agent (the upstream has the record, so a
 /// forwarded answer would carry it), so a dual-stack client goes to IPv4
 /// at once; the A answer is forwarded as before, with and without domain
-/// rules. Once the node has IPv6 egress, a sandbox without rules (NAT66)
-/// gets the AAAA answer; one with domain rules still gets NODATA.
+/// rules. Once the node has IPv6 egress, a sandbox whose rules leave IPv6
+/// open (none, or allowed names) gets the AAAA answer; one whose rules
+/// close it (an IPv4 allow-list) or in strict mode still gets NODATA.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aaaa_questions_get_nodata_unless_the_sandbox_has_ipv6_egress() {
     require_root!();
@@ -203,7 +164,23 @@ async fn aaaa_questions_get_nodata_unless_the_sandbox_has_ipv6_egress() {
     let c = env.client().await;
     for (id, o, aaaa) in [
         ("plain6", opts(vec![]), 1),
-        ("named6", domain_opts(&["*.allowed.test"], &[]), 0),
+        // Allowed names: their AAAA answers are learned (tests/ipv6.rs).
+        (
+            "named6",
+            domain_opts(&["*.allowed.test"], &["0.0.0.0/0"]),
+            1,
+        ),
+        // An IPv4 allow-list closes IPv6; strict mode is IPv4's only.
+        (
+            "list4",
+            domain_opts(&["198.51.100.0/24"], &["0.0.0.0/0"]),
+            0,
+        ),
+        (
+            "strict6",
+            opts(vec![("egress_mode", Value::from("sni"))]),
+            0,
+        ),
     ] {
         let (_, g) = guest_for(&c, id, o).await;
         let (rcode, answers, _) = resolve(&g, "dual.allowed.test", TYPE_AAAA);
@@ -412,16 +389,6 @@ async fn learned_addresses_survive_kill_9() {
     assert!(c.release("dn-k").await.unwrap());
 }
 
-/// `/etc/netns/<ns>/resolv.conf` (what `ip netns exec` shows as
-/// /etc/resolv.conf), removed on drop.
-struct NetnsResolvConf(std::path::PathBuf);
-
-impl Drop for NetnsResolvConf {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// A container (CNI veth) with domain rules, and real clients: the CNI
 /// result names the agent's resolver, which the runtime writes into the
 /// container's resolv.conf; `dig` and `curl` there reach the allowed
@@ -443,10 +410,7 @@ async fn a_container_reaches_allowed_names_with_dig_and_curl() {
     let ns = result["dns"]["nameservers"].clone();
     assert_eq!(ns, serde_json::json!(["169.254.68.5"]), "{result}");
     // What a runtime does with the result's dns.
-    let dir = std::path::Path::new("/etc/netns").join(&ctr.name);
-    std::fs::create_dir_all(&dir).unwrap();
-    let _conf = NetnsResolvConf(dir.clone());
-    std::fs::write(dir.join("resolv.conf"), "nameserver 169.254.68.5\n").unwrap();
+    let _conf = ctr.resolv_conf("169.254.68.5");
 
     let dig = |args: &str| ctr.sh(&format!("dig +time=1 +tries=1 {args} 2>&1"));
     let out = dig("www.allowed.test");
@@ -567,10 +531,7 @@ async fn strict_mode_checks_the_name_and_dials_it_itself() {
             "egressMode": "sni",
         }),
     );
-    let dir = std::path::Path::new("/etc/netns").join(&ctr.name);
-    std::fs::create_dir_all(&dir).unwrap();
-    let _conf = NetnsResolvConf(dir.clone());
-    std::fs::write(dir.join("resolv.conf"), "nameserver 169.254.68.5\n").unwrap();
+    let _conf = ctr.resolv_conf("169.254.68.5");
     let c = env.client().await;
     let net = c.get("cni:c-sni:eth0").await.unwrap();
     let mode = String::try_from(net["egress_mode"].try_clone().unwrap()).unwrap();

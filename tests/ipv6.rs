@@ -2,9 +2,10 @@
 //! containers get their IPv6 from the agent's Router Advertisements alone
 //! and reach an IPv6 world from the node's address; the default denies
 //! hold (the world listens on them: a leak would answer); CIDR rules of
-//! both families hold over IPv6 as over IPv4; a sandbox whose rules are
-//! IPv4's only (names) or close all IPv6 is refused at once; a connection
-//! outlives kill -9.
+//! both families hold over IPv6 as over IPv4; allowed names reach their
+//! AAAA addresses and nothing else; a sandbox in strict mode (IPv4's only)
+//! or whose rules close all IPv6 is refused at once; a connection outlives
+//! kill -9.
 
 mod common;
 
@@ -156,12 +157,7 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
     let open = Ctr::new("v6open");
     add(&env, "open", &open, json!({}));
     let ruled = Ctr::new("v6rules");
-    add(
-        &env,
-        "ruled",
-        &ruled,
-        json!({"allowOut": ["*.allowed.test"]}),
-    );
+    add(&env, "ruled", &ruled, json!({"egressMode": "sni"}));
     // GetNetwork says whose IPv6 reaches the world.
     for (id, want) in [("cni:open:eth0", true), ("cni:ruled:eth0", false)] {
         let net = c.get(id).await.unwrap();
@@ -245,7 +241,7 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
     assert!(counter(&checks, "nat66") >= 3, "{checks:?}");
     assert!(counter(&checks, "nat66_reply") >= 3, "{checks:?}");
 
-    // Name rules (IPv4's only so far): no default route in the RA, and a
+    // Strict mode (IPv4's only so far): no default route in the RA, and a
     // static one meets a refusal at once; the world sees nobody.
     let (_, raddr) = ready6(&ruled, false, Duration::from_secs(10)).expect("no SLAAC address");
     assert_eq!(raddr, GUEST_SLAAC);
@@ -512,4 +508,113 @@ async fn the_nodes_own_addresses_are_not_the_world() {
         T,
     );
     assert_eq!(got.as_deref(), Ok(&b"world:fwd"[..]));
+}
+
+/// Domain rules over IPv6 (tests/egress.rs over IPv4): an allowed name's
+/// AAAA answer is learned before it reaches the container, so `curl -6`
+/// by name connects, and the address is reachable only after the lookup;
+/// a deny CIDR beats a learned address; a unique-local answer (the
+/// metadata address) is never learned; a name not allowed is REFUSED;
+/// DNS-over-TLS to the world over IPv6 never leaves; what was learned
+/// survives kill -9. The world counts its peers: each one allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allowed_names_reach_their_ipv6_addresses_and_nothing_else() {
+    require_root!();
+    let mut env = Env::new(&["--dns-upstream", "198.51.100.2"]);
+    let world = World::attach(&env);
+    world.add_ipv6(&[METADATA6, OTHER6]);
+    let _dns = common::dnsmasq::start(
+        &world,
+        &[
+            format!("--host-record=ds.allowed.test,{WORLD_IP},{WORLD_IP6}"),
+            format!("--host-record=other.allowed.test,{OTHER6}"),
+            format!("--host-record=meta.allowed.test,{METADATA6}"),
+            format!("--host-record=www.denied.test,{WORLD_IP6}"),
+            // Longer than the test: the restart must not outlast it.
+            "--local-ttl=300".to_string(),
+        ],
+        "ds.allowed.test",
+    );
+    env.kill_agent();
+    env.start_agent();
+    let c = env.client().await;
+    let ctr = Ctr::new("v6names");
+    add(
+        &env,
+        "names",
+        &ctr,
+        json!({
+            "allowOut": ["*.allowed.test"],
+            "denyOut": ["0.0.0.0/0", "2001:db8:5eed::/48"],
+        }),
+    );
+    let net = c.get("cni:names:eth0").await.unwrap();
+    assert!(bool::try_from(net["ipv6_egress"].try_clone().unwrap()).unwrap());
+    ready6(&ctr, true, Duration::from_secs(10)).expect("no IPv6 address and route");
+    let _conf = ctr.resolv_conf("169.254.68.5");
+    let port = world.tcp_server6(0);
+    let dot = world.tcp_server6(853);
+    let short = Duration::from_millis(1500);
+    let to = |ip: Ipv6Addr, p: u16| SocketAddr::new(ip.into(), p);
+
+    // Not looked up yet: closed.
+    let r = tcp_exchange_in(&ctr.name, to(WORLD_IP6, port), b"early", short);
+    assert!(r.is_err(), "reached before any lookup: {r:?}");
+    // By name, over IPv6, with real clients.
+    let dig = |q: &str| ctr.sh(&format!("dig +time=1 +tries=1 {q} 2>&1"));
+    let out = dig("AAAA ds.allowed.test");
+    assert!(
+        out.contains("status: NOERROR") && out.contains(&WORLD_IP6.to_string()),
+        "{out}"
+    );
+    let out = ctr.sh(&format!(
+        "curl -6 -s --http0.9 --connect-timeout 2 --max-time 5 http://ds.allowed.test:{port}/ 2>&1; echo \" rc=$?\""
+    ));
+    assert!(
+        out.starts_with("world:GET /") && out.ends_with(" rc=0\n"),
+        "{out}"
+    );
+    assert_eq!(
+        tcp_exchange_in(&ctr.name, to(WORLD_IP6, port), b"by addr", T).as_deref(),
+        Ok(&b"world:by addr"[..])
+    );
+    // Answered, never learned: a deny CIDR's address, a unique-local one.
+    for (name, ip) in [
+        ("other.allowed.test", OTHER6),
+        ("meta.allowed.test", METADATA6),
+    ] {
+        let out = dig(&format!("AAAA {name}"));
+        assert!(out.contains(&ip.to_string()), "{out}");
+        let r = tcp_exchange_in(&ctr.name, to(ip, port), b"leak", short);
+        assert!(r.is_err(), "{name} ({ip}) reached: {r:?}");
+    }
+    let out = dig("AAAA www.denied.test");
+    assert!(out.contains("status: REFUSED"), "{out}");
+    // DNS-over-TLS past the agent's resolver, to a learned address.
+    let r = tcp_exchange_in(&ctr.name, to(WORLD_IP6, dot), b"dot", short);
+    assert!(r.is_err(), "DNS-over-TLS over IPv6 left: {r:?}");
+    assert!(world.peers(dot).is_empty());
+    // kill -9: what was learned stays in force.
+    env.kill_agent();
+    env.start_agent();
+    let c = env.client().await;
+    assert_eq!(
+        tcp_exchange_in(&ctr.name, to(WORLD_IP6, port), b"after", T).as_deref(),
+        Ok(&b"world:after"[..])
+    );
+    let peers = world.peers(port);
+    assert_eq!(
+        peers.len(),
+        3,
+        "curl, by address, after the restart: {peers:?}"
+    );
+    assert!(
+        peers.iter().all(|p| p.ip() == IpAddr::V6(NODE_IP6)),
+        "{peers:?}"
+    );
+    let (_, checks) = c.health().await;
+    assert!(
+        datapath_detail(&checks).contains("ipv6=nat66"),
+        "{checks:?}"
+    );
 }

@@ -5,7 +5,7 @@
 //! (`dns_learned`, written before the answer reaches the sandbox).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -15,7 +15,7 @@ use tracing::{debug, info, warn};
 use super::domains::{Patterns, Verdict, is_domain_entry};
 use super::spec::NetworkRecord;
 use super::{Agent, off_worker};
-use crate::alloc::Ipv4Cidr;
+use crate::alloc::{Ipv4Cidr, Ipv6Cidr};
 
 /// How long the node's own addresses (never learned, never dialled) are
 /// cached.
@@ -44,13 +44,57 @@ pub fn learned_cap(capacity: u32) -> usize {
 /// 192.0.0.0/24, 198.18.0.0/15). Private (RFC 1918) and shared (CGNAT)
 /// addresses only when an allow CIDR of the sandbox covers them; any
 /// address a deny CIDR covers (other than the catch-all 0.0.0.0/0), unless
-/// an allow CIDR covers it too (allow beats deny, as for CIDRs).
+/// an allow CIDR covers it too (allow beats deny, as for CIDRs). IPv6
+/// addresses (AAAA answers): [`unreachable_why6`].
 pub fn unreachable_why(
-    ip: Ipv4Addr,
+    ip: IpAddr,
     cidrs: &CidrRules,
-    local: &[Ipv4Addr],
+    local: &[IpAddr],
     pool: &Ipv4Cidr,
 ) -> Option<&'static str> {
+    let why = match ip {
+        IpAddr::V4(ip) => unreachable_why4(ip, cidrs, pool),
+        IpAddr::V6(ip) => unreachable_why6(ip, cidrs),
+    };
+    why.or_else(|| local.contains(&ip).then_some("an address of this node"))
+}
+
+/// The IPv6 twin of [`unreachable_why4`], as the datapath's
+/// `policy6_allows` judges: only global (2000::/3) and unique-local
+/// (fc00::/7) unicast, never the guests' own link nor the prefixes that
+/// embed IPv4 addresses (6to4 2002::/16, 2001::/23 with Teredo); a
+/// unique-local address (the metadata address fd00:ec2::254 among them)
+/// only under an allow CIDR; never one a deny CIDR other than the
+/// catch-all covers, unless an allow CIDR covers it too.
+fn unreachable_why6(ip: Ipv6Addr, cidrs: &CidrRules) -> Option<&'static str> {
+    let s = ip.segments();
+    let ula = s[0] & 0xfe00 == 0xfc00;
+    if s[0] & 0xe000 != 0x2000 && !ula {
+        return Some("not global or unique-local unicast (2000::/3, fc00::/7)");
+    }
+    if s[0] == 0x2002 || (s[0] == 0x2001 && s[1] & 0xfe00 == 0) {
+        return Some("an address embedding IPv4 (6to4 2002::/16, Teredo in 2001::/23)");
+    }
+    if s[..4] == [0xfd63, 0x7562, 0x6500, 0] {
+        return Some("the guests' own link (fd63:7562:6500::/64)");
+    }
+    if cidrs.allow6.iter().any(|c| c.contains(ip)) {
+        return None;
+    }
+    if ula {
+        return Some("unique-local (fc00::/7) and no allow_out CIDR covers it");
+    }
+    if cidrs
+        .deny6
+        .iter()
+        .any(|c| c.prefix_len() > 0 && c.contains(ip))
+    {
+        return Some("a deny_out CIDR covers it");
+    }
+    None
+}
+
+fn unreachable_why4(ip: Ipv4Addr, cidrs: &CidrRules, pool: &Ipv4Cidr) -> Option<&'static str> {
     let o = ip.octets();
     let never = if ip.is_unspecified() || o[0] == 0 {
         Some("'this network' (0.0.0.0/8)")
@@ -68,8 +112,6 @@ pub fn unreachable_why(
         Some("benchmarking (198.18.0.0/15)")
     } else if pool.contains(ip) {
         Some("the sandbox pool")
-    } else if local.contains(&ip) {
-        Some("an address of this node")
     } else {
         None
     };
@@ -135,6 +177,8 @@ struct Sandbox {
 pub struct CidrRules {
     allow: Vec<Ipv4Cidr>,
     deny: Vec<Ipv4Cidr>,
+    allow6: Vec<Ipv6Cidr>,
+    deny6: Vec<Ipv6Cidr>,
 }
 
 impl CidrRules {
@@ -155,9 +199,13 @@ impl CidrRules {
         if deny_out.iter().any(|e| crate::types::is_catch_all(e)) && !deny.contains(&all) {
             deny.push(all);
         }
+        let pick6 =
+            |l: &[String]| -> Vec<Ipv6Cidr> { l.iter().filter_map(|e| e.parse().ok()).collect() };
         CidrRules {
             allow: pick(allow_out),
             deny,
+            allow6: pick6(allow_out),
+            deny6: pick6(deny_out),
         }
     }
 
@@ -197,14 +245,14 @@ pub static LEARNED_TRACKED: std::sync::atomic::AtomicUsize = std::sync::atomic::
 /// cap evicts the one expiring first: O(log n)).
 #[derive(Default)]
 struct Mine {
-    by_dst: HashMap<Ipv4Addr, Learned>,
-    by_until: BTreeSet<(Instant, Ipv4Addr)>,
+    by_dst: HashMap<IpAddr, Learned>,
+    by_until: BTreeSet<(Instant, IpAddr)>,
 }
 
 impl Mine {
     /// Learns `dst` until `until` or later (a shorter TTL never cuts what
     /// an earlier answer gave); the expiry kept.
-    fn put(&mut self, dst: Ipv4Addr, until: Instant, name: &str) -> Instant {
+    fn put(&mut self, dst: IpAddr, until: Instant, name: &str) -> Instant {
         if let Some(l) = self.by_dst.get_mut(&dst) {
             if l.until >= until {
                 return l.until;
@@ -226,7 +274,7 @@ impl Mine {
         until
     }
 
-    fn remove(&mut self, dst: Ipv4Addr) {
+    fn remove(&mut self, dst: IpAddr) {
         if let Some(l) = self.by_dst.remove(&dst) {
             LEARNED_TRACKED.fetch_sub(1, Ordering::Relaxed);
             self.by_until.remove(&(l.until, dst));
@@ -235,7 +283,7 @@ impl Mine {
 
     /// Evicts the entries expiring first, none of `keep`, until at most
     /// `cap` are left.
-    fn evict(&mut self, cap: usize, keep: &HashSet<Ipv4Addr>) -> Vec<Ipv4Addr> {
+    fn evict(&mut self, cap: usize, keep: &HashSet<IpAddr>) -> Vec<IpAddr> {
         let mut out = vec![];
         let mut skipped = vec![];
         while self.by_dst.len() > cap {
@@ -257,10 +305,10 @@ impl Mine {
 
 /// The node's own addresses, cached for [`LOCAL_ADDRS_MAX_AGE`].
 #[derive(Default)]
-struct LocalAddrs(Mutex<Option<(Instant, Arc<Vec<Ipv4Addr>>)>>);
+struct LocalAddrs(Mutex<Option<(Instant, Arc<Vec<IpAddr>>)>>);
 
 impl LocalAddrs {
-    fn get(&self) -> Arc<Vec<Ipv4Addr>> {
+    fn get(&self) -> Arc<Vec<IpAddr>> {
         let mut c = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((at, a)) = c.as_ref()
             && at.elapsed() < LOCAL_ADDRS_MAX_AGE
@@ -273,12 +321,19 @@ impl LocalAddrs {
     }
 }
 
-/// The node's own IPv4 addresses (every device's).
-pub fn local_addresses() -> Vec<Ipv4Addr> {
+/// The node's own addresses (every device's, both families).
+pub fn local_addresses() -> Vec<IpAddr> {
     nix::ifaddrs::getifaddrs()
         .map(|addrs| {
             addrs
-                .filter_map(|a| a.address?.as_sockaddr_in().map(|s| s.ip()))
+                .filter_map(|a| {
+                    let a = a.address?;
+                    match (a.as_sockaddr_in(), a.as_sockaddr_in6()) {
+                        (Some(s), _) => Some(IpAddr::V4(s.ip())),
+                        (_, Some(s)) => Some(IpAddr::V6(s.ip())),
+                        _ => None,
+                    }
+                })
                 .collect()
         })
         .unwrap_or_default()
@@ -359,7 +414,7 @@ fn v4(ip: IpAddr) -> Option<Ipv4Addr> {
 impl Egress {
     /// A network is (again) at its address, with these rules. Returns the
     /// learned destinations its new rules no longer allow (to forget).
-    pub(super) fn put(&self, rec: &NetworkRecord, pool: &Ipv4Cidr) -> Vec<Ipv4Addr> {
+    pub(super) fn put(&self, rec: &NetworkRecord, pool: &Ipv4Cidr) -> Vec<IpAddr> {
         let Some(ip) = v4(rec.sandbox_ip) else {
             return vec![];
         };
@@ -408,7 +463,7 @@ impl Egress {
         // CIDR added, an allow CIDR that admitted a private address gone).
         let local = self.local.get();
         let mut mine = mine.lock().unwrap_or_else(|p| p.into_inner());
-        let gone: Vec<Ipv4Addr> = mine
+        let gone: Vec<IpAddr> = mine
             .by_dst
             .iter()
             .filter(|(dst, l)| {
@@ -448,7 +503,7 @@ impl Egress {
     }
 
     /// The network at `ip` is gone: its learned destinations to forget.
-    pub(super) fn remove(&self, ip: IpAddr, id: &str) -> Vec<Ipv4Addr> {
+    pub(super) fn remove(&self, ip: IpAddr, id: &str) -> Vec<IpAddr> {
         let Some(ip) = v4(ip) else {
             return vec![];
         };
@@ -482,7 +537,7 @@ impl Egress {
     /// Entries that no answer could teach under the sandbox's current rules
     /// (learned by an older build, before the CIDRs changed) are not
     /// adopted: the reaper takes them back.
-    fn restore(&self, entries: Vec<(Ipv4Addr, Ipv4Addr, Duration)>, pool: &Ipv4Cidr) -> usize {
+    fn restore(&self, entries: Vec<(Ipv4Addr, IpAddr, Duration)>, pool: &Ipv4Cidr) -> usize {
         let now = Instant::now();
         let with_rules: HashMap<Ipv4Addr, Arc<CidrRules>> = self
             .sandboxes
@@ -604,17 +659,17 @@ impl Egress {
         &self,
         src: Ipv4Addr,
         name: &str,
-        addrs: &[(Ipv4Addr, Duration)],
+        addrs: &[(IpAddr, Duration)],
         cap: usize,
-    ) -> (Vec<(Ipv4Addr, Instant)>, Vec<Ipv4Addr>) {
+    ) -> (Vec<(IpAddr, Instant)>, Vec<IpAddr>) {
         let now = Instant::now();
         let mine = self.mine_or_new(src);
         let mut mine = mine.lock().unwrap_or_else(|p| p.into_inner());
-        let write: Vec<(Ipv4Addr, Instant)> = addrs
+        let write: Vec<(IpAddr, Instant)> = addrs
             .iter()
             .map(|(dst, ttl)| (*dst, mine.put(*dst, now + *ttl, name)))
             .collect();
-        let keep: HashSet<Ipv4Addr> = write.iter().map(|(d, _)| *d).collect();
+        let keep: HashSet<IpAddr> = write.iter().map(|(d, _)| *d).collect();
         let evicted = mine.evict(cap, &keep);
         self.evicted
             .fetch_add(evicted.len() as u64, Ordering::Relaxed);
@@ -637,7 +692,7 @@ impl Egress {
     /// Why the sandbox at `src` may not reach `ip` through a name (see
     /// [`unreachable_why`]); `None` when it may. A stranger may reach
     /// nothing.
-    fn unreachable(&self, src: Ipv4Addr, ip: Ipv4Addr, pool: &Ipv4Cidr) -> Option<&'static str> {
+    fn unreachable(&self, src: Ipv4Addr, ip: IpAddr, pool: &Ipv4Cidr) -> Option<&'static str> {
         let cidrs = self
             .sandboxes
             .read()
@@ -652,7 +707,7 @@ impl Egress {
 
     /// Learned entries per sandbox address (for the reaper's comparison
     /// with the map).
-    fn tracked(&self, ip: Ipv4Addr) -> HashSet<Ipv4Addr> {
+    fn tracked(&self, ip: Ipv4Addr) -> HashSet<IpAddr> {
         self.mine(ip)
             .map(|m| {
                 m.lock()
@@ -994,7 +1049,7 @@ impl Agent {
         src: Ipv4Addr,
         sandbox_id: &str,
         name: &str,
-        addrs: &[(Ipv4Addr, u32)],
+        addrs: &[(IpAddr, u32)],
     ) -> Result<(), String> {
         if addrs.is_empty() {
             return Ok(());
@@ -1008,7 +1063,7 @@ impl Agent {
         );
         let (lo, hi) = (self.cfg.dns_ttl_min, self.cfg.dns_ttl_max);
         let mut seen = HashSet::new();
-        let mut clamped: Vec<(Ipv4Addr, Duration)> = Vec::with_capacity(addrs.len().min(cap));
+        let mut clamped: Vec<(IpAddr, Duration)> = Vec::with_capacity(addrs.len().min(cap));
         let mut withheld = 0u64;
         for (a, ttl) in addrs {
             if clamped.len() == cap {
@@ -1038,7 +1093,7 @@ impl Agent {
         let result = if current {
             let (write, evicted) = self.egress.note(src, name, &clamped, cap);
             let now = Instant::now();
-            let write: Vec<(Ipv4Addr, Duration)> = write
+            let write: Vec<(IpAddr, Duration)> = write
                 .into_iter()
                 .map(|(d, until)| (d, until.saturating_duration_since(now)))
                 .collect();
@@ -1066,7 +1121,7 @@ impl Agent {
     /// Whether the sandbox at `src` may reach `ip` through a name it may
     /// resolve (the proxy dials only such addresses): `None`, or why not.
     pub fn name_target_refused(&self, src: Ipv4Addr, ip: Ipv4Addr) -> Option<&'static str> {
-        self.egress.unreachable(src, ip, &self.d.pool)
+        self.egress.unreachable(src, ip.into(), &self.d.pool)
     }
 
     /// After a start: learns what the pinned `dns_learned` holds (off the
@@ -1092,7 +1147,7 @@ impl Agent {
     pub(super) async fn egress_reap(&self) -> usize {
         let dp = self.datapath.clone();
         let entries = off_worker(move || dp.learned_entries()).await;
-        let mut by_sandbox: HashMap<Ipv4Addr, Vec<Ipv4Addr>> = HashMap::new();
+        let mut by_sandbox: HashMap<Ipv4Addr, Vec<IpAddr>> = HashMap::new();
         for (sb, dst, _) in entries {
             by_sandbox.entry(sb).or_default().push(dst);
         }
@@ -1115,7 +1170,7 @@ impl Agent {
                 None => None,
             };
             let tracked = self.egress.tracked(sb);
-            let extra: Vec<Ipv4Addr> = dsts.into_iter().filter(|d| !tracked.contains(d)).collect();
+            let extra: Vec<IpAddr> = dsts.into_iter().filter(|d| !tracked.contains(d)).collect();
             removed += extra.len();
             let dp = self.datapath.clone();
             off_worker(move || dp.forget(sb, &extra)).await;

@@ -780,7 +780,7 @@ mod tests {
     }
 
     #[test]
-    fn ipv6_is_open_unless_names_strict_or_every_ipv6_address_is_denied() {
+    fn ipv6_is_open_unless_strict_or_every_ipv6_address_is_denied() {
         let rec = |allow: &[&str], deny: &[&str]| -> NetworkRecord {
             serde_json::from_value(serde_json::json!({
                 "version": RECORD_VERSION, "sandbox_id": "s", "network_handle": "h",
@@ -798,8 +798,9 @@ mod tests {
         // An IPv4 allow-list, or ::/0 denied: no IPv6 left open.
         assert!(!rec(&["198.51.100.0/24"], &["0.0.0.0/0"]).ipv6_open());
         assert!(!rec(&[], &["::/0"]).ipv6_open());
-        // Names are IPv4's only so far.
-        assert!(!rec(&["*.example.com"], &[]).ipv6_open());
+        // Allowed names open IPv6 (their AAAA answers are learned).
+        assert!(rec(&["*.example.com"], &["0.0.0.0/0"]).ipv6_open());
+        assert!(rec(&[], &["*.example.com"]).ipv6_open());
         let mut strict = rec(&[], &[]);
         strict.egress_mode = EgressMode::Sni;
         assert!(!strict.ipv6_open());

@@ -627,9 +627,12 @@ impl Loaded {
                 paused: false,
             })?;
             if names {
-                d.learn(SANDBOX_IP, &[(WORLD_IP, Duration::from_secs(24 * 3600))])?;
+                d.learn(
+                    SANDBOX_IP,
+                    &[(WORLD_IP.into(), Duration::from_secs(24 * 3600))],
+                )?;
             } else {
-                d.forget(SANDBOX_IP, &[WORLD_IP]);
+                d.forget(SANDBOX_IP, &[WORLD_IP.into()]);
             }
             Ok::<_, cube_network_agent::datapath::DatapathError>(())
         })?

@@ -147,6 +147,14 @@ pub struct DpLearnedKey {
     pub dst: u32,
 }
 
+/// `dns_learned6` key: the IPv6 twin (AAAA answers).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DpLearned6Key {
+    pub sandbox_ip: u32,
+    pub dst: [u8; 16],
+}
+
 /// `dns_learned` value: until when (CLOCK_MONOTONIC ns) a new flow may
 /// start, for which owner generation of the address.
 #[repr(C)]
@@ -451,6 +459,8 @@ unsafe impl aya::Pod for DpPolicyData {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpPolicy6Data {}
 // SAFETY: see above.
+unsafe impl aya::Pod for DpLearned6Key {}
+// SAFETY: see above.
 unsafe impl aya::Pod for DpPortmapKey {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpPortmapVal {}
@@ -489,6 +499,7 @@ const _: () = {
     assert!(size_of::<DpSandbox>() == 16);
     assert!(size_of::<DpTap>() == 16);
     assert!(size_of::<DpLearnedKey>() == 8);
+    assert!(size_of::<DpLearned6Key>() == 20);
     assert!(size_of::<DpLearnedVal>() == 16);
     assert!(size_of::<DpPolicyData>() + 4 == 12);
     assert!(size_of::<DpPolicy6Data>() + 4 == 24);
@@ -722,6 +733,14 @@ pub const PINNED: &[PinnedMap] = {
             "dns_learned",
             Hash,
             size_of::<DpLearnedKey>(),
+            size_of::<DpLearnedVal>(),
+            LEARNED_ENTRIES,
+            Durable,
+        ),
+        pinned(
+            "dns_learned6",
+            Hash,
+            size_of::<DpLearned6Key>(),
             size_of::<DpLearnedVal>(),
             LEARNED_ENTRIES,
             Durable,

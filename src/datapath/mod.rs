@@ -180,20 +180,18 @@ pub trait Datapath: Send + Sync {
     fn learn(
         &self,
         _sandbox_ip: std::net::Ipv4Addr,
-        _addrs: &[(std::net::Ipv4Addr, std::time::Duration)],
+        _addrs: &[(IpAddr, std::time::Duration)],
     ) -> Result<(), DatapathError> {
         Ok(())
     }
     /// Every learned address of the addresses' current owners as
     /// (sandbox, destination, time left for new flows); entries of earlier
     /// owners are removed on the way.
-    fn learned_entries(
-        &self,
-    ) -> Vec<(std::net::Ipv4Addr, std::net::Ipv4Addr, std::time::Duration)> {
+    fn learned_entries(&self) -> Vec<(std::net::Ipv4Addr, IpAddr, std::time::Duration)> {
         vec![]
     }
     /// Takes learned addresses back: flows to them stop too.
-    fn forget(&self, _sandbox_ip: std::net::Ipv4Addr, _addrs: &[std::net::Ipv4Addr]) {}
+    fn forget(&self, _sandbox_ip: std::net::Ipv4Addr, _addrs: &[IpAddr]) {}
     /// Every sandbox device's counters (one batched dump).
     fn all_sandbox_counters(&self) -> std::collections::HashMap<u32, SandboxCounters> {
         Default::default()

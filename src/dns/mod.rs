@@ -9,7 +9,7 @@
 
 pub mod proxy;
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
@@ -155,10 +155,10 @@ pub fn reply(query: &[u8], q: &Question, rcode: u8) -> Vec<u8> {
     r
 }
 
-/// The IPv4 addresses an answer gives for `name`, with their TTLs: A
+/// The addresses an answer gives for `name`, with their TTLs: A and AAAA
 /// records of the name or of a name it is a CNAME of within this answer
 /// (in order), nothing from the authority or additional sections.
-pub fn answer_addrs(m: &[u8], name: &str) -> Option<Vec<(Ipv4Addr, u32)>> {
+pub fn answer_addrs(m: &[u8], name: &str) -> Option<Vec<(IpAddr, u32)>> {
     let qd = u16_at(m, 4)?;
     let an = u16_at(m, 6)?;
     let mut at = 12;
@@ -195,14 +195,15 @@ pub fn answer_addrs(m: &[u8], name: &str) -> Option<Vec<(Ipv4Addr, u32)>> {
     Some(
         records
             .iter()
-            .filter(|(owner, rtype, class, _, _, len)| {
-                *rtype == TYPE_A && *class == CLASS_IN && *len == 4 && chain.contains(owner)
-            })
-            .map(|(_, _, _, ttl, data, _)| {
-                (
-                    Ipv4Addr::new(m[*data], m[data + 1], m[data + 2], m[data + 3]),
-                    *ttl,
-                )
+            .filter(|(owner, _, class, ..)| *class == CLASS_IN && chain.contains(owner))
+            .filter_map(|(_, rtype, _, ttl, data, len)| {
+                let rdata = &m[*data..data + len];
+                let ip = match (*rtype, *len) {
+                    (TYPE_A, 4) => IpAddr::from(<[u8; 4]>::try_from(rdata).ok()?),
+                    (TYPE_AAAA, 16) => IpAddr::from(<[u8; 16]>::try_from(rdata).ok()?),
+                    _ => return None,
+                };
+                Some((ip, *ttl))
             })
             .collect(),
     )
@@ -930,10 +931,10 @@ mod tests {
     }
 
     #[test]
-    fn a_records_along_the_cname_chain_only() {
+    fn a_and_aaaa_records_along_the_cname_chain_only() {
         let mut m = query(7, "a.allowed.test", TYPE_A);
         m[2] |= 0x80;
-        m[7] = 4; // ANCOUNT
+        m[7] = 6; // ANCOUNT
         // a.allowed.test CNAME b.cdn.test; b.cdn.test A 192.0.2.1;
         // a.allowed.test A 192.0.2.2; other.test A 192.0.2.3 (unrelated)
         let target_at = m.len() + 12;
@@ -941,6 +942,10 @@ mod tests {
         rr(&mut m, 12, TYPE_CNAME, 60, &cname);
         rr(&mut m, target_at as u16, TYPE_A, 30, &[192, 0, 2, 1]);
         rr(&mut m, 12, TYPE_A, 300, &[192, 0, 2, 2]);
+        // An AAAA record of the chain, and one of the wrong length.
+        let v6: std::net::Ipv6Addr = "2001:db8::7".parse().unwrap();
+        rr(&mut m, target_at as u16, TYPE_AAAA, 40, &v6.octets());
+        rr(&mut m, 12, TYPE_AAAA, 40, &[192, 0, 2, 9]);
         // An uncompressed owner "other.test".
         m.extend_from_slice(&[
             5, b'o', b't', b'h', b'e', b'r', 4, b't', b'e', b's', b't', 0,
@@ -954,8 +959,9 @@ mod tests {
         assert_eq!(
             got,
             vec![
-                (Ipv4Addr::new(192, 0, 2, 1), 30),
-                (Ipv4Addr::new(192, 0, 2, 2), 300)
+                (Ipv4Addr::new(192, 0, 2, 1).into(), 30),
+                (Ipv4Addr::new(192, 0, 2, 2).into(), 300),
+                (v6.into(), 40),
             ]
         );
         // A pointer loop or a pointer forward is refused, not followed.

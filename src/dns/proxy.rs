@@ -8,7 +8,7 @@
 //! datapath: never loopback, link-local, the node's or the pool's, private
 //! ones only under an allow CIDR), connects to it and splices. Anything else is reset at once.
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -495,14 +495,21 @@ async fn lookup(upstream: SocketAddrV4, name: &str) -> std::io::Result<Vec<Ipv4A
     let id = rand_id();
     let q = encode_query(id, name, TYPE_A);
     let resp = forward(upstream, &q, id).await?;
-    let addrs = answer_addrs(&resp, name).unwrap_or_default();
+    let addrs: Vec<Ipv4Addr> = answer_addrs(&resp, name)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|(a, _)| match a {
+            IpAddr::V4(a) => Some(a),
+            IpAddr::V6(_) => None,
+        })
+        .collect();
     if addrs.is_empty() {
         return Err(std::io::Error::new(
             std::io::ErrorKind::NotFound,
             "no A record",
         ));
     }
-    Ok(addrs.into_iter().map(|(a, _)| a).collect())
+    Ok(addrs)
 }
 
 #[cfg(test)]

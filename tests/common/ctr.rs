@@ -43,6 +43,21 @@ impl Ctr {
         serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
     }
 
+    /// `/etc/netns/<name>/resolv.conf` naming `nameserver`: what a runtime
+    /// writes from the CNI result's `dns` (`ip netns exec` mounts it over
+    /// the container's /etc/resolv.conf). Removed on drop.
+    pub fn resolv_conf(&self, nameserver: &str) -> ResolvConf {
+        let dir = std::path::Path::new("/etc/netns").join(&self.name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let conf = ResolvConf(dir.clone());
+        std::fs::write(
+            dir.join("resolv.conf"),
+            format!("nameserver {nameserver}\n"),
+        )
+        .unwrap();
+        conf
+    }
+
     pub fn sh(&self, cmd: &str) -> String {
         let out = Command::new("ip")
             .args(["netns", "exec", &self.name, "sh", "-c", cmd])
@@ -137,4 +152,13 @@ pub fn add(env: &Env, cid: &str, ctr: &Ctr, extra: Value) -> Value {
     );
     assert!(out.ok, "ADD {cid}: {out:?}");
     out.json
+}
+
+/// See [`Ctr::resolv_conf`].
+pub struct ResolvConf(std::path::PathBuf);
+
+impl Drop for ResolvConf {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }

@@ -7,6 +7,7 @@
 
 pub mod ctr;
 pub mod dnsd;
+pub mod dnsmasq;
 pub mod flow;
 pub mod guest;
 pub mod world;

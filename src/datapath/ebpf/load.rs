@@ -54,6 +54,12 @@ fn is_bpffs(dir: &Path) -> bool {
     nix::sys::statfs::statfs(dir).is_ok_and(|s| s.filesystem_type().0 == BPF_FS_MAGIC)
 }
 
+/// Another handle on a pinned map (for reads without the writer's lock).
+fn reopen_pin(dir: &Path, name: &str) -> Result<MapData, DatapathError> {
+    MapData::from_pin(dir.join(name))
+        .map_err(|e| err("re-opening a pinned map", format!("{name}: {e}")))
+}
+
 fn take<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
     bpf: &mut Ebpf,
     name: &'static str,
@@ -128,7 +134,14 @@ impl EbpfDatapath {
             wake_sent: take(&mut bpf, "wake_sent")?,
         };
         let wakes: aya::maps::RingBuf<MapData> = take(&mut bpf, "wakes")?;
-        let learned: HashMap<MapData, DpLearnedKey, DpLearnedVal> = take(&mut bpf, "dns_learned")?;
+        let learned = learned::Learned::<DpLearnedKey>::new(
+            take(&mut bpf, "dns_learned")?,
+            reopen_pin(&node.pin_dir, "dns_learned")?,
+        );
+        let learned6 = learned::Learned::<DpLearned6Key>::new(
+            take(&mut bpf, "dns_learned6")?,
+            reopen_pin(&node.pin_dir, "dns_learned6")?,
+        );
         let (uplink_ip, uplink_ifindex) = node
             .uplink
             .as_ref()
@@ -299,10 +312,7 @@ impl EbpfDatapath {
         }
         // New generations stay above the pinned ones (guards against a
         // clock that is not this boot's, e.g. another time namespace).
-        let reopen = |name: &str| {
-            MapData::from_pin(node.pin_dir.join(name))
-                .map_err(|e| err("re-opening a pinned map", format!("{name}: {e}")))
-        };
+        let reopen = |name: &str| reopen_pin(&node.pin_dir, name);
         let newest = dump_flows::<u32, DpTap>(&reopen("by_ip")?)
             .unwrap_or_else(|| maps.by_ip.iter().flatten().collect())
             .into_iter()
@@ -363,7 +373,6 @@ impl EbpfDatapath {
         let rate_read_dump = reopen("sb_rate")?;
         let attached_forget = reopen("tap_attached")?;
         let tails_read = reopen("tails")?;
-        let learned_dump = reopen("dns_learned")?;
         let by_ip_read_dump = reopen("by_ip")?;
         let by_ip_read = HashMap::try_from(aya::maps::Map::HashMap(reopen("by_ip")?))
             .map_err(|e| err("opening by_ip", e))?;
@@ -417,9 +426,9 @@ impl EbpfDatapath {
             shaper_root: Mutex::new(()),
             shaper_faults: Default::default(),
 
-            learned: Mutex::new(learned),
+            learned,
+            learned6,
             by_ip_read,
-            learned_dump,
             by_ip_read_dump,
             migrated,
             localnet,

@@ -315,13 +315,14 @@ pub struct EbpfDatapath {
     /// (Health's `bandwidth`), until an attach of theirs succeeds.
     shaper_faults: Mutex<std::collections::BTreeMap<u32, String>>,
 
-    /// `dns_learned`, written by the resolver's answers behind a lock of
-    /// its own (never `inner`, which the ensure path needs).
-    learned: Mutex<HashMap<MapData, DpLearnedKey, DpLearnedVal>>,
-    /// `by_ip` for reads without `inner` (the owner's generation).
+    /// `dns_learned` and `dns_learned6`, written by the resolver's
+    /// answers behind locks of their own (never `inner`, which the ensure
+    /// path needs).
+    learned: learned::Learned<DpLearnedKey>,
+    learned6: learned::Learned<DpLearned6Key>,
+    /// `by_ip` for reads without `inner` (the owner's generation), and
+    /// for batched dumps.
     by_ip_read: HashMap<MapData, u32, DpTap>,
-    /// `dns_learned` and `by_ip` for batched dumps without `inner`.
-    learned_dump: MapData,
     by_ip_read_dump: MapData,
     /// Pinned maps migrated or recreated at load (layout changed).
     migrated: Vec<String>,
@@ -511,16 +512,16 @@ impl Datapath for EbpfDatapath {
     fn learn(
         &self,
         sandbox_ip: Ipv4Addr,
-        addrs: &[(Ipv4Addr, Duration)],
+        addrs: &[(IpAddr, Duration)],
     ) -> Result<(), DatapathError> {
         self.learn_addrs(sandbox_ip, addrs)
     }
 
-    fn learned_entries(&self) -> Vec<(Ipv4Addr, Ipv4Addr, Duration)> {
+    fn learned_entries(&self) -> Vec<(Ipv4Addr, IpAddr, Duration)> {
         self.learned_list()
     }
 
-    fn forget(&self, sandbox_ip: Ipv4Addr, addrs: &[Ipv4Addr]) {
+    fn forget(&self, sandbox_ip: Ipv4Addr, addrs: &[IpAddr]) {
         self.forget_addrs(sandbox_ip, addrs)
     }
 
