@@ -618,3 +618,49 @@ async fn allowed_names_reach_their_ipv6_addresses_and_nothing_else() {
         "{checks:?}"
     );
 }
+
+/// A node without IPv6 egress, a dual-stack name: the container asks for
+/// both families (curl does Happy Eyeballs), is told there is no IPv6
+/// address, and connects over IPv4 at once (the issue's bound: 300 ms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_ipv6_egress_a_dual_stack_name_goes_over_ipv4_at_once() {
+    require_root!();
+    let mut env = Env::new(&["--dns-upstream", "198.51.100.2"]);
+    let world = World::attach(&env);
+    let _dns = common::dnsmasq::start(
+        &world,
+        &[
+            format!("--host-record=ds.allowed.test,{WORLD_IP},{WORLD_IP6}"),
+            "--local-ttl=300".to_string(),
+        ],
+        "ds.allowed.test",
+    );
+    env.kill_agent();
+    env.start_agent();
+    let c = env.client().await;
+    let (_, checks) = c.health().await;
+    assert!(datapath_detail(&checks).contains("ipv6=link"), "{checks:?}");
+    let web = world.tcp_server(0);
+    for (id, rules) in [
+        ("plain", json!({})),
+        (
+            "named",
+            json!({"allowOut": ["*.allowed.test"], "denyOut": ["0.0.0.0/0"]}),
+        ),
+    ] {
+        let ctr = Ctr::new(&format!("v6he{id}"));
+        add(&env, id, &ctr, rules);
+        ready6(&ctr, false, Duration::from_secs(10)).expect("no IPv6 address");
+        let _conf = ctr.resolv_conf("169.254.68.5");
+        let out = ctr.sh(&format!(
+            "curl -s --http0.9 -o /dev/null -w '%{{time_connect}} %{{remote_ip}}' \
+             --connect-timeout 3 --max-time 5 http://ds.allowed.test:{}/ 2>&1",
+            web.port()
+        ));
+        let mut f = out.split_whitespace();
+        let (took, ip) = (f.next().and_then(|t| t.parse::<f64>().ok()), f.next());
+        eprintln!("{id}: dual-stack name connected over {ip:?} in {took:?} s");
+        assert_eq!(ip, Some(WORLD_IP.to_string().as_str()), "{id}: {out}");
+        assert!(took.is_some_and(|t| t < 0.3), "{id}: {out}");
+    }
+}
