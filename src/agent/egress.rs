@@ -195,7 +195,7 @@ impl CidrRules {
         let mut deny = pick(deny_out);
         // The catch-all deny of either family closes both (as in the
         // datapath's keys): `::/0` denies every IPv4 address too.
-        let all = Ipv4Cidr::new(Ipv4Addr::UNSPECIFIED, 0).expect("/0");
+        let all = <Ipv4Cidr as crate::alloc::ip::Cidr>::all();
         if deny_out.iter().any(|e| crate::types::is_catch_all(e)) && !deny.contains(&all) {
             deny.push(all);
         }

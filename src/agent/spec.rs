@@ -2,11 +2,12 @@
 //! (`NetworkRecord`), and the rules both must follow. Pure code.
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr};
 
 use serde::{Deserialize, Serialize};
 
 use super::AgentError;
+use crate::alloc::ip::{Cidr, CidrError};
 use crate::alloc::{Ipv4Cidr, Ipv6Cidr};
 use crate::config::{MAX_MTU, MIN_MTU};
 pub use crate::types::{Bandwidth, NetnsFd, NetnsId, PortMapping};
@@ -296,32 +297,30 @@ fn invalid(msg: String) -> AgentError {
     AgentError::InvalidArgument(msg)
 }
 
-/// Normalises a policy CIDR list: plain addresses become /32, host bits are
-/// an error (with the corrected network), duplicates are removed.
 /// One address or CIDR of either family in its canonical form (an address
-/// as its /32 or /128).
+/// as its /32 or /128; host bits are an error naming the network meant).
 fn normalise_cidr(item: &str) -> Result<String, String> {
-    let bad = |family: &str| format!("'{item}' is not an {family} address or CIDR");
     if item.contains(':') {
-        let cidr: Ipv6Cidr = if item.contains('/') {
-            item.parse()
-                .map_err(|e: crate::alloc::ip::CidrError| e.to_string())?
-        } else {
-            let ip: Ipv6Addr = item.parse().map_err(|_| bad("IPv6"))?;
-            Ipv6Cidr::new(ip, 128).expect("a /128 has no host bits")
-        };
-        return Ok(cidr.to_string());
-    }
-    let cidr: Ipv4Cidr = if item.contains('/') {
-        item.parse()
-            .map_err(|e: crate::alloc::ip::CidrError| e.to_string())?
+        canonical::<Ipv6Cidr>(item, "IPv6")
     } else {
-        let ip: Ipv4Addr = item.parse().map_err(|_| bad("IPv4"))?;
-        Ipv4Cidr::new(ip, 32).expect("a /32 has no host bits")
+        canonical::<Ipv4Cidr>(item, "IPv4")
+    }
+}
+
+fn canonical<C: Cidr>(item: &str, family: &str) -> Result<String, String> {
+    let cidr: C = if item.contains('/') {
+        item.parse().map_err(|e: CidrError| e.to_string())?
+    } else {
+        let ip: C::Addr = item
+            .parse()
+            .map_err(|_| format!("'{item}' is not an {family} address or CIDR"))?;
+        C::new(ip, C::BITS).expect("a single address has no host bits")
     };
     Ok(cidr.to_string())
 }
 
+/// Normalises a policy list: names checked and lower-cased, addresses and
+/// CIDRs in canonical form ([`normalise_cidr`]), duplicates removed.
 fn normalise_cidrs(key: &str, list: &[String]) -> Result<Vec<String>, AgentError> {
     if list.len() > MAX_CIDRS {
         return Err(invalid(format!(

@@ -108,6 +108,46 @@ impl fmt::Display for Ipv4Cidr {
     }
 }
 
+/// What code that handles CIDRs of either family needs of one.
+pub trait Cidr: FromStr<Err = CidrError> + Copy + PartialEq + fmt::Display {
+    type Addr: FromStr;
+    /// An address's length in bits (32, 128).
+    const BITS: u8;
+    /// `None` when `network` has host bits set.
+    fn new(network: Self::Addr, prefix_len: u8) -> Option<Self>;
+    fn prefix_len(&self) -> u8;
+    /// Every address of the family (0.0.0.0/0, ::/0).
+    fn all() -> Self;
+}
+
+impl Cidr for Ipv4Cidr {
+    type Addr = Ipv4Addr;
+    const BITS: u8 = 32;
+    fn new(network: Ipv4Addr, prefix_len: u8) -> Option<Self> {
+        Ipv4Cidr::new(network, prefix_len)
+    }
+    fn prefix_len(&self) -> u8 {
+        self.prefix_len
+    }
+    fn all() -> Self {
+        Ipv4Cidr::new(Ipv4Addr::UNSPECIFIED, 0).expect("/0 has no host bits")
+    }
+}
+
+impl Cidr for Ipv6Cidr {
+    type Addr = Ipv6Addr;
+    const BITS: u8 = 128;
+    fn new(network: Ipv6Addr, prefix_len: u8) -> Option<Self> {
+        Ipv6Cidr::new(network, prefix_len)
+    }
+    fn prefix_len(&self) -> u8 {
+        self.prefix_len
+    }
+    fn all() -> Self {
+        Ipv6Cidr::new(Ipv6Addr::UNSPECIFIED, 0).expect("/0 has no host bits")
+    }
+}
+
 /// An IPv6 network in CIDR notation with no host bits set (the rules'
 /// IPv6 CIDRs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -6,6 +6,7 @@
 use std::hash::Hash;
 
 use super::*;
+use crate::alloc::ip::Cidr;
 use crate::alloc::{Ipv4Cidr, Ipv6Cidr};
 use crate::types::is_catch_all;
 
@@ -53,46 +54,40 @@ pub(super) fn deny_value<K: PolicyData>(k: &Key<K>) -> u8 {
     }
 }
 
-/// The IPv4 keys of a normalised list (IPv6 entries and names skipped);
-/// `deny`: the IPv6 catch-all counts as IPv4's (`is_catch_all`). Allow
+/// The keys of one family of a normalised list (the other family's
+/// entries and names skipped), `data` the key of one CIDR; `deny`: the
+/// other family's catch-all counts as this one's (`is_catch_all`). Allow
 /// CIDRs stay in their family: `allow_out` ::/0 opens no IPv4 private
 /// range, 0.0.0.0/0 no IPv6 unique-local one.
-pub(super) fn keys4(ip: u32, list: &[String], deny: bool) -> Vec<Key<DpPolicyData>> {
-    let mut cidrs: Vec<Ipv4Cidr> = list.iter().filter_map(|c| c.parse().ok()).collect();
-    let all = Ipv4Cidr::new(Ipv4Addr::UNSPECIFIED, 0).expect("/0");
-    if deny && list.iter().any(|e| is_catch_all(e)) && !cidrs.contains(&all) {
-        cidrs.push(all);
+fn keys<C: Cidr, K: PolicyData>(
+    list: &[String],
+    deny: bool,
+    data: impl Fn(&C) -> K,
+) -> Vec<Key<K>> {
+    let mut cidrs: Vec<C> = list.iter().filter_map(|c| c.parse().ok()).collect();
+    if deny && list.iter().any(|e| is_catch_all(e)) && !cidrs.contains(&C::all()) {
+        cidrs.push(C::all());
     }
     cidrs
         .iter()
-        .map(|c| {
-            let data = DpPolicyData {
-                sandbox_ip: ip,
-                dst: ip_be(c.network()),
-            };
-            Key::new(32 + u32::from(c.prefix_len()), data)
-        })
+        .map(|c| Key::new(32 + u32::from(c.prefix_len()), data(c)))
         .collect()
 }
 
-/// The IPv6 keys of a normalised list (IPv4 entries and names skipped);
-/// `deny`: the IPv4 catch-all counts as IPv6's.
+/// `policy_allow`/`policy_deny` keys of sandbox `ip` (see [`keys`]).
+pub(super) fn keys4(ip: u32, list: &[String], deny: bool) -> Vec<Key<DpPolicyData>> {
+    keys(list, deny, |c: &Ipv4Cidr| DpPolicyData {
+        sandbox_ip: ip,
+        dst: ip_be(c.network()),
+    })
+}
+
+/// `policy6_allow`/`policy6_deny` keys of sandbox `ip` (see [`keys`]).
 pub(super) fn keys6(ip: u32, list: &[String], deny: bool) -> Vec<Key<DpPolicy6Data>> {
-    let mut cidrs: Vec<Ipv6Cidr> = list.iter().filter_map(|c| c.parse().ok()).collect();
-    let all = Ipv6Cidr::new(std::net::Ipv6Addr::UNSPECIFIED, 0).expect("/0");
-    if deny && list.iter().any(|e| is_catch_all(e)) && !cidrs.contains(&all) {
-        cidrs.push(all);
-    }
-    cidrs
-        .iter()
-        .map(|c| {
-            let data = DpPolicy6Data {
-                sandbox_ip: ip,
-                dst: c.network().octets(),
-            };
-            Key::new(32 + u32::from(c.prefix_len()), data)
-        })
-        .collect()
+    keys(list, deny, |c: &Ipv6Cidr| DpPolicy6Data {
+        sandbox_ip: ip,
+        dst: c.network().octets(),
+    })
 }
 
 /// One family's tries, and the keys each sandbox with rules has in them
