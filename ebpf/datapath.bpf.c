@@ -866,6 +866,21 @@ static __always_inline int snat_port_reusable(const struct dp_rev_key *rk,
 	return 1;
 }
 
+/* The SNAT range's size; 0 when it is unusable. */
+static __always_inline __u32 snat_range(const struct dp_config *c)
+{
+	if (c->snat_port_max < c->snat_port_min)
+		return 0;
+	return (__u32)c->snat_port_max - c->snat_port_min + 1;
+}
+
+/* Probe `i` of a flow's 32 into the SNAT range from `h` (steps of 7919,
+ * a prime: every port of the range in turn); network order, 0: skip. */
+static __always_inline __u16 snat_probe(const struct dp_config *c, __u32 range, __u32 h, int i)
+{
+	return bpf_htons(c->snat_port_min + (h + i * 7919u) % range);
+}
+
 /* Claims a port of the SNAT range for (remote, remote port, proto) in
  * ct_rev with value `rv`: up to 32 probes from `h` (then steps of 7919).
  * A port is free when no live flow to the same remote endpoint holds it
@@ -878,8 +893,8 @@ static __always_inline int tuple_alloc(struct __sk_buff *skb, const struct dp_co
 				       const struct dp_rev_val *rv, __u32 h,
 				       const struct syn_info *si, __u16 *nat_port)
 {
-	__u32 range = (__u32)c->snat_port_max - c->snat_port_min + 1;
-	if (c->snat_port_max < c->snat_port_min || range == 0)
+	__u32 range = snat_range(c);
+	if (!range)
 		return -1;
 	struct dp_rev_key rk = {
 		.remote_ip = remote_ip,
@@ -887,7 +902,7 @@ static __always_inline int tuple_alloc(struct __sk_buff *skb, const struct dp_co
 		.proto = proto,
 	};
 	for (int i = 0; i < 32; i++) {
-		__u16 p = bpf_htons(c->snat_port_min + (h + i * 7919u) % range);
+		__u16 p = snat_probe(c, range, h, i);
 		if (p == 0)
 			continue;
 		rk.nat_port = p;
@@ -1599,8 +1614,8 @@ __noinline int snat_rescue(const struct dp_ct_key *key, __u64 gen, __u16 *nat_po
 	struct dp_config *c = get_config();
 	if (!key || !nat_port || !c)
 		return -1;
-	__u32 range = (__u32)c->snat_port_max - c->snat_port_min + 1;
-	if (c->snat_port_max < c->snat_port_min || range == 0)
+	__u32 range = snat_range(c);
+	if (!range)
 		return -1;
 	__u32 h = bpf_ntohs(key->guest_port) + key->sandbox_ip * 2654435761u;
 	struct dp_rev_key rk = {
@@ -1609,7 +1624,7 @@ __noinline int snat_rescue(const struct dp_ct_key *key, __u64 gen, __u16 *nat_po
 		.proto = key->proto,
 	};
 	for (int i = 0; i < 32; i++) {
-		__u16 p = bpf_htons(c->snat_port_min + (h + i * 7919u) % range);
+		__u16 p = snat_probe(c, range, h, i);
 		if (p == 0)
 			continue;
 		rk.nat_port = p;
@@ -2519,14 +2534,21 @@ static __always_inline void ct6_key_of(struct dp_ct6_key *k, const struct dp_rev
 	k->gaddr = (__u8)rv->pad;
 }
 
+/* The reverse key of a NAT66 flow, its NAT port still to be set. */
+static __always_inline void rev6_of(const struct dp_ct6_key *key, struct dp_rev6_key *rk)
+{
+	__builtin_memset(rk, 0, sizeof(*rk));
+	__builtin_memcpy(rk->remote_ip, key->remote_ip, 16);
+	rk->remote_port = key->remote_port;
+	rk->proto = key->proto;
+}
+
 /* As drop_stale, for NAT66 flows. */
 static __always_inline void drop_stale6(const struct dp_ct6_key *k, const struct dp_ct_val *v)
 {
-	struct dp_rev6_key rk = {};
-	__builtin_memcpy(rk.remote_ip, k->remote_ip, 16);
-	rk.remote_port = k->remote_port;
+	struct dp_rev6_key rk;
+	rev6_of(k, &rk);
 	rk.nat_port = v->nat_port;
-	rk.proto = k->proto;
 	struct dp_rev_val *rv = bpf_map_lookup_elem(&ct_rev6, &rk);
 	if (rv && rv->gen == v->gen && rv->sandbox_ip == k->sandbox_ip &&
 	    rv->guest_port == k->guest_port && rv->pad == k->gaddr)
@@ -2572,8 +2594,8 @@ __noinline int snat6_alloc(struct __sk_buff *skb, const struct dp_ct6_key *key, 
 	struct dp_config *c = get_config();
 	if (!skb || !key || !si || !nat_port || !c)
 		return -1;
-	__u32 range = (__u32)c->snat_port_max - c->snat_port_min + 1;
-	if (c->snat_port_max < c->snat_port_min || range == 0)
+	__u32 range = snat_range(c);
+	if (!range)
 		return -1;
 	struct dp_rev_val rv = {
 		.sandbox_ip = key->sandbox_ip,
@@ -2581,13 +2603,11 @@ __noinline int snat6_alloc(struct __sk_buff *skb, const struct dp_ct6_key *key, 
 		.pad = key->gaddr,
 		.gen = gen,
 	};
-	struct dp_rev6_key rk = {};
-	__builtin_memcpy(rk.remote_ip, key->remote_ip, 16);
-	rk.remote_port = key->remote_port;
-	rk.proto = key->proto;
+	struct dp_rev6_key rk;
+	rev6_of(key, &rk);
 	__u32 h = nat6_hash(key);
 	for (int i = 0; i < 32; i++) {
-		__u16 p = bpf_htons(c->snat_port_min + (h + i * 7919u) % range);
+		__u16 p = snat_probe(c, range, h, i);
 		if (p == 0)
 			continue;
 		rk.nat_port = p;
@@ -2619,16 +2639,14 @@ __noinline int snat6_rescue(const struct dp_ct6_key *key, __u64 gen, __u16 *nat_
 	struct dp_config *c = get_config();
 	if (!key || !nat_port || !c)
 		return -1;
-	__u32 range = (__u32)c->snat_port_max - c->snat_port_min + 1;
-	if (c->snat_port_max < c->snat_port_min || range == 0)
+	__u32 range = snat_range(c);
+	if (!range)
 		return -1;
-	struct dp_rev6_key rk = {};
-	__builtin_memcpy(rk.remote_ip, key->remote_ip, 16);
-	rk.remote_port = key->remote_port;
-	rk.proto = key->proto;
+	struct dp_rev6_key rk;
+	rev6_of(key, &rk);
 	__u32 h = nat6_hash(key);
 	for (int i = 0; i < 32; i++) {
-		__u16 p = bpf_htons(c->snat_port_min + (h + i * 7919u) % range);
+		__u16 p = snat_probe(c, range, h, i);
 		if (p == 0)
 			continue;
 		rk.nat_port = p;

@@ -372,6 +372,31 @@ pub fn watch_links(tx: tokio::sync::mpsc::UnboundedSender<LinkEvent>) -> Result<
     Ok(())
 }
 
+/// Subscribes to the kernel's IPv6 address and route notifications
+/// (RTNLGRP_IPV6_IFADDR, RTNLGRP_IPV6_ROUTE) and pokes `tx` on each (the
+/// receiver reads the state again: a notification says that something
+/// changed, a dump says what is); active when this returns.
+pub fn watch_ipv6_addrs_and_routes(
+    tx: tokio::sync::mpsc::UnboundedSender<()>,
+) -> Result<(), NetlinkError> {
+    use futures::StreamExt;
+    let rt = tokio::runtime::Handle::try_current().map_err(|_| NetlinkError::NoRuntime)?;
+    let (conn, _handle, mut messages) = rtnetlink::new_multicast_connection(&[
+        rtnetlink::MulticastGroup::Ipv6Ifaddr,
+        rtnetlink::MulticastGroup::Ipv6Route,
+    ])
+    .map_err(NetlinkError::Connect)?;
+    rt.spawn(conn);
+    rt.spawn(async move {
+        while messages.next().await.is_some() {
+            if tx.send(()).is_err() {
+                break;
+            }
+        }
+    });
+    Ok(())
+}
+
 impl Netlink {
     /// Opens a NETLINK_ROUTE socket served by a thread of its own (see the
     /// module documentation), in the calling thread's network namespace.
@@ -1044,18 +1069,7 @@ impl Netlink {
             debug!(ifindex, "no ipv6 default route out of the uplink");
             return Ok(None);
         }
-        let msgs: Vec<_> = {
-            let _one = self.dumps.lock().await;
-            let mut req = self.handle.address().get().set_link_index_filter(ifindex);
-            req.message_mut().header.family = AddressFamily::Inet6;
-            req.execute()
-                .try_collect()
-                .await
-                .map_err(|source| NetlinkError::Dump {
-                    what: "addresses",
-                    source,
-                })?
-        };
+        let msgs = self.addr_dump(AddressFamily::Inet6, Some(ifindex)).await?;
         let unusable = AddressFlags::Tentative
             | AddressFlags::Dadfailed
             | AddressFlags::Deprecated
@@ -1106,27 +1120,36 @@ impl Netlink {
             .collect())
     }
 
+    /// The address messages of `family` on `ifindex`, or on every link
+    /// (one dump at a time).
+    async fn addr_dump(
+        &self,
+        family: AddressFamily,
+        ifindex: Option<u32>,
+    ) -> Result<Vec<rtnetlink::packet_route::address::AddressMessage>, NetlinkError> {
+        debug!(?ifindex, ?family, "dump addresses");
+        let _one = self.dumps.lock().await;
+        let mut req = self.handle.address().get();
+        if let Some(index) = ifindex {
+            req = req.set_link_index_filter(index);
+        }
+        req.message_mut().header.family = family;
+        req.execute()
+            .try_collect()
+            .await
+            .map_err(|source| NetlinkError::Dump {
+                what: "addresses",
+                source,
+            })
+    }
+
     /// (address, prefix length, ifindex) of the IPv4 addresses on `ifindex`,
     /// or on every link.
     async fn ipv4_addr_dump(
         &self,
         ifindex: Option<u32>,
     ) -> Result<Vec<(Ipv4Addr, u8, u32)>, NetlinkError> {
-        debug!(?ifindex, "dump addresses");
-        let _one = self.dumps.lock().await;
-        let mut req = self.handle.address().get();
-        if let Some(index) = ifindex {
-            req = req.set_link_index_filter(index);
-        }
-        req.message_mut().header.family = AddressFamily::Inet;
-        let msgs: Vec<_> =
-            req.execute()
-                .try_collect()
-                .await
-                .map_err(|source| NetlinkError::Dump {
-                    what: "addresses",
-                    source,
-                })?;
+        let msgs = self.addr_dump(AddressFamily::Inet, ifindex).await?;
         let mut out = Vec::new();
         for m in msgs
             .iter()

@@ -617,7 +617,7 @@ async fn bad_input_gets_named_errors_and_changes_nothing() {
             "ok-1",
             opts(vec![("allow_out", Value::from(vec!["nope".to_string()]))]),
             "InvalidArgument",
-            "allow_out[0]: 'nope' is not an IPv4 address, CIDR or domain pattern: a single label",
+            "allow_out[0]: 'nope' is not an IP address, CIDR or domain pattern: a single label",
         ),
         (
             "ok-1",

@@ -664,3 +664,97 @@ async fn without_ipv6_egress_a_dual_stack_name_goes_over_ipv4_at_once() {
         assert!(took.is_some_and(|t| t < 0.3), "{id}: {out}");
     }
 }
+
+/// The node's IPv6 egress followed live (no restart): the uplink gains an
+/// IPv6 address and default route, and within moments Health says NAT66,
+/// GetNetwork says so, and a running container gets its default route by
+/// an RA the agent sends (a running Linux guest never solicits again) and
+/// reaches the world; the default route goes, and the container's goes
+/// with it, its IPv6 refused at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_uplinks_ipv6_is_followed_live_and_guests_are_told() {
+    require_root!();
+    let mut env = Env::new(&[]);
+    let world = World::attach(&env);
+    // Started with the IPv4 uplink (found at start), without IPv6.
+    env.kill_agent();
+    env.start_agent();
+    let c = env.client().await;
+    let (_, checks) = c.health().await;
+    assert!(datapath_detail(&checks).contains("ipv6=link"), "{checks:?}");
+    let ctr = Ctr::new("v6live");
+    add(&env, "live", &ctr, json!({}));
+    ready6(&ctr, false, Duration::from_secs(10)).expect("no SLAAC address");
+    let egress = |c: &common::Client| {
+        let c = c.clone();
+        async move {
+            let net = c.get("cni:live:eth0").await.unwrap();
+            bool::try_from(net["ipv6_egress"].try_clone().unwrap()).unwrap()
+        }
+    };
+    assert!(!egress(&c).await);
+    let port = world.tcp_server6(0);
+
+    // IPv6 egress appears.
+    world.add_ipv6(&[]);
+    let t = Instant::now();
+    let Some((took, _)) = ready6(&ctr, true, Duration::from_secs(5)) else {
+        let (_, checks) = c.health().await;
+        panic!("no default route from the agent's RA: {checks:?}");
+    };
+    eprintln!("default route {took:?} after the uplink got IPv6");
+    let (_, checks) = c.health().await;
+    assert!(
+        datapath_detail(&checks).contains(&format!("ipv6=nat66 via {NODE_IP6}")),
+        "{checks:?}"
+    );
+    assert!(egress(&c).await);
+    let got = tcp_exchange_in(
+        &ctr.name,
+        SocketAddr::new(WORLD_IP6.into(), port),
+        b"live",
+        T,
+    );
+    assert_eq!(got.as_deref(), Ok(&b"world:live"[..]));
+    assert!(t.elapsed() < Duration::from_secs(5));
+
+    // The default route goes: so does the container's, by the next RA.
+    env.ns_cmd(&["ip", "-6", "route", "del", "default"]);
+    let t = Instant::now();
+    loop {
+        let r = ctr.ip_json(&["-6", "route", "show", "default"]);
+        if r.as_array().is_none_or(|r| r.is_empty()) {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the route stayed: {r}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!(
+        "default route withdrawn {:?} after the uplink's went",
+        t.elapsed()
+    );
+    let (_, checks) = c.health().await;
+    assert!(datapath_detail(&checks).contains("ipv6=link"), "{checks:?}");
+    assert!(!egress(&c).await);
+    // A static route now meets a refusal at once.
+    ctr.sh(&format!(
+        "ip -6 route add default via {GATEWAY_LL} dev eth0"
+    ));
+    let t = Instant::now();
+    let r = tcp_exchange_in(
+        &ctr.name,
+        SocketAddr::new(WORLD_IP6.into(), port),
+        b"gone",
+        T,
+    );
+    assert!(r.as_ref().is_err_and(|e| e.contains("refused")), "{r:?}");
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(world.peers(port).len(), 1, "{:?}", world.peers(port));
+}

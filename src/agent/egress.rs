@@ -1025,14 +1025,13 @@ impl Agent {
     /// an IPv6 address for it (and a default route).
     pub fn ipv6_egress(&self) -> bool {
         self.cfg.ipv6 == crate::config::Ipv6Mode::Auto
-            && matches!(
-                self.uplink,
-                super::Uplink::Found {
-                    addr: Some(_),
-                    addr6: Some(_),
-                    ..
-                }
-            )
+            && matches!(self.uplink, super::Uplink::Found { addr: Some(_), .. })
+            && self.uplink6().is_some()
+    }
+
+    /// The uplink's NAT66 address now (see `Agent::uplink6`).
+    pub fn uplink6(&self) -> Option<std::net::Ipv6Addr> {
+        *self.uplink6.read().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Lets the sandbox at `src` start flows to the answer's addresses

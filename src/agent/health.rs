@@ -106,7 +106,7 @@ impl Agent {
         let filters = self.kernel_checks().await;
         let mut checks: Vec<Check> = vec![];
         checks.push(self.store_check());
-        checks.push(verdict::uplink(&self.uplink, self.cfg.mtu));
+        checks.push(verdict::uplink(&self.uplink, self.uplink6(), self.cfg.mtu));
         let (free, cap) = {
             let a = self.allocs();
             (a.ips.free(), a.ips.capacity())
@@ -410,7 +410,7 @@ pub mod verdict {
         }
     }
 
-    pub fn uplink(u: &Uplink, default_mtu: u32) -> Check {
+    pub fn uplink(u: &Uplink, addr6: Option<std::net::Ipv6Addr>, default_mtu: u32) -> Check {
         match u {
             Uplink::Found {
                 name,
@@ -429,7 +429,6 @@ pub mod verdict {
                 name,
                 addr: Some(a),
                 mtu,
-                addr6,
                 ..
             } => (
                 "uplink".into(),
@@ -689,7 +688,6 @@ mod tests {
             name: "eth0".into(),
             ifindex: 2,
             addr: Some(std::net::Ipv4Addr::new(10, 0, 0, 2)),
-            addr6: None,
             mtu,
         };
         let pool = |quarantined: Vec<(String, String)>| PoolStats {
@@ -731,8 +729,8 @@ mod tests {
                 verdict::store("/s", Some(&failure), 0, &st),
             ),
             (
-                verdict::uplink(&uplink(1500), 1300),
-                verdict::uplink(&uplink(1280), 1300),
+                verdict::uplink(&uplink(1500), None, 1300),
+                verdict::uplink(&uplink(1280), None, 1300),
             ),
             (verdict::addresses(1, 2, "p"), verdict::addresses(0, 2, "p")),
             (

@@ -12,6 +12,7 @@ pub mod domains;
 pub mod egress;
 pub mod events;
 mod health;
+mod ipv6;
 mod lifecycle;
 mod pause;
 pub mod pool;
@@ -268,9 +269,6 @@ enum Uplink {
         name: String,
         ifindex: u32,
         addr: Option<Ipv4Addr>,
-        /// The address NAT66 uses (a usable global IPv6 address, and an
-        /// IPv6 default route out of it), if any.
-        addr6: Option<std::net::Ipv6Addr>,
         /// Its MTU at start: no sandbox MTU may exceed it (a guest's
         /// full-size packet could not leave, and the datapath sends no
         /// "fragmentation needed").
@@ -306,6 +304,10 @@ pub struct Agent {
     datapath: Arc<dyn Datapath>,
     gateway: Gateway,
     uplink: Uplink,
+    /// The uplink's address NAT66 uses (a usable global IPv6 address and
+    /// an IPv6 default route out of the uplink), followed live
+    /// (`follow_uplink6`); `None`: no IPv6 egress.
+    uplink6: std::sync::RwLock<Option<std::net::Ipv6Addr>>,
     recovery: RecoveryReport,
     /// Every change, in order, for the edges.
     events: Arc<Events>,
@@ -429,14 +431,17 @@ impl Agent {
         self.egress_put(&view.record);
         let (id, ifindex) = (view.record.sandbox_id.clone(), view.tap_ifindex);
         let mut views = self.views.write().unwrap_or_else(|p| p.into_inner());
-        let old = views.insert(id.clone(), view);
+        let old = views.insert(id.clone(), view.clone());
         let mut index = self.by_ifindex.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(old) = old.filter(|o| o.tap_ifindex != ifindex) {
+        if let Some(old) = old.as_ref().filter(|o| o.tap_ifindex != ifindex) {
             index.remove(&old.tap_ifindex);
         }
         if ifindex != 0 {
             index.insert(ifindex, id);
         }
+        drop(index);
+        drop(views);
+        self.readvertise_if_changed(old.as_ref(), &view);
     }
 
     fn remove_view(&self, id: &str) {

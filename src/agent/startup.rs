@@ -75,10 +75,21 @@ impl Agent {
             warn!(error = %crate::error_chain(&e), "setting the MTU of the route to the pool");
         }
         let uplink = Self::find_uplink(&nl, &cfg.uplink).await;
-        match &uplink {
+        // The address NAT66 uses, then followed (`follow_uplink6`).
+        let uplink6 = match &uplink {
             Uplink::Found {
-                name, addr, addr6, ..
-            } => info!(uplink = name, address = ?addr, ipv6 = ?addr6, "uplink"),
+                ifindex,
+                addr: Some(_),
+                ..
+            } if cfg.ipv6 == crate::config::Ipv6Mode::Auto => {
+                Self::uplink_ipv6(&nl, *ifindex).await
+            }
+            _ => None,
+        };
+        match &uplink {
+            Uplink::Found { name, addr, .. } => {
+                info!(uplink = name, address = ?addr, ipv6 = ?uplink6, "uplink")
+            }
             Uplink::Missing(why) => warn!(
                 reason = why.as_str(),
                 "no uplink; egress and port mappings are unavailable"
@@ -99,7 +110,7 @@ impl Agent {
         let loading = {
             let (cfg, d, gw, uplink) = (cfg.clone(), d.clone(), gw_link.clone(), uplink.clone());
             tokio::task::spawn_blocking(move || {
-                Self::build_datapath(&cfg, &d, &gw, &uplink, anchor.as_ref(), shaper)
+                Self::build_datapath(&cfg, &d, &gw, (&uplink, uplink6), anchor.as_ref(), shaper)
             })
         };
         let links = nl.list_links().await?;
@@ -146,6 +157,7 @@ impl Agent {
                 kind,
             },
             uplink,
+            uplink6: std::sync::RwLock::new(uplink6),
             recovery: RecoveryReport::default(),
             events,
             drift: Mutex::new(BTreeMap::new()),
@@ -161,6 +173,9 @@ impl Agent {
         // against the kernel when they are handled (after recovery).
         let (link_tx, mut link_rx) = tokio::sync::mpsc::unbounded_channel();
         crate::netlink::watch_links(link_tx)?;
+        // The uplink's IPv6 (NAT66) followed from the start on.
+        let (v6_tx, v6_rx) = tokio::sync::mpsc::unbounded_channel();
+        crate::netlink::watch_ipv6_addrs_and_routes(v6_tx)?;
         let mut inherited_taps: HashMap<String, Tap> = HashMap::new();
         for fd in inherited {
             match Tap::from_fd(fd) {
@@ -208,6 +223,7 @@ impl Agent {
             .serving
             .store(true, std::sync::atomic::Ordering::Release);
         tokio::spawn(agent.pool.clone().run());
+        tokio::spawn(agent.clone().run_ipv6(v6_rx));
         agent.spawn_wake_reader();
         let weak = Arc::downgrade(&agent);
         tokio::spawn(async move {
@@ -361,7 +377,7 @@ impl Agent {
         cfg: &Config,
         d: &Derived,
         gw: &LinkInfo,
-        uplink: &Uplink,
+        (uplink, uplink6): (&Uplink, Option<std::net::Ipv6Addr>),
         anchor: Option<&LinkInfo>,
         shaper: Option<(u32, u32)>,
     ) -> Result<Arc<dyn Datapath>, StartError> {
@@ -416,14 +432,7 @@ impl Agent {
             shaper: shaper.map(|(s, _)| (SHAPER_DEVICE.to_owned(), s)),
             shaper_peer: shaper.map(|(_, p)| p),
             ipv6_link: cfg.ipv6 == crate::config::Ipv6Mode::Auto,
-            uplink_ip6: match uplink {
-                Uplink::Found {
-                    addr: Some(_),
-                    addr6,
-                    ..
-                } => *addr6,
-                _ => None,
-            },
+            uplink_ip6: uplink6,
         };
         match crate::datapath::ebpf::EbpfDatapath::load(node) {
             Ok(dp) => Ok(Arc::new(dp)),
@@ -453,7 +462,6 @@ impl Agent {
         if configured.is_empty() {
             return match nl.default_uplink().await {
                 Ok(Some((link, addr))) => Uplink::Found {
-                    addr6: Self::uplink_ipv6(nl, link.index).await,
                     name: link.name,
                     ifindex: link.index,
                     addr,
@@ -471,7 +479,6 @@ impl Agent {
                     .ok()
                     .and_then(|a| a.first().map(|(ip, _)| *ip));
                 Uplink::Found {
-                    addr6: Self::uplink_ipv6(nl, link.index).await,
                     name: link.name,
                     ifindex: link.index,
                     addr,

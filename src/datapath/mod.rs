@@ -11,6 +11,7 @@
 pub mod ebpf;
 pub mod maps;
 pub mod pins;
+pub mod ra;
 pub mod shaper;
 pub mod tc;
 
@@ -263,6 +264,11 @@ pub trait Datapath: Send + Sync {
     /// (or the agent deleted the device): forget any belief that it still
     /// carries our filter, so the next attach installs it again.
     fn forget_attachment(&self, _ifindex: u32) {}
+    /// The uplink's NAT66 address changed (`None`: no IPv6 egress any
+    /// more): the programs use it from the next packet on.
+    fn set_uplink6(&self, _addr: Option<std::net::Ipv6Addr>) -> Result<(), DatapathError> {
+        Ok(())
+    }
 }
 
 /// A datapath that programs nothing: TAPs, addresses, neighbour entries and

@@ -260,8 +260,9 @@ impl EbpfDatapath {
             .map(|(k, n)| format!("{k}={n}"))
             .collect();
         // What the programs read: the config this agent wrote.
+        let written = *self.config.lock().unwrap_or_else(|p| p.into_inner());
         let config = match inner.maps.config.get(&0, 0) {
-            Ok(c) if c == self.config => Ok(()),
+            Ok(c) if c == written => Ok(()),
             Ok(_) => Err("the config map holds another config than this agent wrote".to_owned()),
             Err(e) => Err(format!("the config map cannot be read: {e}")),
         };
@@ -279,7 +280,7 @@ impl EbpfDatapath {
                 .map(Hook::to_string)
                 .collect::<Vec<_>>()
                 .join(", "),
-            ipv6_mode(&self.config),
+            ipv6_mode(&written),
             self.stats.reaped.load(Ordering::Relaxed),
             if counters.is_empty() {
                 "none".into()

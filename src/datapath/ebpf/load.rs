@@ -432,7 +432,7 @@ impl EbpfDatapath {
             by_ip_read_dump,
             migrated,
             localnet,
-            config: written,
+            config: Mutex::new(written),
             pin_ids,
             wakes: Mutex::new(Some(wakes)),
         };

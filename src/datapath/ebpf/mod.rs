@@ -326,8 +326,9 @@ pub struct EbpfDatapath {
     by_ip_read_dump: MapData,
     /// Pinned maps migrated or recreated at load (layout changed).
     migrated: Vec<String>,
-    /// The config this agent wrote (what `datapath` compares the map with).
-    config: DpConfig,
+    /// The config this agent wrote (what `datapath` compares the map with;
+    /// rewritten when the uplink's IPv6 address changes).
+    config: Mutex<DpConfig>,
     /// The id of the map behind each pin, at load (what `datapath_pins`
     /// compares the pins with).
     pin_ids: Vec<(&'static str, u32)>,
@@ -492,6 +493,27 @@ impl Datapath for EbpfDatapath {
 
     fn program_tags(&self) -> Vec<(&'static str, u64)> {
         PROGRAMS.iter().map(|p| (*p, self.tags[p].tag)).collect()
+    }
+
+    fn set_uplink6(&self, addr: Option<std::net::Ipv6Addr>) -> Result<(), DatapathError> {
+        let mut inner = self.lock();
+        let mut cfg = self.config.lock().unwrap_or_else(|p| p.into_inner());
+        if cfg.flags & DP_CFG_IPV6 == 0 {
+            return Ok(());
+        }
+        let mut next = *cfg;
+        next.flags = match addr {
+            Some(_) => DP_CFG_IPV6 | DP_CFG_IPV6_EGRESS,
+            None => DP_CFG_IPV6,
+        };
+        next.uplink_ip6 = addr.map_or([0; 16], |a| a.octets());
+        inner
+            .maps
+            .config
+            .set(0, next, 0)
+            .map_err(|e| map_err("writing the config map (the uplink's IPv6 address)", &e))?;
+        *cfg = next;
+        Ok(())
     }
 
     fn tap_counts(&self) -> (usize, usize) {

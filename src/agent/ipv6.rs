@@ -1,0 +1,144 @@
+//! The node's IPv6 egress, followed live (docs/dual-stack.md "No IPv6
+//! egress on the node"), and the Router Advertisements that tell guests:
+//! when the uplink gains or loses its NAT66 address or its IPv6 default
+//! route, the datapath, the resolver (AAAA or NODATA) and every guest (an
+//! RA with or without the default route) follow within a moment; every
+//! [`RA_INTERVAL`] each guest gets its RA again.
+
+use tracing::{debug, info, warn};
+
+use super::{Agent, NetworkView, Uplink, off_worker};
+use crate::datapath::ra::{self, RA_INTERVAL};
+
+impl Agent {
+    /// Reads the uplink's NAT66 address again; on a change the datapath,
+    /// then the resolver, then every guest follow (in that order: a guest
+    /// told of a default route finds NAT66 on; one whose route is
+    /// withdrawn has its IPv6 refused at once already).
+    pub(super) async fn follow_uplink6(&self) {
+        let Uplink::Found {
+            ifindex,
+            addr: Some(_),
+            ..
+        } = &self.uplink
+        else {
+            return;
+        };
+        if self.cfg.ipv6 != crate::config::Ipv6Mode::Auto {
+            return;
+        }
+        let now = match self.nl.ipv6_egress_addr(*ifindex).await {
+            Ok(a) => a,
+            Err(e) => {
+                warn!(error = %crate::error_chain(&e), "reading the uplink's IPv6 addresses again");
+                return;
+            }
+        };
+        let before = self.uplink6();
+        if now == before {
+            return;
+        }
+        if let Err(e) = self.datapath.set_uplink6(now) {
+            warn!(error = %e, ipv6 = ?now, "the uplink's IPv6 address changed; the datapath keeps the old one");
+            return;
+        }
+        *self.uplink6.write().unwrap_or_else(|p| p.into_inner()) = now;
+        info!(before = ?before, now = ?now, "the uplink's IPv6 egress changed");
+        let sent = self.advertise(self.list()).await;
+        debug!(sent, "router advertisements sent");
+    }
+
+    /// Whether `view`'s RAs carry the default route (its IPv6 reaches the
+    /// world).
+    fn ra_router(&self, view: &NetworkView) -> bool {
+        self.ipv6_egress() && view.record.ipv6_open()
+    }
+
+    /// An RA to each of `views`' devices (on a node with the guests' IPv6
+    /// link); how many were sent. A device that cannot take one (down,
+    /// gone) is skipped.
+    pub(super) async fn advertise(&self, views: Vec<NetworkView>) -> usize {
+        if self.cfg.ipv6 != crate::config::Ipv6Mode::Auto {
+            return 0;
+        }
+        let frames: Vec<(u32, Vec<u8>)> = views
+            .iter()
+            .filter(|v| v.tap_ifindex != 0)
+            .map(|v| {
+                let f = ra::frame(self.d.gateway_mac, self.d.guest_mac, self.ra_router(v));
+                (v.tap_ifindex, f)
+            })
+            .collect();
+        off_worker(move || {
+            let sender = match ra::Sender::new() {
+                Ok(s) => s,
+                Err(e) => {
+                    warn!(error = %e, "a packet socket for router advertisements");
+                    return 0;
+                }
+            };
+            frames
+                .iter()
+                .filter(|(ifindex, f)| match sender.send(*ifindex, f) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        debug!(ifindex, error = %e, "router advertisement not sent");
+                        false
+                    }
+                })
+                .count()
+        })
+        .await
+    }
+
+    /// The uplink's IPv6 followed (`changes`: a poke per kernel
+    /// notification, see `netlink::watch_ipv6_addrs_and_routes`), and
+    /// every guest's RA repeated every [`RA_INTERVAL`].
+    pub(super) async fn run_ipv6(
+        self: std::sync::Arc<Self>,
+        mut changes: tokio::sync::mpsc::UnboundedReceiver<()>,
+    ) {
+        let weak = std::sync::Arc::downgrade(&self);
+        drop(self);
+        let mut tick = tokio::time::interval(RA_INTERVAL);
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                poke = changes.recv() => {
+                    if poke.is_none() {
+                        return;
+                    }
+                    // A change comes as several notifications (an address,
+                    // its route, DAD done): read the state once they
+                    // settle.
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    while changes.try_recv().is_ok() {}
+                    let Some(agent) = weak.upgrade() else { return };
+                    agent.follow_uplink6().await;
+                }
+                _ = tick.tick() => {
+                    let Some(agent) = weak.upgrade() else { return };
+                    agent.advertise(agent.list()).await;
+                }
+            }
+        }
+    }
+
+    /// A network whose RA changes (its IPv6 opened or closed by a
+    /// converge) gets the new one at once.
+    pub(super) fn readvertise_if_changed(&self, old: Option<&NetworkView>, new: &NetworkView) {
+        let Some(old) = old.filter(|o| o.tap_ifindex == new.tap_ifindex && new.tap_ifindex != 0)
+        else {
+            return;
+        };
+        if self.cfg.ipv6 != crate::config::Ipv6Mode::Auto
+            || old.record.ipv6_open() == new.record.ipv6_open()
+        {
+            return;
+        }
+        let f = ra::frame(self.d.gateway_mac, self.d.guest_mac, self.ra_router(new));
+        if let Err(e) = ra::Sender::new().and_then(|s| s.send(new.tap_ifindex, &f)) {
+            debug!(ifindex = new.tap_ifindex, error = %e, "router advertisement not sent");
+        }
+    }
+}
