@@ -2767,13 +2767,15 @@ int guest6_out(struct __sk_buff *skb)
 		drop_stale6(&key, v);
 		v = NULL;
 	}
-	/* The policy on every packet, as IPv4's (a changed rule stops a flow);
+	/* The policy on every packet, as IPv4's (a changed rule stops a flow),
+	 * but for the replies of a flow the world opened to a port mapping;
 	 * DNS and DNS-over-TLS of a sandbox with domain rules go to the
 	 * agent's resolver only, which is IPv4's: dropped here. */
-	if (!(sb->flags & DP_F_INTERNET) || resolver_bypass(sb, &l4) ||
+	if (!(v && v->kind == DP_CT_PORTMAP) &&
+	    (!(sb->flags & DP_F_INTERNET) || resolver_bypass(sb, &l4) ||
 	    !((sb->flags & DP_F_V6_RULES)
 		      ? policy6_allows(sb, (const struct dp_in6 *)ip.daddr, !v)
-		      : v6_world(ip.daddr))) {
+		      : v6_world(ip.daddr)))) {
 		count(DP_C_POLICY_DROP);
 		sb_count(ifindex, DP_S_POLICY);
 		return TC_ACT_SHOT;
@@ -2853,6 +2855,67 @@ static __always_inline struct dp_tap *nat66_flow(const struct dp_rev6_key *rk,
 		return NULL;
 	}
 	*vp = v;
+	return tap;
+}
+
+/* A world packet to the uplink's IPv6 address on a port mapped on every
+ * node address (IPv6 has no per-address mappings): the flow to the
+ * guest's SLAAC address (the one a guest configured by RA has), opened by
+ * this packet or running, as from_uplink's for IPv4. NULL: the node's (no
+ * such mapping; a host socket wins a new flow; a sandbox whose IPv6 does
+ * not reach the world, whose guest has no route back: the node refuses,
+ * and a client falls back to IPv4 at once). */
+static __always_inline struct dp_tap *portmap6_in(struct __sk_buff *skb, const struct ip6h *ip,
+						  const struct l4info *l4, struct dp_ct6_key *key)
+{
+	if (l4->proto == IPPROTO_ICMP)
+		return NULL;
+	struct dp_portmap_key pk = {.host_port = l4->dport, .proto = l4->proto};
+	struct dp_portmap_val *pm = bpf_map_lookup_elem(&portmap, &pk);
+	if (!pm)
+		return NULL;
+	__u32 sandbox_ip = pm->sandbox_ip;
+	__u16 container_port = pm->container_port;
+	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
+	if (!tap)
+		return NULL;
+	__u32 ifindex = tap->ifindex;
+	struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
+	if (!sb || !(sb->flags & DP_F_V6_OUT))
+		return NULL;
+	__builtin_memset(key, 0, sizeof(*key));
+	key->sandbox_ip = sandbox_ip;
+	__builtin_memcpy(key->remote_ip, ip->saddr, 16);
+	key->guest_port = container_port;
+	key->remote_port = l4->sport;
+	key->proto = l4->proto;
+	key->gaddr = DP_GADDR_SLAAC;
+	struct dp_ct_val *v = bpf_map_lookup_elem(&ct6, key);
+	if (v && (v->gen != tap->gen || v->kind != DP_CT_PORTMAP)) {
+		/* An earlier owner's flow, or the guest's own from this port to
+		 * this client: this packet opens a mapped flow. */
+		drop_stale6(key, v);
+		v = NULL;
+	}
+	if (opens_flow(v, l4) &&
+	    host_socket6(skb, l4->proto, ip->saddr, l4->sport, ip->daddr, l4->dport)) {
+		/* A host socket listens on (or is bound to) this port: the host
+		 * wins for new flows, as for IPv4. */
+		if (v)
+			bpf_map_delete_elem(&ct6, key);
+		count(DP_C_PORTMAP_HOST_SOCKET);
+		return NULL;
+	}
+	if (v) {
+		touch(v, l4, DIR_IN);
+	} else {
+		struct dp_ct_val nv = {.nat_port = l4->dport, .kind = DP_CT_PORTMAP,
+				       .gen = tap->gen};
+		touch(&nv, l4, DIR_IN);
+		bpf_map_update_elem(&ct6, key, &nv, BPF_ANY);
+		sb_count(ifindex, DP_S_NEW_PORTMAP);
+	}
+	count(DP_C_PORTMAP);
 	return tap;
 }
 
@@ -2998,15 +3061,21 @@ int uplink6_in(struct __sk_buff *skb)
 	struct dp_ct6_key key;
 	struct dp_ct_val *v;
 	struct dp_tap *tap = nat66_flow(&rk, &key, &v);
-	if (!tap)
-		return TC_ACT_OK; /* the node's own */
-	touch(v, &l4, DIR_IN);
-	count(DP_C_NAT66_REPLY);
+	__u8 wake = DP_WAKE_REPLY;
+	if (tap) {
+		touch(v, &l4, DIR_IN);
+		count(DP_C_NAT66_REPLY);
+	} else {
+		tap = portmap6_in(skb, &ip, &l4, &key);
+		if (!tap)
+			return TC_ACT_OK; /* the node's own */
+		wake = DP_WAKE_PORTMAP;
+	}
 	__u32 tap_ifindex = tap->ifindex;
 	__u16 guest_port = key.guest_port;
 	if (tap->flags & DP_T_PAUSED)
 		return paused_drop(tap_ifindex, tap->gen, key.sandbox_ip, 0,
-				   wake_what(guest_port, rk.remote_port, l4.proto, DP_WAKE_REPLY));
+				   wake_what(guest_port, rk.remote_port, l4.proto, wake));
 	if (tap->flags & DP_T_SHAPE_IN)
 		skb->priority = skb->len <= DP_SHAPE_SMALL ? DP_TAP_CLASS_SMALL : DP_TAP_CLASS_BULK;
 	__u32 guest[4];

@@ -758,3 +758,84 @@ async fn the_uplinks_ipv6_is_followed_live_and_guests_are_told() {
     );
     assert_eq!(world.peers(port).len(), 1, "{:?}", world.peers(port));
 }
+
+/// Port mappings over IPv6 (a mapping on every node address covers the
+/// uplink's IPv6 address): the world reaches a container's mapped TCP and
+/// UDP ports on the node's IPv6 address, the container sees the client's
+/// own address, and its replies leave from the mapped port although its
+/// policy denies the client's network (replies of flows the world opened
+/// are not egress); a host socket on the host port wins new flows; a
+/// sandbox whose IPv6 does not reach the world (its guest has no route
+/// back) is mapped over IPv4 only, and an IPv6 client is refused at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn port_mappings_reach_containers_over_ipv6() {
+    require_root!();
+    let mut env = Env::new(&[]);
+    let world = World::attach(&env);
+    world.add_ipv6(&[]);
+    env.kill_agent();
+    env.start_agent();
+    let c = env.client().await;
+    let pm = |h: u16, ctr: u16, proto: &str| json!({"hostPort": h, "containerPort": ctr, "protocol": proto, "hostIP": ""});
+    let open = Ctr::new("v6pm");
+    add(
+        &env,
+        "pm",
+        &open,
+        json!({
+            "denyOut": ["2001:db8::/32"],
+            "runtimeConfig": {"portMappings": [
+                pm(20180, 8080, "tcp"), pm(20181, 8081, "udp"), pm(20182, 8082, "tcp")]},
+        }),
+    );
+    let closed = Ctr::new("v6pmc");
+    add(
+        &env,
+        "pmc",
+        &closed,
+        json!({
+            "denyOut": ["0.0.0.0/0"],
+            "runtimeConfig": {"portMappings": [pm(20183, 8080, "tcp")]},
+        }),
+    );
+    ready6(&open, true, Duration::from_secs(10)).expect("no IPv6 address and route");
+    let any6 = |p: u16| SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), p);
+    let tcp = Server::tcp(&open.name, any6(8080), b"ctr:");
+    let udp = Server::udp(&open.name, any6(8081), b"ctr:");
+    let _shadowed = Server::tcp(&open.name, any6(8082), b"ctr:");
+    let host = Server::tcp(&env.ns, any6(20182), b"host:");
+    let closed_srv = Server::tcp(&closed.name, any6(8080), b"closed:");
+    let node = |p: u16| SocketAddr::new(NODE_IP6.into(), p);
+
+    let got = tcp_exchange_in(&world.ns, node(20180), b"tcp6", T);
+    assert_eq!(got.as_deref(), Ok(&b"ctr:tcp6"[..]));
+    let got = udp_exchange_in(&world.ns, node(20181), b"udp6", T);
+    assert_eq!(got.as_deref(), Ok(&b"ctr:udp6"[..]));
+    for p in tcp.peers().iter().chain(&udp.peers()) {
+        assert_eq!(p.ip(), IpAddr::V6(WORLD_IP6), "the client's own address");
+    }
+    // The host's socket wins a new flow on its port.
+    let got = tcp_exchange_in(&world.ns, node(20182), b"x", T);
+    assert_eq!(got.as_deref(), Ok(&b"host:x"[..]));
+    assert_eq!(host.peers().len(), 1);
+    // IPv6 closed: refused at once over IPv6, mapped over IPv4.
+    let t = Instant::now();
+    let r = tcp_exchange_in(&world.ns, node(20183), b"v6", T);
+    assert!(r.as_ref().is_err_and(|e| e.contains("refused")), "{r:?}");
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+    let got = tcp_exchange_in(
+        &world.ns,
+        SocketAddr::new(common::world::NODE_IP.into(), 20183),
+        b"v4",
+        T,
+    );
+    assert_eq!(got.as_deref(), Ok(&b"closed:v4"[..]));
+    assert_eq!(closed_srv.peers().len(), 1);
+    let (_, checks) = c.health().await;
+    assert!(counter(&checks, "portmap") >= 3, "{checks:?}");
+    assert!(counter(&checks, "portmap_host_socket") >= 1, "{checks:?}");
+}

@@ -267,12 +267,24 @@ impl EbpfDatapath {
         }
         // The per-sandbox indexes from the (possibly pinned) maps.
         let policy4 = Policies::new(
-            take(&mut bpf, "policy_allow")?,
-            take(&mut bpf, "policy_deny")?,
+            (
+                take(&mut bpf, "policy_allow")?,
+                take(&mut bpf, "policy_deny")?,
+            ),
+            [
+                "writing policy_allow (allow_out)",
+                "writing policy_deny (deny_out)",
+            ],
         )?;
         let policy6 = Policies::new(
-            take(&mut bpf, "policy6_allow")?,
-            take(&mut bpf, "policy6_deny")?,
+            (
+                take(&mut bpf, "policy6_allow")?,
+                take(&mut bpf, "policy6_deny")?,
+            ),
+            [
+                "writing policy6_allow (allow_out)",
+                "writing policy6_deny (deny_out)",
+            ],
         )?;
         // The switch: from here on a failure is fatal (the agent must not
         // run a half-switched datapath; the next start takes it up again).

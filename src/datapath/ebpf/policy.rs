@@ -97,6 +97,9 @@ pub(super) struct Policies<K: PolicyData> {
     allow: LpmTrie<MapData, K, u8>,
     deny: LpmTrie<MapData, K, u8>,
     installed: StdHashMap<u32, Wanted<K>>,
+    /// What a failed write says (naming the map: an operator's first
+    /// question when one is full).
+    writing: [&'static str; 2],
 }
 
 impl<K: PolicyData> Policies<K> {
@@ -105,8 +108,8 @@ impl<K: PolicyData> Policies<K> {
     /// catch-all's, for every deny): rewritten before this build's
     /// programs run, so no learned address ever passes a narrow deny.
     pub(super) fn new(
-        allow: LpmTrie<MapData, K, u8>,
-        mut deny: LpmTrie<MapData, K, u8>,
+        (allow, mut deny): (LpmTrie<MapData, K, u8>, LpmTrie<MapData, K, u8>),
+        writing: [&'static str; 2],
     ) -> Result<Self, DatapathError> {
         let mut installed: StdHashMap<u32, Wanted<K>> = StdHashMap::new();
         for k in allow.keys().flatten() {
@@ -128,7 +131,7 @@ impl<K: PolicyData> Policies<K> {
                 let value = deny_value(k);
                 if deny.get(k, 0).ok() != Some(value) {
                     deny.insert(k, value, 0)
-                        .map_err(|e| map_err("rewriting a policy deny entry", &e))?;
+                        .map_err(|e| map_err(writing[1], &e))?;
                 }
             }
         }
@@ -136,6 +139,7 @@ impl<K: PolicyData> Policies<K> {
             allow,
             deny,
             installed,
+            writing,
         })
     }
 
@@ -161,13 +165,13 @@ impl<K: PolicyData> Policies<K> {
         for k in want_allow.iter().filter(|k| !have_allow.contains(&id(k))) {
             self.allow
                 .insert(k, 1, 0)
-                .map_err(|e| map_err("writing a policy allow entry (allow_out)", &e))?;
+                .map_err(|e| map_err(self.writing[0], &e))?;
             journal.push(undo(Added::Allow(*k)));
         }
         for k in want_deny.iter().filter(|k| !have_deny.contains(&id(k))) {
             self.deny
                 .insert(k, deny_value(k), 0)
-                .map_err(|e| map_err("writing a policy deny entry (deny_out)", &e))?;
+                .map_err(|e| map_err(self.writing[1], &e))?;
             journal.push(undo(Added::Deny(*k)));
         }
         Ok(())

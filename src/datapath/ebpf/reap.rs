@@ -212,6 +212,10 @@ impl EbpfDatapath {
         v: &DpCtVal,
     ) {
         let _ = ct6.remove(k);
+        if v.kind != DP_CT_SNAT {
+            // A flow the world opened to a port mapping has no reverse entry.
+            return;
+        }
         let rk = DpRev6Key {
             remote_ip: k.remote_ip,
             remote_port: k.remote_port,
