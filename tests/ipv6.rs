@@ -33,6 +33,20 @@ const GUEST_SLAAC: Ipv6Addr =
 const GATEWAY_LL: &str = "fe80::2290:6fff:fecf:cfcf";
 const T: Duration = Duration::from_secs(5);
 
+/// A node facing a world, the agent (re)started after the world is there
+/// (the uplink is found at start); `ipv6`: the world also has IPv6 (and
+/// these addresses), and the node an IPv6 address and default route.
+fn node6(args: &[&str], ipv6: Option<&[Ipv6Addr]>) -> (Env, World) {
+    let mut env = Env::new(args);
+    let world = World::attach(&env);
+    if let Some(more) = ipv6 {
+        world.add_ipv6(more);
+    }
+    env.kill_agent();
+    env.start_agent();
+    (env, world)
+}
+
 fn datapath_detail(checks: &[(String, bool, String)]) -> String {
     checks
         .iter()
@@ -144,11 +158,7 @@ fn roundtrip(s: &mut TcpStream, msg: &[u8]) -> Result<Vec<u8>, String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
     require_root!();
-    let mut env = Env::new(&[]);
-    let world = World::attach(&env);
-    world.add_ipv6(&[METADATA6, ULA_HOST]);
-    env.kill_agent();
-    env.start_agent();
+    let (mut env, world) = node6(&[], Some(&[METADATA6, ULA_HOST]));
     let c = env.client().await;
     let (_, checks) = c.health().await;
     let dp = datapath_detail(&checks);
@@ -321,11 +331,7 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ipv6_cidr_rules_hold_as_the_ipv4_ones_with_no_leak() {
     require_root!();
-    let mut env = Env::new(&[]);
-    let world = World::attach(&env);
-    world.add_ipv6(&[METADATA6, ULA_HOST, OTHER6]);
-    env.kill_agent();
-    env.start_agent();
+    let (env, world) = node6(&[], Some(&[METADATA6, ULA_HOST, OTHER6]));
     let c = env.client().await;
     let port = world.tcp_server6(0);
     let w6 = WORLD_IP6.to_string();
@@ -463,11 +469,7 @@ async fn ipv6_cidr_rules_hold_as_the_ipv4_ones_with_no_leak() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_nodes_own_addresses_are_not_the_world() {
     require_root!();
-    let mut env = Env::new(&[]);
-    let world = World::attach(&env);
-    world.add_ipv6(&[]);
-    env.kill_agent();
-    env.start_agent();
+    let (env, world) = node6(&[], Some(&[]));
     let host = Server::tcp(
         &env.ns,
         SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), 0),
@@ -520,9 +522,10 @@ async fn the_nodes_own_addresses_are_not_the_world() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allowed_names_reach_their_ipv6_addresses_and_nothing_else() {
     require_root!();
-    let mut env = Env::new(&["--dns-upstream", "198.51.100.2"]);
-    let world = World::attach(&env);
-    world.add_ipv6(&[METADATA6, OTHER6]);
+    let (mut env, world) = node6(
+        &["--dns-upstream", "198.51.100.2"],
+        Some(&[METADATA6, OTHER6]),
+    );
     let _dns = common::dnsmasq::start(
         &world,
         &[
@@ -535,8 +538,6 @@ async fn allowed_names_reach_their_ipv6_addresses_and_nothing_else() {
         ],
         "ds.allowed.test",
     );
-    env.kill_agent();
-    env.start_agent();
     let c = env.client().await;
     let ctr = Ctr::new("v6names");
     add(
@@ -625,8 +626,7 @@ async fn allowed_names_reach_their_ipv6_addresses_and_nothing_else() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_ipv6_egress_a_dual_stack_name_goes_over_ipv4_at_once() {
     require_root!();
-    let mut env = Env::new(&["--dns-upstream", "198.51.100.2"]);
-    let world = World::attach(&env);
+    let (env, world) = node6(&["--dns-upstream", "198.51.100.2"], None);
     let _dns = common::dnsmasq::start(
         &world,
         &[
@@ -635,8 +635,6 @@ async fn without_ipv6_egress_a_dual_stack_name_goes_over_ipv4_at_once() {
         ],
         "ds.allowed.test",
     );
-    env.kill_agent();
-    env.start_agent();
     let c = env.client().await;
     let (_, checks) = c.health().await;
     assert!(datapath_detail(&checks).contains("ipv6=link"), "{checks:?}");
@@ -674,11 +672,8 @@ async fn without_ipv6_egress_a_dual_stack_name_goes_over_ipv4_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_uplinks_ipv6_is_followed_live_and_guests_are_told() {
     require_root!();
-    let mut env = Env::new(&[]);
-    let world = World::attach(&env);
     // Started with the IPv4 uplink (found at start), without IPv6.
-    env.kill_agent();
-    env.start_agent();
+    let (env, world) = node6(&[], None);
     let c = env.client().await;
     let (_, checks) = c.health().await;
     assert!(datapath_detail(&checks).contains("ipv6=link"), "{checks:?}");
@@ -770,11 +765,7 @@ async fn the_uplinks_ipv6_is_followed_live_and_guests_are_told() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn port_mappings_reach_containers_over_ipv6() {
     require_root!();
-    let mut env = Env::new(&[]);
-    let world = World::attach(&env);
-    world.add_ipv6(&[]);
-    env.kill_agent();
-    env.start_agent();
+    let (env, world) = node6(&[], Some(&[]));
     let c = env.client().await;
     let pm = |h: u16, ctr: u16, proto: &str| json!({"hostPort": h, "containerPort": ctr, "protocol": proto, "hostIP": ""});
     let open = Ctr::new("v6pm");
