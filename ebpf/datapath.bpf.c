@@ -2450,9 +2450,9 @@ struct dp_in6 {
 
 /* Whether a sandbox with IPv6 rules (DP_F_V6_RULES) may send to `d`, as
  * policy_allows for IPv4: only unicast a NAT can reach (global 2000::/3
- * and unique-local fc00::/7, less the sandboxes' own link and the
- * prefixes that embed IPv4 addresses: 6to4 and 2001::/23, which the IPv4
- * rules judge); then an allow CIDR; a unique-local address only under
+ * and unique-local fc00::/7, less the sandboxes' own link, the metadata
+ * address and the prefixes that embed IPv4 addresses: 6to4 and
+ * 2001::/23, which the IPv4 rules judge); then an allow CIDR; a unique-local address only under
  * one (as the v6 world of a sandbox without rules has none); then a deny
  * CIDR other than the catch-all drops; then an address the resolver
  * learned for the sandbox (AAAA, dns_learned6; `fresh`: no flow yet);
@@ -2469,6 +2469,10 @@ __noinline int policy6_allows(const struct dp_sandbox *sb, const struct dp_in6 *
 	if ((a0 >> 16) == 0x2002 || (a0 & 0xfffffe00) == 0x20010000)
 		return 0;
 	if (a0 == DP_V6_PREFIX0 && bpf_ntohl(d->w[1]) == DP_V6_PREFIX1)
+		return 0;
+	/* The cloud metadata address fd00:ec2::254: never, not even under an
+	 * allow CIDR (::/0 is a likely way to write "all IPv6"). */
+	if (a0 == 0xfd000ec2 && !d->w[1] && !d->w[2] && d->w[3] == bpf_htonl(0x254))
 		return 0;
 	struct dp_policy6_key pk = {.prefixlen = 160, .sandbox_ip = sb->sandbox_ip};
 	__builtin_memcpy(pk.dst, d->w, 16);
@@ -2728,6 +2732,17 @@ static __always_inline int forward_out6(struct __sk_buff *skb, const struct dp_c
 	return TC_ACT_SHOT;
 }
 
+/* Whether the mapping a flow the world opened came by still maps (host
+ * port, proto) to this sandbox's `container_port` (network order): a
+ * converge that removed or moved it ends the flow's exemption from the
+ * egress policy. A global function: guest6_out's frame is full. */
+__noinline int portmap6_live(__u32 sandbox_ip, __u32 host_port, __u32 proto, __u32 container_port)
+{
+	struct dp_portmap_key pk = {.host_port = (__u16)host_port, .proto = (__u8)proto};
+	struct dp_portmap_val *pm = bpf_map_lookup_elem(&portmap, &pk);
+	return pm && pm->sandbox_ip == sandbox_ip && pm->container_port == (__u16)container_port;
+}
+
 /* guest -> the IPv6 world (from_guest's tail call, after guest_ipv6 checked
  * the link: source, MACs, an off-link unicast destination, a sandbox with
  * DP_F_V6_OUT): the default denies, then NAT66 to the uplink's address
@@ -2763,7 +2778,9 @@ int guest6_out(struct __sk_buff *skb)
 	__u64 gen = sb->gen;
 	__u16 nat_port;
 	struct dp_ct_val *v = bpf_map_lookup_elem(&ct6, &key);
-	if (v && v->gen != gen) {
+	if (v && (v->gen != gen ||
+		  (v->kind == DP_CT_PORTMAP &&
+		   !portmap6_live(sb->sandbox_ip, v->nat_port, l4.proto, l4.sport)))) {
 		drop_stale6(&key, v);
 		v = NULL;
 	}

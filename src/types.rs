@@ -67,17 +67,27 @@ pub fn is_catch_all(cidr: &str) -> bool {
 }
 
 /// Whether a sandbox's policy lets its IPv6 reach the world (NAT66, on a
-/// node with IPv6 egress): the internet under rules that leave some IPv6
-/// open — not the catch-all deny with neither an IPv6 allow CIDR nor an
-/// allowed name (whose AAAA answers are learned). Strict mode is IPv4's
-/// only so far (its proxy dials IPv4), so a strict sandbox is IPv4-only:
-/// its IPv6 to the world is refused at once (docs/dual-stack.md).
+/// node with IPv6 egress): the internet, under rules that
+/// - say something about IPv6 (an IPv6 CIDR, or an allowed name, whose
+///   AAAA answers are learned), or no IPv4 CIDR either: rules of IPv4
+///   CIDRs only were written for IPv4 (a deny of a service's IPv4 address
+///   would be bypassed by its AAAA address), so they keep the sandbox
+///   IPv4-only, as before IPv6 existed;
+/// - and leave some IPv6 open: not the catch-all deny (of either family)
+///   with neither an IPv6 allow CIDR nor an allowed name.
+///
+/// Strict mode is IPv4's only so far (its proxy dials IPv4), so a strict
+/// sandbox is IPv4-only: its IPv6 to the world is refused at once
+/// (docs/dual-stack.md).
 pub fn ipv6_open(internet: bool, strict: bool, allow_out: &[String], deny_out: &[String]) -> bool {
-    let opened = allow_out
+    let v6_allowed = allow_out
         .iter()
         .any(|e| e.contains(':') || is_domain_entry(e));
+    let mut rules = allow_out.iter().chain(deny_out);
+    let speaks_v6 = v6_allowed || deny_out.iter().any(|e| e.contains(':'));
+    let v4_cidrs = rules.any(|e| !e.contains(':') && !is_domain_entry(e));
     let all_denied = deny_out.iter().any(|e| is_catch_all(e));
-    internet && !strict && (opened || !all_denied)
+    internet && !strict && (speaks_v6 || !v4_cidrs) && (v6_allowed || !all_denied)
 }
 
 /// A sandbox's bandwidth limits (docs/datapath.md "Bandwidth"): rates in

@@ -323,10 +323,10 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
 /// tests/egress.rs) over IPv6, each case a container with its own rules:
 /// a deny CIDR drops, an allow CIDR beats it, an allow-list (the catch-all
 /// deny) closes everything else of both families, a unique-local host is
-/// reached only under an allow CIDR and the metadata address never
-/// without one; rules that leave no IPv6 open (an IPv4 allow-list, the
-/// IPv6 catch-all, no internet) give no IPv6 route and a refusal at once,
-/// and ::/0 denied closes IPv4 too. The world answers on every address it
+/// reached only under an allow CIDR and the metadata address never, not
+/// even under ::/0; rules that leave no IPv6 open (an IPv4 allow-list,
+/// IPv4 CIDRs only, the IPv6 catch-all, no internet) give no IPv6 route
+/// and a refusal at once, and ::/0 denied closes IPv4 too. The world answers on every address it
 /// is asked for: each connection it sees must be one the rules allow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ipv6_cidr_rules_hold_as_the_ipv4_ones_with_no_leak() {
@@ -368,6 +368,27 @@ async fn ipv6_cidr_rules_hold_as_the_ipv4_ones_with_no_leak() {
             json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["198.51.100.0/24"]}),
             false,
             vec![(IpAddr::V6(WORLD_IP6), false), (v4, true)],
+        ),
+        // Rules of IPv4 CIDRs only were written for IPv4: a service denied
+        // by its IPv4 address must not be reached by its IPv6 one.
+        (
+            "deny4",
+            json!({"denyOut": ["203.0.113.0/24"]}),
+            false,
+            vec![(IpAddr::V6(WORLD_IP6), false), (v4, true)],
+        ),
+        // "All IPv6" allowed: every unique-local host but the metadata
+        // address, which no allow CIDR opens.
+        (
+            "all6",
+            json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["::/0"]}),
+            true,
+            vec![
+                (IpAddr::V6(WORLD_IP6), true),
+                (IpAddr::V6(ULA_HOST), true),
+                (IpAddr::V6(METADATA6), false),
+                (v4, false),
+            ],
         ),
         (
             "deny6all",
@@ -829,4 +850,56 @@ async fn port_mappings_reach_containers_over_ipv6() {
     let (_, checks) = c.health().await;
     assert!(counter(&checks, "portmap") >= 3, "{checks:?}");
     assert!(counter(&checks, "portmap_host_socket") >= 1, "{checks:?}");
+
+    // A flow the world opened keeps its exemption from the egress policy
+    // only while its mapping lasts: the container sends to the client
+    // from its mapped port, then a converge removes the mapping.
+    let client = world.run(|| {
+        let s = std::net::UdpSocket::bind("[::]:0").unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(1500)))
+            .unwrap();
+        s
+    });
+    client.send_to(b"open", node(20181)).unwrap();
+    let mut buf = [0u8; 64];
+    let (n, _) = client.recv_from(&mut buf).expect("the mapped reply");
+    assert_eq!(&buf[..n], b"ctr:open");
+    drop(udp);
+    let cport = client.local_addr().unwrap().port();
+    let send_from_mapped_port = |what: &str| {
+        open.sh(&format!(
+            "python3 -c \"import socket; s=socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); \
+             s.bind(('::', 8081)); s.sendto(b'{what}', ('{WORLD_IP6}', {cport}))\""
+        ))
+    };
+    send_from_mapped_port("still");
+    let (n, _) = client
+        .recv_from(&mut buf)
+        .expect("the flow's packets while mapped");
+    assert_eq!(&buf[..n], b"still");
+    // The same attachment (as tests/bandwidth.rs converges one), its
+    // metadata and rules kept, without the UDP mapping.
+    use zbus::zvariant::Value;
+    let net = c.get("cni:pm:eth0").await.unwrap();
+    let netns = std::fs::File::open(open.path()).unwrap();
+    let mut o = common::opts(vec![
+        ("attach", Value::from("veth")),
+        ("ifname", Value::from("eth0")),
+        (
+            "netns_fd",
+            Value::from(zbus::zvariant::Fd::from(std::os::fd::AsFd::as_fd(&netns))),
+        ),
+        ("deny_out", Value::from(vec!["2001:db8::/32".to_string()])),
+        (
+            "port_mappings",
+            common::ports(&[("tcp", 8080, 20180, ""), ("tcp", 8082, 20182, "")]),
+        ),
+    ]);
+    o.insert("metadata".into(), net["metadata"].try_clone().unwrap());
+    c.ensure("cni:pm:eth0", o)
+        .await
+        .expect("converge without the UDP mapping");
+    send_from_mapped_port("late");
+    let r = client.recv_from(&mut buf);
+    assert!(r.is_err(), "sent after its mapping was removed: {r:?}");
 }

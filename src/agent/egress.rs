@@ -66,6 +66,10 @@ pub fn unreachable_why(
 /// unique-local address (the metadata address fd00:ec2::254 among them)
 /// only under an allow CIDR; never one a deny CIDR other than the
 /// catch-all covers, unless an allow CIDR covers it too.
+/// The cloud metadata service's IPv6 address (AWS): never reached, not
+/// even under an allow CIDR (`::/0` is a likely way to write "all IPv6").
+const METADATA6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254);
+
 fn unreachable_why6(ip: Ipv6Addr, cidrs: &CidrRules) -> Option<&'static str> {
     let s = ip.segments();
     let ula = s[0] & 0xfe00 == 0xfc00;
@@ -77,6 +81,9 @@ fn unreachable_why6(ip: Ipv6Addr, cidrs: &CidrRules) -> Option<&'static str> {
     }
     if s[..4] == [0xfd63, 0x7562, 0x6500, 0] {
         return Some("the guests' own link (fd63:7562:6500::/64)");
+    }
+    if ip == METADATA6 {
+        return Some("the cloud metadata address fd00:ec2::254");
     }
     if cidrs.allow6.iter().any(|c| c.contains(ip)) {
         return None;
@@ -1024,7 +1031,7 @@ impl Agent {
     /// Whether NAT66 runs: the guests' IPv6 link is on and the uplink has
     /// an IPv6 address for it (and a default route).
     pub fn ipv6_egress(&self) -> bool {
-        self.cfg.ipv6 == crate::config::Ipv6Mode::Auto
+        self.ipv6_link()
             && matches!(self.uplink, super::Uplink::Found { addr: Some(_), .. })
             && self.uplink6().is_some()
     }

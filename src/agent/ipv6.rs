@@ -11,6 +11,13 @@ use super::{Agent, NetworkView, Uplink, off_worker};
 use crate::datapath::ra::{self, RA_INTERVAL};
 
 impl Agent {
+    /// Whether guests have the datapath's IPv6 link (config `ipv6`, on the
+    /// eBPF datapath: nothing else answers their solicitations).
+    pub(super) fn ipv6_link(&self) -> bool {
+        self.cfg.ipv6 == crate::config::Ipv6Mode::Auto
+            && self.cfg.datapath == crate::config::DatapathKind::Ebpf
+    }
+
     /// Reads the uplink's NAT66 address again; on a change the datapath,
     /// then the resolver, then every guest follow (in that order: a guest
     /// told of a default route finds NAT66 on; one whose route is
@@ -24,7 +31,7 @@ impl Agent {
         else {
             return;
         };
-        if self.cfg.ipv6 != crate::config::Ipv6Mode::Auto {
+        if !self.ipv6_link() {
             return;
         }
         let now = match self.nl.ipv6_egress_addr(*ifindex).await {
@@ -58,7 +65,7 @@ impl Agent {
     /// link); how many were sent. A device that cannot take one (down,
     /// gone) is skipped.
     pub(super) async fn advertise(&self, views: Vec<NetworkView>) -> usize {
-        if self.cfg.ipv6 != crate::config::Ipv6Mode::Auto {
+        if !self.ipv6_link() {
             return 0;
         }
         let frames: Vec<(u32, Vec<u8>)> = views
@@ -102,6 +109,11 @@ impl Agent {
         drop(self);
         let mut tick = tokio::time::interval(RA_INTERVAL);
         tick.tick().await;
+        // A change between the first read at start and the subscription
+        // would otherwise go unseen.
+        if let Some(agent) = weak.upgrade() {
+            agent.follow_uplink6().await;
+        }
         loop {
             tokio::select! {
                 poke = changes.recv() => {
@@ -117,7 +129,9 @@ impl Agent {
                     agent.follow_uplink6().await;
                 }
                 _ = tick.tick() => {
+                    // Read again too (a lost notification, a failed dump).
                     let Some(agent) = weak.upgrade() else { return };
+                    agent.follow_uplink6().await;
                     agent.advertise(agent.list()).await;
                 }
             }
@@ -131,9 +145,7 @@ impl Agent {
         else {
             return;
         };
-        if self.cfg.ipv6 != crate::config::Ipv6Mode::Auto
-            || old.record.ipv6_open() == new.record.ipv6_open()
-        {
+        if !self.ipv6_link() || old.record.ipv6_open() == new.record.ipv6_open() {
             return;
         }
         let f = ra::frame(self.d.gateway_mac, self.d.guest_mac, self.ra_router(new));

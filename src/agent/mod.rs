@@ -496,8 +496,7 @@ impl Agent {
         let gw_mac = format_mac(&self.d.gateway_mac);
         // The datapath's IPv6 link (docs/datapath.md), on TAPs and veths
         // alike (cube-cni then leaves the container's IPv6 on).
-        let ipv6 = self.cfg.ipv6 == crate::config::Ipv6Mode::Auto
-            && self.cfg.datapath == crate::config::DatapathKind::Ebpf;
+        let ipv6 = self.ipv6_link();
         NetworkInfo {
             ipv6_egress: ipv6 && self.ipv6_egress() && view.record.ipv6_open(),
             guest_ipv6: ipv6.then(|| format!("{}/64", crate::types::GUEST_IPV6)),

@@ -791,8 +791,12 @@ mod tests {
             .unwrap()
         };
         assert!(rec(&[], &[]).ipv6_open());
-        assert!(rec(&["10.0.0.0/8"], &["1.1.1.1/32"]).ipv6_open());
+        // Rules of IPv4 CIDRs only were written for IPv4: IPv4-only.
+        assert!(!rec(&["10.0.0.0/8"], &["1.1.1.1/32"]).ipv6_open());
+        assert!(!rec(&[], &["203.0.113.5/32"]).ipv6_open());
+        assert!(rec(&[], &["203.0.113.5/32", "2001:db8::/32"]).ipv6_open());
         assert!(rec(&[], &["2001:db8::/32"]).ipv6_open());
+        assert!(rec(&[], &["*.evil.test"]).ipv6_open());
         assert!(rec(&["2001:db8::1/128"], &["0.0.0.0/0"]).ipv6_open());
         // An IPv4 allow-list, or ::/0 denied: no IPv6 left open.
         assert!(!rec(&["198.51.100.0/24"], &["0.0.0.0/0"]).ipv6_open());

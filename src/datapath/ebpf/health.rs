@@ -306,7 +306,7 @@ fn ipv6_mode(c: &crate::datapath::maps::DpConfig) -> String {
         "ipv6=off".into()
     } else if c.flags & DP_CFG_IPV6_EGRESS != 0 {
         format!(
-            "ipv6=nat66 via {} (sandboxes not in strict mode)",
+            "ipv6=nat66 via {} (sandboxes whose rules open IPv6)",
             std::net::Ipv6Addr::from(c.uplink_ip6)
         )
     } else {
