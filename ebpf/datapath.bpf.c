@@ -2117,6 +2117,18 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 	return v6_answer(skb, c, &u.e, sizeof(u.e), sizeof(u.e) + sizeof(h));
 }
 
+/* Whether the mapping a flow the world opened (to the uplink's address)
+ * came by still maps (host port, proto) to this sandbox's
+ * `container_port` (network order): a converge that removed or moved it
+ * ends the flow's exemption from the egress policy. A global function:
+ * from_guest's frame is full. */
+__noinline int portmap_live(__u32 uplink_ip, __u32 sandbox_ip, __u32 host_port, __u32 proto,
+			    __u32 container_port)
+{
+	struct dp_portmap_val *pm = find_portmap(uplink_ip, (__u16)host_port, (__u8)proto, 1);
+	return pm && pm->sandbox_ip == sandbox_ip && pm->container_port == (__u16)container_port;
+}
+
 /* guest -> world: SNAT after the policy check, or the reply side of a
  * port-mapped flow the world opened (admitted on the way in, so not
  * subject to the sandbox's egress policy). */
@@ -2145,6 +2157,13 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	};
 	__u16 nat_port;
 	struct dp_ct_val *v = flow_of(&key, sb->gen);
+	/* A flow the world opened to a mapping is exempt from the egress
+	 * policy only while the mapping still names this sandbox and port. */
+	if (v && v->kind == DP_CT_PORTMAP &&
+	    !portmap_live(c->uplink_ip, sb->sandbox_ip, v->nat_port, l4->proto, l4->sport)) {
+		drop_stale(&key, v);
+		v = NULL;
+	}
 	/* Only DNS, HTTP and HTTPS may be steered: other flows pay two compares. */
 	__u16 dp = l4->dport;
 	if ((dp == bpf_htons(53) || dp == bpf_htons(80) || dp == bpf_htons(443)) &&

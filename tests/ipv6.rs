@@ -795,7 +795,7 @@ async fn port_mappings_reach_containers_over_ipv6() {
         "pm",
         &open,
         json!({
-            "denyOut": ["2001:db8::/32"],
+            "denyOut": ["2001:db8::/32", "198.51.100.0/24"],
             "runtimeConfig": {"portMappings": [
                 pm(20180, 8080, "tcp"), pm(20181, 8081, "udp"), pm(20182, 8082, "tcp")]},
         }),
@@ -860,23 +860,41 @@ async fn port_mappings_reach_containers_over_ipv6() {
             .unwrap();
         s
     });
-    client.send_to(b"open", node(20181)).unwrap();
+    // The same over IPv4 (the mapping is on every node address; the
+    // container's rules deny the world's IPv4 network too).
+    let client4 = world.run(|| {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(1500)))
+            .unwrap();
+        s
+    });
+    let node4 = SocketAddr::new(common::world::NODE_IP.into(), 20181);
     let mut buf = [0u8; 64];
-    let (n, _) = client.recv_from(&mut buf).expect("the mapped reply");
-    assert_eq!(&buf[..n], b"ctr:open");
+    for (cl, to) in [(&client, node(20181)), (&client4, node4)] {
+        cl.send_to(b"open", to).unwrap();
+        let (n, _) = cl.recv_from(&mut buf).expect("the mapped reply");
+        assert_eq!(&buf[..n], b"ctr:open", "{to}");
+    }
     drop(udp);
-    let cport = client.local_addr().unwrap().port();
+    let (cport, cport4) = (
+        client.local_addr().unwrap().port(),
+        client4.local_addr().unwrap().port(),
+    );
     let send_from_mapped_port = |what: &str| {
         open.sh(&format!(
             "python3 -c \"import socket; s=socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); \
-             s.bind(('::', 8081)); s.sendto(b'{what}', ('{WORLD_IP6}', {cport}))\""
+             s.bind(('::', 8081)); s.sendto(b'{what}', ('{WORLD_IP6}', {cport})); s.close(); \
+             s4=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); \
+             s4.bind(('0.0.0.0', 8081)); s4.sendto(b'{what}', ('{WORLD_IP}', {cport4}))\""
         ))
     };
     send_from_mapped_port("still");
-    let (n, _) = client
-        .recv_from(&mut buf)
-        .expect("the flow's packets while mapped");
-    assert_eq!(&buf[..n], b"still");
+    for cl in [&client, &client4] {
+        let (n, _) = cl
+            .recv_from(&mut buf)
+            .expect("the flow's packets while mapped");
+        assert_eq!(&buf[..n], b"still");
+    }
     // The same attachment (as tests/bandwidth.rs converges one), its
     // metadata and rules kept, without the UDP mapping.
     use zbus::zvariant::Value;
@@ -889,7 +907,13 @@ async fn port_mappings_reach_containers_over_ipv6() {
             "netns_fd",
             Value::from(zbus::zvariant::Fd::from(std::os::fd::AsFd::as_fd(&netns))),
         ),
-        ("deny_out", Value::from(vec!["2001:db8::/32".to_string()])),
+        (
+            "deny_out",
+            Value::from(vec![
+                "2001:db8::/32".to_string(),
+                "198.51.100.0/24".to_string(),
+            ]),
+        ),
         (
             "port_mappings",
             common::ports(&[("tcp", 8080, 20180, ""), ("tcp", 8082, 20182, "")]),
@@ -900,6 +924,8 @@ async fn port_mappings_reach_containers_over_ipv6() {
         .await
         .expect("converge without the UDP mapping");
     send_from_mapped_port("late");
-    let r = client.recv_from(&mut buf);
-    assert!(r.is_err(), "sent after its mapping was removed: {r:?}");
+    for cl in [&client, &client4] {
+        let r = cl.recv_from(&mut buf);
+        assert!(r.is_err(), "sent after its mapping was removed: {r:?}");
+    }
 }
