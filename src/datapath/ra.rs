@@ -100,7 +100,9 @@ impl Sender {
         Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
     }
 
-    /// Sends `frame` (Ethernet header included) out of device `ifindex`.
+    /// Sends `frame` (Ethernet header included) out of device `ifindex`,
+    /// without waiting (a full socket buffer is an error, the RA is
+    /// repeated within RA_INTERVAL).
     pub fn send(&self, ifindex: u32, frame: &[u8]) -> io::Result<()> {
         // SAFETY: sockaddr_ll is plain data; all-zero is a valid value.
         let mut to: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
@@ -116,7 +118,8 @@ impl Sender {
                 self.0.as_raw_fd(),
                 frame.as_ptr().cast(),
                 frame.len(),
-                0,
+                // Never waits: a converge (put_view) sends one of these.
+                libc::MSG_DONTWAIT,
                 (&raw const to).cast(),
                 std::mem::size_of::<libc::sockaddr_ll>() as u32,
             )
