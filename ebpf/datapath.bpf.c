@@ -244,7 +244,7 @@ struct {
 #define TAIL_GUEST6_OUT 0
 #define TAIL_UPLINK6_IN 1
 #define TAIL_GUEST6_RST 2
-#define TAIL_ICMP6_ERROR_IN 3
+#define TAIL_ICMP6_ERROR 3
 struct {
 	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
 	__uint(key_size, sizeof(__u32));
@@ -2781,6 +2781,13 @@ int guest6_out(struct __sk_buff *skb)
 		sb_count(ifindex, DP_S_MALFORMED);
 		return TC_ACT_SHOT;
 	}
+	if (l4.proto == IPPROTO_ICMP && l4.icmp_type >= ICMP6_DST_UNREACH &&
+	    l4.icmp_type <= ICMP6_PARAM_PROB) {
+		/* An error about a flow it holds: translated in icmp6_error. */
+		bpf_tail_call(skb, &tails, TAIL_ICMP6_ERROR);
+		sb_count(ifindex, DP_S_UNSUPPORTED);
+		return TC_ACT_SHOT;
+	}
 	if (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP &&
 	    !(l4.proto == IPPROTO_ICMP && l4.icmp_type == ICMP6_ECHO_REQUEST)) {
 		sb_count(ifindex, DP_S_UNSUPPORTED);
@@ -2984,19 +2991,144 @@ struct icmp6_err_hdrs {
 	__u16 l4[4];         /* its first 8 bytes after it */
 };
 
-/* An ICMPv6 error from the world about a packet of a NAT66 flow (quoted
- * as sent: from the uplink's address and the NAT port): to the guest as
- * if its own packet had met it, the outer destination, the quoted source
- * address and port and every checksum it touches rewritten. Above all
- * Packet Too Big: IPv6 routers never fragment, so without it a guest's
- * large packets vanish on any narrower link. Errors about nothing a live
- * sandbox holds go to the node. */
-SEC("classifier")
-int icmp6_error_in(struct __sk_buff *skb)
+/* The live flow of a port mapping on every node address whose packets to
+ * the world have the tuple `rk` (sent from the uplink's IPv6 address and
+ * the host port `rk->nat_port`): its key in `k` and its sandbox's TAP;
+ * NULL when there is none. */
+static __always_inline struct dp_tap *portmap6_flow(const struct dp_rev6_key *rk,
+						    struct dp_ct6_key *k)
 {
-	/* A program of its own (uplink6_in's tail call): its stack and
-	 * uplink6_in's do not fit one call chain. */
+	struct dp_portmap_key pk = {.host_port = rk->nat_port, .proto = rk->proto};
+	struct dp_portmap_val *pm = bpf_map_lookup_elem(&portmap, &pk);
+	if (!pm)
+		return NULL;
+	__u32 sandbox_ip = pm->sandbox_ip;
+	__builtin_memset(k, 0, sizeof(*k));
+	k->sandbox_ip = sandbox_ip;
+	__builtin_memcpy(k->remote_ip, rk->remote_ip, 16);
+	k->guest_port = pm->container_port;
+	k->remote_port = rk->remote_port;
+	k->proto = rk->proto;
+	k->gaddr = DP_GADDR_SLAAC;
+	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
+	struct dp_ct_val *v = bpf_map_lookup_elem(&ct6, k);
+	if (!tap || !v || v->gen != tap->gen || v->kind != DP_CT_PORTMAP ||
+	    v->nat_port != rk->nat_port)
+		return NULL;
+	return tap;
+}
+
+/* Rewrites an ICMPv6 error and the packet it quotes for the other side of
+ * a translated flow: the address `from` (with `in`: the outer destination
+ * and the quoted source, the uplink's; else the outer source and the
+ * quoted destination, the guest's) becomes `to`, the quoted port
+ * `from_port` becomes `to_port`, and every checksum they touch follows. */
+static __always_inline int icmp6_err_rewrite(struct __sk_buff *skb, struct icmp6_err_hdrs *h,
+					     int in, __u16 from_port, __u16 to_port,
+					     const __u32 *to)
+{
+	__u8 proto = h->in.nexthdr;
+	int echo = proto == IPPROTO_ICMPV6;
+	__u32 from[4];
+	__builtin_memcpy(from, in ? h->in.saddr : h->in.daddr, 16);
+	__u16 ic = csum_upd128(h->csum, from, to); /* the outer address */
+	ic = csum_upd128(ic, from, to);            /* the quoted one */
+	ic = csum_upd16(ic, from_port, to_port);
+	/* The quoted L4 checksum (pseudo-header: the quoted address; and the
+	 * port): UDP's and echo's are in the 8 bytes, TCP's when quoted. */
+	__u32 tcp_off = ETH_HLEN + sizeof(*h) - sizeof(h->l4) + __builtin_offsetof(struct tcphdr, check);
+	__u16 tcp_check = 0, tcp_new = 0;
+	int tcp_quoted = proto == IPPROTO_TCP && skb->len >= tcp_off + 2;
+	if (tcp_quoted) {
+		if (bpf_skb_load_bytes(skb, tcp_off, &tcp_check, 2))
+			return -1;
+		tcp_new = csum_upd128(csum_upd16(tcp_check, from_port, to_port), from, to);
+		ic = csum_upd16(ic, tcp_check, tcp_new);
+	}
+	int cw = echo ? 1 : 3; /* the quoted checksum's word */
+	if (proto != IPPROTO_TCP) {
+		__u16 old = h->l4[cw];
+		__u16 n = csum_upd128(csum_upd16(old, from_port, to_port), from, to);
+		h->l4[cw] = n = (n || echo) ? n : 0xffff; /* UDP: 0 is "none" */
+		ic = csum_upd16(ic, old, n);
+	}
+	if (in) {
+		h->l4[echo ? 2 : 0] = to_port;
+		__builtin_memcpy(h->in.saddr, to, 16);
+		__builtin_memcpy(h->ip.daddr, to, 16);
+	} else {
+		h->l4[1] = to_port;
+		__builtin_memcpy(h->in.daddr, to, 16);
+		__builtin_memcpy(h->ip.saddr, to, 16);
+	}
+	h->csum = ic;
+	if (bpf_skb_store_bytes(skb, ETH_HLEN, h, sizeof(*h), 0) ||
+	    (tcp_quoted && bpf_skb_store_bytes(skb, tcp_off, &tcp_new, 2, 0)))
+		return -1;
+	return 0;
+}
+
+/* A guest's ICMPv6 error about a packet of a flow it holds (a port-mapped
+ * flow the world opened, or the replies of one it opened: "port
+ * unreachable", or Packet Too Big from a guest whose link is narrower)
+ * leaves as the node's, as icmp_error_out does for IPv4: the outer source,
+ * the quoted destination address and port (what the world sent to: the
+ * uplink's address and the flow's NAT or host port) and the checksums are
+ * rewritten. Anything about no live flow of this sandbox is dropped. */
+static __always_inline int icmp6_error_out(struct __sk_buff *skb, const struct dp_config *c,
+					   const struct dp_sandbox *sb)
+{
+	__u32 ifindex = skb->ifindex;
+	struct icmp6_err_hdrs h;
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &h, sizeof(h)) || !v6_eq(h.in.saddr, h.ip.daddr) ||
+	    (h.in.nexthdr != IPPROTO_TCP && h.in.nexthdr != IPPROTO_UDP))
+		goto drop;
+	struct dp_ct6_key key = {
+		.sandbox_ip = sb->sandbox_ip,
+		.guest_port = h.l4[1],
+		.remote_port = h.l4[0],
+		.proto = h.in.nexthdr,
+		.gaddr = v6_fixed_eq(h.in.daddr, DP_V6_GUEST_LO) ? DP_GADDR_FIXED : DP_GADDR_SLAAC,
+	};
+	__u32 guest[4];
+	v6_guest_addr(guest, key.gaddr, c);
+	if (!v6_eq(h.in.daddr, guest) || !v6_eq(h.ip.saddr, guest))
+		goto drop;
+	__builtin_memcpy(key.remote_ip, h.in.saddr, 16);
+	struct dp_ct_val *v = bpf_map_lookup_elem(&ct6, &key);
+	if (!v || v->gen != sb->gen ||
+	    (v->kind == DP_CT_PORTMAP &&
+	     !portmap6_live(sb->sandbox_ip, v->nat_port, key.proto, key.guest_port)))
+		goto drop;
+	if (icmp6_err_rewrite(skb, &h, 0, key.guest_port, v->nat_port, c->uplink_ip6))
+		return TC_ACT_SHOT;
+	count(DP_C_ICMP_ERROR);
+	return forward_out6(skb, c, h.ip.daddr, IPPROTO_ICMPV6);
+drop:
+	sb_count(ifindex, DP_S_UNSUPPORTED);
+	return TC_ACT_SHOT;
+}
+
+/* ICMPv6 errors about translated flows, both ways (a program of its own,
+ * the tail call of uplink6_in and of guest6_out: its stack and theirs do
+ * not fit one call chain).
+ *
+ * From a sandbox's TAP: icmp6_error_out. From the world: an error about a
+ * packet of a NAT66 flow (quoted as sent: from the uplink's address and
+ * the NAT port) or of a port-mapped flow (from the host port) goes to the
+ * guest as if its own packet had met it, the outer destination, the
+ * quoted source address and port and every checksum they touch
+ * rewritten. Above all Packet Too Big: IPv6 routers never fragment, so
+ * without it a guest's large packets vanish on any narrower link. Errors
+ * about nothing a live sandbox holds go to the node. */
+SEC("classifier")
+int icmp6_error(struct __sk_buff *skb)
+{
 	struct dp_config *c = get_config();
+	__u32 ifindex = skb->ifindex;
+	struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
+	if (sb)
+		return c ? icmp6_error_out(skb, c, sb) : TC_ACT_SHOT;
 	if (!c)
 		return TC_ACT_OK;
 	struct icmp6_err_hdrs h;
@@ -3017,46 +3149,21 @@ int icmp6_error_in(struct __sk_buff *skb)
 	struct dp_ct6_key k;
 	struct dp_ct_val *v;
 	struct dp_tap *tap = nat66_flow(&rk, &k, &v);
+	if (!tap && !echo)
+		tap = portmap6_flow(&rk, &k);
 	if (!tap)
 		return TC_ACT_OK;
 	if (tap->flags & DP_T_PAUSED)
 		return paused_drop(tap->ifindex, tap->gen, k.sandbox_ip, 0,
 				   wake_what(k.guest_port, rk.remote_port, rk.proto, DP_WAKE_REPLY));
-	__u32 ifindex = tap->ifindex;
+	__u32 tap_ifindex = tap->ifindex;
 	__u32 guest[4];
 	v6_guest_addr(guest, k.gaddr, c);
-	__u16 from_port = rk.nat_port, to_port = k.guest_port;
-	__u16 ic = csum_upd128(h.csum, h.ip.daddr, guest);
-	ic = csum_upd128(ic, h.in.saddr, guest);
-	ic = csum_upd16(ic, from_port, to_port);
-	/* The quoted L4 checksum (pseudo-header: the quoted source; and the
-	 * port): UDP's and echo's are in the 8 bytes, TCP's when quoted. */
-	__u32 tcp_off = ETH_HLEN + sizeof(h) - sizeof(h.l4) + __builtin_offsetof(struct tcphdr, check);
-	__u16 tcp_check = 0, tcp_new = 0;
-	int tcp_quoted = proto == IPPROTO_TCP && skb->len >= tcp_off + 2;
-	if (tcp_quoted) {
-		if (bpf_skb_load_bytes(skb, tcp_off, &tcp_check, 2))
-			return TC_ACT_SHOT;
-		tcp_new = csum_upd128(csum_upd16(tcp_check, from_port, to_port), h.in.saddr, guest);
-		ic = csum_upd16(ic, tcp_check, tcp_new);
-	}
-	int cw = echo ? 1 : 3; /* the quoted checksum's word */
-	if (proto != IPPROTO_TCP) {
-		__u16 old = h.l4[cw];
-		__u16 n = csum_upd128(csum_upd16(old, from_port, to_port), h.in.saddr, guest);
-		h.l4[cw] = n = (n || echo) ? n : 0xffff; /* UDP: 0 is "none" */
-		ic = csum_upd16(ic, old, n);
-	}
-	h.l4[echo ? 2 : 0] = to_port;
-	__builtin_memcpy(h.in.saddr, guest, 16);
-	__builtin_memcpy(h.ip.daddr, guest, 16);
-	h.csum = ic;
-	if (bpf_skb_store_bytes(skb, ETH_HLEN, &h, sizeof(h), 0) ||
-	    (tcp_quoted && bpf_skb_store_bytes(skb, tcp_off, &tcp_new, 2, 0)) ||
+	if (icmp6_err_rewrite(skb, &h, 1, rk.nat_port, k.guest_port, guest) ||
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
 	count(DP_C_ICMP_ERROR);
-	return bpf_redirect(ifindex, 0);
+	return bpf_redirect(tap_ifindex, 0);
 }
 
 /* A guest's TCP segment to the IPv6 world of a flow it never opened gets
@@ -3082,7 +3189,7 @@ int uplink6_in(struct __sk_buff *skb)
 	if (l4.proto == IPPROTO_ICMP && l4.icmp_type >= ICMP6_DST_UNREACH &&
 	    l4.icmp_type <= ICMP6_PARAM_PROB)
 	{
-		bpf_tail_call(skb, &tails, TAIL_ICMP6_ERROR_IN);
+		bpf_tail_call(skb, &tails, TAIL_ICMP6_ERROR);
 		return TC_ACT_OK;
 	}
 	if (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP &&

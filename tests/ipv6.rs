@@ -780,7 +780,9 @@ async fn the_uplinks_ipv6_is_followed_live_and_guests_are_told() {
 /// UDP ports on the node's IPv6 address, the container sees the client's
 /// own address, and its replies leave from the mapped port although its
 /// policy denies the client's network (replies of flows the world opened
-/// are not egress); a host socket on the host port wins new flows; a
+/// are not egress); a host socket on the host port wins new flows; ICMPv6
+/// errors about mapped flows are translated both ways (a Packet Too Big to
+/// the container, its port unreachable to the client); a
 /// sandbox whose IPv6 does not reach the world (its guest has no route
 /// back) is mapped over IPv4 only, and an IPv6 client is refused at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -797,7 +799,8 @@ async fn port_mappings_reach_containers_over_ipv6() {
         json!({
             "denyOut": ["2001:db8::/32", "198.51.100.0/24"],
             "runtimeConfig": {"portMappings": [
-                pm(20180, 8080, "tcp"), pm(20181, 8081, "udp"), pm(20182, 8082, "tcp")]},
+                pm(20180, 8080, "tcp"), pm(20181, 8081, "udp"), pm(20182, 8082, "tcp"),
+                pm(20184, 8084, "tcp"), pm(20185, 8085, "udp")]},
         }),
     );
     let closed = Ctr::new("v6pmc");
@@ -830,6 +833,42 @@ async fn port_mappings_reach_containers_over_ipv6() {
     let got = tcp_exchange_in(&world.ns, node(20182), b"x", T);
     assert_eq!(got.as_deref(), Ok(&b"host:x"[..]));
     assert_eq!(host.peers().len(), 1);
+
+    // ICMPv6 errors about mapped flows, both ways. In: a client behind a
+    // 1280-byte hop gets a large answer only if the hop's Packet Too Big
+    // (about the node's address and host port) reaches the container,
+    // translated. Out: the container's "port unreachable" (no socket on
+    // the mapped UDP port) reaches the client as the node's, at once.
+    let big = Server::tcp(&open.name, any6(8084), &vec![b'y'; 200_000]);
+    let far = Far::behind(&world);
+    let (_, checks) = c.health().await;
+    let errors_before = counter(&checks, "icmp_error");
+    let got = tcp_exchange_in(&far.ns, node(20184), b"go", Duration::from_secs(10));
+    let (_, checks) = c.health().await;
+    let got = got.unwrap_or_else(|e| panic!("{e}: {}", datapath_detail(&checks)));
+    assert_eq!(got.len(), 200_002);
+    assert_eq!(big.peers()[0].ip(), IpAddr::V6(FAR_IP6));
+    let pmtu = open.sh(&format!("ip -6 route get {FAR_IP6}"));
+    assert!(pmtu.contains("mtu 1280"), "{pmtu}");
+    drop((big, far));
+    let errors_in = counter(&checks, "icmp_error");
+    assert!(errors_in > errors_before, "{checks:?}");
+    let refused = world.run(move || {
+        let s = std::net::UdpSocket::bind("[::]:0").unwrap();
+        s.connect(SocketAddr::new(NODE_IP6.into(), 20185)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        s.send(b"anyone?").unwrap();
+        let t = Instant::now();
+        (s.recv(&mut [0u8; 64]).map_err(|e| e.kind()), t.elapsed())
+    });
+    assert_eq!(
+        refused.0,
+        Err(std::io::ErrorKind::ConnectionRefused),
+        "{refused:?}"
+    );
+    let (_, checks) = c.health().await;
+    assert!(counter(&checks, "icmp_error") > errors_in, "{checks:?}");
+
     // IPv6 closed: refused at once over IPv6, mapped over IPv4.
     let t = Instant::now();
     let r = tcp_exchange_in(&world.ns, node(20183), b"v6", T);

@@ -84,7 +84,7 @@ pub const PROGRAMS: [&str; 10] = [
     "guest6_out",
     "uplink6_in",
     "guest6_rst",
-    "icmp6_error_in",
+    "icmp6_error",
 ];
 
 /// `tails` slots (TAIL_* in the C source) and their programs.
@@ -92,7 +92,7 @@ pub const TAILS: [(u32, &str); 4] = [
     (0, "guest6_out"),
     (1, "uplink6_in"),
     (2, "guest6_rst"),
-    (3, "icmp6_error_in"),
+    (3, "icmp6_error"),
 ];
 
 /// The shaper device's peer is named after it with this suffix.
