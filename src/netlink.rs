@@ -756,6 +756,62 @@ impl Netlink {
         }
     }
 
+    /// Adds an IPv6 address without duplicate address detection (usable at
+    /// once: on a link whose only other node never claims it). EEXIST is
+    /// success.
+    pub async fn add_ipv6_addr_nodad(
+        &self,
+        index: u32,
+        addr: std::net::Ipv6Addr,
+        prefix_len: u8,
+    ) -> Result<(), NetlinkError> {
+        use rtnetlink::packet_route::address::AddressFlags;
+        debug!(index, %addr, prefix_len, "add address (nodad)");
+        let mut req = self
+            .handle
+            .address()
+            .add(index, IpAddr::V6(addr), prefix_len);
+        req.message_mut()
+            .attributes
+            .push(AddressAttribute::Flags(AddressFlags::Nodad));
+        match req.execute().await {
+            Ok(()) => Ok(()),
+            Err(e) if is_errno(&e, libc::EEXIST) => Ok(()),
+            Err(source) => Err(NetlinkError::AddrAdd {
+                index,
+                addr: IpAddr::V6(addr),
+                prefix_len,
+                source,
+            }),
+        }
+    }
+
+    /// Whether the namespace has an IPv6 default route out of `oif`.
+    pub async fn ipv6_default_route(&self, oif: u32) -> Result<bool, NetlinkError> {
+        let req = RouteMessageBuilder::<std::net::Ipv6Addr>::new().build();
+        Ok(self
+            .route_dump(req, "ipv6 routes")
+            .await?
+            .iter()
+            .any(|r| r.header.destination_prefix_length == 0 && route_oif(r) == Some(oif)))
+    }
+
+    /// Every IPv6 address of `ifindex`.
+    pub async fn ipv6_addrs(&self, ifindex: u32) -> Result<Vec<std::net::Ipv6Addr>, NetlinkError> {
+        Ok(self
+            .addr_dump(AddressFamily::Inet6, Some(ifindex))
+            .await?
+            .iter()
+            .filter(|m| m.header.index == ifindex)
+            .filter_map(|m| {
+                m.attributes.iter().find_map(|a| match a {
+                    AddressAttribute::Address(IpAddr::V6(v6)) => Some(*v6),
+                    _ => None,
+                })
+            })
+            .collect())
+    }
+
     /// Adds (or replaces) the IPv4 default route via `gateway` on `oif`.
     pub async fn replace_default_route(
         &self,

@@ -239,12 +239,20 @@ pub const GUEST_IPV6: std::net::Ipv6Addr =
 
 /// The link-local address of `mac` (modified EUI-64, RFC 4291 2.5.1).
 pub fn link_local(mac: &[u8; 6]) -> std::net::Ipv6Addr {
+    eui64(std::net::Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 0), mac)
+}
+
+/// The address SLAAC gives `mac` in the /64 of `prefix` (modified
+/// EUI-64): a guest's in the guests' prefix is
+/// `fd63:7562:6500:0:2290:6fff:fefc:fcfc` for the default guest MAC.
+pub fn eui64(prefix: std::net::Ipv6Addr, mac: &[u8; 6]) -> std::net::Ipv6Addr {
     let w = |a: u8, b: u8| u16::from_be_bytes([a, b]);
+    let p = prefix.segments();
     std::net::Ipv6Addr::new(
-        0xfe80,
-        0,
-        0,
-        0,
+        p[0],
+        p[1],
+        p[2],
+        p[3],
         w(mac[0] ^ 2, mac[1]),
         w(mac[2], 0xff),
         w(0xfe, mac[3]),
@@ -259,6 +267,14 @@ mod ipv6_tests {
         assert_eq!(
             super::link_local(&[0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]).to_string(),
             "fe80::2290:6fff:fecf:cfcf"
+        );
+    }
+
+    #[test]
+    fn the_guest_macs_slaac_address() {
+        assert_eq!(
+            super::eui64(super::GUEST_IPV6, &[0x20, 0x90, 0x6f, 0xfc, 0xfc, 0xfc]).to_string(),
+            "fd63:7562:6500:0:2290:6fff:fefc:fcfc"
         );
     }
 }

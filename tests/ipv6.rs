@@ -166,6 +166,15 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
 
     let open = Ctr::new("v6open");
     add(&env, "open", &open, json!({}));
+    // The container has both families when ADD returns: the SLAAC address
+    // and, from the RA, the default route.
+    let at_once = ready6(&open, true, Duration::from_millis(1));
+    assert_eq!(
+        at_once.map(|r| r.1),
+        Some(GUEST_SLAAC),
+        "{}",
+        open.sh("ip -6 addr; ip -6 route")
+    );
     let ruled = Ctr::new("v6rules");
     add(&env, "ruled", &ruled, json!({"egressMode": "sni"}));
     // GetNetwork says whose IPv6 reaches the world.
@@ -175,8 +184,9 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
         assert_eq!(v, want, "{id}");
     }
 
-    // From RAs alone: the SLAAC address of the guest MAC and a default
-    // route via the gateway.
+    // The SLAAC address of the guest MAC (cube-cni adds it; a VM guest's
+    // comes from the RA alone: tests/vm) and a default route via the
+    // gateway (from the RA).
     let Some((took, addr)) = ready6(&open, true, Duration::from_secs(10)) else {
         panic!(
             "no usable IPv6 address and default route from the agent's RAs: {}",

@@ -271,6 +271,7 @@ fn facts(d: &Dict) -> Result<NetFacts, CniError> {
         guest_mac: field(d, "guest_mac")?,
         mtu: field(d, "mtu")?,
         guest_ipv6: field(d, "guest_ipv6").ok(),
+        ipv6_egress: field(d, "ipv6_egress").unwrap_or(false),
     })
 }
 
@@ -309,6 +310,21 @@ impl Inside {
             .map_err(|e| netns_err("returning to the plugin's namespace", e))?;
         let nl = nl.map_err(|e| netns_err(&format!("netlink in {path}"), e))?;
         Ok(Inside { nl, ns })
+    }
+
+    /// Writes `value` to the namespace's `/proc/sys/net/<key>` (net
+    /// sysctls are the writer's namespace's: written from inside).
+    fn sysctl(&self, key: &str, value: &str) -> Result<(), CniError> {
+        use nix::sched::{CloneFlags, setns};
+        let home = std::fs::File::open("/proc/thread-self/ns/net")
+            .map_err(|e| netns_err("opening the plugin's own namespace", e))?;
+        setns(self.ns.as_fd(), CloneFlags::CLONE_NEWNET)
+            .map_err(|e| netns_err("entering the container's namespace", e))?;
+        let path = format!("/proc/sys/net/{key}");
+        let written = std::fs::write(&path, value);
+        setns(home.as_fd(), CloneFlags::CLONE_NEWNET)
+            .map_err(|e| netns_err("returning to the plugin's namespace", e))?;
+        written.map_err(|e| netns_err(&format!("writing {value} to {path}"), e))
     }
 }
 
@@ -402,7 +418,7 @@ async fn add(env: &Env, conf: &NetConf) -> Result<Value, CniError> {
     let net: Dict = agent.call("EnsureNetwork", &(id.as_str(), opts)).await?;
     let f = facts(&net)?;
     let gw_mac: String = field(&net, "gateway_mac")?;
-    if let Err(e) = configure_inside(&inside.nl, &env.ifname, &f, &gw_mac).await {
+    if let Err(e) = configure_inside(&inside, &env.ifname, &f, &gw_mac).await {
         // Leave nothing behind: the runtime DELs after a failed ADD, but a
         // network whose inside is not set up must not live until then.
         // Only the very network this ADD got (its handle): never one a
@@ -431,15 +447,26 @@ async fn add(env: &Env, conf: &NetConf) -> Result<Value, CniError> {
     ))
 }
 
+/// How long ADD waits for the container's IPv6 default route (the RA the
+/// datapath answers its Router Solicitation with comes within
+/// milliseconds).
+const IPV6_ROUTE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Inside the container: address, link up, default route via the gateway,
 /// the gateway's MAC as a permanent neighbour (no ARP round trip on the
-/// first packet; the datapath's proxy ARP answers anyway), lo up.
+/// first packet; the datapath's proxy ARP answers anyway), lo up. With the
+/// guests' IPv6 link: the SLAAC address at once (no duplicate address
+/// detection: the link's only other node is the gateway, which never
+/// claims it), and, where the sandbox's IPv6 reaches the world, a short
+/// wait for the RA's default route, so that the container has both
+/// families when ADD returns.
 async fn configure_inside(
-    nl: &Netlink,
+    inside: &Inside,
     ifname: &str,
     f: &NetFacts,
     gw_mac: &str,
 ) -> Result<(), CniError> {
+    let nl = &inside.nl;
     let link = nl
         .link_by_name(ifname)
         .await
@@ -466,10 +493,17 @@ async fn configure_inside(
     // route where the sandbox's IPv6 reaches the world). Without it, IPv4
     // only, as the datapath: the interface's router solicitations, DAD and
     // MLD reports would be dropped from the moment it is up.
-    if f.guest_ipv6.is_none() {
+    let ipv6 = f.container_ipv6();
+    if ipv6.is_none() {
         nl.ipv6_quiet(link.index)
             .await
             .map_err(|e| netns_err("turning IPv6 address generation off", e))?;
+    } else {
+        // Its link-local address usable at once too: the Router
+        // Solicitation leaves on link up, not a DAD round later. And its
+        // IPv6 address kept while the link is down, as the IPv4 one is.
+        inside.sysctl(&format!("ipv6/conf/{ifname}/accept_dad"), "0")?;
+        inside.sysctl(&format!("ipv6/conf/{ifname}/keep_addr_on_down"), "1")?;
     }
     let up = cube_network_agent::netlink::LinkChange {
         up: Some(true),
@@ -493,6 +527,24 @@ async fn configure_inside(
         nl.set_link(lo.index, up)
             .await
             .map_err(|e| netns_err("setting lo up", e))?;
+    }
+    let Some(a) = ipv6 else {
+        return Ok(());
+    };
+    nl.add_ipv6_addr_nodad(link.index, a, 64)
+        .await
+        .map_err(|e| netns_err("adding the IPv6 address", e))?;
+    let deadline = std::time::Instant::now() + IPV6_ROUTE_WAIT;
+    // Not an error when it does not come: the route follows the node's
+    // IPv6 egress live, by RA, whatever ADD saw.
+    while f.ipv6_egress
+        && !nl
+            .ipv6_default_route(link.index)
+            .await
+            .map_err(|e| netns_err("listing IPv6 routes", e))?
+        && std::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     Ok(())
 }
@@ -693,6 +745,18 @@ async fn check(env: &Env, conf: &NetConf) -> Result<(), CniError> {
         return Err(fail(format!(
             "{} lacks its address {}/{len} in {}",
             env.ifname, addr, env.netns
+        )));
+    }
+    if let Some(a) = f.container_ipv6()
+        && !nl
+            .ipv6_addrs(link.index)
+            .await
+            .map_err(|e| netns_err("listing IPv6 addresses", e))?
+            .contains(&a)
+    {
+        return Err(fail(format!(
+            "{} lacks its IPv6 address {a}/64 in {}",
+            env.ifname, env.netns
         )));
     }
     let gw: Ipv4Addr = f.gateway_ip.parse().map_err(|e| fail(format!("{e}")))?;

@@ -573,10 +573,31 @@ pub struct NetFacts {
     pub gateway_ip: String,
     pub guest_mac: String,
     pub mtu: u32,
-    /// The guests' IPv6 link is on (the agent's `guest_ipv6`): the
-    /// container keeps IPv6 and configures it from the gateway's Router
+    /// The guests' IPv6 link is on (the agent's `guest_ipv6`, the guests'
+    /// /64): the container gets its SLAAC address (`container_ipv6`) at
+    /// once and its IPv6 default route from the gateway's Router
     /// Advertisements, as a VM guest does.
     pub guest_ipv6: Option<String>,
+    /// The sandbox's IPv6 reaches the world (the agent's `ipv6_egress`):
+    /// the container gets an IPv6 default route from the RA.
+    pub ipv6_egress: bool,
+}
+
+impl NetFacts {
+    /// The container's IPv6 address: what SLAAC makes of its MAC in the
+    /// guests' /64 (the one a VM guest configured by RA has, and the one
+    /// port mappings reach).
+    pub fn container_ipv6(&self) -> Option<std::net::Ipv6Addr> {
+        let prefix = self
+            .guest_ipv6
+            .as_deref()?
+            .split('/')
+            .next()?
+            .parse()
+            .ok()?;
+        let mac = crate::config::parse_mac(&self.guest_mac)?;
+        Some(crate::types::eui64(prefix, &mac))
+    }
 }
 
 fn version_at_least(v: &str, major: u32, minor: u32) -> bool {
@@ -898,6 +919,7 @@ mod tests {
             guest_mac: "20:90:6f:fc:fc:fc".into(),
             mtu: 1300,
             guest_ipv6: None,
+            ipv6_egress: false,
         }
     }
 
@@ -922,6 +944,19 @@ mod tests {
         );
         assert_eq!(r["ips"][0]["version"], "4");
         assert_eq!(r["dns"]["nameservers"][0], "1.1.1.1");
+        // No IPv6 entry even with the guests' IPv6 link: the container's
+        // address is the same in every container, and CRI would take it
+        // as the pod's IPv6 (docs/cni.md "Pod IP").
+        let mut f = facts();
+        f.guest_ipv6 = Some("fd63:7562:6500::6/64".into());
+        f.ipv6_egress = true;
+        assert_eq!(
+            f.container_ipv6().unwrap().to_string(),
+            "fd63:7562:6500:0:2290:6fff:fefc:fcfc"
+        );
+        let r = result("1.1.0", &f, "eth0", "/n", &None);
+        assert_eq!(r["ips"].as_array().unwrap().len(), 2);
+        assert_eq!(r["routes"].as_array().unwrap().len(), 1);
         // Domain rules: the resolver, unless the config names servers.
         let ours = dns_for(&None, Some("169.254.68.5")).unwrap();
         assert_eq!(ours, json!({"nameservers": ["169.254.68.5"]}));
