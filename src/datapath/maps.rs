@@ -779,6 +779,35 @@ pub const DP_CFG_IPV6: u32 = 1;
 /// IPv6 default route).
 pub const DP_CFG_IPV6_EGRESS: u32 = 2;
 
+impl DpConfig {
+    /// The config writes that take the running datapath from `self` to the
+    /// uplink's IPv6 address `addr`, in order. A map write is a plain copy
+    /// that a packet on another CPU may read half done, and every program
+    /// reads `flags` before it uses `uplink_ip6`: so no write changes the
+    /// address while `DP_CFG_IPV6_EGRESS` is set. NAT66 is turned off
+    /// first, the address changed, NAT66 turned on; the caller waits
+    /// between writes for the packets already in flight (a program run
+    /// takes microseconds). Empty when nothing changes.
+    pub fn uplink6_steps(&self, addr: Option<std::net::Ipv6Addr>) -> Vec<DpConfig> {
+        let ip6 = addr.map_or([0; 16], |a| a.octets());
+        let mut cur = *self;
+        let mut steps = vec![];
+        if cur.flags & DP_CFG_IPV6_EGRESS != 0 && (addr.is_none() || cur.uplink_ip6 != ip6) {
+            cur.flags &= !DP_CFG_IPV6_EGRESS;
+            steps.push(cur);
+        }
+        if cur.uplink_ip6 != ip6 {
+            cur.uplink_ip6 = ip6;
+            steps.push(cur);
+        }
+        if addr.is_some() && cur.flags & DP_CFG_IPV6_EGRESS == 0 {
+            cur.flags |= DP_CFG_IPV6_EGRESS;
+            steps.push(cur);
+        }
+        steps
+    }
+}
+
 /// Counter indexes (enum dp_counter).
 pub const COUNTER_NAMES: &[&str] = &[
     "arp_reply",
@@ -813,3 +842,45 @@ pub const COUNTER_NAMES: &[&str] = &[
     "nat66_reply",
     "nat66_host_held",
 ];
+
+#[cfg(test)]
+mod uplink6_tests {
+    use super::*;
+
+    /// Every write changes either the flags alone or the address alone,
+    /// the latter only with NAT66 off; the last one is the target.
+    #[test]
+    fn no_write_changes_the_address_under_nat66() {
+        let a: std::net::Ipv6Addr = "2001:db8::1".parse().unwrap();
+        let b: std::net::Ipv6Addr = "2001:db8::2".parse().unwrap();
+        let cfg = |addr: Option<std::net::Ipv6Addr>| DpConfig {
+            flags: DP_CFG_IPV6 | if addr.is_some() { DP_CFG_IPV6_EGRESS } else { 0 },
+            uplink_ip6: addr.map_or([0; 16], |a| a.octets()),
+            host_ip: 7,
+            ..Default::default()
+        };
+        for (from, to, writes) in [
+            (None, Some(a), 2),
+            (Some(a), None, 2),
+            (Some(a), Some(b), 3),
+            (Some(a), Some(a), 0),
+            (None, None, 0),
+        ] {
+            let start = cfg(from);
+            let steps = start.uplink6_steps(to);
+            assert_eq!(steps.len(), writes, "{from:?} -> {to:?}");
+            let mut prev = start;
+            for s in &steps {
+                let flags_changed = s.flags != prev.flags;
+                let addr_changed = s.uplink_ip6 != prev.uplink_ip6;
+                assert!(flags_changed != addr_changed, "{from:?} -> {to:?}: {s:?}");
+                if addr_changed {
+                    assert_eq!(s.flags & DP_CFG_IPV6_EGRESS, 0, "{from:?} -> {to:?}");
+                }
+                assert_eq!(s.host_ip, 7);
+                prev = *s;
+            }
+            assert_eq!(prev, cfg(to), "{from:?} -> {to:?}");
+        }
+    }
+}

@@ -496,23 +496,28 @@ impl Datapath for EbpfDatapath {
     }
 
     fn set_uplink6(&self, addr: Option<std::net::Ipv6Addr>) -> Result<(), DatapathError> {
+        /// Between two config writes: longer than any packet's run of the
+        /// programs (microseconds) by far.
+        const UPLINK6_SETTLE: Duration = Duration::from_millis(5);
         let mut inner = self.lock();
         let mut cfg = self.config.lock().unwrap_or_else(|p| p.into_inner());
         if cfg.flags & DP_CFG_IPV6 == 0 {
             return Ok(());
         }
-        let mut next = *cfg;
-        next.flags = match addr {
-            Some(_) => DP_CFG_IPV6 | DP_CFG_IPV6_EGRESS,
-            None => DP_CFG_IPV6,
-        };
-        next.uplink_ip6 = addr.map_or([0; 16], |a| a.octets());
-        inner
-            .maps
-            .config
-            .set(0, next, 0)
-            .map_err(|e| map_err("writing the config map (the uplink's IPv6 address)", &e))?;
-        *cfg = next;
+        // In steps, so that no packet reads a half-written address as
+        // NAT66's (`DpConfig::uplink6_steps`); a change of address blocks
+        // IPv6 egress for ~2 × UPLINK6_SETTLE (its flows end anyway).
+        for (i, next) in cfg.uplink6_steps(addr).into_iter().enumerate() {
+            if i > 0 {
+                std::thread::sleep(UPLINK6_SETTLE);
+            }
+            inner
+                .maps
+                .config
+                .set(0, next, 0)
+                .map_err(|e| map_err("writing the config map (the uplink's IPv6 address)", &e))?;
+            *cfg = next;
+        }
         Ok(())
     }
 
