@@ -390,6 +390,16 @@ static __always_inline void sb_count(__u32 ifindex, __u32 which)
 		__sync_fetch_and_add(&s->c[which], 1);
 }
 
+/* sb_count for an IPv6 packet: the total and the IPv6 part. */
+static __always_inline void sb_count6(__u32 ifindex, __u32 which)
+{
+	struct dp_sb_stats *s = bpf_map_lookup_elem(&sb_stats, &ifindex);
+	if (s && which < DP_S_MAX) {
+		__sync_fetch_and_add(&s->c[which], 1);
+		__sync_fetch_and_add(&s->v6[which], 1);
+	}
+}
+
 /* The upgrade test (tests/upgrade/build-next.sh) builds a second datapath
  * that differs only here (1): every program gets another tag and behaves
  * the same. */
@@ -1916,7 +1926,7 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 	if (bpf_skb_load_bytes(skb, 0, dmac, sizeof(dmac)) ||
 	    bpf_skb_load_bytes(skb, ETH_HLEN, &h, sizeof(h)) || (bpf_ntohl(h.ip.vtcflow) >> 28) != 6) {
 		count(DP_C_MALFORMED);
-		sb_count(ifindex, DP_S_MALFORMED);
+		sb_count6(ifindex, DP_S_MALFORMED);
 		return TC_ACT_SHOT;
 	}
 	/* Hop-by-hop options: MLD reports (router alert); nothing else a
@@ -1928,7 +1938,7 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 	 * multicast to 33:33:<low 32 bits>. */
 	if (mcast ? !(dmac[0] == 0x33 && dmac[1] == 0x33) : !mac_eq(dmac, c->gateway_mac)) {
 		count(DP_C_SPOOF_DROP);
-		sb_count(ifindex, DP_S_SPOOFED);
+		sb_count6(ifindex, DP_S_SPOOFED);
 		return TC_ACT_SHOT;
 	}
 	__u8 type = h.l4[0];
@@ -1943,14 +1953,14 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 		      type == ND_NEIGHBOR_SOLICIT;
 		if (!dad) {
 			count(DP_C_SPOOF_DROP);
-			sb_count(ifindex, DP_S_SPOOFED);
+			sb_count6(ifindex, DP_S_SPOOFED);
 			return TC_ACT_SHOT;
 		}
 	}
 	if (icmp) {
 		if (type == ND_ROUTER_ADVERT || type == ND_REDIRECT) {
 			count(DP_C_ROGUE_ND);
-			sb_count(ifindex, DP_S_SPOOFED);
+			sb_count6(ifindex, DP_S_SPOOFED);
 			return TC_ACT_SHOT;
 		}
 		if (type >= 130 && type <= 136 && h.ip.hlim != 255)
@@ -2040,7 +2050,7 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 	}
 	if (h.ip.nexthdr == IPPROTO_UDP && (h.l4[0] << 8 | h.l4[1]) == 547) {
 		count(DP_C_ROGUE_ND); /* a DHCPv6 server or relay */
-		sb_count(ifindex, DP_S_SPOOFED);
+		sb_count6(ifindex, DP_S_SPOOFED);
 		return TC_ACT_SHOT;
 	}
 	/* No error answers a multicast packet (RFC 4443 2.4). */
@@ -2057,7 +2067,7 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 	/* Everything else has nowhere to go: refused at once. */
 	if (mode != V6_REFUSE_QUIET) {
 		count(DP_C_IPV6_REFUSED);
-		sb_count(ifindex, DP_S_NO_ROUTE);
+		sb_count6(ifindex, DP_S_NO_ROUTE);
 	}
 	__u32 l4_off = ETH_HLEN + sizeof(struct ip6h);
 	if (h.ip.nexthdr == IPPROTO_TCP) {
@@ -2747,7 +2757,7 @@ static __always_inline int forward_out6(struct __sk_buff *skb, const struct dp_c
 	if (rc == BPF_FIB_LKUP_RET_FWD_DISABLED)
 		return bpf_redirect_neigh(c->uplink_ifindex, NULL, 0, 0);
 	count(DP_C_NO_ROUTE);
-	sb_count(skb->ifindex, DP_S_NO_ROUTE);
+	sb_count6(skb->ifindex, DP_S_NO_ROUTE);
 	return TC_ACT_SHOT;
 }
 
@@ -2778,19 +2788,19 @@ int guest6_out(struct __sk_buff *skb)
 	struct l4info l4;
 	if (parse_ipv6(skb, &ip, &l4)) {
 		count(DP_C_MALFORMED);
-		sb_count(ifindex, DP_S_MALFORMED);
+		sb_count6(ifindex, DP_S_MALFORMED);
 		return TC_ACT_SHOT;
 	}
 	if (l4.proto == IPPROTO_ICMP && l4.icmp_type >= ICMP6_DST_UNREACH &&
 	    l4.icmp_type <= ICMP6_PARAM_PROB) {
 		/* An error about a flow it holds: translated in icmp6_error. */
 		bpf_tail_call(skb, &tails, TAIL_ICMP6_ERROR);
-		sb_count(ifindex, DP_S_UNSUPPORTED);
+		sb_count6(ifindex, DP_S_UNSUPPORTED);
 		return TC_ACT_SHOT;
 	}
 	if (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP &&
 	    !(l4.proto == IPPROTO_ICMP && l4.icmp_type == ICMP6_ECHO_REQUEST)) {
-		sb_count(ifindex, DP_S_UNSUPPORTED);
+		sb_count6(ifindex, DP_S_UNSUPPORTED);
 		return TC_ACT_SHOT;
 	}
 	struct dp_ct6_key key = {
@@ -2820,7 +2830,7 @@ int guest6_out(struct __sk_buff *skb)
 		      ? policy6_allows(sb, (const struct dp_in6 *)ip.daddr, !v)
 		      : v6_world(ip.daddr)))) {
 		count(DP_C_POLICY_DROP);
-		sb_count(ifindex, DP_S_POLICY);
+		sb_count6(ifindex, DP_S_POLICY);
 		return TC_ACT_SHOT;
 	}
 	if (v) {
@@ -2831,7 +2841,7 @@ int guest6_out(struct __sk_buff *skb)
 		   (l4.tcp_flags & (TCP_SYN | TCP_ACK)) != TCP_SYN) {
 		if (snat6_rescue(&key, gen, &nat_port)) {
 			count(DP_C_STALE_TCP);
-			sb_count(ifindex, DP_S_STALE_TCP);
+			sb_count6(ifindex, DP_S_STALE_TCP);
 			/* Its RST, from guest_ipv6 (whose stack and this one's
 			 * do not fit one call chain). */
 			bpf_tail_call(skb, &tails, TAIL_GUEST6_RST);
@@ -2851,13 +2861,13 @@ int guest6_out(struct __sk_buff *skb)
 			si.ts = tcp_tsval(skb, &l4);
 		if (snat6_alloc(skb, &key, gen, &si, &nat_port)) {
 			count(DP_C_NO_PORT);
-			sb_count(ifindex, DP_S_NO_PORT);
+			sb_count6(ifindex, DP_S_NO_PORT);
 			return TC_ACT_SHOT;
 		}
 		struct dp_ct_val nv = {.nat_port = nat_port, .kind = DP_CT_SNAT, .gen = gen};
 		touch(&nv, &l4, DIR_OUT);
 		bpf_map_update_elem(&ct6, &key, &nv, BPF_ANY);
-		sb_count(ifindex, DP_S_NEW_SNAT);
+		sb_count6(ifindex, DP_S_NEW_SNAT);
 	}
 	if (set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, saddr), ip.saddr,
 		      c->uplink_ip6, &l4) ||
@@ -2956,7 +2966,7 @@ static __always_inline struct dp_tap *portmap6_in(struct __sk_buff *skb, const s
 				       .gen = tap->gen};
 		touch(&nv, l4, DIR_IN);
 		bpf_map_update_elem(&ct6, key, &nv, BPF_ANY);
-		sb_count(ifindex, DP_S_NEW_PORTMAP);
+		sb_count6(ifindex, DP_S_NEW_PORTMAP);
 	}
 	count(DP_C_PORTMAP);
 	return tap;
@@ -3105,7 +3115,7 @@ static __always_inline int icmp6_error_out(struct __sk_buff *skb, const struct d
 	count(DP_C_ICMP_ERROR);
 	return forward_out6(skb, c, h.ip.daddr, IPPROTO_ICMPV6);
 drop:
-	sb_count(ifindex, DP_S_UNSUPPORTED);
+	sb_count6(ifindex, DP_S_UNSUPPORTED);
 	return TC_ACT_SHOT;
 }
 
@@ -3308,6 +3318,10 @@ int from_guest(struct __sk_buff *skb)
 			return r;
 		bpf_tail_call(skb, &tails, TAIL_GUEST6_OUT);
 		return guest_ipv6(skb, V6_REFUSE); /* not loaded: no egress */
+	}
+	if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
+		sb_count6(ifindex, DP_S_UNSUPPORTED); /* ipv6 = "off" */
+		return TC_ACT_SHOT;
 	}
 	if (eth.h_proto != bpf_htons(ETH_P_IP)) {
 		sb_count(ifindex, DP_S_UNSUPPORTED);

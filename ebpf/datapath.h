@@ -379,9 +379,12 @@ enum dp_sb_counter {
 	DP_S_STALE_TCP,
 	DP_S_MAX,
 };
+/* c: every family; v6: the IPv6 part of each (after c: entries of older
+ * builds, c alone, convert by appending 0). */
 struct dp_sb_stats {
 	__u64 c[DP_S_MAX];
-}; /* 80 bytes */
+	__u64 v6[DP_S_MAX];
+}; /* 160 bytes */
 
 /* counters (per CPU) */
 enum dp_counter {

@@ -260,6 +260,36 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
     );
     assert!(counter(&checks, "nat66") >= 3, "{checks:?}");
     assert!(counter(&checks, "nat66_reply") >= 3, "{checks:?}");
+    // Per family: the sandbox's counters are totals with their IPv6 part
+    // beside them. Three IPv6 flows (TCP, UDP, echo) and the denied SYNs
+    // (each connection's first and its retransmits) so far, then an IPv4
+    // flow: only the total moves.
+    let t = c.traffic("cni:open:eth0").await;
+    assert_eq!(t["new_flows_snat_ipv6"], 3, "{t:?}");
+    assert_eq!(t["new_flows_snat"], 3, "{t:?}");
+    assert!(t["drop_policy_ipv6"] >= 2, "{t:?}");
+    assert_eq!(t["drop_policy"], t["drop_policy_ipv6"], "{t:?}");
+    let echo4 = world.udp_echo(0);
+    udp_exchange_in(&open.name, echo4, b"over udp4", T).unwrap();
+    let t = c.traffic("cni:open:eth0").await;
+    assert_eq!(t["new_flows_snat"], 4, "{t:?}");
+    assert_eq!(t["new_flows_snat_ipv6"], 3, "{t:?}");
+    // And in the metrics, a family of its own beside the totals.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cubenetctl"))
+        .arg("metrics")
+        .env(
+            "CUBENETCTL_REPORT",
+            env.dir.join("report/org.cube.NetworkAgent"),
+        )
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "cube_network_agent_sandbox_new_flows_total{sandbox_id=\"cni:open:eth0\",kind=\"snat\"} 4",
+        "cube_network_agent_sandbox_ipv6_new_flows_total{sandbox_id=\"cni:open:eth0\",kind=\"snat\"} 3",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} not in:\n{text}");
+    }
 
     // Strict mode (IPv4's only so far): no default route in the RA, and a
     // static one meets a refusal at once; the world sees nobody.
@@ -839,6 +869,9 @@ async fn port_mappings_reach_containers_over_ipv6() {
     for p in tcp.peers().iter().chain(&udp.peers()) {
         assert_eq!(p.ip(), IpAddr::V6(WORLD_IP6), "the client's own address");
     }
+    let t = c.traffic("cni:pm:eth0").await;
+    assert_eq!(t["new_flows_portmap_ipv6"], 2, "{t:?}");
+    assert_eq!(t["new_flows_portmap"], 2, "{t:?}");
     // The host's socket wins a new flow on its port.
     let got = tcp_exchange_in(&world.ns, node(20182), b"x", T);
     assert_eq!(got.as_deref(), Ok(&b"host:x"[..]));

@@ -354,7 +354,8 @@ fn repin_older(
 }
 
 /// The per-sandbox counters of the builds before `drop_stale_tcp` (nine
-/// counters, 72 bytes) keep their values and gain the new one at 0.
+/// counters, 72 bytes) and before their IPv6 parts (ten, 80 bytes) keep
+/// their values and gain the new ones at 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandbox_counters_of_the_older_layout_are_migrated() {
     require_root!();
@@ -368,28 +369,37 @@ async fn sandbox_counters_of_the_older_layout_are_migrated() {
     }
     let before = c.traffic("s").await;
     assert_eq!(before["new_flows_snat"], 3, "{before:?}");
-    drop(c);
-    env.kill_agent();
-    let entries = repin_older(&env, "sb_stats", "hash", 4, 80, 72, 65536);
-    assert!(!entries.is_empty(), "no sb_stats entry");
+    let mut c = c;
+    let mut flows = 3;
+    for old in [72u32, 80] {
+        drop(c);
+        env.kill_agent();
+        let entries = repin_older(&env, "sb_stats", "hash", 4, 160, old, 65536);
+        assert!(!entries.is_empty(), "no sb_stats entry");
 
-    env.start_agent();
-    let c = env.client().await;
-    let (ok, checks) = c.health().await;
-    assert!(ok, "{checks:#?}");
-    let pins = &check(&checks, "datapath_pins").2;
-    assert!(
-        pins.contains("sb_stats migrated (was Hash, key 4 B, value 72 B"),
-        "{pins}"
-    );
-    let sb = env.dir.join("bpf").join("sb_stats").display().to_string();
-    assert_eq!(common::pin_value_size(&sb), 80);
-    let after = c.traffic("s").await;
-    assert_eq!(after["new_flows_snat"], 3, "{after:?}");
-    assert_eq!(after["drop_stale_tcp"], 0, "{after:?}");
-    // And the migrated entry counts on.
-    g.udp_exchange(Some(40004), echo, b"y", T).unwrap();
-    assert_eq!(c.traffic("s").await["new_flows_snat"], 4);
+        env.start_agent();
+        c = env.client().await;
+        let (ok, checks) = c.health().await;
+        assert!(ok, "{checks:#?}");
+        let pins = &check(&checks, "datapath_pins").2;
+        assert!(
+            pins.contains(&format!(
+                "sb_stats migrated (was Hash, key 4 B, value {old} B"
+            )),
+            "{pins}"
+        );
+        let sb = env.dir.join("bpf").join("sb_stats").display().to_string();
+        assert_eq!(common::pin_value_size(&sb), 160);
+        let after = c.traffic("s").await;
+        assert_eq!(after["new_flows_snat"], flows, "{after:?}");
+        assert_eq!(after["drop_stale_tcp"], 0, "{after:?}");
+        assert_eq!(after["new_flows_snat_ipv6"], 0, "{after:?}");
+        // And the migrated entry counts on.
+        flows += 1;
+        g.udp_exchange(Some(40000 + flows as u16), echo, b"y", T)
+            .unwrap();
+        assert_eq!(c.traffic("s").await["new_flows_snat"], flows);
+    }
 }
 
 fn hex(b: &[u8]) -> Vec<String> {

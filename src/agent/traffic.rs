@@ -13,7 +13,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 
 use super::{Agent, AgentError, NetworkView, failed};
-use crate::datapath::maps::{RATE_COUNTER_NAMES, SB_COUNTER_NAMES};
+use crate::datapath::maps::{RATE_COUNTER_NAMES, SB_COUNTER_NAMES, SB_COUNTER_NAMES_IPV6};
 use crate::metrics::{Family, Kind, Sample, Val};
 use crate::netlink::LinkCounters;
 
@@ -38,6 +38,8 @@ pub struct Traffic {
     /// The datapath's own counters for this sandbox: drops by reason and
     /// flows opened by kind, indexed like [`SB_COUNTER_NAMES`].
     pub datapath: [u64; SB_COUNTER_NAMES.len()],
+    /// The IPv6 part of each, indexed like [`SB_COUNTER_NAMES_IPV6`].
+    pub datapath6: [u64; SB_COUNTER_NAMES.len()],
     /// Its bandwidth limits at work (paced, dropped beyond the horizon),
     /// indexed like [`RATE_COUNTER_NAMES`].
     pub throttled: [u64; RATE_COUNTER_NAMES.len()],
@@ -59,9 +61,14 @@ impl Traffic {
             rx_dropped: c.tx_dropped,
             flows,
             datapath: dp_array(datapath.unwrap_or_default()),
-            throttled: dp_array(
+            datapath6: dp_array(
                 datapath
                     .and_then(|d| d.get(SB_COUNTER_NAMES.len()..))
+                    .unwrap_or_default(),
+            ),
+            throttled: dp_array(
+                datapath
+                    .and_then(|d| d.get(2 * SB_COUNTER_NAMES.len()..))
                     .unwrap_or_default(),
             ),
             dns_refused: 0,
@@ -80,26 +87,45 @@ impl Traffic {
             ("flows", self.flows),
         ];
         f.extend(SB_COUNTER_NAMES.iter().copied().zip(self.datapath));
+        f.extend(SB_COUNTER_NAMES_IPV6.iter().copied().zip(self.datapath6));
         f.extend(RATE_COUNTER_NAMES.iter().copied().zip(self.throttled));
         f.push(("dns_refused", self.dns_refused));
         f
     }
 
-    /// The datapath's drops for this sandbox by reason (`spoofed`, ...).
+    /// The datapath's drops for this sandbox by reason (`spoofed`, ...),
+    /// both families.
     pub fn drops(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
-        SB_COUNTER_NAMES
-            .iter()
-            .zip(self.datapath)
-            .filter_map(|(n, v)| n.strip_prefix("drop_").map(|r| (r, v)))
+        by_prefix(&self.datapath, "drop_")
     }
 
-    /// Flows the datapath opened for this sandbox by kind (`snat`, ...).
+    /// Flows the datapath opened for this sandbox by kind (`snat`, ...),
+    /// both families.
     pub fn new_flows(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
-        SB_COUNTER_NAMES
-            .iter()
-            .zip(self.datapath)
-            .filter_map(|(n, v)| n.strip_prefix("new_flows_").map(|k| (k, v)))
+        by_prefix(&self.datapath, "new_flows_")
     }
+
+    /// The IPv6 part of [`Self::drops`] (same reasons).
+    pub fn drops6(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        by_prefix(&self.datapath6, "drop_")
+    }
+
+    /// The IPv6 part of [`Self::new_flows`] (same kinds).
+    pub fn new_flows6(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        by_prefix(&self.datapath6, "new_flows_")
+    }
+}
+
+/// (the part after `prefix`, value) of the counters `c` (indexed like
+/// [`SB_COUNTER_NAMES`]) whose name starts with `prefix`.
+fn by_prefix<'a>(
+    c: &'a [u64; SB_COUNTER_NAMES.len()],
+    prefix: &'static str,
+) -> impl Iterator<Item = (&'static str, u64)> + 'a {
+    SB_COUNTER_NAMES
+        .iter()
+        .zip(c)
+        .filter_map(move |(n, v)| n.strip_prefix(prefix).map(|r| (r, *v)))
 }
 
 fn dp_array<const N: usize>(v: &[u64]) -> [u64; N] {
@@ -271,6 +297,15 @@ impl Agent {
                 true,
                 &|t, o| o.extend(t.drops().map(|(r, n)| (Some(r), n))),
             ),
+            per_by(
+                "reason",
+                "sandbox_ipv6_drops",
+                Kind::Counter,
+                None,
+                "The IPv6 part of sandbox_drops, by the same reasons; only values above 0",
+                true,
+                &|t, o| o.extend(t.drops6().map(|(r, n)| (Some(r), n))),
+            ),
             per(
                 "sandbox_dns_refused",
                 Kind::Counter,
@@ -287,6 +322,15 @@ impl Agent {
                 "Flows the datapath opened for a sandbox, by kind (snat: to the world, portmap: from the world, host); only values above 0",
                 true,
                 &|t, o| o.extend(t.new_flows().map(|(k, n)| (Some(k), n))),
+            ),
+            per_by(
+                "kind",
+                "sandbox_ipv6_new_flows",
+                Kind::Counter,
+                None,
+                "The IPv6 part of sandbox_new_flows, by the same kinds; only values above 0",
+                true,
+                &|t, o| o.extend(t.new_flows6().map(|(k, n)| (Some(k), n))),
             ),
             per(
                 "sandbox_shaped_packets",

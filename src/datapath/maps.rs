@@ -394,7 +394,8 @@ pub const SHAPER_HANDLE: u32 = 0xc0be_0000;
 pub const SHAPE_SMALL: u32 = 256;
 
 /// A sandbox's shaper counters (its HTB classes' statistics), after
-/// [`SB_COUNTER_NAMES`] in what `Datapath::sandbox_counters` returns:
+/// [`SB_COUNTER_NAMES`] and [`SB_COUNTER_NAMES_IPV6`] in what
+/// `Datapath::sandbox_counters` returns:
 /// packets and bytes that went through the shaper, how often one had to
 /// wait for the rate (overlimits), and drops (the class's queue full).
 pub const RATE_COUNTER_NAMES: &[&str] = &[
@@ -409,11 +410,13 @@ pub const RATE_COUNTER_NAMES: &[&str] = &[
 ];
 
 /// A sandbox's own datapath counters (`sb_stats`, keyed by its TAP or
-/// veth ifindex), indexed by [`SB_COUNTER_NAMES`].
+/// veth ifindex), indexed by [`SB_COUNTER_NAMES`]: `c` of every family,
+/// `v6` the IPv6 part of each.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DpSbStats {
     pub c: [u64; SB_COUNTER_NAMES.len()],
+    pub v6: [u64; SB_COUNTER_NAMES.len()],
 }
 
 /// enum dp_sb_counter: the datapath's drops by reason, then the flows it
@@ -429,6 +432,21 @@ pub const SB_COUNTER_NAMES: &[&str] = &[
     "new_flows_portmap",
     "new_flows_host",
     "drop_stale_tcp",
+];
+
+/// The IPv6 part of each of [`SB_COUNTER_NAMES`] (`DpSbStats::v6`): the
+/// same name with `_ipv6`.
+pub const SB_COUNTER_NAMES_IPV6: &[&str] = &[
+    "drop_spoofed_ipv6",
+    "drop_policy_ipv6",
+    "drop_malformed_ipv6",
+    "drop_no_route_ipv6",
+    "drop_no_port_ipv6",
+    "drop_unsupported_ipv6",
+    "new_flows_snat_ipv6",
+    "new_flows_portmap_ipv6",
+    "new_flows_host_ipv6",
+    "drop_stale_tcp_ipv6",
 ];
 
 // Each type below is #[repr(C)], Copy, made only of integers and byte
@@ -515,7 +533,8 @@ const _: () = {
     assert!(size_of::<DpHrevVal>() == 24);
     assert!(size_of::<DpFragKey>() == 12);
     assert!(size_of::<DpFragVal>() == 32);
-    assert!(size_of::<DpSbStats>() == 80);
+    assert!(size_of::<DpSbStats>() == 160);
+    assert!(SB_COUNTER_NAMES_IPV6.len() == SB_COUNTER_NAMES.len());
     assert!(size_of::<DpRate>() == 16);
     assert!(size_of::<DpWake>() == 32);
 };
@@ -854,7 +873,12 @@ mod uplink6_tests {
         let a: std::net::Ipv6Addr = "2001:db8::1".parse().unwrap();
         let b: std::net::Ipv6Addr = "2001:db8::2".parse().unwrap();
         let cfg = |addr: Option<std::net::Ipv6Addr>| DpConfig {
-            flags: DP_CFG_IPV6 | if addr.is_some() { DP_CFG_IPV6_EGRESS } else { 0 },
+            flags: DP_CFG_IPV6
+                | if addr.is_some() {
+                    DP_CFG_IPV6_EGRESS
+                } else {
+                    0
+                },
             uplink_ip6: addr.map_or([0; 16], |a| a.octets()),
             host_ip: 7,
             ..Default::default()
@@ -881,6 +905,19 @@ mod uplink6_tests {
                 prev = *s;
             }
             assert_eq!(prev, cfg(to), "{from:?} -> {to:?}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod sb_names_tests {
+    #[test]
+    fn each_ipv6_counter_is_its_total_with_the_suffix() {
+        for (t, v6) in super::SB_COUNTER_NAMES
+            .iter()
+            .zip(super::SB_COUNTER_NAMES_IPV6)
+        {
+            assert_eq!(format!("{t}_ipv6"), *v6);
         }
     }
 }

@@ -122,8 +122,8 @@ impl std::fmt::Display for Hook {
 }
 
 /// A sandbox device's counters: `maps::SB_COUNTER_NAMES`, then
-/// `maps::RATE_COUNTER_NAMES`.
-pub type SandboxCounters = [u64; maps::SB_COUNTER_NAMES.len() + maps::RATE_COUNTER_NAMES.len()];
+/// `maps::SB_COUNTER_NAMES_IPV6`, then `maps::RATE_COUNTER_NAMES`.
+pub type SandboxCounters = [u64; 2 * maps::SB_COUNTER_NAMES.len() + maps::RATE_COUNTER_NAMES.len()];
 
 /// The datapath's reports of the first packet for each paused sandbox
 /// (a ring buffer the programs fill; pollable through its fd).
@@ -171,8 +171,8 @@ pub trait Datapath: Send + Sync {
     fn live_flows(&self, _sandbox_ip: std::net::Ipv4Addr) -> u64 {
         0
     }
-    /// A sandbox device's own datapath counters, indexed like
-    /// `maps::SB_COUNTER_NAMES` (None: no entry, e.g. no eBPF datapath).
+    /// A sandbox device's own datapath counters, laid out as
+    /// [`SandboxCounters`] (None: no entry, e.g. no eBPF datapath).
     fn sandbox_counters(&self, _ifindex: u32) -> Option<Vec<u64>> {
         None
     }

@@ -111,14 +111,16 @@ fn host_nat_v1(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
     Some((k.to_vec(), out))
 }
 
-/// `sb_stats` of the builds before `drop_stale_tcp`: 9 counters; the new
-/// one is appended (0).
-fn sb_stats_v1(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
-    if v.len() != 72 {
+/// `sb_stats` of the builds before `drop_stale_tcp` (9 counters, 72
+/// bytes) and before the IPv6 parts (10, 80 bytes): the counters they
+/// lack are appended (0), so every total keeps its place.
+fn sb_stats_older(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
+    const NOW: usize = std::mem::size_of::<crate::datapath::maps::DpSbStats>();
+    if v.len() >= NOW || !v.len().is_multiple_of(8) {
         return None;
     }
     let mut out = v.to_vec();
-    out.resize(80, 0);
+    out.resize(NOW, 0);
     Some((k.to_vec(), out))
 }
 
@@ -126,7 +128,8 @@ fn sb_stats_v1(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
 const CONVERSIONS: &[(&str, usize, Convert)] = &[
     ("ct", 24, ct_v1),
     ("host_nat", 24, host_nat_v1),
-    ("sb_stats", 72, sb_stats_v1),
+    ("sb_stats", 72, sb_stats_older),
+    ("sb_stats", 80, sb_stats_older),
 ];
 
 /// What happens to one map.

@@ -353,6 +353,18 @@ fn value_lines(key: &str, v: &Json, out: &Output) -> Vec<String> {
                     n("new_flows_host")
                 ),
                 format!(
+                    "of which over IPv6, dropped (spoofed {}, policy {}, malformed {}, no route {}, no port {}, unsupported {}, stale TCP {}), flows opened {} to the world, {} from the world",
+                    n("drop_spoofed_ipv6"),
+                    n("drop_policy_ipv6"),
+                    n("drop_malformed_ipv6"),
+                    n("drop_no_route_ipv6"),
+                    n("drop_no_port_ipv6"),
+                    n("drop_unsupported_ipv6"),
+                    n("drop_stale_tcp_ipv6"),
+                    n("new_flows_snat_ipv6"),
+                    n("new_flows_portmap_ipv6")
+                ),
+                format!(
                     "{} DNS queries refused by its domain rules",
                     n("dns_refused")
                 ),

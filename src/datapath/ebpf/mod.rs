@@ -589,7 +589,7 @@ impl Datapath for EbpfDatapath {
             .unwrap_or_else(|p| p.into_inner())
             .get(&ifindex, 0)
             .ok()
-            .map(|s| s.c.to_vec())?;
+            .map(|s| [s.c, s.v6].concat())?;
         let rate = self
             .rate_read
             .lock()
@@ -651,9 +651,11 @@ impl Datapath for EbpfDatapath {
         read_all(&self.sb_read_dump, &self.sb_read)
             .into_iter()
             .map(|(i, s)| {
-                let mut c = [0; SB_COUNTER_NAMES.len() + RATE_COUNTER_NAMES.len()];
-                let (sb, rate) = c.split_at_mut(SB_COUNTER_NAMES.len());
+                let mut c = [0; 2 * SB_COUNTER_NAMES.len() + RATE_COUNTER_NAMES.len()];
+                let (sb, rest) = c.split_at_mut(SB_COUNTER_NAMES.len());
+                let (sb6, rate) = rest.split_at_mut(SB_COUNTER_NAMES.len());
                 sb.copy_from_slice(&s.c);
+                sb6.copy_from_slice(&s.v6);
                 if let Some(r) = shaped.get(&i) {
                     rate.copy_from_slice(r);
                 }
