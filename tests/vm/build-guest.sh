@@ -39,7 +39,8 @@
 # POST (TSO from the guest), ICMP echo, and the IPv6 link (echo to the
 # gateway, whether a default route was advertised, a connection to an
 # unrouted address failing at once); cna.world6=[ADDR]:PORT adds a GET
-# over IPv6 (NAT66). Without cna.world the guest only serves
+# over IPv6 (NAT66); cna.name6=NAME:PORT the same by name (an AAAA
+# question to the gateway's resolver). Without cna.world the guest only serves
 # (and /cgi-bin/fetch fails); cna.far=HOST:PORT (a server like WORLD's
 # behind a narrower link) adds a large POST and GET there (path MTU
 # discovery); cna.checks=0 skips these checks but keeps
@@ -156,7 +157,7 @@ mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 for m in $MODULES; do [ -e /lib/modules/$m.ko ] && insmod /lib/modules/$m.ko 2>/dev/null; done
 echo "GUEST-KERNEL-UP uptime=$(cut -d' ' -f1 /proc/uptime)"
-WORLD= BIG=2097152 STALE= CHECKS=1 FAR= WORLD6=
+WORLD= BIG=2097152 STALE= CHECKS=1 FAR= WORLD6= NAME6=
 for a in $(cat /proc/cmdline); do
     case $a in
     cna.world=*) WORLD=${a#cna.world=} ;;
@@ -165,6 +166,7 @@ for a in $(cat /proc/cmdline); do
     cna.checks=*) CHECKS=${a#cna.checks=} ;;
     cna.far=*) FAR=${a#cna.far=} ;;
     cna.world6=*) WORLD6=${a#cna.world6=} ;;
+    cna.name6=*) NAME6=${a#cna.name6=} ;;
     esac
 done
 echo "$WORLD" >/etc/cna-world
@@ -243,6 +245,16 @@ if [ -n "$WORLD" ] && [ "$CHECKS" != 0 ]; then
             timeout 10 wget -q -O /tmp/small6 "http://$WORLD6/index.html" && { r=0; break; }; sleep 0.5
         done
         echo "GUEST-CHECK ipv6-egress-get rc=$r body=$(head -n 1 /tmp/small6 2>/dev/null | head -c 64 | tr -dc 'a-zA-Z0-9.:-')"
+    fi
+    if [ -n "$NAME6" ]; then
+        # By name: the AAAA answer from the gateway's resolver, then a GET.
+        n=${NAME6%:*}; p=${NAME6##*:}
+        a=$(nslookup -type=aaaa "$n" 169.254.68.5 2>/dev/null | awk '/^Address:/ {print $2}' |
+            grep -v '^169\.254\.68\.5' | grep : | tail -n 1)
+        r=1; [ -n "$a" ] && for t in 1 2 3; do
+            timeout 10 wget -q -O /tmp/name6 "http://[$a]:$p/index.html" && { r=0; break; }; sleep 0.5
+        done
+        echo "GUEST-CHECK ipv6-by-name rc=$r addr=${a:-none} body=$(head -n 1 /tmp/name6 2>/dev/null | head -c 64 | tr -dc 'a-zA-Z0-9.:-')"
     fi
     # Off the link to an address nobody routes: without NAT66 (a static
     # default route) refused by the gateway, with it the world's ICMPv6

@@ -15,6 +15,8 @@
 #   guest IPv6       the SLAAC address and a default route from the RAs
 #                    alone; GET from the world's IPv6 address, which sees
 #                    the node's (NAT66, the uplink has 2001:db8:c0be::1/64);
+#                    the same by name (AAAA through the agent's resolver,
+#                    from a dnsmasq in the world);
 #                    an address the world has no route to fails at once
 #                    (the world's ICMPv6 error translated)
 #   world -> node 198.51.100.1:<host port> -> guest:80 (port-mapped ingress):
@@ -50,7 +52,7 @@ START=$(date +%s.%N)
 
 # The tools this script and build-guest.sh run; scripts/deps.sh installs them.
 vm_tools ip dbus-daemon busctl curl md5sum mount mountpoint umount tcpdump \
-    qemu-system-x86_64 awk sed cut head tail sort tr seq mktemp
+    qemu-system-x86_64 awk sed cut head tail sort tr seq mktemp dnsmasq
 vm_binaries
 vm_scratch vm
 
@@ -99,6 +101,14 @@ ip netns exec "$WNS" "$PY" "$T/world.py" "$T/www" >"$T/world.out" 2>"$T/world.lo
 PIDS+=($!)
 ip netns exec "$WNS" "$PY" "$T/world.py" "$T/www" "$WORLD_IP6" 8006 >"$T/world6.out" 2>"$T/world6.log" &
 PIDS+=($!)
+# The world's DNS: world.cna.test has both families; the agent's resolver
+# forwards to it (the guest asks the gateway, 169.254.68.5).
+WORLD_NAME=world.cna.test
+ip netns exec "$WNS" dnsmasq --keep-in-foreground --conf-file=/dev/null --user=root --group=root \
+    --pid-file= --bind-interfaces --no-resolv --no-hosts --listen-address="$WORLD_IP" \
+    --host-record="$WORLD_NAME,$WORLD_IP,$WORLD_IP6" >/dev/null 2>"$T/dnsmasq.log" &
+PIDS+=($!)
+VM_AGENT_ARGS=(--dns-upstream "$WORLD_IP")
 
 # A far server behind a narrower link (path MTU discovery): the world
 # routes 203.0.113.8/30 through a middle namespace over a 1280-byte link,
@@ -180,7 +190,7 @@ ip netns exec "$NS" "$CTL" --bus "$ADDR" open-tap vm-1 -- \
     -nodefaults -display none -monitor none -no-reboot \
     -serial "file:$T/console.log" \
     -kernel "$CACHE/vmlinux" -initrd "$CACHE/initramfs.cpio.gz" \
-    -append "console=ttyS0 quiet panic=-1 rdinit=/init cna.world=$WORLD_IP:8000 cna.world6=[$WORLD_IP6]:8006 cna.far=$FAR_IP:8000 cna.big=$BIG" \
+    -append "console=ttyS0 quiet panic=-1 rdinit=/init cna.world=$WORLD_IP:8000 cna.world6=[$WORLD_IP6]:8006 cna.name6=$WORLD_NAME:8006 cna.far=$FAR_IP:8000 cna.big=$BIG" \
     -netdev tap,id=n0,fd=3,vhost=off \
     -device virtio-net-pci,netdev=n0,mac=20:90:6f:fc:fc:fc,romfile= \
     </dev/null >"$T/qemu.log" 2>&1 &
@@ -239,6 +249,9 @@ check "guest IPv6: ping the gateway fd63:7562:6500::5" "rc=0" "$(gcheck ipv6-pin
 check "guest IPv6: a default route from the RA alone (NAT66 on this node)" "present" "$(gcheck ipv6-default-route)"
 r=$(gcheck ipv6-egress-get)
 check "guest IPv6 -> world [$WORLD_IP6]: GET small page (NAT66)" "rc=0 body=cna-vm-world-marker" "$r"
+r=$(gcheck ipv6-by-name)
+check "guest IPv6 -> world by name: AAAA of $WORLD_NAME through the agent's resolver, GET (NAT66)" \
+    "rc=0 addr=$WORLD_IP6 body=cna-vm-world-marker" "$r"
 clients6=$(sed -n 's/^client=\([^ ]*\) .*/\1/p' "$T/world6.log" | sort -u | tr '\n' ' ')
 check "world sees the uplink's IPv6 address as the client (NAT66)" "$NODE_IP6 " "$clients6"
 r=$(gcheck ipv6-off-link)
