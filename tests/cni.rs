@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::ctr::{Ctr, Out, cni};
+use common::ctr::{Ctr, Out, cni, cni_ro_sys};
 use common::world::{self, NODE_IP, Server, World, in_netns};
 use common::{Env, opts, s};
 use serde_json::{Value, json};
@@ -170,7 +170,25 @@ async fn raw_protocol_every_verb_and_error() {
             // address the result lists (ADD adds it, not SLAAC).
             ctr.sh("sysctl -qw net.ipv6.conf.default.accept_ra=0");
         }
-        let r = add_ok(&env, &cid, &ctr, &cf);
+        let r = if i == 2 {
+            // /proc/sys read-only, as a runtime in a systemd container
+            // runs its plugins: the sysctls are refinements, ADD works.
+            let out = cni_ro_sys(
+                &env,
+                &[
+                    ("CNI_COMMAND", "ADD"),
+                    ("CNI_CONTAINERID", &cid),
+                    ("CNI_NETNS", &ctr.path()),
+                    ("CNI_IFNAME", "eth0"),
+                    ("CNI_PATH", "/opt/cni/bin"),
+                ],
+                cf.to_string().as_bytes(),
+            );
+            assert!(out.ok && out.stderr.contains("read-only"), "{out:?}");
+            out.json
+        } else {
+            add_ok(&env, &cid, &ctr, &cf)
+        };
         assert_eq!(r["cniVersion"], *version);
         let ifs = r["interfaces"].as_array().unwrap();
         assert_eq!(ifs.len(), 2, "{r}");

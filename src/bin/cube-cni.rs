@@ -313,8 +313,10 @@ impl Inside {
     }
 
     /// Writes `value` to the namespace's `/proc/sys/net/<key>` (net
-    /// sysctls are the writer's namespace's: written from inside).
-    fn sysctl(&self, key: &str, value: &str) -> Result<(), CniError> {
+    /// sysctls are the writer's namespace's: written from inside). `Ok(false)`
+    /// where /proc/sys cannot be written at all (read-only, as in a systemd
+    /// container, or not permitted): the caller decides whether it needs it.
+    fn sysctl(&self, key: &str, value: &str) -> Result<bool, CniError> {
         use nix::sched::{CloneFlags, setns};
         let home = std::fs::File::open("/proc/thread-self/ns/net")
             .map_err(|e| netns_err("opening the plugin's own namespace", e))?;
@@ -324,7 +326,16 @@ impl Inside {
         let written = std::fs::write(&path, value);
         setns(home.as_fd(), CloneFlags::CLONE_NEWNET)
             .map_err(|e| netns_err("returning to the plugin's namespace", e))?;
-        written.map_err(|e| netns_err(&format!("writing {value} to {path}"), e))
+        match written {
+            Ok(()) => Ok(true),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::ReadOnlyFilesystem
+                    || e.kind() == std::io::ErrorKind::PermissionDenied =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(netns_err(&format!("writing {value} to {path}"), e)),
+        }
     }
 }
 
@@ -502,8 +513,18 @@ async fn configure_inside(
         // Its link-local address usable at once too: the Router
         // Solicitation leaves on link up, not a DAD round later. And its
         // IPv6 address kept while the link is down, as the IPv4 one is.
-        inside.sysctl(&format!("ipv6/conf/{ifname}/accept_dad"), "0")?;
-        inside.sysctl(&format!("ipv6/conf/{ifname}/keep_addr_on_down"), "1")?;
+        // Both are refinements: where /proc/sys is read-only (a runtime
+        // in a systemd container) the link-local address waits for its
+        // DAD (1 s) before the Router Solicitation leaves, and the default
+        // route may come after ADD returned; said on stderr, not failed.
+        let dad = inside.sysctl(&format!("ipv6/conf/{ifname}/accept_dad"), "0")?;
+        let keep = inside.sysctl(&format!("ipv6/conf/{ifname}/keep_addr_on_down"), "1")?;
+        if !(dad && keep) {
+            eprintln!(
+                "cube-cni: /proc/sys/net is read-only here: {ifname}'s link-local DAD stays on \
+                 (its IPv6 default route may follow ADD by about a second)"
+            );
+        }
     }
     let up = cube_network_agent::netlink::LinkChange {
         up: Some(true),

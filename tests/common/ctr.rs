@@ -95,18 +95,36 @@ impl Out {
 
 /// Runs cube-cni inside the node namespace (where runtimes run plugins).
 pub fn cni(env: &Env, vars: &[(&str, &str)], stdin: &[u8]) -> Out {
+    cni_in(env, vars, stdin, false)
+}
+
+/// [`cni`] with /proc/sys read-only, as a runtime in a systemd container
+/// (nspawn) runs its plugins.
+pub fn cni_ro_sys(env: &Env, vars: &[(&str, &str)], stdin: &[u8]) -> Out {
+    cni_in(env, vars, stdin, true)
+}
+
+fn cni_in(env: &Env, vars: &[(&str, &str)], stdin: &[u8], ro_sys: bool) -> Out {
     use std::io::Write;
     let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &env.ns])
-        .arg(
-            std::env::var_os("CNA_TEST_CNI")
-                .unwrap_or_else(|| env!("CARGO_BIN_EXE_cube-cni").into()),
-        )
-        .env_clear()
-        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    cmd.args(["netns", "exec", &env.ns]);
+    if ro_sys {
+        cmd.args([
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            "mount --bind -o ro /proc/sys /proc/sys && exec \"$0\"",
+        ]);
+    }
+    cmd.arg(
+        std::env::var_os("CNA_TEST_CNI").unwrap_or_else(|| env!("CARGO_BIN_EXE_cube-cni").into()),
+    )
+    .env_clear()
+    .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
     for (k, v) in vars {
         cmd.env(k, v);
     }
