@@ -400,6 +400,15 @@ static __always_inline void sb_count6(__u32 ifindex, __u32 which)
 	}
 }
 
+/* sb_count or sb_count6 by a host flow's family (DP_HFAM_*). */
+static __always_inline void sb_count_fam(__u32 ifindex, __u32 which, __u8 family)
+{
+	if (family == 6)
+		sb_count6(ifindex, which);
+	else
+		sb_count(ifindex, which);
+}
+
 /* The upgrade test (tests/upgrade/build-next.sh) builds a second datapath
  * that differs only here (1): every program gets another tag and behaves
  * the same. */
@@ -998,7 +1007,7 @@ static __always_inline int opens_flow(const struct dp_ct_val *v, const struct l4
 static __always_inline int hkey_eq(const struct dp_hflow_key *a, const struct dp_hflow_key *b)
 {
 	return a->saddr == b->saddr && a->daddr == b->daddr && a->sport == b->sport &&
-	       a->dport == b->dport && a->proto == b->proto;
+	       a->dport == b->dport && a->proto == b->proto && a->family == b->family;
 }
 
 /* Removes a host flow and its guest-side entry if that still points at it. */
@@ -1012,6 +1021,7 @@ static __always_inline void hflow_drop(const struct dp_config *c, const struct d
 		.guest_port = hv->guest_port,
 		.gw_port = hv->gw_port,
 		.proto = hk->proto,
+		.family = hk->family,
 	};
 	struct dp_hrev_val *rv = bpf_map_lookup_elem(&hrev, &rk);
 	if (rv && hkey_eq(&rv->host, hk))
@@ -1071,6 +1081,7 @@ static __always_inline int hflow_alloc(const struct dp_config *c, const struct d
 		.sandbox_ip = sandbox_ip,
 		.guest_port = guest_port,
 		.proto = hk->proto,
+		.family = hk->family,
 	};
 	struct dp_hrev_val rv = {.host = *hk, .gen = gen};
 	__u32 h = bpf_ntohs(hk->sport) + hk->saddr * 2654435761u;
@@ -1152,14 +1163,14 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 		hflow_drop(c, hk, hv);
 	if (share_take(tap_ifindex)) {
 		count(DP_C_HOST_SHARE);
-		sb_count(tap_ifindex, DP_S_NO_PORT);
+		sb_count_fam(tap_ifindex, DP_S_NO_PORT, hk->family);
 		return -1;
 	}
 	int syn = l4->proto == IPPROTO_TCP && (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
 	if (hflow_alloc(c, hk, sandbox_ip, guest_port, gen, syn, gw_port)) {
 		share_give(tap_ifindex);
 		count(DP_C_NO_GW_PORT);
-		sb_count(tap_ifindex, DP_S_NO_PORT);
+		sb_count_fam(tap_ifindex, DP_S_NO_PORT, hk->family);
 		return -1;
 	}
 	struct dp_hflow_val nv = {
@@ -1180,6 +1191,7 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 			.guest_port = guest_port,
 			.gw_port = *gw_port,
 			.proto = hk->proto,
+			.family = hk->family,
 		};
 		struct dp_hrev_val *rv = bpf_map_lookup_elem(&hrev, &rk);
 		struct dp_hflow_val *won = bpf_map_lookup_elem(&hflow, hk);
@@ -1191,7 +1203,94 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 		count(DP_C_NO_GW_PORT);
 		return -1;
 	}
-	sb_count(tap_ifindex, DP_S_NEW_HOST);
+	sb_count_fam(tap_ifindex, DP_S_NEW_HOST, hk->family);
+	return 0;
+}
+
+/* The host flow of a guest's TCP or UDP packet to its gateway (address
+ * family `family`, DP_HFAM_*): the reply side of a flow the host opened
+ * (its hrev entry), else a flow the guest opens to the node, made here
+ * (the node sees sandbox address -> gateway-device address, the guest's
+ * ports kept). Its key in `hk` and kind in `kind`; -1: dropped. */
+static __always_inline int guest_host_flow(struct __sk_buff *skb, const struct dp_config *c,
+					   const struct dp_sandbox *sb, const struct l4info *l4,
+					   __u8 family, struct dp_hflow_key *hk, __u8 *kind)
+{
+	struct dp_hrev_key rk = {
+		.sandbox_ip = sb->sandbox_ip,
+		.guest_port = l4->sport,
+		.gw_port = l4->dport,
+		.proto = l4->proto,
+		.family = family,
+	};
+	struct dp_hflow_val *hv = NULL;
+	struct dp_hrev_val *rv = bpf_map_lookup_elem(&hrev, &rk);
+	if (rv && rv->gen == sb->gen) {
+		*hk = rv->host;
+		hv = hflow_of(c, hk, sb->sandbox_ip, sb->gen);
+		if (hv && (hv->guest_port != l4->sport || hv->gw_port != l4->dport))
+			hv = NULL;
+	}
+	if (hv) {
+		hv->last_seen_ns = bpf_ktime_get_ns();
+		hv->state = tcp_state(hv->state, l4, DIR_OUT);
+		*kind = hv->kind;
+		return 0;
+	}
+	if (rv)
+		bpf_map_delete_elem(&hrev, &rk);
+	/* A TCP segment other than a SYN of a flow nobody has (one the host
+	 * opened, whose entries are gone) is not a flow the guest opens:
+	 * made one, the host would answer it with a reset, or another socket
+	 * of the host would get it. */
+	if (l4->proto == IPPROTO_TCP && (l4->tcp_flags & (TCP_SYN | TCP_ACK)) != TCP_SYN) {
+		count(DP_C_NO_HOST_FLOW);
+		return -1;
+	}
+	/* A flow the guest opens: the host sees sandbox address -> gateway-
+	 * device address, ports as the guest chose them. */
+	hk->saddr = c->host_ip;
+	hk->daddr = sb->sandbox_ip;
+	hk->sport = l4->dport;
+	hk->dport = l4->sport;
+	hk->proto = l4->proto;
+	hk->family = family;
+	hk->pad[0] = hk->pad[1] = 0;
+	struct dp_hflow_val *other = hflow_of(c, hk, sb->sandbox_ip, sb->gen);
+	if (other) {
+		/* The host's tuple is another flow's (a host connection mapped
+		 * to this guest port): taken over only by a SYN when that one
+		 * is closed. */
+		if (!(l4->proto == IPPROTO_TCP && tcp_closed(other->state))) {
+			count(DP_C_NO_GW_PORT);
+			sb_count_fam(skb->ifindex, DP_S_NO_PORT, family);
+			return -1;
+		}
+		hflow_drop(c, hk, other);
+	}
+	if (share_take(skb->ifindex)) {
+		count(DP_C_HOST_SHARE);
+		sb_count_fam(skb->ifindex, DP_S_NO_PORT, family);
+		return -1;
+	}
+	struct dp_hflow_val nv = {
+		.last_seen_ns = bpf_ktime_get_ns(),
+		.gen = sb->gen,
+		.sandbox_ip = sb->sandbox_ip,
+		.guest_port = l4->sport,
+		.gw_port = l4->dport,
+		.kind = DP_HF_GWDEV,
+		.state = tcp_state(DP_TCP_OPEN, l4, DIR_OUT),
+	};
+	if (bpf_map_update_elem(&hflow, hk, &nv, BPF_NOEXIST)) {
+		share_give(skb->ifindex);
+		count(DP_C_NO_GW_PORT);
+		return -1;
+	}
+	struct dp_hrev_val nrv = {.host = *hk, .gen = sb->gen};
+	bpf_map_update_elem(&hrev, &rk, &nrv, BPF_ANY);
+	sb_count_fam(skb->ifindex, DP_S_NEW_HOST, family);
+	*kind = DP_HF_GWDEV;
 	return 0;
 }
 
@@ -1206,81 +1305,9 @@ static __always_inline int guest_to_host(struct __sk_buff *skb, const struct dp_
 	__u8 kind = DP_HF_GWDEV;
 	if (!l4->frag && !l4->first_frag &&
 	    (l4->proto == IPPROTO_TCP || l4->proto == IPPROTO_UDP)) {
-		struct dp_hrev_key rk = {
-			.sandbox_ip = sb->sandbox_ip,
-			.guest_port = l4->sport,
-			.gw_port = l4->dport,
-			.proto = l4->proto,
-		};
 		struct dp_hflow_key hk;
-		struct dp_hflow_val *hv = NULL;
-		struct dp_hrev_val *rv = bpf_map_lookup_elem(&hrev, &rk);
-		if (rv && rv->gen == sb->gen) {
-			hk = rv->host;
-			hv = hflow_of(c, &hk, sb->sandbox_ip, sb->gen);
-			if (hv && (hv->guest_port != l4->sport || hv->gw_port != l4->dport))
-				hv = NULL;
-		}
-		if (!hv) {
-			if (rv)
-				bpf_map_delete_elem(&hrev, &rk);
-			/* A TCP segment other than a SYN of a flow nobody has
-			 * (one the host opened, whose entries are gone) is not a
-			 * flow the guest opens: made one, the host would answer
-			 * it with a reset, or another socket of the host would
-			 * get it. */
-			if (l4->proto == IPPROTO_TCP &&
-			    (l4->tcp_flags & (TCP_SYN | TCP_ACK)) != TCP_SYN) {
-				count(DP_C_NO_HOST_FLOW);
-				return TC_ACT_SHOT;
-			}
-			/* A flow the guest opens: the host sees sandbox IP ->
-			 * gateway-device IP, ports as the guest chose them. */
-			hk.saddr = c->host_ip;
-			hk.daddr = sb->sandbox_ip;
-			hk.sport = l4->dport;
-			hk.dport = l4->sport;
-			hk.proto = l4->proto;
-			hk.pad[0] = hk.pad[1] = hk.pad[2] = 0;
-			struct dp_hflow_val *other = hflow_of(c, &hk, sb->sandbox_ip, sb->gen);
-			if (other) {
-				/* The host's tuple is another flow's (a host
-				 * connection mapped to this guest port): taken over
-				 * only by a SYN when that one is closed. */
-				if (!(l4->proto == IPPROTO_TCP && tcp_closed(other->state))) {
-					count(DP_C_NO_GW_PORT);
-					sb_count(skb->ifindex, DP_S_NO_PORT);
-					return TC_ACT_SHOT;
-				}
-				hflow_drop(c, &hk, other);
-			}
-			if (share_take(skb->ifindex)) {
-				count(DP_C_HOST_SHARE);
-				sb_count(skb->ifindex, DP_S_NO_PORT);
-				return TC_ACT_SHOT;
-			}
-			struct dp_hflow_val nv = {
-				.last_seen_ns = bpf_ktime_get_ns(),
-				.gen = sb->gen,
-				.sandbox_ip = sb->sandbox_ip,
-				.guest_port = l4->sport,
-				.gw_port = l4->dport,
-				.kind = DP_HF_GWDEV,
-				.state = tcp_state(DP_TCP_OPEN, l4, DIR_OUT),
-			};
-			if (bpf_map_update_elem(&hflow, &hk, &nv, BPF_NOEXIST)) {
-				share_give(skb->ifindex);
-				count(DP_C_NO_GW_PORT);
-				return TC_ACT_SHOT;
-			}
-			struct dp_hrev_val nrv = {.host = hk, .gen = sb->gen};
-			bpf_map_update_elem(&hrev, &rk, &nrv, BPF_ANY);
-			sb_count(skb->ifindex, DP_S_NEW_HOST);
-		} else {
-			hv->last_seen_ns = bpf_ktime_get_ns();
-			hv->state = tcp_state(hv->state, l4, DIR_OUT);
-			kind = hv->kind;
-		}
+		if (guest_host_flow(skb, c, sb, l4, DP_HFAM_IPV4, &hk, &kind))
+			return TC_ACT_SHOT;
 		/* The host's tuple, reversed. */
 		if (set_addr(skb, IP_SRC_OFF, ip->saddr, hk.daddr, l4) ||
 		    set_addr(skb, IP_DST_OFF, ip->daddr, hk.saddr, l4) ||
@@ -1890,6 +1917,10 @@ _Static_assert(sizeof(struct v6_unreach) == 48, "unreachable layout");
 /* guest_ipv6's answer for a packet to the world from a sandbox that may
  * send there (from_guest tail-calls guest6_out). */
 #define V6_TO_WORLD 0x7700
+/* guest_ipv6's answer for TCP, UDP or an echo reply to the gateway's
+ * fd63:7562:6500::5 on a node with host <-> sandbox over IPv6: its
+ * caller goes on with guest_to_host6. Not a TC_ACT_* value. */
+#define V6_TO_HOST 0x7701
 /* guest_ipv6's modes: judge the packet; or refuse what is not the link's
  * (counted as refused, or not: the caller counted why). */
 #define V6_JUDGE 0
@@ -2056,6 +2087,12 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 	/* No error answers a multicast packet (RFC 4443 2.4). */
 	if (mcast)
 		return TC_ACT_SHOT;
+	/* To the node through the gateway's unique-local address. */
+	if (mode == V6_JUDGE && (c->pool6[0] | c->pool6[1] | c->pool6[2]) &&
+	    v6_fixed_eq(h.ip.daddr, DP_V6_GATEWAY_LO) &&
+	    (h.ip.nexthdr == IPPROTO_TCP || h.ip.nexthdr == IPPROTO_UDP ||
+	     (icmp && type == ICMP6_ECHO_REPLY)))
+		return V6_TO_HOST;
 
 	/* The world (not the link, nor link-local), for a sandbox that may
 	 * reach it: NAT66 in guest6_out. */
@@ -3288,6 +3325,151 @@ __noinline int to_uplink6(struct __sk_buff *skb)
 	return TC_ACT_SHOT;
 }
 
+/* Host <-> sandbox over IPv6 (docs/dual-stack.md "Host <-> sandbox"): the
+ * sandbox's identity is pool6 ‖ sandbox_ip, the gateway device's pool6 ‖
+ * host_ip; a host flow is the IPv4 one those words name, of family
+ * DP_HFAM_IPV6 (hflow, hrev, shares and the reaper are IPv4's). */
+static __always_inline int pool6_on(const struct dp_config *c)
+{
+	return c->pool6[0] | c->pool6[1] | c->pool6[2];
+}
+
+static __always_inline void pool6_addr(__u32 *a, const struct dp_config *c, __u32 v4)
+{
+	a[0] = c->pool6[0];
+	a[1] = c->pool6[1];
+	a[2] = c->pool6[2];
+	a[3] = v4;
+}
+
+/* guest -> fd63:7562:6500::5 (guest_ipv6 said V6_TO_HOST): as
+ * guest_to_host, into the gateway device as sandbox_ipv6 -> the device's
+ * IPv6 address; an echo reply (to the node's ping) with its addresses
+ * only. */
+__noinline int guest_to_host6(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!skb || !c)
+		return TC_ACT_SHOT;
+	__u32 ifindex = skb->ifindex;
+	struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
+	struct ip6h ip;
+	struct l4info l4;
+	if (!sb || !pool6_on(c) || parse_ipv6(skb, &ip, &l4))
+		return TC_ACT_SHOT;
+	/* The proxy's ports take only what guest_to_proxy sends them (as
+	 * from_guest's IPv4 check). */
+	if (l4.proto == IPPROTO_TCP && (l4.dport == bpf_htons(DP_PROXY_TLS_PORT) ||
+					l4.dport == bpf_htons(DP_PROXY_HTTP_PORT))) {
+		count(DP_C_POLICY_DROP);
+		sb_count6(ifindex, DP_S_POLICY);
+		return TC_ACT_SHOT;
+	}
+	struct dp_hflow_key hk = {};
+	__u8 kind = DP_HF_GWDEV;
+	int ports = l4.proto == IPPROTO_TCP || l4.proto == IPPROTO_UDP;
+	if (ports && guest_host_flow(skb, c, sb, &l4, DP_HFAM_IPV6, &hk, &kind))
+		return TC_ACT_SHOT;
+	if (kind != DP_HF_GWDEV) {
+		/* Mapped ports through lo are IPv4's. */
+		sb_count6(ifindex, DP_S_NO_ROUTE);
+		return TC_ACT_SHOT;
+	}
+	__u32 from[4], to[4];
+	pool6_addr(from, c, sb->sandbox_ip);
+	pool6_addr(to, c, c->host_ip);
+	if (set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, saddr), ip.saddr, from, &l4) ||
+	    set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, daddr), ip.daddr, to, &l4))
+		return TC_ACT_SHOT;
+	if (ports && (set_port(skb, src_port_off(&l4), l4.sport, hk.dport, &l4) ||
+		      set_port(skb, dst_port_off(&l4), l4.dport, hk.sport, &l4)))
+		return TC_ACT_SHOT;
+	if (set_macs(skb, c->gwdev_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	count(DP_C_HOST);
+	return bpf_redirect(c->gwdev_ifindex, BPF_F_INGRESS);
+}
+
+/* host -> a sandbox's IPv6 identity (routed into the gateway device; to_
+ * sandbox_ip's IPv6 part): only the node's own packets from the device's
+ * address, TCP and UDP by host flow (the same admission as IPv4's: root
+ * or host_access for a flow the node opens), echo requests of an admitted
+ * sender; to the guest's SLAAC address from fd63:7562:6500::5. */
+__noinline int host_to_sandbox6(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!skb || !c || !pool6_on(c))
+		return TC_ACT_OK;
+	struct l4info l4;
+	__u32 dst;
+	int from_device;
+	{
+		/* Scoped: the frame must fit to_sandbox_ip's in 512 bytes. */
+		struct ip6h ip;
+		if (parse_ipv6(skb, &ip, &l4) || ip.daddr[0] != c->pool6[0] ||
+		    ip.daddr[1] != c->pool6[1] || ip.daddr[2] != c->pool6[2])
+			return TC_ACT_OK;
+		dst = ip.daddr[3];
+		/* Only from the device's own address (another of the node's is
+		 * not the flow's tuple). */
+		from_device = ip.saddr[0] == c->pool6[0] && ip.saddr[1] == c->pool6[1] &&
+			      ip.saddr[2] == c->pool6[2] && ip.saddr[3] == c->host_ip;
+	}
+	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &dst);
+	if (!tap)
+		return TC_ACT_OK;
+	if (skb->ingress_ifindex) {
+		count(DP_C_FORWARDED_DROP);
+		return TC_ACT_SHOT;
+	}
+	if (!from_device) {
+		count(DP_C_HOST_DENIED);
+		return TC_ACT_SHOT;
+	}
+	__u32 tap_ifindex = tap->ifindex;
+	__u64 gen = tap->gen;
+	__u32 tap_flags = tap->flags;
+	__u32 peer = 0;
+	if (l4.proto == IPPROTO_TCP || l4.proto == IPPROTO_UDP) {
+		struct dp_hflow_key hk = {
+			.saddr = c->host_ip,
+			.daddr = dst,
+			.sport = l4.sport,
+			.dport = l4.dport,
+			.proto = l4.proto,
+			.family = DP_HFAM_IPV6,
+		};
+		__u16 gw_port;
+		if (hflow_in(skb, c, &hk, dst, tap_ifindex, l4.dport, gen, DP_HF_GWDEV, 1, &l4,
+			     &gw_port, &peer) ||
+		    peer)
+			return TC_ACT_SHOT;
+		if (set_port(skb, src_port_off(&l4), l4.sport, gw_port, &l4))
+			return TC_ACT_SHOT;
+	} else if (!(l4.proto == IPPROTO_ICMP && l4.icmp_type == ICMP6_ECHO_REQUEST) ||
+		   !host_admitted(skb)) {
+		count(DP_C_HOST_DENIED);
+		return TC_ACT_SHOT;
+	}
+	if (tap_flags & DP_T_PAUSED)
+		return paused_drop(tap_ifindex, gen, dst, c->host_ip,
+				   wake_what(l4.proto == IPPROTO_ICMP ? 0 : l4.dport,
+					     l4.proto == IPPROTO_ICMP ? 0 : l4.sport, l4.proto,
+					     DP_WAKE_HOST));
+	__u32 old[4], a[4];
+	pool6_addr(old, c, dst);
+	v6_guest_addr(a, DP_GADDR_SLAAC, c);
+	if (set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, daddr), old, a, &l4))
+		return TC_ACT_SHOT;
+	pool6_addr(old, c, c->host_ip);
+	v6_fixed(a, DP_V6_GATEWAY_LO);
+	if (set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, saddr), old, a, &l4) ||
+	    set_macs(skb, c->guest_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	count(DP_C_TO_SANDBOX_IP);
+	return bpf_redirect(tap_ifindex, 0);
+}
+
 SEC("classifier")
 int from_guest(struct __sk_buff *skb)
 {
@@ -3314,6 +3496,8 @@ int from_guest(struct __sk_buff *skb)
 		return proxy_arp(skb, c);
 	if (eth.h_proto == bpf_htons(ETH_P_IPV6) && (c->flags & DP_CFG_IPV6)) {
 		int r = guest_ipv6(skb, V6_JUDGE);
+		if (r == V6_TO_HOST)
+			return guest_to_host6(skb);
 		if (r != V6_TO_WORLD)
 			return r;
 		bpf_tail_call(skb, &tails, TAIL_GUEST6_OUT);
@@ -3556,7 +3740,11 @@ int to_sandbox_ip(struct __sk_buff *skb)
 	if (!c)
 		return TC_ACT_OK;
 	struct ethhdr eth;
-	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) || eth.h_proto != bpf_htons(ETH_P_IP))
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)))
+		return TC_ACT_OK;
+	if (eth.h_proto == bpf_htons(ETH_P_IPV6))
+		return host_to_sandbox6(skb);
+	if (eth.h_proto != bpf_htons(ETH_P_IP))
 		return TC_ACT_OK;
 	struct iphdr ip;
 	struct l4info l4;

@@ -35,7 +35,11 @@ struct dp_config {
 	__u32 flags;           /* DP_CFG_*; was padding (0) in older builds */
 	/* NAT66: the uplink's global IPv6 address (DP_CFG_IPV6_EGRESS). */
 	__u32 uplink_ip6[4];
-}; /* 88 bytes */
+	/* Host <-> sandbox over IPv6: the /96 of the sandboxes' IPv6
+	 * identities (sandbox_ipv6 = pool6 ‖ sandbox_ip; the gateway device's
+	 * address pool6 ‖ host_ip); all 0 = none. */
+	__u32 pool6[3];
+}; /* 100 bytes */
 
 /* dp_config.flags */
 #define DP_CFG_IPV6 1 /* the guests' IPv6 link (RA, NA, refusals); else IPv6 is dropped */
@@ -303,8 +307,15 @@ struct dp_hflow_key {
 	__u16 sport;
 	__u16 dport;
 	__u8 proto;
-	__u8 pad[3];
+	__u8 family;           /* DP_HFAM_* (was padding: 0, IPv4) */
+	__u8 pad[2];
 }; /* 16 bytes */
+/* An IPv6 host flow is keyed by the IPv4 tuple it stands for: the node's
+ * side is always the gateway device's IPv6 address (pool6 ‖ host_ip), the
+ * sandbox's its sandbox_ipv6 (pool6 ‖ sandbox_ip), so the 32-bit words
+ * name them; `family` keeps the two tuple spaces apart. */
+#define DP_HFAM_IPV4 0
+#define DP_HFAM_IPV6 6
 struct dp_hflow_val {
 	__u64 last_seen_ns;
 	__u64 gen;             /* the sandbox owner's generation */
@@ -333,7 +344,8 @@ struct dp_hrev_key {
 	__u16 guest_port;
 	__u16 gw_port;
 	__u8 proto;
-	__u8 pad[3];
+	__u8 family;           /* DP_HFAM_*, the host flow's */
+	__u8 pad[2];
 }; /* 12 bytes */
 struct dp_hrev_val {
 	struct dp_hflow_key host;

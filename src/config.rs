@@ -154,6 +154,11 @@ pub struct Config {
     /// Router Advertisement, gateway addresses, fast refusal off the
     /// link); "off": a guest's IPv6 is dropped.
     pub ipv6: Ipv6Mode,
+    /// The /96 of the sandboxes' node-side IPv6 identities (host <->
+    /// sandbox over IPv6): a sandbox's is this prefix with its IPv4
+    /// sandbox address as the last 32 bits, the gateway device's the same
+    /// with the pool's gateway address.
+    pub ipv6_pool: String,
     /// Automatic host ports for port mappings come from this range.
     pub host_port_range: String,
     /// Ports never chosen automatically (kernel `ip_local_reserved_ports`
@@ -248,6 +253,7 @@ impl Default for Config {
             guest_mac: "20:90:6f:fc:fc:fc".into(),
             gateway_mac: "20:90:6f:cf:cf:cf".into(),
             ipv6: Ipv6Mode::Auto,
+            ipv6_pool: "fd63:7562:6501::/96".into(),
             host_port_range: "20000-29999".into(),
             reserved_host_ports: String::new(),
             allowed_host_ports: String::new(),
@@ -364,6 +370,44 @@ pub struct Derived {
     /// `node_egress_rate`/`node_ingress_rate`, bits/s (0 = not set).
     pub node_egress_bps: u64,
     pub node_ingress_bps: u64,
+    /// `ipv6_pool`'s first 96 bits.
+    pub ipv6_pool: [u8; 12],
+}
+
+/// `ipv6_pool`: an IPv6 /96 whose host bits are zero, not one the node
+/// cannot route to a device (multicast, link-local, loopback, unspecified,
+/// IPv4-mapped).
+fn parse_ipv6_pool(s: &str) -> Result<[u8; 12], String> {
+    let (a, len) = s
+        .split_once('/')
+        .ok_or_else(|| format!("'{s}' is not a CIDR (an IPv6 /96, e.g. fd63:7562:6501::/96)"))?;
+    let addr: std::net::Ipv6Addr = a
+        .parse()
+        .map_err(|_| format!("'{a}' is not an IPv6 address"))?;
+    if len != "96" {
+        return Err(format!(
+            "'{s}' must be a /96 (the sandbox's IPv4 address makes its last 32 bits)"
+        ));
+    }
+    let o = addr.octets();
+    if o[12..] != [0; 4] {
+        return Err(format!(
+            "'{s}' has host bits set (the last 32 bits must be 0)"
+        ));
+    }
+    if addr.is_multicast()
+        || addr.is_unspecified()
+        || addr.is_loopback()
+        || (o[0] == 0xfe && o[1] & 0xc0 == 0x80)
+        || addr.to_ipv4_mapped().is_some()
+    {
+        return Err(format!(
+            "'{s}' is not a unicast prefix a device can be routed to (multicast, link-local, loopback or IPv4-mapped)"
+        ));
+    }
+    let mut p = [0; 12];
+    p.copy_from_slice(&o[..12]);
+    Ok(p)
 }
 
 pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
@@ -710,6 +754,8 @@ impl Config {
                 "excludes every port of host_port_range",
             ));
         }
+        let ipv6_pool =
+            parse_ipv6_pool(&self.ipv6_pool).map_err(|why| invalid("ipv6_pool", why))?;
         let default_host_ip: Ipv4Addr = self.default_host_ip.parse().map_err(|_| {
             invalid(
                 "default_host_ip",
@@ -865,6 +911,7 @@ impl Config {
             }
         }
         Ok(Derived {
+            ipv6_pool,
             default_bandwidth,
             node_egress_bps,
             node_ingress_bps,
@@ -904,6 +951,7 @@ Options (each overrides the same key of the config file):
   --runtime-dir PATH         runtime files [default: $RUNTIME_DIRECTORY or /run/cube-network-agent]
   --datapath ebpf|none       packet datapath [default: ebpf]
   --ipv6 auto|off            the guests' IPv6 link (RA, fast refusal off it) [default: auto]
+  --ipv6-pool CIDR           /96 of the sandboxes' node-side IPv6 addresses [default: fd63:7562:6501::/96]
   --bpf-pin-dir PATH         bpffs directory for pinned maps [default: /sys/fs/bpf/cube-network-agent]
   --tc-block N               shared tc block of every TAP's ingress (N+1: egress) [default: 49342]
   --tc-block-anchor NAME     down TAP that keeps the block alive [default: cube-blk]
@@ -1012,6 +1060,7 @@ const VALUE_FLAGS: &[&str] = &[
     "--log-level",
     "--datapath",
     "--ipv6",
+    "--ipv6-pool",
     "--bpf-pin-dir",
     "--tc-block",
     "--tc-block-anchor",
@@ -1062,6 +1111,7 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
         "--ipv6" => {
             cfg.ipv6 = Ipv6Mode::try_from(value.as_str()).map_err(|why| invalid("ipv6", why))?
         }
+        "--ipv6-pool" => cfg.ipv6_pool = value,
         "--bpf-pin-dir" => cfg.bpf_pin_dir = value.into(),
         "--tc-block" => cfg.tc_block = number("tc_block", &value)?,
         "--tc-block-anchor" => cfg.tc_block_anchor = value,
@@ -1161,6 +1211,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("line 1, key 'mtu'"), "{e}");
+    }
+
+    #[test]
+    fn ipv6_pool_is_a_routable_96() {
+        let d = Config::default().validate().unwrap();
+        assert_eq!(
+            d.ipv6_pool,
+            [0xfd, 0x63, 0x75, 0x62, 0x65, 0x01, 0, 0, 0, 0, 0, 0]
+        );
+        for (bad, why) in [
+            ("fd00::", "not a CIDR"),
+            ("fd00::/64", "must be a /96"),
+            ("fd00::1/96", "host bits"),
+            ("10.0.0.0/96", "not an IPv6 address"),
+            ("fe80::/96", "link-local"),
+            ("ff02::/96", "multicast"),
+            ("::ffff:0.0.0.0/96", "IPv4-mapped"),
+        ] {
+            let c = Config {
+                ipv6_pool: bad.into(),
+                ..Config::default()
+            };
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("ipv6_pool") && e.contains(why), "{bad}: {e}");
+        }
     }
 
     #[test]

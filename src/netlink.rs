@@ -108,6 +108,14 @@ pub enum NetlinkError {
         #[source]
         source: rtnetlink::Error,
     },
+    #[error("failed to add the route to {dest}/{prefix_len} on link {oif}")]
+    Route6Add {
+        dest: std::net::Ipv6Addr,
+        prefix_len: u8,
+        oif: u32,
+        #[source]
+        source: rtnetlink::Error,
+    },
     #[error("failed to add neighbour {ip} on link {ifindex}")]
     NeighAdd {
         ifindex: u32,
@@ -870,6 +878,40 @@ impl Netlink {
             .await
             .map_err(|source| NetlinkError::RouteAdd {
                 gateway: src,
+                oif,
+                source,
+            })
+    }
+
+    /// Replaces the IPv6 route `dest/prefix_len` via the link-local `via`
+    /// on `oif`, with preferred source `src` and an MTU.
+    pub async fn replace_ipv6_route_via(
+        &self,
+        (dest, prefix_len): (std::net::Ipv6Addr, u8),
+        via: std::net::Ipv6Addr,
+        oif: u32,
+        src: std::net::Ipv6Addr,
+        mtu: u32,
+    ) -> Result<(), NetlinkError> {
+        use rtnetlink::packet_route::route::RouteMetric;
+        debug!(%dest, prefix_len, %via, oif, mtu, "replace IPv6 route");
+        let mut msg = RouteMessageBuilder::<std::net::Ipv6Addr>::new()
+            .destination_prefix(dest, prefix_len)
+            .gateway(via)
+            .output_interface(oif)
+            .pref_source(src)
+            .build();
+        msg.attributes
+            .push(RouteAttribute::Metrics(vec![RouteMetric::Mtu(mtu)]));
+        self.handle
+            .route()
+            .add(msg)
+            .replace()
+            .execute()
+            .await
+            .map_err(|source| NetlinkError::Route6Add {
+                dest,
+                prefix_len,
                 oif,
                 source,
             })

@@ -107,10 +107,23 @@ impl Agent {
             (Some(_), Uplink::Found { .. }) => Self::shaper_devices(&nl).await,
             _ => None,
         };
+        let pool6 = match anchor {
+            Some(_) if cfg.ipv6 == crate::config::Ipv6Mode::Auto => {
+                Self::route_pool6(&nl, &gw_link, &d, cfg.mtu).await
+            }
+            _ => None,
+        };
         let loading = {
             let (cfg, d, gw, uplink) = (cfg.clone(), d.clone(), gw_link.clone(), uplink.clone());
             tokio::task::spawn_blocking(move || {
-                Self::build_datapath(&cfg, &d, &gw, (&uplink, uplink6), anchor.as_ref(), shaper)
+                Self::build_datapath(
+                    &cfg,
+                    &d,
+                    (&gw, pool6),
+                    (&uplink, uplink6),
+                    anchor.as_ref(),
+                    shaper,
+                )
             })
         };
         let links = nl.list_links().await?;
@@ -155,6 +168,7 @@ impl Agent {
             gateway: Gateway {
                 ifindex: gw_link.index,
                 kind,
+                pool6,
             },
             uplink,
             uplink6: std::sync::RwLock::new(uplink6),
@@ -376,7 +390,7 @@ impl Agent {
     pub(super) fn build_datapath(
         cfg: &Config,
         d: &Derived,
-        gw: &LinkInfo,
+        (gw, pool6): (&LinkInfo, Option<[u8; 12]>),
         (uplink, uplink6): (&Uplink, Option<std::net::Ipv6Addr>),
         anchor: Option<&LinkInfo>,
         shaper: Option<(u32, u32)>,
@@ -433,6 +447,7 @@ impl Agent {
             shaper_peer: shaper.map(|(_, p)| p),
             ipv6_link: cfg.ipv6 == crate::config::Ipv6Mode::Auto,
             uplink_ip6: uplink6,
+            pool6,
         };
         match crate::datapath::ebpf::EbpfDatapath::load(node) {
             Ok(dp) => Ok(Arc::new(dp)),
@@ -442,6 +457,35 @@ impl Agent {
                 Ok(Arc::new(crate::datapath::NoopDatapath::failed(
                     &e.to_string(),
                 )))
+            }
+        }
+    }
+
+    /// Host <-> sandbox over IPv6 (docs/dual-stack.md): the gateway
+    /// device's address in `ipv6_pool` (a /128 without DAD), the gateway's
+    /// link-local address as a permanent neighbour, and the pool's /96
+    /// routed via it with the sandboxes' MTU (one route and neighbour for
+    /// every sandbox; the datapath translates). `None`, warned, where the
+    /// node cannot (IPv6 disabled on the device).
+    async fn route_pool6(nl: &Netlink, gw: &LinkInfo, d: &Derived, mtu: u32) -> Option<[u8; 12]> {
+        let host6 = super::pool6_addr(d.ipv6_pool, d.pool.gateway());
+        let via = crate::types::link_local(&d.gateway_mac);
+        let prefix = super::pool6_addr(d.ipv6_pool, std::net::Ipv4Addr::UNSPECIFIED);
+        let done = async {
+            nl.add_ipv6_addr_nodad(gw.index, host6, 128).await?;
+            nl.neigh_replace_permanent(gw.index, via.into(), d.guest_mac)
+                .await?;
+            nl.replace_ipv6_route_via((prefix, 96), via, gw.index, host6, mtu)
+                .await
+        };
+        match done.await {
+            Ok(()) => {
+                info!(address = %host6, pool = %format!("{prefix}/96"), "host <-> sandbox over IPv6");
+                Some(d.ipv6_pool)
+            }
+            Err(e) => {
+                warn!(error = %crate::error_chain(&e), "routing ipv6_pool to the gateway device: the host reaches sandboxes over IPv4 only");
+                None
             }
         }
     }

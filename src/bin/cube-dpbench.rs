@@ -724,6 +724,7 @@ fn load_ebpf(topo: &Topo, snat_port_range: Option<&str>) -> Result<Loaded> {
         shaper_peer: Some(shaper_peer),
         ipv6_link: true,
         uplink_ip6: Some(UPLINK_IP6),
+        pool6: None,
     };
     let dp = Arc::new(
         in_netns(&topo.node, move || EbpfDatapath::load(node))?

@@ -31,6 +31,9 @@ pub struct DpConfig {
     /// NAT66: the uplink's global IPv6 address (`DP_CFG_IPV6_EGRESS`),
     /// network byte order.
     pub uplink_ip6: [u8; 16],
+    /// Host <-> sandbox over IPv6: the first 96 bits of the sandboxes'
+    /// IPv6 identities (`ipv6_pool`); all 0 = none.
+    pub pool6: [u8; 12],
 }
 
 /// A sandbox's entries in the shared tables (`sb_share`, keyed by its TAP
@@ -311,7 +314,10 @@ pub struct DpHflowKey {
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
-    pub pad: [u8; 3],
+    /// `DP_HFAM_IPV4` (0, formerly padding) or `DP_HFAM_IPV6`: an IPv6
+    /// host flow is keyed by the IPv4 words its addresses end with.
+    pub family: u8,
+    pub pad: [u8; 2],
 }
 
 #[repr(C)]
@@ -339,7 +345,9 @@ pub struct DpHrevKey {
     pub guest_port: u16,
     pub gw_port: u16,
     pub proto: u8,
-    pub pad: [u8; 3],
+    /// The host flow's `family`.
+    pub family: u8,
+    pub pad: [u8; 2],
 }
 
 #[repr(C)]
@@ -509,7 +517,7 @@ unsafe impl aya::Pod for DpFragVal {}
 
 // The C side's sizes (ebpf/datapath.h comments); a mismatch fails the build.
 const _: () = {
-    assert!(size_of::<DpConfig>() == 88);
+    assert!(size_of::<DpConfig>() == 100);
     assert!(size_of::<DpCt6Key>() == 28);
     assert!(size_of::<DpRev6Key>() == 24);
     assert!(size_of::<DpShare>() == 8);

@@ -408,6 +408,9 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
         put("gateway_ipv6", Value::from(a));
         put("ipv6_egress", Value::from(info.ipv6_egress));
     }
+    if let Some(a) = info.sandbox_ipv6 {
+        put("sandbox_ipv6", Value::from(a));
+    }
     put("mtu", Value::from(r.mtu));
     put(
         "port_mappings",

@@ -235,6 +235,9 @@ pub fn network(info: NetworkInfo) -> Value {
         o["gateway_ipv6"] = Value::String(a);
         o["ipv6_egress"] = Value::Bool(info.ipv6_egress);
     }
+    if let Some(a) = info.sandbox_ipv6 {
+        o["sandbox_ipv6"] = Value::String(a);
+    }
     o["paused"] = Value::Bool(r.paused);
     o["attach"] = Value::String(r.attach.name().into());
     let bw = r.bandwidth;

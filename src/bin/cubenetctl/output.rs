@@ -406,6 +406,7 @@ pub const NETWORK_FIELDS: &[(&str, &str)] = &[
     ("gateway_ip", "Gateway IP"),
     ("guest_mac", "Guest MAC"),
     ("gateway_mac", "Gateway MAC"),
+    ("sandbox_ipv6", "Sandbox IPv6"),
     ("guest_ipv6", "Guest IPv6"),
     ("gateway_ipv6", "Gateway IPv6"),
     ("ipv6_egress", "IPv6 egress"),

@@ -176,6 +176,7 @@ impl EbpfDatapath {
                 .uplink_ip6
                 .filter(|_| node.ipv6_link)
                 .map_or([0; 16], |a| a.octets()),
+            pool6: node.pool6.filter(|_| node.ipv6_link).unwrap_or([0; 12]),
         };
         // The tail-called programs, before any hook runs the programs that
         // call them (an empty slot: IPv6 to the world is refused).

@@ -165,6 +165,9 @@ pub struct NodeInfo {
     /// NAT66 (with `ipv6_link`): the uplink's global IPv6 address, when it
     /// has one and the node an IPv6 default route out of it.
     pub uplink_ip6: Option<std::net::Ipv6Addr>,
+    /// Host <-> sandbox over IPv6 (with `ipv6_link`): the /96 of the
+    /// sandboxes' IPv6 identities, routed to the gateway device.
+    pub pool6: Option<[u8; 12]>,
 }
 
 fn ip_be(ip: Ipv4Addr) -> u32 {

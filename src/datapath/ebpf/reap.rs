@@ -311,7 +311,8 @@ impl EbpfDatapath {
                 guest_port: v.guest_port,
                 gw_port: v.gw_port,
                 proto: k.proto,
-                pad: [0; 3],
+                family: k.family,
+                pad: [0; 2],
             };
             if r.hrev.get(&rk, 0).is_ok_and(|rv| rv.host == k) {
                 let _ = r.hrev.remove(&rk);
