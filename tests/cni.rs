@@ -220,15 +220,27 @@ async fn raw_protocol_every_verb_and_error() {
         // SLAAC address usable when ADD returns (no default route: this
         // node has no IPv6 egress), and none of its IPv6 (router
         // solicitations, MLD) is dropped as unsupported (below). The
-        // result lists no IPv6: the address is the same in every
-        // container, CRI would take it as the pod's (docs/cni.md).
+        // result lists the pod's IPv6 (the sandbox's node-side identity,
+        // no interface) before the container's own (the same in every
+        // container): CRI takes the first of each family (docs/cni.md).
         assert_eq!(
             ctr.sh("cat /proc/sys/net/ipv6/conf/eth0/addr_gen_mode")
                 .trim(),
             "0"
         );
         let slaac = "fd63:7562:6500:0:2290:6fff:fefc:fcfc";
-        assert_eq!(r["ips"].as_array().unwrap().len(), 2, "{r}");
+        let ips = r["ips"].as_array().unwrap();
+        assert_eq!(ips.len(), 4, "{r}");
+        assert_eq!(
+            ips[2]["address"],
+            format!("{}/128", s(&net, "sandbox_ipv6")),
+            "{r}"
+        );
+        assert!(ips[2].get("interface").is_none(), "{r}");
+        assert_eq!(ips[3]["address"], format!("{slaac}/64"), "{r}");
+        assert_eq!(ips[3]["gateway"], "fe80::2290:6fff:fecf:cfcf", "{r}");
+        assert_eq!(ips[3]["interface"], 1, "{r}");
+        assert_eq!(ips[2].get("version").is_some(), *version == "0.4.0");
         assert_eq!(r["routes"].as_array().unwrap().len(), 1, "{r}");
         let global = ctr.sh("ip -6 addr show dev eth0 scope global");
         assert!(
@@ -824,6 +836,13 @@ async fn libcni_client_with_a_chained_stock_plugin() {
         s(&net, "sandbox_ip"),
         "{out}"
     );
+    // And the first IPv6 (kubelet's pod IP of that family, from CRI's
+    // additional IPs) the node-unique sandbox IPv6 address.
+    let first6 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("additional="))
+        .and_then(|l| l.split(',').find(|a| a.contains(':')));
+    assert_eq!(first6, Some(s(&net, "sandbox_ipv6").as_str()), "{out}");
     assert_eq!(
         common::mappings(&net)[0].2,
         20081,

@@ -165,7 +165,13 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
     assert!(dp.contains(&format!("ipv6=nat66 via {NODE_IP6}")), "{dp}");
 
     let open = Ctr::new("v6open");
-    add(&env, "open", &open, json!({}));
+    let r = add(&env, "open", &open, json!({}));
+    // Its result: both families, the IPv6 default route included.
+    assert_eq!(
+        r["routes"][1],
+        json!({"dst": "::/0", "gw": GATEWAY_LL}),
+        "{r}"
+    );
     // The container has both families when ADD returns: the SLAAC address
     // and, from the RA, the default route.
     let at_once = ready6(&open, true, Duration::from_millis(1));
@@ -176,7 +182,9 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
         open.sh("ip -6 addr; ip -6 route")
     );
     let ruled = Ctr::new("v6rules");
-    add(&env, "ruled", &ruled, json!({"egressMode": "sni"}));
+    let r = add(&env, "ruled", &ruled, json!({"egressMode": "sni"}));
+    assert_eq!(r["ips"].as_array().unwrap().len(), 4, "{r}");
+    assert_eq!(r["routes"].as_array().unwrap().len(), 1, "{r}");
     // GetNetwork says whose IPv6 reaches the world.
     for (id, want) in [("cni:open:eth0", true), ("cni:ruled:eth0", false)] {
         let net = c.get(id).await.unwrap();
@@ -1041,9 +1049,9 @@ async fn the_host_reaches_sandboxes_over_ipv6_as_over_ipv4() {
     require_root!();
     let (env, _world) = node6(&[], None);
     let c = env.client().await;
-    let a = Ctr::new("v6host");
+    let a = Ctr::new("v6h2a");
     add(&env, "h6", &a, json!({}));
-    let b = Ctr::new("v6hostb");
+    let b = Ctr::new("v6h2b");
     add(&env, "h6b", &b, json!({}));
     ready6(&a, false, Duration::from_secs(10)).expect("no IPv6 address");
     let net = c.get("cni:h6:eth0").await.unwrap();

@@ -272,6 +272,8 @@ fn facts(d: &Dict) -> Result<NetFacts, CniError> {
         mtu: field(d, "mtu")?,
         guest_ipv6: field(d, "guest_ipv6").ok(),
         ipv6_egress: field(d, "ipv6_egress").unwrap_or(false),
+        sandbox_ipv6: field(d, "sandbox_ipv6").ok(),
+        gateway_ipv6: field(d, "gateway_ipv6").ok(),
     })
 }
 

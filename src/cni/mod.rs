@@ -581,6 +581,11 @@ pub struct NetFacts {
     /// The sandbox's IPv6 reaches the world (the agent's `ipv6_egress`):
     /// the container gets an IPv6 default route from the RA.
     pub ipv6_egress: bool,
+    /// The sandbox's node-side IPv6 identity (the agent's `sandbox_ipv6`):
+    /// the pod's IPv6, as `sandbox_ip` is its IPv4.
+    pub sandbox_ipv6: Option<String>,
+    /// The gateway's link-local address (the agent's `gateway_ipv6`).
+    pub gateway_ipv6: Option<String>,
 }
 
 impl NetFacts {
@@ -625,7 +630,8 @@ pub fn result(
     let ip = |address: &str, gateway: Option<&str>, interface: Option<u32>| {
         let mut o = Map::new();
         if !new {
-            o.insert("version".into(), json!("4"));
+            let v6 = address.contains(':');
+            o.insert("version".into(), json!(if v6 { "6" } else { "4" }));
         }
         o.insert("address".into(), json!(address));
         if let Some(g) = gateway {
@@ -645,6 +651,22 @@ pub fn result(
         ],
         "routes": [{"dst": "0.0.0.0/0", "gw": facts.gateway_ip}],
     });
+    // Both families where the node reaches the sandbox over IPv6 too: the
+    // pod's IPv6 (node-unique, no interface) before the container's own
+    // (the same in every container), so CRI takes the former.
+    if let (Some(sb6), Some(c6), Some(gw6)) = (
+        &facts.sandbox_ipv6,
+        facts.container_ipv6(),
+        &facts.gateway_ipv6,
+    ) {
+        let ips = r["ips"].as_array_mut().expect("ips");
+        ips.push(ip(&format!("{sb6}/128"), None, None));
+        ips.push(ip(&format!("{c6}/64"), Some(gw6), Some(1)));
+        if facts.ipv6_egress {
+            let routes = r["routes"].as_array_mut().expect("routes");
+            routes.push(json!({"dst": "::/0", "gw": gw6}));
+        }
+    }
     r["dns"] = dns.clone().unwrap_or_else(|| json!({}));
     r
 }
@@ -920,6 +942,8 @@ mod tests {
             mtu: 1300,
             guest_ipv6: None,
             ipv6_egress: false,
+            sandbox_ipv6: None,
+            gateway_ipv6: None,
         }
     }
 
@@ -944,11 +968,12 @@ mod tests {
         );
         assert_eq!(r["ips"][0]["version"], "4");
         assert_eq!(r["dns"]["nameservers"][0], "1.1.1.1");
-        // No IPv6 entry even with the guests' IPv6 link: the container's
-        // address is the same in every container, and CRI would take it
-        // as the pod's IPv6 (docs/cni.md "Pod IP").
+        // No IPv6 entry without a node-side IPv6 identity: the
+        // container's address is the same in every container, and CRI
+        // would take it as the pod's IPv6 (docs/cni.md "Pod IP").
         let mut f = facts();
         f.guest_ipv6 = Some("fd63:7562:6500::6/64".into());
+        f.gateway_ipv6 = Some("fe80::2290:6fff:fecf:cfcf".into());
         f.ipv6_egress = true;
         assert_eq!(
             f.container_ipv6().unwrap().to_string(),
@@ -956,6 +981,32 @@ mod tests {
         );
         let r = result("1.1.0", &f, "eth0", "/n", &None);
         assert_eq!(r["ips"].as_array().unwrap().len(), 2);
+        assert_eq!(r["routes"].as_array().unwrap().len(), 1);
+        // With one: the pod's IPv6 (no interface) before the container's,
+        // the IPv6 default route where the sandbox has NAT66.
+        f.sandbox_ipv6 = Some("fd63:7562:6501::c0a8:2".into());
+        for v in ["1.1.0", "0.4.0"] {
+            let r = result(v, &f, "eth0", "/n", &None);
+            let ips = r["ips"].as_array().unwrap();
+            assert_eq!(ips.len(), 4, "{r}");
+            assert_eq!(ips[2]["address"], "fd63:7562:6501::c0a8:2/128");
+            assert!(ips[2].get("interface").is_none());
+            assert_eq!(ips[3]["address"], "fd63:7562:6500:0:2290:6fff:fefc:fcfc/64");
+            assert_eq!(ips[3]["gateway"], "fe80::2290:6fff:fecf:cfcf");
+            assert_eq!(ips[3]["interface"], 1);
+            assert_eq!(ips[2].get("version").is_some(), v == "0.4.0");
+            if v == "0.4.0" {
+                assert_eq!(ips[2]["version"], "6");
+                assert_eq!(ips[0]["version"], "4");
+            }
+            assert_eq!(
+                r["routes"][1],
+                json!({"dst": "::/0", "gw": "fe80::2290:6fff:fecf:cfcf"})
+            );
+        }
+        f.ipv6_egress = false;
+        let r = result("1.1.0", &f, "eth0", "/n", &None);
+        assert_eq!(r["ips"].as_array().unwrap().len(), 4);
         assert_eq!(r["routes"].as_array().unwrap().len(), 1);
         // Domain rules: the resolver, unless the config names servers.
         let ours = dns_for(&None, Some("169.254.68.5")).unwrap();
