@@ -804,6 +804,27 @@ impl Netlink {
             .any(|r| r.header.destination_prefix_length == 0 && route_oif(r) == Some(oif)))
     }
 
+    /// Whether an IPv6 route to `dest/prefix_len` out of `oif` exists.
+    pub async fn ipv6_route(
+        &self,
+        (dest, prefix_len): (std::net::Ipv6Addr, u8),
+        oif: u32,
+    ) -> Result<bool, NetlinkError> {
+        use rtnetlink::packet_route::route::RouteAddress;
+        let req = RouteMessageBuilder::<std::net::Ipv6Addr>::new().build();
+        Ok(self
+            .route_dump(req, "ipv6 routes")
+            .await?
+            .iter()
+            .any(|r| {
+                r.header.destination_prefix_length == prefix_len
+                    && route_oif(r) == Some(oif)
+                    && r.attributes.iter().any(|a| {
+                        matches!(a, RouteAttribute::Destination(RouteAddress::Inet6(d)) if *d == dest)
+                    })
+            }))
+    }
+
     /// Every IPv6 address of `ifindex`.
     pub async fn ipv6_addrs(&self, ifindex: u32) -> Result<Vec<std::net::Ipv6Addr>, NetlinkError> {
         Ok(self

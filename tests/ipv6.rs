@@ -1186,4 +1186,24 @@ async fn the_host_reaches_sandboxes_over_ipv6_as_over_ipv4() {
     let t = c.traffic("cni:h6:eth0").await;
     assert!(t["new_flows_host_ipv6"] >= 5, "{t:?}");
     assert_eq!(t["new_flows_host"], t["new_flows_host_ipv6"], "{t:?}");
+
+    // The pool's route removed by someone else: Health says so, Reconcile
+    // puts it back, and the host reaches the sandbox again.
+    sh_as(&env.ns, None, "ip -6 route del fd63:7562:6501::/96");
+    common::health_until(&c, "gateway false", |ok, checks| {
+        !ok && checks
+            .iter()
+            .any(|k| k.0 == "gateway_device" && !k.1 && k.2.contains("ipv6_pool"))
+    })
+    .await;
+    let r = c.reconcile("").await.unwrap();
+    let repaired: Vec<String> = r["repaired"].try_clone().unwrap().try_into().unwrap();
+    assert!(
+        repaired.iter().any(|m| m.contains("ipv6_pool")),
+        "{repaired:?}"
+    );
+    let (ok, checks) = c.health().await;
+    assert!(ok, "{checks:?}");
+    let got = tcp_exchange_in(&env.ns, SocketAddr::new(sb6.into(), 7000), b"again", T);
+    assert_eq!(got.as_deref(), Ok(&b"ctr:again"[..]));
 }

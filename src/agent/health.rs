@@ -227,11 +227,28 @@ impl Agent {
             )),
             Err(e) => problems.push(format!("cannot read the route to the pool: {e}")),
         }
+        // Host <-> sandbox over IPv6 (`route_pool6`).
+        if let Some(p) = self.gateway.pool6 {
+            let host6 = super::pool6_addr(p, gw);
+            let net6 = super::pool6_addr(p, std::net::Ipv4Addr::UNSPECIFIED);
+            match self.nl.ipv6_addrs(ifindex).await {
+                Ok(a) if a.contains(&host6) => {}
+                Ok(_) => problems.push(format!("without its IPv6 address {host6}")),
+                Err(e) => problems.push(format!("cannot list its IPv6 addresses: {e}")),
+            }
+            match self.nl.ipv6_route((net6, 96), ifindex).await {
+                Ok(true) => {}
+                Ok(false) => problems.push(format!(
+                    "no route to {net6}/96 (ipv6_pool): the host cannot reach sandboxes over IPv6"
+                )),
+                Err(e) => problems.push(format!("cannot read the route to ipv6_pool: {e}")),
+            }
+        }
         problems
     }
 
     async fn gateway_check(&self) -> Check {
-        let what = format!(
+        let mut what = format!(
             "{} ({}) ifindex {} holds {}/{}, route MTU {}",
             self.cfg.gateway_device,
             self.gateway.kind,
@@ -240,6 +257,13 @@ impl Agent {
             self.d.pool.prefix_len(),
             self.cfg.mtu
         );
+        if let Some(p) = self.gateway.pool6 {
+            what += &format!(
+                ", {} and the route to {}/96",
+                super::pool6_addr(p, self.d.pool.gateway()),
+                super::pool6_addr(p, std::net::Ipv4Addr::UNSPECIFIED)
+            );
+        }
         verdict::gateway_device(&what, &self.gateway_problems().await)
     }
 

@@ -195,7 +195,7 @@ impl Agent {
                     .ensure_gateway_device_with_mtu(name, gw, len, None)
                     .await
                 {
-                    Ok(_) => self
+                    Ok(_) => match self
                         .nl
                         .set_prefix_route_mtu(
                             self.d.pool.network(),
@@ -205,7 +205,14 @@ impl Agent {
                             self.cfg.mtu,
                         )
                         .await
-                        .map_err(|e| crate::error_chain(&e)),
+                    {
+                        Ok(()) if self.gateway.pool6.is_some() => {
+                            Self::pool6_setup(&self.nl, self.gateway.ifindex, &self.d, self.cfg.mtu)
+                                .await
+                                .map_err(|e| crate::error_chain(&e))
+                        }
+                        r => r.map_err(|e| crate::error_chain(&e)),
+                    },
                     Err(e) => Err(crate::error_chain(&e)),
                 }
             }

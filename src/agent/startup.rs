@@ -469,16 +469,8 @@ impl Agent {
     /// node cannot (IPv6 disabled on the device).
     async fn route_pool6(nl: &Netlink, gw: &LinkInfo, d: &Derived, mtu: u32) -> Option<[u8; 12]> {
         let host6 = super::pool6_addr(d.ipv6_pool, d.pool.gateway());
-        let via = crate::types::link_local(&d.gateway_mac);
         let prefix = super::pool6_addr(d.ipv6_pool, std::net::Ipv4Addr::UNSPECIFIED);
-        let done = async {
-            nl.add_ipv6_addr_nodad(gw.index, host6, 128).await?;
-            nl.neigh_replace_permanent(gw.index, via.into(), d.guest_mac)
-                .await?;
-            nl.replace_ipv6_route_via((prefix, 96), via, gw.index, host6, mtu)
-                .await
-        };
-        match done.await {
+        match Self::pool6_setup(nl, gw.index, d, mtu).await {
             Ok(()) => {
                 info!(address = %host6, pool = %format!("{prefix}/96"), "host <-> sandbox over IPv6");
                 Some(d.ipv6_pool)
@@ -488,6 +480,24 @@ impl Agent {
                 None
             }
         }
+    }
+
+    /// [`Self::route_pool6`]'s kernel state, made or remade (idempotent;
+    /// also Reconcile's repair).
+    pub(super) async fn pool6_setup(
+        nl: &Netlink,
+        ifindex: u32,
+        d: &Derived,
+        mtu: u32,
+    ) -> Result<(), crate::netlink::NetlinkError> {
+        let host6 = super::pool6_addr(d.ipv6_pool, d.pool.gateway());
+        let via = crate::types::link_local(&d.gateway_mac);
+        let prefix = super::pool6_addr(d.ipv6_pool, std::net::Ipv4Addr::UNSPECIFIED);
+        nl.add_ipv6_addr_nodad(ifindex, host6, 128).await?;
+        nl.neigh_replace_permanent(ifindex, via.into(), d.guest_mac)
+            .await?;
+        nl.replace_ipv6_route_via((prefix, 96), via, ifindex, host6, mtu)
+            .await
     }
 
     /// The uplink's NAT66 address (see [`Netlink::ipv6_egress_addr`]); a

@@ -303,11 +303,13 @@ impl Env {
             .collect()
     }
 
-    /// Permanent neighbour entries on cube-dev: ip → mac.
+    /// Permanent IPv4 neighbour entries on cube-dev (one per sandbox):
+    /// ip → mac. (Its one IPv6 entry, the gateway's link-local address
+    /// that `ipv6_pool`'s route goes via, is the node's, not a sandbox's.)
     pub fn neighbours(&self) -> BTreeSet<(String, String)> {
-        let out = run(
-            Command::new("ip").args(["-n", &self.ns, "-j", "neigh", "show", "dev", "cube-dev"])
-        );
+        let out = run(Command::new("ip").args([
+            "-n", &self.ns, "-4", "-j", "neigh", "show", "dev", "cube-dev",
+        ]));
         let v: serde_json::Value =
             serde_json::from_str(if out.trim().is_empty() { "[]" } else { &out }).unwrap();
         v.as_array()
