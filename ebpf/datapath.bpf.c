@@ -1207,6 +1207,23 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 	return 0;
 }
 
+/* Into the gateway device's ingress, as a packet from the sandbox side of
+ * its link: the node's stack takes it from there. */
+static __always_inline int into_gwdev(struct __sk_buff *skb, const struct dp_config *c)
+{
+	if (set_macs(skb, c->gwdev_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	count(DP_C_HOST);
+	return bpf_redirect(c->gwdev_ifindex, BPF_F_INGRESS);
+}
+
+/* A guest's TCP to the proxy's ports: only guest_to_proxy sends there. */
+static __always_inline int to_proxy_port(const struct l4info *l4)
+{
+	return l4->proto == IPPROTO_TCP && (l4->dport == bpf_htons(DP_PROXY_TLS_PORT) ||
+					    l4->dport == bpf_htons(DP_PROXY_HTTP_PORT));
+}
+
 /* The host flow of a guest's TCP or UDP packet to its gateway (address
  * family `family`, DP_HFAM_*): the reply side of a flow the host opened
  * (its hrev entry), else a flow the guest opens to the node, made here
@@ -1325,10 +1342,7 @@ static __always_inline int guest_to_host(struct __sk_buff *skb, const struct dp_
 		count(DP_C_LOCAL);
 		return bpf_redirect(LOOPBACK_IFINDEX, BPF_F_INGRESS);
 	}
-	if (set_macs(skb, c->gwdev_mac, c->gateway_mac))
-		return TC_ACT_SHOT;
-	count(DP_C_HOST);
-	return bpf_redirect(c->gwdev_ifindex, BPF_F_INGRESS);
+	return into_gwdev(skb, c);
 }
 
 /* guest_to_host as a global function: the verifier checks it once, and
@@ -1563,11 +1577,9 @@ static __always_inline int guest_to_proxy(struct __sk_buff *skb, const struct dp
 	}
 	if (set_addr(skb, IP_SRC_OFF, ip->saddr, sb->sandbox_ip, l4) ||
 	    set_addr(skb, IP_DST_OFF, ip->daddr, c->host_ip, l4) ||
-	    set_port(skb, dst_port_off(l4), l4->dport, pport, l4) ||
-	    set_macs(skb, c->gwdev_mac, c->gateway_mac))
+	    set_port(skb, dst_port_off(l4), l4->dport, pport, l4))
 		return TC_ACT_SHOT;
-	count(DP_C_HOST);
-	return bpf_redirect(c->gwdev_ifindex, BPF_F_INGRESS);
+	return into_gwdev(skb, c);
 }
 
 #define STEER_PASS 0x7fff
@@ -3359,8 +3371,7 @@ __noinline int guest_to_host6(struct __sk_buff *skb)
 		return TC_ACT_SHOT;
 	/* The proxy's ports take only what guest_to_proxy sends them (as
 	 * from_guest's IPv4 check). */
-	if (l4.proto == IPPROTO_TCP && (l4.dport == bpf_htons(DP_PROXY_TLS_PORT) ||
-					l4.dport == bpf_htons(DP_PROXY_HTTP_PORT))) {
+	if (to_proxy_port(&l4)) {
 		count(DP_C_POLICY_DROP);
 		sb_count6(ifindex, DP_S_POLICY);
 		return TC_ACT_SHOT;
@@ -3384,10 +3395,7 @@ __noinline int guest_to_host6(struct __sk_buff *skb)
 	if (ports && (set_port(skb, src_port_off(&l4), l4.sport, hk.dport, &l4) ||
 		      set_port(skb, dst_port_off(&l4), l4.dport, hk.sport, &l4)))
 		return TC_ACT_SHOT;
-	if (set_macs(skb, c->gwdev_mac, c->gateway_mac))
-		return TC_ACT_SHOT;
-	count(DP_C_HOST);
-	return bpf_redirect(c->gwdev_ifindex, BPF_F_INGRESS);
+	return into_gwdev(skb, c);
 }
 
 /* host -> a sandbox's IPv6 identity (routed into the gateway device; to_
@@ -3532,8 +3540,7 @@ int from_guest(struct __sk_buff *skb)
 	}
 	if (ip.daddr == c->gateway_ip) {
 		/* The proxy's ports take only what guest_to_proxy sends them. */
-		if (l4.proto == IPPROTO_TCP && (l4.dport == bpf_htons(DP_PROXY_TLS_PORT) ||
-						l4.dport == bpf_htons(DP_PROXY_HTTP_PORT))) {
+		if (to_proxy_port(&l4)) {
 			count(DP_C_POLICY_DROP);
 			sb_count(ifindex, DP_S_POLICY);
 			return TC_ACT_SHOT;

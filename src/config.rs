@@ -410,6 +410,18 @@ fn parse_ipv6_pool(s: &str) -> Result<[u8; 12], String> {
     Ok(p)
 }
 
+impl Derived {
+    /// `ipv6_pool` ‖ `v4`: a sandbox's IPv6 identity (its sandbox address
+    /// as `v4`), the gateway device's (the pool's gateway), or with
+    /// 0.0.0.0 the /96 itself.
+    pub fn pool6_addr(&self, v4: Ipv4Addr) -> std::net::Ipv6Addr {
+        let mut o = [0; 16];
+        o[..12].copy_from_slice(&self.ipv6_pool);
+        o[12..].copy_from_slice(&v4.octets());
+        o.into()
+    }
+}
+
 pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
     let mut mac = [0u8; 6];
     let mut parts = s.split(':');

@@ -796,15 +796,12 @@ impl Netlink {
 
     /// Whether the namespace has an IPv6 default route out of `oif`.
     pub async fn ipv6_default_route(&self, oif: u32) -> Result<bool, NetlinkError> {
-        let req = RouteMessageBuilder::<std::net::Ipv6Addr>::new().build();
-        Ok(self
-            .route_dump(req, "ipv6 routes")
-            .await?
-            .iter()
-            .any(|r| r.header.destination_prefix_length == 0 && route_oif(r) == Some(oif)))
+        self.ipv6_route((std::net::Ipv6Addr::UNSPECIFIED, 0), oif)
+            .await
     }
 
-    /// Whether an IPv6 route to `dest/prefix_len` out of `oif` exists.
+    /// Whether an IPv6 route to `dest/prefix_len` out of `oif` exists (a
+    /// /0 carries no destination).
     pub async fn ipv6_route(
         &self,
         (dest, prefix_len): (std::net::Ipv6Addr, u8),
@@ -819,10 +816,40 @@ impl Netlink {
             .any(|r| {
                 r.header.destination_prefix_length == prefix_len
                     && route_oif(r) == Some(oif)
-                    && r.attributes.iter().any(|a| {
-                        matches!(a, RouteAttribute::Destination(RouteAddress::Inet6(d)) if *d == dest)
-                    })
+                    && (prefix_len == 0
+                        || r.attributes.iter().any(|a| {
+                            matches!(a, RouteAttribute::Destination(RouteAddress::Inet6(d)) if *d == dest)
+                        }))
             }))
+    }
+
+    /// Whether `ip` is a permanent neighbour on `ifindex` (an IPv6-only
+    /// dump: the device's IPv4 neighbours, one per sandbox, are not read).
+    pub async fn ipv6_neighbour_permanent(
+        &self,
+        ifindex: u32,
+        ip: std::net::Ipv6Addr,
+    ) -> Result<bool, NetlinkError> {
+        let _one = self.dumps.lock().await;
+        let msgs: Vec<NeighbourMessage> = self
+            .handle
+            .neighbours()
+            .get()
+            .set_address_family(AddressFamily::Inet6)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(|source| NetlinkError::Dump {
+                what: "ipv6 neighbours",
+                source,
+            })?;
+        Ok(msgs.iter().any(|m| {
+            m.header.ifindex == ifindex
+                && m.header.state == NeighbourState::Permanent
+                && m.attributes.iter().any(|a| {
+                    matches!(a, NeighbourAttribute::Destination(NeighbourAddress::Inet6(d)) if *d == ip)
+                })
+        }))
     }
 
     /// Every IPv6 address of `ifindex`.

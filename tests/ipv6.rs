@@ -1206,4 +1206,25 @@ async fn the_host_reaches_sandboxes_over_ipv6_as_over_ipv4() {
     assert!(ok, "{checks:?}");
     let got = tcp_exchange_in(&env.ns, SocketAddr::new(sb6.into(), 7000), b"again", T);
     assert_eq!(got.as_deref(), Ok(&b"ctr:again"[..]));
+    // So does the neighbour the route goes via (without it the host's
+    // packets wait for a neighbour solicitation nobody answers).
+    sh_as(
+        &env.ns,
+        None,
+        &format!("ip -6 neigh del {GATEWAY_LL} dev cube-dev"),
+    );
+    common::health_until(&c, "gateway false (neighbour)", |ok, checks| {
+        !ok && checks.iter().any(|k| {
+            k.0 == "gateway_device" && !k.1 && k.2.contains(&format!("neighbour {GATEWAY_LL}"))
+        })
+    })
+    .await;
+    let r = c.reconcile("").await.unwrap();
+    let repaired: Vec<String> = r["repaired"].try_clone().unwrap().try_into().unwrap();
+    assert!(
+        repaired.iter().any(|m| m.contains("neighbour")),
+        "{repaired:?}"
+    );
+    let got = tcp_exchange_in(&env.ns, SocketAddr::new(sb6.into(), 7000), b"more", T);
+    assert_eq!(got.as_deref(), Ok(&b"ctr:more"[..]));
 }

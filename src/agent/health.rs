@@ -227,10 +227,12 @@ impl Agent {
             )),
             Err(e) => problems.push(format!("cannot read the route to the pool: {e}")),
         }
-        // Host <-> sandbox over IPv6 (`route_pool6`).
-        if let Some(p) = self.gateway.pool6 {
-            let host6 = super::pool6_addr(p, gw);
-            let net6 = super::pool6_addr(p, std::net::Ipv4Addr::UNSPECIFIED);
+        // Host <-> sandbox over IPv6 (`pool6_setup`): the address, the
+        // route and the neighbour it goes via.
+        if self.gateway.pool6 {
+            let host6 = self.d.pool6_addr(gw);
+            let net6 = self.d.pool6_addr(std::net::Ipv4Addr::UNSPECIFIED);
+            let via = crate::types::link_local(&self.d.gateway_mac);
             match self.nl.ipv6_addrs(ifindex).await {
                 Ok(a) if a.contains(&host6) => {}
                 Ok(_) => problems.push(format!("without its IPv6 address {host6}")),
@@ -242,6 +244,13 @@ impl Agent {
                     "no route to {net6}/96 (ipv6_pool): the host cannot reach sandboxes over IPv6"
                 )),
                 Err(e) => problems.push(format!("cannot read the route to ipv6_pool: {e}")),
+            }
+            match self.nl.ipv6_neighbour_permanent(ifindex, via).await {
+                Ok(true) => {}
+                Ok(false) => problems.push(format!(
+                    "no permanent neighbour {via} (the route to ipv6_pool goes via it)"
+                )),
+                Err(e) => problems.push(format!("cannot list its IPv6 neighbours: {e}")),
             }
         }
         problems
@@ -257,11 +266,11 @@ impl Agent {
             self.d.pool.prefix_len(),
             self.cfg.mtu
         );
-        if let Some(p) = self.gateway.pool6 {
+        if self.gateway.pool6 {
             what += &format!(
                 ", {} and the route to {}/96",
-                super::pool6_addr(p, self.d.pool.gateway()),
-                super::pool6_addr(p, std::net::Ipv4Addr::UNSPECIFIED)
+                self.d.pool6_addr(self.d.pool.gateway()),
+                self.d.pool6_addr(std::net::Ipv4Addr::UNSPECIFIED)
             );
         }
         verdict::gateway_device(&what, &self.gateway_problems().await)

@@ -263,9 +263,9 @@ impl Committed {
 struct Gateway {
     ifindex: u32,
     kind: String,
-    /// Host <-> sandbox over IPv6: `ipv6_pool`'s prefix, routed to this
-    /// device (`None`: the node could not, or IPv6 is off).
-    pool6: Option<[u8; 12]>,
+    /// Host <-> sandbox over IPv6: `ipv6_pool` is routed to this device
+    /// (false: the node could not, or IPv6 is off).
+    pool6: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -506,15 +506,12 @@ impl Agent {
             ipv6_egress: ipv6 && self.ipv6_egress() && view.record.ipv6_open(),
             guest_ipv6: ipv6.then(|| format!("{}/64", crate::types::GUEST_IPV6)),
             gateway_ipv6: ipv6.then(|| crate::types::link_local(&self.d.gateway_mac).to_string()),
-            sandbox_ipv6: self
-                .gateway
-                .pool6
-                .filter(|_| ipv6)
-                .zip(match view.record.sandbox_ip {
-                    std::net::IpAddr::V4(a) => Some(a),
-                    std::net::IpAddr::V6(_) => None,
-                })
-                .map(|(p, a)| pool6_addr(p, a).to_string()),
+            sandbox_ipv6: match view.record.sandbox_ip {
+                std::net::IpAddr::V4(a) if self.gateway.pool6 => {
+                    Some(self.d.pool6_addr(a).to_string())
+                }
+                _ => None,
+            },
             view,
             guest_ip: format!("{}/{}", self.d.guest_ip, self.cfg.guest_prefix_len),
             gateway_ip: gw.clone(),
@@ -544,14 +541,6 @@ impl Agent {
             "shutting down; networks stay in place"
         );
     }
-}
-
-/// `prefix` ‖ `v4`: an address of `ipv6_pool`.
-pub(crate) fn pool6_addr(prefix: [u8; 12], v4: std::net::Ipv4Addr) -> std::net::Ipv6Addr {
-    let mut o = [0; 16];
-    o[..12].copy_from_slice(&prefix);
-    o[12..].copy_from_slice(&v4.octets());
-    o.into()
 }
 
 #[cfg(test)]

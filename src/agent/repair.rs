@@ -189,33 +189,21 @@ impl Agent {
         let name = &self.cfg.gateway_device;
         let (gw, len) = (self.d.pool.gateway(), self.d.pool.prefix_len());
         let r = match self.nl.link_by_index(self.gateway.ifindex).await {
-            Ok(Some(l)) if &l.name == name => {
-                match self
-                    .nl
+            Ok(Some(l)) if &l.name == name => async {
+                let ifindex = self.gateway.ifindex;
+                self.nl
                     .ensure_gateway_device_with_mtu(name, gw, len, None)
-                    .await
-                {
-                    Ok(_) => match self
-                        .nl
-                        .set_prefix_route_mtu(
-                            self.d.pool.network(),
-                            len,
-                            self.gateway.ifindex,
-                            gw,
-                            self.cfg.mtu,
-                        )
-                        .await
-                    {
-                        Ok(()) if self.gateway.pool6.is_some() => {
-                            Self::pool6_setup(&self.nl, self.gateway.ifindex, &self.d, self.cfg.mtu)
-                                .await
-                                .map_err(|e| crate::error_chain(&e))
-                        }
-                        r => r.map_err(|e| crate::error_chain(&e)),
-                    },
-                    Err(e) => Err(crate::error_chain(&e)),
+                    .await?;
+                self.nl
+                    .set_prefix_route_mtu(self.d.pool.network(), len, ifindex, gw, self.cfg.mtu)
+                    .await?;
+                if self.gateway.pool6 {
+                    Self::pool6_setup(&self.nl, ifindex, &self.d, self.cfg.mtu).await?;
                 }
+                Ok::<(), crate::netlink::NetlinkError>(())
             }
+            .await
+            .map_err(|e| crate::error_chain(&e)),
             _ => Err(format!("{}: restart the agent", problems.join("; "))),
         };
         match r {

@@ -109,9 +109,9 @@ impl Agent {
         };
         let pool6 = match anchor {
             Some(_) if cfg.ipv6 == crate::config::Ipv6Mode::Auto => {
-                Self::route_pool6(&nl, &gw_link, &d, cfg.mtu).await
+                Self::route_pool6(&nl, gw_link.index, &d, cfg.mtu).await
             }
-            _ => None,
+            _ => false,
         };
         let loading = {
             let (cfg, d, gw, uplink) = (cfg.clone(), d.clone(), gw_link.clone(), uplink.clone());
@@ -119,7 +119,7 @@ impl Agent {
                 Self::build_datapath(
                     &cfg,
                     &d,
-                    (&gw, pool6),
+                    (&gw, pool6.then_some(d.ipv6_pool)),
                     (&uplink, uplink6),
                     anchor.as_ref(),
                     shaper,
@@ -465,19 +465,21 @@ impl Agent {
     /// device's address in `ipv6_pool` (a /128 without DAD), the gateway's
     /// link-local address as a permanent neighbour, and the pool's /96
     /// routed via it with the sandboxes' MTU (one route and neighbour for
-    /// every sandbox; the datapath translates). `None`, warned, where the
+    /// every sandbox; the datapath translates). False, warned, where the
     /// node cannot (IPv6 disabled on the device).
-    async fn route_pool6(nl: &Netlink, gw: &LinkInfo, d: &Derived, mtu: u32) -> Option<[u8; 12]> {
-        let host6 = super::pool6_addr(d.ipv6_pool, d.pool.gateway());
-        let prefix = super::pool6_addr(d.ipv6_pool, std::net::Ipv4Addr::UNSPECIFIED);
-        match Self::pool6_setup(nl, gw.index, d, mtu).await {
+    async fn route_pool6(nl: &Netlink, ifindex: u32, d: &Derived, mtu: u32) -> bool {
+        match Self::pool6_setup(nl, ifindex, d, mtu).await {
             Ok(()) => {
-                info!(address = %host6, pool = %format!("{prefix}/96"), "host <-> sandbox over IPv6");
-                Some(d.ipv6_pool)
+                info!(
+                    address = %d.pool6_addr(d.pool.gateway()),
+                    pool = %format!("{}/96", d.pool6_addr(std::net::Ipv4Addr::UNSPECIFIED)),
+                    "host <-> sandbox over IPv6"
+                );
+                true
             }
             Err(e) => {
                 warn!(error = %crate::error_chain(&e), "routing ipv6_pool to the gateway device: the host reaches sandboxes over IPv4 only");
-                None
+                false
             }
         }
     }
@@ -490,9 +492,9 @@ impl Agent {
         d: &Derived,
         mtu: u32,
     ) -> Result<(), crate::netlink::NetlinkError> {
-        let host6 = super::pool6_addr(d.ipv6_pool, d.pool.gateway());
+        let host6 = d.pool6_addr(d.pool.gateway());
         let via = crate::types::link_local(&d.gateway_mac);
-        let prefix = super::pool6_addr(d.ipv6_pool, std::net::Ipv4Addr::UNSPECIFIED);
+        let prefix = d.pool6_addr(std::net::Ipv4Addr::UNSPECIFIED);
         nl.add_ipv6_addr_nodad(ifindex, host6, 128).await?;
         nl.neigh_replace_permanent(ifindex, via.into(), d.guest_mac)
             .await?;
