@@ -906,9 +906,9 @@ impl Netlink {
         src: Ipv4Addr,
         mtu: u32,
     ) -> Result<(), NetlinkError> {
-        use rtnetlink::packet_route::route::{RouteMetric, RouteProtocol, RouteScope};
+        use rtnetlink::packet_route::route::{RouteProtocol, RouteScope};
         debug!(%dest, prefix_len, oif, mtu, "set the prefix route's MTU");
-        let mut msg = RouteMessageBuilder::<Ipv4Addr>::new()
+        let msg = RouteMessageBuilder::<Ipv4Addr>::new()
             .destination_prefix(mask(dest, prefix_len), prefix_len)
             .output_interface(oif)
             .pref_source(src)
@@ -916,19 +916,25 @@ impl Netlink {
             .scope(RouteScope::Link)
             .table_id(254)
             .build();
-        msg.attributes
-            .push(RouteAttribute::Metrics(vec![RouteMetric::Mtu(mtu)]));
-        self.handle
-            .route()
-            .add(msg)
-            .replace()
-            .execute()
+        self.replace_route_with_mtu(msg, mtu)
             .await
             .map_err(|source| NetlinkError::RouteAdd {
                 gateway: src,
                 oif,
                 source,
             })
+    }
+
+    /// Adds or replaces the route `msg` with an MTU metric.
+    async fn replace_route_with_mtu(
+        &self,
+        mut msg: RouteMessage,
+        mtu: u32,
+    ) -> Result<(), rtnetlink::Error> {
+        use rtnetlink::packet_route::route::RouteMetric;
+        msg.attributes
+            .push(RouteAttribute::Metrics(vec![RouteMetric::Mtu(mtu)]));
+        self.handle.route().add(msg).replace().execute().await
     }
 
     /// Replaces the IPv6 route `dest/prefix_len` via the link-local `via`
@@ -941,21 +947,14 @@ impl Netlink {
         src: std::net::Ipv6Addr,
         mtu: u32,
     ) -> Result<(), NetlinkError> {
-        use rtnetlink::packet_route::route::RouteMetric;
         debug!(%dest, prefix_len, %via, oif, mtu, "replace IPv6 route");
-        let mut msg = RouteMessageBuilder::<std::net::Ipv6Addr>::new()
+        let msg = RouteMessageBuilder::<std::net::Ipv6Addr>::new()
             .destination_prefix(dest, prefix_len)
             .gateway(via)
             .output_interface(oif)
             .pref_source(src)
             .build();
-        msg.attributes
-            .push(RouteAttribute::Metrics(vec![RouteMetric::Mtu(mtu)]));
-        self.handle
-            .route()
-            .add(msg)
-            .replace()
-            .execute()
+        self.replace_route_with_mtu(msg, mtu)
             .await
             .map_err(|source| NetlinkError::Route6Add {
                 dest,
