@@ -245,11 +245,12 @@ struct {
 #define TAIL_UPLINK6_IN 1
 #define TAIL_GUEST6_RST 2
 #define TAIL_ICMP6_ERROR 3
+#define TAIL_GUEST6_STEER 4
 struct {
 	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
 	__uint(key_size, sizeof(__u32));
 	__uint(value_size, sizeof(__u32));
-	__uint(max_entries, 4);
+	__uint(max_entries, 5);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } tails SEC(".maps");
 
@@ -1131,14 +1132,17 @@ static __always_inline int sent_by_unadmitted_process(struct __sk_buff *skb)
 /* Starts or continues the host flow `hk` (the host sending to the
  * sandbox's `guest_port`); its gateway-side port, or -1 (dropped): no
  * free port, the sandbox's share of host flows is used up, or (with
- * `admission`) a new flow from a process without host access. */
+ * `admission`) a new flow from a process without host access. A reply of
+ * a flow the guest opened to an agent socket (DP_HF_PROXY) leaves its
+ * entry in `*proxied` (whose peer the reply comes from), NULL else. */
 static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_config *c,
 				    const struct dp_hflow_key *hk, __u32 sandbox_ip,
 				    __u32 tap_ifindex, __u16 guest_port, __u64 gen, __u8 kind,
-				    int admission, const struct l4info *l4, __u16 *gw_port, __u32 *peer)
+				    int admission, const struct l4info *l4, __u16 *gw_port,
+				    struct dp_hflow_val **proxied)
 {
 	struct dp_hflow_val *hv = hflow_of(c, hk, sandbox_ip, gen);
-	*peer = 0;
+	*proxied = NULL;
 	if (hv && hv->guest_port == guest_port &&
 	    (hv->kind == kind || (kind == DP_HF_GWDEV && hv->kind == DP_HF_PROXY))) {
 		/* A flow the node opened stays its sender's: judged again on
@@ -1152,7 +1156,7 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 		hv->state = tcp_state(hv->state, l4, DIR_IN);
 		*gw_port = hv->gw_port;
 		if (hv->kind == DP_HF_PROXY)
-			*peer = hv->peer_ip;
+			*proxied = hv;
 		return 0;
 	}
 	if (admission && !host_admitted(skb)) {
@@ -1215,6 +1219,14 @@ static __always_inline int into_gwdev(struct __sk_buff *skb, const struct dp_con
 		return TC_ACT_SHOT;
 	count(DP_C_HOST);
 	return bpf_redirect(c->gwdev_ifindex, BPF_F_INGRESS);
+}
+
+/* A packet from one of the agent's sockets sandboxes reach (the
+ * resolver's port 53, the proxy's ports). */
+static __always_inline int agent_service_port(const struct l4info *l4)
+{
+	return l4->sport == bpf_htons(53) || l4->sport == bpf_htons(DP_PROXY_TLS_PORT) ||
+	       l4->sport == bpf_htons(DP_PROXY_HTTP_PORT);
 }
 
 /* A guest's TCP to the proxy's ports: only guest_to_proxy sends there. */
@@ -1519,62 +1531,85 @@ static __always_inline __u16 proxy_port(const struct dp_sandbox *sb, const struc
  * RST with stale_reset. Not a TC_ACT_* value. */
 #define PROXY_STALE 0x7ffe
 
-static __always_inline int guest_to_proxy(struct __sk_buff *skb, const struct dp_config *c,
-					  const struct dp_sandbox *sb, const struct iphdr *ip,
-					  const struct l4info *l4, __u16 pport)
+/* The host flow of the guest's flow to the agent socket on port `pport`
+ * (address family `family`), continued or made: kind DP_HF_PROXY, keyed
+ * by the agent's side (the gateway device's address and `pport`, the
+ * sandbox's address and the guest's port), the peer the guest dialled in
+ * `peer_ip` or, for IPv6, `peer6`; `flags` DP_HFF_*. 0, PROXY_STALE, or
+ * TC_ACT_SHOT. */
+static __always_inline int proxy_flow(struct __sk_buff *skb, const struct dp_config *c,
+				      const struct dp_sandbox *sb, const struct l4info *l4,
+				      __u16 pport, __u8 family, __u32 peer_ip, const __u32 *peer6,
+				      __u16 flags)
 {
-	struct dp_hflow_key hk = {
+	struct dp_hflow_key key = {
 		.saddr = c->host_ip,
 		.daddr = sb->sandbox_ip,
 		.sport = pport,
 		.dport = l4->sport,
 		.proto = l4->proto,
+		.family = family,
 	};
-	struct dp_hflow_val *hv = hflow_of(c, &hk, sb->sandbox_ip, sb->gen);
+	const struct dp_hflow_key *hk = &key;
+	struct dp_hflow_val *hv = hflow_of(c, hk, sb->sandbox_ip, sb->gen);
 	int syn = (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
-	if (hv && (hv->kind != DP_HF_PROXY || hv->peer_ip != ip->daddr ||
-		   hv->gw_port != l4->dport)) {
+	if (hv && (hv->kind != DP_HF_PROXY || hv->peer_ip != peer_ip ||
+		   hv->gw_port != l4->dport || hv->flags != flags ||
+		   (peer6 && (hv->peer6[0] != peer6[0] || hv->peer6[1] != peer6[1] ||
+			      hv->peer6[2] != peer6[2] || hv->peer6[3] != peer6[3])))) {
 		if (l4->proto == IPPROTO_TCP && !(syn && tcp_closed(hv->state))) {
 			count(DP_C_NO_GW_PORT);
-			sb_count(skb->ifindex, DP_S_NO_PORT);
+			sb_count_fam(skb->ifindex, DP_S_NO_PORT, hk->family);
 			return TC_ACT_SHOT;
 		}
-		hflow_drop(c, &hk, hv);
+		hflow_drop(c, hk, hv);
 		hv = NULL;
 	}
 	if (hv) {
 		hv->last_seen_ns = bpf_ktime_get_ns();
 		hv->state = tcp_state(hv->state, l4, DIR_OUT);
-	} else {
-		/* Only a SYN opens a TCP flow: a segment of one whose entry
-		 * is gone (a guest restored from a snapshot, an expired flow)
-		 * reaches no connection of the agent's; the guest gets the
-		 * RST (docs/datapath.md "TCP segments of connections the
-		 * sandbox never opened"). */
-		if (l4->proto == IPPROTO_TCP && !syn)
-			return PROXY_STALE;
-		if (share_take(skb->ifindex)) {
-			count(DP_C_HOST_SHARE);
-			sb_count(skb->ifindex, DP_S_NO_PORT);
-			return TC_ACT_SHOT;
-		}
-		struct dp_hflow_val nv = {
-			.last_seen_ns = bpf_ktime_get_ns(),
-			.gen = sb->gen,
-			.sandbox_ip = sb->sandbox_ip,
-			.guest_port = l4->sport,
-			.gw_port = l4->dport,
-			.kind = DP_HF_PROXY,
-			.state = tcp_state(DP_TCP_OPEN, l4, DIR_OUT),
-			.peer_ip = ip->daddr,
-		};
-		if (bpf_map_update_elem(&hflow, &hk, &nv, BPF_NOEXIST)) {
-			share_give(skb->ifindex);
-			count(DP_C_NO_GW_PORT);
-			return TC_ACT_SHOT;
-		}
-		sb_count(skb->ifindex, DP_S_NEW_HOST);
+		return 0;
 	}
+	/* Only a SYN opens a TCP flow: a segment of one whose entry is gone
+	 * (a guest restored from a snapshot, an expired flow) reaches no
+	 * connection of the agent's; the guest gets the RST (docs/datapath.md
+	 * "TCP segments of connections the sandbox never opened"). */
+	if (l4->proto == IPPROTO_TCP && !syn)
+		return PROXY_STALE;
+	if (share_take(skb->ifindex)) {
+		count(DP_C_HOST_SHARE);
+		sb_count_fam(skb->ifindex, DP_S_NO_PORT, hk->family);
+		return TC_ACT_SHOT;
+	}
+	struct dp_hflow_val nv = {
+		.last_seen_ns = bpf_ktime_get_ns(),
+		.gen = sb->gen,
+		.sandbox_ip = sb->sandbox_ip,
+		.guest_port = l4->sport,
+		.gw_port = l4->dport,
+		.kind = DP_HF_PROXY,
+		.state = tcp_state(DP_TCP_OPEN, l4, DIR_OUT),
+		.flags = flags,
+		.peer_ip = peer_ip,
+	};
+	if (peer6)
+		__builtin_memcpy(nv.peer6, peer6, sizeof(nv.peer6));
+	if (bpf_map_update_elem(&hflow, hk, &nv, BPF_NOEXIST)) {
+		share_give(skb->ifindex);
+		count(DP_C_NO_GW_PORT);
+		return TC_ACT_SHOT;
+	}
+	sb_count_fam(skb->ifindex, DP_S_NEW_HOST, hk->family);
+	return 0;
+}
+
+static __always_inline int guest_to_proxy(struct __sk_buff *skb, const struct dp_config *c,
+					  const struct dp_sandbox *sb, const struct iphdr *ip,
+					  const struct l4info *l4, __u16 pport)
+{
+	int r = proxy_flow(skb, c, sb, l4, pport, DP_HFAM_IPV4, ip->daddr, NULL, 0);
+	if (r)
+		return r;
 	if (set_addr(skb, IP_SRC_OFF, ip->saddr, sb->sandbox_ip, l4) ||
 	    set_addr(skb, IP_DST_OFF, ip->daddr, c->host_ip, l4) ||
 	    set_port(skb, dst_port_off(l4), l4->dport, pport, l4))
@@ -1901,6 +1936,13 @@ struct v6_ra {
 	 * RAs (a router lifetime is at most 9000 s; Linux takes the longer). */
 	__u8 ri_type, ri_len, ri_prefix_len, ri_flags;
 	__be32 ri_lifetime;
+	/* Recursive DNS Server (RFC 8106): the agent's resolver at the
+	 * gateway's fd63:7562:6500::5, where the node reaches sandboxes over
+	 * IPv6 (pool6); lifetime 0 (no server) where it does not. */
+	__u8 rd_type, rd_len;
+	__u16 rd_reserved;
+	__be32 rd_lifetime;
+	__u32 rd_addr[4];
 };
 struct v6_na {
 	struct ip6h ip;
@@ -1922,7 +1964,7 @@ struct v6_unreach {
 	__u16 csum;
 	__u16 unused[2];
 };
-_Static_assert(sizeof(struct v6_ra) == 64, "RA layout");
+_Static_assert(sizeof(struct v6_ra) == 88, "RA layout");
 _Static_assert(sizeof(struct v6_na) == 72, "NA layout");
 _Static_assert(sizeof(struct v6_unreach) == 48, "unreachable layout");
 
@@ -1933,6 +1975,9 @@ _Static_assert(sizeof(struct v6_unreach) == 48, "unreachable layout");
  * fd63:7562:6500::5 on a node with host <-> sandbox over IPv6: its
  * caller goes on with guest_to_host6. Not a TC_ACT_* value. */
 #define V6_TO_HOST 0x7701
+/* guest_ipv6's answer for DNS, HTTP or HTTPS to the world from a sandbox
+ * with domain rules or in strict mode: its caller tail-calls guest6_steer. */
+#define V6_STEER 0x7702
 /* guest_ipv6's modes: judge the packet; or refuse what is not the link's
  * (counted as refused, or not: the caller counted why). */
 #define V6_JUDGE 0
@@ -2033,6 +2078,11 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 			v6_fixed(u.ra.pi_prefix, 0);
 			u.ra.ri_type = 24;
 			u.ra.ri_len = 1;
+			u.ra.rd_type = 25;
+			u.ra.rd_len = 3;
+			v6_fixed(u.ra.rd_addr, DP_V6_GATEWAY_LO);
+			if (c->pool6[0] | c->pool6[1] | c->pool6[2])
+				u.ra.rd_lifetime = 0xffffffff;
 			/* Without IPv6 egress, lifetimes 0: not a default router. */
 			if (v6_router(c, ifindex)) {
 				u.ra.lifetime = bpf_htons(9000);
@@ -2106,13 +2156,24 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 	     (icmp && type == ICMP6_ECHO_REPLY)))
 		return V6_TO_HOST;
 
-	/* The world (not the link, nor link-local), for a sandbox that may
-	 * reach it: NAT66 in guest6_out. */
+	/* The world (not the link, nor link-local): DNS, HTTP and HTTPS of a
+	 * sandbox with domain rules or in strict mode to guest6_steer (the
+	 * agent's resolver and proxy); else, for a sandbox that may reach it,
+	 * NAT66 in guest6_out. */
 	__u32 d0 = bpf_ntohl(h.ip.daddr[0]);
 	if (mode == V6_JUDGE && (d0 >> 22) != (0xfe800000 >> 22) &&
 	    !(d0 == DP_V6_PREFIX0 && bpf_ntohl(h.ip.daddr[1]) == DP_V6_PREFIX1) &&
-	    bpf_ntohl(h.ip.saddr[0]) != 0xfe800000 && v6_router(c, ifindex))
-		return V6_TO_WORLD;
+	    bpf_ntohl(h.ip.saddr[0]) != 0xfe800000) {
+		__u16 dport = h.l4[2] << 8 | h.l4[3];
+		if ((h.ip.nexthdr == IPPROTO_TCP || h.ip.nexthdr == IPPROTO_UDP) &&
+		    (dport == 53 || dport == 80 || dport == 443)) {
+			struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
+			if (sb && (sb->flags & (DP_F_SNI | DP_F_DOMAINS)))
+				return V6_STEER;
+		}
+		if (v6_router(c, ifindex))
+			return V6_TO_WORLD;
+	}
 	/* Everything else has nowhere to go: refused at once. */
 	if (mode != V6_REFUSE_QUIET) {
 		count(DP_C_IPV6_REFUSED);
@@ -2744,10 +2805,10 @@ __noinline int snat6_rescue(const struct dp_ct6_key *key, __u64 gen, __u16 *nat_
 
 /* Replaces an IPv6 address (at `off`), fixing the pseudo-header part of
  * the L4 checksum (TCP, UDP and ICMPv6 all cover it). */
-static __always_inline int set_addr6(struct __sk_buff *skb, __u32 off, __u32 *old,
+static __always_inline int set_addr6(struct __sk_buff *skb, __u32 off, const __u32 *old,
 				     const __u32 *new, const struct l4info *l4)
 {
-	__s64 diff = bpf_csum_diff(old, 16, (__u32 *)new, 16, 0);
+	__s64 diff = bpf_csum_diff((__u32 *)old, 16, (__u32 *)new, 16, 0);
 	if (diff < 0 ||
 	    bpf_l4_csum_replace(skb, l4->csum_off, 0, diff, BPF_F_PSEUDO_HDR | l4_csum_flags(l4)))
 		return -1;
@@ -3398,6 +3459,97 @@ __noinline int guest_to_host6(struct __sk_buff *skb)
 	return into_gwdev(skb, c);
 }
 
+/* guest_to_proxy's IPv6 twin: delivered as sandbox_ipv6 -> the gateway
+ * device's IPv6 address:`pport`; the replies (host_to_sandbox6) come
+ * from the address the guest dialled, to the guest address it sent from. */
+static __always_inline int guest_to_proxy6(struct __sk_buff *skb, const struct dp_config *c,
+					   const struct dp_sandbox *sb, const struct ip6h *ip,
+					   const struct l4info *l4, __u16 pport)
+{
+	__u16 fixed = v6_fixed_eq(ip->saddr, DP_V6_GUEST_LO) ? DP_HFF_GUEST_FIXED : 0;
+	int r = proxy_flow(skb, c, sb, l4, pport, DP_HFAM_IPV6, 0, ip->daddr, fixed);
+	if (r)
+		return r;
+	__u32 from[4], to[4];
+	pool6_addr(from, c, sb->sandbox_ip);
+	pool6_addr(to, c, c->host_ip);
+	if (set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, saddr), ip->saddr, from, l4) ||
+	    set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, daddr), ip->daddr, to, l4) ||
+	    set_port(skb, dst_port_off(l4), l4->dport, pport, l4))
+		return TC_ACT_SHOT;
+	return into_gwdev(skb, c);
+}
+
+/* guest -> the IPv6 world on port 53, 80 or 443 from a sandbox with
+ * domain rules or in strict mode (guest_ipv6 said V6_STEER; from_guest's
+ * tail call): steer_to_agent's IPv6 twin. DNS (UDP/TCP 53) to anyone goes
+ * to the agent's resolver, with or without IPv6 egress; with DP_F_SNI,
+ * TCP to 80/443 that no allowed CIDR covers goes to the proxy and UDP to
+ * 443 is dropped. The agent's sockets are reached through the node's side
+ * of host <-> sandbox over IPv6 (pool6): without it a flow they should
+ * take is refused (an RST, so the client falls back to IPv4), never sent
+ * on. Anything else goes on to guest6_out. */
+SEC("classifier")
+int guest6_steer(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	__u32 ifindex = skb->ifindex;
+	struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
+	struct ip6h ip;
+	struct l4info l4;
+	if (!c || !sb)
+		return TC_ACT_SHOT;
+	if (parse_ipv6(skb, &ip, &l4)) {
+		count(DP_C_MALFORMED);
+		sb_count6(ifindex, DP_S_MALFORMED);
+		return TC_ACT_SHOT;
+	}
+	/* The replies of a flow the world opened to a port mapping are the
+	 * mapped service's, not the guest's requests (as IPv4's). */
+	struct dp_ct6_key key = {
+		.sandbox_ip = sb->sandbox_ip,
+		.guest_port = l4.sport,
+		.remote_port = l4.dport,
+		.proto = l4.proto,
+		.gaddr = v6_fixed_eq(ip.saddr, DP_V6_GUEST_LO) ? DP_GADDR_FIXED : DP_GADDR_SLAAC,
+	};
+	__builtin_memcpy(key.remote_ip, ip.daddr, 16);
+	struct dp_ct_val *v = bpf_map_lookup_elem(&ct6, &key);
+	int mapped = v && v->kind == DP_CT_PORTMAP && v->gen == sb->gen &&
+		     portmap6_live(sb->sandbox_ip, v->nat_port, l4.proto, l4.sport);
+	int router = v6_router(c, ifindex);
+	__u16 pport = 0;
+	if (mapped) {
+	} else if ((sb->flags & DP_F_DOMAINS) && l4.dport == bpf_htons(53) &&
+		   (l4.proto == IPPROTO_UDP || l4.proto == IPPROTO_TCP)) {
+		pport = bpf_htons(53);
+	} else if (router &&
+		   (sb->flags & (DP_F_SNI | DP_F_INTERNET)) == (DP_F_SNI | DP_F_INTERNET)) {
+		struct dp_policy6_key pk = {.prefixlen = 160, .sandbox_ip = sb->sandbox_ip};
+		__builtin_memcpy(pk.dst, ip.daddr, 16);
+		if (!bpf_map_lookup_elem(&policy6_allow, &pk)) {
+			pport = proxy_port(sb, &l4);
+			if (!pport && l4.proto == IPPROTO_UDP && l4.dport == bpf_htons(443)) {
+				count(DP_C_POLICY_DROP);
+				sb_count6(ifindex, DP_S_POLICY);
+				return TC_ACT_SHOT; /* QUIC: clients fall back to TCP */
+			}
+		}
+	}
+	if (pport && pool6_on(c)) {
+		int r = guest_to_proxy6(skb, c, sb, &ip, &l4, pport);
+		if (r != PROXY_STALE)
+			return r;
+		count(DP_C_STALE_TCP);
+		sb_count6(ifindex, DP_S_STALE_TCP);
+		bpf_tail_call(skb, &tails, TAIL_GUEST6_RST);
+		return TC_ACT_SHOT;
+	}
+	if (!pport && router)
+		bpf_tail_call(skb, &tails, TAIL_GUEST6_OUT);
+	return guest_ipv6(skb, V6_REFUSE);
+}
+
 /* host -> a sandbox's IPv6 identity (routed into the gateway device; to_
  * sandbox_ip's IPv6 part): only the node's own packets from the device's
  * address, TCP and UDP by host flow (the same admission as IPv4's: root
@@ -3437,7 +3589,7 @@ __noinline int host_to_sandbox6(struct __sk_buff *skb)
 	__u32 tap_ifindex = tap->ifindex;
 	__u64 gen = tap->gen;
 	__u32 tap_flags = tap->flags;
-	__u32 peer = 0;
+	struct dp_hflow_val *proxied = NULL;
 	if (l4.proto == IPPROTO_TCP || l4.proto == IPPROTO_UDP) {
 		struct dp_hflow_key hk = {
 			.saddr = c->host_ip,
@@ -3447,10 +3599,15 @@ __noinline int host_to_sandbox6(struct __sk_buff *skb)
 			.proto = l4.proto,
 			.family = DP_HFAM_IPV6,
 		};
+		/* As IPv4's: the agent's resolver and proxy answer only flows
+		 * the address's current owner opened. */
+		if (agent_service_port(&l4) && !hflow_of(c, &hk, dst, gen)) {
+			count(DP_C_NO_ROUTE);
+			return TC_ACT_SHOT;
+		}
 		__u16 gw_port;
 		if (hflow_in(skb, c, &hk, dst, tap_ifindex, l4.dport, gen, DP_HF_GWDEV, 1, &l4,
-			     &gw_port, &peer) ||
-		    peer)
+			     &gw_port, &proxied))
 			return TC_ACT_SHOT;
 		if (set_port(skb, src_port_off(&l4), l4.sport, gw_port, &l4))
 			return TC_ACT_SHOT;
@@ -3466,11 +3623,18 @@ __noinline int host_to_sandbox6(struct __sk_buff *skb)
 					     DP_WAKE_HOST));
 	__u32 old[4], a[4];
 	pool6_addr(old, c, dst);
-	v6_guest_addr(a, DP_GADDR_SLAAC, c);
+	v6_guest_addr(a,
+		      proxied && (proxied->flags & DP_HFF_GUEST_FIXED) ? DP_GADDR_FIXED
+								       : DP_GADDR_SLAAC,
+		      c);
 	if (set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, daddr), old, a, &l4))
 		return TC_ACT_SHOT;
 	pool6_addr(old, c, c->host_ip);
-	v6_fixed(a, DP_V6_GATEWAY_LO);
+	/* A steered flow's replies come from the address the guest dialled. */
+	if (proxied)
+		__builtin_memcpy(a, proxied->peer6, 16);
+	else
+		v6_fixed(a, DP_V6_GATEWAY_LO);
 	if (set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, saddr), old, a, &l4) ||
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
@@ -3506,6 +3670,10 @@ int from_guest(struct __sk_buff *skb)
 		int r = guest_ipv6(skb, V6_JUDGE);
 		if (r == V6_TO_HOST)
 			return guest_to_host6(skb);
+		if (r == V6_STEER) {
+			bpf_tail_call(skb, &tails, TAIL_GUEST6_STEER);
+			return guest_ipv6(skb, V6_REFUSE); /* not loaded: refused */
+		}
 		if (r != V6_TO_WORLD)
 			return r;
 		bpf_tail_call(skb, &tails, TAIL_GUEST6_OUT);
@@ -3792,9 +3960,7 @@ int to_sandbox_ip(struct __sk_buff *skb)
 		/* The agent's own services (resolver, proxy) answer flows the
 		 * guest opened: with no such flow (a released sandbox's, whose
 		 * address may have a new owner) the packet goes nowhere. */
-		if (ip.saddr == c->host_ip &&
-		    (l4.sport == bpf_htons(53) || l4.sport == bpf_htons(DP_PROXY_TLS_PORT) ||
-		     l4.sport == bpf_htons(DP_PROXY_HTTP_PORT)) &&
+		if (ip.saddr == c->host_ip && agent_service_port(&l4) &&
 		    !hflow_of(c, &hk, dst, gen)) {
 			count(DP_C_NO_ROUTE);
 			return TC_ACT_SHOT;
@@ -3802,9 +3968,12 @@ int to_sandbox_ip(struct __sk_buff *skb)
 		/* A flow the node opens needs host access (a reply to a flow
 		 * the guest opened has its entry). */
 		__u16 gw_port;
+		struct dp_hflow_val *proxied;
 		if (hflow_in(skb, c, &hk, dst, tap_ifindex, l4.dport, gen, DP_HF_GWDEV, 1, &l4,
-			     &gw_port, &peer))
+			     &gw_port, &proxied))
 			return TC_ACT_SHOT;
+		if (proxied)
+			peer = proxied->peer_ip;
 		if (set_port(skb, src_port_off(&l4), l4.sport, gw_port, &l4))
 			return TC_ACT_SHOT;
 	}
@@ -3875,9 +4044,9 @@ int from_host(struct __sk_buff *skb)
 	/* A port mapping is open to every local process (as one on a node
 	 * address is to the world): no host-access check, the share only. */
 	__u16 gw_port;
-	__u32 peer;
+	struct dp_hflow_val *proxied;
 	if (hflow_in(skb, c, &hk, sandbox_ip, tap_ifindex, container_port, gen, DP_HF_LO, 0, &l4,
-		     &gw_port, &peer))
+		     &gw_port, &proxied))
 		return TC_ACT_SHOT;
 	if (tap_flags & DP_T_PAUSED)
 		return paused_drop(tap_ifindex, gen, sandbox_ip, ip.saddr,

@@ -326,11 +326,15 @@ struct dp_hflow_val {
 	__u8 state;            /* DP_TCP_* bits */
 	__u16 flags;           /* DP_HFF_* (0 in builds before host access) */
 	__u32 peer_ip;         /* DP_HF_PROXY: the address the guest dialled */
-}; /* 32 bytes */
+	__u32 peer6[4];        /* DP_HF_PROXY of DP_HFAM_IPV6: the address the guest dialled */
+}; /* 48 bytes (32 in builds before IPv6 steering: migrated) */
 /* The node opened the flow to the sandbox address: every packet of it is
  * judged by the sender's uid again (another uid could take the port over
  * once the first socket closed). */
 #define DP_HFF_HOST_OPENED 1
+/* An IPv6 flow the guest opened from its static fd63:7562:6500::6 (not its
+ * SLAAC address): the replies go there. */
+#define DP_HFF_GUEST_FIXED 2
 #define DP_HF_GWDEV 0     /* via the gateway device: to the sandbox IP, or the guest to the gateway */
 #define DP_HF_LO 1        /* via lo: the host to a mapped port */
 /* The guest's flow to peer_ip:gw_port (80/443), delivered to the agent's

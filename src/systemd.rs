@@ -214,7 +214,16 @@ pub fn remove_fd(name: &str) -> bool {
 /// The sockets the agent itself listens on for sandboxes (the resolver,
 /// strict mode's proxy) are kept in the fd store under these names, so
 /// that what arrives while the agent restarts waits in their queues.
-pub const SOCKET_FD_NAMES: &[&str] = &["dns-udp", "dns-tcp", "proxy-tls", "proxy-http"];
+pub const SOCKET_FD_NAMES: &[&str] = &[
+    "dns-udp",
+    "dns-tcp",
+    "proxy-tls",
+    "proxy-http",
+    "dns-udp6",
+    "dns-tcp6",
+    "proxy-tls6",
+    "proxy-http6",
+];
 
 /// Drops a TAP fd from the fd store (the TAP is being deleted).
 pub fn remove_tap_fd(ifindex: u32) -> bool {

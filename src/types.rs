@@ -76,10 +76,9 @@ pub fn is_catch_all(cidr: &str) -> bool {
 /// - and leave some IPv6 open: not the catch-all deny (of either family)
 ///   with neither an IPv6 allow CIDR nor an allowed name.
 ///
-/// Strict mode is IPv4's only so far (its proxy dials IPv4), so a strict
-/// sandbox is IPv4-only: its IPv6 to the world is refused at once
-/// (docs/dual-stack.md).
-pub fn ipv6_open(internet: bool, strict: bool, allow_out: &[String], deny_out: &[String]) -> bool {
+/// Strict mode changes nothing here: its proxy takes IPv6 flows to 80 and
+/// 443 as IPv4's (docs/egress.md).
+pub fn ipv6_open(internet: bool, allow_out: &[String], deny_out: &[String]) -> bool {
     let v6_allowed = allow_out
         .iter()
         .any(|e| e.contains(':') || is_domain_entry(e));
@@ -87,7 +86,7 @@ pub fn ipv6_open(internet: bool, strict: bool, allow_out: &[String], deny_out: &
     let speaks_v6 = v6_allowed || deny_out.iter().any(|e| e.contains(':'));
     let v4_cidrs = rules.any(|e| !e.contains(':') && !is_domain_entry(e));
     let all_denied = deny_out.iter().any(|e| is_catch_all(e));
-    internet && !strict && (speaks_v6 || !v4_cidrs) && (v6_allowed || !all_denied)
+    internet && (speaks_v6 || !v4_cidrs) && (v6_allowed || !all_denied)
 }
 
 /// A sandbox's bandwidth limits (docs/datapath.md "Bandwidth"): rates in

@@ -1127,6 +1127,15 @@ async fn the_guests_ipv6_link_answers_and_refuses_at_once() {
         &[0xfd, 0x63, 0x75, 0x62, 0x65, 0, 0, 0],
         "{pi:?}"
     );
+    // RDNSS (RFC 8106): the agent's resolver at the gateway's
+    // fd63:7562:6500::5, infinite (the node reaches sandboxes over IPv6).
+    let rdnss = &opts6
+        .iter()
+        .find(|o| o.0 == 25)
+        .expect("no Recursive DNS Server option")
+        .1;
+    assert_eq!(&rdnss[2..6], &[0xff; 4], "{rdnss:?}");
+    assert_eq!(&rdnss[6..22], &GATEWAY_IP6.octets(), "{rdnss:?}");
 
     // NS for either gateway address -> NA (router, solicited, override,
     // the gateway MAC); for anything else on the link: nothing.

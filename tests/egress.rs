@@ -170,16 +170,17 @@ async fn aaaa_questions_get_nodata_unless_the_sandbox_has_ipv6_egress() {
             domain_opts(&["*.allowed.test"], &["0.0.0.0/0"]),
             1,
         ),
-        // An IPv4 allow-list closes IPv6; strict mode is IPv4's only.
+        // An IPv4 allow-list closes IPv6.
         (
             "list4",
             domain_opts(&["198.51.100.0/24"], &["0.0.0.0/0"]),
             0,
         ),
+        // Strict mode's proxy takes IPv6 as IPv4 (tests/ipv6.rs).
         (
             "strict6",
             opts(vec![("egress_mode", Value::from("sni"))]),
-            0,
+            1,
         ),
     ] {
         let (_, g) = guest_for(&c, id, o).await;

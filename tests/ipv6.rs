@@ -3,9 +3,9 @@
 //! and reach an IPv6 world from the node's address; the default denies
 //! hold (the world listens on them: a leak would answer); CIDR rules of
 //! both families hold over IPv6 as over IPv4; allowed names reach their
-//! AAAA addresses and nothing else; a sandbox in strict mode (IPv4's only)
-//! or whose rules close all IPv6 is refused at once; a connection outlives
-//! kill -9.
+//! AAAA addresses and nothing else; DNS and strict mode go through the
+//! agent's resolver and proxy; a sandbox whose rules are IPv4's only or
+//! close all IPv6 is refused at once; a connection outlives kill -9.
 
 mod common;
 
@@ -182,7 +182,13 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
         open.sh("ip -6 addr; ip -6 route")
     );
     let ruled = Ctr::new("v6rules");
-    let r = add(&env, "ruled", &ruled, json!({"egressMode": "sni"}));
+    // Rules of IPv4 CIDRs only were written for IPv4: IPv4-only.
+    let r = add(
+        &env,
+        "ruled",
+        &ruled,
+        json!({"denyOut": ["203.0.113.5/32"]}),
+    );
     assert_eq!(r["ips"].as_array().unwrap().len(), 4, "{r}");
     assert_eq!(r["routes"].as_array().unwrap().len(), 1, "{r}");
     // GetNetwork says whose IPv6 reaches the world.
@@ -299,8 +305,8 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
         assert!(text.lines().any(|l| l == line), "{line} not in:\n{text}");
     }
 
-    // Strict mode (IPv4's only so far): no default route in the RA, and a
-    // static one meets a refusal at once; the world sees nobody.
+    // IPv4 rules only: no default route in the RA, and a static one meets
+    // a refusal at once; the world sees nobody.
     let (_, raddr) = ready6(&ruled, false, Duration::from_secs(10)).expect("no SLAAC address");
     assert_eq!(raddr, GUEST_SLAAC);
     std::thread::sleep(Duration::from_millis(300));
@@ -1165,22 +1171,28 @@ async fn the_host_reaches_sandboxes_over_ipv6_as_over_ipv4() {
             "the node sees the sandbox's identity"
         );
     }
-    // The proxy's ports are not the node's to reach this way (something
-    // listens on the device's address there: a leak would answer).
+    // The proxy's ports are not the guest's to reach this way: the agent's
+    // proxy listens on the device's IPv6 address there (and would take the
+    // connection, then reset it: a leak would connect), but only flows the
+    // datapath steered get there.
     let (_, host6) = sh_as(
         &env.ns,
         None,
-        "ip -o -6 addr show scope global | grep -o 'fd63:7562:6501::[0-9a-f:]*'",
+        "ss -Htln 'sport = :1021' | grep -o 'fd63:7562:6501::[0-9a-f:]*'",
     );
-    let host6: Ipv6Addr = host6.trim().parse().unwrap();
-    let proxy = Server::tcp(&env.ns, SocketAddr::new(host6.into(), 1021), b"proxy:");
+    let host6: Ipv6Addr = host6.trim().parse().expect("the proxy listens on IPv6");
+    assert_eq!(host6, "fd63:7562:6501::c0a8:1".parse::<Ipv6Addr>().unwrap());
     let got = tcp_exchange_in(
         &a.name,
         SocketAddr::new(gw6, 1021),
         b"p",
         Duration::from_secs(2),
     );
-    assert!(got.is_err() && proxy.peers().is_empty(), "{got:?}");
+    assert!(
+        got.as_ref()
+            .is_err_and(|e| e.starts_with("connect") && e.contains("timed out")),
+        "{got:?}"
+    );
 
     // Counted as host flows of the IPv6 family.
     let t = c.traffic("cni:h6:eth0").await;
@@ -1227,4 +1239,150 @@ async fn the_host_reaches_sandboxes_over_ipv6_as_over_ipv4() {
     );
     let got = tcp_exchange_in(&env.ns, SocketAddr::new(sb6.into(), 7000), b"more", T);
     assert_eq!(got.as_deref(), Ok(&b"ctr:more"[..]));
+}
+
+/// DNS and strict mode over IPv6 go through the agent as over IPv4
+/// (docs/dual-stack.md "Policy parity"): the RA's resolver
+/// (fd63:7562:6500::5) answers over UDP and TCP; DNS to any other IPv6
+/// resolver is the agent's (a refused name stays refused; an answer comes
+/// from the address the client asked); a strict-mode sandbox's HTTP and
+/// TLS to an IPv6 address go to its proxy, which checks the name and dials
+/// it itself (the world sees the node's IPv4 address, never a NAT66 flow)
+/// or resets the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_and_strict_mode_over_ipv6_go_through_the_agent() {
+    require_root!();
+    let (env, world) = node6(&["--dns-upstream", "198.51.100.2"], Some(&[OTHER6]));
+    let _dns = common::dnsmasq::start(
+        &world,
+        &[
+            format!("--host-record=www.allowed.test,{WORLD_IP},{WORLD_IP6}"),
+            format!("--host-record=denied.test,{WORLD_IP},{WORLD_IP6}"),
+        ],
+        "www.allowed.test",
+    );
+    // Dual-stack listeners: an IPv6 flow that left by NAT66 would be seen
+    // from the node's IPv6 address.
+    world.tcp_server6(80);
+    world.tcp_server6(443);
+    let c = env.client().await;
+    let ctr = Ctr::new("v6sni");
+    add(
+        &env,
+        "sni6",
+        &ctr,
+        json!({
+            "allowOut": ["*.allowed.test"],
+            "denyOut": ["0.0.0.0/0"],
+            "egressMode": "sni",
+        }),
+    );
+    let net = c.get("cni:sni6:eth0").await.unwrap();
+    assert!(
+        bool::try_from(net["ipv6_egress"].try_clone().unwrap()).unwrap(),
+        "strict mode keeps IPv6"
+    );
+    ready6(&ctr, true, Duration::from_secs(10)).expect("no IPv6 address and route");
+    let _conf = ctr.resolv_conf("169.254.68.5");
+    let dig = |q: &str| ctr.sh(&format!("dig +time=2 +tries=1 {q} 2>&1"));
+
+    // The RA's resolver, over UDP and TCP.
+    for tcp in ["", "+tcp"] {
+        let out = dig(&format!("{tcp} @fd63:7562:6500::5 AAAA www.allowed.test"));
+        assert!(
+            out.contains("status: NOERROR") && out.contains(&WORLD_IP6.to_string()),
+            "{out}"
+        );
+        let out = dig(&format!("{tcp} @fd63:7562:6500::5 A denied.test"));
+        assert!(out.contains("status: REFUSED"), "{out}");
+    }
+    // Another IPv6 resolver (the world's address: nothing listens there on
+    // port 53; OTHER6: nothing at all): the agent answers, from the address
+    // asked (dig checks the reply's source).
+    for server in [WORLD_IP6, OTHER6] {
+        for tcp in ["", "+tcp"] {
+            let out = dig(&format!("{tcp} @{server} A denied.test"));
+            assert!(out.contains("status: REFUSED"), "{server} {tcp}: {out}");
+            let out = dig(&format!("{tcp} @{server} A www.allowed.test"));
+            assert!(
+                out.contains("status: NOERROR")
+                    && out.contains(&WORLD_IP.to_string())
+                    && out.contains(&format!("SERVER: {server}#53")),
+                "{server} {tcp}: {out}"
+            );
+        }
+    }
+
+    // Strict mode: HTTP to the allowed name over IPv6, through the proxy.
+    let curl = |args: &str| {
+        ctr.sh(&format!(
+            "curl -6 -sS --http0.9 --connect-timeout 2 --max-time 5 {args} 2>&1; echo \" rc=$?\""
+        ))
+    };
+    let reset = |out: &str| out.contains("reset by peer") && !out.ends_with(" rc=0\n");
+    let out = curl("http://www.allowed.test/");
+    assert!(
+        out.starts_with("world:GET /") && out.ends_with(" rc=0\n"),
+        "{out}"
+    );
+    // An allowed Host at an address where nothing listens: the proxy dials
+    // the name.
+    let out = curl(&format!(
+        "--resolve www.allowed.test:80:[{OTHER6}] http://www.allowed.test/"
+    ));
+    assert!(out.starts_with("world:GET /"), "{out}");
+    // A refused Host, and an address as the name: reset at once.
+    let out = curl("-H 'Host: denied.test' http://www.allowed.test/");
+    assert!(reset(&out), "{out}");
+    let out = curl(&format!("http://[{WORLD_IP6}]/"));
+    assert!(reset(&out), "{out}");
+    // TLS: an unlisted SNI is reset; an allowed one is dialled (the world's
+    // port 443 is no TLS server: what counts is who connects there).
+    let s_client = |sni: &str| {
+        ctr.sh(&format!(
+            "echo | timeout 5 openssl s_client -connect [{WORLD_IP6}]:443 -servername {sni} 2>&1"
+        ))
+    };
+    let out = s_client("denied.test");
+    assert!(
+        out.contains("errno=104") || out.contains("reset by peer"),
+        "{out}"
+    );
+    assert!(world.peers(443).is_empty(), "{:?}", world.peers(443));
+    s_client("www.allowed.test");
+    // Everything the world saw came from the node's IPv4 address: the
+    // proxy's connections, none of the guest's own.
+    let peers: Vec<IpAddr> = [80, 443]
+        .iter()
+        .flat_map(|p| world.peers(*p))
+        .map(|p| p.ip().to_canonical())
+        .collect();
+    assert_eq!(peers.len(), 3, "{peers:?}");
+    assert!(
+        peers
+            .iter()
+            .all(|p| *p == IpAddr::V4(common::world::NODE_IP)),
+        "{peers:?}"
+    );
+    // Other ports follow DNS mode: the learned address, over NAT66.
+    let port = world.tcp_server6(0);
+    assert_eq!(
+        tcp_exchange_in(
+            &ctr.name,
+            SocketAddr::new(WORLD_IP6.into(), port),
+            b"dns",
+            T
+        )
+        .as_deref(),
+        Ok(&b"world:dns"[..])
+    );
+    assert_eq!(world.peers(port)[0].ip(), IpAddr::V6(NODE_IP6));
+    let refused = c.traffic("cni:sni6:eth0").await["dns_refused"];
+    assert!(refused >= 8, "refused {refused}");
+    let (healthy, checks) = c.health().await;
+    assert!(
+        healthy,
+        "{:?}",
+        checks.iter().filter(|c| !c.1).collect::<Vec<_>>()
+    );
 }

@@ -402,6 +402,38 @@ async fn sandbox_counters_of_the_older_layout_are_migrated() {
     }
 }
 
+/// Starts the agent again, which must migrate the pinned map `name` from
+/// the older layout `was` (as Health's datapath_pins names it) to values
+/// of `now` bytes and remove the old pin, healthy; the map's entries then.
+async fn start_migrating(
+    env: &mut Env,
+    name: &str,
+    was: &str,
+    now: u64,
+) -> BTreeMap<Vec<u8>, Vec<u8>> {
+    env.start_agent();
+    let c = env.client().await;
+    let (ok, checks) = c.health().await;
+    assert!(ok, "{checks:#?}");
+    let pins = &check(&checks, "datapath_pins").2;
+    assert!(
+        pins.contains(&format!("{name} migrated (was {was}")),
+        "{pins}"
+    );
+    let bpf = env.dir.join("bpf");
+    let pin = bpf.join(name).display().to_string();
+    assert_eq!(
+        common::pin_value_size(&pin),
+        now,
+        "{name} has this build's layout"
+    );
+    assert!(
+        !bpf.join(format!("{name}_old")).exists(),
+        "the old pin was removed"
+    );
+    dump(env, &pin).into_iter().collect()
+}
+
 fn hex(b: &[u8]) -> Vec<String> {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -426,23 +458,8 @@ async fn a_flow_table_of_the_older_layout_is_migrated_with_its_flows() {
     assert!(!entries.is_empty(), "no flow in ct");
     assert_eq!(common::pin_value_size(&ct), 24);
 
-    env.start_agent();
-    let c = env.client().await;
-    let (ok, checks) = c.health().await;
-    assert!(ok, "{checks:#?}");
-    let pins = &check(&checks, "datapath_pins").2;
-    assert!(
-        pins.contains("ct migrated (was LruHash, key 16 B, value 24 B"),
-        "{pins}"
-    );
-    assert_eq!(
-        common::pin_value_size(&ct),
-        32,
-        "ct has this build's layout"
-    );
-    assert!(!bpf.join("ct_old").exists(), "the old pin was removed");
+    let migrated = start_migrating(&mut env, "ct", "LruHash, key 16 B, value 24 B", 32).await;
     // Every flow arrived, with its SNAT port, generation and timestamps.
-    let migrated: BTreeMap<Vec<u8>, Vec<u8>> = dump(&env, &ct).into_iter().collect();
     for (k, v) in &entries {
         let m = migrated
             .get(k)
@@ -455,6 +472,49 @@ async fn a_flow_table_of_the_older_layout_is_migrated_with_its_flows() {
         .unwrap();
     let snat: BTreeSet<u16> = world.peers(5656).iter().map(|p| p.port()).collect();
     assert_eq!(snat.len(), 1, "{snat:?}");
+}
+
+/// Host flows of the builds before IPv6 steering (`hflow` with 32-byte
+/// values) are carried over, each gaining an empty IPv6 peer, and go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_flows_of_the_older_layout_are_migrated() {
+    require_root!();
+    let (mut env, _world) = node(&[]);
+    let c = env.client().await;
+    c.ensure("h", opts(vec![])).await.unwrap();
+    let g = Guest::start_default(c.open_tap("h").await.unwrap());
+    let host = common::world::Server::udp(
+        &env.ns,
+        std::net::SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, 0),
+        b"node:",
+    );
+    let gw = std::net::SocketAddrV4::new(common::guest::GATEWAY_IP, host.addr.port());
+    g.udp_exchange(Some(LONG_FLOW_PORT), gw, b"one", T).unwrap();
+    drop(c);
+    env.kill_agent();
+    let entries = repin_older(&env, "hflow", "hash", 16, 48, 32, 262144);
+    assert!(!entries.is_empty(), "no host flow");
+
+    let migrated = start_migrating(&mut env, "hflow", "Hash, key 16 B, value 32 B", 48).await;
+    for (k, v) in &entries {
+        let m = migrated
+            .get(k)
+            .unwrap_or_else(|| panic!("host flow {k:?} not migrated"));
+        assert_eq!(
+            m[8..32],
+            v[8..32],
+            "generation, sandbox, ports, kind, state, flags"
+        );
+        assert_eq!(m[32..], [0; 16], "no IPv6 peer");
+    }
+    g.udp_exchange(Some(LONG_FLOW_PORT), gw, b"two", T).unwrap();
+    let ports: BTreeSet<u16> = host.peers().iter().map(|p| p.port()).collect();
+    assert_eq!(
+        ports,
+        BTreeSet::from([LONG_FLOW_PORT]),
+        "{:?}",
+        host.peers()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

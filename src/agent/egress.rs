@@ -1007,6 +1007,35 @@ impl Agent {
         self.d.pool.gateway()
     }
 
+    /// The gateway device's IPv6 address, where the resolver and the proxy
+    /// also serve when the node reaches sandboxes over IPv6 (a guest
+    /// reaches it as fd63:7562:6500::5, or by its steered DNS, HTTP and
+    /// HTTPS to the world).
+    pub fn resolver_address6(&self) -> Option<std::net::Ipv6Addr> {
+        self.gateway
+            .pool6
+            .then(|| self.d.pool6_addr(self.d.pool.gateway()))
+    }
+
+    /// The sandbox address a connection to the agent's sockets comes
+    /// from: an IPv4 source as it is; a sandbox's IPv6 identity
+    /// (`ipv6_pool` ‖ its address) as the address it ends with; any other
+    /// IPv6 source is nobody's (0.0.0.0, a stranger).
+    pub fn sandbox_source(&self, from: std::net::IpAddr) -> Ipv4Addr {
+        match from {
+            std::net::IpAddr::V4(a) => a,
+            std::net::IpAddr::V6(a) if self.gateway.pool6 => {
+                let o = a.octets();
+                if o[..12] == self.d.ipv6_pool[..] {
+                    Ipv4Addr::new(o[12], o[13], o[14], o[15])
+                } else {
+                    Ipv4Addr::UNSPECIFIED
+                }
+            }
+            std::net::IpAddr::V6(_) => Ipv4Addr::UNSPECIFIED,
+        }
+    }
+
     /// What to do with a query for `name` (lowercase, no trailing dot)
     /// from `src`.
     pub fn dns_decide(&self, src: Ipv4Addr, name: &str) -> DnsDecision {

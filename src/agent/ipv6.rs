@@ -52,7 +52,7 @@ impl Agent {
         *self.uplink6.write().unwrap_or_else(|p| p.into_inner()) = now;
         info!(before = ?before, now = ?now, "the uplink's IPv6 egress changed");
         let sent = self.advertise(self.list()).await;
-        debug!(sent, "router advertisements sent");
+        info!(sent, "router advertisements sent to {sent} sandboxes");
     }
 
     /// Whether `view`'s RAs carry the default route (its IPv6 reaches the
@@ -72,7 +72,12 @@ impl Agent {
             .iter()
             .filter(|v| v.tap_ifindex != 0)
             .map(|v| {
-                let f = ra::frame(self.d.gateway_mac, self.d.guest_mac, self.ra_router(v));
+                let f = ra::frame(
+                    self.d.gateway_mac,
+                    self.d.guest_mac,
+                    self.ra_router(v),
+                    self.gateway.pool6,
+                );
                 (v.tap_ifindex, f)
             })
             .collect();
@@ -148,7 +153,12 @@ impl Agent {
         if !self.ipv6_link() || old.record.ipv6_open() == new.record.ipv6_open() {
             return;
         }
-        let f = ra::frame(self.d.gateway_mac, self.d.guest_mac, self.ra_router(new));
+        let f = ra::frame(
+            self.d.gateway_mac,
+            self.d.guest_mac,
+            self.ra_router(new),
+            self.gateway.pool6,
+        );
         if let Err(e) = ra::Sender::new().and_then(|s| s.send(new.tap_ifindex, &f)) {
             debug!(ifindex = new.tap_ifindex, error = %e, "router advertisement not sent");
         }

@@ -542,12 +542,7 @@ impl NetworkRecord {
     /// Whether the sandbox's IPv6 may reach the world
     /// ([`crate::types::ipv6_open`]).
     pub fn ipv6_open(&self) -> bool {
-        crate::types::ipv6_open(
-            self.allow_internet_access,
-            !self.egress_mode.is_dns(),
-            &self.allow_out,
-            &self.deny_out,
-        )
+        crate::types::ipv6_open(self.allow_internet_access, &self.allow_out, &self.deny_out)
     }
 
     pub fn to_bytes(&self) -> Vec<u8> {
@@ -804,9 +799,10 @@ mod tests {
         // Allowed names open IPv6 (their AAAA answers are learned).
         assert!(rec(&["*.example.com"], &["0.0.0.0/0"]).ipv6_open());
         assert!(rec(&[], &["*.example.com"]).ipv6_open());
-        let mut strict = rec(&[], &[]);
+        // Strict mode's proxy takes IPv6 too.
+        let mut strict = rec(&["*.example.com"], &["0.0.0.0/0"]);
         strict.egress_mode = EgressMode::Sni;
-        assert!(!strict.ipv6_open());
+        assert!(strict.ipv6_open());
         let mut off = rec(&[], &[]);
         off.allow_internet_access = false;
         assert!(!off.ipv6_open());

@@ -335,6 +335,8 @@ pub struct DpHflowVal {
     pub flags: u16,
     /// `DP_HF_PROXY`: the address the guest dialled (network order).
     pub peer_ip: u32,
+    /// `DP_HF_PROXY` of an IPv6 flow: the address the guest dialled.
+    pub peer6: [u8; 16],
 }
 
 /// The guest's side of a host flow.
@@ -536,7 +538,7 @@ const _: () = {
     assert!(size_of::<DpRevKey>() == 12);
     assert!(size_of::<DpRevVal>() == 16);
     assert!(size_of::<DpHflowKey>() == 16);
-    assert!(size_of::<DpHflowVal>() == 32);
+    assert!(size_of::<DpHflowVal>() == 48);
     assert!(size_of::<DpHrevKey>() == 12);
     assert!(size_of::<DpHrevVal>() == 24);
     assert!(size_of::<DpFragKey>() == 12);
@@ -710,7 +712,14 @@ pub const PINNED: &[PinnedMap] = {
             Durable,
         ),
         // Program fds: every start writes its own programs.
-        pinned("tails", ProgramArray, 4, 4, 4, Rebuilt),
+        pinned(
+            "tails",
+            ProgramArray,
+            4,
+            4,
+            super::ebpf::TAILS.len() as u32,
+            Rebuilt,
+        ),
         // The only record of which TAPs an older build attached.
         pinned("tap_attached", Hash, 4, 4, SANDBOX_MAP_ENTRIES, Durable),
         pinned(

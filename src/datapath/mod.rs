@@ -44,12 +44,7 @@ impl SandboxPath<'_> {
     /// Whether the sandbox's IPv6 may reach the world
     /// ([`crate::types::ipv6_open`]).
     pub fn ipv6_egress(&self) -> bool {
-        crate::types::ipv6_open(
-            self.allow_internet_access,
-            self.strict_egress,
-            self.allow_out,
-            self.deny_out,
-        )
+        crate::types::ipv6_open(self.allow_internet_access, self.allow_out, self.deny_out)
     }
 
     /// Whether `allow_out` or `deny_out` has a domain pattern.

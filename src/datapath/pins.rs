@@ -124,8 +124,21 @@ fn sb_stats_older(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
     Some((k.to_vec(), out))
 }
 
+/// `hflow` of the builds before IPv6 steering (32-byte values): the
+/// IPv6 peer they lack is appended (0; no IPv6 flow of theirs went to an
+/// agent socket).
+fn hflow_v1(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
+    if v.len() != 32 {
+        return None;
+    }
+    let mut out = v.to_vec();
+    out.resize(std::mem::size_of::<crate::datapath::maps::DpHflowVal>(), 0);
+    Some((k.to_vec(), out))
+}
+
 /// The conversions this build knows: (map, old value size, how).
 const CONVERSIONS: &[(&str, usize, Convert)] = &[
+    ("hflow", 32, hflow_v1),
     ("ct", 24, ct_v1),
     ("host_nat", 24, host_nat_v1),
     ("sb_stats", 72, sb_stats_older),

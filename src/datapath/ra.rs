@@ -23,6 +23,9 @@ const ND_ROUTER_ADVERT: u8 = 134;
 /// The guests' prefix (`fd63:7562:6500::/64`, ebpf/datapath.h).
 const PREFIX: Ipv6Addr = Ipv6Addr::new(0xfd63, 0x7562, 0x6500, 0, 0, 0, 0, 0);
 const ALL_NODES: Ipv6Addr = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1);
+/// The gateway's address in the guests' prefix, where the agent's
+/// resolver answers over IPv6 (the twin of 169.254.68.5).
+pub const RESOLVER: Ipv6Addr = Ipv6Addr::new(0xfd63, 0x7562, 0x6500, 0, 0, 0, 0, 5);
 
 /// The RA frame for one sandbox, byte for byte the one `guest_ipv6`
 /// builds: Ethernet from the gateway MAC to the guest MAC, from the
@@ -31,10 +34,13 @@ const ALL_NODES: Ipv6Addr = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1);
 /// Route Information option for ::/0. `router`: the sandbox's IPv6 reaches
 /// the world, so the RA carries the default route (router lifetime 9000 s,
 /// route lifetime infinite); else both lifetimes are 0, which withdraws a
-/// default route an earlier RA gave.
-pub fn frame(gateway_mac: [u8; 6], guest_mac: [u8; 6], router: bool) -> Vec<u8> {
+/// default route an earlier RA gave. `resolver`: the node reaches its
+/// sandboxes over IPv6 (`ipv6_pool` routed), so the agent's resolver
+/// answers at the gateway's `fd63:7562:6500::5` and the RA names it
+/// (RDNSS, RFC 8106, infinite); else the option says no server (lifetime 0).
+pub fn frame(gateway_mac: [u8; 6], guest_mac: [u8; 6], router: bool, resolver: bool) -> Vec<u8> {
     let src = crate::types::link_local(&gateway_mac);
-    let mut ra = Vec::with_capacity(64);
+    let mut ra = Vec::with_capacity(88);
     ra.extend_from_slice(&[ND_ROUTER_ADVERT, 0, 0, 0, 64, 0]);
     let lifetime = if router { ROUTER_LIFETIME } else { 0 };
     ra.extend_from_slice(&lifetime.to_be_bytes());
@@ -48,6 +54,10 @@ pub fn frame(gateway_mac: [u8; 6], guest_mac: [u8; 6], router: bool) -> Vec<u8> 
     ra.extend_from_slice(&[24, 1, 0, 0]);
     let route = if router { u32::MAX } else { 0 };
     ra.extend_from_slice(&route.to_be_bytes());
+    ra.extend_from_slice(&[25, 3, 0, 0]);
+    let dns = if resolver { u32::MAX } else { 0 };
+    ra.extend_from_slice(&dns.to_be_bytes());
+    ra.extend_from_slice(&RESOLVER.octets());
     let sum = checksum(&src, &ALL_NODES, &ra);
     ra[2..4].copy_from_slice(&sum.to_be_bytes());
 
@@ -139,8 +149,8 @@ mod tests {
     fn an_ra_with_and_without_the_default_route() {
         let gw = [0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf];
         let guest = [0x20, 0x90, 0x6f, 0xfc, 0xfc, 0xfc];
-        let f = frame(gw, guest, true);
-        assert_eq!(f.len(), 14 + 40 + 64);
+        let f = frame(gw, guest, true, true);
+        assert_eq!(f.len(), 14 + 40 + 88);
         assert_eq!(&f[..6], &guest);
         assert_eq!(&f[6..12], &gw);
         let (ip, ra) = (&f[14..54], &f[54..]);
@@ -148,13 +158,18 @@ mod tests {
         assert_eq!(ra[0], ND_ROUTER_ADVERT);
         assert_eq!(u16::from_be_bytes([ra[6], ra[7]]), 9000);
         assert_eq!(&ra[60..64], &[0xff; 4]);
+        // RDNSS: type 25, 3 units of 8 bytes, infinite, the resolver.
+        assert_eq!(&ra[64..68], &[25, 3, 0, 0]);
+        assert_eq!(&ra[68..72], &[0xff; 4]);
+        assert_eq!(&ra[72..88], &RESOLVER.octets());
         // The checksum of the whole message with its checksum is 0.
         let src = Ipv6Addr::from(<[u8; 16]>::try_from(&ip[8..24]).unwrap());
         assert_eq!(checksum(&src, &ALL_NODES, ra), 0);
-        let f = frame(gw, guest, false);
+        let f = frame(gw, guest, false, false);
         let ra = &f[54..];
         assert_eq!(u16::from_be_bytes([ra[6], ra[7]]), 0);
         assert_eq!(&ra[60..64], &[0; 4]);
+        assert_eq!(&ra[68..72], &[0; 4]);
         assert_eq!(checksum(&src, &ALL_NODES, ra), 0);
     }
 }

@@ -222,6 +222,21 @@ pub(crate) fn rand_id() -> u16 {
 /// (`systemd::SOCKET_FD_NAMES`).
 pub type Passed = std::collections::HashMap<String, OwnedFd>;
 
+/// The address a socket is bound to.
+fn bound_address(fd: &OwnedFd) -> Option<SocketAddr> {
+    use nix::sys::socket::{SockaddrLike, SockaddrStorage, getsockname};
+    let a = getsockname::<SockaddrStorage>(fd.as_raw_fd()).ok()?;
+    match a.family()? {
+        nix::sys::socket::AddressFamily::Inet => {
+            Some(SocketAddrV4::from(*a.as_sockaddr_in()?).into())
+        }
+        nix::sys::socket::AddressFamily::Inet6 => {
+            Some(std::net::SocketAddrV6::from(*a.as_sockaddr_in6()?).into())
+        }
+        _ => None,
+    }
+}
+
 /// The socket `name` bound to `at`: the one the fd store handed back if it
 /// is that (same type, same address), else a new one, which goes into the
 /// fd store, so that the next start finds it with what arrived meanwhile
@@ -229,10 +244,10 @@ pub type Passed = std::collections::HashMap<String, OwnedFd>;
 fn adopt_or_bind(
     passed: &mut Passed,
     name: &str,
-    at: SocketAddrV4,
+    at: SocketAddr,
     udp: bool,
 ) -> std::io::Result<OwnedFd> {
-    use nix::sys::socket::{SockType, SockaddrIn, getsockname, getsockopt, sockopt};
+    use nix::sys::socket::{SockType, getsockopt, sockopt};
     if let Some(fd) = passed.remove(name) {
         let want = if udp {
             SockType::Datagram
@@ -240,7 +255,7 @@ fn adopt_or_bind(
             SockType::Stream
         };
         let same = getsockopt(&fd, sockopt::SockType).is_ok_and(|t| t == want)
-            && getsockname::<SockaddrIn>(fd.as_raw_fd()).is_ok_and(|a| SocketAddrV4::from(a) == at);
+            && bound_address(&fd) == Some(at);
         if same {
             info!(name, address = %at, "socket handed back by the fd store");
             return Ok(fd);
@@ -258,16 +273,45 @@ fn adopt_or_bind(
     Ok(fd)
 }
 
-/// Binds the resolver and serves it on the runtime. A failed bind is
-/// reported to the caller (the agent runs on; sandboxes with domain rules
-/// then resolve nothing).
+/// Where the agent's sockets for sandboxes listen: the gateway device's
+/// IPv4 address, and its IPv6 one where the node reaches sandboxes over
+/// IPv6 (`ipv6_pool` routed; docs/dual-stack.md), with the suffix the fd
+/// store names that family's sockets with.
+pub(crate) fn service_addresses(agent: &Agent) -> Vec<(IpAddr, &'static str)> {
+    let mut at = vec![(IpAddr::V4(agent.resolver_address()), "")];
+    if let Some(v6) = agent.resolver_address6() {
+        at.push((IpAddr::V6(v6), "6"));
+    }
+    at
+}
+
+/// Binds the resolver and serves it on the runtime, on every address of
+/// [`service_addresses`]. A failed bind is reported to the caller (the
+/// agent runs on; sandboxes with domain rules then resolve nothing).
 pub fn serve(
     agent: Arc<Agent>,
     upstream: Option<SocketAddrV4>,
     passed: &mut Passed,
-) -> std::io::Result<SocketAddrV4> {
-    let at = SocketAddrV4::new(agent.resolver_address(), 53);
-    let bound = bind(agent.clone(), upstream, at, passed);
+) -> std::io::Result<()> {
+    let caps = agent.socket_caps();
+    // One budget per sandbox, whichever family it asks over.
+    let shares = (
+        Shares::new(caps.udp, MAX_UDP_PER_SOURCE),
+        Shares::new(caps.tcp, MAX_TCP_PER_SOURCE),
+    );
+    let mut bound = Ok(());
+    let mut listening = vec![];
+    for (ip, suffix) in service_addresses(&agent) {
+        let at = SocketAddr::new(ip, 53);
+        match bind(agent.clone(), upstream, at, suffix, passed, shares.clone()) {
+            Ok(()) => listening.push(at.to_string()),
+            Err(e) => {
+                bound = Err(std::io::Error::new(e.kind(), format!("binding {at}: {e}")));
+                break;
+            }
+        }
+    }
+    let at = listening.join(", ");
     agent.resolver_status(match &bound {
         Ok(()) => match upstream {
             Some(u) => Ok(format!("listening on {at} (UDP, TCP), upstream {u}")),
@@ -275,36 +319,19 @@ pub fn serve(
                 "listening on {at}, but no upstream (dns_upstream, /etc/resolv.conf): allowed queries get SERVFAIL"
             )),
         },
-        Err(e) => Err(format!("binding {at}: {e}")),
+        Err(e) => Err(e.to_string()),
     });
-    bound.map(|()| at)
-}
-
-fn bind(
-    agent: Arc<Agent>,
-    upstream: Option<SocketAddrV4>,
-    at: SocketAddrV4,
-    passed: &mut Passed,
-) -> std::io::Result<()> {
-    let std_sock = std::net::UdpSocket::from(adopt_or_bind(passed, "dns-udp", at, true)?);
-    std_sock.set_nonblocking(true)?;
-    // Which device each query came in on: see `recv_query`.
-    nix::sys::socket::setsockopt(&std_sock, nix::sys::socket::sockopt::Ipv4PacketInfo, &true)
-        .map_err(std::io::Error::from)?;
-    let gateway_ifindex = agent.resolver_ifindex();
-    let sock = Arc::new(UdpSocket::from_std(std_sock)?);
-    let std_listener = std::net::TcpListener::from(adopt_or_bind(passed, "dns-tcp", at, false)?);
-    std_listener.set_nonblocking(true)?;
-    let listener = TcpListener::from_std(std_listener)?;
-    match upstream {
-        Some(u) => info!(address = %at, upstream = %u, "dns: resolver for sandboxes"),
-        None => {
-            warn!(address = %at, "dns: no upstream (dns_upstream, /etc/resolv.conf): allowed queries get SERVFAIL")
+    if bound.is_ok() {
+        match upstream {
+            Some(u) => info!(address = %at, upstream = %u, "dns: resolver for sandboxes"),
+            None => {
+                warn!(address = %at, "dns: no upstream (dns_upstream, /etc/resolv.conf): allowed queries get SERVFAIL")
+            }
         }
     }
     // Health's view of the upstream stays true without traffic: asked
     // when no sandbox asked anything for a while.
-    if let Some(u) = upstream {
+    if let Some(u) = upstream.filter(|_| bound.is_ok()) {
         let agent = agent.clone();
         tokio::spawn(async move {
             loop {
@@ -316,9 +343,51 @@ fn bind(
             }
         });
     }
-    let caps = agent.socket_caps();
-    let shares = Shares::new(caps.udp, MAX_UDP_PER_SOURCE);
-    tokio::spawn(serve_tcp(agent.clone(), upstream, listener, caps.tcp));
+    bound
+}
+
+/// The resolver's UDP socket and TCP listener on `at` (fd store names
+/// `dns-udp`/`dns-tcp` with `suffix`), served on the runtime.
+fn bind(
+    agent: Arc<Agent>,
+    upstream: Option<SocketAddrV4>,
+    at: SocketAddr,
+    suffix: &str,
+    passed: &mut Passed,
+    (shares, tcp_shares): (Shares, Shares),
+) -> std::io::Result<()> {
+    let std_sock = std::net::UdpSocket::from(adopt_or_bind(
+        passed,
+        &format!("dns-udp{suffix}"),
+        at,
+        true,
+    )?);
+    std_sock.set_nonblocking(true)?;
+    // Which device each query came in on: see `recv_query`.
+    let pktinfo = match at {
+        SocketAddr::V4(_) => nix::sys::socket::setsockopt(
+            &std_sock,
+            nix::sys::socket::sockopt::Ipv4PacketInfo,
+            &true,
+        ),
+        SocketAddr::V6(_) => nix::sys::socket::setsockopt(
+            &std_sock,
+            nix::sys::socket::sockopt::Ipv6RecvPacketInfo,
+            &true,
+        ),
+    };
+    pktinfo.map_err(std::io::Error::from)?;
+    let gateway_ifindex = agent.resolver_ifindex();
+    let sock = Arc::new(UdpSocket::from_std(std_sock)?);
+    let std_listener = std::net::TcpListener::from(adopt_or_bind(
+        passed,
+        &format!("dns-tcp{suffix}"),
+        at,
+        false,
+    )?);
+    std_listener.set_nonblocking(true)?;
+    let listener = TcpListener::from_std(std_listener)?;
+    tokio::spawn(serve_tcp(agent.clone(), upstream, listener, tcp_shares));
     tokio::spawn(async move {
         let mut buf = vec![0u8; MAX_MESSAGE];
         loop {
@@ -336,7 +405,7 @@ fn bind(
             // stranger's. (On the node, a source address no device has
             // takes IP_TRANSPARENT, CAP_NET_ADMIN.)
             let src = if ifindex == gateway_ifindex {
-                *from.ip()
+                agent.sandbox_source(from.ip())
             } else {
                 Ipv4Addr::UNSPECIFIED
             };
@@ -362,7 +431,9 @@ fn bind(
                 send_now(&sock, &reply(query, &q, RCODE_SERVFAIL), from).await;
                 continue;
             };
-            let limit = udp_limit(query, agent.dns_udp_mtu(src));
+            // An IPv6 header is 20 bytes longer than IPv4's.
+            let extra = if from.is_ipv6() { 20 } else { 0 };
+            let limit = udp_limit(query, agent.dns_udp_mtu(src).saturating_sub(extra));
             let query = query.to_vec();
             let (agent, sock) = (agent.clone(), sock.clone());
             tokio::spawn(async move {
@@ -379,8 +450,8 @@ fn bind(
 
 /// Sends a datagram without waiting when the socket has room (it nearly
 /// always has).
-async fn send_now(sock: &UdpSocket, m: &[u8], to: SocketAddrV4) {
-    if sock.try_send_to(m, to.into()).is_err() {
+async fn send_now(sock: &UdpSocket, m: &[u8], to: SocketAddr) {
+    if sock.try_send_to(m, to).is_err() {
         let _ = sock.send_to(m, to).await;
     }
 }
@@ -439,20 +510,17 @@ fn truncated(query: &[u8], q: &Question, resp: &[u8]) -> Vec<u8> {
 }
 
 /// One datagram: its length, its source and the device it came in on
-/// (IP_PKTINFO).
-async fn recv_query(
-    sock: &UdpSocket,
-    buf: &mut [u8],
-) -> std::io::Result<(usize, SocketAddrV4, u32)> {
+/// (IP_PKTINFO, IPV6_PKTINFO).
+async fn recv_query(sock: &UdpSocket, buf: &mut [u8]) -> std::io::Result<(usize, SocketAddr, u32)> {
     use std::os::fd::AsRawFd;
 
-    use nix::sys::socket::{ControlMessageOwned, MsgFlags, SockaddrIn, recvmsg};
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, SockaddrStorage, recvmsg};
     loop {
         sock.readable().await?;
         let got = sock.try_io(tokio::io::Interest::READABLE, || {
             let mut iov = [std::io::IoSliceMut::new(buf)];
-            let mut cmsg = nix::cmsg_space!(libc::in_pktinfo);
-            let m = recvmsg::<SockaddrIn>(
+            let mut cmsg = nix::cmsg_space!(libc::in6_pktinfo);
+            let m = recvmsg::<SockaddrStorage>(
                 sock.as_raw_fd(),
                 &mut iov,
                 Some(&mut cmsg),
@@ -464,12 +532,20 @@ async fn recv_query(
                 .map_err(std::io::Error::from)?
                 .find_map(|c| match c {
                     ControlMessageOwned::Ipv4PacketInfo(i) => Some(i.ipi_ifindex as u32),
+                    ControlMessageOwned::Ipv6PacketInfo(i) => Some(i.ipi6_ifindex),
                     _ => None,
                 })
                 .unwrap_or(0);
             let from = m
                 .address
-                .map(|a| SocketAddrV4::new(a.ip(), a.port()))
+                .and_then(|a| {
+                    a.as_sockaddr_in()
+                        .map(|a| SocketAddr::from(SocketAddrV4::from(*a)))
+                        .or_else(|| {
+                            a.as_sockaddr_in6()
+                                .map(|a| SocketAddr::from(std::net::SocketAddrV6::from(*a)))
+                        })
+                })
                 .ok_or_else(|| std::io::Error::other("no source address"))?;
             Ok((m.bytes, from, ifindex))
         });
@@ -486,9 +562,8 @@ async fn serve_tcp(
     agent: Arc<Agent>,
     upstream: Option<SocketAddrV4>,
     listener: TcpListener,
-    total: usize,
+    shares: Shares,
 ) {
-    let shares = Shares::new(total, MAX_TCP_PER_SOURCE);
     loop {
         let (mut conn, from) = match listener.accept().await {
             Ok(c) => c,
@@ -498,8 +573,7 @@ async fn serve_tcp(
                 continue;
             }
         };
-        let SocketAddr::V4(from) = from else { continue };
-        let src = *from.ip();
+        let src = agent.sandbox_source(from.ip());
         // Strangers share one source's slots (each is refused anyway): no
         // number of local addresses dilutes the sandboxes' shares.
         let source = if agent.is_sandbox(src) {

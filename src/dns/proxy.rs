@@ -224,21 +224,34 @@ pub fn serve(
     upstream: Option<SocketAddrV4>,
     passed: &mut Passed,
 ) -> std::io::Result<()> {
-    let ip = agent.resolver_address();
+    let addresses = super::service_addresses(&agent);
     let bound = (|| {
         let mut listeners = vec![];
-        for (port, dial, name) in [
-            (DP_PROXY_TLS_PORT, 443, "proxy-tls"),
-            (DP_PROXY_HTTP_PORT, 80, "proxy-http"),
-        ] {
-            let at = SocketAddrV4::new(ip, port);
-            let l = std::net::TcpListener::from(adopt_or_bind(passed, name, at, false)?);
-            l.set_nonblocking(true)?;
-            listeners.push((TcpListener::from_std(l)?, dial));
+        for (ip, suffix) in &addresses {
+            for (port, dial, name) in [
+                (DP_PROXY_TLS_PORT, 443, "proxy-tls"),
+                (DP_PROXY_HTTP_PORT, 80, "proxy-http"),
+            ] {
+                let at = SocketAddr::new(*ip, port);
+                let l = adopt_or_bind(passed, &format!("{name}{suffix}"), at, false)
+                    .map_err(|e| std::io::Error::new(e.kind(), format!("binding {at}: {e}")))?;
+                let l = std::net::TcpListener::from(l);
+                l.set_nonblocking(true)?;
+                listeners.push((TcpListener::from_std(l)?, dial));
+            }
         }
         Ok::<_, std::io::Error>(listeners)
     })();
-    let at = format!("{ip}:{DP_PROXY_TLS_PORT} (TLS), {ip}:{DP_PROXY_HTTP_PORT} (HTTP)");
+    let at = addresses
+        .iter()
+        .map(|(ip, _)| {
+            let ip = SocketAddr::new(*ip, 0).to_string();
+            let ip = ip.trim_end_matches(":0");
+            format!("{ip}:{DP_PROXY_TLS_PORT} (TLS), {ip}:{DP_PROXY_HTTP_PORT} (HTTP)")
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    let ip = agent.resolver_address();
     // Ports below this one need privilege to bind: ours must.
     let unprivileged = std::fs::read_to_string("/proc/sys/net/ipv4/ip_unprivileged_port_start")
         .ok()
@@ -259,7 +272,7 @@ pub fn serve(
         (Ok(_), None) => Err(format!(
             "listening on {at}, but no upstream to resolve names (dns_upstream)"
         )),
-        (Err(e), _) => Err(format!("binding {at}: {e}")),
+        (Err(e), _) => Err(e.to_string()),
     });
     let listeners = bound?;
     info!(address = %ip, "proxy: strict egress on ports {DP_PROXY_TLS_PORT} and {DP_PROXY_HTTP_PORT}");
@@ -276,14 +289,12 @@ pub fn serve(
                         continue;
                     }
                 };
-                let SocketAddr::V4(from) = from else {
-                    continue;
-                };
+                let from = agent.sandbox_source(from.ip());
                 // Beyond its share (or with every slot taken): reset at
                 // once, never a wait.
                 // Strangers (reset in `relay`) share one source's slots.
-                let source = if agent.proxy_serves(*from.ip()) {
-                    *from.ip()
+                let source = if agent.proxy_serves(from) {
+                    from
                 } else {
                     Ipv4Addr::UNSPECIFIED
                 };
@@ -293,7 +304,7 @@ pub fn serve(
                 };
                 let agent = agent.clone();
                 tokio::spawn(async move {
-                    relay(&agent, upstream, conn, *from.ip(), dial_port).await;
+                    relay(&agent, upstream, conn, from, dial_port).await;
                     drop(held);
                 });
             }

@@ -373,11 +373,11 @@ fi
 # ---- hardening actually applied -----------------------------------------
 pid=$(prop MainPID)
 capeff=$(cx "awk '/^CapEff/{print \$2}' /proc/$pid/status" 2>&1)
-# CAP_NET_BIND_SERVICE (10), CAP_NET_ADMIN (12), CAP_PERFMON (38), CAP_BPF (39)
-if [ "$capeff" = 000000c000001400 ]; then
-  ok "hardening: the agent runs with exactly CAP_NET_BIND_SERVICE CAP_NET_ADMIN CAP_PERFMON CAP_BPF"
+# CAP_NET_BIND_SERVICE (10), CAP_NET_ADMIN (12), CAP_NET_RAW (13), CAP_PERFMON (38), CAP_BPF (39)
+if [ "$capeff" = 000000c000003400 ]; then
+  ok "hardening: the agent runs with exactly CAP_NET_BIND_SERVICE CAP_NET_ADMIN CAP_NET_RAW CAP_PERFMON CAP_BPF"
 else
-  not_ok "hardening: the agent runs with exactly CAP_NET_BIND_SERVICE CAP_NET_ADMIN CAP_PERFMON CAP_BPF" "CapEff of pid $pid: $capeff"
+  not_ok "hardening: the agent runs with exactly CAP_NET_BIND_SERVICE CAP_NET_ADMIN CAP_NET_RAW CAP_PERFMON CAP_BPF" "CapEff of pid $pid: $capeff"
 fi
 
 # ---- the eBPF datapath is on -------------------------------------------------
@@ -653,9 +653,39 @@ else
     "$(cx "journalctl -u $UNIT --no-pager -o cat -n 20 | grep -iE 'cni|veth|error' | tail -6" 2>&1)"
 fi
 check "9b cube-cni CHECK passes" cni CHECK
+# The agent's own Router Advertisements (every 10 minutes, and to every
+# sandbox when the node's IPv6 egress comes or goes) leave through a packet
+# socket: the unit must allow it (AF_PACKET, CAP_NET_RAW). The uplink gets
+# IPv6 (an address and a default route): the container is told at once,
+# by an RA with a router lifetime (its default route) naming the
+# resolver (RDNSS). The datapath answers a guest's solicitation with the
+# same RA, so the journal must also say the agent sent them.
+t9=$(cx 'date +%s')
+ra9=$(cx "ip netns exec cnisd timeout 20 tcpdump -i eth0 -c1 -n -l -v 'icmp6 and ip6[40] == 134 and ip6[46:2] != 0' 2>&1" 2>&1 &
+      sleep 1
+      ip -n cna-node-$NAME addr add 2001:db8:c0be::1/64 dev up0 nodad
+      ip -n cna-node-$NAME -6 route add default via 2001:db8:c0be::2 dev up0
+      wait)
+sent9=$(cx "journalctl -u $UNIT --no-pager -o cat --since @$t9 | grep -E 'router advertisements sent to [1-9]|packet socket for router advertisements'" 2>&1)
+if printf '%s' "$ra9" | grep -q 'router advertisement' && printf '%s' "$ra9" | grep -q 'rdnss option.*fd63:7562:6500::5' &&
+   printf '%s' "$sent9" | grep -q 'sent to [1-9]' && ! printf '%s' "$sent9" | grep -q 'packet socket'; then
+  ok "9c the uplink's IPv6 comes: the agent's own Router Advertisement reaches the container (a packet socket under the unit), naming the resolver"
+else
+  not_ok "9c the uplink's IPv6 comes: the agent's own Router Advertisement reaches the container (a packet socket under the unit), naming the resolver" "$ra9" "journal: $sent9"
+fi
+ip -n cna-node-$NAME -6 route del default via 2001:db8:c0be::2 dev up0 2>/dev/null
+ip -n cna-node-$NAME addr del 2001:db8:c0be::1/64 dev up0 2>/dev/null
+# That resolver over IPv6, under the unit's IP filter (IPAddressAllow= the
+# default ipv6_pool): the container's query is a sandbox's (not REFUSED).
+dq6='import socket
+s=socket.socket(socket.AF_INET6,socket.SOCK_DGRAM); s.settimeout(5)
+q=bytes.fromhex("123401000001000000000000")+b"\x03www\x07allowed\x04test\x00\x00\x01\x00\x01"
+s.sendto(q,("fd63:7562:6500::5",53)); r=s.recv(512); print("rcode", r[3] & 15)'
+expect "9c2 a container's DNS over IPv6 to the RA's resolver is answered as a sandbox's under the shipped unit" '^rcode [0-4]$' \
+  "$(cx "ip netns exec cnisd python3 -c '$dq6'" 2>&1 | tail -1)"
 out=$(cni DEL 2>&1); rc=$?
 left=$(cx 'ip netns exec cnisd ip -o link show eth0 2>/dev/null | wc -l')
-if [ $rc = 0 ] && [ "$left" = 0 ]; then ok "9c cube-cni DEL releases it (the peer is gone)"; else not_ok "9c cube-cni DEL releases it (the peer is gone)" "rc=$rc $out" "eth0 still there: $left"; fi
+if [ $rc = 0 ] && [ "$left" = 0 ]; then ok "9d cube-cni DEL releases it (the peer is gone)"; else not_ok "9d cube-cni DEL releases it (the peer is gone)" "rc=$rc $out" "eth0 still there: $left"; fi
 cx 'ip netns del cnisd' >/dev/null 2>&1
 
 # ---- bus: polkit, fd passing and signals through the system bus --------------

@@ -73,7 +73,7 @@ pub use health::check_cases;
 const FILTER_HANDLE: u32 = 1;
 
 /// The programs, in the order they load.
-pub const PROGRAMS: [&str; 10] = [
+pub const PROGRAMS: [&str; 11] = [
     "from_guest",
     "from_uplink",
     "to_sandbox_ip",
@@ -85,14 +85,16 @@ pub const PROGRAMS: [&str; 10] = [
     "uplink6_in",
     "guest6_rst",
     "icmp6_error",
+    "guest6_steer",
 ];
 
 /// `tails` slots (TAIL_* in the C source) and their programs.
-pub const TAILS: [(u32, &str); 4] = [
+pub const TAILS: [(u32, &str); 5] = [
     (0, "guest6_out"),
     (1, "uplink6_in"),
     (2, "guest6_rst"),
     (3, "icmp6_error"),
+    (4, "guest6_steer"),
 ];
 
 /// The shaper device's peer is named after it with this suffix.
