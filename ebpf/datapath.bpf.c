@@ -112,6 +112,20 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } sb_stats SEC(".maps");
 
+/* Per sandbox (TAP or veth ifindex): its IPv6 frames both ways (the part
+ * of its device's counters that is IPv6), per CPU, so that the packets
+ * that pay for them never share a cache line. The agent makes an entry
+ * with the sandbox's sb_stats entry; the reaper removes it with the
+ * device. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__type(key, __u32);
+	__type(value, struct dp_traffic6);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} sb_traffic6 SEC(".maps");
+
 /* The uplink's shaper classes of a sandbox with an egress limit, keyed by
  * TAP/veth ifindex (DP_F_SHAPE_OUT says to look), written by the agent at
  * attach, removed with the network. */
@@ -408,6 +422,31 @@ static __always_inline void sb_count_fam(__u32 ifindex, __u32 which, __u8 family
 		sb_count6(ifindex, which);
 	else
 		sb_count(ifindex, which);
+}
+
+/* One IPv6 frame of `len` bytes the sandbox on `ifindex` sent (`rx` 0) or
+ * is sent (`rx` 1): sb_traffic6 (whose entry the agent made with the
+ * sandbox's sb_stats entry). A global function: its frame is its own. */
+__noinline int traffic6(__u32 ifindex, __u32 rx, __u32 len)
+{
+	struct dp_traffic6 *t = bpf_map_lookup_elem(&sb_traffic6, &ifindex);
+	if (!t)
+		return 0;
+	if (rx) {
+		t->rx_bytes += len;
+		t->rx_packets += 1;
+	} else {
+		t->tx_bytes += len;
+		t->tx_packets += 1;
+	}
+	return 0;
+}
+
+/* An IPv6 frame to the sandbox on `ifindex`, counted. */
+static __always_inline int to_guest6(struct __sk_buff *skb, __u32 ifindex)
+{
+	traffic6(ifindex, 1, skb->len);
+	return bpf_redirect(ifindex, 0);
 }
 
 /* The upgrade test (tests/upgrade/build-next.sh) builds a second datapath
@@ -2156,10 +2195,10 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 	     (icmp && type == ICMP6_ECHO_REPLY)))
 		return V6_TO_HOST;
 
-	/* The world (not the link, nor link-local): DNS, HTTP and HTTPS of a
-	 * sandbox with domain rules or in strict mode to guest6_steer (the
-	 * agent's resolver and proxy); else, for a sandbox that may reach it,
-	 * NAT66 in guest6_out. */
+	/* The world (not the link, nor link-local): DNS of a sandbox with
+	 * domain rules, HTTP and HTTPS of one in strict mode to guest6_steer
+	 * (the agent's resolver and proxy); else, for a sandbox that may
+	 * reach it, NAT66 in guest6_out. */
 	__u32 d0 = bpf_ntohl(h.ip.daddr[0]);
 	if (mode == V6_JUDGE && (d0 >> 22) != (0xfe800000 >> 22) &&
 	    !(d0 == DP_V6_PREFIX0 && bpf_ntohl(h.ip.daddr[1]) == DP_V6_PREFIX1) &&
@@ -2168,7 +2207,7 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 		if ((h.ip.nexthdr == IPPROTO_TCP || h.ip.nexthdr == IPPROTO_UDP) &&
 		    (dport == 53 || dport == 80 || dport == 443)) {
 			struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
-			if (sb && (sb->flags & (DP_F_SNI | DP_F_DOMAINS)))
+			if (sb && (sb->flags & (dport == 53 ? DP_F_DOMAINS : DP_F_SNI)))
 				return V6_STEER;
 		}
 		if (v6_router(c, ifindex))
@@ -2235,6 +2274,17 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 	    bpf_skb_store_bytes(skb, ETH_HLEN + sizeof(u.e), &h, sizeof(h), 0))
 		return TC_ACT_SHOT;
 	return v6_answer(skb, c, &u.e, sizeof(u.e), sizeof(u.e) + sizeof(h));
+}
+
+/* guest_ipv6, its answer on the link (RA, NA, echo reply, RST,
+ * unreachable: back into the guest's TAP) counted as IPv6 sent to the
+ * sandbox (here: a third call's stack would not fit below guest_ipv6). */
+static __always_inline int answer6(struct __sk_buff *skb, int mode)
+{
+	int r = guest_ipv6(skb, mode);
+	if (r == TC_ACT_REDIRECT)
+		traffic6(skb->ifindex, 1, skb->len);
+	return r;
 }
 
 /* Whether the mapping a flow the world opened (to the uplink's address)
@@ -3283,7 +3333,7 @@ int icmp6_error(struct __sk_buff *skb)
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
 	count(DP_C_ICMP_ERROR);
-	return bpf_redirect(tap_ifindex, 0);
+	return to_guest6(skb, tap_ifindex);
 }
 
 /* A guest's TCP segment to the IPv6 world of a flow it never opened gets
@@ -3291,7 +3341,7 @@ int icmp6_error(struct __sk_buff *skb)
 SEC("classifier")
 int guest6_rst(struct __sk_buff *skb)
 {
-	return guest_ipv6(skb, V6_REFUSE_QUIET);
+	return answer6(skb, V6_REFUSE_QUIET);
 }
 
 /* the IPv6 world -> a NAT66 flow's guest (from_uplink's tail call): the
@@ -3348,7 +3398,7 @@ int uplink6_in(struct __sk_buff *skb)
 	    set_port(skb, dst_port_off(&l4), l4.dport, guest_port, &l4) ||
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
-	return bpf_redirect(tap_ifindex, 0);
+	return to_guest6(skb, tap_ifindex);
 }
 
 /* The node's own IPv6 packet out of the uplink (to_uplink): on a tuple a
@@ -3547,7 +3597,7 @@ int guest6_steer(struct __sk_buff *skb)
 	}
 	if (!pport && router)
 		bpf_tail_call(skb, &tails, TAIL_GUEST6_OUT);
-	return guest_ipv6(skb, V6_REFUSE);
+	return answer6(skb, V6_REFUSE);
 }
 
 /* host -> a sandbox's IPv6 identity (routed into the gateway device; to_
@@ -3639,7 +3689,7 @@ __noinline int host_to_sandbox6(struct __sk_buff *skb)
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
 	count(DP_C_TO_SANDBOX_IP);
-	return bpf_redirect(tap_ifindex, 0);
+	return to_guest6(skb, tap_ifindex);
 }
 
 SEC("classifier")
@@ -3666,18 +3716,20 @@ int from_guest(struct __sk_buff *skb)
 	}
 	if (eth.h_proto == bpf_htons(ETH_P_ARP))
 		return proxy_arp(skb, c);
+	if (eth.h_proto == bpf_htons(ETH_P_IPV6))
+		traffic6(ifindex, 0, skb->len);
 	if (eth.h_proto == bpf_htons(ETH_P_IPV6) && (c->flags & DP_CFG_IPV6)) {
-		int r = guest_ipv6(skb, V6_JUDGE);
+		int r = answer6(skb, V6_JUDGE);
 		if (r == V6_TO_HOST)
 			return guest_to_host6(skb);
 		if (r == V6_STEER) {
 			bpf_tail_call(skb, &tails, TAIL_GUEST6_STEER);
-			return guest_ipv6(skb, V6_REFUSE); /* not loaded: refused */
+			return answer6(skb, V6_REFUSE); /* not loaded: refused */
 		}
 		if (r != V6_TO_WORLD)
 			return r;
 		bpf_tail_call(skb, &tails, TAIL_GUEST6_OUT);
-		return guest_ipv6(skb, V6_REFUSE); /* not loaded: no egress */
+		return answer6(skb, V6_REFUSE); /* not loaded: no egress */
 	}
 	if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
 		sb_count6(ifindex, DP_S_UNSUPPORTED); /* ipv6 = "off" */

@@ -402,6 +402,15 @@ struct dp_sb_stats {
 	__u64 v6[DP_S_MAX];
 }; /* 160 bytes */
 
+/* A sandbox's IPv6 frames (sb_traffic6, per CPU), from the sandbox's
+ * point of view as its device's counters: tx = sent by the sandbox. */
+struct dp_traffic6 {
+	__u64 tx_bytes;
+	__u64 tx_packets;
+	__u64 rx_bytes;
+	__u64 rx_packets;
+}; /* 32 bytes */
+
 /* counters (per CPU) */
 enum dp_counter {
 	DP_C_ARP_REPLY,

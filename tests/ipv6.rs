@@ -288,7 +288,55 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
     let t = c.traffic("cni:open:eth0").await;
     assert_eq!(t["new_flows_snat"], 4, "{t:?}");
     assert_eq!(t["new_flows_snat_ipv6"], 3, "{t:?}");
-    // And in the metrics, a family of its own beside the totals.
+    // Bytes and packets per family: five 1000-byte datagrams over IPv6 and
+    // their echoes move the IPv6 part by at least their frames (Ethernet,
+    // IPv6 and UDP headers; the echo adds "world:"); five over IPv4 move
+    // the totals, and the IPv6 part by no more than the link's own chatter
+    // (neighbour discovery).
+    let big = [b'x'; 1000];
+    let frame6 = 14 + 40 + 8 + 1000;
+    let frame4 = 14 + 20 + 8 + 1000;
+    let moved = |a: &std::collections::BTreeMap<String, u64>,
+                 b: &std::collections::BTreeMap<String, u64>,
+                 k: &str| b[k] - a[k];
+    let t0 = c.traffic("cni:open:eth0").await;
+    for _ in 0..5 {
+        udp_exchange_in(
+            &open.name,
+            SocketAddr::new(WORLD_IP6.into(), uport),
+            &big,
+            T,
+        )
+        .unwrap();
+    }
+    let t1 = c.traffic("cni:open:eth0").await;
+    assert!(
+        moved(&t0, &t1, "tx_bytes_ipv6") >= 5 * frame6,
+        "{t0:?} {t1:?}"
+    );
+    assert!(
+        moved(&t0, &t1, "rx_bytes_ipv6") >= 5 * (frame6 + 6),
+        "{t0:?} {t1:?}"
+    );
+    assert!(moved(&t0, &t1, "tx_packets_ipv6") >= 5, "{t1:?}");
+    assert!(moved(&t0, &t1, "rx_packets_ipv6") >= 5, "{t1:?}");
+    for k in ["tx_bytes", "rx_bytes", "tx_packets", "rx_packets"] {
+        assert!(t1[&format!("{k}_ipv6")] <= t1[k], "{k}: {t1:?}");
+    }
+    for _ in 0..5 {
+        udp_exchange_in(&open.name, echo4, &big, T).unwrap();
+    }
+    let t2 = c.traffic("cni:open:eth0").await;
+    assert!(moved(&t1, &t2, "tx_bytes") >= 5 * frame4, "{t1:?} {t2:?}");
+    assert!(
+        moved(&t1, &t2, "rx_bytes") >= 5 * (frame4 + 6),
+        "{t1:?} {t2:?}"
+    );
+    assert!(moved(&t1, &t2, "tx_bytes_ipv6") < 500, "{t1:?} {t2:?}");
+    assert!(moved(&t1, &t2, "rx_bytes_ipv6") < 500, "{t1:?} {t2:?}");
+    // And in the metrics, a family of its own beside the totals (each
+    // datagram above came from a socket of its own: ten more flows, five
+    // of them IPv6).
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_cubenetctl"))
         .arg("metrics")
         .env(
@@ -299,11 +347,23 @@ async fn nat66_carries_open_sandboxes_to_the_ipv6_world_and_nothing_else() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     for line in [
-        "cube_network_agent_sandbox_new_flows_total{sandbox_id=\"cni:open:eth0\",kind=\"snat\"} 4",
-        "cube_network_agent_sandbox_ipv6_new_flows_total{sandbox_id=\"cni:open:eth0\",kind=\"snat\"} 3",
+        "cube_network_agent_sandbox_new_flows_total{sandbox_id=\"cni:open:eth0\",kind=\"snat\"} 14",
+        "cube_network_agent_sandbox_ipv6_new_flows_total{sandbox_id=\"cni:open:eth0\",kind=\"snat\"} 8",
     ] {
         assert!(text.lines().any(|l| l == line), "{line} not in:\n{text}");
     }
+    let v6_bytes = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(
+                "cube_network_agent_sandbox_ipv6_bytes_total{sandbox_id=\"cni:open:eth0\",direction=\"tx\"} ",
+            )
+        })
+        .and_then(|v| v.parse::<u64>().ok());
+    assert!(
+        v6_bytes.is_some_and(|v| v >= t1["tx_bytes_ipv6"]),
+        "{v6_bytes:?}:\n{text}"
+    );
 
     // IPv4 rules only: no default route in the RA, and a static one meets
     // a refusal at once; the world sees nobody.

@@ -13,7 +13,7 @@ use std::net::{SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
 use common::guest::{
-    GATEWAY_MAC, GUEST_IP, GUEST_MAC, RawGuest, eth_header, parse_ipv4, udp_frame,
+    self as guest, GATEWAY_MAC, GUEST_IP, GUEST_MAC, RawGuest, eth_header, parse_ipv4, udp_frame,
 };
 use common::world::{self, World};
 use common::{opts, ports};
@@ -140,6 +140,45 @@ async fn traffic_is_counted_exactly_from_the_sandboxs_point_of_view() {
     while traffic(&c, "acct").await["flows"] < 2 {
         assert!(Instant::now() < deadline, "{:?}", traffic(&c, "acct").await);
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Their IPv6 part: nothing so far; an echo request to the gateway's
+    // fd63:7562:6500::5 and its answer are exactly it.
+    let t2 = traffic(&c, "acct").await;
+    let v6 = |t: &BTreeMap<String, u64>| {
+        [
+            "tx_bytes_ipv6",
+            "tx_packets_ipv6",
+            "rx_bytes_ipv6",
+            "rx_packets_ipv6",
+        ]
+        .map(|k| t[k])
+    };
+    assert_eq!(v6(&t2), [0; 4], "{t2:?}");
+    let echo6 = [128u8, 0, 0, 0, 0x12, 0x34, 0, 7, b'p', b'i', b'n', b'g'];
+    let ping = guest::ip6_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        guest::GUEST_IP6,
+        guest::GATEWAY_IP6,
+        58,
+        64,
+        &echo6,
+    );
+    guest.send(&ping).unwrap();
+    let reply = guest
+        .recv_match(Duration::from_secs(5), |f| {
+            guest::parse_ip6(f).is_some_and(|p| p.l4[0] == 129)
+        })
+        .expect("no echo reply from the gateway");
+    let t3 = traffic(&c, "acct").await;
+    assert_eq!(
+        v6(&t3),
+        [ping.len() as u64, 1, reply.len() as u64, 1],
+        "{t3:?}"
+    );
+    for k in ["tx_bytes", "rx_bytes", "tx_packets", "rx_packets"] {
+        assert_eq!(t3[k] - t2[k], t3[&format!("{k}_ipv6")], "{k}: {t3:?}");
     }
 
     // The datapath's own counters: one flow each way, nothing dropped.

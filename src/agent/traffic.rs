@@ -3,7 +3,9 @@
 //! to it). Bytes and packets are the kernel's own counters of the
 //! sandbox's TAP or veth host end (`IFLA_STATS64`, L2 frames without the
 //! vnet header or FCS), read with one request per network or one dump for
-//! all: the datapath pays nothing per packet for them. A network's device
+//! all: the datapath pays nothing per packet for them. Their IPv6 part is
+//! the datapath's own count (`sb_traffic6`, per CPU, paid by IPv6 frames
+//! only). A network's device
 //! is new (a TAP that carried a network is never pooled again, a veth is
 //! made per attachment), so its counters start at zero at EnsureNetwork;
 //! they live in the kernel with the device, so an agent restart (kill -9
@@ -13,7 +15,9 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 
 use super::{Agent, AgentError, NetworkView, failed};
-use crate::datapath::maps::{RATE_COUNTER_NAMES, SB_COUNTER_NAMES, SB_COUNTER_NAMES_IPV6};
+use crate::datapath::maps::{
+    RATE_COUNTER_NAMES, SB_COUNTER_NAMES, SB_COUNTER_NAMES_IPV6, TRAFFIC6_NAMES,
+};
 use crate::metrics::{Family, Kind, Sample, Val};
 use crate::netlink::LinkCounters;
 
@@ -40,6 +44,10 @@ pub struct Traffic {
     pub datapath: [u64; SB_COUNTER_NAMES.len()],
     /// The IPv6 part of each, indexed like [`SB_COUNTER_NAMES_IPV6`].
     pub datapath6: [u64; SB_COUNTER_NAMES.len()],
+    /// The IPv6 part of the device's counters, counted by the datapath
+    /// (indexed like [`TRAFFIC6_NAMES`]): the frames the sandbox sent and
+    /// was sent over IPv6 (the rest of `tx_*`/`rx_*` is IPv4 and ARP).
+    pub traffic6: [u64; TRAFFIC6_NAMES.len()],
     /// Its bandwidth limits at work (paced, dropped beyond the horizon),
     /// indexed like [`RATE_COUNTER_NAMES`].
     pub throttled: [u64; RATE_COUNTER_NAMES.len()],
@@ -66,9 +74,14 @@ impl Traffic {
                     .and_then(|d| d.get(SB_COUNTER_NAMES.len()..))
                     .unwrap_or_default(),
             ),
-            throttled: dp_array(
+            traffic6: dp_array(
                 datapath
                     .and_then(|d| d.get(2 * SB_COUNTER_NAMES.len()..))
+                    .unwrap_or_default(),
+            ),
+            throttled: dp_array(
+                datapath
+                    .and_then(|d| d.get(2 * SB_COUNTER_NAMES.len() + TRAFFIC6_NAMES.len()..))
                     .unwrap_or_default(),
             ),
             dns_refused: 0,
@@ -88,6 +101,7 @@ impl Traffic {
         ];
         f.extend(SB_COUNTER_NAMES.iter().copied().zip(self.datapath));
         f.extend(SB_COUNTER_NAMES_IPV6.iter().copied().zip(self.datapath6));
+        f.extend(TRAFFIC6_NAMES.iter().copied().zip(self.traffic6));
         f.extend(RATE_COUNTER_NAMES.iter().copied().zip(self.throttled));
         f.push(("dns_refused", self.dns_refused));
         f
@@ -271,6 +285,22 @@ impl Agent {
                 "Frames a sandbox sent (direction=tx) and was delivered (rx)",
                 false,
                 &|t, o| o.extend([(Some("tx"), t.tx_packets), (Some("rx"), t.rx_packets)]),
+            ),
+            per(
+                "sandbox_ipv6_bytes",
+                Kind::Counter,
+                Some("bytes"),
+                "The IPv6 part of sandbox_bytes, counted by the datapath (tx: frames the sandbox sent, dropped ones included; rx: frames it was sent); only values above 0",
+                true,
+                &|t, o| o.extend([(Some("tx"), t.traffic6[0]), (Some("rx"), t.traffic6[2])]),
+            ),
+            per(
+                "sandbox_ipv6_packets",
+                Kind::Counter,
+                None,
+                "The IPv6 part of sandbox_packets; only values above 0",
+                true,
+                &|t, o| o.extend([(Some("tx"), t.traffic6[1]), (Some("rx"), t.traffic6[3])]),
             ),
             per(
                 "sandbox_device_drops",

@@ -429,6 +429,39 @@ pub struct DpSbStats {
     pub v6: [u64; SB_COUNTER_NAMES.len()],
 }
 
+/// A sandbox's IPv6 frames (`sb_traffic6`, one per CPU, summed when read):
+/// the IPv6 part of its device's counters, from the sandbox's side.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpTraffic6 {
+    pub tx_bytes: u64,
+    pub tx_packets: u64,
+    pub rx_bytes: u64,
+    pub rx_packets: u64,
+}
+
+impl DpTraffic6 {
+    /// The sum of the CPUs' parts.
+    pub fn sum<'a>(parts: impl IntoIterator<Item = &'a Self>) -> [u64; 4] {
+        parts.into_iter().fold([0; 4], |a, p| {
+            [
+                a[0] + p.tx_bytes,
+                a[1] + p.tx_packets,
+                a[2] + p.rx_bytes,
+                a[3] + p.rx_packets,
+            ]
+        })
+    }
+}
+
+/// [`DpTraffic6`]'s counters, as GetNetwork's traffic names them.
+pub const TRAFFIC6_NAMES: [&str; 4] = [
+    "tx_bytes_ipv6",
+    "tx_packets_ipv6",
+    "rx_bytes_ipv6",
+    "rx_packets_ipv6",
+];
+
 /// enum dp_sb_counter: the datapath's drops by reason, then the flows it
 /// opened by kind (docs/observability.md).
 pub const SB_COUNTER_NAMES: &[&str] = &[
@@ -466,6 +499,8 @@ pub const SB_COUNTER_NAMES_IPV6: &[&str] = &[
 unsafe impl aya::Pod for DpConfig {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpSbStats {}
+// SAFETY: repr(C), four u64: no padding, every bit pattern valid.
+unsafe impl aya::Pod for DpTraffic6 {}
 // SAFETY: see above.
 unsafe impl aya::Pod for DpRate {}
 // SAFETY: see above.
@@ -544,6 +579,7 @@ const _: () = {
     assert!(size_of::<DpFragKey>() == 12);
     assert!(size_of::<DpFragVal>() == 32);
     assert!(size_of::<DpSbStats>() == 160);
+    assert!(size_of::<DpTraffic6>() == 32);
     assert!(SB_COUNTER_NAMES_IPV6.len() == SB_COUNTER_NAMES.len());
     assert!(size_of::<DpRate>() == 16);
     assert!(size_of::<DpWake>() == 32);
@@ -786,6 +822,16 @@ pub const PINNED: &[PinnedMap] = {
             Hash,
             4,
             size_of::<DpSbStats>(),
+            SANDBOX_MAP_ENTRIES,
+            Durable,
+        ),
+        // Made with the sandbox's sb_stats entry, removed by the reaper
+        // with the device (as sb_stats); the datapath only adds to it.
+        pinned(
+            "sb_traffic6",
+            PerCpuHash,
+            4,
+            size_of::<DpTraffic6>(),
             SANDBOX_MAP_ENTRIES,
             Durable,
         ),

@@ -118,7 +118,13 @@ impl std::fmt::Display for Hook {
 
 /// A sandbox device's counters: `maps::SB_COUNTER_NAMES`, then
 /// `maps::SB_COUNTER_NAMES_IPV6`, then `maps::RATE_COUNTER_NAMES`.
-pub type SandboxCounters = [u64; 2 * maps::SB_COUNTER_NAMES.len() + maps::RATE_COUNTER_NAMES.len()];
+pub type SandboxCounters = [u64; COUNTERS];
+
+/// How many counters a sandbox has: the datapath's by reason and kind,
+/// their IPv6 parts, its IPv6 frames ([`maps::TRAFFIC6_NAMES`]), then its
+/// pacing counters, in that order.
+pub const COUNTERS: usize =
+    2 * maps::SB_COUNTER_NAMES.len() + maps::TRAFFIC6_NAMES.len() + maps::RATE_COUNTER_NAMES.len();
 
 /// The datapath's reports of the first packet for each paused sandbox
 /// (a ring buffer the programs fill; pollable through its fd).

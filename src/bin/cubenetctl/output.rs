@@ -353,6 +353,13 @@ fn value_lines(key: &str, v: &Json, out: &Output) -> Vec<String> {
                     n("new_flows_host")
                 ),
                 format!(
+                    "of which over IPv6, sent {} bytes in {} packets, received {} bytes in {} packets",
+                    n("tx_bytes_ipv6"),
+                    n("tx_packets_ipv6"),
+                    n("rx_bytes_ipv6"),
+                    n("rx_packets_ipv6")
+                ),
+                format!(
                     "of which over IPv6, dropped (spoofed {}, policy {}, malformed {}, no route {}, no port {}, unsupported {}, stale TCP {}), flows opened {} to the world, {} from the world",
                     n("drop_spoofed_ipv6"),
                     n("drop_policy_ipv6"),

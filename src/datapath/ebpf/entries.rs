@@ -495,6 +495,13 @@ impl EbpfDatapath {
         let _ = maps
             .sb_stats
             .insert(ifindex, DpSbStats::default(), BPF_NOEXIST);
+        // Its IPv6 frames (per CPU; the datapath only adds to an entry).
+        static CPUS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        if let Some(n) = *CPUS.get_or_init(|| aya::util::nr_cpus().ok())
+            && let Ok(zero) = aya::maps::PerCpuValues::try_from(vec![DpTraffic6::default(); n])
+        {
+            let _ = maps.sb_traffic6.insert(ifindex, zero, BPF_NOEXIST);
+        }
         let _ = maps
             .sb_share
             .insert(ifindex, DpShare::default(), BPF_NOEXIST);

@@ -129,6 +129,7 @@ impl EbpfDatapath {
             portmap: take(&mut bpf, "portmap")?,
             attached: take(&mut bpf, "tap_attached")?,
             sb_stats: take(&mut bpf, "sb_stats")?,
+            sb_traffic6: take(&mut bpf, "sb_traffic6")?,
             sb_share: take(&mut bpf, "sb_share")?,
             sb_rate: take(&mut bpf, "sb_rate")?,
             wake_sent: take(&mut bpf, "wake_sent")?,
@@ -368,6 +369,10 @@ impl EbpfDatapath {
             sb_stats: HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_stats")?))
                 .map_err(|e| err("opening sb_stats", e))?,
             sb_dump: reopen("sb_stats")?,
+            sb_traffic6: PerCpuHashMap::try_from(aya::maps::Map::PerCpuHashMap(reopen(
+                "sb_traffic6",
+            )?))
+            .map_err(|e| err("opening sb_traffic6", e))?,
             sb_rate: HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_rate")?))
                 .map_err(|e| err("opening sb_rate", e))?,
             rate_dump: reopen("sb_rate")?,
@@ -379,6 +384,10 @@ impl EbpfDatapath {
                 .map_err(|e| err("opening sb_stats", e))?,
         );
         let sb_read_dump = reopen("sb_stats")?;
+        let traffic6_read = Mutex::new(
+            PerCpuHashMap::try_from(aya::maps::Map::PerCpuHashMap(reopen("sb_traffic6")?))
+                .map_err(|e| err("opening sb_traffic6", e))?,
+        );
         let rate_read = Mutex::new(
             HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_rate")?))
                 .map_err(|e| err("opening sb_rate", e))?,
@@ -434,6 +443,7 @@ impl EbpfDatapath {
             attached_forget,
             sb_read,
             sb_read_dump,
+            traffic6_read,
             rate_read,
             rate_read_dump,
             shaper_root: Mutex::new(()),

@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{Array, HashMap, MapData, PerCpuArray};
+use aya::maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap};
 use aya::programs::{ProgramFd, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
 use tracing::{debug, info, warn};
@@ -206,6 +206,7 @@ struct Maps {
     portmap: HashMap<MapData, DpPortmapKey, DpPortmapVal>,
     attached: HashMap<MapData, u32, u32>,
     sb_stats: HashMap<MapData, u32, DpSbStats>,
+    sb_traffic6: PerCpuHashMap<MapData, u32, DpTraffic6>,
     sb_share: HashMap<MapData, u32, DpShare>,
     sb_rate: HashMap<MapData, u32, DpRate>,
     /// The first packet of each pause, per device: emptied to arm a pause.
@@ -255,6 +256,7 @@ struct Reaper {
     /// Per-sandbox counters: entries of gone devices are removed.
     sb_stats: HashMap<MapData, u32, DpSbStats>,
     sb_dump: MapData,
+    sb_traffic6: PerCpuHashMap<MapData, u32, DpTraffic6>,
     /// Bandwidth limits: entries of gone devices are removed.
     sb_rate: HashMap<MapData, u32, DpRate>,
     rate_dump: MapData,
@@ -311,6 +313,8 @@ pub struct EbpfDatapath {
     /// `sb_stats` for readers (GetNetwork, metrics), without `inner`.
     sb_read: Mutex<HashMap<MapData, u32, DpSbStats>>,
     sb_read_dump: MapData,
+    /// `sb_traffic6` likewise.
+    traffic6_read: Mutex<PerCpuHashMap<MapData, u32, DpTraffic6>>,
     /// `sb_rate` likewise (the pacing counters).
     rate_read: Mutex<HashMap<MapData, u32, DpRate>>,
     rate_read_dump: MapData,
@@ -390,6 +394,16 @@ fn read_all<V: aya::Pod + Default>(
 }
 
 impl EbpfDatapath {
+    /// The IPv6 frames of the sandbox on `ifindex` ([`TRAFFIC6_NAMES`]):
+    /// zeros before its first.
+    fn traffic6(&self, ifindex: u32) -> [u64; 4] {
+        self.traffic6_read
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ifindex, 0)
+            .map_or([0; 4], |parts| DpTraffic6::sum(parts.iter()))
+    }
+
     /// Every `sb_rate` entry (the sandboxes with a limit).
     fn rates(&self) -> Vec<(u32, DpRate)> {
         read_all(&self.rate_read_dump, &self.rate_read)
@@ -595,6 +609,7 @@ impl Datapath for EbpfDatapath {
             .get(&ifindex, 0)
             .ok()
             .map(|s| [s.c, s.v6].concat())?;
+        c.extend(self.traffic6(ifindex));
         let rate = self
             .rate_read
             .lock()
@@ -653,14 +668,26 @@ impl Datapath for EbpfDatapath {
                 shaped.insert(*i, rate_counters(egress, ingress));
             }
         }
+        let traffic6: StdHashMap<u32, [u64; 4]> = self
+            .traffic6_read
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .flatten()
+            .map(|(i, parts)| (i, DpTraffic6::sum(parts.iter())))
+            .collect();
         read_all(&self.sb_read_dump, &self.sb_read)
             .into_iter()
             .map(|(i, s)| {
-                let mut c = [0; 2 * SB_COUNTER_NAMES.len() + RATE_COUNTER_NAMES.len()];
+                let mut c = [0; crate::datapath::COUNTERS];
                 let (sb, rest) = c.split_at_mut(SB_COUNTER_NAMES.len());
-                let (sb6, rate) = rest.split_at_mut(SB_COUNTER_NAMES.len());
+                let (sb6, rest) = rest.split_at_mut(SB_COUNTER_NAMES.len());
+                let (t6, rate) = rest.split_at_mut(TRAFFIC6_NAMES.len());
                 sb.copy_from_slice(&s.c);
                 sb6.copy_from_slice(&s.v6);
+                if let Some(t) = traffic6.get(&i) {
+                    t6.copy_from_slice(t);
+                }
                 if let Some(r) = shaped.get(&i) {
                     rate.copy_from_slice(r);
                 }

@@ -124,6 +124,10 @@ impl EbpfDatapath {
             for i in keys.into_iter().filter(|i| !link_exists(*i)) {
                 let _ = r.sb_stats.remove(&i);
             }
+            let keys: Vec<u32> = r.sb_traffic6.keys().flatten().collect();
+            for i in keys.into_iter().filter(|i| !link_exists(*i)) {
+                let _ = r.sb_traffic6.remove(&i);
+            }
             let rates: Vec<u32> = dump_flows::<u32, DpRate>(&r.rate_dump)
                 .unwrap_or_else(|| r.sb_rate.iter().flatten().collect())
                 .into_iter()
