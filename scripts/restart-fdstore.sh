@@ -234,16 +234,20 @@ echo "# fd store after the fill: NFileDescriptorStore=$nfd (ActiveNetworks=$an)"
 # ---- restart measurement ------------------------------------------------------
 # JOURNAL_PY: the new process's journal (-o json on stdin) -> shell
 # assignments J_FDS, J_ADOPTED, J_ELAPSED, J_FD_LOST, J_REPAIRED,
-# J_QUARANTINED, J_FDS_MONO (µs), J_RECOV_MONO (µs); empty when missing.
+# J_QUARANTINED, J_FDS_MONO (µs), J_RECOV_MONO (µs); empty when missing;
+# J_SOCKS: how many of the resolver's and proxy's sockets came back.
 JOURNAL_PY='
 import json, sys
 want = {"TAP fds handed back by the fd store": ("FDS",),
         "recovery finished": ("ADOPTED", "ELAPSED_MS", "FD_LOST", "REPAIRED", "QUARANTINED", "POOL_ADOPTED")}
 got = {}
+socks = 0
 for line in sys.stdin:
     try: e = json.loads(line)
     except ValueError: continue
     m = e.get("MESSAGE")
+    if m == "socket handed back by the fd store":
+        socks += 1
     if m in want and m not in got:
         got[m] = e
 f = got.get("TAP fds handed back by the fd store", {})
@@ -252,7 +256,7 @@ out = {"J_FDS": f.get("FDS", ""), "J_FDS_MONO": f.get("__MONOTONIC_TIMESTAMP", "
        "J_ADOPTED": r.get("ADOPTED", ""), "J_ELAPSED": r.get("ELAPSED_MS", ""),
        "J_FD_LOST": r.get("FD_LOST", ""), "J_REPAIRED": r.get("REPAIRED", ""),
        "J_QUARANTINED": r.get("QUARANTINED", ""), "J_POOL_ADOPTED": r.get("POOL_ADOPTED", ""),
-       "J_RECOV_MONO": r.get("__MONOTONIC_TIMESTAMP", "")}
+       "J_RECOV_MONO": r.get("__MONOTONIC_TIMESTAMP", ""), "J_SOCKS": str(socks)}
 for k, v in out.items():
     print("%s=%s" % (k, v if str(v).isdigit() else ""))
 '
@@ -314,7 +318,11 @@ measure() {
   # TCP, the proxy's two listeners), and nothing reopened.
   [ -n "$J_FDS" ] || die "$label: the new agent got no TAP fds from the fd store (no 'TAP fds handed back' line)"
   [ "$J_FDS" -ge "$N" ] || die "$label: only $J_FDS TAP fds handed back, want >= N=$N"
-  [ "$((J_FDS + 4))" = "$nfd0" ] || die "$label: $J_FDS TAP fds handed back, but the store held $nfd0 before (want TAPs + 4 sockets)"
+  # The resolver's UDP and TCP sockets and the proxy's two listeners, on
+  # the gateway device's IPv4 address and (host <-> sandbox over IPv6) its
+  # IPv6 one.
+  case $J_SOCKS in 4|8) ;; *) die "$label: $J_SOCKS of the resolver's and proxy's sockets handed back, want 4 (IPv4) or 8 (both families)" ;; esac
+  [ "$((J_FDS + J_SOCKS))" = "$nfd0" ] || die "$label: $J_FDS TAP fds and $J_SOCKS sockets handed back, but the store held $nfd0 before"
   [ "$J_ADOPTED" = "$N" ] || die "$label: recovery adopted $J_ADOPTED networks, want $N"
   [ "${J_FD_LOST:-0}" = 0 ] || die "$label: recovery reports fd_lost=$J_FD_LOST"
   [ "$NFileDescriptorStore" -ge "$N" ] || die "$label: NFileDescriptorStore is $NFileDescriptorStore after the restart"
