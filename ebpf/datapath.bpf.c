@@ -1275,6 +1275,40 @@ static __always_inline int to_proxy_port(const struct l4info *l4)
 					    l4->dport == bpf_htons(DP_PROXY_HTTP_PORT));
 }
 
+/* A new host flow the guest opens, `hk` (kind `kind`, DP_HFF_* `flags`,
+ * the peer it dialled for DP_HF_PROXY), within the sandbox's share and
+ * counted: 0, or -1 (dropped: the share is used up, or the key taken). */
+static __always_inline int guest_flow_new(struct __sk_buff *skb, const struct dp_sandbox *sb,
+					  const struct dp_hflow_key *hk, const struct l4info *l4,
+					  __u8 kind, __u16 flags, __u32 peer_ip, const __u32 *peer6)
+{
+	if (share_take(skb->ifindex)) {
+		count(DP_C_HOST_SHARE);
+		sb_count_fam(skb->ifindex, DP_S_NO_PORT, hk->family);
+		return -1;
+	}
+	struct dp_hflow_val nv = {
+		.last_seen_ns = bpf_ktime_get_ns(),
+		.gen = sb->gen,
+		.sandbox_ip = sb->sandbox_ip,
+		.guest_port = l4->sport,
+		.gw_port = l4->dport,
+		.kind = kind,
+		.state = tcp_state(DP_TCP_OPEN, l4, DIR_OUT),
+		.flags = flags,
+		.peer_ip = peer_ip,
+	};
+	if (peer6)
+		__builtin_memcpy(nv.peer6, peer6, sizeof(nv.peer6));
+	if (bpf_map_update_elem(&hflow, hk, &nv, BPF_NOEXIST)) {
+		share_give(skb->ifindex);
+		count(DP_C_NO_GW_PORT);
+		return -1;
+	}
+	sb_count_fam(skb->ifindex, DP_S_NEW_HOST, hk->family);
+	return 0;
+}
+
 /* The host flow of a guest's TCP or UDP packet to its gateway (address
  * family `family`, DP_HFAM_*): the reply side of a flow the host opened
  * (its hrev entry), else a flow the guest opens to the node, made here
@@ -1336,28 +1370,10 @@ static __always_inline int guest_host_flow(struct __sk_buff *skb, const struct d
 		}
 		hflow_drop(c, hk, other);
 	}
-	if (share_take(skb->ifindex)) {
-		count(DP_C_HOST_SHARE);
-		sb_count_fam(skb->ifindex, DP_S_NO_PORT, family);
+	if (guest_flow_new(skb, sb, hk, l4, DP_HF_GWDEV, 0, 0, NULL))
 		return -1;
-	}
-	struct dp_hflow_val nv = {
-		.last_seen_ns = bpf_ktime_get_ns(),
-		.gen = sb->gen,
-		.sandbox_ip = sb->sandbox_ip,
-		.guest_port = l4->sport,
-		.gw_port = l4->dport,
-		.kind = DP_HF_GWDEV,
-		.state = tcp_state(DP_TCP_OPEN, l4, DIR_OUT),
-	};
-	if (bpf_map_update_elem(&hflow, hk, &nv, BPF_NOEXIST)) {
-		share_give(skb->ifindex);
-		count(DP_C_NO_GW_PORT);
-		return -1;
-	}
 	struct dp_hrev_val nrv = {.host = *hk, .gen = sb->gen};
 	bpf_map_update_elem(&hrev, &rk, &nrv, BPF_ANY);
-	sb_count_fam(skb->ifindex, DP_S_NEW_HOST, family);
 	*kind = DP_HF_GWDEV;
 	return 0;
 }
@@ -1615,30 +1631,8 @@ static __always_inline int proxy_flow(struct __sk_buff *skb, const struct dp_con
 	 * "TCP segments of connections the sandbox never opened"). */
 	if (l4->proto == IPPROTO_TCP && !syn)
 		return PROXY_STALE;
-	if (share_take(skb->ifindex)) {
-		count(DP_C_HOST_SHARE);
-		sb_count_fam(skb->ifindex, DP_S_NO_PORT, hk->family);
+	if (guest_flow_new(skb, sb, hk, l4, DP_HF_PROXY, flags, peer_ip, peer6))
 		return TC_ACT_SHOT;
-	}
-	struct dp_hflow_val nv = {
-		.last_seen_ns = bpf_ktime_get_ns(),
-		.gen = sb->gen,
-		.sandbox_ip = sb->sandbox_ip,
-		.guest_port = l4->sport,
-		.gw_port = l4->dport,
-		.kind = DP_HF_PROXY,
-		.state = tcp_state(DP_TCP_OPEN, l4, DIR_OUT),
-		.flags = flags,
-		.peer_ip = peer_ip,
-	};
-	if (peer6)
-		__builtin_memcpy(nv.peer6, peer6, sizeof(nv.peer6));
-	if (bpf_map_update_elem(&hflow, hk, &nv, BPF_NOEXIST)) {
-		share_give(skb->ifindex);
-		count(DP_C_NO_GW_PORT);
-		return TC_ACT_SHOT;
-	}
-	sb_count_fam(skb->ifindex, DP_S_NEW_HOST, hk->family);
 	return 0;
 }
 
@@ -3716,9 +3710,12 @@ int from_guest(struct __sk_buff *skb)
 	}
 	if (eth.h_proto == bpf_htons(ETH_P_ARP))
 		return proxy_arp(skb, c);
-	if (eth.h_proto == bpf_htons(ETH_P_IPV6))
+	if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
 		traffic6(ifindex, 0, skb->len);
-	if (eth.h_proto == bpf_htons(ETH_P_IPV6) && (c->flags & DP_CFG_IPV6)) {
+		if (!(c->flags & DP_CFG_IPV6)) {
+			sb_count6(ifindex, DP_S_UNSUPPORTED); /* ipv6 = "off" */
+			return TC_ACT_SHOT;
+		}
 		int r = answer6(skb, V6_JUDGE);
 		if (r == V6_TO_HOST)
 			return guest_to_host6(skb);
@@ -3730,10 +3727,6 @@ int from_guest(struct __sk_buff *skb)
 			return r;
 		bpf_tail_call(skb, &tails, TAIL_GUEST6_OUT);
 		return answer6(skb, V6_REFUSE); /* not loaded: no egress */
-	}
-	if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
-		sb_count6(ifindex, DP_S_UNSUPPORTED); /* ipv6 = "off" */
-		return TC_ACT_SHOT;
 	}
 	if (eth.h_proto != bpf_htons(ETH_P_IP)) {
 		sb_count(ifindex, DP_S_UNSUPPORTED);

@@ -823,6 +823,26 @@ impl Netlink {
             }))
     }
 
+    /// Every neighbour entry of the node (of `family` only, when given),
+    /// one dump at a time.
+    async fn neigh_dump(
+        &self,
+        family: Option<AddressFamily>,
+    ) -> Result<Vec<NeighbourMessage>, NetlinkError> {
+        let _one = self.dumps.lock().await;
+        let mut req = self.handle.neighbours().get();
+        if let Some(f) = family {
+            req = req.set_address_family(f);
+        }
+        req.execute()
+            .try_collect()
+            .await
+            .map_err(|source| NetlinkError::Dump {
+                what: "neighbours",
+                source,
+            })
+    }
+
     /// Whether `ip` is a permanent neighbour on `ifindex` (an IPv6-only
     /// dump: the device's IPv4 neighbours, one per sandbox, are not read).
     pub async fn ipv6_neighbour_permanent(
@@ -830,19 +850,7 @@ impl Netlink {
         ifindex: u32,
         ip: std::net::Ipv6Addr,
     ) -> Result<bool, NetlinkError> {
-        let _one = self.dumps.lock().await;
-        let msgs: Vec<NeighbourMessage> = self
-            .handle
-            .neighbours()
-            .get()
-            .set_address_family(AddressFamily::Inet6)
-            .execute()
-            .try_collect()
-            .await
-            .map_err(|source| NetlinkError::Dump {
-                what: "ipv6 neighbours",
-                source,
-            })?;
+        let msgs = self.neigh_dump(Some(AddressFamily::Inet6)).await?;
         Ok(msgs.iter().any(|m| {
             m.header.ifindex == ifindex
                 && m.header.state == NeighbourState::Permanent
@@ -1105,18 +1113,7 @@ impl Netlink {
         ifindex: u32,
     ) -> Result<Vec<(IpAddr, Option<[u8; 6]>, u16)>, NetlinkError> {
         debug!(ifindex, "dump neighbours");
-        let _one = self.dumps.lock().await;
-        let msgs: Vec<NeighbourMessage> = self
-            .handle
-            .neighbours()
-            .get()
-            .execute()
-            .try_collect()
-            .await
-            .map_err(|source| NetlinkError::Dump {
-                what: "neighbours",
-                source,
-            })?;
+        let msgs = self.neigh_dump(None).await?;
         let mut out = Vec::new();
         for m in msgs.iter().filter(|m| m.header.ifindex == ifindex) {
             let mut ip = None;

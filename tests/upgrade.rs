@@ -377,19 +377,8 @@ async fn sandbox_counters_of_the_older_layout_are_migrated() {
         let entries = repin_older(&env, "sb_stats", "hash", 4, 160, old, 65536);
         assert!(!entries.is_empty(), "no sb_stats entry");
 
-        env.start_agent();
-        c = env.client().await;
-        let (ok, checks) = c.health().await;
-        assert!(ok, "{checks:#?}");
-        let pins = &check(&checks, "datapath_pins").2;
-        assert!(
-            pins.contains(&format!(
-                "sb_stats migrated (was Hash, key 4 B, value {old} B"
-            )),
-            "{pins}"
-        );
-        let sb = env.dir.join("bpf").join("sb_stats").display().to_string();
-        assert_eq!(common::pin_value_size(&sb), 160);
+        let was = format!("Hash, key 4 B, value {old} B");
+        (c, _) = start_migrating(&mut env, "sb_stats", &was, 160).await;
         let after = c.traffic("s").await;
         assert_eq!(after["new_flows_snat"], flows, "{after:?}");
         assert_eq!(after["drop_stale_tcp"], 0, "{after:?}");
@@ -404,13 +393,14 @@ async fn sandbox_counters_of_the_older_layout_are_migrated() {
 
 /// Starts the agent again, which must migrate the pinned map `name` from
 /// the older layout `was` (as Health's datapath_pins names it) to values
-/// of `now` bytes and remove the old pin, healthy; the map's entries then.
+/// of `now` bytes and remove the old pin, healthy; a client, and the map's
+/// entries then.
 async fn start_migrating(
     env: &mut Env,
     name: &str,
     was: &str,
     now: u64,
-) -> BTreeMap<Vec<u8>, Vec<u8>> {
+) -> (Client, BTreeMap<Vec<u8>, Vec<u8>>) {
     env.start_agent();
     let c = env.client().await;
     let (ok, checks) = c.health().await;
@@ -431,7 +421,7 @@ async fn start_migrating(
         !bpf.join(format!("{name}_old")).exists(),
         "the old pin was removed"
     );
-    dump(env, &pin).into_iter().collect()
+    (c, dump(env, &pin).into_iter().collect())
 }
 
 fn hex(b: &[u8]) -> Vec<String> {
@@ -458,7 +448,7 @@ async fn a_flow_table_of_the_older_layout_is_migrated_with_its_flows() {
     assert!(!entries.is_empty(), "no flow in ct");
     assert_eq!(common::pin_value_size(&ct), 24);
 
-    let migrated = start_migrating(&mut env, "ct", "LruHash, key 16 B, value 24 B", 32).await;
+    let (_, migrated) = start_migrating(&mut env, "ct", "LruHash, key 16 B, value 24 B", 32).await;
     // Every flow arrived, with its SNAT port, generation and timestamps.
     for (k, v) in &entries {
         let m = migrated
@@ -495,7 +485,7 @@ async fn host_flows_of_the_older_layout_are_migrated() {
     let entries = repin_older(&env, "hflow", "hash", 16, 48, 32, 262144);
     assert!(!entries.is_empty(), "no host flow");
 
-    let migrated = start_migrating(&mut env, "hflow", "Hash, key 16 B, value 32 B", 48).await;
+    let (_, migrated) = start_migrating(&mut env, "hflow", "Hash, key 16 B, value 32 B", 48).await;
     for (k, v) in &entries {
         let m = migrated
             .get(k)

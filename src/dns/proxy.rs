@@ -245,9 +245,11 @@ pub fn serve(
     let at = addresses
         .iter()
         .map(|(ip, _)| {
-            let ip = SocketAddr::new(*ip, 0).to_string();
-            let ip = ip.trim_end_matches(":0");
-            format!("{ip}:{DP_PROXY_TLS_PORT} (TLS), {ip}:{DP_PROXY_HTTP_PORT} (HTTP)")
+            format!(
+                "{} (TLS), {} (HTTP)",
+                SocketAddr::new(*ip, DP_PROXY_TLS_PORT),
+                SocketAddr::new(*ip, DP_PROXY_HTTP_PORT)
+            )
         })
         .collect::<Vec<_>>()
         .join(", ");
