@@ -461,6 +461,14 @@ static __always_inline struct dp_config *get_config(void)
 	return bpf_map_lookup_elem(&config, &zero);
 }
 
+/* The guest on `ifindex` uses its static fd63:7562:6500::6 (sb_share.
+ * guest6, learn_guest6), not its SLAAC address. */
+static __always_inline int guest_fixed6(__u32 ifindex)
+{
+	struct dp_share *s = bpf_map_lookup_elem(&sb_share, &ifindex);
+	return s && s->guest6 == DP_SHARE_FIXED6;
+}
+
 /* Takes one host-flow entry of the sandbox on `ifindex`'s share: one of
  * its guaranteed ones, else one of the shared pool up to its cap. 0 or -1
  * (nothing taken). A device without an sb_share entry (bound by a build
@@ -1171,17 +1179,19 @@ static __always_inline int sent_by_unadmitted_process(struct __sk_buff *skb)
 /* Starts or continues the host flow `hk` (the host sending to the
  * sandbox's `guest_port`); its gateway-side port, or -1 (dropped): no
  * free port, the sandbox's share of host flows is used up, or (with
- * `admission`) a new flow from a process without host access. A reply of
- * a flow the guest opened to an agent socket (DP_HF_PROXY) leaves its
- * entry in `*proxied` (whose peer the reply comes from), NULL else. */
+ * `admission`) a new flow from a process without host access. A packet
+ * of a running flow leaves its entry in `*flow` (a DP_HF_PROXY one's peer
+ * is where the reply comes from; its flags say which guest address it
+ * has), NULL for one this packet opens: an IPv6 one has the guest's
+ * current address (guest_fixed6). */
 static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_config *c,
 				    const struct dp_hflow_key *hk, __u32 sandbox_ip,
 				    __u32 tap_ifindex, __u16 guest_port, __u64 gen, __u8 kind,
 				    int admission, const struct l4info *l4, __u16 *gw_port,
-				    struct dp_hflow_val **proxied)
+				    struct dp_hflow_val **flow)
 {
 	struct dp_hflow_val *hv = hflow_of(c, hk, sandbox_ip, gen);
-	*proxied = NULL;
+	*flow = NULL;
 	if (hv && hv->guest_port == guest_port &&
 	    (hv->kind == kind || (kind == DP_HF_GWDEV && hv->kind == DP_HF_PROXY))) {
 		/* A flow the node opened stays its sender's: judged again on
@@ -1194,8 +1204,7 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 		hv->last_seen_ns = bpf_ktime_get_ns();
 		hv->state = tcp_state(hv->state, l4, DIR_IN);
 		*gw_port = hv->gw_port;
-		if (hv->kind == DP_HF_PROXY)
-			*proxied = hv;
+		*flow = hv;
 		return 0;
 	}
 	if (admission && !host_admitted(skb)) {
@@ -1224,7 +1233,9 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 		.gw_port = *gw_port,
 		.kind = kind,
 		.state = tcp_state(DP_TCP_OPEN, l4, DIR_IN),
-		.flags = admission ? DP_HFF_HOST_OPENED : 0,
+		.flags = (admission ? DP_HFF_HOST_OPENED : 0) |
+			 (hk->family == DP_HFAM_IPV6 && guest_fixed6(tap_ifindex) ? DP_HFF_GUEST_FIXED
+										 : 0),
 	};
 	if (bpf_map_update_elem(&hflow, hk, &nv, BPF_NOEXIST)) {
 		/* Another CPU made it first (its guest-side entry is this one's
@@ -1316,7 +1327,8 @@ static __always_inline int guest_flow_new(struct __sk_buff *skb, const struct dp
  * ports kept). Its key in `hk` and kind in `kind`; -1: dropped. */
 static __always_inline int guest_host_flow(struct __sk_buff *skb, const struct dp_config *c,
 					   const struct dp_sandbox *sb, const struct l4info *l4,
-					   __u8 family, struct dp_hflow_key *hk, __u8 *kind)
+					   __u8 family, __u16 flags, struct dp_hflow_key *hk,
+					   __u8 *kind)
 {
 	struct dp_hrev_key rk = {
 		.sandbox_ip = sb->sandbox_ip,
@@ -1370,7 +1382,7 @@ static __always_inline int guest_host_flow(struct __sk_buff *skb, const struct d
 		}
 		hflow_drop(c, hk, other);
 	}
-	if (guest_flow_new(skb, sb, hk, l4, DP_HF_GWDEV, 0, 0, NULL))
+	if (guest_flow_new(skb, sb, hk, l4, DP_HF_GWDEV, flags, 0, NULL))
 		return -1;
 	struct dp_hrev_val nrv = {.host = *hk, .gen = sb->gen};
 	bpf_map_update_elem(&hrev, &rk, &nrv, BPF_ANY);
@@ -1390,7 +1402,7 @@ static __always_inline int guest_to_host(struct __sk_buff *skb, const struct dp_
 	if (!l4->frag && !l4->first_frag &&
 	    (l4->proto == IPPROTO_TCP || l4->proto == IPPROTO_UDP)) {
 		struct dp_hflow_key hk;
-		if (guest_host_flow(skb, c, sb, l4, DP_HFAM_IPV4, &hk, &kind))
+		if (guest_host_flow(skb, c, sb, l4, DP_HFAM_IPV4, 0, &hk, &kind))
 			return TC_ACT_SHOT;
 		/* The host's tuple, reversed. */
 		if (set_addr(skb, IP_SRC_OFF, ip->saddr, hk.daddr, l4) ||
@@ -3067,8 +3079,8 @@ static __always_inline struct dp_tap *nat66_flow(const struct dp_rev6_key *rk,
 
 /* A world packet to the uplink's IPv6 address on a port mapped on every
  * node address (IPv6 has no per-address mappings): the flow to the
- * guest's SLAAC address (the one a guest configured by RA has), opened by
- * this packet or running, as from_uplink's for IPv4. NULL: the node's (no
+ * guest's current address (guest_fixed6), opened by this packet or
+ * running, as from_uplink's for IPv4. NULL: the node's (no
  * such mapping; a host socket wins a new flow; a sandbox whose IPv6 does
  * not reach the world, whose guest has no route back: the node refuses,
  * and a client falls back to IPv4 at once). */
@@ -3096,7 +3108,7 @@ static __always_inline struct dp_tap *portmap6_in(struct __sk_buff *skb, const s
 	key->guest_port = container_port;
 	key->remote_port = l4->sport;
 	key->proto = l4->proto;
-	key->gaddr = DP_GADDR_SLAAC;
+	key->gaddr = guest_fixed6(ifindex) ? DP_GADDR_FIXED : DP_GADDR_SLAAC;
 	struct dp_ct_val *v = bpf_map_lookup_elem(&ct6, key);
 	if (v && (v->gen != tap->gen || v->kind != DP_CT_PORTMAP)) {
 		/* An earlier owner's flow, or the guest's own from this port to
@@ -3173,11 +3185,12 @@ static __always_inline struct dp_tap *portmap6_flow(const struct dp_rev6_key *rk
 	k->guest_port = pm->container_port;
 	k->remote_port = rk->remote_port;
 	k->proto = rk->proto;
-	k->gaddr = DP_GADDR_SLAAC;
 	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
+	if (!tap)
+		return NULL;
+	k->gaddr = guest_fixed6(tap->ifindex) ? DP_GADDR_FIXED : DP_GADDR_SLAAC;
 	struct dp_ct_val *v = bpf_map_lookup_elem(&ct6, k);
-	if (!tap || !v || v->gen != tap->gen || v->kind != DP_CT_PORTMAP ||
-	    v->nat_port != rk->nat_port)
+	if (!v || v->gen != tap->gen || v->kind != DP_CT_PORTMAP || v->nat_port != rk->nat_port)
 		return NULL;
 	return tap;
 }
@@ -3484,7 +3497,8 @@ __noinline int guest_to_host6(struct __sk_buff *skb)
 	struct dp_hflow_key hk = {};
 	__u8 kind = DP_HF_GWDEV;
 	int ports = l4.proto == IPPROTO_TCP || l4.proto == IPPROTO_UDP;
-	if (ports && guest_host_flow(skb, c, sb, &l4, DP_HFAM_IPV6, &hk, &kind))
+	__u16 fixed = v6_fixed_eq(ip.saddr, DP_V6_GUEST_LO) ? DP_HFF_GUEST_FIXED : 0;
+	if (ports && guest_host_flow(skb, c, sb, &l4, DP_HFAM_IPV6, fixed, &hk, &kind))
 		return TC_ACT_SHOT;
 	if (kind != DP_HF_GWDEV) {
 		/* Mapped ports through lo are IPv4's. */
@@ -3598,7 +3612,8 @@ int guest6_steer(struct __sk_buff *skb)
  * sandbox_ip's IPv6 part): only the node's own packets from the device's
  * address, TCP and UDP by host flow (the same admission as IPv4's: root
  * or host_access for a flow the node opens), echo requests of an admitted
- * sender; to the guest's SLAAC address from fd63:7562:6500::5. */
+ * sender; to the guest's address (the flow's, else its current one:
+ * guest_fixed6) from fd63:7562:6500::5. */
 __noinline int host_to_sandbox6(struct __sk_buff *skb)
 {
 	struct dp_config *c = get_config();
@@ -3633,7 +3648,7 @@ __noinline int host_to_sandbox6(struct __sk_buff *skb)
 	__u32 tap_ifindex = tap->ifindex;
 	__u64 gen = tap->gen;
 	__u32 tap_flags = tap->flags;
-	struct dp_hflow_val *proxied = NULL;
+	struct dp_hflow_val *flow = NULL;
 	if (l4.proto == IPPROTO_TCP || l4.proto == IPPROTO_UDP) {
 		struct dp_hflow_key hk = {
 			.saddr = c->host_ip,
@@ -3651,7 +3666,7 @@ __noinline int host_to_sandbox6(struct __sk_buff *skb)
 		}
 		__u16 gw_port;
 		if (hflow_in(skb, c, &hk, dst, tap_ifindex, l4.dport, gen, DP_HF_GWDEV, 1, &l4,
-			     &gw_port, &proxied))
+			     &gw_port, &flow))
 			return TC_ACT_SHOT;
 		if (set_port(skb, src_port_off(&l4), l4.sport, gw_port, &l4))
 			return TC_ACT_SHOT;
@@ -3667,16 +3682,16 @@ __noinline int host_to_sandbox6(struct __sk_buff *skb)
 					     DP_WAKE_HOST));
 	__u32 old[4], a[4];
 	pool6_addr(old, c, dst);
-	v6_guest_addr(a,
-		      proxied && (proxied->flags & DP_HFF_GUEST_FIXED) ? DP_GADDR_FIXED
-								       : DP_GADDR_SLAAC,
-		      c);
+	/* To the guest address of the flow; a new one (or an echo) to the
+	 * guest's current one. */
+	int fixed = flow ? flow->flags & DP_HFF_GUEST_FIXED : guest_fixed6(tap_ifindex);
+	v6_guest_addr(a, fixed ? DP_GADDR_FIXED : DP_GADDR_SLAAC, c);
 	if (set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, daddr), old, a, &l4))
 		return TC_ACT_SHOT;
 	pool6_addr(old, c, c->host_ip);
 	/* A steered flow's replies come from the address the guest dialled. */
-	if (proxied)
-		__builtin_memcpy(a, proxied->peer6, 16);
+	if (flow && flow->kind == DP_HF_PROXY)
+		__builtin_memcpy(a, flow->peer6, 16);
 	else
 		v6_fixed(a, DP_V6_GATEWAY_LO);
 	if (set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, saddr), old, a, &l4) ||
@@ -3684,6 +3699,54 @@ __noinline int host_to_sandbox6(struct __sk_buff *skb)
 		return TC_ACT_SHOT;
 	count(DP_C_TO_SANDBOX_IP);
 	return to_guest6(skb, tap_ifindex);
+}
+
+/* Which of its two addresses the guest uses (sb_share.guest6), so that
+ * flows others open to it go there (host <-> sandbox, port mappings): the
+ * source of its IPv6 packets, or the target of its Duplicate Address
+ * Detection (a guest configured statically claims fd63:7562:6500::6 at
+ * link up, and may then stay silent until someone connects). Any other
+ * source (link-local; a spoofed one, dropped further on) changes nothing,
+ * and the entry is written only when it changes. A global function: its
+ * stack is not from_guest's. */
+__noinline int learn_guest6(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!skb || !c)
+		return 0;
+	__u32 a[4];
+	if (bpf_skb_load_bytes(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, saddr), a, 16))
+		return 0;
+	if (!(a[0] | a[1] | a[2] | a[3])) {
+		/* From "::": a Neighbor Solicitation's target is the address
+		 * claimed. */
+		struct {
+			__u8 type, code;
+			__u16 csum;
+			__u32 reserved;
+			__u32 target[4];
+		} ns;
+		__u8 nh;
+		if (bpf_skb_load_bytes(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, nexthdr), &nh,
+				       1) ||
+		    nh != IPPROTO_ICMPV6 ||
+		    bpf_skb_load_bytes(skb, ETH_HLEN + sizeof(struct ip6h), &ns, sizeof(ns)) ||
+		    ns.type != ND_NEIGHBOR_SOLICIT)
+			return 0;
+		__builtin_memcpy(a, ns.target, 16);
+	}
+	__u32 g;
+	if (v6_fixed_eq(a, DP_V6_GUEST_LO))
+		g = DP_SHARE_FIXED6;
+	else if (v6_eui64_eq(a, DP_V6_PREFIX0, DP_V6_PREFIX1, c->guest_mac))
+		g = 0;
+	else
+		return 0;
+	__u32 ifindex = skb->ifindex;
+	struct dp_share *s = bpf_map_lookup_elem(&sb_share, &ifindex);
+	if (s && s->guest6 != g)
+		s->guest6 = g;
+	return 0;
 }
 
 SEC("classifier")
@@ -3716,6 +3779,7 @@ int from_guest(struct __sk_buff *skb)
 			sb_count6(ifindex, DP_S_UNSUPPORTED); /* ipv6 = "off" */
 			return TC_ACT_SHOT;
 		}
+		learn_guest6(skb);
 		int r = answer6(skb, V6_JUDGE);
 		if (r == V6_TO_HOST)
 			return guest_to_host6(skb);
@@ -4013,12 +4077,12 @@ int to_sandbox_ip(struct __sk_buff *skb)
 		/* A flow the node opens needs host access (a reply to a flow
 		 * the guest opened has its entry). */
 		__u16 gw_port;
-		struct dp_hflow_val *proxied;
+		struct dp_hflow_val *flow;
 		if (hflow_in(skb, c, &hk, dst, tap_ifindex, l4.dport, gen, DP_HF_GWDEV, 1, &l4,
-			     &gw_port, &proxied))
+			     &gw_port, &flow))
 			return TC_ACT_SHOT;
-		if (proxied)
-			peer = proxied->peer_ip;
+		if (flow && flow->kind == DP_HF_PROXY)
+			peer = flow->peer_ip;
 		if (set_port(skb, src_port_off(&l4), l4.sport, gw_port, &l4))
 			return TC_ACT_SHOT;
 	}
@@ -4089,9 +4153,9 @@ int from_host(struct __sk_buff *skb)
 	/* A port mapping is open to every local process (as one on a node
 	 * address is to the world): no host-access check, the share only. */
 	__u16 gw_port;
-	struct dp_hflow_val *proxied;
+	struct dp_hflow_val *flow;
 	if (hflow_in(skb, c, &hk, sandbox_ip, tap_ifindex, container_port, gen, DP_HF_LO, 0, &l4,
-		     &gw_port, &proxied))
+		     &gw_port, &flow))
 		return TC_ACT_SHOT;
 	if (tap_flags & DP_T_PAUSED)
 		return paused_drop(tap_ifindex, gen, sandbox_ip, ip.saddr,

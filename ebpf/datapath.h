@@ -61,8 +61,14 @@ struct dp_config {
  * veth ifindex, like sb_stats): entries it holds now. */
 struct dp_share {
 	__u32 hflow;
-	__u32 pad;
+	/* DP_SHARE_FIXED6: the guest's IPv6 address is fd63:7562:6500::6, not
+	 * its SLAAC address (0, also before it was seen): the last of the
+	 * two it sent from or claimed (Duplicate Address Detection). Written
+	 * by the datapath (learn_guest6); flows others open to the guest go
+	 * there. "pad" (always 0) in builds before. */
+	__u32 guest6;
 }; /* 8 bytes */
+#define DP_SHARE_FIXED6 1u
 /* The node-wide side (share_pool, one entry): entries held beyond the
  * guaranteed ones. */
 struct dp_share_pool {
@@ -332,8 +338,9 @@ struct dp_hflow_val {
  * judged by the sender's uid again (another uid could take the port over
  * once the first socket closed). */
 #define DP_HFF_HOST_OPENED 1
-/* An IPv6 flow the guest opened from its static fd63:7562:6500::6 (not its
- * SLAAC address): the replies go there. */
+/* An IPv6 flow with the guest's static fd63:7562:6500::6 (not its SLAAC
+ * address): one it opened from there, or one opened to it while that was
+ * its address (sb_share.guest6). Its packets to the guest go there. */
 #define DP_HFF_GUEST_FIXED 2
 #define DP_HF_GWDEV 0     /* via the gateway device: to the sandbox IP, or the guest to the gateway */
 #define DP_HF_LO 1        /* via lo: the host to a mapped port */

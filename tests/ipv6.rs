@@ -1446,3 +1446,95 @@ async fn dns_and_strict_mode_over_ipv6_go_through_the_agent() {
         checks.iter().filter(|c| !c.1).collect::<Vec<_>>()
     );
 }
+
+/// A guest configured statically (only fd63:7562:6500::6, no SLAAC
+/// address) is reached there by what others open to it: the node's flows
+/// to its sandbox_ipv6, the world's through a port mapping, and the
+/// replies of its own flows to the node. The datapath learns the address
+/// from its Duplicate Address Detection (before the guest sent anything
+/// from it) and follows the guest back to SLAAC.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_on_its_fixed_address_is_reached_there() {
+    require_root!();
+    let (env, world) = node6(&[], Some(&[]));
+    let c = env.client().await;
+    let ctr = Ctr::new("v6fixed");
+    add(
+        &env,
+        "fx",
+        &ctr,
+        json!({"runtimeConfig": {"portMappings": [
+            {"hostPort": 20190, "containerPort": 8090, "protocol": "tcp", "hostIP": ""}]}}),
+    );
+    let (_, slaac) = ready6(&ctr, true, Duration::from_secs(10)).expect("no IPv6 address");
+    let sb6: Ipv6Addr = common::s(&c.get("cni:fx:eth0").await.unwrap(), "sandbox_ipv6")
+        .parse()
+        .unwrap();
+    let any6 = |p: u16| SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), p);
+    let _srv = Server::tcp(&ctr.name, any6(7000), b"ctr:");
+    let mapped = Server::tcp(&ctr.name, any6(8090), b"mapped:");
+    let node_srv = Server::tcp(&env.ns, any6(7100), b"node:");
+    let to_sb = SocketAddr::new(sb6.into(), 7000);
+    let to_mapping = SocketAddr::new(NODE_IP6.into(), 20190);
+    let got = tcp_exchange_in(&env.ns, to_sb, b"slaac", T);
+    assert_eq!(got.as_deref(), Ok(&b"ctr:slaac"[..]));
+
+    // Static: only ::6, claimed with Duplicate Address Detection, and the
+    // node connects first.
+    let fixed: Ipv6Addr = "fd63:7562:6500::6".parse().unwrap();
+    let to_static = |a: Ipv6Addr| {
+        format!(
+            "sysctl -qw net.ipv6.conf.eth0.autoconf=0 net.ipv6.conf.eth0.accept_dad=1 && \
+             ip -6 addr flush dev eth0 scope global && ip -6 addr add {a}/64 dev eth0"
+        )
+    };
+    ctr.sh(&to_static(fixed));
+    let (_, now) = ready6(&ctr, true, Duration::from_secs(10)).expect("no usable ::6");
+    assert_eq!(now, fixed);
+    let (_, checks) = c.health().await;
+    let got = tcp_exchange_in(&env.ns, to_sb, b"node", T);
+    assert_eq!(
+        got.as_deref(),
+        Ok(&b"ctr:node"[..]),
+        "{}",
+        datapath_detail(&checks)
+    );
+    let got = tcp_exchange_in(&world.ns, to_mapping, b"world", T);
+    assert_eq!(got.as_deref(), Ok(&b"mapped:world"[..]));
+    assert_eq!(mapped.peers()[0].ip(), IpAddr::V6(WORLD_IP6));
+    // The node's ping.
+    let ping = format!(
+        "/usr/bin/python3 -c \"import socket\n\
+         s=socket.socket(socket.AF_INET6, socket.SOCK_DGRAM, socket.IPPROTO_ICMPV6)\n\
+         s.settimeout(2)\n\
+         s.sendto(bytes([128,0,0,0,0,0,0,1])+b'ping', ('{sb6}', 0))\n\
+         print(s.recv(64)[8:])\""
+    );
+    sh_as(
+        &env.ns,
+        None,
+        "sysctl -qw net.ipv4.ping_group_range='0 2147483647'",
+    );
+    let (pinged, out) = sh_as(&env.ns, None, &ping);
+    assert!(pinged && out.contains("ping"), "{out}");
+    // The guest's own flow to the node: its replies reach ::6.
+    let out = ctr.sh("/usr/bin/python3 -c \"import socket\n\
+         s=socket.create_connection(('fd63:7562:6500::5', 7100), timeout=3)\n\
+         print(s.getsockname()[0])\n\
+         s.sendall(b'guest')\n\
+         s.shutdown(1)\n\
+         print(s.recv(64).decode())\"");
+    assert_eq!(out, format!("{fixed}\nnode:guest\n"));
+    assert_eq!(node_srv.peers()[0].ip(), IpAddr::V6(sb6));
+
+    // Back to SLAAC: followed.
+    ctr.sh(&to_static(slaac));
+    let (_, now) = ready6(&ctr, true, Duration::from_secs(10)).expect("no usable SLAAC address");
+    assert_eq!(now, slaac);
+    let got = tcp_exchange_in(&env.ns, to_sb, b"back", T);
+    assert_eq!(got.as_deref(), Ok(&b"ctr:back"[..]));
+    let got = tcp_exchange_in(&world.ns, to_mapping, b"again", T);
+    assert_eq!(got.as_deref(), Ok(&b"mapped:again"[..]));
+    let (healthy, checks) = c.health().await;
+    assert!(healthy, "{checks:?}");
+}

@@ -42,7 +42,9 @@ pub struct DpConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DpShare {
     pub hflow: u32,
-    pub pad: u32,
+    /// `DP_SHARE_FIXED6`: the guest's IPv6 address is fd63:7562:6500::6,
+    /// not its SLAAC address (learned by the datapath; kept by the agent).
+    pub guest6: u32,
 }
 
 /// The node-wide side (`share_pool`, one entry): entries held beyond the

@@ -27,7 +27,10 @@
 # `httpd -p 80 -h /www` (with /cgi-bin/sum: md5sum + size of a POST body;
 # /cgi-bin/snmp: /proc/net/snmp; /cgi-bin/fetch?TAG: the guest itself GETs
 # http://WORLD/index.html?from=TAG and answers with that body, so the host
-# can make a guest, e.g. one restored from a snapshot, dial the world)
+# can make a guest, e.g. one restored from a snapshot, dial the world;
+# /cgi-bin/pull?F/PATH: the guest GETs PATH from WORLD (F=4) or WORLD6
+# (F=6) and answers "rc=R size=N md5=M", so a transfer of the guest's
+# can be kept in flight while the host kills the agent)
 # and prints marker lines on the serial console:
 #   GUEST-KERNEL-UP, GUEST-NET-UP, GUEST-BIG size=N md5=M,
 #   GUEST-CHECK ipv6-slaac addr=<the SLAAC address or none> after=<s since link up>,
@@ -145,7 +148,20 @@ timeout 15 wget -q -O /tmp/fetch.$$ "http://$W/index.html?from=$QUERY_STRING"; r
 if [ $r = 0 ]; then cat /tmp/fetch.$$; else echo "fetch: wget http://$W/ failed rc=$r"; fi
 rm -f /tmp/fetch.$$
 CGI
-    chmod +x "$R/www/cgi-bin/sum" "$R/www/cgi-bin/snmp" "$R/www/cgi-bin/fetch"
+    cat >"$R/www/cgi-bin/pull" <<'CGI'
+#!/bin/sh
+# GET /cgi-bin/pull?F/PATH: the guest GETs http://WORLD/PATH (F=4) or
+# http://WORLD6/PATH (F=6, from cna.world6=) and answers
+# "rc=<wget's exit code> size=<bytes> md5=<of the body>".
+printf 'Content-Type: text/plain\r\n\r\n'
+f=${QUERY_STRING%%/*}
+W=$(cat /etc/cna-world$([ "$f" = 6 ] && echo 6) 2>/dev/null)
+[ -n "$W" ] || { echo "pull: no world for family '$f' on the kernel command line"; exit 0; }
+timeout 60 wget -q -O /tmp/pull.$$ "http://$W/${QUERY_STRING#*/}"; r=$?
+echo "rc=$r size=$(wc -c </tmp/pull.$$) md5=$(md5sum </tmp/pull.$$ | cut -d' ' -f1)"
+rm -f /tmp/pull.$$
+CGI
+    chmod +x "$R/www/cgi-bin/sum" "$R/www/cgi-bin/snmp" "$R/www/cgi-bin/fetch" "$R/www/cgi-bin/pull"
     cat >"$R/init" <<INIT
 #!/bin/busybox sh
 MODULES="$MODULES"
@@ -170,6 +186,7 @@ for a in $(cat /proc/cmdline); do
     esac
 done
 echo "$WORLD" >/etc/cna-world
+echo "$WORLD6" >/etc/cna-world6
 i=0
 while [ ! -e /sys/class/net/eth0 ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
 ip link set lo up

@@ -146,7 +146,7 @@ vm_bus() {
 vm_agent() {
     ip netns exec "$NS" "$AGENT" --bus "$ADDR" --state-dir "$T/state" --runtime-dir "$T/run" \
         --report-socket "$T/report.sock" --bpf-pin-dir "$T/bpf" --config /dev/null --warm-pool 2 \
-        --log-level debug ${VM_AGENT_ARGS[@]+"${VM_AGENT_ARGS[@]}"} >/dev/null 2>"$T/agent.log" &
+        --log-level debug ${VM_AGENT_ARGS[@]+"${VM_AGENT_ARGS[@]}"} >/dev/null 2>>"$T/agent.log" &
     AGENT_PID=$!
     PIDS+=("$AGENT_PID")
     for _ in $(seq 200); do

@@ -22,6 +22,11 @@
 #   world -> node 198.51.100.1:<host port> -> guest:80 (port-mapped ingress):
 #                    small GET, 2 MiB GET, 2 MiB POST
 #   node -> sandbox IP:80 (host access): small GET, 2 MiB GET, 2 MiB POST
+#   kill -9          the agent is killed while the world, over a mapping of
+#                    each family, has the guest pull a 2 MiB file paced
+#                    over 5 s over IPv6 (NAT66) and IPv4 (SNAT): both arrive
+#                    intact after the restart, which is healthy, and new
+#                    connections of both families go through
 # QEMU enables checksum and TSO offloads on the TAP, so the large transfers
 # put partial-checksum / GSO packets through the datapath in both
 # directions.
@@ -73,11 +78,25 @@ echo "cna-vm-world-marker" >"$T/www/index.html"
 head -c "$BIG" /dev/urandom >"$T/www/big.bin"
 WORLD_BIG_MD5=$(md5sum <"$T/www/big.bin" | cut -d' ' -f1)
 cat >"$T/world.py" <<'PY'
-import functools, hashlib, http.server, sys
+import functools, hashlib, http.server, sys, time
+SLOW = 5.0
 class H(http.server.SimpleHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
     def log_message(self, fmt, *a):
         sys.stderr.write("client=%s %s\n" % (self.client_address[0], fmt % a)); sys.stderr.flush()
+    def do_GET(self):
+        # /slow/FILE: FILE paced over about SLOW seconds, between a
+        # SLOW-START and a SLOW-END line in the log (a transfer the host can
+        # see in flight).
+        if not self.path.startswith("/slow/"):
+            return super().do_GET()
+        data = open(self.directory + "/" + self.path[6:], "rb").read()
+        self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers()
+        sys.stderr.write("SLOW-START client=%s\n" % self.client_address[0]); sys.stderr.flush()
+        chunks = [data[i:i + 32768] for i in range(0, len(data), 32768)]
+        for c in chunks:
+            self.wfile.write(c); self.wfile.flush(); time.sleep(SLOW / len(chunks))
+        sys.stderr.write("SLOW-END client=%s\n" % self.client_address[0]); sys.stderr.flush()
     def do_POST(self):
         n = int(self.headers.get("Content-Length", 0)); h = hashlib.md5(); got = 0
         while got < n:
@@ -292,6 +311,50 @@ fetch "$NS" "node -> $SIP:80: GET small page (host access)" "$H/" cna-vm-guest-m
 fetch_big "$NS" "node -> guest: GET $GUEST_BIG_SIZE bytes" "$H/big.bin"
 post_big "$NS" "node -> guest: POST $BIG bytes" "$H/cgi-bin/sum"
 log "host checks done"
+
+# --- kill -9 of the agent with transfers in flight -------------------------------------
+# The world asks the guest, over a port mapping of each family, to pull
+# the world's large file paced over 5 s, over IPv6 (NAT66) and IPv4
+# (SNAT); the agent is killed with SIGKILL while both are in flight and
+# started again. Every flow (the two mapped ingress connections, the
+# guest's two NAT'd downloads) lives in the pinned flow tables, so both
+# transfers complete intact, and afterwards the agent is healthy and new
+# connections of both families go through.
+ip netns exec "$WNS" curl -sS -m 90 --fail "http://[$NODE_IP6]:$HP/cgi-bin/pull?6/slow/big.bin" >"$T/pull6" 2>&1 &
+PULL6=$!
+ip netns exec "$WNS" curl -sS -m 90 --fail "http://$NODE_IP:$HP/cgi-bin/pull?4/slow/big.bin" >"$T/pull4" 2>&1 &
+PULL4=$!
+for _ in $(seq 300); do
+    grep -q "^SLOW-START client=$NODE_IP6" "$T/world6.log" && grep -q "^SLOW-START client=$NODE_IP" "$T/world.log" && break
+    sleep 0.1
+done
+sleep 1
+ends=$(cat "$T/world.log" "$T/world6.log" | grep -c '^SLOW-END')
+starts=$(cat "$T/world.log" "$T/world6.log" | grep -c '^SLOW-START')
+kill -9 "$AGENT_PID"
+wait "$AGENT_PID" 2>/dev/null
+check "both paced transfers in flight when the agent is killed (-9)" "started=2 ended=0" "started=$starts ended=$ends"
+log "agent killed (-9), starting it again"
+vm_agent
+wait $PULL6
+check "world -> [$NODE_IP6]:$HP -> guest pulls $BIG bytes over IPv6 (NAT66) across kill -9" \
+    "rc=0 size=$BIG md5=$WORLD_BIG_MD5" "$(tr -d '\r' <"$T/pull6")"
+wait $PULL4
+check "world -> $NODE_IP:$HP -> guest pulls $BIG bytes over IPv4 (SNAT) across kill -9" \
+    "rc=0 size=$BIG md5=$WORLD_BIG_MD5" "$(tr -d '\r' <"$T/pull4")"
+for _ in $(seq 50); do
+    h=$("$CTL" --bus "$ADDR" health -q 2>&1); rc=$?
+    [ $rc = 0 ] && break
+    sleep 0.2
+done
+check "the restarted agent is healthy" "rc=0 " "rc=$rc $h"
+want="rc=0 size=$(wc -c <"$T/www/index.html") md5=$(md5sum <"$T/www/index.html" | cut -d' ' -f1)"
+for f in 6 4; do
+    host=$NODE_IP; [ $f = 6 ] && host="[$NODE_IP6]"
+    got=$(ip netns exec "$WNS" curl -sS -m 30 --fail "http://$host:$HP/cgi-bin/pull?$f/index.html" 2>&1 | tr -d '\r')
+    check "after the restart: a new IPv$f connection in, and a new one out from the guest" "$want" "$got"
+done
+log "kill -9 checks done"
 
 # --- no checksum errors anywhere ------------------------------------------------------
 # snmp_field FILE PROTO FIELD: a counter from /proc/net/snmp text.

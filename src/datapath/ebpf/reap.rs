@@ -327,12 +327,13 @@ impl EbpfDatapath {
         (seen, removed)
     }
 
-    /// Every sandbox's `sb_share` count (ifindex -> host flows).
-    fn shares(r: &Reaper) -> StdHashMap<u32, i64> {
+    /// Every sandbox's `sb_share` entry (ifindex -> its host flows, and
+    /// the rest of the entry, which the datapath owns).
+    fn shares(r: &Reaper) -> StdHashMap<u32, (i64, DpShare)> {
         dump_flows::<u32, DpShare>(&r.sb_share_dump)
             .unwrap_or_else(|| r.sb_share.iter().flatten().collect())
             .into_iter()
-            .map(|(i, s)| (i, i64::from(s.hflow)))
+            .map(|(i, s)| (i, (i64::from(s.hflow), s)))
             .collect()
     }
 
@@ -342,21 +343,28 @@ impl EbpfDatapath {
     /// datapath's own counting is exact for what it adds and removes; this
     /// corrects what it cannot see (entries the reaper removed, an earlier
     /// owner's). The shared pool follows from the counts.
-    fn recount_shares(r: &mut Reaper, before: &StdHashMap<u32, i64>, held: &StdHashMap<u32, i64>) {
+    fn recount_shares(
+        r: &mut Reaper,
+        before: &StdHashMap<u32, (i64, DpShare)>,
+        held: &StdHashMap<u32, i64>,
+    ) {
         const BPF_EXIST: u64 = 2;
         let g = i64::from(r.hflow_shares.guaranteed);
         let now = Self::shares(r);
         let mut borrowed = 0i64;
-        for (ifindex, current) in &now {
-            let meanwhile = current - before.get(ifindex).copied().unwrap_or(*current);
+        for (ifindex, (current, entry)) in &now {
+            let meanwhile = current - before.get(ifindex).map_or(*current, |b| b.0);
             let n = (held.get(ifindex).copied().unwrap_or(0) + meanwhile).max(0);
             borrowed += (n - g).max(0);
             if n != *current {
+                // The guest's address as read: should the guest change it
+                // between the read and this write, its next packet from
+                // the new one writes it again.
                 let _ = r.sb_share.insert(
                     ifindex,
                     DpShare {
                         hflow: n as u32,
-                        pad: 0,
+                        ..*entry
                     },
                     BPF_EXIST,
                 );
