@@ -260,11 +260,13 @@ struct {
 #define TAIL_GUEST6_RST 2
 #define TAIL_ICMP6_ERROR 3
 #define TAIL_GUEST6_STEER 4
+#define TAIL_UPLINK6_FRAG 5
+#define TAIL_HOST_TO_SANDBOX6 6
 struct {
 	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
 	__uint(key_size, sizeof(__u32));
 	__uint(value_size, sizeof(__u32));
-	__uint(max_entries, 5);
+	__uint(max_entries, 7);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } tails SEC(".maps");
 
@@ -338,6 +340,14 @@ struct {
 	__uint(max_entries, 8192);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } frags SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct dp_frag6_key);
+	__type(value, struct dp_frag6_val);
+	__uint(max_entries, 8192);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} frags6 SEC(".maps");
 
 /* Bookkeeping for the agent: TAP ifindex -> 1 once the from_guest filter
  * is attached (filters outlive the agent, so a restart skips them). */
@@ -1891,6 +1901,9 @@ __noinline int stale_reset(struct __sk_buff *skb)
 #define ND_NEIGHBOR_SOLICIT 135
 #define ND_NEIGHBOR_ADVERT 136
 #define ND_REDIRECT 137
+#ifndef IPPROTO_FRAGMENT
+#define IPPROTO_FRAGMENT 44
+#endif
 
 struct ip6h {
 	__be32 vtcflow;
@@ -3351,6 +3364,68 @@ int guest6_rst(struct __sk_buff *skb)
 	return answer6(skb, V6_REFUSE_QUIET);
 }
 
+/* The world's packet `ip`/`l4` to the uplink's IPv6 address: a NAT66
+ * flow's reply or a port mapping's, to its guest; else the node's. With
+ * `frag` (the first fragment of a datagram), its later fragments are sent
+ * after it (frags6). */
+static __always_inline int uplink6_deliver(struct __sk_buff *skb, const struct dp_config *c,
+					   const struct ip6h *ip, struct l4info *l4,
+					   const struct dp_frag6_key *frag)
+{
+	if (l4->proto == IPPROTO_ICMP && l4->icmp_type >= ICMP6_DST_UNREACH &&
+	    l4->icmp_type <= ICMP6_PARAM_PROB)
+	{
+		bpf_tail_call(skb, &tails, TAIL_ICMP6_ERROR);
+		return TC_ACT_OK;
+	}
+	if (l4->proto != IPPROTO_TCP && l4->proto != IPPROTO_UDP &&
+	    !(l4->proto == IPPROTO_ICMP && l4->icmp_type == ICMP6_ECHO_REPLY))
+		return TC_ACT_OK;
+	struct dp_rev6_key rk = {
+		.remote_port = l4->proto == IPPROTO_ICMP ? 0 : l4->sport,
+		.nat_port = l4->dport,
+		.proto = l4->proto,
+	};
+	__builtin_memcpy(rk.remote_ip, ip->saddr, 16);
+	struct dp_ct6_key key;
+	struct dp_ct_val *v;
+	struct dp_tap *tap = nat66_flow(&rk, &key, &v);
+	__u8 wake = DP_WAKE_REPLY;
+	if (tap) {
+		touch(v, l4, DIR_IN);
+		count(DP_C_NAT66_REPLY);
+	} else {
+		tap = portmap6_in(skb, ip, l4, &key);
+		if (!tap)
+			return TC_ACT_OK; /* the node's own */
+		wake = DP_WAKE_PORTMAP;
+	}
+	__u32 tap_ifindex = tap->ifindex;
+	__u16 guest_port = key.guest_port;
+	if (tap->flags & DP_T_PAUSED)
+		return paused_drop(tap_ifindex, tap->gen, key.sandbox_ip, 0,
+				   wake_what(guest_port, rk.remote_port, l4->proto, wake));
+	if (tap->flags & DP_T_SHAPE_IN)
+		skb->priority = skb->len <= DP_SHAPE_SMALL ? DP_TAP_CLASS_SMALL : DP_TAP_CLASS_BULK;
+	__u32 guest[4];
+	v6_guest_addr(guest, key.gaddr, c);
+	if (set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, daddr), ip->daddr, guest,
+		      l4) ||
+	    set_port(skb, dst_port_off(l4), l4->dport, guest_port, l4) ||
+	    set_macs(skb, c->guest_mac, c->gateway_mac))
+		return TC_ACT_SHOT;
+	if (frag) {
+		struct dp_frag6_val fv = {
+			.first_seen_ns = bpf_ktime_get_ns(),
+			.gen = tap->gen,
+			.ifindex = tap_ifindex,
+			.gaddr = key.gaddr,
+		};
+		bpf_map_update_elem(&frags6, frag, &fv, BPF_ANY);
+	}
+	return to_guest6(skb, tap_ifindex);
+}
+
 /* the IPv6 world -> a NAT66 flow's guest (from_uplink's tail call): the
  * reply side of guest6_out. Anything else is the node's own. */
 SEC("classifier")
@@ -3363,49 +3438,67 @@ int uplink6_in(struct __sk_buff *skb)
 	struct l4info l4;
 	if (parse_ipv6(skb, &ip, &l4) || !v6_eq(ip.daddr, c->uplink_ip6))
 		return TC_ACT_OK;
-	if (l4.proto == IPPROTO_ICMP && l4.icmp_type >= ICMP6_DST_UNREACH &&
-	    l4.icmp_type <= ICMP6_PARAM_PROB)
-	{
-		bpf_tail_call(skb, &tails, TAIL_ICMP6_ERROR);
+	if (ip.nexthdr == IPPROTO_FRAGMENT) {
+		bpf_tail_call(skb, &tails, TAIL_UPLINK6_FRAG);
 		return TC_ACT_OK;
 	}
-	if (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP &&
-	    !(l4.proto == IPPROTO_ICMP && l4.icmp_type == ICMP6_ECHO_REPLY))
+	return uplink6_deliver(skb, c, &ip, &l4, NULL);
+}
+
+/* A fragment from the world to the uplink's IPv6 address (uplink6_in's
+ * tail call; no other extension header before it). The first one (offset
+ * 0), which holds the UDP or TCP header, goes where uplink6_in would send
+ * the whole datagram (a NAT66 flow's reply, a port mapping), translated
+ * the same way (the L4 checksum covers the whole datagram: the
+ * incremental update holds), and is noted in frags6; the later ones
+ * follow it to the same guest address with only their destination
+ * rewritten (IPv6 has no header checksum; they carry no ports). Anything
+ * else, and a fragment whose first sibling has not come or whose sandbox
+ * has a new owner, is the node's (its reassembly times out). */
+SEC("classifier")
+int uplink6_frag(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!c || !(c->flags & DP_CFG_IPV6_EGRESS))
 		return TC_ACT_OK;
-	struct dp_rev6_key rk = {
-		.remote_port = l4.proto == IPPROTO_ICMP ? 0 : l4.sport,
-		.nat_port = l4.dport,
-		.proto = l4.proto,
-	};
-	__builtin_memcpy(rk.remote_ip, ip.saddr, 16);
-	struct dp_ct6_key key;
-	struct dp_ct_val *v;
-	struct dp_tap *tap = nat66_flow(&rk, &key, &v);
-	__u8 wake = DP_WAKE_REPLY;
-	if (tap) {
-		touch(v, &l4, DIR_IN);
-		count(DP_C_NAT66_REPLY);
-	} else {
-		tap = portmap6_in(skb, &ip, &l4, &key);
-		if (!tap)
-			return TC_ACT_OK; /* the node's own */
-		wake = DP_WAKE_PORTMAP;
+	struct ip6h ip;
+	struct {
+		__u8 nexthdr, reserved;
+		__u16 frag_off; /* the offset in 8-byte units << 3, M in bit 0 */
+		__u32 id;
+	} fh;
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)) ||
+	    bpf_skb_load_bytes(skb, ETH_HLEN + sizeof(ip), &fh, sizeof(fh)))
+		return TC_ACT_OK;
+	struct dp_frag6_key fk = {.id = fh.id};
+	__builtin_memcpy(fk.saddr, ip.saddr, 16);
+	if (bpf_ntohs(fh.frag_off) & 0xfff8) {
+		struct dp_frag6_val *fv = bpf_map_lookup_elem(&frags6, &fk);
+		if (!fv || bpf_ktime_get_ns() - fv->first_seen_ns > FRAG_TTL_NS)
+			return TC_ACT_OK;
+		__u32 ifindex = fv->ifindex;
+		__u64 gen = fv->gen;
+		__u8 gaddr = fv->gaddr;
+		struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
+		if (!sb || sb->gen != gen)
+			return TC_ACT_OK;
+		__u32 guest[4];
+		v6_guest_addr(guest, gaddr, c);
+		if (bpf_skb_store_bytes(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, daddr), guest,
+					16, 0) ||
+		    set_macs(skb, c->guest_mac, c->gateway_mac))
+			return TC_ACT_SHOT;
+		count(DP_C_FRAG);
+		return to_guest6(skb, ifindex);
 	}
-	__u32 tap_ifindex = tap->ifindex;
-	__u16 guest_port = key.guest_port;
-	if (tap->flags & DP_T_PAUSED)
-		return paused_drop(tap_ifindex, tap->gen, key.sandbox_ip, 0,
-				   wake_what(guest_port, rk.remote_port, l4.proto, wake));
-	if (tap->flags & DP_T_SHAPE_IN)
-		skb->priority = skb->len <= DP_SHAPE_SMALL ? DP_TAP_CLASS_SMALL : DP_TAP_CLASS_BULK;
-	__u32 guest[4];
-	v6_guest_addr(guest, key.gaddr, c);
-	if (set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, daddr), ip.daddr, guest,
-		      &l4) ||
-	    set_port(skb, dst_port_off(&l4), l4.dport, guest_port, &l4) ||
-	    set_macs(skb, c->guest_mac, c->gateway_mac))
-		return TC_ACT_SHOT;
-	return to_guest6(skb, tap_ifindex);
+	if (fh.nexthdr != IPPROTO_TCP && fh.nexthdr != IPPROTO_UDP)
+		return TC_ACT_OK;
+	struct l4info l4 = {.proto = fh.nexthdr, .off = ETH_HLEN + sizeof(ip) + sizeof(fh)};
+	__u32 plen = bpf_ntohs(ip.plen);
+	if (plen < sizeof(fh) || parse_ports(skb, &l4, plen - sizeof(fh)))
+		return TC_ACT_OK;
+	/* An atomic fragment (M = 0) is a whole datagram: nothing follows. */
+	return uplink6_deliver(skb, c, &ip, &l4, (bpf_ntohs(fh.frag_off) & 1) ? &fk : NULL);
 }
 
 /* The node's own IPv6 packet out of the uplink (to_uplink): on a tuple a
@@ -3609,15 +3702,17 @@ int guest6_steer(struct __sk_buff *skb)
 }
 
 /* host -> a sandbox's IPv6 identity (routed into the gateway device; to_
- * sandbox_ip's IPv6 part): only the node's own packets from the device's
+ * sandbox_ip's tail call: a program of its own, so that its stack is not
+ * added to to_sandbox_ip's IPv4 one): only the node's own packets from the device's
  * address, TCP and UDP by host flow (the same admission as IPv4's: root
  * or host_access for a flow the node opens), echo requests of an admitted
  * sender; to the guest's address (the flow's, else its current one:
  * guest_fixed6) from fd63:7562:6500::5. */
-__noinline int host_to_sandbox6(struct __sk_buff *skb)
+SEC("classifier")
+int host_to_sandbox6(struct __sk_buff *skb)
 {
 	struct dp_config *c = get_config();
-	if (!skb || !c || !pool6_on(c))
+	if (!c || !pool6_on(c))
 		return TC_ACT_OK;
 	struct l4info l4;
 	__u32 dst;
@@ -4026,8 +4121,10 @@ int to_sandbox_ip(struct __sk_buff *skb)
 	struct ethhdr eth;
 	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)))
 		return TC_ACT_OK;
-	if (eth.h_proto == bpf_htons(ETH_P_IPV6))
-		return host_to_sandbox6(skb);
+	if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
+		bpf_tail_call(skb, &tails, TAIL_HOST_TO_SANDBOX6);
+		return TC_ACT_OK; /* not loaded: no host <-> sandbox over IPv6 */
+	}
 	if (eth.h_proto != bpf_htons(ETH_P_IP))
 		return TC_ACT_OK;
 	struct iphdr ip;

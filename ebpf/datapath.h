@@ -381,6 +381,21 @@ struct dp_frag_val {
 	__u32 pad;
 }; /* 32 bytes */
 
+/* frags' IPv6 twin (frags6): a datagram from the world to the uplink's
+ * IPv6 address whose first fragment went to a sandbox, by its source and
+ * Identification (the destination is always the uplink's address). */
+struct dp_frag6_key {
+	__u32 saddr[4];
+	__u32 id;
+}; /* 20 bytes */
+struct dp_frag6_val {
+	__u64 first_seen_ns;
+	__u64 gen;             /* the TAP owner's generation */
+	__u32 ifindex;         /* the sandbox's TAP */
+	__u8 gaddr;            /* DP_GADDR_*: the guest address it went to */
+	__u8 pad[3];
+}; /* 24 bytes */
+
 /* Per-sandbox counters (sb_stats, keyed by the sandbox's TAP or veth
  * ifindex: a device carries one network for life) of what the device's own
  * statistics cannot say: the datapath's drops by reason and the flows it

@@ -1437,6 +1437,30 @@ async fn dns_and_strict_mode_over_ipv6_go_through_the_agent() {
         Ok(&b"world:dns"[..])
     );
     assert_eq!(world.peers(port)[0].ip(), IpAddr::V6(NODE_IP6));
+    // A segment to 443 of a flow the proxy never had (no SYN: a flow from
+    // before the sandbox was put in strict mode, or one the reaper ended)
+    // is answered at once with the RST a closed port sends, from the
+    // address dialled, and never goes on. A raw socket sends the ACK and
+    // reads what comes back.
+    let stale0 = c.traffic("cni:sni6:eth0").await["drop_stale_tcp_ipv6"];
+    let out = ctr.sh(&format!(
+        "/usr/bin/python3 -c \"import socket, struct, time\n\
+         s=socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_TCP)\n\
+         s.setsockopt(socket.IPPROTO_IPV6, 7, 16)\n\
+         s.settimeout(2)\n\
+         s.sendto(struct.pack('!HHIIBBHHH', 40001, 443, 1000, 2000, 0x50, 0x10, 1024, 0, 0), ('{WORLD_IP6}', 0))\n\
+         while True:\n\
+         \x20   d, a = s.recvfrom(2048)\n\
+         \x20   sp, dp, seq, ack, off, fl = struct.unpack('!HHIIBB', d[:14])\n\
+         \x20   if (sp, dp) == (443, 40001):\n\
+         \x20       print(a[0], 'rst' if fl & 4 else 'flags %x' % fl)\n\
+         \x20       break\n\" 2>&1"
+    ));
+    assert_eq!(out, format!("{WORLD_IP6} rst\n"));
+    assert_eq!(
+        c.traffic("cni:sni6:eth0").await["drop_stale_tcp_ipv6"],
+        stale0 + 1
+    );
     let refused = c.traffic("cni:sni6:eth0").await["dns_refused"];
     assert!(refused >= 8, "refused {refused}");
     let (healthy, checks) = c.health().await;
@@ -1536,5 +1560,82 @@ async fn a_guest_on_its_fixed_address_is_reached_there() {
     let got = tcp_exchange_in(&world.ns, to_mapping, b"again", T);
     assert_eq!(got.as_deref(), Ok(&b"mapped:again"[..]));
     let (healthy, checks) = c.health().await;
+    assert!(healthy, "{checks:?}");
+}
+
+/// Datagrams from the world fragmented on the way (IPv6 has no router
+/// fragmentation, but its senders fragment what exceeds the path's MTU)
+/// reach the guest whole, as IPv4's: a NAT66 flow's large reply and a
+/// large datagram to a mapped UDP port. The first fragment is translated
+/// as a whole datagram, the later ones follow it (`frags6`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fragmented_datagrams_from_the_world_reach_the_guest() {
+    require_root!();
+    let (env, world) = node6(&[], Some(&[]));
+    let c = env.client().await;
+    let ctr = Ctr::new("v6frag");
+    add(
+        &env,
+        "fr",
+        &ctr,
+        // The uplink's MTU: the world's fragments (1448 bytes and more)
+        // fit the container's link (a packet larger than the sandbox's
+        // MTU is dropped: docs/dual-stack.md).
+        json!({"mtu": 1500, "runtimeConfig": {"portMappings": [
+            {"hostPort": 20195, "containerPort": 8095, "protocol": "udp", "hostIP": ""}]}}),
+    );
+    if ready6(&ctr, true, Duration::from_secs(10)).is_none() {
+        panic!("no IPv6 address and route: {:?}", c.health().await);
+    }
+    let (_, checks) = c.health().await;
+    let frags0 = counter(&checks, "frag");
+
+    // A NAT66 flow's reply of 3000 bytes and more (three fragments on the
+    // world's 1500-byte link).
+    let big = vec![b'y'; 3000];
+    let srv = Server::udp(&world.ns, SocketAddr::new(WORLD_IP6.into(), 9095), &big);
+    let got = udp_exchange_in(&ctr.name, srv.addr, b"hi", T);
+    let (_, checks) = c.health().await;
+    let got = got.unwrap_or_else(|e| panic!("{e}: {}", datapath_detail(&checks)));
+    assert_eq!(got.len(), 3002);
+    assert!(got.ends_with(b"hi") && got[..3000].iter().all(|b| *b == b'y'));
+    let frags1 = counter(&checks, "frag");
+    assert!(frags1 >= frags0 + 2, "{frags0} -> {frags1}");
+
+    // 5000 bytes to a mapped UDP port; the container answers with the
+    // size it received (small: a guest's own fragments are dropped, as
+    // IPv4's).
+    let mut sizer = std::process::Command::new("ip")
+        .args(["netns", "exec", &ctr.name, "/usr/bin/python3", "-c"])
+        .arg(
+            "import socket\n\
+             s=socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)\n\
+             s.bind(('::', 8095))\n\
+             print('ready', flush=True)\n\
+             while True:\n\
+             \x20   d, a = s.recvfrom(65536)\n\
+             \x20   s.sendto(str(len(d)).encode(), a)\n",
+        )
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ready = [0u8; 6];
+    sizer
+        .stdout
+        .as_mut()
+        .unwrap()
+        .read_exact(&mut ready)
+        .unwrap();
+    let got = udp_exchange_in(
+        &world.ns,
+        SocketAddr::new(NODE_IP6.into(), 20195),
+        &[b'z'; 5000],
+        T,
+    );
+    let _ = sizer.kill();
+    let _ = sizer.wait();
+    assert_eq!(got.as_deref(), Ok(&b"5000"[..]));
+    let (healthy, checks) = c.health().await;
+    assert!(counter(&checks, "frag") >= frags1 + 3, "{checks:?}");
     assert!(healthy, "{checks:?}");
 }

@@ -382,6 +382,26 @@ pub struct DpFragVal {
     pub pad: u32,
 }
 
+/// `frags6` key (struct dp_frag6_key): the world's source and the
+/// datagram's Identification.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DpFrag6Key {
+    pub saddr: [u8; 16],
+    pub id: u32,
+}
+
+/// `frags6` value (struct dp_frag6_val).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpFrag6Val {
+    pub first_seen_ns: u64,
+    pub generation: u64,
+    pub ifindex: u32,
+    pub gaddr: u8,
+    pub pad: [u8; 3],
+}
+
 /// `sb_rate` value (struct dp_rate), keyed by the sandbox's TAP or veth
 /// ifindex: its classes in the uplink's shaper.
 #[repr(C)]
@@ -580,6 +600,8 @@ const _: () = {
     assert!(size_of::<DpHrevVal>() == 24);
     assert!(size_of::<DpFragKey>() == 12);
     assert!(size_of::<DpFragVal>() == 32);
+    assert!(size_of::<DpFrag6Key>() == 20);
+    assert!(size_of::<DpFrag6Val>() == 24);
     assert!(size_of::<DpSbStats>() == 160);
     assert!(size_of::<DpTraffic6>() == 32);
     assert!(SB_COUNTER_NAMES_IPV6.len() == SB_COUNTER_NAMES.len());
@@ -800,6 +822,14 @@ pub const PINNED: &[PinnedMap] = {
             LruHash,
             size_of::<DpFragKey>(),
             size_of::<DpFragVal>(),
+            FRAG_ENTRIES,
+            Rebuilt,
+        ),
+        pinned(
+            "frags6",
+            LruHash,
+            size_of::<DpFrag6Key>(),
+            size_of::<DpFrag6Val>(),
             FRAG_ENTRIES,
             Rebuilt,
         ),

@@ -347,7 +347,12 @@ sys.exit(1 if "error" in reply else 0)
 '
 if [ "$stop3" = inactive ]; then
   out=$($X python3 -c "$VARLINK_PY" "$SOCK" 2>&1); rc=$?
-  act=$(cx "systemctl is-active $UNIT")
+  # GetInfo may be answered before READY=1 (still "activating" then).
+  for _ in $(seq 100); do
+    act=$(cx "systemctl is-active $UNIT")
+    [ "$act" = activating ] || break
+    sleep 0.1
+  done
   if [ $rc = 0 ] && [ "$act" = active ]; then
     ok "3 varlink GetInfo on the socket activates the service and is answered"
     echo "#   reply: $out"
@@ -751,7 +756,7 @@ expect "dns a the resolver answers on $gw:53 under the shipped unit (a stranger:
 # answers them; every one is answered, none retried. Without the fd store
 # the port is closed meanwhile and they are lost.
 dr='import socket,struct,sys,threading,time
-n=200; s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); s.settimeout(0.2); got=set()
+n=200; s=socket.socket(socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET,socket.SOCK_DGRAM); s.settimeout(0.2); got=set()
 q=lambda i: struct.pack(">6H",i,256,1,0,0,0)+b"\x03www\x07allowed\x04test\x00\x00\x01\x00\x01"
 def rx():
   end=time.time()+12
@@ -761,17 +766,23 @@ def rx():
 t=threading.Thread(target=rx); t.start()
 for i in range(n): s.sendto(q(i),(sys.argv[1],53)); time.sleep(0.01)
 t.join(); print("answered",len(got),"of",n)'
+# The same over IPv6 at once, to the device's IPv6 address (its own
+# socket in the store, "dns-udp6").
+gw6=$(cx "ip -6 -o addr show dev cube-dev scope global" | awk '{print $4}' | cut -d/ -f1)
 pidd=$(prop MainPID)
 (cx "python3 -c '$dr' $gw" > "$TMPD/dns-rate" 2>&1) & drpid=$!
+(cx "python3 -c '$dr' $gw6" > "$TMPD/dns-rate6" 2>&1) & drpid6=$!
 sleep 0.5
 cx "systemctl kill -s KILL $UNIT"
-wait $drpid
+wait $drpid $drpid6
 for i in $(seq 100); do
   p=$(prop MainPID); [ -n "$p" ] && [ "$p" != 0 ] && [ "$p" != "$pidd" ] && [ "$(prop SubState)" = running ] && break
   sleep 0.1
 done
 expect "dns b 200 queries at 100/s across kill -9: every one answered (the resolver's socket is in the fd store; pid $pidd -> $(prop MainPID))" \
   '^answered 200 of 200$' "$(tail -1 "$TMPD/dns-rate")"
+expect "dns b6 the same at the same time over IPv6 to [$gw6]:53: every one answered" \
+  '^answered 200 of 200$' "$(tail -1 "$TMPD/dns-rate6")"
 expect "bus n root: ReleaseNetwork sbx-bus, sbx-busu" '^OK True OK True$' \
   "$(as root ReleaseNetwork sbx-bus) $(as root ReleaseNetwork sbx-busu)"
 # Whatever the bus thought of our policy and activation files whenever it

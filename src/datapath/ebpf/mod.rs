@@ -73,7 +73,7 @@ pub use health::check_cases;
 const FILTER_HANDLE: u32 = 1;
 
 /// The programs, in the order they load.
-pub const PROGRAMS: [&str; 11] = [
+pub const PROGRAMS: [&str; 13] = [
     "from_guest",
     "from_uplink",
     "to_sandbox_ip",
@@ -86,15 +86,19 @@ pub const PROGRAMS: [&str; 11] = [
     "guest6_rst",
     "icmp6_error",
     "guest6_steer",
+    "uplink6_frag",
+    "host_to_sandbox6",
 ];
 
 /// `tails` slots (TAIL_* in the C source) and their programs.
-pub const TAILS: [(u32, &str); 5] = [
+pub const TAILS: [(u32, &str); 7] = [
     (0, "guest6_out"),
     (1, "uplink6_in"),
     (2, "guest6_rst"),
     (3, "icmp6_error"),
     (4, "guest6_steer"),
+    (5, "uplink6_frag"),
+    (6, "host_to_sandbox6"),
 ];
 
 /// The shaper device's peer is named after it with this suffix.
