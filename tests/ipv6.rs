@@ -1471,6 +1471,12 @@ async fn dns_and_strict_mode_over_ipv6_go_through_the_agent() {
     );
 }
 
+/// CNI config with one port mapping on every node address.
+fn one_mapping(host: u16, container: u16, proto: &str) -> serde_json::Value {
+    json!({"runtimeConfig": {"portMappings": [
+        {"hostPort": host, "containerPort": container, "protocol": proto, "hostIP": ""}]}})
+}
+
 /// A guest configured statically (only fd63:7562:6500::6, no SLAAC
 /// address) is reached there by what others open to it: the node's flows
 /// to its sandbox_ipv6, the world's through a port mapping, and the
@@ -1483,13 +1489,7 @@ async fn a_guest_on_its_fixed_address_is_reached_there() {
     let (env, world) = node6(&[], Some(&[]));
     let c = env.client().await;
     let ctr = Ctr::new("v6fixed");
-    add(
-        &env,
-        "fx",
-        &ctr,
-        json!({"runtimeConfig": {"portMappings": [
-            {"hostPort": 20190, "containerPort": 8090, "protocol": "tcp", "hostIP": ""}]}}),
-    );
+    add(&env, "fx", &ctr, one_mapping(20190, 8090, "tcp"));
     let (_, slaac) = ready6(&ctr, true, Duration::from_secs(10)).expect("no IPv6 address");
     let sb6: Ipv6Addr = common::s(&c.get("cni:fx:eth0").await.unwrap(), "sandbox_ipv6")
         .parse()
@@ -1574,16 +1574,12 @@ async fn fragmented_datagrams_from_the_world_reach_the_guest() {
     let (env, world) = node6(&[], Some(&[]));
     let c = env.client().await;
     let ctr = Ctr::new("v6frag");
-    add(
-        &env,
-        "fr",
-        &ctr,
-        // The uplink's MTU: the world's fragments (1448 bytes and more)
-        // fit the container's link (a packet larger than the sandbox's
-        // MTU is dropped: docs/dual-stack.md).
-        json!({"mtu": 1500, "runtimeConfig": {"portMappings": [
-            {"hostPort": 20195, "containerPort": 8095, "protocol": "udp", "hostIP": ""}]}}),
-    );
+    let mut conf = one_mapping(20195, 8095, "udp");
+    // The uplink's MTU: the world's fragments (1448 bytes and more) fit the
+    // container's link (a packet larger than the sandbox's MTU is dropped:
+    // docs/dual-stack.md).
+    conf["mtu"] = json!(1500);
+    add(&env, "fr", &ctr, conf);
     if ready6(&ctr, true, Duration::from_secs(10)).is_none() {
         panic!("no IPv6 address and route: {:?}", c.health().await);
     }
