@@ -1042,8 +1042,9 @@ __noinline int host_tuple_alloc(struct __sk_buff *skb, const struct dp_rev_key *
 			   nat_port);
 }
 
-/* The port mapping for a packet to daddr:dport: the mapping on exactly that
- * address first, then (if `wildcard`) the one on every node address. */
+/* The IPv4 port mapping for a packet to daddr:dport: the mapping on
+ * exactly that address first, then (if `wildcard`) the one on every node
+ * address, unless that one is IPv6's only (DP_PM_V6_ONLY). */
 static __always_inline struct dp_portmap_val *find_portmap(__u32 daddr, __u16 dport, __u8 proto,
 							   int wildcard)
 {
@@ -1052,7 +1053,8 @@ static __always_inline struct dp_portmap_val *find_portmap(__u32 daddr, __u16 dp
 	if (pm || !wildcard)
 		return pm;
 	pk.host_ip = 0;
-	return bpf_map_lookup_elem(&portmap, &pk);
+	pm = bpf_map_lookup_elem(&portmap, &pk);
+	return pm && !(pm->flags & DP_PM_V6_ONLY) ? pm : NULL;
 }
 
 /* A packet that would open a new flow: no flow entry yet, or a TCP SYN. */

@@ -228,8 +228,11 @@ struct dp_portmap_key {
 struct dp_portmap_val {
 	__u32 sandbox_ip;
 	__u16 container_port;
-	__u16 pad;
+	__u16 flags;           /* DP_PM_* ("pad", always 0, in builds before) */
 }; /* 8 bytes */
+/* A mapping on the node's IPv6 address only (host_ip "::" or the uplink's
+ * IPv6 address; key host_ip 0): IPv4's lookups (find_portmap) pass it by. */
+#define DP_PM_V6_ONLY 1
 
 /* flow as the sandbox sees it -> how it leaves the node */
 struct dp_ct_key {

@@ -1635,3 +1635,87 @@ async fn fragmented_datagrams_from_the_world_reach_the_guest() {
     assert!(counter(&checks, "frag") >= frags1 + 3, "{checks:?}");
     assert!(healthy, "{checks:?}");
 }
+
+/// A mapping with an IPv6 `host_ip` ("::", or the uplink's IPv6 address)
+/// is on the node's IPv6 address only: reached over IPv6, never over IPv4
+/// (neither from the world nor through lo). One on another address, on
+/// loopback or link-local is refused with the reason, and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipv6_host_addresses_map_ipv6_only() {
+    require_root!();
+    let (env, world) = node6(&[], Some(&[]));
+    let c = env.client().await;
+    let ctr = Ctr::new("v6only");
+    let pm = |h: u16, ctr: u16, ip: String| json!({"hostPort": h, "containerPort": ctr, "protocol": "tcp", "hostIP": ip});
+    let r = add(
+        &env,
+        "v6o",
+        &ctr,
+        json!({"runtimeConfig": {"portMappings": [
+            pm(20186, 8086, "::".into()), pm(20187, 8087, NODE_IP6.to_string()),
+            pm(20188, 8088, "0:0::0".into())]}}),
+    );
+    ready6(&ctr, true, Duration::from_secs(10)).expect("no IPv6 address and route");
+    let any6 = |p: u16| SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), p);
+    let _a = Server::tcp(&ctr.name, any6(8086), b"any6:");
+    let _b = Server::tcp(&ctr.name, any6(8087), b"node6:");
+    let _d = Server::tcp(&ctr.name, any6(8088), b"zero:");
+    for (port, want) in [(20186, "any6:x"), (20187, "node6:x"), (20188, "zero:x")] {
+        let got = tcp_exchange_in(&world.ns, SocketAddr::new(NODE_IP6.into(), port), b"x", T);
+        assert_eq!(got.as_deref(), Ok(want.as_bytes()), "{port}");
+        for to in [
+            SocketAddr::new(common::world::NODE_IP.into(), port),
+            SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), port),
+        ] {
+            let ns = if to.ip().is_loopback() {
+                &env.ns
+            } else {
+                &world.ns
+            };
+            let got = tcp_exchange_in(ns, to, b"x", T);
+            assert!(
+                got.as_ref().is_err_and(|e| e.contains("refused")),
+                "{to}: {got:?}"
+            );
+        }
+    }
+    // The spelling the record keeps.
+    let hosts: Vec<String> = common::mappings(&c.get("cni:v6o:eth0").await.unwrap())
+        .into_iter()
+        .map(|m| m.3)
+        .collect();
+    assert_eq!(
+        hosts,
+        ["::".to_string(), NODE_IP6.to_string(), "::".into()],
+        "{r}"
+    );
+
+    // Refused, naming why; nothing made.
+    for (ip, why) in [
+        (
+            "2001:db8:c0be::99".to_string(),
+            format!("the uplink's, {NODE_IP6}"),
+        ),
+        ("::1".into(), "use 127.0.0.1".into()),
+        ("fe80::1".into(), "not a unicast address".into()),
+    ] {
+        let e = c
+            .ensure(
+                "bad6",
+                common::opts(vec![(
+                    "port_mappings",
+                    common::ports(&[("tcp", 80, 0, &ip)]),
+                )]),
+            )
+            .await
+            .unwrap_err();
+        assert!(e.name.ends_with("InvalidArgument"), "{ip}: {e:?}");
+        assert!(
+            e.message.contains(&format!("host_ip {ip}")) && e.message.contains(&why),
+            "{ip}: {e:?}"
+        );
+        assert!(c.get("bad6").await.is_err(), "{ip}: a network was made");
+    }
+    let (healthy, checks) = c.health().await;
+    assert!(healthy, "{checks:?}");
+}

@@ -3,7 +3,7 @@
 //! and a snapshot of the host's sockets for the host-port rules
 //! (`alloc::mapping`).
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use super::spec::{NetworkSpec, PortMapping};
 use super::{Agent, AgentError, SocketCheck, failed};
@@ -59,6 +59,27 @@ impl Agent {
         let checked = crate::alloc::mapping::to_check(&spec.port_mappings, existing);
         if checked.is_empty() {
             return Ok(Box::new(|_, _, _| None));
+        }
+        // IPv6: the datapath maps it on the uplink's address (followed
+        // live), so a specific one must be that one; "::" is it too.
+        let uplink6 = self.uplink6();
+        for &i in &checked {
+            let Ok(a) = spec.port_mappings[i].host_ip.parse::<Ipv6Addr>() else {
+                continue;
+            };
+            if !self.ipv6_link() {
+                return Err(AgentError::InvalidArgument(format!(
+                    "port_mappings[{i}]: host_ip {a}: IPv6 is off on this node"
+                )));
+            }
+            if !a.is_unspecified() && Some(a) != uplink6 {
+                return Err(AgentError::InvalidArgument(format!(
+                    "port_mappings[{i}]: host_ip {a} is not the node's IPv6 address mappings                      are on ({}; or :: for it)",
+                    uplink6.map_or("the uplink has none now".to_string(), |u| {
+                        format!("the uplink's, {u}")
+                    })
+                )));
+            }
         }
         let specific: Vec<(usize, Ipv4Addr)> = checked
             .iter()

@@ -350,6 +350,21 @@ fn normalise_cidrs(key: &str, list: &[String]) -> Result<Vec<String>, AgentError
     Ok(out)
 }
 
+/// An IPv6 `host_ip`: "::" (the node's IPv6 address, IPv6 only) or a
+/// global address (the agent checks it is the uplink's); the datapath
+/// maps IPv6 on the uplink's address alone.
+fn host_ip6_usable(a: std::net::Ipv6Addr) -> Result<(), &'static str> {
+    if a.to_ipv4_mapped().is_some() {
+        Err("an IPv4-mapped address: write the IPv4 address")
+    } else if a.is_loopback() {
+        Err("mappings through lo are IPv4's: use 127.0.0.1")
+    } else if a.is_multicast() || a.is_unicast_link_local() {
+        Err("not a unicast address of the node's uplink (use :: or its global IPv6 address)")
+    } else {
+        Ok(())
+    }
+}
+
 impl NetworkSpec {
     /// Checks every field; returns the spec in normal form.
     pub fn validated(mut self) -> Result<Self, AgentError> {
@@ -359,7 +374,7 @@ impl NetworkSpec {
                 self.port_mappings.len()
             )));
         }
-        for (i, m) in self.port_mappings.iter().enumerate() {
+        for (i, m) in self.port_mappings.iter_mut().enumerate() {
             if m.container_port == 0 {
                 return Err(invalid(format!(
                     "port_mappings[{i}]: container_port 0 is not a port (1-65535)"
@@ -372,19 +387,33 @@ impl NetworkSpec {
                         m.host_ip
                     ))
                 })?;
-                if !ip.is_ipv4() {
-                    return Err(invalid(format!(
-                        "port_mappings[{i}]: host_ip {ip}: IPv6 is not supported yet"
-                    )));
+                if let IpAddr::V6(a) = ip {
+                    host_ip6_usable(a).map_err(|why| {
+                        invalid(format!("port_mappings[{i}]: host_ip {a}: {why}"))
+                    })?;
                 }
+                // One spelling per address: records and comparisons are
+                // exact.
+                m.host_ip = ip.to_string();
             }
+        }
+        for (i, m) in self.port_mappings.iter().enumerate() {
             if m.host_port != 0
                 && let Some(j) = self.port_mappings[..i]
                     .iter()
                     .position(|o| o.protocol == m.protocol && o.host_port == m.host_port)
             {
+                let other = &self.port_mappings[j].host_ip;
+                let wildcard4 = |h: &str| h.is_empty() || h == "0.0.0.0";
+                let hint = if (m.host_ip == "::" && wildcard4(other))
+                    || (other == "::" && wildcard4(&m.host_ip))
+                {
+                    " (a mapping on 0.0.0.0 is on the node's IPv6 address too: drop the :: one)"
+                } else {
+                    ""
+                };
                 return Err(invalid(format!(
-                    "port_mappings[{i}]: {} host port {} is also used by port_mappings[{j}]",
+                    "port_mappings[{i}]: {} host port {} is also used by port_mappings[{j}]{hint}",
                     m.protocol, m.host_port
                 )));
             }
@@ -668,7 +697,33 @@ mod tests {
             err(s(vec![pm(Protocol::Tcp, 0, 0, "")])).contains("port_mappings[0]: container_port")
         );
         assert!(err(s(vec![pm(Protocol::Tcp, 80, 0, "nope")])).contains("host_ip 'nope'"));
-        assert!(err(s(vec![pm(Protocol::Tcp, 80, 0, "::1")])).contains("IPv6"));
+        for (bad, why) in [
+            ("::1", "use 127.0.0.1"),
+            ("::ffff:10.0.0.1", "write the IPv4 address"),
+            ("fe80::1", "not a unicast address of the node's uplink"),
+            ("ff02::1", "not a unicast address of the node's uplink"),
+        ] {
+            let e = err(s(vec![pm(Protocol::Tcp, 80, 0, bad)]));
+            assert!(
+                e.contains(&format!("port_mappings[0]: host_ip {bad}: ")),
+                "{e}"
+            );
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+        // IPv6 host addresses in one spelling.
+        let v6 = s(vec![
+            pm(Protocol::Tcp, 80, 0, "0:0::0"),
+            pm(Protocol::Tcp, 81, 0, "2001:DB8:0::1"),
+        ])
+        .validated()
+        .unwrap();
+        assert_eq!(v6.port_mappings[0].host_ip, "::");
+        assert_eq!(v6.port_mappings[1].host_ip, "2001:db8::1");
+        let both = err(s(vec![
+            pm(Protocol::Tcp, 80, 8080, "0.0.0.0"),
+            pm(Protocol::Tcp, 80, 8080, "::"),
+        ]));
+        assert!(both.contains("drop the :: one"), "{both}");
         let dup = err(s(vec![
             pm(Protocol::Tcp, 80, 8080, ""),
             pm(Protocol::Tcp, 81, 8080, ""),

@@ -217,8 +217,12 @@ pub struct DpPortmapKey {
 pub struct DpPortmapVal {
     pub sandbox_ip: u32,
     pub container_port: u16,
-    pub pad: u16,
+    /// `DP_PM_*` (0 in builds before IPv6-only mappings).
+    pub flags: u16,
 }
+
+/// `DpPortmapVal::flags`: the mapping is on the node's IPv6 address only.
+pub const DP_PM_V6_ONLY: u16 = 1;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]

@@ -63,7 +63,9 @@ pub(super) fn map_err(what: &'static str, e: &aya::maps::MapError) -> DatapathEr
 }
 
 /// The port-map entries of a sandbox. `host_ip` "" or 0.0.0.0 is the
-/// wildcard (0); the agent has validated it as an IPv4 address.
+/// wildcard (0) of both families; an IPv6 one ("::" or the uplink's
+/// address, as the agent validated) is the wildcard of IPv6 only
+/// (`DP_PM_V6_ONLY`: the datapath maps IPv6 on the uplink's address).
 fn portmap_entries(
     ip: u32,
     mappings: &[crate::types::PortMapping],
@@ -71,18 +73,19 @@ fn portmap_entries(
     mappings
         .iter()
         .map(|m| {
-            let host: Ipv4Addr = if m.host_ip.is_empty() {
-                Ipv4Addr::UNSPECIFIED
-            } else {
-                m.host_ip.parse().map_err(|_| {
-                    err(
+            let (host, flags) = match m.host_ip.parse::<std::net::IpAddr>() {
+                _ if m.host_ip.is_empty() => (Ipv4Addr::UNSPECIFIED, 0),
+                Ok(std::net::IpAddr::V4(a)) => (a, 0),
+                Ok(std::net::IpAddr::V6(_)) => (Ipv4Addr::UNSPECIFIED, DP_PM_V6_ONLY),
+                Err(_) => {
+                    return Err(err(
                         "port_mappings",
                         format!(
-                            "host_ip '{}' of {} {} is not an IPv4 address",
+                            "host_ip '{}' of {} {} is not an IP address",
                             m.host_ip, m.protocol, m.host_port
                         ),
-                    )
-                })?
+                    ));
+                }
             };
             Ok((
                 DpPortmapKey {
@@ -94,7 +97,7 @@ fn portmap_entries(
                 DpPortmapVal {
                     sandbox_ip: ip,
                     container_port: m.container_port.to_be(),
-                    pad: 0,
+                    flags,
                 },
             ))
         })
