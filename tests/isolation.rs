@@ -5,12 +5,14 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::ctr::{self, Ctr};
-use common::guest::{GATEWAY_MAC, GUEST_IP, GUEST_MAC, RawGuest, udp_frame};
+use common::guest::{
+    GATEWAY_MAC, GUEST_IP, GUEST_MAC, RawGuest, ip6_frame, udp_frame, udp6_datagram,
+};
 use common::world::{NODE_IP, WORLD_IP, counter, guest_for, in_netns, node};
 use common::{Env, mappings, opts, ports, s};
 use serde_json::json;
@@ -694,7 +696,8 @@ async fn only_the_node_itself_reaches_a_sandbox() {
 /// node's flows to another sandbox's mapped ports keep their entries (a
 /// datagram the guest sends first after the flood still reaches the node's
 /// socket: with the entries evicted it went to the gateway address
-/// instead), a TCP connection keeps working, and a new one opens.
+/// instead), a TCP connection keeps working, and a new one opens. Then the
+/// same from a third sandbox flooding over IPv6.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_flow_flood_never_resets_another_sandboxs_connection() {
     require_root!();
@@ -763,9 +766,34 @@ async fn a_host_flow_flood_never_resets_another_sandboxs_connection() {
     let mut fresh = in_netns(&env.ns, move || TcpStream::connect(mapped)).unwrap();
     exchange(&mut fresh, b"a new one").expect("a new connection");
     let checks = c.health().await.1;
+    let full = counter(&checks, "host_flow_share_full");
+    assert!(full > 0, "the flood hit its share: {checks:?}");
+
+    // The same from a sandbox that floods over IPv6 (to fd63:7562:6500::5,
+    // from ::6): the host-flow table and its shares are both families'.
+    let (_, flood6) = guest_for(&c, "flood6", opts(vec![])).await;
+    let gw6: Ipv6Addr = "fd63:7562:6500::5".parse().unwrap();
+    let me6: Ipv6Addr = "fd63:7562:6500::6".parse().unwrap();
+    for p in 0..70_000u32 {
+        let d = udp6_datagram(1024 + (p % 64_000) as u16, 9 + (p / 64_000) as u16, b"x");
+        let f = ip6_frame(GUEST_MAC, GATEWAY_MAC, me6, gw6, 17, 64, &d);
+        flood6.send_raw_frame(&f).unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    exchange(&mut live, b"after the IPv6 flood").expect("the live connection");
+    let mut fresh = in_netns(&env.ns, move || TcpStream::connect(mapped)).unwrap();
+    exchange(&mut fresh, b"a new one after it").expect("a new connection");
+    let t = c.traffic("flood6").await;
     assert!(
-        counter(&checks, "host_flow_share_full") > 0,
-        "the flood hit its share: {checks:?}"
+        t["new_flows_host_ipv6"] > 0
+            && t["drop_no_port_ipv6"] > 0
+            && t["drop_no_port"] == t["drop_no_port_ipv6"],
+        "its IPv6 flows opened, then stopped at its share: {t:?}"
+    );
+    let checks = c.health().await.1;
+    assert!(
+        counter(&checks, "host_flow_share_full") > full,
+        "{checks:?}"
     );
 }
 

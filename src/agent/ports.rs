@@ -74,7 +74,8 @@ impl Agent {
             }
             if !a.is_unspecified() && Some(a) != uplink6 {
                 return Err(AgentError::InvalidArgument(format!(
-                    "port_mappings[{i}]: host_ip {a} is not the node's IPv6 address mappings                      are on ({}; or :: for it)",
+                    "port_mappings[{i}]: host_ip {a} is not the node's IPv6 address mappings are on \
+                     ({}; or :: for it)",
                     uplink6.map_or("the uplink has none now".to_string(), |u| {
                         format!("the uplink's, {u}")
                     })
