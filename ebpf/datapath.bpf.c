@@ -479,6 +479,27 @@ static __always_inline int guest_fixed6(__u32 ifindex)
 	return s && s->guest6 == DP_SHARE_FIXED6;
 }
 
+/* The ct6 entry under `key` of a mapped flow to the guest on `ifindex`
+ * (owner generation `gen`), whatever its guest address: the guest's
+ * current one (guest_fixed6) first, else the other one if a live mapped
+ * flow of this owner has it (a guest with both addresses may have changed
+ * its current one since the flow started: the flow keeps its own).
+ * `key->gaddr` is left as the entry's, or the current one (a new flow's). */
+static __always_inline struct dp_ct_val *ct6_to_guest(struct dp_ct6_key *key, __u32 ifindex,
+						      __u64 gen)
+{
+	key->gaddr = guest_fixed6(ifindex) ? DP_GADDR_FIXED : DP_GADDR_SLAAC;
+	struct dp_ct_val *v = bpf_map_lookup_elem(&ct6, key);
+	if (v)
+		return v;
+	key->gaddr ^= 1; /* DP_GADDR_FIXED <-> DP_GADDR_SLAAC */
+	v = bpf_map_lookup_elem(&ct6, key);
+	if (v && v->gen == gen && v->kind == DP_CT_PORTMAP)
+		return v;
+	key->gaddr ^= 1;
+	return NULL;
+}
+
 /* Takes one host-flow entry of the sandbox on `ifindex`'s share: one of
  * its guaranteed ones, else one of the shared pool up to its cap. 0 or -1
  * (nothing taken). A device without an sb_share entry (bound by a build
@@ -3123,8 +3144,7 @@ static __always_inline struct dp_tap *portmap6_in(struct __sk_buff *skb, const s
 	key->guest_port = container_port;
 	key->remote_port = l4->sport;
 	key->proto = l4->proto;
-	key->gaddr = guest_fixed6(ifindex) ? DP_GADDR_FIXED : DP_GADDR_SLAAC;
-	struct dp_ct_val *v = bpf_map_lookup_elem(&ct6, key);
+	struct dp_ct_val *v = ct6_to_guest(key, ifindex, tap->gen);
 	if (v && (v->gen != tap->gen || v->kind != DP_CT_PORTMAP)) {
 		/* An earlier owner's flow, or the guest's own from this port to
 		 * this client: this packet opens a mapped flow. */
@@ -3203,8 +3223,7 @@ static __always_inline struct dp_tap *portmap6_flow(const struct dp_rev6_key *rk
 	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
 	if (!tap)
 		return NULL;
-	k->gaddr = guest_fixed6(tap->ifindex) ? DP_GADDR_FIXED : DP_GADDR_SLAAC;
-	struct dp_ct_val *v = bpf_map_lookup_elem(&ct6, k);
+	struct dp_ct_val *v = ct6_to_guest(k, tap->ifindex, tap->gen);
 	if (!v || v->gen != tap->gen || v->kind != DP_CT_PORTMAP || v->nat_port != rk->nat_port)
 		return NULL;
 	return tap;
@@ -3800,7 +3819,8 @@ int host_to_sandbox6(struct __sk_buff *skb)
 
 /* Which of its two addresses the guest uses (sb_share.guest6), so that
  * flows others open to it go there (host <-> sandbox, port mappings): the
- * source of its IPv6 packets, or the target of its Duplicate Address
+ * source of its IPv6 packets that may open something (all but TCP segments
+ * after the SYN), or the target of its Duplicate Address
  * Detection (a guest configured statically claims fd63:7562:6500::6 at
  * link up, and may then stay silent until someone connects). Any other
  * source (link-local; a spoofed one, dropped further on) changes nothing,
@@ -3810,6 +3830,16 @@ __noinline int learn_guest6(struct __sk_buff *skb)
 {
 	struct dp_config *c = get_config();
 	if (!skb || !c)
+		return 0;
+	/* A TCP segment other than a SYN is of a running flow: its address
+	 * was learned when it opened (bulk data pays two byte loads, no map
+	 * lookup). */
+	__u8 nh, flags;
+	if (bpf_skb_load_bytes(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, nexthdr), &nh, 1))
+		return 0;
+	if (nh == IPPROTO_TCP &&
+	    (bpf_skb_load_bytes(skb, ETH_HLEN + sizeof(struct ip6h) + 13, &flags, 1) ||
+	     (flags & 0x12) != 0x02))
 		return 0;
 	__u32 a[4];
 	if (bpf_skb_load_bytes(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, saddr), a, 16))
@@ -3823,10 +3853,7 @@ __noinline int learn_guest6(struct __sk_buff *skb)
 			__u32 reserved;
 			__u32 target[4];
 		} ns;
-		__u8 nh;
-		if (bpf_skb_load_bytes(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, nexthdr), &nh,
-				       1) ||
-		    nh != IPPROTO_ICMPV6 ||
+		if (nh != IPPROTO_ICMPV6 ||
 		    bpf_skb_load_bytes(skb, ETH_HLEN + sizeof(struct ip6h), &ns, sizeof(ns)) ||
 		    ns.type != ND_NEIGHBOR_SOLICIT)
 			return 0;

@@ -904,7 +904,7 @@ async fn port_mappings_reach_containers_over_ipv6() {
     require_root!();
     let (env, world) = node6(&[], Some(&[]));
     let c = env.client().await;
-    let pm = |h: u16, ctr: u16, proto: &str| json!({"hostPort": h, "containerPort": ctr, "protocol": proto, "hostIP": ""});
+    let pm = |h: u16, ctr: u16, proto: &str| mapping(h, ctr, proto, "");
     let open = Ctr::new("v6pm");
     add(
         &env,
@@ -1471,10 +1471,14 @@ async fn dns_and_strict_mode_over_ipv6_go_through_the_agent() {
     );
 }
 
+/// A CNI port mapping (runtimeConfig.portMappings[]).
+fn mapping(host: u16, container: u16, proto: &str, host_ip: &str) -> serde_json::Value {
+    json!({"hostPort": host, "containerPort": container, "protocol": proto, "hostIP": host_ip})
+}
+
 /// CNI config with one port mapping on every node address.
 fn one_mapping(host: u16, container: u16, proto: &str) -> serde_json::Value {
-    json!({"runtimeConfig": {"portMappings": [
-        {"hostPort": host, "containerPort": container, "protocol": proto, "hostIP": ""}]}})
+    json!({"runtimeConfig": {"portMappings": [mapping(host, container, proto, "")]}})
 }
 
 /// A guest configured statically (only fd63:7562:6500::6, no SLAAC
@@ -1559,6 +1563,56 @@ async fn a_guest_on_its_fixed_address_is_reached_there() {
     assert_eq!(got.as_deref(), Ok(&b"ctr:back"[..]));
     let got = tcp_exchange_in(&world.ns, to_mapping, b"again", T);
     assert_eq!(got.as_deref(), Ok(&b"mapped:again"[..]));
+
+    // Both addresses: a mapped connection to the SLAAC one keeps it when
+    // the guest's current address becomes ::6 (a datagram from there).
+    drop(mapped);
+    let mut echo = std::process::Command::new("ip")
+        .args(["netns", "exec", &ctr.name, "/usr/bin/python3", "-c"])
+        .arg(
+            "import socket\n\
+             l=socket.socket(socket.AF_INET6)\n\
+             l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+             l.bind(('::', 8090)); l.listen(4); l.settimeout(30)\n\
+             print('ready', flush=True)\n\
+             c, _ = l.accept(); c.settimeout(30)\n\
+             while True:\n\
+             \x20   d = c.recv(64)\n\
+             \x20   if not d: break\n\
+             \x20   c.sendall(c.getsockname()[0].encode() + b' ' + d)\n",
+        )
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null()) // a failed test must not wait for it
+        .spawn()
+        .unwrap();
+    echo.stdout
+        .as_mut()
+        .unwrap()
+        .read_exact(&mut [0u8; 6])
+        .unwrap();
+    let mut live = in_netns(&world.ns, move || {
+        TcpStream::connect_timeout(&to_mapping, T)
+    })
+    .unwrap();
+    live.set_read_timeout(Some(T)).unwrap();
+    let mut say = |m: &str| -> String {
+        live.write_all(m.as_bytes()).unwrap();
+        let mut b = [0u8; 128];
+        let n = live.read(&mut b).unwrap_or(0);
+        String::from_utf8_lossy(&b[..n]).into_owned()
+    };
+    assert_eq!(say("one"), format!("{slaac} one"));
+    let out = ctr.sh(&format!(
+        "ip -6 addr add {fixed}/64 dev eth0 nodad && /usr/bin/python3 -c \"import socket\n\
+         s=socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)\n\
+         s.bind(('{fixed}', 0))\n\
+         s.sendto(b'x', ('fd63:7562:6500::5', 9))\n\
+         print('sent')\" 2>&1"
+    ));
+    assert_eq!(out, "sent\n");
+    assert_eq!(say("two"), format!("{slaac} two"));
+    let _ = echo.kill();
+    let _ = echo.wait();
     let (healthy, checks) = c.health().await;
     assert!(healthy, "{checks:?}");
 }
@@ -1606,13 +1660,14 @@ async fn fragmented_datagrams_from_the_world_reach_the_guest() {
         .arg(
             "import socket\n\
              s=socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)\n\
-             s.bind(('::', 8095))\n\
+             s.bind(('::', 8095)); s.settimeout(30)\n\
              print('ready', flush=True)\n\
              while True:\n\
              \x20   d, a = s.recvfrom(65536)\n\
              \x20   s.sendto(str(len(d)).encode(), a)\n",
         )
         .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null()) // a failed test must not wait for it
         .spawn()
         .unwrap();
     let mut ready = [0u8; 6];
@@ -1646,7 +1701,7 @@ async fn ipv6_host_addresses_map_ipv6_only() {
     let (env, world) = node6(&[], Some(&[]));
     let c = env.client().await;
     let ctr = Ctr::new("v6only");
-    let pm = |h: u16, ctr: u16, ip: String| json!({"hostPort": h, "containerPort": ctr, "protocol": "tcp", "hostIP": ip});
+    let pm = |h: u16, ctr: u16, ip: String| mapping(h, ctr, "tcp", &ip);
     let r = add(
         &env,
         "v6o",
