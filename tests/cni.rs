@@ -854,6 +854,73 @@ async fn libcni_client_with_a_chained_stock_plugin() {
     drop(world);
 }
 
+/// Kubernetes through containerd's CRI (issue 51): the bandwidth
+/// annotations arrive as go-cni's untagged struct (capitalised keys) with
+/// 2^32-1 for an unset burst; the pod starts with the default burst (not
+/// a 512 MiB one), and a DEL whose configuration cannot be parsed still
+/// releases the network it names (a failing DEL wedges the pod forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cri_bandwidth_keys_and_a_del_that_never_wedges() {
+    require_root!();
+    let (env, world) = world::node(&[]);
+    let c = env.client().await;
+    let ctr = Ctr::new("k8s");
+    let cri = conf(
+        &env,
+        "1.0.0",
+        json!({"runtimeConfig": {"bandwidth": {"IngressRate": 10_000_000u64,
+            "IngressBurst": 4_294_967_295u64, "EgressRate": 10_000_000u64,
+            "EgressBurst": 4_294_967_295u64}}}),
+    );
+    add_ok(&env, "k8s1", &ctr, &cri);
+    let net = c.get("cni:k8s1:eth0").await.unwrap();
+    let num = |k: &str| u64::try_from(net[k].try_clone().unwrap()).unwrap();
+    assert_eq!(
+        [
+            num("ingress_bps"),
+            num("ingress_burst"),
+            num("egress_bps"),
+            num("egress_burst")
+        ],
+        [10_000_000, 65_536, 10_000_000, 65_536],
+        "an unset burst is the default burst (64 KiB), not 512 MiB"
+    );
+    // A known key with a value the agent cannot honour: ADD refuses it by
+    // name and changes nothing.
+    let ctr2 = Ctr::new("k8s2");
+    let bad = conf(
+        &env,
+        "1.0.0",
+        json!({"runtimeConfig": {"bandwidth": {"EgressRate": "10M"}}}),
+    );
+    let out = verb(&env, "ADD", "k8s2", Some(&ctr2), &bad);
+    assert!(!out.ok, "{out:?}");
+    assert_eq!(out.json["code"], 7, "{out:?}");
+    assert!(
+        out.json["msg"]
+            .as_str()
+            .unwrap_or("")
+            .contains("runtimeConfig.bandwidth.EgressRate"),
+        "{out:?}"
+    );
+    assert_eq!(c.list().await.len(), 1, "the refused ADD made nothing");
+    // DEL with a configuration ADD would refuse (bad values, an unknown
+    // key, a version this plugin does not speak) releases all the same.
+    let garbage = conf(
+        &env,
+        "9.9.9",
+        json!({"runtimeConfig": {"bandwidth": {"EgressRate": "x"},
+            "portMappings": "nope"}, "bogus": true, "mtu": "big"}),
+    );
+    let out = verb(&env, "DEL", "k8s1", Some(&ctr), &garbage);
+    assert!(out.ok, "DEL with a garbage configuration: {out:?}");
+    assert!(c.list().await.is_empty(), "DEL released the network");
+    // Again (the network is gone): DEL is repeatable.
+    let out = verb(&env, "DEL", "k8s1", Some(&ctr), &garbage);
+    assert!(out.ok, "repeated DEL: {out:?}");
+    drop(world);
+}
+
 fn a_sysctl_default(ctr: &Ctr) {
     // A new namespace starts with the host's default rp_filter; make it
     // non-zero so that tuning's 0 is visible.

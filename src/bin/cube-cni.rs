@@ -147,7 +147,16 @@ fn run(version: &mut String) -> Result<Option<Value>, CniError> {
             .and_then(|v| v.get("cniVersion")?.as_str().map(str::to_owned));
         return Ok(Some(cni::version_info(input.as_deref())));
     }
-    let conf = NetConf::parse(&stdin)?;
+    let conf = match NetConf::parse(&stdin) {
+        Ok(conf) => conf,
+        // DEL releases what the environment names whatever stdin says:
+        // a DEL that fails on its input wedges the pod for good.
+        Err(e) if env.command == Command::Del => {
+            eprintln!("cube-cni: DEL goes on despite its configuration: {}", e.msg);
+            NetConf::lenient(&stdin)
+        }
+        Err(e) => return Err(e),
+    };
     *version = conf.cni_version.clone();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

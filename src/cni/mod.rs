@@ -360,9 +360,61 @@ impl NetConf {
     }
 }
 
+impl NetConf {
+    /// What DEL needs of a configuration it could not parse whole: how to
+    /// reach the agent (`dbusAddress`, `timeoutMs` where they are valid)
+    /// and the version to answer in. A DEL must release the network it
+    /// names whatever else its configuration says (a runtime that cannot
+    /// DEL a pod retries it forever and wedges it), and it is identified
+    /// by the environment (container id, ifname, netns), not by stdin.
+    pub fn lenient(stdin: &[u8]) -> NetConf {
+        let v: Value = serde_json::from_slice(stdin).unwrap_or(Value::Null);
+        let str_of = |k: &str| {
+            v.get(k)
+                .and_then(Value::as_str)
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+        };
+        let cni_version = str_of("cniVersion")
+            .filter(|s| SUPPORTED_VERSIONS.contains(&s.as_str()))
+            .unwrap_or_else(|| "1.0.0".to_owned());
+        NetConf {
+            cni_version,
+            name: str_of("name").unwrap_or_default(),
+            dbus_address: str_of("dbusAddress"),
+            timeout_ms: v
+                .get("timeoutMs")
+                .and_then(Value::as_u64)
+                .filter(|n| (1..=600_000).contains(n))
+                .unwrap_or(DEFAULT_TIMEOUT_MS),
+            mtu: None,
+            allow_internet_access: None,
+            allow_out: vec![],
+            deny_out: vec![],
+            egress_mode: None,
+            dns: None,
+            port_mappings: vec![],
+            bandwidth: Default::default(),
+            prev_result: None,
+            valid_attachments: None,
+        }
+    }
+}
+
+/// A burst runtimes send when the pod sets none: Kubernetes and
+/// containerd's "unset" is `math.MaxUint32` bits, the bandwidth plugin's
+/// own ceiling `math.MaxInt32`. Read literally it is a 512 MiB bucket (a
+/// 10 Mbit/s pod would send its first 512 MiB unshaped); it means "the
+/// default burst".
+pub const UNSET_BURSTS: [u64; 2] = [(1 << 31) - 1, (1 << 32) - 1];
+
 /// `runtimeConfig.bandwidth`: `ingressRate`/`egressRate` (bits/s) and
 /// `ingressBurst`/`egressBurst` (bits, turned into bytes); ingress is
-/// what the container receives, egress what it sends.
+/// what the container receives, egress what it sends. Keys are matched
+/// as Go's JSON decoder matches them (case-insensitively: containerd
+/// sends go-cni's untagged `IngressRate`, ...), and unknown keys are
+/// ignored as the reference plugin ignores them; a known key with a value
+/// the agent cannot honour is an error naming it.
 fn parse_bandwidth(v: &Value) -> Result<crate::types::Bandwidth, CniError> {
     let key = "runtimeConfig.bandwidth";
     let o = v
@@ -370,22 +422,30 @@ fn parse_bandwidth(v: &Value) -> Result<crate::types::Bandwidth, CniError> {
         .ok_or_else(|| config_err(format!("{key}: must be an object")))?;
     let mut b = crate::types::Bandwidth::default();
     for (k, n) in o {
+        let field = match k.to_ascii_lowercase().as_str() {
+            "ingressrate" => &mut b.ingress_bps,
+            "egressrate" => &mut b.egress_bps,
+            "ingressburst" => &mut b.ingress_burst,
+            "egressburst" => &mut b.egress_burst,
+            _ => continue,
+        };
+        if n.is_null() {
+            continue;
+        }
         let n = n.as_u64().ok_or_else(|| {
             config_err(format!(
                 "{key}.{k}: {n} is not a whole number of bits (per second)"
             ))
         })?;
-        match k.as_str() {
-            "ingressRate" => b.ingress_bps = n,
-            "egressRate" => b.egress_bps = n,
-            "ingressBurst" => b.ingress_burst = n.div_ceil(8),
-            "egressBurst" => b.egress_burst = n.div_ceil(8),
-            other => {
-                return Err(config_err(format!(
-                    "{key}.{other}: unknown (ingressRate, ingressBurst, egressRate, egressBurst)"
-                )));
+        *field = if k.to_ascii_lowercase().ends_with("burst") {
+            if UNSET_BURSTS.contains(&n) {
+                0
+            } else {
+                n.div_ceil(8)
             }
-        }
+        } else {
+            n
+        };
     }
     // The reference plugin takes a burst without a rate as no limit.
     if b.ingress_bps == 0 {
@@ -803,6 +863,55 @@ mod tests {
             format!(r#"{{"cniVersion":"1.0.0","name":"cube","type":"cube-cni"{extra}}}"#)
                 .as_bytes(),
         )
+    }
+
+    /// `runtimeConfig.bandwidth` as runtimes send it: containerd's CRI
+    /// marshals go-cni's untagged struct (`IngressRate`, ...) and sends
+    /// 2^32-1 for a burst the pod did not set (issue 51).
+    #[test]
+    fn bandwidth_keys_as_go_decodes_them() {
+        let bw = |b: &str| conf(&format!(r#","runtimeConfig":{{"bandwidth":{b}}}"#));
+        let b = bw(r#"{"IngressRate":10000000,"IngressBurst":4294967295,
+            "EgressRate":10000000,"EgressBurst":4294967295}"#)
+        .unwrap()
+        .bandwidth;
+        assert_eq!((b.ingress_bps, b.egress_bps), (10_000_000, 10_000_000));
+        assert_eq!((b.ingress_burst, b.egress_burst), (0, 0), "unset = default");
+        let b = bw(
+            r#"{"egressrate":8000,"EGRESSBURST":2147483647,"ingressRate":9000,
+            "ingressBurst":16000,"Extra":"x","latency":5}"#,
+        )
+        .unwrap()
+        .bandwidth;
+        assert_eq!((b.egress_bps, b.egress_burst), (8000, 0));
+        assert_eq!((b.ingress_bps, b.ingress_burst), (9000, 2000));
+        // A known key the agent cannot honour is refused, naming it.
+        let e = bw(r#"{"EgressRate":"10M"}"#).unwrap_err();
+        assert_eq!(e.code, code::INVALID_CONFIG);
+        assert!(
+            e.msg.contains("runtimeConfig.bandwidth.EgressRate"),
+            "{}",
+            e.msg
+        );
+        let e = bw(r#"{"EgressRate":10}"#).unwrap_err();
+        assert!(e.msg.contains("egress_bps"), "{}", e.msg);
+        let e = bw(r#"{"IngressRate":10000000,"IngressBurst":68719476736}"#).unwrap_err();
+        assert!(e.msg.contains("ingress_burst"), "{}", e.msg);
+    }
+
+    /// DEL keeps what it needs of a configuration it cannot parse.
+    #[test]
+    fn lenient_keeps_the_way_to_the_agent() {
+        let c = NetConf::lenient(
+            br#"{"cniVersion":"0.4.0","name":"cube","dbusAddress":"unix:path=/x",
+                "timeoutMs":500,"runtimeConfig":{"bandwidth":{"EgressRate":"bad"}},"bogus":1}"#,
+        );
+        assert_eq!(c.cni_version, "0.4.0");
+        assert_eq!(c.dbus_address.as_deref(), Some("unix:path=/x"));
+        assert_eq!(c.timeout_ms, 500);
+        let c = NetConf::lenient(b"not json");
+        assert_eq!((c.cni_version.as_str(), c.dbus_address), ("1.0.0", None));
+        assert_eq!(c.timeout_ms, DEFAULT_TIMEOUT_MS);
     }
 
     /// Every key cube-cni takes is in its man page and in README.
