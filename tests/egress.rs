@@ -162,30 +162,33 @@ async fn aaaa_questions_get_nodata_unless_the_sandbox_has_ipv6_egress() {
     env.kill_agent();
     env.start_agent();
     let c = env.client().await;
-    for (id, o, aaaa) in [
-        ("plain6", opts(vec![]), 1),
+    for (id, o, want) in [
+        ("plain6", opts(vec![]), (0, 1)),
         // Allowed names: their AAAA answers are learned (tests/ipv6.rs).
         (
             "named6",
             domain_opts(&["*.allowed.test"], &["0.0.0.0/0"]),
-            1,
+            (0, 1),
         ),
-        // An IPv4 allow-list closes IPv6.
+        // An IPv4 allow-list closes IPv6; under its catch-all deny the
+        // sandbox does not reach the world: REFUSED for every name.
         (
             "list4",
             domain_opts(&["198.51.100.0/24"], &["0.0.0.0/0"]),
-            0,
+            (5, 0),
         ),
+        // Without the catch-all: NODATA (IPv4 CIDR rules keep it IPv4-only).
+        ("deny4", domain_opts(&[], &["10.0.0.0/8"]), (0, 0)),
         // Strict mode's proxy takes IPv6 as IPv4 (tests/ipv6.rs).
         (
             "strict6",
             opts(vec![("egress_mode", Value::from("sni"))]),
-            1,
+            (0, 1),
         ),
     ] {
         let (_, g) = guest_for(&c, id, o).await;
         let (rcode, answers, _) = resolve(&g, "dual.allowed.test", TYPE_AAAA);
-        assert_eq!((rcode, answers), (0, aaaa), "{id}");
+        assert_eq!((rcode, answers), want, "{id}");
     }
 }
 
@@ -778,6 +781,119 @@ async fn a_sandbox_without_domain_rules_resolves_anything() {
         )
         .expect("DNS straight to the world's resolver");
     assert_eq!(parsed(&direct, "denied.test").2, vec![OTHER_IP]);
+    assert!(c.release("plain").await.unwrap());
+}
+
+/// The resolver is no data channel out of a sandbox that does not reach
+/// the world (issue 44, item 1): internet access off, a catch-all deny of
+/// either family with or without allow CIDRs, deny-only name rules under a
+/// catch-all deny: every name is REFUSED over UDP and TCP and never
+/// reaches the upstream (dnsmasq's query log); an allow rule's name still
+/// resolves; a sandbox without rules that reaches the world is forwarded
+/// (the documented choice), and its name does reach the upstream, so the
+/// log check can fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offline_sandboxes_get_no_resolver_and_no_proxy_lookups() {
+    require_root!();
+    let (env, world) = node(&["--dns-upstream", "198.51.100.2"]);
+    let log = env.dir.join("dnsmasq-queries.log");
+    let _dns = dnsmasq_with(
+        &world,
+        &[
+            "--log-queries".to_owned(),
+            format!("--log-facility={}", log.display()),
+            "--address=/tunnel.test/198.51.100.3".to_owned(),
+        ],
+    );
+    let c = env.client().await;
+    let list = |l: &[&str]| Value::from(l.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    let cases: Vec<(&str, common::Dict)> = vec![
+        (
+            "offline",
+            opts(vec![("allow_internet_access", Value::from(false))]),
+        ),
+        ("denyall", domain_opts(&[], &["0.0.0.0/0"])),
+        ("denyall6", domain_opts(&[], &["::/0"])),
+        ("cidrs", domain_opts(&["198.51.100.0/24"], &["0.0.0.0/0"])),
+        ("denynames", domain_opts(&[], &["*.evil.test", "0.0.0.0/0"])),
+        (
+            "offline-named",
+            opts(vec![
+                ("allow_internet_access", Value::from(false)),
+                ("allow_out", list(&["www.allowed.test"])),
+            ]),
+        ),
+    ];
+    for (i, (id, o)) in cases.into_iter().enumerate() {
+        let (_, g) = guest_for(&c, id, o).await;
+        let name = format!("x{i}-secret.tunnel.test");
+        assert_eq!(resolve(&g, &name, TYPE_A).0, 5, "{id}: REFUSED over UDP");
+        let r = resolve_tcp(&g, &format!("t{i}-secret.tunnel.test"));
+        assert_eq!(r[3] & 0x0f, 5, "{id}: REFUSED over TCP");
+        assert_eq!(resolve(&g, "denied.test", 16).0, 5, "{id}: TXT refused");
+        if id == "offline-named" {
+            // Its allow rule's name still resolves (and is learned).
+            assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).0, 0, "{id}");
+        }
+        assert!(c.release(id).await.unwrap());
+    }
+    // The control: a sandbox that reaches the world is forwarded.
+    let (_, g) = guest_for(&c, "plain", opts(vec![])).await;
+    assert_eq!(
+        resolve(&g, "control-secret.tunnel.test", TYPE_A),
+        (0, 1, vec![OTHER_IP])
+    );
+    // Strict mode: the proxy resolves a Host no name rule allows only for
+    // a sandbox that reaches the world (the control), never for one whose
+    // CIDR rules sit under a catch-all deny.
+    let web = SocketAddrV4::new(WORLD_IP, 80);
+    for (id, deny, host) in [
+        ("sni-cidrs", &["0.0.0.0/0"][..], "p-secret.tunnel.test"),
+        ("sni-world", &[][..], "pcontrol-secret.tunnel.test"),
+    ] {
+        // An allow CIDR that does not cover the web server: its flows go
+        // to the proxy.
+        let mut o = domain_opts(&["203.0.113.0/24"], deny);
+        o.insert(
+            "egress_mode".into(),
+            Value::from("sni").try_to_owned().unwrap(),
+        );
+        let (_, g) = guest_for(&c, id, o).await;
+        let r = g.tcp_connect_send_recv(
+            web,
+            format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes(),
+            T,
+        );
+        if id == "sni-cidrs" {
+            assert!(r.is_err(), "{id}: reset: {r:?}");
+        }
+        assert!(c.release(id).await.unwrap());
+    }
+    // dnsmasq writes its log behind: wait for the controls' lines.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let seen = loop {
+        let seen = std::fs::read_to_string(&log).unwrap_or_default();
+        if seen.contains("pcontrol-secret.tunnel.test") || std::time::Instant::now() > deadline {
+            break seen;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        seen.contains("pcontrol-secret.tunnel.test"),
+        "the proxy's lookups reach the upstream: {seen}"
+    );
+    assert!(
+        seen.contains("control-secret.tunnel.test"),
+        "the log shows forwarded names: {seen}"
+    );
+    let leaked: Vec<&str> = seen
+        .lines()
+        .filter(|l| l.contains("-secret.tunnel.test") && !l.contains("control-secret"))
+        .collect();
+    assert!(
+        leaked.is_empty(),
+        "names of offline sandboxes reached the upstream: {leaked:?}"
+    );
     assert!(c.release("plain").await.unwrap());
 }
 

@@ -139,6 +139,11 @@ impl Patterns {
         self.allow.is_empty() && self.deny.is_empty()
     }
 
+    /// Whether an allow pattern names `name` (not merely no deny pattern).
+    pub fn allowed_by_rule(&self, name: &str) -> bool {
+        self.allow.iter().any(|p| p.matches(name))
+    }
+
     /// Allow beats deny, as for CIDRs. With allow patterns, a name none of
     /// them matches is refused; with deny patterns only, a name they match
     /// is refused and any other resolves.

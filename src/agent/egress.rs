@@ -150,18 +150,29 @@ fn unreachable_why4(ip: Ipv4Addr, cidrs: &CidrRules, pool: &Ipv4Cidr) -> Option<
 pub enum DnsDecision {
     /// Not a sandbox's address: REFUSED.
     Stranger,
-    /// A sandbox without domain rules: forwarded, nothing learned.
+    /// A sandbox without domain rules that reaches the world at large:
+    /// forwarded, nothing learned (a documented choice: it could reach any
+    /// address anyway, so its lookups teach nothing it could not do).
     Forward,
     /// Allowed by the sandbox's patterns: forwarded, answers learned.
     Learn { sandbox_id: String },
     /// Not allowed: REFUSED (logged and counted).
     Refuse { sandbox_id: String },
+    /// The sandbox does not reach the world at large (internet access off,
+    /// or a catch-all deny) and no name rule allows the name: REFUSED, so
+    /// the resolver is no data channel out of an offline sandbox (every
+    /// question would reach the upstream and its answer come back).
+    Offline { sandbox_id: String },
 }
 
 struct Sandbox {
     id: String,
     /// `None`: no domain rules.
     patterns: Option<Arc<Patterns>>,
+    /// It reaches the world at large: internet access on and no catch-all
+    /// deny. Only then does the resolver forward a name no allow rule
+    /// names (and the proxy resolve one).
+    world: bool,
     /// Strict mode (`egress_mode` "sni"): TCP to 80/443 via the proxy.
     strict: bool,
     /// The CIDR rules, for strict mode without name rules (the proxy then
@@ -219,6 +230,14 @@ impl CidrRules {
     pub fn allows(&self, ip: Ipv4Addr) -> bool {
         self.allow.iter().any(|c| c.contains(ip)) || !self.deny.iter().any(|c| c.contains(ip))
     }
+}
+
+/// Whether a sandbox reaches the world at large: internet access on and
+/// no catch-all deny (`0.0.0.0/0` or `::/0`, which closes both: see
+/// [`CidrRules::from_lists`]), whatever allow CIDRs open again.
+pub fn world_open(allow_internet_access: bool, cidrs: &CidrRules) -> bool {
+    let all = <Ipv4Cidr as crate::alloc::ip::Cidr>::all();
+    allow_internet_access && !cidrs.deny.contains(&all)
 }
 
 /// What the proxy does with one connection of strict mode.
@@ -430,10 +449,12 @@ impl Egress {
         // Without internet access there is nothing to dial for it.
         let strict = !rec.egress_mode.is_dns() && rec.allow_internet_access;
         let cidrs = Arc::new(CidrRules::from_lists(&rec.allow_out, &rec.deny_out));
+        let world = world_open(rec.allow_internet_access, &cidrs);
         let v6_out = rec.ipv6_open();
         let same = |s: &Sandbox| {
             s.id == rec.sandbox_id
                 && s.patterns == patterns
+                && s.world == world
                 && s.strict == strict
                 && s.cidrs == cidrs
                 && s.mtu == rec.mtu
@@ -455,6 +476,7 @@ impl Egress {
             Sandbox {
                 id: rec.sandbox_id.clone(),
                 patterns: patterns.clone(),
+                world,
                 strict,
                 cidrs: cidrs.clone(),
                 changed: strict.then(|| tokio::sync::watch::channel(()).0),
@@ -610,15 +632,18 @@ impl Egress {
         let Some(sb) = sandboxes.get(&src) else {
             return DnsDecision::Stranger;
         };
+        let sandbox_id = sb.id.clone();
         match &sb.patterns {
-            None => DnsDecision::Forward,
+            None if sb.world => DnsDecision::Forward,
+            None => DnsDecision::Offline { sandbox_id },
             Some(p) => match p.verdict(name) {
-                Verdict::Allow => DnsDecision::Learn {
-                    sandbox_id: sb.id.clone(),
-                },
-                Verdict::Refuse => DnsDecision::Refuse {
-                    sandbox_id: sb.id.clone(),
-                },
+                // A deny-only rule set lets other names through only for a
+                // sandbox that reaches the world anyway.
+                Verdict::Allow if sb.world || p.allowed_by_rule(name) => {
+                    DnsDecision::Learn { sandbox_id }
+                }
+                Verdict::Allow => DnsDecision::Offline { sandbox_id },
+                Verdict::Refuse => DnsDecision::Refuse { sandbox_id },
             },
         }
     }
@@ -642,13 +667,20 @@ impl Egress {
             (Some(n), Some(p)) if p.verdict(n) == Verdict::Refuse => {
                 ProxyDecision::Refuse { sandbox_id }
             }
+            // A deny-only rule set: as without name rules.
+            (Some(n), Some(p)) if !sb.world && !p.allowed_by_rule(n) => {
+                ProxyDecision::Refuse { sandbox_id }
+            }
             // Allowed by a name rule: dialled like a learned address.
             (Some(_), Some(_)) => ProxyDecision::Dial {
                 sandbox_id,
                 cidrs: None,
                 changed: tx.subscribe(),
             },
-            // No name rules: the CIDR rules decide the address.
+            // No name rules: the CIDR rules decide the address, for a
+            // sandbox that reaches the world at large only: resolving a
+            // name for one that does not would carry it to the upstream.
+            (Some(_), None) if !sb.world => ProxyDecision::Refuse { sandbox_id },
             (Some(_), None) => ProxyDecision::Dial {
                 sandbox_id,
                 cidrs: Some(sb.cidrs.clone()),
@@ -1040,12 +1072,24 @@ impl Agent {
     /// from `src`.
     pub fn dns_decide(&self, src: Ipv4Addr, name: &str) -> DnsDecision {
         let d = self.egress.decide(src, name);
-        if let DnsDecision::Refuse { sandbox_id } = &d {
-            self.egress.count_refusal(src, &self.egress.refused);
-            info!(
-                sandbox_id = sandbox_id.as_str(),
-                name, "dns: query refused by the sandbox's domain rules"
-            );
+        match &d {
+            DnsDecision::Refuse { sandbox_id } => {
+                self.egress.count_refusal(src, &self.egress.refused);
+                info!(
+                    sandbox_id = sandbox_id.as_str(),
+                    name, "dns: query refused by the sandbox's domain rules"
+                );
+            }
+            DnsDecision::Offline { sandbox_id } => {
+                self.egress.count_refusal(src, &self.egress.refused);
+                info!(
+                    sandbox_id = sandbox_id.as_str(),
+                    name,
+                    "dns: query refused: the sandbox does not reach the world (internet access \
+                     off or a catch-all deny_out) and no allow rule names this name"
+                );
+            }
+            _ => {}
         }
         d
     }

@@ -746,7 +746,7 @@ fn plan(agent: &Agent, upstream: Option<SocketAddrV4>, src: Ipv4Addr, query: &[u
         return Plan::Drop;
     };
     let learn_for = match agent.dns_decide(src, &q.name) {
-        DnsDecision::Stranger | DnsDecision::Refuse { .. } => {
+        DnsDecision::Stranger | DnsDecision::Refuse { .. } | DnsDecision::Offline { .. } => {
             return Plan::Reply(reply(query, &q, RCODE_REFUSED));
         }
         // A sandbox whose IPv6 does not reach the world (no IPv6 egress on
