@@ -24,10 +24,12 @@
 #            (libcni) + golang-github-containerd-go-cni-dev (go-cni) to build
 #            tests/cni/cnirun offline in GOPATH mode; containernetworking-
 #            plugins (/usr/lib/cni: tuning chained after cube-cni, the
-#            bridge+host-local+portmap baseline); containerd + runc
-#            (tests/cni/ctr-run.sh); bpftool (program tags in the upgrade
-#            test); man-db + groff-base (man -l in tests/install) and zsh (the
-#            zsh completion's syntax check); coreutils (md5sum, timeout),
+#            bridge+host-local+portmap baseline, the loopback containerd's
+#            CRI needs); containerd + runc (tests/cni/ctr-run.sh, and the
+#            CRI plugin in tests/cri/containerd-cri.sh); bpftool (program
+#            tags in the upgrade test); man-db + groff-base (man -l in
+#            tests/install) and zsh (the zsh completion's syntax check);
+#            coreutils (md5sum, timeout),
 #            mount + util-linux (mount, umount, mountpoint, findmnt, unshare,
 #            nsenter, setpriv, flock) are essential packages and listed so
 #            that a stripped image still fails loudly here. systemd-nspawn
@@ -37,10 +39,15 @@
 #            `cubenetctl metrics` in tests/metrics.rs) and python3-venv: with
 #            --test, the reference varlink client (PyPI varlink 31.0.0) goes
 #            into the venv /opt/cube-network-agent-test/venv (tests/metrics:
-#            io.systemd.Metrics through a foreign client).
+#            io.systemd.Metrics through a foreign client), and so does gRPC
+#            for the CRI client that plays kubelet in tests/cri.rs
+#            (tests/cri/cri.py: PyPI grpcio + grpcio-tools 1.85.1, whose
+#            protoc compiles tests/cri/cri_subset.proto, protobuf 7.36.2).
 #            dnsmasq-base (the world's DNS server in tests/egress.rs) and
 #            bind9-dnsutils (dig, a real client in its container test);
 #            openssl (the world's TLS server and s_client in strict mode).
+#            varlink-go (varlink-go-interface-generator, the reference Go
+#            parser: tests/varlink.rs parses every varlink/*.varlink with it).
 # Idempotent; needs root.
 set -euo pipefail
 runtime=(dbus-daemon iproute2 systemd socat polkitd)
@@ -49,7 +56,7 @@ test=(qemu-system-x86 busybox-static tcpdump curl python3 polkitd iperf3 nftable
     golang-github-appc-cni-dev golang-github-containerd-go-cni-dev containernetworking-plugins
     containerd runc bpftool man-db groff-base zsh coreutils mount util-linux python3-dbus
     python3-gi dbus-broker python3-prometheus-client python3-venv dnsmasq-base bind9-dnsutils
-    openssl)
+    openssl varlink-go)
 want=()
 for a in "$@"; do
     case $a in
@@ -82,6 +89,18 @@ for a in "${want[@]}"; do
             echo "installing the varlink client (PyPI varlink 31.0.0) into $venv"
             /usr/bin/python3 -m venv "$venv"
             "$venv/bin/pip" install -q --disable-pip-version-check varlink==31.0.0
+        fi
+        # No Debian package has the CRI API, and crictl is not packaged.
+        grpc=(grpcio==1.85.1 grpcio-tools==1.85.1 protobuf==7.36.2)
+        if ! "$venv/bin/python" - "${grpc[@]}" 2>/dev/null <<'EOF'
+import sys
+from importlib.metadata import version
+sys.exit(any(version(n) != v for n, v in (p.split("==") for p in sys.argv[1:])))
+EOF
+        then
+            echo "installing gRPC (PyPI ${grpc[*]}) into $venv"
+            [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"
+            "$venv/bin/pip" install -q --disable-pip-version-check "${grpc[@]}"
         fi
         break
     fi

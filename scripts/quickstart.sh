@@ -91,6 +91,13 @@ remove() {
             ;;
         esac
     done <"$REC"
+    # The metrics socket: the agent binds it afresh at every start, over
+    # whatever an earlier agent left there, so once ours has stopped it is
+    # the agent's, whoever made its directory (systemd does on its hosts).
+    # Left alone only while another agent serves it.
+    if [ -S "$REPORT" ] && ! socat -u /dev/null "UNIX-CONNECT:$REPORT" 2>/dev/null; then
+        rm -f "$REPORT" && echo "  removed $REPORT"
+    fi
     # Links the agent made (those that were not there before).
     local before now l
     before=$(awk '$1 == "link-before" {print $2}' "$REC")
@@ -154,12 +161,12 @@ if [ "$first" = 1 ]; then
     : >"$REC"
     for l in $(agent_links); do rec link-before "$l"; done
     for d in "${AGENT_DIRS[@]}"; do [ -e "$d" ] || rec dir "$d"; done
-    # The metrics socket (report_socket) and the directories it needs
-    # where systemd has none yet (outermost first: removed with its content).
+    # The directories the metrics socket (report_socket) needs where
+    # systemd has none yet (outermost first: removed with its content); the
+    # socket itself goes at --remove whoever made them (see remove).
     for d in /run/systemd /run/systemd/report; do
         if [ ! -e "$d" ]; then rec dir "$d"; break; fi
     done
-    [ -e "$REPORT" ] || rec file "$REPORT"
     for k in "${LO_SYSCTLS[@]}"; do rec sysctl "$k" "$(sysctl -n "$k")"; done
     has_clsact lo || rec clsact lo
     up=$(uplink)
@@ -209,8 +216,12 @@ In another shell, try README's "Using it", e.g.:
   cubenetctl list
   busctl --json=short call org.cube.NetworkAgent /org/cube/NetworkAgent org.cube.NetworkAgent Health
   cubenetctl release sbx-1
-Non-root users need a polkit grant: install polkit/50-cube-network-agent.rules.example
-as /etc/polkit-1/rules.d/50-cube-network-agent.rules and add them to its groups.
+Non-root users need a polkit grant: the example rule, its two groups, and the users
+in them (USER: each one; they get it with their next process):
+  install -m 0644 $ROOT/polkit/50-cube-network-agent.rules.example /etc/polkit-1/rules.d/50-cube-network-agent.rules
+  groupadd --system cube-network          # runtimes, VMM launchers: everything
+  groupadd --system cube-network-readers  # monitoring: reads only
+  usermod -aG cube-network-readers USER   # or cube-network
 Remove everything it created (links, datapath, records, bus setup, the symlink):
   scripts/quickstart.sh --remove
 TXT

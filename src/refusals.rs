@@ -21,7 +21,7 @@ const MAX_CALLERS: usize = 4096;
 /// Who made a refused request.
 #[derive(Debug, Clone, Copy)]
 pub struct Caller<'a> {
-    /// "dbus" or "varlink".
+    /// "dbus", "varlink" or "report" (the metrics socket).
     pub edge: &'a str,
     /// The D-Bus unique name, or the varlink caller's command.
     pub name: &'a str,

@@ -79,6 +79,17 @@ pub fn is_catch_all(cidr: &str) -> bool {
 /// Strict mode changes nothing here: its proxy takes IPv6 flows to 80 and
 /// 443 as IPv4's (docs/egress.md).
 pub fn ipv6_open(internet: bool, allow_out: &[String], deny_out: &[String]) -> bool {
+    ipv6_closed_why(internet, allow_out, deny_out).is_none()
+}
+
+/// Why a sandbox's policy keeps its IPv6 from the world ([`ipv6_open`]
+/// false), and what opens it: GetNetwork's `ipv6_egress_reason`. `None`
+/// when the policy lets IPv6 out.
+pub fn ipv6_closed_why(
+    internet: bool,
+    allow_out: &[String],
+    deny_out: &[String],
+) -> Option<&'static str> {
     let v6_allowed = allow_out
         .iter()
         .any(|e| e.contains(':') || is_domain_entry(e));
@@ -86,7 +97,27 @@ pub fn ipv6_open(internet: bool, allow_out: &[String], deny_out: &[String]) -> b
     let speaks_v6 = v6_allowed || deny_out.iter().any(|e| e.contains(':'));
     let v4_cidrs = rules.any(|e| !e.contains(':') && !is_domain_entry(e));
     let all_denied = deny_out.iter().any(|e| is_catch_all(e));
-    internet && (speaks_v6 || !v4_cidrs) && (v6_allowed || !all_denied)
+    if !internet {
+        Some(
+            "no internet access (allow_internet_access false closes both families); \
+             allow it to open IPv6",
+        )
+    } else if v4_cidrs && !speaks_v6 {
+        Some(
+            "its rules are IPv4 CIDRs only, which keep a sandbox IPv4-only (a service \
+             denied by its IPv4 address would be reached at its IPv6 one); add their \
+             IPv6 side (an IPv6 CIDR in allow_out or deny_out, e.g. deny_out fc00::/7 \
+             next to 10.0.0.0/8) or an allowed name to open IPv6 under the same rules",
+        )
+    } else if all_denied && !v6_allowed {
+        Some(
+            "deny_out has the catch-all (0.0.0.0/0 or ::/0), which closes both \
+             families, and no IPv6 CIDR or name in allow_out opens IPv6 again; allow \
+             IPv6 CIDRs (e.g. allow_out 2001:db8::/32) or names to open them",
+        )
+    } else {
+        None
+    }
 }
 
 /// A sandbox's bandwidth limits (docs/datapath.md "Bandwidth"): rates in
@@ -227,6 +258,40 @@ mod tests {
             ..Default::default()
         };
         assert!(b.check().unwrap_err().starts_with("ingress_burst"));
+    }
+
+    #[test]
+    fn ipv6_closed_says_why_and_how_to_open() {
+        let v = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let why =
+            |net: bool, allow: &[&str], deny: &[&str]| ipv6_closed_why(net, &v(allow), &v(deny));
+        assert_eq!(why(true, &[], &[]), None);
+        assert_eq!(why(true, &[], &["10.0.0.0/8", "fc00::/7"]), None);
+        assert_eq!(why(true, &["*.example.com"], &["0.0.0.0/0"]), None);
+        assert!(
+            why(false, &[], &[])
+                .unwrap()
+                .contains("allow_internet_access")
+        );
+        let w = why(true, &[], &["10.0.0.0/8"]).unwrap();
+        assert!(
+            w.contains("IPv4 CIDRs only") && w.contains("fc00::/7"),
+            "{w}"
+        );
+        let w = why(true, &["198.51.100.0/24"], &["0.0.0.0/0"]).unwrap();
+        assert!(w.contains("IPv4 CIDRs only"), "{w}");
+        let w = why(true, &[], &["::/0"]).unwrap();
+        assert!(w.contains("catch-all"), "{w}");
+        for (net, allow, deny) in [
+            (true, &[][..], &["10.0.0.0/8"][..]),
+            (true, &["::/0"], &["0.0.0.0/0"]),
+            (false, &[], &[]),
+        ] {
+            assert_eq!(
+                ipv6_open(net, &v(allow), &v(deny)),
+                why(net, allow, deny).is_none()
+            );
+        }
     }
 }
 

@@ -1144,3 +1144,36 @@ async fn attachments_are_injective_and_verbs_act_only_on_their_own() {
     assert_eq!(ids(&c).await, vec!["cni-vmm-1"]);
     drop(world);
 }
+
+/// An error about the environment (here a missing `CNI_PATH`) is answered
+/// in the configuration's own `cniVersion`, as every other error is: the
+/// plugin reads stdin before it judges the environment. No agent needed.
+#[test]
+fn environment_errors_answer_in_the_configs_version() {
+    for version in ["1.0.0", "0.4.0", "1.1.0"] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_cube-cni"))
+            .env_clear()
+            .env("CNI_COMMAND", "ADD")
+            .env("CNI_CONTAINERID", "c1")
+            .env("CNI_NETNS", "/proc/self/ns/net")
+            .env("CNI_IFNAME", "eth0")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let conf = json!({"cniVersion": version, "name": "cube", "type": "cube-cni"});
+        std::io::Write::write_all(
+            &mut child.stdin.take().unwrap(),
+            conf.to_string().as_bytes(),
+        )
+        .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(!out.status.success());
+        let err: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+        assert_eq!(err["code"], 4, "{err}");
+        assert!(err["msg"].as_str().unwrap().contains("CNI_PATH"), "{err}");
+        assert_eq!(err["cniVersion"], version, "{err}");
+    }
+}

@@ -377,13 +377,21 @@ fn json_network_equals_varlink_network() {
         human.stdout.contains("Cloned from") && human.stdout.contains("sbx-v"),
         "{human:?}"
     );
-    let o = ctl(bus, &["ensure", "sbx-x", "--clone-of=sbx-v", "--mtu=1400"]);
-    assert!(
-        o.code != 0
-            && o.stderr.contains("--clone-of sbx-v (clone_of)")
-            && o.stderr.contains("(got mtu)"),
-        "{o:?}"
-    );
+    // What may not come with --clone-of is named by the flags typed, not
+    // by the wire's keys.
+    for (flag, typed) in [("--mtu", "--mtu=1400"), ("--port", "--port=tcp:81")] {
+        let o = ctl(bus, &["ensure", "sbx-x", "--clone-of=sbx-v", typed]);
+        assert!(
+            o.code != 0
+                && o.stderr.contains("--clone-of sbx-v (clone_of)")
+                && o.stderr.contains(&format!("(got {flag})"))
+                && o.stderr
+                    .contains("only --metadata, --idempotency-key and --paused")
+                && !o.stderr.contains("port_mappings")
+                && !o.stderr.contains("idempotency_key"),
+            "{o:?}"
+        );
+    }
 
     let o = ctl(bus, &["list", "--json"]);
     let mut all = varlink(&env, "ListNetworks", json!({})).unwrap()["networks"]
@@ -616,6 +624,19 @@ fn quiet_json_legend_plurals_and_ascii() {
             .all(|l| l.split_whitespace().nth(1) == Some("no")),
         "{o:?}"
     );
+    // ensure -q: nothing (the exit status says it worked); with --json the
+    // network all the same.
+    let o = ctl(bus, &["-q", "ensure", "sbx-q", "--port=tcp:80"]);
+    assert_eq!((o.code, o.stdout.as_str(), o.stderr.as_str()), (0, "", ""));
+    let o = ctl(bus, &["ensure", "sbx-q", "--port=tcp:80", "-q", "--json"]);
+    assert_eq!(json(&o)["sandbox_id"], "sbx-q", "{o:?}");
+    let o = ctl(bus, &["ensure", "sbx-q", "--mtu=50", "--quiet"]);
+    assert_eq!(o.code, 1, "{o:?}");
+    assert!(
+        o.stdout.is_empty() && o.stderr.contains("--mtu 50"),
+        "{o:?}"
+    );
+    assert_eq!(ctl(bus, &["release", "sbx-q"]).code, 0);
     let o = ctl(bus, &["release", "sbx-a", "-q"]);
     assert_eq!((o.code, o.stdout.as_str(), o.stderr.as_str()), (0, "", ""));
     let o = ctl(bus, &["release", "sbx-a", "-q"]);
@@ -792,6 +813,8 @@ fn watch_prints_one_line_per_event() {
     assert_eq!(ctl(bus, &["ensure", "w2", "--port=tcp:80:24080"]).code, 0);
     let n = json(&ctl(bus, &["status", "w2", "--json"]));
     let mut w = Watcher::start(&[("CUBENETCTL_VARLINK", sock)], &["watch"]);
+    // A header, as `list` has.
+    assert_eq!(w.next(), "SEQ KIND SANDBOX SANDBOX-IP TAP PORTS NOTE");
     let l = w.next();
     let f: Vec<&str> = l.split_whitespace().collect();
     assert_eq!(f.len(), 6, "{l}");
@@ -814,10 +837,43 @@ fn watch_prints_one_line_per_event() {
         (6, "created", "w3", "-"),
         "{l}"
     );
+    // A pause and a resume say which they are (both are "updated").
+    let w2 = ["ensure", "w2", "--port=tcp:80:24080"];
+    assert_eq!(ctl(bus, &[&w2[..], &["--paused"]].concat()).code, 0);
+    let l = w.next();
+    let f: Vec<&str> = l.split_whitespace().collect();
+    assert_eq!(
+        (f[1], f[2], f.get(6)),
+        ("updated", "w2", Some(&"paused")),
+        "{l}"
+    );
+    assert_eq!(ctl(bus, &w2).code, 0);
+    let l = w.next();
+    let f: Vec<&str> = l.split_whitespace().collect();
+    assert_eq!(
+        (f[1], f[2], f.get(6)),
+        ("updated", "w2", Some(&"resumed")),
+        "{l}"
+    );
+    assert_eq!(ctl(bus, &["ensure", "w2", "--port=tcp:81:24081"]).code, 0);
+    let l = w.next();
+    let f: Vec<&str> = l.split_whitespace().collect();
+    assert_eq!((f[1], f.len()), ("updated", 6), "neither: no note: {l}");
     assert_eq!(ctl(bus, &["release", "w2"]).code, 0);
     let l = w.next();
     let f: Vec<&str> = l.split_whitespace().collect();
     assert_eq!(&f[1..], ["released", "w2", "-", "-", "-"], "{l}");
+    // --no-legend: no header.
+    let mut quiet = Watcher::start(&[("CUBENETCTL_VARLINK", sock)], &["watch", "--no-legend"]);
+    assert_eq!(ctl(bus, &["ensure", "w4"]).code, 0);
+    let l = quiet.next();
+    assert!(l.split_whitespace().nth(1) == Some("current"), "{l}");
+    drop(quiet);
+    assert_eq!(ctl(bus, &["release", "w4"]).code, 0);
+    let l = w.next();
+    assert!(l.contains(" created w4 "), "{l}");
+    let l = w.next();
+    assert!(l.contains(" released w4 "), "{l}");
 
     // The agent stops: the stream ends, exit 1 with a prefixed message.
     env.stop_agent();
@@ -1410,5 +1466,214 @@ fn capacity_follows_fills_and_node_full_names_the_resource() {
         m.stdout
             .contains("cube_network_agent_capacity{resource=\"addresses_free\"} 2"),
         "{m:?}"
+    );
+}
+
+/// The TAP of `id`, through OpenTap on D-Bus.
+fn open_tap(env: &Env, id: &str) -> std::os::fd::OwnedFd {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async { env.client().await.open_tap(id).await.unwrap() })
+}
+
+/// `cubenetctl status` shows what a sandbox's bandwidth shapers did, in
+/// their own unit (segments on the wire, as HTB and the metrics count
+/// them; the device's packet counts take a GSO packet once), and the
+/// numbers are GetNetwork's and the metrics'.
+#[test]
+fn status_shows_the_shapers_in_their_unit() {
+    use common::guest::{GATEWAY_MAC, GUEST_IP, GUEST_MAC, RawGuest, udp_frame};
+    require_root!();
+    let (env, world) = common::world::node(&[]);
+    let bus = Some(env.address.as_str());
+    let o = ctl(
+        bus,
+        &["ensure", "shp", "--egress-rate=10M", "--ingress-rate=20M"],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    let echo = world.udp_echo(0);
+    let guest = RawGuest::new(open_tap(&env, "shp"));
+    for i in 0..5u8 {
+        let f = udp_frame(
+            GUEST_MAC,
+            GATEWAY_MAC,
+            std::net::SocketAddrV4::new(GUEST_IP, 41000),
+            echo,
+            &[i; 200],
+        );
+        guest.send(&f).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut got = 0;
+    while got < 5 && Instant::now() < deadline {
+        got += guest.recv(Duration::from_millis(200)).len();
+    }
+    assert!(got >= 5, "echoes: {got}");
+
+    let o = ctl(bus, &["status", "shp"]);
+    assert_eq!(o.code, 0, "{o:?}");
+    let line = |dir: &str| -> String {
+        o.stdout
+            .lines()
+            .find(|l| l.contains(&format!("{dir} shaper (")))
+            .unwrap_or_else(|| panic!("no {dir} shaper line: {o:?}"))
+            .to_owned()
+    };
+    // "egress shaper (10Mbit): sent B bytes in N segments (wire packets:
+    // ...), held back D times, X packets dropped with its queue full"
+    let segments = |l: &str| -> u64 {
+        let after = l
+            .split(" bytes in ")
+            .nth(1)
+            .unwrap_or_else(|| panic!("{l}"));
+        after.split(' ').next().unwrap().parse().unwrap()
+    };
+    let (eg, ing) = (line("egress"), line("ingress"));
+    assert!(eg.contains("egress shaper (10Mbit): sent "), "{eg}");
+    assert!(ing.contains("ingress shaper (20Mbit): received "), "{ing}");
+    assert!(eg.contains("a GSO packet counts per segment"), "{eg}");
+    assert!(
+        o.stdout.contains("packets (a GSO packet counts once;"),
+        "the device's unit: {o:?}"
+    );
+    let t =
+        varlink(&env, "GetNetwork", json!({"sandbox_id": "shp"})).unwrap()["network"]["traffic"]
+            .clone();
+    assert_eq!(
+        segments(&eg),
+        t["egress_shaped_packets"].as_u64().unwrap(),
+        "{t}"
+    );
+    assert_eq!(
+        segments(&ing),
+        t["ingress_shaped_packets"].as_u64().unwrap(),
+        "{t}"
+    );
+    assert!(segments(&eg) >= 5 && segments(&ing) >= 5, "{eg}\n{ing}");
+    let m = ctl_env(
+        None,
+        &[(
+            "CUBENETCTL_REPORT",
+            env.dir
+                .join("report/org.cube.NetworkAgent")
+                .to_str()
+                .unwrap(),
+        )],
+        &["metrics"],
+    );
+    for (dir, l) in [("egress", &eg), ("ingress", &ing)] {
+        let sample = m
+            .stdout
+            .lines()
+            .find(|s| {
+                s.starts_with("cube_network_agent_sandbox_shaped_packets_total{")
+                    && s.contains("sandbox_id=\"shp\"")
+                    && s.contains(&format!("direction=\"{dir}\""))
+            })
+            .unwrap_or_else(|| panic!("no {dir} sample: {m:?}"));
+        assert!(
+            sample.ends_with(&format!(" {}", segments(l))),
+            "{sample} vs {l}"
+        );
+    }
+    // Without a limit: no shaper lines.
+    assert_eq!(ctl(bus, &["ensure", "free"]).code, 0);
+    let o = ctl(bus, &["status", "free"]);
+    assert!(!o.stdout.contains("shaper"), "{o:?}");
+}
+
+/// On a node with IPv6 egress, README's `cubenetctl ensure sbx-1 --port
+/// tcp:80 --deny-out 10.0.0.0/8` has no IPv6 egress: GetNetwork (D-Bus and
+/// varlink) and `status` say why and what opens it; doing what it says
+/// opens it; a node that loses its IPv6 egress says so instead.
+#[test]
+fn no_ipv6_egress_says_why_and_how_to_open_it() {
+    require_root!();
+    let mut env = Env::new(&[]);
+    let world = common::world::World::attach(&env);
+    world.add_ipv6(&[]);
+    env.kill_agent();
+    env.start_agent();
+    let bus = Some(env.address.as_str());
+    // Health's uplink row names the address NAT66 uses, or says there is
+    // none (docs/dual-stack.md "How to").
+    let uplink_row = || -> String {
+        let h = json(&ctl(bus, &["health", "--json"]));
+        h["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "uplink")
+            .map(|c| c["detail"].as_str().unwrap().to_owned())
+            .unwrap()
+    };
+    let row = uplink_row();
+    assert!(
+        row.contains(&common::world::NODE_IP6.to_string()) && !row.contains("no IPv6"),
+        "{row}"
+    );
+    let readme = [
+        "ensure",
+        "sbx-1",
+        "--port",
+        "tcp:80",
+        "--deny-out",
+        "10.0.0.0/8",
+    ];
+    let o = ctl(bus, &readme);
+    assert_eq!(o.code, 0, "{o:?}");
+    let egress_line = |o: &Out| -> String {
+        o.stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with("IPv6 egress:"))
+            .unwrap_or_else(|| panic!("no IPv6 egress line: {o:?}"))
+            .trim()
+            .to_owned()
+    };
+    let l = egress_line(&o);
+    assert!(
+        l.starts_with("IPv6 egress: no (its rules are IPv4 CIDRs only") && l.contains("fc00::/7"),
+        "{l}"
+    );
+    assert_eq!(egress_line(&ctl(bus, &["status", "sbx-1"])), l);
+    // The same reason on both wires.
+    let dbus = json(&ctl(bus, &["status", "sbx-1", "--json"]));
+    let vl =
+        varlink(&env, "GetNetwork", json!({"sandbox_id": "sbx-1"})).unwrap()["network"].clone();
+    assert_eq!(dbus["ipv6_egress"], false, "{dbus}");
+    let why = dbus["ipv6_egress_reason"].as_str().unwrap_or_default();
+    assert!(why.starts_with("its rules are IPv4 CIDRs only"), "{dbus}");
+    assert_eq!(vl["ipv6_egress_reason"], dbus["ipv6_egress_reason"]);
+
+    // What it says: the rules' IPv6 side opens IPv6.
+    let o = ctl(bus, &[&readme[..], &["--deny-out", "fc00::/7"]].concat());
+    assert_eq!(egress_line(&o), "IPv6 egress: yes", "{o:?}");
+    let j = json(&ctl(bus, &["status", "sbx-1", "--json"]));
+    assert_eq!(j["ipv6_egress"], true, "{j}");
+    assert!(j.get("ipv6_egress_reason").is_none(), "{j}");
+
+    // No internet access, and the catch-all deny: each says its own.
+    let o = ctl(bus, &["ensure", "sbx-2", "--no-internet"]);
+    assert!(egress_line(&o).contains("allow_internet_access"), "{o:?}");
+    let o = ctl(bus, &["ensure", "sbx-3", "--deny-out", "::/0"]);
+    assert!(egress_line(&o).contains("catch-all"), "{o:?}");
+
+    // The node loses its IPv6 default route: every sandbox says that.
+    env.ns_cmd(&["ip", "-6", "route", "del", "default"]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let l = egress_line(&ctl(bus, &["status", "sbx-1"]));
+        if l.starts_with("IPv6 egress: no (the node has no IPv6 egress: its uplink up0") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{l}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let row = uplink_row();
+    assert!(
+        row.contains("; no IPv6 egress: up0 has no usable global"),
+        "{row}"
     );
 }

@@ -1003,3 +1003,187 @@ async fn a_paused_sandbox_reports_the_first_packet_of_each_pause_once() {
     assert_eq!((id.as_str(), s(&details, "via").as_str()), ("p", "host"));
     assert_eq!(u16::try_from(&details["port"]).unwrap(), 80);
 }
+
+/// Every committed IDL (varlink/*.varlink) as foreign implementations read
+/// it: Debian's varlink-go generator (`varlink-go-interface-generator`,
+/// package varlink-go: the reference Go parser, which also rejects a name
+/// defined twice; types, methods and errors share one namespace) and the
+/// reference Python parser (PyPI `varlink`, in scripts/deps.sh's venv).
+/// varlink-go 0.4.0 refuses upper-case letters in the interface name
+/// (systemd's interfaces have them too, and so do ours: kept), so it gets
+/// a copy whose interface line is lower-cased. No root needed; a missing
+/// tool skips outside CI and fails under CI.
+#[test]
+fn every_idl_parses_with_the_go_and_python_parsers() {
+    const GO: &str = "/usr/bin/varlink-go-interface-generator";
+    const PYTHON: &str = "/opt/cube-network-agent-test/venv/bin/python";
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("varlink");
+    let mut idls: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "varlink"))
+        .collect();
+    idls.sort();
+    assert!(idls.len() >= 3, "{idls:?}");
+    for (tool, what) in [
+        (GO, "varlink-go (apt-get install varlink-go)"),
+        (PYTHON, "the varlink venv (scripts/deps.sh --test)"),
+    ] {
+        if !std::path::Path::new(tool).exists() {
+            assert!(!common::in_ci(), "{tool} is missing: {what}");
+            eprintln!("skipping: {tool} is missing: {what}");
+            return;
+        }
+    }
+    let tmp = std::env::temp_dir().join(format!("cna-idl-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    for idl in &idls {
+        let text = std::fs::read_to_string(idl).unwrap();
+        let name = idl.file_name().unwrap().to_str().unwrap();
+        // One namespace for types, methods and errors (what varlink-go
+        // checks; Python's parser lets a later one replace an earlier one).
+        let mut seen = std::collections::HashSet::new();
+        for l in text.lines() {
+            let mut w = l.split(|c: char| c.is_whitespace() || c == '(');
+            if let (Some("type" | "method" | "error"), Some(member)) = (w.next(), w.next()) {
+                assert!(
+                    seen.insert(member.to_owned()),
+                    "{name}: {member} defined twice"
+                );
+            }
+        }
+        let lowered: String = text
+            .lines()
+            .map(|l| match l.strip_prefix("interface ") {
+                Some(iface) => format!("interface {}\n", iface.to_ascii_lowercase()),
+                None => format!("{l}\n"),
+            })
+            .collect();
+        let copy = tmp.join(name);
+        std::fs::write(&copy, lowered).unwrap();
+        let out = std::process::Command::new(GO)
+            .arg(&copy)
+            .current_dir(&tmp)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "varlink-go rejects {name}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let out = std::process::Command::new(PYTHON)
+            .args([
+                "-c",
+                "import sys, varlink\n\
+                 i = varlink.Interface(open(sys.argv[1]).read())\n\
+                 print(i.name, len(i.members))",
+            ])
+            .arg(idl)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "the Python parser rejects {name}: {said}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let iface = text
+            .lines()
+            .find_map(|l| l.strip_prefix("interface "))
+            .unwrap();
+        assert!(said.starts_with(&format!("{iface} ")), "{name}: {said}");
+        assert_eq!(
+            said.trim().rsplit(' ').next(),
+            Some(seen.len().to_string().as_str()),
+            "{name}: Python saw another number of members"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// A local user who may not read (no polkit grant) is refused on varlink's
+/// WatchNetworks (`cubenetctl watch`) and on the metrics socket
+/// (`cubenetctl metrics`, `top`), and each refusal is in the journal as
+/// D-Bus refusals are (tests/agent.rs `refused_requests_are_logged_...`):
+/// the edge, the caller's command, uid and pid, the method, the error and
+/// a message naming the polkit action.
+#[test]
+fn refusals_of_watch_and_the_metrics_socket_are_logged() {
+    require_root!();
+    let env = Env::new(&[]);
+    Varlink::connect(&env)
+        .agent("ListNetworks", json!({}))
+        .unwrap();
+    let report = env.dir.join("report/org.cube.NetworkAgent");
+    let nobody = |args: &[&str]| {
+        let out = std::process::Command::new("setpriv")
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                env!("CARGO_BIN_EXE_cubenetctl"),
+            ])
+            .args(["--varlink", socket_path(&env).to_str().unwrap()])
+            .args(args)
+            .env("CUBENETCTL_REPORT", &report)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(4), "{args:?}: {err}");
+        assert!(
+            err.contains("org.cube.NetworkAgent.read"),
+            "{args:?}: {err}"
+        );
+    };
+    nobody(&["watch"]);
+    nobody(&["metrics"]);
+    nobody(&["top", "--count=1"]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let lines = loop {
+        let lines: Vec<String> = env
+            .log()
+            .lines()
+            .filter(|l| l.contains("request refused") && l.contains("uid=65534"))
+            .map(str::to_owned)
+            .collect();
+        if lines.len() >= 3 || Instant::now() > deadline {
+            break lines;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(lines.len(), 3, "{lines:#?}\n{}", env.log());
+    // `top` reads io.systemd.Metrics, whose refusal is varlink's own.
+    for (l, edge, method, error) in [
+        (
+            &lines[0],
+            "varlink",
+            "org.cube.NetworkAgent.WatchNetworks",
+            "AccessDenied",
+        ),
+        (
+            &lines[1],
+            "report",
+            "org.cube.NetworkAgent.Metrics.OpenMetrics",
+            "AccessDenied",
+        ),
+        (
+            &lines[2],
+            "report",
+            "io.systemd.Metrics.List",
+            "PermissionDenied",
+        ),
+    ] {
+        assert!(l.contains(" INFO "), "{l}");
+        for want in [
+            format!("edge=\"{edge}\""),
+            format!("method=\"{method}\""),
+            format!("error=\"{error}\""),
+            "caller=\"cubenetctl\"".into(),
+            "request refused: not authorized for org.cube.NetworkAgent.read".into(),
+        ] {
+            assert!(l.contains(&want), "{want} missing in {l}");
+        }
+    }
+}

@@ -106,7 +106,11 @@ impl Agent {
         let filters = self.kernel_checks().await;
         let mut checks: Vec<Check> = vec![];
         checks.push(self.store_check());
-        checks.push(verdict::uplink(&self.uplink, self.uplink6(), self.cfg.mtu));
+        checks.push(verdict::uplink(
+            &self.uplink,
+            self.ipv6_link().then(|| self.uplink6()),
+            self.cfg.mtu,
+        ));
         let (free, cap) = {
             let a = self.allocs();
             (a.ips.free(), a.ips.capacity())
@@ -443,7 +447,13 @@ pub mod verdict {
         }
     }
 
-    pub fn uplink(u: &Uplink, addr6: Option<std::net::Ipv6Addr>, default_mtu: u32) -> Check {
+    /// `addr6`: with the guests' IPv6 link, the uplink's NAT66 address
+    /// (`None` inside: the node has no IPv6 egress, said in the detail).
+    pub fn uplink(
+        u: &Uplink,
+        addr6: Option<Option<std::net::Ipv6Addr>>,
+        default_mtu: u32,
+    ) -> Check {
         match u {
             Uplink::Found {
                 name,
@@ -467,7 +477,11 @@ pub mod verdict {
                 "uplink".into(),
                 true,
                 match addr6 {
-                    Some(a6) => format!("{name} {a} {a6}, MTU {mtu}"),
+                    Some(Some(a6)) => format!("{name} {a} {a6}, MTU {mtu}"),
+                    Some(None) => format!(
+                        "{name} {a}, MTU {mtu}; no IPv6 egress: {name} has no usable global \
+                         IPv6 address with an IPv6 default route (sandboxes are IPv4-only)"
+                    ),
                     None => format!("{name} {a}, MTU {mtu}"),
                 },
             ),

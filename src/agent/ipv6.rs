@@ -55,6 +55,43 @@ impl Agent {
         info!(sent, "router advertisements sent to {sent} sandboxes");
     }
 
+    /// Why `rec`'s IPv6 does not reach the world, and what opens it
+    /// (GetNetwork's `ipv6_egress_reason`): the node's uplink first (no
+    /// rule can open what the node lacks), then the sandbox's rules
+    /// (`types::ipv6_closed_why`, the one rule for `ipv6_egress`). None
+    /// when it does.
+    pub(super) fn ipv6_egress_why(
+        &self,
+        rec: &crate::agent::spec::NetworkRecord,
+    ) -> Option<String> {
+        let rules =
+            crate::types::ipv6_closed_why(rec.allow_internet_access, &rec.allow_out, &rec.deny_out);
+        if self.ipv6_egress() {
+            return rules.map(str::to_owned);
+        }
+        let node = match &self.uplink {
+            Uplink::Found {
+                name,
+                addr: Some(_),
+                ..
+            } => format!(
+                "the node has no IPv6 egress: its uplink {name} has no usable global IPv6 \
+                 address with an IPv6 default route through it; give it both and every \
+                 sandbox's IPv6 follows within a moment (docs/dual-stack.md \"How to\")"
+            ),
+            Uplink::Found {
+                name, addr: None, ..
+            } => {
+                format!("the node has no egress: its uplink {name} has no IPv4 address")
+            }
+            Uplink::Missing(why) => format!("the node has no egress: {why}"),
+        };
+        Some(match rules {
+            Some(r) => format!("{node}; then: {r}"),
+            None => node,
+        })
+    }
+
     /// Whether `view`'s RAs carry the default route (its IPv6 reaches the
     /// world).
     fn ra_router(&self, view: &NetworkView) -> bool {

@@ -186,6 +186,9 @@ pub struct NetworkInfo {
     /// With the IPv6 link: the sandbox's IPv6 reaches the world (NAT66;
     /// its RAs carry a default route).
     pub ipv6_egress: bool,
+    /// With the IPv6 link and no IPv6 egress: why (the node's uplink, the
+    /// sandbox's rules), and what opens it.
+    pub ipv6_egress_reason: Option<String>,
     /// (destination CIDR, gateway, device) inside the guest.
     pub routes: Vec<(String, String, String)>,
     /// (ip, mac, device) permanent neighbours inside the guest.
@@ -504,6 +507,11 @@ impl Agent {
         let ipv6 = self.ipv6_link();
         NetworkInfo {
             ipv6_egress: ipv6 && self.ipv6_egress() && view.record.ipv6_open(),
+            ipv6_egress_reason: if ipv6 {
+                self.ipv6_egress_why(&view.record)
+            } else {
+                None
+            },
             guest_ipv6: ipv6.then(|| format!("{}/64", crate::types::GUEST_IPV6)),
             gateway_ipv6: ipv6.then(|| crate::types::link_local(&self.d.gateway_mac).to_string()),
             sandbox_ipv6: match view.record.sandbox_ip {

@@ -366,7 +366,7 @@ impl Agent {
                 "sandbox_shaped_packets",
                 Kind::Counter,
                 None,
-                "Packets of a sandbox that went through its bandwidth limit's shaper, by direction (egress: to the world, ingress: from it); only values above 0",
+                "Packets on the wire of a sandbox that went through its bandwidth limit's shaper, by direction (egress: to the world, ingress: from it): segments, a GSO packet counts per segment (sandbox_packets counts it once); only values above 0",
                 true,
                 &|t, o| {
                     o.extend([

@@ -135,11 +135,20 @@ impl Env {
 }
 
 fn run(version: &mut String) -> Result<Option<Value>, CniError> {
-    let env = Env::read()?;
+    // The configuration first: an error about the environment is answered
+    // in the caller's cniVersion (one this plugin speaks) too.
     let mut stdin = Vec::new();
     std::io::stdin()
         .read_to_end(&mut stdin)
         .map_err(|e| CniError::new(code::IO, format!("reading stdin: {e}")))?;
+    if let Some(v) = serde_json::from_slice::<Value>(&stdin)
+        .ok()
+        .and_then(|v| v.get("cniVersion")?.as_str().map(str::to_owned))
+        .filter(|v| cni::SUPPORTED_VERSIONS.contains(&v.as_str()))
+    {
+        *version = v;
+    }
+    let env = Env::read()?;
     if env.command == Command::Version {
         // No agent, no full config: only the version the caller speaks.
         let input: Option<String> = serde_json::from_slice::<Value>(&stdin)

@@ -407,6 +407,9 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
     if let Some(a) = info.gateway_ipv6 {
         put("gateway_ipv6", Value::from(a));
         put("ipv6_egress", Value::from(info.ipv6_egress));
+        if let Some(why) = info.ipv6_egress_reason {
+            put("ipv6_egress_reason", Value::from(why));
+        }
     }
     if let Some(a) = info.sandbox_ipv6 {
         put("sandbox_ipv6", Value::from(a));

@@ -182,7 +182,8 @@ pub fn traffic(t: &crate::agent::traffic::Traffic) -> Value {
     )
 }
 
-/// A `Capacity`.
+/// A `Capacity` answer: the IDL's type `NodeCapacity` (a type may not share
+/// the method's name: one namespace for types, methods and errors).
 pub fn capacity(c: &crate::agent::capacity::Capacity) -> Value {
     let mut o: serde_json::Map<String, Value> = c
         .fields()
@@ -234,6 +235,9 @@ pub fn network(info: NetworkInfo) -> Value {
     if let Some(a) = info.gateway_ipv6 {
         o["gateway_ipv6"] = Value::String(a);
         o["ipv6_egress"] = Value::Bool(info.ipv6_egress);
+        if let Some(why) = info.ipv6_egress_reason {
+            o["ipv6_egress_reason"] = Value::String(why);
+        }
     }
     if let Some(a) = info.sandbox_ipv6 {
         o["sandbox_ipv6"] = Value::String(a);

@@ -510,20 +510,7 @@ async fn message(agent: &Agent, peer: &Peer, stream: &mut UnixStream, msg: &[u8]
                 })
                 .unwrap_or_default(),
         };
-        crate::refusals::note(
-            crate::refusals::Caller {
-                edge: "varlink",
-                name: peer.label(),
-                uid: Some(peer.uid),
-                pid: peer.pid,
-            },
-            crate::refusals::Refusal {
-                method: &method,
-                sandbox_id: &sandbox_id,
-                error: error.rsplit('.').next().unwrap_or(error),
-                message: &message,
-            },
-        );
+        note_refusal("varlink", peer, &method, &sandbox_id, error, &message);
         reply
     });
     debug!(
@@ -552,6 +539,35 @@ async fn message(agent: &Agent, peer: &Peer, stream: &mut UnixStream, msg: &[u8]
     }
 }
 
+/// Logs a refused call ([`crate::refusals`], rate-limited per uid) as the
+/// D-Bus edge does: who (the process that connected, its uid and pid), the
+/// method, the sandbox, the error's short name and the message (an
+/// access refusal names the polkit action). `edge`: "varlink" (the
+/// agent's socket) or "report" (the metrics socket).
+pub(crate) fn note_refusal(
+    edge: &str,
+    peer: &Peer,
+    method: &str,
+    sandbox_id: &str,
+    error: &str,
+    message: &str,
+) {
+    crate::refusals::note(
+        crate::refusals::Caller {
+            edge,
+            name: peer.label(),
+            uid: Some(peer.uid),
+            pid: peer.pid,
+        },
+        crate::refusals::Refusal {
+            method,
+            sandbox_id,
+            error: error.rsplit('.').next().unwrap_or(error),
+            message,
+        },
+    );
+}
+
 /// Sends one reply (NUL-terminated JSON).
 async fn send(stream: &mut UnixStream, reply: &Value) -> Next {
     let mut bytes = serde_json::to_vec(reply).expect("a reply always serialises");
@@ -576,6 +592,7 @@ async fn watch(agent: &Agent, peer: &Peer, stream: &mut UnixStream, more: bool, 
         .await;
     }
     if let Err(d) = authorize(peer, Operation::Read).await {
+        note_refusal("varlink", peer, WATCH, "", "AccessDenied", &d.0);
         return send(stream, &Failure::from(d).reply()).await;
     }
     if let Err(f) = convert::only(&p, &[]) {
@@ -789,20 +806,7 @@ impl Drop for Share {
 /// a client that was still writing its request would see a broken pipe
 /// instead of the error.
 async fn refuse(stream: &mut UnixStream, peer: &Peer, why: String) {
-    crate::refusals::note(
-        crate::refusals::Caller {
-            edge: "varlink",
-            name: peer.label(),
-            uid: Some(peer.uid),
-            pid: peer.pid,
-        },
-        crate::refusals::Refusal {
-            method: "(connection)",
-            sandbox_id: "",
-            error: "LimitsExceeded",
-            message: &why,
-        },
-    );
+    note_refusal("varlink", peer, "(connection)", "", "LimitsExceeded", &why);
     let reply = json!({
         "error": format!("{INTERFACE}.LimitsExceeded"),
         "parameters": {"message": why},

@@ -17,7 +17,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 use tracing::{debug, info, warn};
 
-use super::{Operation, Peer, SERVICE_IDL, SERVICE_INTERFACE, authorize};
+use super::{Operation, Peer, SERVICE_IDL, SERVICE_INTERFACE, authorize, note_refusal};
 use crate::agent::Agent;
 use crate::metrics::TextOut;
 
@@ -216,6 +216,7 @@ async fn call_values(
         } else {
             "org.cube.NetworkAgent.Metrics.AccessDenied"
         };
+        note_refusal("report", peer, method, "", name, &denied.0);
         let params = if stream.is_some() {
             json!({})
         } else {
@@ -277,9 +278,16 @@ async fn connection(agent: Arc<Agent>, slots: Arc<Slots>, mut stream: UnixStream
         match slots.take(peer.uid) {
             Some(s) => Some(s),
             None => {
-                debug!(
-                    uid = peer.uid,
-                    "report socket: too many connections; closing one"
+                note_refusal(
+                    "report",
+                    &peer,
+                    "(connection)",
+                    "",
+                    "LimitsExceeded",
+                    &format!(
+                        "too many connections to the metrics socket (at most {MAX_PER_UID} per \
+                         uid, {MAX_CONNECTIONS} in all but root's); closed"
+                    ),
                 );
                 return;
             }

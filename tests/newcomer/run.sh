@@ -35,6 +35,9 @@ ovl() { # an overlay whose upper layer lives on tmpfs: writes vanish with us
 mkdir -p /usr/share/polkit-1/actions /opt
 for d in /etc /var/lib /usr/local /usr/share/polkit-1/actions /opt; do ovl "$d"; done
 mount -t tmpfs -o mode=755 tmpfs /run
+# As on any systemd host: /run/systemd/report is there before the quick
+# start, so --remove must take the agent's socket in it, not a directory.
+mkdir -p /run/systemd/report
 mount -t sysfs sysfs /sys
 # The repository: target/quickstart.state is written there.
 mkdir -p "$S/repo.up" "$S/repo.wk"
@@ -86,6 +89,11 @@ else
 fi
 
 # ---- README's quick start (the first command; deps and build are done) ------
+# An agent ran here before (killed: its metrics socket stays behind, dead,
+# in the host's /run/systemd/report); the quick start's agent binds it
+# afresh, and --remove must take it.
+/usr/bin/python3 -c 'import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])' \
+    /run/systemd/report/org.cube.NetworkAgent
 LOG=$S/quickstart.log
 scripts/quickstart.sh --no-deps --no-build >"$LOG" 2>&1 &
 QS=$!
@@ -124,12 +132,18 @@ rc=$?
 [ $rc = 4 ] && [[ "$out" == *"AccessDenied"*"org.cube.NetworkAgent.read"* ]] &&
     ok "cubenetctl top as a non-root user: exit 4 with the way forward" ||
     nok "non-root top: exit $rc: $(head -c 400 <<<"$out")"
-# The banner's grant, followed literally: the example rule and its group.
+# The banner's grant, followed literally: its command lines as printed
+# (the rule, both groups, the user: USER is nobody here).
 RULE=/etc/polkit-1/rules.d/50-cube-network-agent.rules
-if grep -q "polkit/50-cube-network-agent.rules.example" "$LOG"; then
-    install -m 0644 polkit/50-cube-network-agent.rules.example "$RULE"
-    groupadd --system cube-network-readers
-    usermod -aG cube-network-readers nobody
+grant=$(grep -E '^  (install .*rules\.example|groupadd |usermod )' "$LOG")
+if [ "$(grep -c . <<<"$grant")" = 4 ]; then
+    bad=
+    while IFS= read -r line; do
+        line=${line//USER/nobody}
+        out=$(bash -c "$line" 2>&1) || bad="$bad; $line -> $out"
+    done <<<"$grant"
+    [ -z "$bad" ] && ok "the banner's grant lines run as printed ($(wc -l <<<"$grant") commands)" ||
+        nok "the banner's grant lines fail:$bad"
     for _ in $(seq 60); do
         out=$(setpriv --reuid=65534 --regid=65534 --init-groups cubenetctl health 2>&1) && break
         sleep 0.1
@@ -138,8 +152,9 @@ if grep -q "polkit/50-cube-network-agent.rules.example" "$LOG"; then
         nok "granted reader: $(head -c 400 <<<"$out")"
     rm -f "$RULE"
     groupdel cube-network-readers
+    groupdel cube-network
 else
-    nok "the quick start's banner does not say how to grant non-root users"
+    nok "the quick start's banner does not print the grant's commands: $(grep -A6 'polkit grant' "$LOG")"
 fi
 
 # ---- a second start: refused before anything, naming the running agent ------
@@ -245,6 +260,11 @@ kill -0 $DECOY 2>/dev/null && ok "--remove stops only the agent it started (not 
 kill $DECOY 2>/dev/null
 wait $DECOY 2>/dev/null
 echo "$out" | sed 's/^/# /'
+if [ -e /run/systemd/report/org.cube.NetworkAgent ] || [ ! -d /run/systemd/report ]; then
+    nok "--remove: the metrics socket /run/systemd/report/org.cube.NetworkAgent must go and its directory (the host's) stay: $(ls -la /run/systemd/report 2>&1)"
+else
+    ok "--remove took the metrics socket and left /run/systemd/report, which was there before"
+fi
 snapshot >"$S/after"
 if diff -u "$S/before" "$S/after" >"$S/diff"; then
     ok "--remove left the machine as it was (files, mounts, links, addresses, routes, qdiscs, sysctls, processes)"

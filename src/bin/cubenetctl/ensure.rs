@@ -106,11 +106,16 @@ pub fn explain(o: &EnsureOpts, msg: &str) -> String {
     };
     out.push_str(prefix);
     let mut rest = msg;
+    let clone_tail;
     if let Some((key, tail)) = msg.split_once(": ")
         && let Some(flag) = whole(key)
     {
         out.push_str(&format!("{flag} ({key}): "));
         rest = tail;
+        if key == "clone_of" {
+            clone_tail = clone_flags(o, tail);
+            rest = &clone_tail;
+        }
     }
     let keys = ["port_mappings", "allow_out", "deny_out", "metadata"];
     let mut prev: Option<char> = out.chars().last();
@@ -136,10 +141,48 @@ pub fn explain(o: &EnsureOpts, msg: &str) -> String {
     out
 }
 
+/// The refusal of options next to `clone_of` names the options the user
+/// may and did type: "only --metadata, --idempotency-key and --paused may
+/// come with it (got --port)", not their wire keys.
+fn clone_flags(o: &EnsureOpts, tail: &str) -> String {
+    let mut t = tail.replace(
+        "only metadata, idempotency_key and paused",
+        "only --metadata, --idempotency-key and --paused",
+    );
+    let Some(start) = t.rfind("(got ") else {
+        return t;
+    };
+    let Some(len) = t[start..].find(')') else {
+        return t;
+    };
+    let key = &t[start + 5..start + len];
+    let flag = match key {
+        "port_mappings" => "--port",
+        "allow_internet_access" => "--no-internet",
+        "allow_out" => "--allow-out",
+        "deny_out" => "--deny-out",
+        "mtu" => "--mtu",
+        "egress_mode" => "--egress-mode",
+        "bandwidth" => o
+            .rates
+            .first()
+            .and_then(|(_, typed, _)| typed.split_whitespace().next())
+            .unwrap_or("--egress-rate"),
+        _ => return t,
+    };
+    t.replace_range(start + 5..start + len, flag);
+    t
+}
+
 pub async fn run(agent: &Agent, out: &Output, id: &str, o: &EnsureOpts) -> Res<u8> {
     let net: Dict = agent
         .call_explained("EnsureNetwork", &(id, options(o)), &|m| explain(o, m))
         .await?;
+    // -q: the exit status says it worked; the network is what `status`
+    // (or --json) shows.
+    if out.quiet && !out.json() {
+        return Ok(EXIT_OK);
+    }
     crate::status::show(&net, out);
     Ok(EXIT_OK)
 }
@@ -199,5 +242,31 @@ mod tests {
             "sandbox_id: must not be empty"
         );
         assert_eq!(explain(&o, "xdeny_out[0]"), "xdeny_out[0]");
+    }
+
+    #[test]
+    fn clone_of_refusals_name_the_flags() {
+        let msg = "clone_of: a clone takes the source's port mappings, policy, MTU and \
+                   limits; only metadata, idempotency_key and paused may come with it (got KEY)";
+        let o = EnsureOpts {
+            clone_of: Some("golden".into()),
+            rates: vec![("ingress_bps", "--ingress-rate 1M".into(), 1_000_000)],
+            ..EnsureOpts::default()
+        };
+        for (key, flag) in [
+            ("port_mappings", "--port"),
+            ("mtu", "--mtu"),
+            ("allow_internet_access", "--no-internet"),
+            ("bandwidth", "--ingress-rate"),
+        ] {
+            let e = explain(&o, &msg.replace("KEY", key));
+            assert!(
+                e.starts_with("--clone-of golden (clone_of): a clone takes")
+                    && e.ends_with(&format!(
+                        "only --metadata, --idempotency-key and --paused may come with it (got {flag})"
+                    )),
+                "{e}"
+            );
+        }
     }
 }

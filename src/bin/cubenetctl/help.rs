@@ -33,8 +33,11 @@ whitespace. With --json, an array of network objects.",
         name: "status",
         args: "ID",
         summary: "Show everything about one network",
-        help: "Prints every field of network ID as aligned 'Key: value' lines. With
---json, the network object (the same object varlink's GetNetwork
+        help: "Prints every field of network ID as aligned 'Key: value' lines: 'IPv6
+egress: no' comes with why and what opens it; Traffic counts packets as
+the device does (a GSO packet once) and, for a direction with a limit,
+the shaper's segments (packets on the wire, as the metrics count them).
+With --json, the network object (the same object varlink's GetNetwork
 returns). Exit status 3 if there is no such network.",
         options: "",
     },
@@ -42,8 +45,9 @@ returns). Exit status 3 if there is no such network.",
         name: "ensure",
         args: "ID [OPTIONS...]",
         summary: "Create a network, or converge it to OPTIONS",
-        help: "Calls EnsureNetwork and prints the resulting network like 'status'.
-EnsureNetwork is declarative: an option left out means its default, so
+        help: "Calls EnsureNetwork and prints the resulting network like 'status'
+(with --quiet nothing: the exit status says it worked; with --json the
+network object). EnsureNetwork is declarative: an option left out means its default, so
 repeating the command returns the same network and a changed one
 converges it (same address and TAP). Errors name the option, e.g.
 '--port tcp:80:8080 (port_mappings[0]): ...'.",
@@ -115,8 +119,8 @@ if healthy, 1 if degraded. With --json,
 addresses, idle and creatable TAPs, free host ports, SNAT flows, flow
 table and learned-address fill, bandwidth committed against the node's
 totals (bits/s; a total of 0 is not set), then the node's labels. Cheap
-enough to poll every second. With --json, the Capacity object as the
-agent returns it.",
+enough to poll every second. With --json, the object Capacity returns
+(the varlink type NodeCapacity).",
         options: "",
     },
     CommandDef {
@@ -168,13 +172,15 @@ the socket cannot be reached or reading is not allowed.",
         args: "",
         summary: "Follow every change, one line per event",
         help: "Subscribes to the agent's varlink WatchNetworks stream (socket:
---varlink) and prints one line per event until interrupted:
-SEQ KIND SANDBOX SANDBOX-IP TAP PORTS, where KIND is current (the
-networks at the start, one line each), created, updated, repaired
-(followed by what was repaired), released ('-' for the address, TAP
-and ports) or traffic_while_paused (the first packet for a paused
-sandbox: PROTO/PORT from REMOTE:PORT via reply, port_mapping or host).
-With --json, one JSON object per line: the event as varlink sends it
+--varlink) and prints a header line (not with --no-legend), then one line
+per event until interrupted: SEQ KIND SANDBOX SANDBOX-IP TAP PORTS
+[NOTE], where KIND is current (the networks at the start, one line
+each), created, updated, repaired (NOTE: what was repaired), released
+('-' for the address, TAP and ports) or traffic_while_paused (NOTE: the
+first packet for a paused sandbox: PROTO/PORT from REMOTE:PORT via
+reply, port_mapping or host). NOTE is 'paused' for a current or created
+network whose VM is paused, and 'paused' or 'resumed' for an update
+that paused or resumed it. With --json, one JSON object per line: the event as varlink sends it
 ({\"seq\", \"kind\", \"sandbox_id\", \"network\", \"repairs\",
 \"networks\", \"traffic\"}). Exit status 1 if the agent ends the stream (it stops, or
 this watcher fell behind: EventsLost), 4 if the socket cannot be reached.",
@@ -200,7 +206,8 @@ const OPTIONS_HELP: &str = "Options:
                           each), off (text, the default); --json alone: short
   -j                      --json=pretty on a terminal, --json=short otherwise
   -q --quiet              No informational lines ('N networks.', 'released
-                          ID', health's verdict); errors still go to stderr
+                          ID', the network 'ensure' made, health's
+                          verdict); errors still go to stderr
      --no-legend          No column headers and summary lines
      --no-pager           Accepted for compatibility: cubenetctl never pages";
 

@@ -324,13 +324,13 @@ fn value_lines(key: &str, v: &Json, out: &Output) -> Vec<String> {
             let n = |k: &str| t.get(k).and_then(Json::as_u64).unwrap_or(0);
             vec![
                 format!(
-                    "sent {} bytes in {} packets ({} dropped at the device)",
+                    "sent {} bytes in {} packets (a GSO packet counts once; {} dropped at the device)",
                     n("tx_bytes"),
                     n("tx_packets"),
                     n("tx_dropped")
                 ),
                 format!(
-                    "received {} bytes in {} packets ({} dropped at the device)",
+                    "received {} bytes in {} packets (a GSO packet counts once; {} dropped at the device)",
                     n("rx_bytes"),
                     n("rx_packets"),
                     n("rx_dropped")
@@ -400,6 +400,50 @@ fn value_lines(key: &str, v: &Json, out: &Output) -> Vec<String> {
     }
 }
 
+/// The bandwidth shaper's counters of each direction with a limit (or
+/// with counts: a limit just removed): its HTB classes' statistics. Their
+/// unit differs from the lines above: the device and the datapath count a
+/// GSO packet (up to 64 KiB) once, HTB counts the segments it goes on the
+/// wire as (what the metrics' `sandbox_shaped_packets` count); a drop of
+/// a full queue is one queued packet.
+fn shaper_lines(net: &Map<String, Json>, traffic: &Json, out: &Output) -> Vec<String> {
+    let n = |k: &str| traffic.get(k).and_then(Json::as_u64).unwrap_or(0);
+    let mut lines = vec![];
+    for (dir, verb) in [("egress", "sent"), ("ingress", "received")] {
+        let limit = net
+            .get(&format!("{dir}_bps"))
+            .and_then(Json::as_u64)
+            .unwrap_or(0);
+        let keys = [
+            "shaped_bytes",
+            "shaped_packets",
+            "delayed",
+            "rate_dropped_packets",
+        ]
+        .map(|k| n(&format!("{dir}_{k}")));
+        if limit == 0 && keys.iter().all(|&v| v == 0) {
+            continue;
+        }
+        let limit = if limit == 0 {
+            "no limit now".to_owned()
+        } else {
+            human_rate(limit)
+        };
+        lines.push(text(
+            &format!(
+                "{dir} shaper ({limit}): {verb} {} bytes in {} (wire packets: a GSO packet \
+                 counts per segment), held back {}, {} dropped with its queue full",
+                keys[0],
+                count(keys[1] as usize, "segment"),
+                count(keys[2] as usize, "time"),
+                count(keys[3] as usize, "packet"),
+            ),
+            out.ascii,
+        ));
+    }
+    lines
+}
+
 /// Known fields of a network in display order with their labels; others
 /// follow by key.
 pub const NETWORK_FIELDS: &[(&str, &str)] = &[
@@ -452,10 +496,24 @@ pub fn key_values(obj: &Map<String, Json>, fields: &[(&str, &str)], out: &Output
     let mut rows: Vec<(String, Vec<String>)> = vec![];
     for (key, label) in fields {
         if let Some(v) = obj.get(*key) {
-            rows.push(((*label).to_owned(), value_lines(key, v, out)));
+            let mut lines = value_lines(key, v, out);
+            if *key == "traffic" {
+                lines.extend(shaper_lines(obj, v, out));
+            }
+            // "IPv6 egress: no (why, and what opens it)".
+            if *key == "ipv6_egress"
+                && let Some(why) = obj.get("ipv6_egress_reason").and_then(Json::as_str)
+            {
+                lines = vec![text(&format!("{} ({why})", lines.join(" ")), out.ascii)];
+            }
+            rows.push(((*label).to_owned(), lines));
         }
     }
     for (key, v) in obj {
+        // Shown with `ipv6_egress`.
+        if key == "ipv6_egress_reason" {
+            continue;
+        }
         if !fields.iter().any(|(k, _)| k == key) {
             rows.push((text(key, out.ascii), value_lines(key, v, out)));
         }
@@ -559,6 +617,39 @@ mod tests {
         assert_eq!(count(0, "network"), "0 networks");
         assert_eq!(count(1, "network"), "1 network");
         assert_eq!(count(2, "network"), "2 networks");
+    }
+
+    #[test]
+    fn shaper_counters_show_with_a_limit_in_their_unit() {
+        let t = json!({"tx_bytes": 1, "egress_shaped_bytes": 3000, "egress_shaped_packets": 2,
+            "egress_delayed": 5, "egress_rate_dropped_packets": 1});
+        let n =
+            json!({"sandbox_id": "s", "egress_bps": 10_000_000, "ingress_bps": 0, "traffic": t});
+        let s = key_values(n.as_object().unwrap(), NETWORK_FIELDS, &ASCII);
+        assert!(
+            s.contains(
+                "egress shaper (10Mbit): sent 3000 bytes in 2 segments (wire packets: a GSO \
+                 packet counts per segment), held back 5 times, 1 packet dropped with its \
+                 queue full"
+            ),
+            "{s}"
+        );
+        assert!(!s.contains("ingress shaper"), "no ingress limit: {s}");
+        let n = json!({"sandbox_id": "s", "egress_bps": 0, "traffic": {"tx_bytes": 1}});
+        let s = key_values(n.as_object().unwrap(), NETWORK_FIELDS, &ASCII);
+        assert!(!s.contains("shaper"), "{s}");
+    }
+
+    #[test]
+    fn no_ipv6_egress_says_why() {
+        let n = json!({"sandbox_id": "s", "ipv6_egress": false,
+            "ipv6_egress_reason": "its rules are IPv4 CIDRs only"});
+        let s = key_values(n.as_object().unwrap(), NETWORK_FIELDS, &ASCII);
+        assert!(
+            s.contains("IPv6 egress: no (its rules are IPv4 CIDRs only)\n"),
+            "{s}"
+        );
+        assert!(!s.contains("ipv6_egress_reason"), "{s}");
     }
 
     #[test]
