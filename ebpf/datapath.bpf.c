@@ -333,6 +333,30 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } host_access SEC(".maps");
 
+/* An IPv6 address as a global function's argument (a sized type). */
+struct dp_in6 {
+	__u32 w[4];
+};
+
+/* The node's own addresses, every device's (the agent follows them:
+ * written at every start before the programs run, then on each address
+ * notification): a sandbox's packet to one never leaves by the uplink. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, __u8);
+	__uint(max_entries, DP_NODE_ADDRS_MAX);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} node_addrs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct dp_in6);
+	__type(value, __u8);
+	__uint(max_entries, DP_NODE_ADDRS_MAX);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} node_addrs6 SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__type(key, struct dp_frag_key);
@@ -469,6 +493,62 @@ static __always_inline struct dp_config *get_config(void)
 	__u32 zero = 0;
 	asm volatile("" : : "r"(DP_BUILD_SALT));
 	return bpf_map_lookup_elem(&config, &zero);
+}
+
+/* Whether `a` is a sandbox identity or on the guests' link: the pool (but
+ * the gateway device's own address) or 169.254.68.4/30. Such a source
+ * enters the node through the datapath only. */
+static __always_inline int sandbox_source(const struct dp_config *c, __u32 a)
+{
+	if (a == c->host_ip)
+		return 0;
+	if (c->pool_mask && (a & c->pool_mask) == (c->host_ip & c->pool_mask))
+		return 1;
+	return (a & bpf_htonl(0xfffffffc)) == (c->gateway_ip & bpf_htonl(0xfffffffc));
+}
+
+/* Whether a sandbox's packet to `a` is for the node itself: loopback, an
+ * address of the node's (node_addrs), or the pool (another sandbox's, or
+ * the gateway device's). */
+static __always_inline int node_dst(const struct dp_config *c, __u32 a)
+{
+	if ((a & 0xff) == 127)
+		return 1;
+	if (c->pool_mask && (a & c->pool_mask) == (c->host_ip & c->pool_mask))
+		return 1;
+	return bpf_map_lookup_elem(&node_addrs, &a) != NULL;
+}
+
+/* The same for IPv6 sources: an ipv6_pool identity (but the gateway
+ * device's own address) or the guests' link fd63:7562:6500::/64. A global
+ * function: its own frame. */
+__noinline int sandbox_source6(const struct dp_in6 *a)
+{
+	struct dp_config *c = get_config();
+	if (!c || !a)
+		return 0;
+	if (a->w[0] == bpf_htonl(DP_V6_PREFIX0) && a->w[1] == bpf_htonl(DP_V6_PREFIX1))
+		return 1;
+	if (!(c->pool6[0] | c->pool6[1] | c->pool6[2]))
+		return 0;
+	return a->w[0] == c->pool6[0] && a->w[1] == c->pool6[1] && a->w[2] == c->pool6[2] &&
+	       a->w[3] != c->host_ip;
+}
+
+/* Whether a sandbox's IPv6 packet to `a` is for the node itself: ::1, an
+ * address of the node's (node_addrs6), an ipv6_pool identity. */
+__noinline int node_dst6(const struct dp_in6 *a)
+{
+	struct dp_config *c = get_config();
+	if (!c || !a)
+		return 0;
+	if (!a->w[0] && !a->w[1] && !a->w[2] && a->w[3] == bpf_htonl(1))
+		return 1;
+	if ((c->pool6[0] | c->pool6[1] | c->pool6[2]) && a->w[0] == c->pool6[0] &&
+	    a->w[1] == c->pool6[1] && a->w[2] == c->pool6[2])
+		return 1;
+	struct dp_in6 k = *a;
+	return bpf_map_lookup_elem(&node_addrs6, &k) != NULL;
 }
 
 /* The guest on `ifindex` uses its static fd63:7562:6500::6 (sb_share.
@@ -1244,6 +1324,13 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 		count(DP_C_HOST_DENIED);
 		return -1;
 	}
+	/* Only a SYN opens a TCP flow: the kernel's SYN-ACK or RST to a
+	 * sandbox for a connection it never opened (one a forged source
+	 * started) is root's, and must not become a flow. */
+	if (l4->proto == IPPROTO_TCP && (l4->tcp_flags & (TCP_SYN | TCP_ACK)) != TCP_SYN) {
+		count(DP_C_HOST_NOT_OPENING);
+		return -1;
+	}
 	if (hv)
 		hflow_drop(c, hk, hv);
 	if (share_take(tap_ifindex)) {
@@ -1529,6 +1616,15 @@ static __always_inline int frag_follow(struct __sk_buff *skb, const struct dp_co
 static __always_inline int forward_out(struct __sk_buff *skb, const struct dp_config *c,
 				       __u32 daddr, __u32 tos, __u32 protocol)
 {
+	if (daddr == c->uplink_ip) {
+		/* Hairpin: a flow to a mapping at the node's own address (or a
+		 * reply to one) turns around into the uplink's ingress, as if
+		 * the router sent it back; from_uplink knows it by the mark.
+		 * guest_to_world lets no other flow to the node come here. */
+		skb->mark = DP_HAIRPIN_MARK;
+		count(DP_C_HAIRPIN);
+		return bpf_redirect(c->uplink_ifindex, BPF_F_INGRESS);
+	}
 	struct bpf_fib_lookup fib = {};
 	fib.family = AF_INET;
 	fib.tos = tos;
@@ -2395,6 +2491,17 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 		sb_count(skb->ifindex, DP_S_POLICY);
 		return TC_ACT_SHOT;
 	}
+	/* The node's own addresses never by the uplink: its services are at
+	 * the gateway (169.254.68.5); a mapping at the uplink's address is
+	 * reached by hairpin (forward_out), as from the world; anything else
+	 * to the node, loopback or the pool is dropped. */
+	if (!v && node_dst(c, ip->daddr) &&
+	    !(ip->daddr == c->uplink_ip && l4->proto != IPPROTO_ICMP &&
+	      find_portmap(ip->daddr, l4->dport, l4->proto, 1))) {
+		count(DP_C_NODE_ADDR);
+		sb_count(skb->ifindex, DP_S_POLICY);
+		return TC_ACT_SHOT;
+	}
 	if (v) {
 		touch(v, l4, DIR_OUT);
 		note_close(skb, v, l4);
@@ -2673,11 +2780,6 @@ static __always_inline int v6_world(const __u32 *d)
 		return 0;
 	return 1;
 }
-
-/* An IPv6 address as a global function's argument (a sized type). */
-struct dp_in6 {
-	__u32 w[4];
-};
 
 /* Whether a sandbox with IPv6 rules (DP_F_V6_RULES) may send to `d`, as
  * policy_allows for IPv4: only unicast a NAT can reach (global 2000::/3
@@ -3035,6 +3137,13 @@ int guest6_out(struct __sk_buff *skb)
 		sb_count6(ifindex, DP_S_POLICY);
 		return TC_ACT_SHOT;
 	}
+	/* The node's own addresses never by the uplink (IPv6 has no hairpin:
+	 * mappings are reached over IPv4's). */
+	if (!v && node_dst6((const struct dp_in6 *)ip.daddr)) {
+		count(DP_C_NODE_ADDR);
+		sb_count6(ifindex, DP_S_POLICY);
+		return TC_ACT_SHOT;
+	}
 	if (v) {
 		touch(v, &l4, DIR_OUT);
 		note_close(skb, v, &l4);
@@ -3131,6 +3240,7 @@ static __always_inline struct dp_tap *portmap6_in(struct __sk_buff *skb, const s
 		return NULL;
 	__u32 sandbox_ip = pm->sandbox_ip;
 	__u16 container_port = pm->container_port;
+	int wins = pm->flags & DP_PM_WINS;
 	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
 	if (!tap)
 		return NULL;
@@ -3151,7 +3261,7 @@ static __always_inline struct dp_tap *portmap6_in(struct __sk_buff *skb, const s
 		drop_stale6(key, v);
 		v = NULL;
 	}
-	if (opens_flow(v, l4) &&
+	if (opens_flow(v, l4) && !wins &&
 	    host_socket6(skb, l4->proto, ip->saddr, l4->sport, ip->daddr, l4->dport)) {
 		/* A host socket listens on (or is bound to) this port: the host
 		 * wins for new flows, as for IPv4. */
@@ -3977,60 +4087,46 @@ static __always_inline int host_nat_reply(struct __sk_buff *skb, const struct dp
 	return TC_ACT_OK;
 }
 
-SEC("classifier")
-int from_uplink(struct __sk_buff *skb)
+/* from_uplink's IPv4 part for a packet to the uplink's address: a reply
+ * of a sandbox flow, a mapped flow, a fragment of either; TC_ACT_OK for
+ * the host's own. */
+static __always_inline int uplink_in(struct __sk_buff *skb, const struct dp_config *c,
+				     struct iphdr *ip, struct l4info *l4)
 {
-	struct dp_config *c = get_config();
-	if (!c)
-		return TC_ACT_OK;
-	struct ethhdr eth;
-	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)))
-		return TC_ACT_OK;
-	if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
-		if (c->flags & DP_CFG_IPV6_EGRESS)
-			bpf_tail_call(skb, &tails, TAIL_UPLINK6_IN);
-		return TC_ACT_OK;
-	}
-	if (!c->uplink_ip || eth.h_proto != bpf_htons(ETH_P_IP))
-		return TC_ACT_OK;
-	struct iphdr ip;
-	struct l4info l4;
-	if (parse_ipv4(skb, &ip, &l4) || ip.daddr != c->uplink_ip)
-		return TC_ACT_OK;
-	if (l4.frag) {
-		int rc = frag_follow(skb, c, &ip, &l4);
+	if (l4->frag) {
+		int rc = frag_follow(skb, c, ip, l4);
 		return rc < 0 ? TC_ACT_OK : rc;
 	}
-	if (l4.proto == IPPROTO_ICMP &&
-	    (l4.icmp_type == ICMP_DEST_UNREACH || l4.icmp_type == ICMP_TIME_EXCEEDED ||
-	     l4.icmp_type == ICMP_PARAMETERPROB))
+	if (l4->proto == IPPROTO_ICMP &&
+	    (l4->icmp_type == ICMP_DEST_UNREACH || l4->icmp_type == ICMP_TIME_EXCEEDED ||
+	     l4->icmp_type == ICMP_PARAMETERPROB))
 		return icmp_error_in(skb);
-	if (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP &&
-	    !(l4.proto == IPPROTO_ICMP && l4.icmp_type == ICMP_ECHOREPLY))
+	if (l4->proto != IPPROTO_TCP && l4->proto != IPPROTO_UDP &&
+	    !(l4->proto == IPPROTO_ICMP && l4->icmp_type == ICMP_ECHOREPLY))
 		return TC_ACT_OK;
 
 	__u32 sandbox_ip;
 	__u16 guest_port;
 	struct dp_tap *tap;
 	struct dp_rev_key rk = {
-		.remote_ip = ip.saddr,
-		.remote_port = l4.proto == IPPROTO_ICMP ? 0 : l4.sport,
-		.nat_port = l4.dport,
-		.proto = l4.proto,
+		.remote_ip = ip->saddr,
+		.remote_port = l4->proto == IPPROTO_ICMP ? 0 : l4->sport,
+		.nat_port = l4->dport,
+		.proto = l4->proto,
 	};
 	struct dp_rev_val *rv = bpf_map_lookup_elem(&ct_rev, &rk);
 	if (rv && rv->sandbox_ip == 0)
-		return host_nat_reply(skb, &rk, rv, &l4);
+		return host_nat_reply(skb, &rk, rv, l4);
 	if (rv) {
 		sandbox_ip = rv->sandbox_ip;
 		guest_port = rv->guest_port;
 		__u64 gen = rv->gen;
 		struct dp_ct_key key = {
 			.sandbox_ip = sandbox_ip,
-			.remote_ip = ip.saddr,
+			.remote_ip = ip->saddr,
 			.guest_port = guest_port,
 			.remote_port = rk.remote_port,
-			.proto = l4.proto,
+			.proto = l4->proto,
 		};
 		struct dp_ct_val *v = bpf_map_lookup_elem(&ct, &key);
 		if (!v || v->gen != gen || v->nat_port != rk.nat_port || v->kind != DP_CT_SNAT) {
@@ -4049,14 +4145,14 @@ int from_uplink(struct __sk_buff *skb)
 		/* A live sandbox flow owns its tuple: no host socket can take
 		 * its replies (to_uplink moves a host connection that would
 		 * use the same tuple to another port). */
-		touch(v, &l4, DIR_IN);
+		touch(v, l4, DIR_IN);
 		count(DP_C_SNAT_REPLY);
 	} else {
-		if (l4.proto == IPPROTO_ICMP)
+		if (l4->proto == IPPROTO_ICMP)
 			return TC_ACT_OK;
 		/* daddr is the uplink address: the mapping on exactly it, or on
 		 * every node address. Loopback mappings never match here. */
-		struct dp_portmap_val *pm = find_portmap(ip.daddr, l4.dport, l4.proto, 1);
+		struct dp_portmap_val *pm = find_portmap(ip->daddr, l4->dport, l4->proto, 1);
 		if (!pm)
 			return TC_ACT_OK; /* the host's own traffic */
 		sandbox_ip = pm->sandbox_ip;
@@ -4066,14 +4162,14 @@ int from_uplink(struct __sk_buff *skb)
 			return TC_ACT_SHOT;
 		struct dp_ct_key key = {
 			.sandbox_ip = sandbox_ip,
-			.remote_ip = ip.saddr,
+			.remote_ip = ip->saddr,
 			.guest_port = guest_port,
-			.remote_port = l4.sport,
-			.proto = l4.proto,
+			.remote_port = l4->sport,
+			.proto = l4->proto,
 		};
 		struct dp_ct_val *v = flow_of(&key, tap->gen);
-		if (opens_flow(v, &l4) &&
-		    host_socket(skb, l4.proto, ip.saddr, l4.sport, ip.daddr, l4.dport, 1)) {
+		if (opens_flow(v, l4) && !(pm->flags & DP_PM_WINS) &&
+		    host_socket(skb, l4->proto, ip->saddr, l4->sport, ip->daddr, l4->dport, 1)) {
 			/* A host socket listens on (or is bound to) this port: the
 			 * host wins for new flows; mapped flows already running
 			 * keep going. */
@@ -4083,11 +4179,11 @@ int from_uplink(struct __sk_buff *skb)
 			return TC_ACT_OK;
 		}
 		if (v) {
-			touch(v, &l4, DIR_IN);
+			touch(v, l4, DIR_IN);
 		} else {
-			struct dp_ct_val nv = {.nat_port = l4.dport, .kind = DP_CT_PORTMAP,
+			struct dp_ct_val nv = {.nat_port = l4->dport, .kind = DP_CT_PORTMAP,
 					       .gen = tap->gen};
-			touch(&nv, &l4, DIR_IN);
+			touch(&nv, l4, DIR_IN);
 			bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
 			sb_count(tap->ifindex, DP_S_NEW_PORTMAP);
 		}
@@ -4095,18 +4191,65 @@ int from_uplink(struct __sk_buff *skb)
 	}
 	__u32 tap_ifindex = tap->ifindex;
 	if (tap->flags & DP_T_PAUSED)
-		return paused_drop(tap_ifindex, tap->gen, sandbox_ip, ip.saddr,
-				   wake_what(guest_port, rk.remote_port, l4.proto,
+		return paused_drop(tap_ifindex, tap->gen, sandbox_ip, ip->saddr,
+				   wake_what(guest_port, rk.remote_port, l4->proto,
 					     rv ? DP_WAKE_REPLY : DP_WAKE_PORTMAP));
 	if (tap->flags & DP_T_SHAPE_IN)
 		skb->priority = skb->len <= DP_SHAPE_SMALL ? DP_TAP_CLASS_SMALL : DP_TAP_CLASS_BULK;
-	if (l4.first_frag)
-		frag_note(&ip, tap_ifindex, tap->gen, ip.saddr, c->guest_ip);
-	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
-	    set_port(skb, dst_port_off(&l4), l4.dport, guest_port, &l4) ||
+	if (l4->first_frag)
+		frag_note(ip, tap_ifindex, tap->gen, ip->saddr, c->guest_ip);
+	if (set_addr(skb, IP_DST_OFF, ip->daddr, c->guest_ip, l4) ||
+	    set_port(skb, dst_port_off(l4), l4->dport, guest_port, l4) ||
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
 	return bpf_redirect(tap_ifindex, 0);
+}
+
+SEC("classifier")
+int from_uplink(struct __sk_buff *skb)
+{
+	struct dp_config *c = get_config();
+	if (!c)
+		return TC_ACT_OK;
+	struct ethhdr eth;
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)))
+		return TC_ACT_OK;
+	if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
+		/* A sandbox identity or the guests' link as the source: forged
+		 * (the node would answer it into the sandbox as its own). */
+		struct dp_in6 src;
+		if (!bpf_skb_load_bytes(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, saddr), &src,
+					sizeof(src)) &&
+		    sandbox_source6(&src)) {
+			count(DP_C_FORGED_SOURCE);
+			return TC_ACT_SHOT;
+		}
+		if (c->flags & DP_CFG_IPV6_EGRESS)
+			bpf_tail_call(skb, &tails, TAIL_UPLINK6_IN);
+		return TC_ACT_OK;
+	}
+	if (eth.h_proto != bpf_htons(ETH_P_IP))
+		return TC_ACT_OK;
+	struct iphdr ip;
+	struct l4info l4;
+	if (parse_ipv4(skb, &ip, &l4))
+		return TC_ACT_OK;
+	int hairpin = skb->mark == DP_HAIRPIN_MARK;
+	if (hairpin) {
+		skb->mark = 0;
+	} else if (sandbox_source(c, ip.saddr)) {
+		count(DP_C_FORGED_SOURCE);
+		return TC_ACT_SHOT;
+	}
+	if (!c->uplink_ip || ip.daddr != c->uplink_ip)
+		return hairpin ? TC_ACT_SHOT : TC_ACT_OK;
+	int rc = uplink_in(skb, c, &ip, &l4);
+	if (hairpin && rc == TC_ACT_OK) {
+		/* Not a mapped flow or its reply: never the host's. */
+		count(DP_C_NODE_ADDR);
+		return TC_ACT_SHOT;
+	}
+	return rc;
 }
 
 /* Ingress of the shaper device's peer: a limited sandbox's packet to the
@@ -4235,12 +4378,34 @@ int from_host(struct __sk_buff *skb)
 	if (!c)
 		return TC_ACT_OK;
 	struct ethhdr eth;
-	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) || eth.h_proto != bpf_htons(ETH_P_IP))
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)))
+		return TC_ACT_OK;
+	/* A node process sending from a sandbox identity (IP_FREEBIND and
+	 * IPV6_FREEBIND need no capability): only the datapath delivers such
+	 * sources (into the gateway device, never through lo), so the agent's
+	 * resolver and proxy, the node's services and the kernel's answers
+	 * never take a local user for a sandbox. */
+	if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
+		struct dp_in6 src;
+		if (!bpf_skb_load_bytes(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, saddr), &src,
+					sizeof(src)) &&
+		    sandbox_source6(&src)) {
+			count(DP_C_FORGED_SOURCE);
+			return TC_ACT_SHOT;
+		}
+		return TC_ACT_OK;
+	}
+	if (eth.h_proto != bpf_htons(ETH_P_IP))
 		return TC_ACT_OK;
 	struct iphdr ip;
 	struct l4info l4;
-	if (parse_ipv4(skb, &ip, &l4) || l4.frag || l4.first_frag ||
-	    (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP))
+	if (parse_ipv4(skb, &ip, &l4))
+		return TC_ACT_OK;
+	if (sandbox_source(c, ip.saddr)) {
+		count(DP_C_FORGED_SOURCE);
+		return TC_ACT_SHOT;
+	}
+	if (l4.frag || l4.first_frag || (l4.proto != IPPROTO_TCP && l4.proto != IPPROTO_UDP))
 		return TC_ACT_OK;
 	/* Everything leaving through lo is addressed to the node itself. A
 	 * mapping on exactly the destination address matches; a wildcard one
@@ -4252,6 +4417,7 @@ int from_host(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	__u32 sandbox_ip = pm->sandbox_ip;
 	__u16 container_port = pm->container_port;
+	int wins = pm->flags & DP_PM_WINS;
 	struct dp_tap *tap = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
 	if (!tap)
 		return TC_ACT_OK;
@@ -4268,7 +4434,7 @@ int from_host(struct __sk_buff *skb)
 	struct dp_hflow_val *hv = hflow_of(c, &hk, sandbox_ip, gen);
 	int opens = !hv || (l4.proto == IPPROTO_TCP &&
 			    (l4.tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN);
-	if (opens &&
+	if (opens && !wins &&
 	    host_socket(skb, l4.proto, ip.saddr, l4.sport, ip.daddr, l4.dport, 1)) {
 		/* A host socket listens there: the host wins (new flows). */
 		if (hv)

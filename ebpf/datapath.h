@@ -39,7 +39,17 @@ struct dp_config {
 	 * identities (sandbox_ipv6 = pool6 ‖ sandbox_ip; the gateway device's
 	 * address pool6 ‖ host_ip); all 0 = none. */
 	__u32 pool6[3];
-}; /* 100 bytes */
+	/* The pool's netmask (network order): host_ip & pool_mask is the
+	 * sandboxes' IPv4 network; 0 = none (builds before wrote no field). */
+	__u32 pool_mask;
+}; /* 104 bytes */
+
+/* skb->mark of a sandbox's packet to a port mapping at the node's own
+ * address, turned around into the uplink's ingress (forward_out): from_uplink
+ * takes it as a hairpin (a mapped flow or its reply), never as the host's. */
+#define DP_HAIRPIN_MARK 0x63756265u
+/* Entries of node_addrs and node_addrs6. */
+#define DP_NODE_ADDRS_MAX 4096
 
 /* dp_config.flags */
 #define DP_CFG_IPV6 1 /* the guests' IPv6 link (RA, NA, refusals); else IPv6 is dropped */
@@ -233,6 +243,12 @@ struct dp_portmap_val {
 /* A mapping on the node's IPv6 address only (host_ip "::" or the uplink's
  * IPv6 address; key host_ip 0): IPv4's lookups (find_portmap) pass it by. */
 #define DP_PM_V6_ONLY 1
+/* The mapping wins over host sockets on its port (the CNI front end: a
+ * runtime such as podman holds the published port itself after ADD, and
+ * expects portmap's order, DNAT before any socket); without it a host
+ * socket wins new flows. A port a host socket held when the mapping was
+ * made is refused by the agent either way. */
+#define DP_PM_WINS 2
 
 /* flow as the sandbox sees it -> how it leaves the node */
 struct dp_ct_key {
@@ -469,6 +485,10 @@ enum dp_counter {
 	DP_C_NAT66,               /* a sandbox's IPv6 packet to the world (NAT66) */
 	DP_C_NAT66_REPLY,         /* the world's IPv6 packet of a sandbox's NAT66 flow */
 	DP_C_NAT66_HOST_HELD,     /* a node's IPv6 packet on a tuple a sandbox's NAT66 flow holds (dropped) */
+	DP_C_NODE_ADDR,           /* a sandbox's new flow to a node address or another sandbox's, not a mapping (dropped) */
+	DP_C_HAIRPIN,             /* a sandbox's packet to a mapping at the node's address, turned around */
+	DP_C_FORGED_SOURCE,       /* a packet from the uplink or a node process with a sandbox identity as source (dropped) */
+	DP_C_HOST_NOT_OPENING,    /* a node packet to a sandbox that opens no flow: a TCP segment other than a SYN (dropped) */
 	DP_C_MAX,
 };
 

@@ -387,13 +387,24 @@ pub fn watch_links(tx: tokio::sync::mpsc::UnboundedSender<LinkEvent>) -> Result<
 pub fn watch_ipv6_addrs_and_routes(
     tx: tokio::sync::mpsc::UnboundedSender<()>,
 ) -> Result<(), NetlinkError> {
+    poke_on(
+        &[
+            rtnetlink::MulticastGroup::Ipv6Ifaddr,
+            rtnetlink::MulticastGroup::Ipv6Route,
+        ],
+        tx,
+    )
+}
+
+/// Pokes `tx` on every notification of `groups`; active when this returns.
+fn poke_on(
+    groups: &[rtnetlink::MulticastGroup],
+    tx: tokio::sync::mpsc::UnboundedSender<()>,
+) -> Result<(), NetlinkError> {
     use futures::StreamExt;
     let rt = tokio::runtime::Handle::try_current().map_err(|_| NetlinkError::NoRuntime)?;
-    let (conn, _handle, mut messages) = rtnetlink::new_multicast_connection(&[
-        rtnetlink::MulticastGroup::Ipv6Ifaddr,
-        rtnetlink::MulticastGroup::Ipv6Route,
-    ])
-    .map_err(NetlinkError::Connect)?;
+    let (conn, _handle, mut messages) =
+        rtnetlink::new_multicast_connection(groups).map_err(NetlinkError::Connect)?;
     rt.spawn(conn);
     rt.spawn(async move {
         while messages.next().await.is_some() {
@@ -403,6 +414,19 @@ pub fn watch_ipv6_addrs_and_routes(
         }
     });
     Ok(())
+}
+
+/// Subscribes to the kernel's address notifications of both families
+/// (RTNLGRP_IPV4_IFADDR, RTNLGRP_IPV6_IFADDR) and pokes `tx` on each;
+/// active when this returns.
+pub fn watch_addrs(tx: tokio::sync::mpsc::UnboundedSender<()>) -> Result<(), NetlinkError> {
+    poke_on(
+        &[
+            rtnetlink::MulticastGroup::Ipv4Ifaddr,
+            rtnetlink::MulticastGroup::Ipv6Ifaddr,
+        ],
+        tx,
+    )
 }
 
 impl Netlink {

@@ -129,6 +129,7 @@ fn sandbox_path(rec: &NetworkRecord, ifindex: u32) -> SandboxPath<'_> {
         strict_egress: !rec.egress_mode.is_dns(),
         bandwidth: rec.bandwidth,
         paused: rec.paused,
+        mapping_wins: false,
     }
 }
 

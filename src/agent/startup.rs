@@ -190,6 +190,9 @@ impl Agent {
         // The uplink's IPv6 (NAT66) followed from the start on.
         let (v6_tx, v6_rx) = tokio::sync::mpsc::unbounded_channel();
         crate::netlink::watch_ipv6_addrs_and_routes(v6_tx)?;
+        // The node's own addresses (node_addrs) followed likewise.
+        let (addr_tx, mut addr_rx) = tokio::sync::mpsc::unbounded_channel();
+        crate::netlink::watch_addrs(addr_tx)?;
         let mut inherited_taps: HashMap<String, Tap> = HashMap::new();
         for fd in inherited {
             match Tap::from_fd(fd) {
@@ -238,6 +241,35 @@ impl Agent {
             .store(true, std::sync::atomic::Ordering::Release);
         tokio::spawn(agent.pool.clone().run());
         tokio::spawn(agent.clone().run_ipv6(v6_rx));
+        // The node's addresses into node_addrs: on every change (settled
+        // for 50 ms: an address comes with several notifications), and
+        // every minute in case a notification was lost.
+        let dp = agent.datapath.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(60));
+            loop {
+                tokio::select! {
+                    poke = addr_rx.recv() => {
+                        if poke.is_none() {
+                            return;
+                        }
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        while addr_rx.try_recv().is_ok() {}
+                    }
+                    _ = tick.tick() => {}
+                }
+                let dp = dp.clone();
+                let r = tokio::task::spawn_blocking(move || {
+                    dp.set_node_addrs(&super::egress::local_addresses())
+                })
+                .await;
+                match r {
+                    Ok(Ok(n)) if n > 0 => debug!(changed = n, "node addresses followed"),
+                    Ok(Err(e)) => warn!(error = %e, "node addresses not followed"),
+                    _ => {}
+                }
+            }
+        });
         agent.spawn_wake_reader();
         let weak = Arc::downgrade(&agent);
         tokio::spawn(async move {
@@ -448,6 +480,8 @@ impl Agent {
             ipv6_link: cfg.ipv6 == crate::config::Ipv6Mode::Auto,
             uplink_ip6: uplink6,
             pool6,
+            pool_mask: prefix_mask(d.pool.prefix_len()),
+            node_addrs: super::egress::local_addresses(),
         };
         match crate::datapath::ebpf::EbpfDatapath::load(node) {
             Ok(dp) => Ok(Arc::new(dp)),
@@ -807,4 +841,9 @@ impl Agent {
         }
         net
     }
+}
+
+/// The netmask of a prefix length.
+fn prefix_mask(len: u8) -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::from(u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0))
 }

@@ -590,6 +590,7 @@ impl Loaded {
                     ..Default::default()
                 },
                 paused: false,
+                mapping_wins: false,
             };
             if on { d.attach(&sb) } else { d.detach(&sb) }
         })?
@@ -625,6 +626,7 @@ impl Loaded {
                 strict_egress: false,
                 bandwidth,
                 paused: false,
+                mapping_wins: false,
             })?;
             if names {
                 d.learn(
@@ -725,6 +727,8 @@ fn load_ebpf(topo: &Topo, snat_port_range: Option<&str>) -> Result<Loaded> {
         ipv6_link: true,
         uplink_ip6: Some(UPLINK_IP6),
         pool6: None,
+        pool_mask: Ipv4Addr::new(255, 255, 192, 0),
+        node_addrs: cube_network_agent::agent::egress::local_addresses(),
     };
     let dp = Arc::new(
         in_netns(&topo.node, move || EbpfDatapath::load(node))?

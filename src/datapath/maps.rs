@@ -34,6 +34,10 @@ pub struct DpConfig {
     /// Host <-> sandbox over IPv6: the first 96 bits of the sandboxes'
     /// IPv6 identities (`ipv6_pool`); all 0 = none.
     pub pool6: [u8; 12],
+    /// The pool's netmask (network order): `host_ip & pool_mask` is the
+    /// sandboxes' network (a source the uplink and `lo` never deliver, a
+    /// destination that never leaves by the uplink); 0 = none.
+    pub pool_mask: u32,
 }
 
 /// A sandbox's entries in the shared tables (`sb_share`, keyed by its TAP
@@ -223,6 +227,9 @@ pub struct DpPortmapVal {
 
 /// `DpPortmapVal::flags`: the mapping is on the node's IPv6 address only.
 pub const DP_PM_V6_ONLY: u16 = 1;
+/// `DpPortmapVal::flags`: the mapping wins over host sockets on its port
+/// (`SandboxPath::mapping_wins`).
+pub const DP_PM_WINS: u16 = 2;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -580,7 +587,7 @@ unsafe impl aya::Pod for DpFragVal {}
 
 // The C side's sizes (ebpf/datapath.h comments); a mismatch fails the build.
 const _: () = {
-    assert!(size_of::<DpConfig>() == 100);
+    assert!(size_of::<DpConfig>() == 104);
     assert!(size_of::<DpCt6Key>() == 28);
     assert!(size_of::<DpRev6Key>() == 24);
     assert!(size_of::<DpShare>() == 8);
@@ -626,6 +633,9 @@ pub const HOST_FLOW_ENTRIES: u32 = 262144;
 pub const HOST_ACCESS_ENTRIES: u32 = 256;
 /// Entries of `frags`.
 pub const FRAG_ENTRIES: u32 = 8192;
+/// Entries of `node_addrs` and `node_addrs6` (`DP_NODE_ADDRS_MAX`): the
+/// node's own addresses, each family.
+pub const NODE_ADDRS_ENTRIES: u32 = 4096;
 /// Entries of `dns_learned` (`DP_LEARNED_MAX`): 10,000 sandboxes x 100.
 pub const LEARNED_ENTRIES: u32 = 1_048_576;
 
@@ -679,6 +689,8 @@ pub const PINNED: &[PinnedMap] = {
     let policy6_key = size_of::<DpPolicy6Data>() + 4;
     &[
         pinned("config", Array, 4, size_of::<DpConfig>(), 1, Rebuilt),
+        pinned("node_addrs", Hash, 4, 1, NODE_ADDRS_ENTRIES, Rebuilt),
+        pinned("node_addrs6", Hash, 16, 1, NODE_ADDRS_ENTRIES, Rebuilt),
         pinned(
             "counters",
             PerCpuArray,
@@ -959,6 +971,10 @@ pub const COUNTER_NAMES: &[&str] = &[
     "nat66",
     "nat66_reply",
     "nat66_host_held",
+    "node_addr_drop",
+    "hairpin",
+    "forged_source_drop",
+    "host_not_opening_drop",
 ];
 
 #[cfg(test)]

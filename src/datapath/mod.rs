@@ -38,6 +38,10 @@ pub struct SandboxPath<'a> {
     /// Paused: packets for the sandbox are dropped; the first one of each
     /// pause is reported (`Datapath::wakes`).
     pub paused: bool,
+    /// Its port mappings win over host sockets that bind their ports later
+    /// (`DP_PM_WINS`: portmap's order, for runtimes that hold the published
+    /// port themselves); false: a host socket wins new flows.
+    pub mapping_wins: bool,
 }
 
 impl SandboxPath<'_> {
@@ -269,6 +273,12 @@ pub trait Datapath: Send + Sync {
     /// more): the programs use it from the next packet on.
     fn set_uplink6(&self, _addr: Option<std::net::Ipv6Addr>) -> Result<(), DatapathError> {
         Ok(())
+    }
+    /// The node's own addresses now (every device's, both families): a
+    /// sandbox's packet to one never leaves by the uplink. Returns how
+    /// many entries changed.
+    fn set_node_addrs(&self, _addrs: &[std::net::IpAddr]) -> Result<usize, DatapathError> {
+        Ok(0)
     }
 }
 

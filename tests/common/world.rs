@@ -530,3 +530,56 @@ pub fn counter(checks: &[(String, bool, String)], name: &str) -> u64 {
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
 }
+
+/// tcpdump on the world's end of the uplink (`w0`), packets the world
+/// receives only, with a capture `filter`: what reached the far side of the
+/// uplink.
+pub struct Capture {
+    child: std::process::Child,
+    out: std::path::PathBuf,
+}
+
+impl Capture {
+    pub fn start(world: &World, dir: &std::path::Path, filter: &str) -> Capture {
+        static CAPTURES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let tag = CAPTURES.fetch_add(1, Ordering::Relaxed);
+        let (out, err) = (
+            dir.join(format!("w0-{tag}.txt")),
+            dir.join(format!("w0-{tag}.err")),
+        );
+        let child = Command::new("ip")
+            .args([
+                "netns", "exec", &world.ns, "tcpdump", "-l", "-n", "-Q", "in", "-i",
+            ])
+            .arg(WORLD_IF)
+            .arg(filter)
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .expect("tcpdump (scripts/deps.sh)");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !std::fs::read_to_string(&err)
+            .unwrap_or_default()
+            .contains("listening on")
+        {
+            assert!(Instant::now() < deadline, "tcpdump did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Capture { child, out }
+    }
+
+    /// Stops it and returns what it printed (a line a packet).
+    pub fn stop(mut self) -> String {
+        std::thread::sleep(Duration::from_millis(300));
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        std::fs::read_to_string(&self.out).unwrap_or_default()
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

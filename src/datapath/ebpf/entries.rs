@@ -69,7 +69,9 @@ pub(super) fn map_err(what: &'static str, e: &aya::maps::MapError) -> DatapathEr
 fn portmap_entries(
     ip: u32,
     mappings: &[crate::types::PortMapping],
+    wins: bool,
 ) -> Result<Vec<(DpPortmapKey, DpPortmapVal)>, DatapathError> {
+    let wins = if wins { DP_PM_WINS } else { 0 };
     mappings
         .iter()
         .map(|m| {
@@ -97,7 +99,7 @@ fn portmap_entries(
                 DpPortmapVal {
                     sandbox_ip: ip,
                     container_port: m.container_port.to_be(),
-                    flags,
+                    flags: flags | wins,
                 },
             ))
         })
@@ -188,7 +190,7 @@ impl EbpfDatapath {
             policy::keys6(ip, sb.allow_out, false),
             policy::keys6(ip, sb.deny_out, true),
         );
-        let want_ports = portmap_entries(ip, sb.port_mappings)?;
+        let want_ports = portmap_entries(ip, sb.port_mappings, sb.mapping_wins)?;
         let before = self
             .rate_read
             .lock()

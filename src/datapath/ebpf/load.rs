@@ -133,7 +133,11 @@ impl EbpfDatapath {
             sb_share: take(&mut bpf, "sb_share")?,
             sb_rate: take(&mut bpf, "sb_rate")?,
             wake_sent: take(&mut bpf, "wake_sent")?,
+            node_addrs: take(&mut bpf, "node_addrs")?,
+            node_addrs6: take(&mut bpf, "node_addrs6")?,
         };
+        // The node's addresses, before any program sees a packet.
+        super::node_addrs::sync(&mut maps.node_addrs, &mut maps.node_addrs6, &node.node_addrs)?;
         let wakes: aya::maps::RingBuf<MapData> = take(&mut bpf, "wakes")?;
         let learned = learned::Learned::<DpLearnedKey>::new(
             take(&mut bpf, "dns_learned")?,
@@ -178,6 +182,7 @@ impl EbpfDatapath {
                 .filter(|_| node.ipv6_link)
                 .map_or([0; 16], |a| a.octets()),
             pool6: node.pool6.filter(|_| node.ipv6_link).unwrap_or([0; 12]),
+            pool_mask: ip_be(node.pool_mask),
         };
         // The tail-called programs, before any hook runs the programs that
         // call them (an empty slot: IPv6 to the world is refused).

@@ -59,6 +59,7 @@ mod entries;
 mod health;
 mod learned;
 mod load;
+mod node_addrs;
 mod policy;
 mod reap;
 
@@ -174,6 +175,11 @@ pub struct NodeInfo {
     /// Host <-> sandbox over IPv6 (with `ipv6_link`): the /96 of the
     /// sandboxes' IPv6 identities, routed to the gateway device.
     pub pool6: Option<[u8; 12]>,
+    /// The sandbox pool's netmask (the pool is `host_ip`'s network).
+    pub pool_mask: Ipv4Addr,
+    /// The node's own addresses now (both families): what `node_addrs`
+    /// holds before the programs run.
+    pub node_addrs: Vec<std::net::IpAddr>,
 }
 
 fn ip_be(ip: Ipv4Addr) -> u32 {
@@ -215,6 +221,9 @@ struct Maps {
     sb_rate: HashMap<MapData, u32, DpRate>,
     /// The first packet of each pause, per device: emptied to arm a pause.
     wake_sent: HashMap<MapData, u32, DpWake>,
+    /// The node's own addresses (`set_node_addrs`).
+    node_addrs: HashMap<MapData, u32, u8>,
+    node_addrs6: HashMap<MapData, [u8; 16], u8>,
 }
 
 struct Inner {
@@ -516,6 +525,12 @@ impl Datapath for EbpfDatapath {
 
     fn program_tags(&self) -> Vec<(&'static str, u64)> {
         PROGRAMS.iter().map(|p| (*p, self.tags[p].tag)).collect()
+    }
+
+    fn set_node_addrs(&self, addrs: &[std::net::IpAddr]) -> Result<usize, DatapathError> {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let maps = &mut inner.maps;
+        node_addrs::sync(&mut maps.node_addrs, &mut maps.node_addrs6, addrs)
     }
 
     fn set_uplink6(&self, addr: Option<std::net::Ipv6Addr>) -> Result<(), DatapathError> {
