@@ -588,34 +588,52 @@ static __always_inline struct dp_ct_val *ct6_to_guest(struct dp_ct6_key *key, __
  * CPUs racing for the last entries may each take one: a share can be
  * exceeded by at most the number of CPUs. Global functions (these three):
  * the verifier checks each once, not along every path that calls it. */
-__noinline int share_take(__u32 ifindex)
+/* One budget of a sandbox's share (dp_share): `in` (flows others opened)
+ * or the guest's own; its guaranteed entries and its cap. */
+static __always_inline __u32 budget_guaranteed(const struct dp_config *c, __u32 in)
+{
+	__u32 own = (c->hflow_guaranteed + 1) / 2;
+	return in ? c->hflow_guaranteed - own : own;
+}
+
+static __always_inline __u32 budget_cap(const struct dp_config *c)
+{
+	__u32 cap = c->hflow_cap / 2;
+	return cap ? cap : 1;
+}
+
+/* Takes an entry of the sandbox's budget `in` (1: a flow someone else
+ * opened to it; 0: one the guest opened): 0, or -1 when it is used up. */
+__noinline int share_take(__u32 ifindex, __u32 in)
 {
 	struct dp_config *c = get_config();
 	struct dp_share *s = bpf_map_lookup_elem(&sb_share, &ifindex);
 	if (!s || !c)
 		return 0;
-	__u32 held = s->hflow;
-	if (held >= c->hflow_cap)
+	__u32 v = s->hflow;
+	__u32 held = in ? v >> 16 : v & 0xffff;
+	if (held >= budget_cap(c))
 		return -1;
-	if (held >= c->hflow_guaranteed) {
+	if (held >= budget_guaranteed(c, in)) {
 		__u32 zero = 0;
 		struct dp_share_pool *p = bpf_map_lookup_elem(&share_pool, &zero);
 		if (!p || p->hflow_borrowed >= c->hflow_borrow)
 			return -1;
 		__sync_fetch_and_add(&p->hflow_borrowed, 1);
 	}
-	__sync_fetch_and_add(&s->hflow, 1);
+	__sync_fetch_and_add(&s->hflow, in ? 0x10000 : 1);
 	return 0;
 }
 
-/* Gives one of `s`'s back. */
-static __always_inline void give(const struct dp_config *c, struct dp_share *s)
+/* Gives one of `s`'s budget `in` back. */
+static __always_inline void give(const struct dp_config *c, struct dp_share *s, __u32 in)
 {
-	__u32 held = s->hflow;
+	__u32 v = s->hflow;
+	__u32 held = in ? v >> 16 : v & 0xffff;
 	if (held == 0)
 		return; /* never below zero (the reaper's recount may have raced) */
-	__sync_fetch_and_add(&s->hflow, -1);
-	if (held > c->hflow_guaranteed) {
+	__sync_fetch_and_add(&s->hflow, in ? -0x10000 : -1);
+	if (held > budget_guaranteed(c, in)) {
 		__u32 zero = 0;
 		struct dp_share_pool *p = bpf_map_lookup_elem(&share_pool, &zero);
 		if (p && p->hflow_borrowed > 0)
@@ -624,19 +642,19 @@ static __always_inline void give(const struct dp_config *c, struct dp_share *s)
 }
 
 /* Gives one back (an entry share_take counted was removed). */
-__noinline int share_give(__u32 ifindex)
+__noinline int share_give(__u32 ifindex, __u32 in)
 {
 	struct dp_config *c = get_config();
 	struct dp_share *s = bpf_map_lookup_elem(&sb_share, &ifindex);
 	if (s && c)
-		give(c, s);
+		give(c, s, in);
 	return 0;
 }
 
 /* A host flow of the sandbox at `sandbox_ip`, opened by its owner of
  * generation `gen`, was removed: the owner (if it still owns the address)
  * gets the entry's share back. */
-__noinline int hflow_gone(__u32 sandbox_ip, __u64 gen)
+__noinline int hflow_gone(__u32 sandbox_ip, __u64 gen, __u32 in)
 {
 	struct dp_config *c = get_config();
 	struct dp_tap *t = bpf_map_lookup_elem(&by_ip, &sandbox_ip);
@@ -645,8 +663,15 @@ __noinline int hflow_gone(__u32 sandbox_ip, __u64 gen)
 	__u32 ifindex = t->ifindex;
 	struct dp_share *s = bpf_map_lookup_elem(&sb_share, &ifindex);
 	if (s)
-		give(c, s);
+		give(c, s, in);
 	return 0;
+}
+
+/* Which budget of its sandbox's share a host flow counts against: 1 for
+ * one the node (or a local process through a mapping) opened. */
+static __always_inline __u32 hflow_budget(const struct dp_hflow_val *v)
+{
+	return (v->flags & DP_HFF_HOST_OPENED) || v->kind == DP_HF_LO;
 }
 
 static __always_inline int mac_eq(const __u8 *a, const __u8 *b)
@@ -1177,6 +1202,7 @@ static __always_inline void hflow_drop(const struct dp_config *c, const struct d
 {
 	__u32 sandbox_ip = hv->sandbox_ip;
 	__u64 gen = hv->gen;
+	__u32 in = hflow_budget(hv);
 	struct dp_hrev_key rk = {
 		.sandbox_ip = sandbox_ip,
 		.guest_port = hv->guest_port,
@@ -1188,7 +1214,7 @@ static __always_inline void hflow_drop(const struct dp_config *c, const struct d
 	if (rv && hkey_eq(&rv->host, hk))
 		bpf_map_delete_elem(&hrev, &rk);
 	if (bpf_map_delete_elem(&hflow, hk) == 0)
-		hflow_gone(sandbox_ip, gen);
+		hflow_gone(sandbox_ip, gen, in);
 }
 
 /* The host flow `hk` of the sandbox at `sandbox_ip` whose owner has
@@ -1224,8 +1250,9 @@ static __always_inline int hrev_reusable(const struct dp_config *c, const struct
 		return 0;
 	__u32 held_by = ov->sandbox_ip;
 	__u64 held_gen = ov->gen;
+	__u32 in = hflow_budget(ov);
 	if (bpf_map_delete_elem(&hflow, &ok) == 0)
-		hflow_gone(held_by, held_gen);
+		hflow_gone(held_by, held_gen, in);
 	return 1;
 }
 
@@ -1333,14 +1360,18 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 	}
 	if (hv)
 		hflow_drop(c, hk, hv);
-	if (share_take(tap_ifindex)) {
+	/* Flows others open come from the sandbox's budget for them: a local
+	 * user's flood through a mapping on lo never takes the room its own
+	 * flows to the resolver need. */
+	__u32 in = admission || kind == DP_HF_LO;
+	if (share_take(tap_ifindex, in)) {
 		count(DP_C_HOST_SHARE);
 		sb_count_fam(tap_ifindex, DP_S_NO_PORT, hk->family);
 		return -1;
 	}
 	int syn = l4->proto == IPPROTO_TCP && (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
 	if (hflow_alloc(c, hk, sandbox_ip, guest_port, gen, syn, gw_port)) {
-		share_give(tap_ifindex);
+		share_give(tap_ifindex, in);
 		count(DP_C_NO_GW_PORT);
 		sb_count_fam(tap_ifindex, DP_S_NO_PORT, hk->family);
 		return -1;
@@ -1373,7 +1404,7 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 		    !(won && won->sandbox_ip == sandbox_ip && won->guest_port == guest_port &&
 		      won->gw_port == *gw_port))
 			bpf_map_delete_elem(&hrev, &rk);
-		share_give(tap_ifindex);
+		share_give(tap_ifindex, in);
 		count(DP_C_NO_GW_PORT);
 		return -1;
 	}
@@ -1413,7 +1444,7 @@ static __always_inline int guest_flow_new(struct __sk_buff *skb, const struct dp
 					  const struct dp_hflow_key *hk, const struct l4info *l4,
 					  __u8 kind, __u16 flags, __u32 peer_ip, const __u32 *peer6)
 {
-	if (share_take(skb->ifindex)) {
+	if (share_take(skb->ifindex, 0)) {
 		count(DP_C_HOST_SHARE);
 		sb_count_fam(skb->ifindex, DP_S_NO_PORT, hk->family);
 		return -1;
@@ -1432,7 +1463,7 @@ static __always_inline int guest_flow_new(struct __sk_buff *skb, const struct dp
 	if (peer6)
 		__builtin_memcpy(nv.peer6, peer6, sizeof(nv.peer6));
 	if (bpf_map_update_elem(&hflow, hk, &nv, BPF_NOEXIST)) {
-		share_give(skb->ifindex);
+		share_give(skb->ifindex, 0);
 		count(DP_C_NO_GW_PORT);
 		return -1;
 	}

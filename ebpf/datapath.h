@@ -70,6 +70,13 @@ struct dp_config {
 /* A sandbox's share of the node-wide tables (sb_share, keyed by the TAP or
  * veth ifindex, like sb_stats): entries it holds now. */
 struct dp_share {
+	/* Two budgets (DP_SHARE_*): the low 16 bits count the flows the guest
+	 * opened (to its gateway, the agent's resolver and proxy), the high 16
+	 * the flows others opened to it (the node's to its address, any local
+	 * process's through a mapping on lo), each with half of the
+	 * guaranteed entries and half of the cap (hflow_cap <= 4096): a flood
+	 * of either never takes the other's room. Builds before counted all
+	 * in one (the reaper's recount splits them). */
 	__u32 hflow;
 	/* DP_SHARE_FIXED6: the guest's IPv6 address is fd63:7562:6500::6, not
 	 * its SLAAC address (0, also before it was seen): the last of the

@@ -797,6 +797,48 @@ async fn a_host_flow_flood_never_resets_another_sandboxs_connection() {
     );
 }
 
+/// Flows others open to a sandbox come from a budget of their own (issue
+/// 44, item 4): a local process flooding a sandbox's UDP mapping on lo
+/// from 5,000 source ports (each a host flow) fills that budget only, and
+/// the guest's own queries to its resolver are all answered (before: the
+/// flood took the sandbox's whole share, and 0 of 5 were).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_flood_through_a_mapping_leaves_the_guest_its_own_flows() {
+    require_root!();
+    let (env, _world) = node(&["--dns-upstream", "198.51.100.2"]);
+    let c = env.client().await;
+    let (net, victim) = guest_for(
+        &c,
+        "victim",
+        opts(vec![
+            ("port_mappings", ports(&[("udp", 5353, 0, "")])),
+            // Offline: its resolver answers every name REFUSED at once.
+            ("allow_internet_access", Value::from(false)),
+        ]),
+    )
+    .await;
+    let mapped = SocketAddrV4::new(Ipv4Addr::LOCALHOST, mappings(&net)[0].2);
+    let full0 = counter(&c.health().await.1, "host_flow_share_full");
+    in_netns(&env.ns, move || {
+        for p in 0..5_000u16 {
+            let s = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 30_000 + p)).unwrap();
+            s.send_to(b"x", mapped).unwrap();
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        counter(&c.health().await.1, "host_flow_share_full") > full0,
+        "the flood reached its budget's end"
+    );
+    let resolver = SocketAddrV4::new(Ipv4Addr::new(169, 254, 68, 5), 53);
+    let q =
+        b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x07example\x04test\x00\x00\x01\x00\x01";
+    let answered = (0..5)
+        .filter(|_| victim.udp_send_recv(resolver, q, T).is_ok())
+        .count();
+    assert_eq!(answered, 5, "the guest's own queries after the flood");
+}
+
 /// What the node sends to a sandbox's address fits the sandbox's link:
 /// the route to the pool carries the default sandbox MTU, so the node's
 /// TCP advertises a matching MSS and a datagram too large with DF set

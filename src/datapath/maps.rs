@@ -45,10 +45,36 @@ pub struct DpConfig {
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DpShare {
+    /// Two budgets: the low 16 bits count the host flows the guest opened,
+    /// the high 16 those others opened to it ([`DpShare::budgets`]).
     pub hflow: u32,
     /// `DP_SHARE_FIXED6`: the guest's IPv6 address is fd63:7562:6500::6,
     /// not its SLAAC address (learned by the datapath; kept by the agent).
     pub guest6: u32,
+}
+
+impl DpShare {
+    /// `hflow` as [the guest's own flows, flows others opened].
+    pub fn budgets(hflow: u32) -> [i64; 2] {
+        [i64::from(hflow & 0xffff), i64::from(hflow >> 16)]
+    }
+
+    /// The `hflow` word of these budgets (each at most 0xffff).
+    pub fn packed(n: [i64; 2]) -> u32 {
+        (n[0].clamp(0, 0xffff) as u32) | ((n[1].clamp(0, 0xffff) as u32) << 16)
+    }
+}
+
+/// `DpHflowVal::flags`: the node opened the flow (`DP_HFF_HOST_OPENED`).
+pub const DP_HFF_HOST_OPENED: u16 = 1;
+/// `DpHflowVal::kind`: a flow through lo to a mapped port (`DP_HF_LO`).
+pub const DP_HF_LO: u8 = 1;
+
+/// Which budget of its sandbox's share a host flow counts against (as the
+/// datapath's `hflow_budget`): true for one the node, or a local process
+/// through a mapping on lo, opened.
+pub fn hflow_budget(v: &DpHflowVal) -> bool {
+    v.flags & DP_HFF_HOST_OPENED != 0 || v.kind == DP_HF_LO
 }
 
 /// The node-wide side (`share_pool`, one entry): entries held beyond the
@@ -76,6 +102,13 @@ pub struct HflowShares {
 pub const HFLOW_CAP_PER_SANDBOX: u32 = 4096;
 
 impl HflowShares {
+    /// The guaranteed entries of each budget of a sandbox's share (the
+    /// guest's own, others'), as the datapath's `budget_guaranteed`.
+    pub fn budgets_guaranteed(&self) -> [u32; 2] {
+        let own = self.guaranteed.div_ceil(2);
+        [own, self.guaranteed - own]
+    }
+
     /// For a pool of `capacity` sandboxes.
     pub fn for_pool(capacity: u32) -> Self {
         let half = HOST_FLOW_ENTRIES / 2;

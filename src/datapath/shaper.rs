@@ -3,8 +3,10 @@
 //! class tree under it: a parent at the limit, and two leaves that borrow
 //! up to it, "small" (prio 0: pings, pure ACKs, DNS; served first) and
 //! "bulk" (prio 1), each with a byte FIFO. The datapath picks the leaf by
-//! setting `skb->priority` to its class id; a packet with any other
-//! priority leaves through HTB's direct queue, unshaped and first. The
+//! setting `skb->priority` to its class id; on a sandbox's own device a
+//! packet with any other priority goes to its bulk leaf (HTB's default
+//! class: nothing reaches a limited sandbox unshaped), on the shared
+//! shaper device to HTB's direct queue, unshaped and first. The
 //! kernel this runs on may lack `fq` (no EDT pacing): HTB is everywhere.
 
 use std::collections::HashMap;
@@ -107,14 +109,19 @@ pub fn root(conn: &mut Conn, ifindex: u32) -> io::Result<Root> {
 
 /// Makes the shaper `ifindex`'s root qdisc unless it is there already. A
 /// qdisc of someone else's is an error that names it (nothing changed).
-pub fn ensure_root(conn: &mut Conn, ifindex: u32, device: &str) -> io::Result<()> {
+/// `default`: the minor of the class a packet without a class's priority
+/// goes to (a sandbox's own device: its bulk leaf, so every packet
+/// delivered to a limited sandbox is shaped — fragments after the first,
+/// ICMP errors, whatever a path did not classify); 0: HTB's direct queue
+/// (the shaper device, where the datapath classifies every packet).
+pub fn ensure_root(conn: &mut Conn, ifindex: u32, device: &str, default: u32) -> io::Result<()> {
     match root(conn, ifindex)? {
         Root::Ours => Ok(()),
         Root::Default(_) => {
             let mut m = tc_message(ifindex as i32, SHAPER_HANDLE, TC_H_ROOT, 0);
             m.attributes.push(TcAttribute::Kind("htb".into()));
             let mut glob = Vec::with_capacity(20);
-            for v in [TC_HTB_PROTOVER, 10, 0, 0, 0] {
+            for v in [TC_HTB_PROTOVER, 10, default, 0, 0] {
                 glob.extend_from_slice(&v.to_ne_bytes());
             }
             let mut opts = nla(TCA_HTB_INIT, &glob);

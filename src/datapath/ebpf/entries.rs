@@ -275,7 +275,12 @@ impl EbpfDatapath {
                         }
                     }
                     if bw.ingress_bps != 0 {
-                        let r = shaper::ensure_root(&mut conn, sb.tap_ifindex, sb.tap_name)
+                        let r = shaper::ensure_root(
+                            &mut conn,
+                            sb.tap_ifindex,
+                            sb.tap_name,
+                            TAP_TREE.bulk & 0xffff,
+                        )
                             .and_then(|()| {
                                 shaper::set_tree(
                                     &mut conn,
@@ -326,7 +331,7 @@ impl EbpfDatapath {
             // One root for every sandbox's tree: two first attaches at
             // once would both find none and race to make it.
             let _one = self.shaper_root.lock().unwrap_or_else(|p| p.into_inner());
-            shaper::ensure_root(conn, *dev, name).map_err(|e| e.to_string())?;
+            shaper::ensure_root(conn, *dev, name, 0).map_err(|e| e.to_string())?;
         }
         shaper::set_tree(conn, *dev, tree, bw.egress_bps, burst(bw.egress_burst))
             .map_err(|e| e.to_string())?;

@@ -291,7 +291,7 @@ impl EbpfDatapath {
         // adds and gives back from here on is carried over (see below).
         let before = Self::shares(r);
         seen += hflows.len();
-        let mut held: StdHashMap<u32, i64> = StdHashMap::new();
+        let mut held: StdHashMap<u32, [i64; 2]> = StdHashMap::new();
         for (k, v) in hflows {
             let owner = taps
                 .get(&v.sandbox_ip)
@@ -305,7 +305,7 @@ impl EbpfDatapath {
                         .is_ok_and(|o| o.generation == v.generation))
             {
                 if let Some(o) = owner {
-                    *held.entry(o.ifindex).or_default() += 1;
+                    held.entry(o.ifindex).or_default()[usize::from(hflow_budget(&v))] += 1;
                 }
                 continue;
             }
@@ -327,13 +327,14 @@ impl EbpfDatapath {
         (seen, removed)
     }
 
-    /// Every sandbox's `sb_share` entry (ifindex -> its host flows, and
-    /// the rest of the entry, which the datapath owns).
-    fn shares(r: &Reaper) -> StdHashMap<u32, (i64, DpShare)> {
+    /// Every sandbox's `sb_share` entry (ifindex -> its host flows of each
+    /// budget, the guest's own and others', and the rest of the entry,
+    /// which the datapath owns).
+    fn shares(r: &Reaper) -> StdHashMap<u32, ([i64; 2], DpShare)> {
         dump_flows::<u32, DpShare>(&r.sb_share_dump)
             .unwrap_or_else(|| r.sb_share.iter().flatten().collect())
             .into_iter()
-            .map(|(i, s)| (i, (i64::from(s.hflow), s)))
+            .map(|(i, s)| (i, (DpShare::budgets(s.hflow), s)))
             .collect()
     }
 
@@ -345,17 +346,20 @@ impl EbpfDatapath {
     /// owner's). The shared pool follows from the counts.
     fn recount_shares(
         r: &mut Reaper,
-        before: &StdHashMap<u32, (i64, DpShare)>,
-        held: &StdHashMap<u32, i64>,
+        before: &StdHashMap<u32, ([i64; 2], DpShare)>,
+        held: &StdHashMap<u32, [i64; 2]>,
     ) {
         const BPF_EXIST: u64 = 2;
-        let g = i64::from(r.hflow_shares.guaranteed);
+        let g = r.hflow_shares.budgets_guaranteed().map(i64::from);
         let now = Self::shares(r);
         let mut borrowed = 0i64;
         for (ifindex, (current, entry)) in &now {
-            let meanwhile = current - before.get(ifindex).map_or(*current, |b| b.0);
-            let n = (held.get(ifindex).copied().unwrap_or(0) + meanwhile).max(0);
-            borrowed += (n - g).max(0);
+            let mut n = [0i64; 2];
+            for b in 0..2 {
+                let meanwhile = current[b] - before.get(ifindex).map_or(current[b], |x| x.0[b]);
+                n[b] = (held.get(ifindex).map_or(0, |h| h[b]) + meanwhile).clamp(0, 0xffff);
+                borrowed += (n[b] - g[b]).max(0);
+            }
             if n != *current {
                 // The guest's address as read: should the guest change it
                 // between the read and this write, its next packet from
@@ -363,7 +367,7 @@ impl EbpfDatapath {
                 let _ = r.sb_share.insert(
                     ifindex,
                     DpShare {
-                        hflow: n as u32,
+                        hflow: DpShare::packed(n),
                         ..*entry
                     },
                     BPF_EXIST,
