@@ -1888,6 +1888,31 @@ __noinline int paused_drop(__u32 ifindex, __u64 gen, __u32 sandbox_ip, __u32 rem
 	return TC_ACT_SHOT;
 }
 
+/* paused_drop for a packet from an IPv6 sender (`remote`): its report
+ * names the sender's IPv6 address (struct dp_wake6). */
+__noinline int paused_drop6(__u32 ifindex, __u64 gen, __u32 sandbox_ip, const struct dp_in6 *remote,
+			    __u64 what)
+{
+	struct dp_wake6 w = {
+		.w = {
+			.gen = gen,
+			.sandbox_ip = sandbox_ip,
+			.ifindex = ifindex,
+			.port = (__u16)what,
+			.remote_port = (__u16)(what >> 16),
+			.proto = (__u8)(what >> 32),
+			.kind = (__u8)(what >> 40),
+		},
+	};
+	if (remote)
+		__builtin_memcpy(w.remote_ip6, remote->w, 16);
+	if (bpf_map_update_elem(&wake_sent, &ifindex, &w.w, BPF_NOEXIST) == 0 &&
+	    bpf_ringbuf_output(&wakes, &w, sizeof(w), 0) != 0)
+		bpf_map_delete_elem(&wake_sent, &ifindex);
+	count(DP_C_PAUSED_DROP);
+	return TC_ACT_SHOT;
+}
+
 static __always_inline __u64 wake_what(__u16 port, __u16 remote_port, __u8 proto, __u8 kind)
 {
 	return (__u64)port | ((__u64)remote_port << 16) | ((__u64)proto << 32) |
@@ -3506,8 +3531,9 @@ int icmp6_error(struct __sk_buff *skb)
 	if (!tap)
 		return TC_ACT_OK;
 	if (tap->flags & DP_T_PAUSED)
-		return paused_drop(tap->ifindex, tap->gen, k.sandbox_ip, 0,
-				   wake_what(k.guest_port, rk.remote_port, rk.proto, DP_WAKE_REPLY));
+		return paused_drop6(tap->ifindex, tap->gen, k.sandbox_ip,
+				    (const struct dp_in6 *)rk.remote_ip,
+				    wake_what(k.guest_port, rk.remote_port, rk.proto, DP_WAKE_REPLY));
 	__u32 tap_ifindex = tap->ifindex;
 	__u32 guest[4];
 	v6_guest_addr(guest, k.gaddr, c);
@@ -3565,8 +3591,9 @@ static __always_inline int uplink6_deliver(struct __sk_buff *skb, const struct d
 	__u32 tap_ifindex = tap->ifindex;
 	__u16 guest_port = key.guest_port;
 	if (tap->flags & DP_T_PAUSED)
-		return paused_drop(tap_ifindex, tap->gen, key.sandbox_ip, 0,
-				   wake_what(guest_port, rk.remote_port, l4->proto, wake));
+		return paused_drop6(tap_ifindex, tap->gen, key.sandbox_ip,
+				    (const struct dp_in6 *)rk.remote_ip,
+				    wake_what(guest_port, rk.remote_port, l4->proto, wake));
 	if (tap->flags & DP_T_SHAPE_IN)
 		skb->priority = skb->len <= DP_SHAPE_SMALL ? DP_TAP_CLASS_SMALL : DP_TAP_CLASS_BULK;
 	__u32 guest[4];
@@ -3932,11 +3959,14 @@ int host_to_sandbox6(struct __sk_buff *skb)
 		count(DP_C_HOST_DENIED);
 		return TC_ACT_SHOT;
 	}
-	if (tap_flags & DP_T_PAUSED)
-		return paused_drop(tap_ifindex, gen, dst, c->host_ip,
-				   wake_what(l4.proto == IPPROTO_ICMP ? 0 : l4.dport,
-					     l4.proto == IPPROTO_ICMP ? 0 : l4.sport, l4.proto,
-					     DP_WAKE_HOST));
+	if (tap_flags & DP_T_PAUSED) {
+		/* The sender: the gateway device's own IPv6 address. */
+		struct dp_in6 from = {.w = {c->pool6[0], c->pool6[1], c->pool6[2], c->host_ip}};
+		return paused_drop6(tap_ifindex, gen, dst, &from,
+				    wake_what(l4.proto == IPPROTO_ICMP ? 0 : l4.dport,
+					      l4.proto == IPPROTO_ICMP ? 0 : l4.sport, l4.proto,
+					      DP_WAKE_HOST));
+	}
 	__u32 old[4], a[4];
 	pool6_addr(old, c, dst);
 	/* To the guest address of the flow; a new one (or an echo) to the

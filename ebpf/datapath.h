@@ -185,6 +185,13 @@ struct dp_wake {
 	__u8 kind;             /* DP_WAKE_* */
 	__u8 pad[6];
 }; /* 32 bytes */
+/* The ring's record of a report whose sender has an IPv6 address: the
+ * same first 32 bytes (remote_ip 0), then the address (network order).
+ * wake_sent keeps the first 32. The reader tells them by their length. */
+struct dp_wake6 {
+	struct dp_wake w;
+	__u32 remote_ip6[4];
+}; /* 48 bytes */
 #define DP_WAKE_REPLY 0    /* a reply to a flow the sandbox opened */
 #define DP_WAKE_PORTMAP 1  /* a new or running flow to a port mapping */
 #define DP_WAKE_HOST 2     /* the node: to the sandbox address, or a mapped port via lo */

@@ -1774,3 +1774,78 @@ async fn ipv6_host_addresses_map_ipv6_only() {
     let (healthy, checks) = c.health().await;
     assert!(healthy, "{checks:?}");
 }
+
+/// TrafficWhilePaused names an IPv6 sender by its IPv6 address (issue 44,
+/// item 6; before: 0.0.0.0 for the world's, 192.168.0.1 for the node's):
+/// the world through a mapping on the node's IPv6 address, then, in the
+/// next pause, the node to the sandbox's IPv6 identity (from the gateway
+/// device's IPv6 address).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_sandbox_reports_ipv6_senders_by_their_address() {
+    use futures::StreamExt;
+    require_root!();
+    let (env, world) = node6(&[], Some(&[]));
+    let c = env.client().await;
+    let rule = zbus::MatchRule::builder()
+        .msg_type(zbus::message::Type::Signal)
+        .sender("org.cube.NetworkAgent")
+        .unwrap()
+        .member("TrafficWhilePaused")
+        .unwrap()
+        .build();
+    let mut signals = zbus::MessageStream::for_match_rule(rule, &c.conn, Some(64))
+        .await
+        .unwrap();
+    let net = c
+        .ensure(
+            "p6",
+            common::opts(vec![(
+                "port_mappings",
+                common::ports(&[("tcp", 80, 0, "")]),
+            )]),
+        )
+        .await
+        .unwrap();
+    let hp = common::mappings(&net)[0].2;
+    let sandbox6: Ipv6Addr = common::s(&net, "sandbox_ipv6").parse().unwrap();
+    let _g = common::guest::Guest::start_default(c.open_tap("p6").await.unwrap());
+    let pause = |paused: bool| {
+        common::opts(vec![
+            ("port_mappings", common::ports(&[("tcp", 80, hp, "")])),
+            ("paused", zbus::zvariant::Value::from(paused)),
+        ])
+    };
+    let mut next_remote = async |what: &str| {
+        let msg = tokio::time::timeout(T, signals.next())
+            .await
+            .unwrap_or_else(|_| panic!("no TrafficWhilePaused for {what}"))
+            .unwrap()
+            .unwrap();
+        let (_, details): (String, common::Dict) = msg.body().deserialize().unwrap();
+        (common::s(&details, "remote_ip"), common::s(&details, "via"))
+    };
+    c.ensure("p6", pause(true)).await.unwrap();
+    let ns = world.ns.clone();
+    let short = Duration::from_millis(700);
+    let attempt = std::thread::spawn(move || {
+        tcp_exchange_in(&ns, SocketAddr::new(IpAddr::V6(NODE_IP6), hp), b"", short)
+    });
+    assert_eq!(
+        next_remote("the world over IPv6").await,
+        (WORLD_IP6.to_string(), "port_mapping".to_owned())
+    );
+    assert!(attempt.join().unwrap().is_err(), "connected while paused");
+    c.ensure("p6", pause(false)).await.unwrap();
+    c.ensure("p6", pause(true)).await.unwrap();
+    let ns = env.ns.clone();
+    let attempt = std::thread::spawn(move || {
+        tcp_exchange_in(&ns, SocketAddr::new(IpAddr::V6(sandbox6), 80), b"", short)
+    });
+    let mut device6 = sandbox6.octets();
+    device6[12..].copy_from_slice(&[192, 168, 0, 1]);
+    assert_eq!(
+        next_remote("the node over IPv6").await,
+        (Ipv6Addr::from(device6).to_string(), "host".to_owned())
+    );
+    assert!(attempt.join().unwrap().is_err(), "connected while paused");
+}

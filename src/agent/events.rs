@@ -46,7 +46,9 @@ pub struct PausedTraffic {
     /// The sandbox's port it was for (0 for ICMP).
     pub port: u16,
     /// Who sent it: a world address, or the node's own.
-    pub remote_ip: std::net::Ipv4Addr,
+    /// Who sent it, of either family (an IPv6 world host, the node's own
+    /// IPv6 identity, an IPv4 sender).
+    pub remote_ip: std::net::IpAddr,
     pub remote_port: u16,
     /// "reply" (to a flow the sandbox opened), "port_mapping" (a flow to
     /// one of its mappings) or "host" (the node, to its address or a

@@ -43,8 +43,8 @@ impl Agent {
                 let Some(agent) = weak.upgrade() else {
                     return false;
                 };
-                for w in wakes {
-                    agent.note_wake(w);
+                for (w, remote6) in wakes {
+                    agent.note_wake(w, remote6);
                 }
                 true
             };
@@ -74,7 +74,7 @@ impl Agent {
 
     /// One report: published if its network is (still) paused on that
     /// device and generation's address.
-    fn note_wake(&self, w: DpWake) {
+    fn note_wake(&self, w: DpWake, remote6: Option<std::net::Ipv6Addr>) {
         let ip = std::net::Ipv4Addr::from(w.sandbox_ip.to_ne_bytes());
         let found = self
             .views
@@ -94,7 +94,10 @@ impl Agent {
                 _ => "icmp",
             },
             port: u16::from_be(w.port),
-            remote_ip: std::net::Ipv4Addr::from(w.remote_ip.to_ne_bytes()),
+            remote_ip: match remote6 {
+                Some(a) => std::net::IpAddr::V6(a),
+                None => std::net::IpAddr::V4(std::net::Ipv4Addr::from(w.remote_ip.to_ne_bytes())),
+            },
             remote_port: u16::from_be(w.remote_port),
             via: match w.kind {
                 DP_WAKE_PORTMAP => "port_mapping",

@@ -135,16 +135,24 @@ pub const COUNTERS: usize =
 pub struct WakeRing(pub(crate) aya::maps::RingBuf<aya::maps::MapData>);
 
 impl WakeRing {
-    /// Every report waiting in the ring.
-    pub fn drain(&mut self) -> Vec<maps::DpWake> {
+    /// Every report waiting in the ring, each with its sender's IPv6
+    /// address when it has one (`struct dp_wake6`).
+    pub fn drain(&mut self) -> Vec<(maps::DpWake, Option<std::net::Ipv6Addr>)> {
         let mut out = vec![];
         while let Some(item) = self.0.next() {
             if item.len() >= std::mem::size_of::<maps::DpWake>() {
                 // SAFETY: the ring holds `struct dp_wake` records (32
-                // bytes, checked above), written by `paused_drop`; DpWake
-                // is its #[repr(C)] twin, valid for every bit pattern, and
-                // read unaligned.
-                out.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) });
+                // bytes, checked above), written by `paused_drop`, or
+                // `struct dp_wake6` ones (the same 32 bytes first);
+                // DpWake is its #[repr(C)] twin, valid for every bit
+                // pattern, and read unaligned.
+                let w: maps::DpWake = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+                let at = std::mem::size_of::<maps::DpWake>();
+                let v6 = item
+                    .get(at..at + 16)
+                    .and_then(|b| <[u8; 16]>::try_from(b).ok())
+                    .map(std::net::Ipv6Addr::from);
+                out.push((w, v6));
             }
         }
         out
