@@ -4531,8 +4531,7 @@ int from_host(struct __sk_buff *skb)
  * port of the range instead (and from_uplink gives its replies their port
  * back), as conntrack does for clashing connections. Sandbox packets
  * (redirected here by from_guest, already translated) pass untouched. */
-SEC("classifier")
-int to_uplink(struct __sk_buff *skb)
+static __always_inline int uplink_out(struct __sk_buff *skb)
 {
 	struct dp_config *c = get_config();
 	if (!c)
@@ -4595,4 +4594,22 @@ int to_uplink(struct __sk_buff *skb)
 	if (out != l4.sport && set_port(skb, src_port_off(&l4), l4.sport, out, &l4))
 		return TC_ACT_SHOT;
 	return TC_ACT_OK;
+}
+
+/* The uplink's egress: the host's own connections as above; then a
+ * packet of the agent's own socket that carries a limited sandbox's
+ * traffic to the world (strict mode's proxy) names the sandbox's class of
+ * the shaper in its priority (only CAP_NET_ADMIN sets such a priority):
+ * it goes through the shaper, whose peer (from_shaper, which clears the
+ * priority) sends it on out of here. */
+SEC("classifier")
+int to_uplink(struct __sk_buff *skb)
+{
+	int rc = uplink_out(skb);
+	if (rc == TC_ACT_OK && (skb->priority >> 16) == (DP_TAP_CLASS_BULK >> 16)) {
+		struct dp_config *c = get_config();
+		if (c && c->shaper_ifindex && skb->protocol == bpf_htons(ETH_P_IP))
+			return bpf_redirect(c->shaper_ifindex, 0);
+	}
+	return rc;
 }

@@ -1017,6 +1017,22 @@ impl Agent {
         }
     }
 
+    /// The priority the proxy's connection out for the sandbox at `src`
+    /// carries: its class of the shaper when it has an egress limit (the
+    /// datapath sends such packets through the shaper), so a limited
+    /// sandbox's uploads through the proxy keep its limit; its downloads
+    /// are shaped on its own device as everything delivered to it.
+    pub fn proxy_priority(&self, src: Ipv4Addr) -> Option<u32> {
+        let ifindex = self
+            .views
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .find(|v| v.record.sandbox_ip == std::net::IpAddr::V4(src))
+            .map(|v| v.tap_ifindex)?;
+        self.datapath.egress_class(ifindex)
+    }
+
     /// Whether `src` is a strict-mode sandbox's address (the proxy serves
     /// nobody else).
     pub fn proxy_serves(&self, src: Ipv4Addr) -> bool {

@@ -189,6 +189,14 @@ pub trait Datapath: Send + Sync {
     fn sandbox_counters(&self, _ifindex: u32) -> Option<Vec<u64>> {
         None
     }
+    /// The shaper class the sandbox on `ifindex` sends bulk traffic to
+    /// the world through (its egress limit), as an `skb->priority`; None:
+    /// it has no egress limit. The agent's own sockets that carry the
+    /// sandbox's traffic out (strict mode's proxy) set it, and `to_uplink`
+    /// sends such packets through the shaper.
+    fn egress_class(&self, _ifindex: u32) -> Option<u32> {
+        None
+    }
     /// Lets the sandbox start flows to each address until its time to
     /// live is over (the resolver learned them for an allowed name).
     fn learn(

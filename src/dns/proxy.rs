@@ -431,6 +431,9 @@ async fn relay(
     };
     let _ = out.set_nodelay(true);
     let _ = conn.set_nodelay(true);
+    if let Some(class) = agent.proxy_priority(src) {
+        set_priority(&out, class);
+    }
     if tokio::io::AsyncWriteExt::write_all(&mut out, &buf)
         .await
         .is_err()
@@ -504,6 +507,27 @@ async fn splice(a: &mut TcpStream, b: &mut TcpStream, idle: Duration) -> bool {
 }
 
 /// The A records of `name`, asked of the upstream.
+/// SO_PRIORITY (a shaper class: CAP_NET_ADMIN, which the agent has);
+/// best effort: unset, the connection is only unshaped.
+fn set_priority(s: &TcpStream, class: u32) {
+    use std::os::fd::AsRawFd;
+    let v = class as libc::c_int;
+    // SAFETY: setsockopt reads a live c_int of the given size; the fd is
+    // the stream's own, open while `s` lives.
+    let rc = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PRIORITY,
+            (&raw const v).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        debug!(error = %std::io::Error::last_os_error(), "proxy: SO_PRIORITY not set");
+    }
+}
+
 async fn lookup(upstream: SocketAddrV4, name: &str) -> std::io::Result<Vec<Ipv4Addr>> {
     let id = rand_id();
     let q = encode_query(id, name, TYPE_A);

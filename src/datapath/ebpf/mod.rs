@@ -527,6 +527,16 @@ impl Datapath for EbpfDatapath {
         PROGRAMS.iter().map(|p| (*p, self.tags[p].tag)).collect()
     }
 
+    fn egress_class(&self, ifindex: u32) -> Option<u32> {
+        self.rate_read
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ifindex, 0)
+            .ok()
+            .map(|r| r.out_bulk)
+            .filter(|&c| c != 0)
+    }
+
     fn set_node_addrs(&self, addrs: &[std::net::IpAddr]) -> Result<usize, DatapathError> {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let maps = &mut inner.maps;
