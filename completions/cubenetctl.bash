@@ -9,7 +9,7 @@
 
 _cubenetctl_commands='list status ensure release reconcile health capacity open-tap watch metrics top'
 _cubenetctl_global_opts='-h --help -V --version --bus= --varlink= --json= -j -q --quiet --no-legend --no-pager'
-_cubenetctl_ensure_opts='--port= --allow-out= --deny-out= --egress-mode= --egress-rate= --ingress-rate= --egress-burst= --ingress-burst= --no-internet --mtu= --metadata= --idempotency-key= --clone-of= --paused'
+_cubenetctl_ensure_opts='--port= --allow-out= --deny-out= --egress-mode= --egress-rate= --ingress-rate= --egress-burst= --ingress-burst= --no-internet --mtu= --metadata= --idempotency-key= --clone-of= --paused --tap-owner='
 _cubenetctl_top_opts='--interval= --count='
 # Options whose value may follow as the next word.
 _cubenetctl_value_opts='--bus --varlink --port --allow-out --deny-out --egress-mode --egress-rate --ingress-rate --egress-burst --ingress-burst --mtu --metadata --idempotency-key --clone-of --interval --count'

@@ -5,6 +5,8 @@
 //! and persistent, so it outlives an agent crash together with its datapath
 //! state. The agent keeps one fd per TAP for its whole life and hands out
 //! duplicates of it; it never reopens a TAP by name while a VMM may hold it.
+//! A TAP handed over by name gets an owner (TUNSETOWNER/TUNSETGROUP) and
+//! the agent closes its fd, so the VMM can attach to the device itself.
 
 use std::ffi::CStr;
 use std::fs::OpenOptions;
@@ -26,6 +28,10 @@ pub const TAP_FLAGS: libc::c_short = IFF_TAP | IFF_NO_PI | IFF_VNET_HDR;
 const TUNSETIFF: libc::c_ulong = nix::request_code_write!(b'T', 202, size_of::<libc::c_int>()) as _;
 const TUNSETPERSIST: libc::c_ulong =
     nix::request_code_write!(b'T', 203, size_of::<libc::c_int>()) as _;
+const TUNSETOWNER: libc::c_ulong =
+    nix::request_code_write!(b'T', 204, size_of::<libc::c_int>()) as _;
+const TUNSETGROUP: libc::c_ulong =
+    nix::request_code_write!(b'T', 206, size_of::<libc::c_int>()) as _;
 const TUNGETIFF: libc::c_ulong = nix::request_code_read!(b'T', 210, size_of::<libc::c_uint>()) as _;
 const TUNGETVNETHDRSZ: libc::c_ulong =
     nix::request_code_read!(b'T', 215, size_of::<libc::c_int>()) as _;
@@ -56,6 +62,12 @@ pub enum TapError {
         #[source]
         source: io::Error,
     },
+    #[error("TUNSETOWNER/TUNSETGROUP {name}")]
+    SetOwner {
+        name: String,
+        #[source]
+        source: io::Error,
+    },
     #[error("duplicating the fd of {name}")]
     Dup {
         name: String,
@@ -73,6 +85,7 @@ impl TapError {
             TapError::SetIff { source, .. }
             | TapError::SetVnetHdr { source, .. }
             | TapError::SetPersist { source, .. }
+            | TapError::SetOwner { source, .. }
             | TapError::Dup { source, .. } => source.raw_os_error(),
         }
     }
@@ -136,11 +149,16 @@ fn ioctl_get_int(fd: BorrowedFd<'_>, request: libc::c_ulong) -> io::Result<libc:
     }
 }
 
-/// TUNSETPERSIST takes its argument by value, not by pointer.
-fn ioctl_set_persist(fd: BorrowedFd<'_>, on: bool) -> io::Result<()> {
-    // SAFETY: TUNSETPERSIST reads its integer argument directly; no memory
-    // is passed.
-    let ret = unsafe { libc::ioctl(fd.as_raw_fd(), TUNSETPERSIST as _, libc::c_ulong::from(on)) };
+/// TUNSETPERSIST, TUNSETOWNER and TUNSETGROUP take their argument by
+/// value, not by pointer.
+fn ioctl_set_value(
+    fd: BorrowedFd<'_>,
+    request: libc::c_ulong,
+    value: libc::c_ulong,
+) -> io::Result<()> {
+    // SAFETY: these TUN ioctls read their integer argument directly; no
+    // memory is passed.
+    let ret = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, value) };
     if ret < 0 {
         Err(io::Error::last_os_error())
     } else {
@@ -163,9 +181,11 @@ impl Tap {
     /// if a device of that name exists (it is never silently adopted).
     pub fn create(name: &str) -> Result<Tap, TapError> {
         let tap = Self::attach(name, TAP_FLAGS | IFF_TUN_EXCL)?;
-        ioctl_set_persist(tap.fd.as_fd(), true).map_err(|source| TapError::SetPersist {
-            name: name.into(),
-            source,
+        ioctl_set_value(tap.fd.as_fd(), TUNSETPERSIST, 1).map_err(|source| {
+            TapError::SetPersist {
+                name: name.into(),
+                source,
+            }
         })?;
         Ok(tap)
     }
@@ -220,6 +240,33 @@ impl Tap {
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Who may attach to the TAP by name besides holders of CAP_NET_ADMIN
+    /// (TUNSETOWNER, and TUNSETGROUP when `gid` is given; with both the
+    /// kernel requires both). The kernel refuses -1 for either (EINVAL):
+    /// a group, once set, stays.
+    pub fn set_owner(&self, uid: u32, gid: Option<u32>) -> Result<(), TapError> {
+        let err = |source| TapError::SetOwner {
+            name: self.name.clone(),
+            source,
+        };
+        ioctl_set_value(self.fd.as_fd(), TUNSETOWNER, libc::c_ulong::from(uid)).map_err(err)?;
+        match gid {
+            Some(gid) => {
+                ioctl_set_value(self.fd.as_fd(), TUNSETGROUP, libc::c_ulong::from(gid)).map_err(err)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Makes the TAP non-persistent: it goes away with its last fd (undoes
+    /// [`Tap::create`] when a later step fails).
+    pub fn unpersist(&self) -> Result<(), TapError> {
+        ioctl_set_value(self.fd.as_fd(), TUNSETPERSIST, 0).map_err(|source| TapError::SetPersist {
+            name: self.name.clone(),
+            source,
+        })
     }
 
     /// Records a rename done over netlink (the fd follows the device).
@@ -292,6 +339,8 @@ mod tests {
     fn ioctl_numbers_match_linux_uapi() {
         assert_eq!(TUNSETIFF, 0x4004_54ca);
         assert_eq!(TUNSETPERSIST, 0x4004_54cb);
+        assert_eq!(TUNSETOWNER, 0x4004_54cc);
+        assert_eq!(TUNSETGROUP, 0x4004_54ce);
         assert_eq!(TUNGETIFF, 0x8004_54d2);
         assert_eq!(TUNGETVNETHDRSZ, 0x8004_54d7);
         assert_eq!(TUNSETVNETHDRSZ, 0x4004_54d8);

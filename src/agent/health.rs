@@ -178,7 +178,10 @@ impl Agent {
             ..Default::default()
         };
         for v in views.values() {
-            if v.record.attach.is_tap() {
+            if v.record.by_name() {
+                // Handed over by name: the agent never holds its fd.
+                devices.by_name += 1;
+            } else if v.record.attach.is_tap() {
                 devices.taps += 1;
                 if !v.tap_fd_held {
                     devices.held_elsewhere.push(v.record.sandbox_id.clone());
@@ -615,6 +618,8 @@ pub mod verdict {
         /// TAP networks whose TAP only another process holds (no fd of
         /// the agent's since a restart without the fd store).
         pub held_elsewhere: Vec<String>,
+        /// TAP networks handed over by name (no agent fd by design).
+        pub by_name: usize,
         pub veths: usize,
         /// CNI networks whose veth went with their container's namespace.
         pub veths_gone: Vec<String>,
@@ -645,6 +650,12 @@ pub mod verdict {
                 d.held_elsewhere.len(),
                 d.taps,
                 d.held_elsewhere.join(", ")
+            ));
+        }
+        if d.by_name > 0 {
+            detail.push_str(&format!(
+                "; {} TAPs handed over by name (the agent holds no fd of them)",
+                d.by_name
             ));
         }
         if d.veths_gone.is_empty() {

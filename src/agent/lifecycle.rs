@@ -239,6 +239,13 @@ impl Agent {
 
     async fn create_claimed(&self, id: &str, spec: NetworkSpec) -> Result<Network, AgentError> {
         self.check_limits(&spec.bandwidth, &Bandwidth::default())?;
+        let tap_owner = spec.tap_owner();
+        // A TAP handed over by name gets a name no TAP ever had here
+        // (reserved first: a create that fails later wastes one).
+        let by_name = match tap_owner {
+            Some(_) => Some(self.fresh_by_name().await?),
+            None => None,
+        };
         let sockets = self.host_sockets(&spec, &[]).await?;
         let bandwidth = self.bandwidth_for(&spec.bandwidth);
         let (ip, mappings) = {
@@ -273,17 +280,18 @@ impl Agent {
         // cold one will be created under); a veth's host end is created
         // under the sandbox's name.
         let tap = match spec.attach {
-            Attach::Tap => Some(self.choose_tap()),
-            Attach::Veth { .. } => None,
+            Attach::Tap if by_name.is_none() => Some(self.choose_tap()),
+            Attach::Tap | Attach::Veth { .. } => None,
         };
         let rec = NetworkRecord {
             version: RECORD_VERSION,
             sandbox_id: id.to_owned(),
             network_handle: new_handle(),
             sandbox_ip: IpAddr::V4(ip),
-            tap_name: match &tap {
-                Some(choice) => choice.name().to_owned(),
-                None => spec::tap_name_for(&self.cfg.tap_prefix, IpAddr::V4(ip)),
+            tap_name: match (&tap, by_name) {
+                (Some(choice), _) => choice.name().to_owned(),
+                (None, Some(name)) => name,
+                (None, None) => spec::tap_name_for(&self.cfg.tap_prefix, IpAddr::V4(ip)),
             },
             mtu: spec.mtu.unwrap_or(self.cfg.mtu),
             port_mappings: mappings,
@@ -298,6 +306,7 @@ impl Agent {
             bandwidth,
             cloned_from: spec.clone_of,
             paused: spec.paused,
+            tap_owner,
         };
         let netns = match &spec.attach {
             Attach::Veth { netns, .. } => Some(netns),
@@ -462,6 +471,19 @@ impl Agent {
                     rec,
                     AgentError::InvalidArgument("attach 'veth' needs netns_fd".into()),
                 ));
+            }
+            (AttachRecord::Tap, _) if rec.by_name() => {
+                let owner = rec.tap_owner.expect("by_name");
+                match self.by_name_tap(&rec.tap_name, rec.mtu, owner).await {
+                    Ok(ifindex) => Network {
+                        rec: Arc::new(rec),
+                        ifindex,
+                        tap: None,
+                        // The owner may attach from the moment it exists.
+                        handed_out: true,
+                    },
+                    Err(e) => return Err((rec, e)),
+                }
             }
             (AttachRecord::Tap, _) => match self.tap_for(tap, rec.mtu).await {
                 Ok(pt) => {
@@ -651,6 +673,41 @@ impl Agent {
         Ok(pt)
     }
 
+    /// A fresh name for a TAP handed over by name ([`pool::TapPool::fresh_by_name`]).
+    async fn fresh_by_name(&self) -> Result<String, AgentError> {
+        let (pool, dir) = (self.pool.clone(), self.store.dir().to_owned());
+        super::off_worker(move || pool.fresh_by_name(&dir))
+            .await
+            .map_err(|e| failed("reserving a TAP name in the state directory", &e))
+    }
+
+    /// Creates a TAP handed over by name (recovery repair too): owned by
+    /// `owner`, no fd kept, then MTU and up. Its ifindex.
+    pub(super) async fn by_name_tap(
+        &self,
+        name: &str,
+        mtu: u32,
+        owner: spec::TapOwner,
+    ) -> Result<u32, AgentError> {
+        let owned = name.to_owned();
+        let ifindex = super::off_worker(move || pool::create_by_name(&owned, owner))
+            .await
+            .map_err(|e| failed(&format!("creating TAP {name}"), &e))?;
+        let change = LinkChange {
+            mtu: Some(mtu),
+            up: Some(true),
+            alias: Some(pool::IN_USE_ALIAS),
+            ..Default::default()
+        };
+        if let Err(e) = self.nl.set_link(ifindex, change).await {
+            let err = failed(&format!("configuring TAP {name}"), &e);
+            self.pool.retire_link(ifindex);
+            return Err(err);
+        }
+        debug!(tap = name, %owner, "TAP to be opened by name created");
+        Ok(ifindex)
+    }
+
     /// Removes the neighbour entry and datapath state; best effort, errors
     /// are returned for the caller to report.
     pub(super) async fn unwire(&self, net: &Network) -> Vec<String> {
@@ -765,6 +822,30 @@ impl Agent {
         if spec.idempotency_key.is_some() && spec.idempotency_key == net.rec.idempotency_key {
             return Ok(Ensured::Unchanged);
         }
+        let tap_owner = spec.tap_owner();
+        if tap_owner.is_some() != net.rec.by_name() {
+            let how = |o: Option<spec::TapOwner>| match o {
+                Some(o) => format!("by name (tap_owner_uid: {o})"),
+                None => "by fd (OpenTap)".to_owned(),
+            };
+            return Err(AgentError::InvalidArgument(format!(
+                "tap_owner_uid: sandbox '{}' has its TAP handed over {}, not {}; how a TAP is \
+                 handed over cannot change (release the network first)",
+                net.rec.sandbox_id,
+                how(net.rec.tap_owner),
+                how(tap_owner),
+            )));
+        }
+        if let (Some(have), Some(want)) = (net.rec.tap_owner, tap_owner)
+            && have.gid.is_some()
+            && want.gid.is_none()
+        {
+            return Err(AgentError::InvalidArgument(format!(
+                "tap_owner_gid: sandbox '{}' has its TAP owned by {have}; the kernel cannot take \
+                 a TAP's group away (give a group, or release the network first)",
+                net.rec.sandbox_id
+            )));
+        }
         self.check_limits(&spec.bandwidth, &net.rec.bandwidth)?;
         let sockets = self.host_sockets(&spec, &net.rec.port_mappings).await?;
         let (old_bw, new_bw) = (net.rec.bandwidth, self.bandwidth_for(&spec.bandwidth));
@@ -799,6 +880,7 @@ impl Agent {
         rec.egress_mode = spec.egress_mode;
         rec.bandwidth = new_bw;
         rec.paused = spec.paused;
+        rec.tap_owner = tap_owner;
         let undo_claims = |this: &Self| {
             let mut a = this.allocs();
             for m in &claimed {
@@ -853,6 +935,27 @@ impl Agent {
                 .set_link(net.ifindex, change)
                 .await
                 .map_err(|e| failed(&format!("setting the MTU of {}", net.rec.tap_name), &e))?;
+        }
+        if let Some(owner) = net.rec.tap_owner
+            && old.is_none_or(|o| o.tap_owner != net.rec.tap_owner)
+        {
+            // The kernel's owner check runs when a process attaches: a new
+            // owner for a TAP a VMM holds would not stop that VMM, so it is
+            // refused until the VMM lets go (TUNSETIFF answers EBUSY).
+            let name = net.rec.tap_name.clone();
+            super::off_worker(move || pool::set_by_name_owner(&name, owner))
+                .await
+                .map_err(|e| match e.errno() {
+                    Some(libc::EBUSY) => AgentError::TapBusy {
+                        tap: net.rec.tap_name.clone(),
+                        why: "a new tap_owner_uid/tap_owner_gid applies once the VMM that has \
+                              it open closes it",
+                    },
+                    _ => failed(
+                        &format!("changing the owner of TAP {}", net.rec.tap_name),
+                        &e,
+                    ),
+                })?;
         }
         self.dp_attach(net)
             .await
@@ -974,6 +1077,14 @@ impl Agent {
                 Some(net) if !net.rec.attach.is_tap() => Err(AgentError::InvalidArgument(format!(
                     "sandbox '{id}' is attached with a veth (CNI); it has no TAP to open"
                 ))),
+                // An fd of the agent's would take the TAP's only queue: the
+                // VMM could not attach by name, or holds it already.
+                Some(net) if net.rec.by_name() => Err(AgentError::InvalidArgument(format!(
+                    "sandbox '{id}' has its TAP handed over by name (tap_owner_uid: {}): the \
+                     VMM opens TAP {} itself, and the agent holds no fd of it to hand out",
+                    net.rec.tap_owner.expect("by_name"),
+                    net.rec.tap_name
+                ))),
                 Some(net) => self.hand_out(net).await,
             }
         };
@@ -1012,7 +1123,9 @@ impl Agent {
     /// `Ok(true)` if it re-attached now, `Ok(false)` if the fd was there.
     /// Called with the network's slot held.
     pub(super) async fn reattach_fd(&self, net: &mut Network) -> Result<bool, AgentError> {
-        if net.tap.is_some() || !net.rec.attach.is_tap() {
+        // A TAP handed over by name is never opened by the agent: its VMM
+        // may attach to it at any time.
+        if net.tap.is_some() || !net.rec.attach.is_tap() || net.rec.by_name() {
             return Ok(false);
         }
         // TUNSETIFF takes RTNL: off the async workers.
@@ -1034,6 +1147,8 @@ impl Agent {
             }
             Err(e) if e.errno() == Some(libc::EBUSY) => Err(AgentError::TapBusy {
                 tap: net.rec.tap_name.clone(),
+                why: "the agent has no fd of its own since it restarted without its fd store; \
+                      OpenTap re-attaches it once that process closes it",
             }),
             Err(e) => Err(failed(&format!("re-opening TAP {}", net.rec.tap_name), &e)),
         }

@@ -60,14 +60,12 @@ pub enum AgentError {
     },
     #[error("{0}")]
     PortInUse(String),
-    /// The TAP is attached to another process (a VMM) and the agent has no
-    /// fd of its own (it restarted without its fd store): OpenTap works
-    /// again once that process lets go.
-    #[error(
-        "TAP {tap} is held by another process and the agent has no fd of its own since it \
-         restarted without its fd store; OpenTap re-attaches it once that process closes it"
-    )]
-    TapBusy { tap: String },
+    /// The TAP is attached to another process (a VMM) and what was asked
+    /// needs it free: OpenTap of a TAP the agent has no fd of since a
+    /// restart without its fd store, or a new owner for a TAP handed over
+    /// by name. Works again once that process lets go.
+    #[error("TAP {tap} is held by another process: {why}")]
+    TapBusy { tap: String, why: &'static str },
     /// The request conflicts with the network (or namespace) it is about:
     /// ReleaseNetworkIf found the network is not what the caller expected,
     /// or a CNI attachment's namespace is someone else's. Nothing changed.

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
-use super::spec::{TapNameKind, classify_tap_name, pool_tap_name};
+use super::spec::{TapNameKind, TapOwner, by_name_tap_name, classify_tap_name, pool_tap_name};
 use crate::netlink::{LinkChange, Netlink};
 use crate::tap::Tap;
 
@@ -119,6 +119,24 @@ pub struct TapPool {
     datapath: std::sync::Arc<dyn crate::datapath::Datapath>,
     /// Idle-count changes are node events (the IdleTaps property).
     events: std::sync::Arc<super::events::Events>,
+    /// Counters of TAPs handed over by name, loaded at first use.
+    by_name: Mutex<Option<NameBlock>>,
+}
+
+/// The file in the state directory that keeps the by-name counter: the
+/// first value no run has reserved yet.
+pub const BY_NAME_FILE: &str = "tap-names";
+/// Counters reserved per write of [`BY_NAME_FILE`].
+const BY_NAME_BLOCK: u32 = 256;
+/// 7 hex digits.
+const BY_NAME_MAX: u32 = 0x0fff_ffff;
+
+/// The by-name counters this run may hand out: `next..limit`, where
+/// `limit` is already durable in [`BY_NAME_FILE`].
+#[derive(Debug)]
+struct NameBlock {
+    next: u32,
+    limit: u32,
 }
 
 /// The pool's settings, from the configuration.
@@ -159,7 +177,64 @@ impl TapPool {
             wake: Notify::new(),
             datapath,
             events,
+            by_name: Mutex::new(None),
         }
+    }
+
+    /// A name for a TAP handed over by name that no TAP on this node ever
+    /// had: the counter in `dir`/[`BY_NAME_FILE`] only grows, written
+    /// (fsynced) a block ahead of the names handed out, so neither a crash
+    /// nor a restart hands a name out twice. A VMM that remembers an old
+    /// name finds nothing there (or, as root, makes a TAP nobody routes).
+    /// Blocking (file I/O): call it off the async workers.
+    pub fn fresh_by_name(&self, dir: &std::path::Path) -> std::io::Result<String> {
+        let mut guard = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
+        let path = dir.join(BY_NAME_FILE);
+        let block = match guard.as_mut() {
+            Some(b) => b,
+            None => {
+                let stored = match std::fs::read_to_string(&path) {
+                    Ok(s) => s.trim().parse::<u32>().map_err(|e| {
+                        std::io::Error::new(
+                            std::io::ErrorKind::InvalidData,
+                            format!("{}: {e}", path.display()),
+                        )
+                    })?,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+                    Err(e) => return Err(e),
+                };
+                // Names in the kernel count too (a state directory
+                // restored from an old copy).
+                let seen = nix::net::if_::if_nameindex()
+                    .map(|l| {
+                        l.iter()
+                            .filter_map(|i| {
+                                match classify_tap_name(&self.prefix, &i.name().to_string_lossy()) {
+                                    TapNameKind::ByName(n) => Some(n.saturating_add(1)),
+                                    _ => None,
+                                }
+                            })
+                            .max()
+                            .unwrap_or(0)
+                    })
+                    .unwrap_or(0);
+                let next = stored.max(seen);
+                guard.insert(NameBlock { next, limit: next })
+            }
+        };
+        if block.next >= BY_NAME_MAX {
+            return Err(std::io::Error::other(
+                "every name for TAPs handed over by name has been used on this node",
+            ));
+        }
+        if block.next == block.limit {
+            let limit = block.limit.saturating_add(BY_NAME_BLOCK).min(BY_NAME_MAX);
+            write_durably(&path, format!("{limit}\n").as_bytes())?;
+            block.limit = limit;
+        }
+        let n = block.next;
+        block.next += 1;
+        Ok(by_name_tap_name(&self.prefix, n))
     }
 
     /// The idle count (or the pool's health) changed.
@@ -595,6 +670,52 @@ pub fn create_tap(name: &str) -> Result<PoolTap, crate::tap::TapError> {
         })?;
     store_fd(ifindex, &tap);
     Ok(PoolTap { tap, ifindex })
+}
+
+/// Creates a persistent TAP that `owner` may attach to by name, and
+/// closes the agent's fd: the VMM opens the device itself (Firecracker's
+/// `host_dev_name`, QEMU's `ifname=`). Its ifindex. Nothing goes into the
+/// fd store. A failed step leaves no device behind.
+pub fn create_by_name(name: &str, owner: TapOwner) -> Result<u32, crate::tap::TapError> {
+    let tap = Tap::create(name)?;
+    let done = tap.set_owner(owner.uid, owner.gid).and_then(|()| {
+        nix::net::if_::if_nametoindex(name).map_err(|e| crate::tap::TapError::SetIff {
+            name: name.into(),
+            source: e.into(),
+        })
+    });
+    match done {
+        Ok(ifindex) => {
+            disable_ipv6(name);
+            Ok(ifindex)
+        }
+        Err(e) => {
+            // Gone with the fd below.
+            let _ = tap.unpersist();
+            Err(e)
+        }
+    }
+}
+
+/// Gives a TAP handed over by name a new owner: attaches to it for the
+/// two ioctls. EBUSY (TUNSETIFF) while a VMM holds it: the owner of an
+/// attached queue is never changed under it.
+pub fn set_by_name_owner(name: &str, owner: TapOwner) -> Result<(), crate::tap::TapError> {
+    Tap::open_existing(name)?.set_owner(owner.uid, owner.gid)
+}
+
+/// Replaces `path` with `bytes`, fsynced, file and directory.
+fn write_durably(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
 }
 
 /// Turns IPv6 off on a new (still down) TAP. Guests are IPv4-only and the

@@ -98,7 +98,9 @@ pub fn classify(
                 plan.pool.push(link.clone())
             }
             TapNameKind::Pool(_) => plan.retire.push(link.clone()),
-            TapNameKind::Sandbox(_) => plan.retire.push(link.clone()),
+            // A by-name TAP without a record: its network was released
+            // (or never answered) before a crash.
+            TapNameKind::Sandbox(_) | TapNameKind::ByName(_) => plan.retire.push(link.clone()),
             TapNameKind::Foreign => {}
         }
     }
@@ -183,6 +185,7 @@ mod tests {
             bandwidth: Default::default(),
             cloned_from: None,
             paused: false,
+            tap_owner: None,
         }
     }
 

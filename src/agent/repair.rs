@@ -408,6 +408,24 @@ impl Agent {
                     net.rec.tap_name
                 ));
             }
+            None if net.rec.by_name() => {
+                // Made again by name for its owner, with no fd: the VMM
+                // that had it lost it with the device and may reopen it.
+                let owner = net.rec.tap_owner.expect("by_name");
+                match self
+                    .by_name_tap(&net.rec.tap_name, net.rec.mtu, owner)
+                    .await
+                {
+                    Ok(ifindex) => {
+                        net.ifindex = ifindex;
+                        out.repairs.push(format!(
+                            "{id}: TAP {} was missing, recreated for {owner}",
+                            net.rec.tap_name
+                        ));
+                    }
+                    Err(e) => out.errors.push(format!("{id}: {e}")),
+                }
+            }
             None => {
                 // The TAP vanished (deleted by hand): make a new one.
                 if net.tap.take().is_some() && net.ifindex != 0 {

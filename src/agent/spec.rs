@@ -73,6 +73,32 @@ pub struct NetworkSpec {
     /// The sandbox's VM is paused: packets for it are dropped, and the
     /// first one of each pause is reported (`TrafficWhilePaused`).
     pub paused: bool,
+    /// `tap_owner_uid`/`tap_owner_gid`: the TAP is handed over by name to
+    /// a VMM running as this uid (and group), not by fd (see
+    /// [`TapOwner`]). As given: [`NetworkSpec::validated`] checks them.
+    pub tap_owner_uid: Option<u32>,
+    pub tap_owner_gid: Option<u32>,
+}
+
+/// Who may attach to a TAP handed over by name: the kernel lets a process
+/// attach (TUNSETIFF) to a persistent TAP only if its euid is `uid` and,
+/// when `gid` is set, it is in that group, or if it has CAP_NET_ADMIN.
+/// The agent holds no fd of such a TAP (docs/design.md, "TAPs handed over
+/// by name").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TapOwner {
+    pub uid: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+}
+
+impl std::fmt::Display for TapOwner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.gid {
+            Some(g) => write!(f, "uid {} gid {g}", self.uid),
+            None => write!(f, "uid {}", self.uid),
+        }
+    }
 }
 
 /// How a sandbox's egress by name is enforced (docs/egress.md).
@@ -457,6 +483,7 @@ impl NetworkSpec {
             validate_ifname("ifname", ifname)?;
         }
         self.bandwidth.check().map_err(invalid)?;
+        self.check_tap_owner()?;
         if let Some(src) = &self.clone_of {
             validate_sandbox_id(src).map_err(|e| match e {
                 AgentError::InvalidArgument(m) => invalid(format!("clone_of: {m}")),
@@ -485,6 +512,46 @@ impl NetworkSpec {
         Ok(self)
     }
 
+    /// `tap_owner_uid`/`tap_owner_gid`: the kernel's "nobody" (-1) is no
+    /// owner, a group needs an owner, and only a TAP has one.
+    fn check_tap_owner(&self) -> Result<(), AgentError> {
+        if self.tap_owner_uid == Some(u32::MAX) {
+            return Err(invalid(format!(
+                "tap_owner_uid: {} is the kernel's \"no owner\" (anyone could attach); give \
+                 the uid the VMM runs as (0 for root)",
+                u32::MAX
+            )));
+        }
+        if self.tap_owner_gid == Some(u32::MAX) {
+            return Err(invalid(format!(
+                "tap_owner_gid: {} is the kernel's \"no group\"; leave tap_owner_gid out instead",
+                u32::MAX
+            )));
+        }
+        if self.tap_owner_gid.is_some() && self.tap_owner_uid.is_none() {
+            return Err(invalid(
+                "tap_owner_gid: needs tap_owner_uid (the uid the VMM runs as); a group alone \
+                 would let every member attach"
+                    .into(),
+            ));
+        }
+        if self.tap_owner_uid.is_some() && !matches!(self.attach, Attach::Tap) {
+            return Err(invalid(
+                "tap_owner_uid: a veth attachment (CNI) has no TAP to hand over by name".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The TAP's owner when it is handed over by name (after
+    /// [`NetworkSpec::validated`]).
+    pub fn tap_owner(&self) -> Option<TapOwner> {
+        self.tap_owner_uid.map(|uid| TapOwner {
+            uid,
+            gid: self.tap_owner_gid,
+        })
+    }
+
     /// What `rec` was ensured with, as a spec: converging a network with it
     /// changes nothing. `metadata` and `idempotency_key` are the caller's;
     /// no `clone_of` (the spec is a whole one).
@@ -502,6 +569,10 @@ impl NetworkSpec {
             bandwidth: rec.bandwidth,
             clone_of: None,
             paused: caller.paused,
+            // How the TAP is handed over is the caller's: a clone restored
+            // by name gets its own owner.
+            tap_owner_uid: caller.tap_owner_uid,
+            tap_owner_gid: caller.tap_owner_gid,
         }
     }
 
@@ -565,9 +636,18 @@ pub struct NetworkRecord {
     /// dropped and the first of each pause reported.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub paused: bool,
+    /// Set when the TAP is handed over by name (`tap_owner_uid`): the
+    /// agent holds no fd of it and never opens it while the network lives.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tap_owner: Option<TapOwner>,
 }
 
 impl NetworkRecord {
+    /// The TAP is handed over by name: the agent holds no fd of it.
+    pub fn by_name(&self) -> bool {
+        self.tap_owner.is_some()
+    }
+
     /// Whether the sandbox's IPv6 may reach the world
     /// ([`crate::types::ipv6_open`]).
     pub fn ipv6_open(&self) -> bool {
@@ -612,6 +692,13 @@ pub fn pool_tap_name(prefix: &str, n: u32) -> String {
     format!("{prefix}w{:07x}", n & 0x0fff_ffff)
 }
 
+/// TAPs handed over by name: prefix + 'n' + 7 hex digits of a counter
+/// kept in the state directory, so a name is never used twice on a node
+/// ('n' is not a hex digit: no collision with the other kinds).
+pub fn by_name_tap_name(prefix: &str, n: u32) -> String {
+    format!("{prefix}n{:07x}", n & 0x0fff_ffff)
+}
+
 /// A released veth's host end while it waits for deletion: prefix + 'x' +
 /// its ifindex (unique while it exists; 'x' is not a hex digit, so it never
 /// looks like a sandbox or pool name).
@@ -624,6 +711,7 @@ pub fn retired_veth_name(prefix: &str, ifindex: u32) -> String {
 pub enum TapNameKind {
     Sandbox(Ipv4Addr),
     Pool(u32),
+    ByName(u32),
     Foreign,
 }
 
@@ -631,11 +719,16 @@ pub fn classify_tap_name(prefix: &str, name: &str) -> TapNameKind {
     let Some(rest) = name.strip_prefix(prefix) else {
         return TapNameKind::Foreign;
     };
-    if let Some(n) = rest.strip_prefix('w')
-        && n.len() == 7
-        && let Ok(n) = u32::from_str_radix(n, 16)
-    {
+    let counter = |kind: char| {
+        rest.strip_prefix(kind)
+            .filter(|n| n.len() == 7)
+            .and_then(|n| u32::from_str_radix(n, 16).ok())
+    };
+    if let Some(n) = counter('w') {
         return TapNameKind::Pool(n);
+    }
+    if let Some(n) = counter('n') {
+        return TapNameKind::ByName(n);
     }
     if rest.len() == 8
         && rest
@@ -829,6 +922,38 @@ mod tests {
     }
 
     #[test]
+    fn tap_owner_options() {
+        let owner = |uid: Option<u32>, gid: Option<u32>| NetworkSpec {
+            tap_owner_uid: uid,
+            tap_owner_gid: gid,
+            ..Default::default()
+        };
+        // uid 0 is a VMM run as root; gid 0 is a group like any other.
+        for (uid, gid) in [(Some(0), None), (Some(1000), Some(0)), (None, None)] {
+            let s = owner(uid, gid).validated().unwrap();
+            assert_eq!(s.tap_owner().map(|o| (o.uid, o.gid)), uid.map(|u| (u, gid)));
+        }
+        for (uid, gid, want) in [
+            (
+                Some(u32::MAX),
+                None,
+                "tap_owner_uid: 4294967295 is the kernel's",
+            ),
+            (Some(1), Some(u32::MAX), "tap_owner_gid: 4294967295"),
+            (None, Some(1000), "tap_owner_gid: needs tap_owner_uid"),
+        ] {
+            let e = err(owner(uid, gid));
+            assert!(e.contains(want), "{uid:?} {gid:?}: {e}");
+        }
+        // A clone may be handed over by name.
+        let clone = NetworkSpec {
+            clone_of: Some("golden".into()),
+            ..owner(Some(1000), None)
+        };
+        clone.validated().unwrap();
+    }
+
+    #[test]
     fn ipv6_is_open_unless_strict_or_every_ipv6_address_is_denied() {
         let rec = |allow: &[&str], deny: &[&str]| -> NetworkRecord {
             serde_json::from_value(serde_json::json!({
@@ -889,6 +1014,10 @@ mod tests {
             },
             cloned_from: Some("golden".into()),
             paused: true,
+            tap_owner: Some(TapOwner {
+                uid: 1000,
+                gid: Some(0),
+            }),
         };
         let bytes = rec.to_bytes();
         assert_eq!(NetworkRecord::from_bytes("sbx-1", &bytes).unwrap(), rec);
@@ -896,8 +1025,12 @@ mod tests {
         let mut old: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         old.as_object_mut().unwrap().remove("cloned_from");
         old.as_object_mut().unwrap().remove("paused");
+        old.as_object_mut().unwrap().remove("tap_owner");
         let old = NetworkRecord::from_bytes("sbx-1", &serde_json::to_vec(&old).unwrap()).unwrap();
-        assert_eq!((old.cloned_from, old.paused), (None, false));
+        assert_eq!(
+            (old.cloned_from, old.paused, old.tap_owner),
+            (None, false, None)
+        );
 
         // A clone's spec is the source's with fresh host ports and the
         // caller's metadata; converging with the record's own changes
@@ -954,6 +1087,11 @@ mod tests {
             TapNameKind::Pool(42)
         );
         assert_eq!(pool_tap_name("ctapxyz", u32::MAX).len(), 15);
+        assert_eq!(
+            classify_tap_name("ctap", &by_name_tap_name("ctap", 0x1234)),
+            TapNameKind::ByName(0x1234)
+        );
+        assert_eq!(by_name_tap_name("ctapxyz", u32::MAX).len(), 15);
         assert_eq!(classify_tap_name("ctap", "eth0"), TapNameKind::Foreign);
         assert_eq!(
             classify_tap_name("ctap", "ctapC0A80002"),

@@ -805,8 +805,11 @@ impl Agent {
         // The fd the service manager handed back, else the device itself
         // (a plain adoption, not a repair; EBUSY: a VMM holds it).
         let is_tap = rec.attach.is_tap();
-        let tap = inherited.filter(|_| is_tap).or_else(|| {
-            let link = link.as_ref().filter(|_| is_tap)?;
+        // A TAP handed over by name is adopted by name, never opened: its
+        // VMM may hold it, or attach to it at any time.
+        let holds_fd = is_tap && !rec.by_name();
+        let tap = inherited.filter(|_| holds_fd).or_else(|| {
+            let link = link.as_ref().filter(|_| holds_fd)?;
             Tap::open_existing(&link.name)
                 .inspect(|tap| pool::store_fd(link.index, tap))
                 .ok()
@@ -822,7 +825,7 @@ impl Agent {
         let done = self
             .repair_ladder(&mut net, link, neighbour_ok, false)
             .await;
-        if is_tap && net.tap.is_none() && done.errors.is_empty() {
+        if holds_fd && net.tap.is_none() && done.errors.is_empty() {
             warn!(
                 sandbox_id = id,
                 tap = net.rec.tap_name,

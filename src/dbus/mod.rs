@@ -176,6 +176,8 @@ pub const OPTION_KEYS: &[&str] = &[
     "ingress_burst",
     "clone_of",
     "paused",
+    "tap_owner_uid",
+    "tap_owner_gid",
 ];
 
 fn bad(msg: String) -> AgentError {
@@ -249,6 +251,8 @@ pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpe
             "ingress_burst" => spec.bandwidth.ingress_burst = typed(key, v, "t")?,
             "clone_of" => spec.clone_of = Some(typed(key, v, "s")?),
             "paused" => spec.paused = typed(key, v, "b")?,
+            "tap_owner_uid" => spec.tap_owner_uid = Some(typed(key, v, "u")?),
+            "tap_owner_gid" => spec.tap_owner_gid = Some(typed(key, v, "u")?),
             other => {
                 return Err(bad(format!(
                     "unknown option '{other}' (known: {})",
@@ -440,6 +444,12 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
     }
     put("paused", Value::from(r.paused));
     put("attach", Value::from(r.attach.name()));
+    if let Some(o) = r.tap_owner {
+        put("tap_owner_uid", Value::from(o.uid));
+        if let Some(g) = o.gid {
+            put("tap_owner_gid", Value::from(g));
+        }
+    }
     put("egress_mode", Value::from(r.egress_mode.as_str()));
     let bw = r.bandwidth;
     put("egress_bps", Value::from(bw.egress_bps));

@@ -125,6 +125,8 @@ pub fn options(v: Option<&Value>) -> Result<NetworkSpec, Failure> {
             "ingress_burst" => spec.bandwidth.ingress_burst = as_uint(v, key)?,
             "clone_of" => spec.clone_of = Some(as_string(v, key)?),
             "paused" => spec.paused = as_bool(v, key)?,
+            "tap_owner_uid" => spec.tap_owner_uid = Some(as_uint(v, key)?),
+            "tap_owner_gid" => spec.tap_owner_gid = Some(as_uint(v, key)?),
             other => return Err(invalid(other)),
         }
     }
@@ -243,6 +245,12 @@ pub fn network(info: NetworkInfo) -> Value {
         o["sandbox_ipv6"] = Value::String(a);
     }
     o["paused"] = Value::Bool(r.paused);
+    if let Some(owner) = r.tap_owner {
+        o["tap_owner_uid"] = Value::from(owner.uid);
+        if let Some(g) = owner.gid {
+            o["tap_owner_gid"] = Value::from(g);
+        }
+    }
     o["attach"] = Value::String(r.attach.name().into());
     let bw = r.bandwidth;
     o["egress_bps"] = Value::from(bw.egress_bps);

@@ -22,11 +22,18 @@
 #   world -> node 198.51.100.1:<host port> -> guest:80 (port-mapped ingress):
 #                    small GET, 2 MiB GET, 2 MiB POST
 #   node -> sandbox IP:80 (host access): small GET, 2 MiB GET, 2 MiB POST
+#   by name          a second network made with --tap-owner (a TAP handed
+#                    over by name): the same QEMU as another uid fails to
+#                    attach (EPERM), as the owner uid (setpriv) it boots
+#                    the same guest on -netdev tap,ifname=; the agent holds
+#                    no fd of it; the guest reaches the world and is
+#                    reached over its port mapping
 #   kill -9          the agent is killed while the world, over a mapping of
 #                    each family, has the guest pull a 2 MiB file paced
-#                    over 5 s over IPv6 (NAT66) and IPv4 (SNAT): both arrive
-#                    intact after the restart, which is healthy, and new
-#                    connections of both families go through
+#                    over 5 s over IPv6 (NAT66) and IPv4 (SNAT), and the
+#                    by-name guest one over IPv4: all arrive intact after
+#                    the restart, which is healthy, and new connections of
+#                    both families go through
 # QEMU enables checksum and TSO offloads on the TAP, so the large transfers
 # put partial-checksum / GSO packets through the datapath in both
 # directions.
@@ -312,6 +319,76 @@ fetch_big "$NS" "node -> guest: GET $GUEST_BIG_SIZE bytes" "$H/big.bin"
 post_big "$NS" "node -> guest: POST $BIG bytes" "$H/cgi-bin/sum"
 log "host checks done"
 
+# --- a VMM that opens its TAP by name, as an unprivileged user --------------------------
+# QEMU opens /dev/net/tun itself: this machine's node is root-only, so a
+# 0666 node (what distributions ship) is bind-mounted over it in QEMU's own
+# mount namespace. The kernel, the guest and its files are copied where
+# the uid can read them; the console goes to a file the shell opens.
+BN_UID=4242
+BN_OTHER=4343
+"$CTL" --bus "$ADDR" --json ensure vm-name --port tcp:80 --tap-owner "$BN_UID:$BN_UID" >"$T/ensure-name.json" 2>"$T/ensure-name.err" ||
+    die "cubenetctl ensure --tap-owner: $(cat "$T/ensure-name.err")"
+read -r BN_TAP BN_HP BN_OWNER < <("$PY" -c '
+import json, sys
+n = json.load(open(sys.argv[1]))
+hp = [m["host_port"] for m in n["port_mappings"] if m["protocol"] == "tcp" and m["container_port"] == 80]
+print(n["tap_name"], hp[0] if hp else "", n.get("tap_owner_uid", "-"))' "$T/ensure-name.json") ||
+    die "unexpected ensure output: $(cat "$T/ensure-name.json")"
+check "ensure vm-name --tap-owner $BN_UID:$BN_UID: a TAP handed over by name ($BN_TAP, tcp 80 -> $BN_HP)" \
+    "owner=$BN_UID" "owner=$BN_OWNER"
+mkdir -p "$T/byname"
+mknod "$T/byname/tun" c 10 200 && chmod 666 "$T/byname/tun" || die "mknod tun"
+cp "$CACHE/vmlinux" "$CACHE/initramfs.cpio.gz" "$T/byname/" && chmod 711 "$T" && chmod -R a+rX "$T/byname" ||
+    die "copying the guest for uid $BN_UID"
+# qemu_by_name UID CONSOLE: QEMU as UID (no groups) opening the TAP by name.
+qemu_by_name() {
+    ip netns exec "$NS" unshare -m --propagation private sh -c \
+        'mount --bind "$1" /dev/net/tun && shift && exec "$@"' sh "$T/byname/tun" \
+        setpriv --reuid="$1" --regid="$1" --clear-groups \
+        qemu-system-x86_64 -M pc -accel tcg,tb-size=64 -m 128 -smp 1 \
+        -nodefaults -display none -monitor none -no-reboot -serial stdio \
+        -kernel "$T/byname/vmlinux" -initrd "$T/byname/initramfs.cpio.gz" \
+        -append "console=ttyS0 quiet panic=-1 rdinit=/init cna.world=$WORLD_IP:8000 cna.big=4096" \
+        -netdev "tap,id=n0,ifname=$BN_TAP,script=no,downscript=no,vnet_hdr=on,vhost=off" \
+        -device virtio-net-pci,netdev=n0,mac=20:90:6f:fc:fc:fc,romfile= \
+        </dev/null >"$2" 2>>"$T/qemu-name.log"
+}
+qemu_by_name $BN_OTHER "$T/console-other.log" &
+p=$!
+for _ in $(seq 200); do kill -0 $p 2>/dev/null || break; sleep 0.1; done
+kill -9 $p 2>/dev/null
+wait $p
+rc=$?
+denied=$(grep -c "Operation not permitted" "$T/qemu-name.log")
+check "QEMU as uid $BN_OTHER cannot attach to $BN_TAP by name (EPERM)" "rc=1 denied=1" "rc=$rc denied=$denied"
+qemu_by_name $BN_UID "$T/console-name.log" &
+BN_PID=$!
+PIDS+=($BN_PID)
+BN_T0=$(date +%s.%N)
+# wait_file FILE PATTERN SECONDS: the first line of FILE matching PATTERN.
+wait_file() {
+    local deadline=$(($(date +%s) + $3))
+    while [ "$(date +%s)" -le $deadline ]; do
+        grep -a -m1 -- "$2" "$1" 2>/dev/null | tr -d '\r' && return 0
+        kill -0 $BN_PID 2>/dev/null || return 1
+        sleep 0.1
+    done
+    return 1
+}
+if NETUP=$(wait_file "$T/console-name.log" GUEST-NET-UP 60); then
+    ok "QEMU as uid $BN_UID boots the guest on $BN_TAP by name (${NETUP#GUEST-NET-UP }, $(awk -v s="$BN_T0" -v n="$(date +%s.%N)" 'BEGIN{printf "%.1f", n-s}') s after exec)"
+else
+    notok "QEMU as uid $BN_UID boots the guest on $BN_TAP by name" "qemu: $(tail -3 "$T/qemu-name.log" | tr '\n' ' ')"
+fi
+qemu_uid=$(ps -o uid= -p "$(pgrep -P "$BN_PID" -f qemu-system || echo "$BN_PID")" 2>/dev/null | tr -d ' ')
+agent_fds=$(grep -l "^iff:.$BN_TAP\$" /proc/"$AGENT_PID"/fdinfo/* 2>/dev/null | wc -l)
+check "the VMM runs as uid $BN_UID and the agent holds no fd of $BN_TAP" "uid=$BN_UID agent_fds=0" "uid=$qemu_uid agent_fds=$agent_fds"
+r=$(wait_file "$T/console-name.log" "GUEST-CHECK egress-get-small " 60 | sed 's/^GUEST-CHECK egress-get-small //')
+check "by-name guest -> world: GET small page (SNAT egress)" "rc=0 body=cna-vm-world-marker" "$r"
+fetch "$WNS" "world -> $NODE_IP:$BN_HP -> by-name guest:80: GET small page (port-mapped ingress)" \
+    "http://$NODE_IP:$BN_HP/" cna-vm-guest-marker
+log "by-name checks done"
+
 # --- kill -9 of the agent with transfers in flight -------------------------------------
 # The world asks the guest, over a port mapping of each family, to pull
 # the world's large file paced over 5 s, over IPv6 (NAT66) and IPv4
@@ -324,8 +401,11 @@ ip netns exec "$WNS" curl -sS -m 90 --fail "http://[$NODE_IP6]:$HP/cgi-bin/pull?
 PULL6=$!
 ip netns exec "$WNS" curl -sS -m 90 --fail "http://$NODE_IP:$HP/cgi-bin/pull?4/slow/big.bin" >"$T/pull4" 2>&1 &
 PULL4=$!
+ip netns exec "$WNS" curl -sS -m 90 --fail "http://$NODE_IP:$BN_HP/cgi-bin/pull?4/slow/big.bin" >"$T/pulln" 2>&1 &
+PULLN=$!
 for _ in $(seq 300); do
-    grep -q "^SLOW-START client=$NODE_IP6" "$T/world6.log" && grep -q "^SLOW-START client=$NODE_IP" "$T/world.log" && break
+    grep -q "^SLOW-START client=$NODE_IP6" "$T/world6.log" &&
+        [ "$(grep -c "^SLOW-START client=$NODE_IP\$" "$T/world.log")" = 2 ] && break
     sleep 0.1
 done
 sleep 1
@@ -333,7 +413,7 @@ ends=$(cat "$T/world.log" "$T/world6.log" | grep -c '^SLOW-END')
 starts=$(cat "$T/world.log" "$T/world6.log" | grep -c '^SLOW-START')
 kill -9 "$AGENT_PID"
 wait "$AGENT_PID" 2>/dev/null
-check "both paced transfers in flight when the agent is killed (-9)" "started=2 ended=0" "started=$starts ended=$ends"
+check "the three paced transfers in flight when the agent is killed (-9)" "started=3 ended=0" "started=$starts ended=$ends"
 log "agent killed (-9), starting it again"
 vm_agent
 wait $PULL6
@@ -342,6 +422,11 @@ check "world -> [$NODE_IP6]:$HP -> guest pulls $BIG bytes over IPv6 (NAT66) acro
 wait $PULL4
 check "world -> $NODE_IP:$HP -> guest pulls $BIG bytes over IPv4 (SNAT) across kill -9" \
     "rc=0 size=$BIG md5=$WORLD_BIG_MD5" "$(tr -d '\r' <"$T/pull4")"
+wait $PULLN
+check "world -> $NODE_IP:$BN_HP -> by-name guest pulls $BIG bytes across kill -9" \
+    "rc=0 size=$BIG md5=$WORLD_BIG_MD5" "$(tr -d '\r' <"$T/pulln")"
+agent_fds=$(grep -l "^iff:.$BN_TAP\$" /proc/"$AGENT_PID"/fdinfo/* 2>/dev/null | wc -l)
+check "the restarted agent adopted $BN_TAP without opening it" "agent_fds=0" "agent_fds=$agent_fds"
 for _ in $(seq 50); do
     h=$("$CTL" --bus "$ADDR" health -q 2>&1); rc=$?
     [ $rc = 0 ] && break

@@ -95,6 +95,8 @@ pub struct EnsureOpts {
     pub idempotency_key: Option<String>,
     pub clone_of: Option<String>,
     pub paused: bool,
+    /// `--tap-owner UID[:GID]`: as typed, uid, gid.
+    pub tap_owner: Option<(String, u32, Option<u32>)>,
 }
 
 #[derive(Debug)]
@@ -106,7 +108,9 @@ pub enum Cmd {
     Reconcile(String),
     Health,
     Capacity,
-    OpenTap(String, Vec<String>),
+    /// The networks (their TAPs go on fds 3, 4, ... in this order) and
+    /// the command.
+    OpenTap(Vec<String>, Vec<String>),
     Watch,
     /// The metrics socket to read.
     Metrics(PathBuf),
@@ -147,6 +151,7 @@ struct RawEnsure {
     idempotency_key: Option<String>,
     clone_of: Option<String>,
     paused: bool,
+    tap_owner: Option<String>,
 }
 
 /// The options of `ensure` (accepted only after the command name).
@@ -165,6 +170,7 @@ pub const ENSURE_FLAGS: &[&str] = &[
     "--idempotency-key",
     "--clone-of",
     "--paused",
+    "--tap-owner",
 ];
 
 fn parse_bus(s: &str, origin: &str) -> Res<Bus> {
@@ -242,6 +248,23 @@ pub fn parse_port(s: &str) -> Result<PortArg, String> {
     })
 }
 
+/// `UID[:GID]`, numbers only (the agent never looks names up: the VMM's
+/// uid is what the kernel compares).
+fn parse_tap_owner(s: &str) -> Result<(String, u32, Option<u32>), String> {
+    let num = |part: &str, what: &str| {
+        part.parse::<u32>().map_err(|_| {
+            format!(
+                "--tap-owner {s}: {what} '{part}' is not a number (usage: --tap-owner UID[:GID])"
+            )
+        })
+    };
+    let (uid, gid) = match s.split_once(':') {
+        Some((u, g)) => (num(u, "uid")?, Some(num(g, "gid")?)),
+        None => (num(s, "uid")?, None),
+    };
+    Ok((s.to_owned(), uid, gid))
+}
+
 fn build_ensure(raw: RawEnsure) -> Res<EnsureOpts> {
     let mut o = EnsureOpts {
         allow_out: raw.allow_out,
@@ -253,6 +276,9 @@ fn build_ensure(raw: RawEnsure) -> Res<EnsureOpts> {
         paused: raw.paused,
         ..EnsureOpts::default()
     };
+    if let Some(t) = raw.tap_owner {
+        o.tap_owner = Some(parse_tap_owner(&t).map_err(Failure::usage)?);
+    }
     for p in &raw.ports {
         o.ports.push(parse_port(p).map_err(Failure::usage)?);
     }
@@ -292,6 +318,8 @@ fn build_ensure(raw: RawEnsure) -> Res<EnsureOpts> {
 const SHORT: &str = "hjqV";
 
 pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
+    // `open-tap A B -- COMMAND`: with `--`, every id comes before it.
+    let dashdash = args.iter().any(|a| a == "--");
     let mut it = args.into_iter();
     let mut command: Option<&'static CommandDef> = None;
     let mut positional: Vec<String> = vec![];
@@ -415,6 +443,7 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
                     no_value(&inline)?;
                     raw.paused = true;
                 }
+                "--tap-owner" if is_ensure => raw.tap_owner = Some(value(inline)?),
                 "--interval" if is_top => interval = Some(value(inline)?),
                 "--count" if is_top => count = Some(value(inline)?),
                 f if TOP_FLAGS.contains(&f) => {
@@ -442,7 +471,7 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
                         .ok_or_else(|| Failure::usage(format!("unknown command '{arg}'")))?,
                 );
             }
-            Some(c) if c.name == "open-tap" && positional.len() == 1 => {
+            Some(c) if c.name == "open-tap" && positional.len() == 1 && !dashdash => {
                 // `open-tap ID COMMAND ...` without `--`: the rest is COMMAND's.
                 let mut rest = vec![arg];
                 rest.extend(it.by_ref());
@@ -585,14 +614,16 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
             Cmd::Ensure(positional.remove(0), Box::new(build_ensure(raw)?))
         }
         "open-tap" => {
-            want(1)?;
+            if positional.is_empty() {
+                want(1)?;
+            }
             let argv = trailing.unwrap_or_default();
             if argv.is_empty() {
                 return Err(Failure::usage(
-                    "'open-tap' needs a command to run (usage: cubenetctl open-tap ID -- COMMAND [ARGS...])",
+                    "'open-tap' needs a command to run (usage: cubenetctl open-tap ID... -- COMMAND [ARGS...])",
                 ));
             }
-            Cmd::OpenTap(positional.remove(0), argv)
+            Cmd::OpenTap(std::mem::take(&mut positional), argv)
         }
         other => unreachable!("command table entry {other} not handled"),
     };
@@ -726,11 +757,44 @@ mod tests {
         assert!(matches!(parse(&["-V"]).unwrap(), Parsed::Version));
         assert!(matches!(parse(&["-qV"]).unwrap(), Parsed::Version));
         match parse(&["open-tap", "x", "--", "sh", "-c", "true"]).unwrap() {
-            Parsed::Run(_, Cmd::OpenTap(id, argv)) => {
-                assert_eq!(id, "x");
+            Parsed::Run(_, Cmd::OpenTap(ids, argv)) => {
+                assert_eq!(ids, ["x"]);
                 assert_eq!(argv, ["sh", "-c", "true"]);
             }
             other => panic!("{other:?}"),
+        }
+        // Several networks (fds 3, 4, ...) before `--`; without `--` the
+        // first word after the id starts the command, as before.
+        match parse(&["open-tap", "a", "b", "--", "vmm", "--x"]).unwrap() {
+            Parsed::Run(_, Cmd::OpenTap(ids, argv)) => {
+                assert_eq!(ids, ["a", "b"]);
+                assert_eq!(argv, ["vmm", "--x"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        match parse(&["open-tap", "a", "vmm", "b"]).unwrap() {
+            Parsed::Run(_, Cmd::OpenTap(ids, argv)) => {
+                assert_eq!(ids, ["a"]);
+                assert_eq!(argv, ["vmm", "b"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        match parse(&["ensure", "x", "--tap-owner", "1000:27"]).unwrap() {
+            Parsed::Run(_, Cmd::Ensure(_, o)) => {
+                assert_eq!(o.tap_owner, Some(("1000:27".into(), 1000, Some(27))));
+            }
+            other => panic!("{other:?}"),
+        }
+        match parse(&["ensure", "x", "--tap-owner=0"]).unwrap() {
+            Parsed::Run(_, Cmd::Ensure(_, o)) => {
+                assert_eq!(o.tap_owner, Some(("0".into(), 0, None)))
+            }
+            other => panic!("{other:?}"),
+        }
+        for bad in ["kvm", "1000:", ":5", "-1", "1:2:3"] {
+            let e = parse(&["ensure", "x", "--tap-owner", bad]).unwrap_err();
+            assert_eq!(e.code, EXIT_USAGE);
+            assert!(e.msg.contains("--tap-owner"), "{bad}: {}", e.msg);
         }
         let e = parse(&["status"]).unwrap_err();
         assert_eq!(e.code, EXIT_USAGE);

@@ -59,6 +59,12 @@ fn options(o: &EnsureOpts) -> HashMap<&'static str, Value<'static>> {
     if o.paused {
         m.insert("paused", Value::from(true));
     }
+    if let Some((_, uid, gid)) = &o.tap_owner {
+        m.insert("tap_owner_uid", Value::from(*uid));
+        if let Some(g) = gid {
+            m.insert("tap_owner_gid", Value::from(*g));
+        }
+    }
     m
 }
 
@@ -91,6 +97,10 @@ pub fn explain(o: &EnsureOpts, msg: &str) -> String {
             "clone_of" => o.clone_of.as_ref().map(|s| format!("--clone-of {s}")),
             "mtu" => o.mtu.map(|m| format!("--mtu {m}")),
             "egress_mode" => o.egress_mode.as_ref().map(|m| format!("--egress-mode {m}")),
+            "tap_owner_uid" | "tap_owner_gid" => o
+                .tap_owner
+                .as_ref()
+                .map(|(t, _, _)| format!("--tap-owner {t}")),
             k => o
                 .rates
                 .iter()

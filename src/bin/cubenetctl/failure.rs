@@ -74,8 +74,8 @@ pub fn access_hint() -> String {
 /// What a command asks `main` to do once its connection is closed.
 pub enum Outcome {
     Exit(u8),
-    /// `open-tap`: exec the command with the TAP on fd 3.
-    Exec(std::os::fd::OwnedFd, Vec<String>),
+    /// `open-tap`: exec the command with the TAPs on fds 3, 4, ...
+    Exec(Vec<std::os::fd::OwnedFd>, Vec<String>),
 }
 
 #[cfg(test)]

@@ -80,7 +80,11 @@ converges it (same address and TAP). Errors name the option, e.g.
                           --idempotency-key and --paused may come with it
   --paused                The sandbox's VM is paused: packets for it are
                           dropped, the first one of each pause reported
-                          (TrafficWhilePaused); leave it out to resume",
+                          (TrafficWhilePaused); leave it out to resume
+  --tap-owner=UID[:GID]   Hand the TAP over by name to a VMM running as
+                          UID (in group GID): for Firecracker
+                          (host_dev_name) and QEMU (ifname=); the agent
+                          keeps no fd of it, open-tap is refused",
     },
     CommandDef {
         name: "release",
@@ -125,13 +129,18 @@ enough to poll every second. With --json, the object Capacity returns
     },
     CommandDef {
         name: "open-tap",
-        args: "ID -- COMMAND [ARGS...]",
-        summary: "Run COMMAND with the network's TAP as fd 3",
-        help: "Calls OpenTap (a fresh duplicate of the agent's TAP fd: IFF_TAP,
-IFF_NO_PI, 12-byte virtio-net header) and execs COMMAND with it as
-file descriptor 3, e.g.
+        args: "ID... -- COMMAND [ARGS...]",
+        summary: "Run COMMAND with the networks' TAPs as fds 3, 4, ...",
+        help: "Calls OpenTap for each ID (a fresh duplicate of the agent's TAP fd:
+IFF_TAP, IFF_NO_PI, 12-byte virtio-net header) and execs COMMAND with
+the first as file descriptor 3, the next as 4, and so on, e.g.
 
   cubenetctl open-tap sbx-1 -- qemu-system-x86_64 -netdev tap,id=n0,fd=3,vnet_hdr=on ...
+  cubenetctl open-tap sbx-1 sbx-1b -- cloud-hypervisor \\
+      --net fd=3,mac=GUEST_MAC,id=net0 fd=4,mac=GUEST_MAC_B,id=net1 ...
+
+With one ID the '--' may be left out. A network made with --tap-owner
+has no fd to hand out: its VMM opens the TAP by name.
 
 COMMAND's exit status is then the status; if COMMAND cannot be
 executed: 127 (not found) or 126 (other errors).",

@@ -51,7 +51,7 @@ async fn run(g: &Global, cmd: Cmd) -> Res<Outcome> {
         Cmd::Reconcile(id) => reconcile::run(&agent, out, &id).await?,
         Cmd::Health => health::run(&agent, out).await?,
         Cmd::Capacity => capacity::run(&agent, out).await?,
-        Cmd::OpenTap(id, argv) => return open_tap::run(&agent, &id, argv).await,
+        Cmd::OpenTap(ids, argv) => return open_tap::run(&agent, &ids, argv).await,
         Cmd::Watch | Cmd::Metrics(_) | Cmd::Top(_) => {
             unreachable!("watch, metrics and top run without D-Bus")
         }
@@ -124,7 +124,7 @@ fn main() -> ExitCode {
     drop(rt);
     match outcome {
         Ok(Outcome::Exit(code)) => ExitCode::from(code),
-        Ok(Outcome::Exec(fd, argv)) => fail(open_tap::exec_with_tap(fd, &argv), ascii),
+        Ok(Outcome::Exec(fds, argv)) => fail(open_tap::exec_with_taps(fds, &argv), ascii),
         Err(f) => fail(f, ascii),
     }
 }
