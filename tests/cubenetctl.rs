@@ -964,6 +964,42 @@ fn open_tap_execs_with_the_tap_on_fd_3() {
     assert_prefixed(&o);
     let o = ctl(bus, &["open-tap", "nope", "--", "true"]);
     assert_eq!(o.code, 3, "{o:?}");
+
+    // Several networks (a VM with several NICs): their TAPs on fds 3, 4,
+    // 5 in the order given, nothing else added; one unknown id fails the
+    // whole call before anything runs.
+    let mut taps = vec![];
+    for id in ["sbx-u", "sbx-v"] {
+        let o = ctl(bus, &["--json", "ensure", id]);
+        assert_eq!(o.code, 0, "{o:?}");
+        let v: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+        taps.push(v["tap_name"].as_str().unwrap().to_owned());
+    }
+    let o = ctl(bus, &["--json", "status", "sbx-t"]);
+    let v: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    let tap_t = v["tap_name"].as_str().unwrap().to_owned();
+    let iff =
+        "for n in 3 4 5; do sed -n 's/^iff:\\t/'$n' /p' /proc/self/fdinfo/$n; done; ls /proc/$$/fd";
+    let o = ctl(
+        bus,
+        &["open-tap", "sbx-v", "sbx-t", "sbx-u", "--", "sh", "-c", iff],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    let want = format!("3 {}\n4 {tap_t}\n5 {}\n", taps[1], taps[0]);
+    assert!(o.stdout.starts_with(&want), "{o:?}");
+    let added: Vec<String> = fds(o
+        .stdout
+        .lines()
+        .skip(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+        .as_bytes())
+    .difference(&fds(&base.stdout))
+    .cloned()
+    .collect();
+    assert_eq!(added, ["3", "4", "5"], "{o:?}");
+    let o = ctl(bus, &["open-tap", "sbx-u", "nope", "--", "true"]);
+    assert_eq!(o.code, 3, "{o:?}");
 }
 
 const COMMANDS: &[&str] = &[
