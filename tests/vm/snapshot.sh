@@ -23,7 +23,10 @@
 # Checks (TAP-style `ok - name` / `not ok - name`, then `N passed, M failed`):
 #   ensure        vm-src; clone-1..3 with --clone-of=vm-src: cloned_from in
 #                 the ensure answer and in GetNetwork (status), sandbox IPs,
-#                 TAPs and tcp/80 host ports all distinct
+#                 TAPs and tcp/80 host ports all distinct; the last clone
+#                 also with --tap-owner=0: its TAP is handed over by name
+#                 and its QEMU restores onto -netdev tap,ifname= (as
+#                 Firecracker's network_overrides would), the others by fd
 #   source        boots, its tick connection reaches the world; the snapshot
 #                 (QMP migrate to exec:cat) completes
 #   each clone    restored (QMP query-status: running)
@@ -360,7 +363,9 @@ log "snapshot taken after tick $SNAP_TICKS of the source"
 declare -a C_SIP C_TAP C_HP C_UP
 for i in $(seq $CLONES); do
     c=clone-$i
-    if ! "$CTL" --bus "$ADDR" --json ensure "$c" --clone-of=vm-src >"$T/ensure-$c.json" 2>"$T/ensure-$c.err"; then
+    by_name=()
+    [ "$i" = "$CLONES" ] && by_name=(--tap-owner=0)
+    if ! "$CTL" --bus "$ADDR" --json ensure "$c" --clone-of=vm-src ${by_name[@]+"${by_name[@]}"} >"$T/ensure-$c.json" 2>"$T/ensure-$c.err"; then
         notok "ensure $c --clone-of=vm-src" "$(cat "$T/ensure-$c.err")"
         summary
         exit 1
@@ -369,7 +374,7 @@ for i in $(seq $CLONES); do
     "$CTL" --bus "$ADDR" --json status "$c" >"$T/status-$c.json" 2>"$T/status-$c.err"
     read -r ssip stap shp sfrom < <(netinfo "$T/status-$c.json" 2>/dev/null)
     C_SIP[i]=$sip C_TAP[i]=$tap C_HP[i]=$hp
-    check "ensure $c --clone-of=vm-src (sandbox $sip, tap $tap, tcp 80 -> host port $hp); GetNetwork agrees" \
+    check "ensure $c --clone-of=vm-src ${by_name[*]} (sandbox $sip, tap $tap, tcp 80 -> host port $hp); GetNetwork agrees" \
         "cloned_from=vm-src port=yes status: cloned_from=vm-src $sip $tap $hp" \
         "cloned_from=$from port=$([ "$hp" != - ] && [ "$hp" != 0 ] && echo yes || echo no) status: cloned_from=${sfrom:-?} ${ssip:-?} ${stap:-?} ${shp:-?}"
 done
@@ -387,7 +392,12 @@ wait_captures $(seq -f 'clone-%g' $CLONES)
 RESTORE_T0=$(now)
 for i in $(seq $CLONES); do
     c=clone-$i
-    ip netns exec "$NS" "$CTL" --bus "$ADDR" open-tap "$c" -- "${QEMU[@]}" \
+    run=(ip netns exec "$NS" "$CTL" --bus "$ADDR" open-tap "$c" -- "${QEMU[@]}")
+    if [ "$i" = "$CLONES" ]; then
+        # By name: QEMU opens the clone's TAP itself; nothing is handed over.
+        run=(ip netns exec "$NS" "${QEMU[@]/#tap,id=n0,fd=3,vhost=off/tap,id=n0,ifname=${C_TAP[i]},script=no,downscript=no,vnet_hdr=on,vhost=off}")
+    fi
+    "${run[@]}" \
         -serial "file:$T/console-$c.log" -qmp "unix:$T/qmp-$c.sock,server=on,wait=off" \
         -incoming "exec:cat $T/snap.mig" \
         </dev/null >"$T/qemu-$c.log" 2>&1 &
