@@ -535,6 +535,20 @@ __noinline int sandbox_source6(const struct dp_in6 *a)
 	       a->w[3] != c->host_ip;
 }
 
+/* Whether an IPv6 packet arriving from outside the datapath (the uplink,
+ * a node process through lo) has a sandbox identity or the guests' link as
+ * its source: forged (counted). */
+static __always_inline int forged6(struct __sk_buff *skb)
+{
+	struct dp_in6 src;
+	if (bpf_skb_load_bytes(skb, ETH_HLEN + 8 /* ipv6hdr.saddr */, &src,
+			       sizeof(src)) ||
+	    !sandbox_source6(&src))
+		return 0;
+	count(DP_C_FORGED_SOURCE);
+	return 1;
+}
+
 /* Whether a sandbox's IPv6 packet to `a` is for the node itself: ::1, an
  * address of the node's (node_addrs6), an ipv6_pool identity. */
 __noinline int node_dst6(const struct dp_in6 *a)
@@ -4278,13 +4292,8 @@ int from_uplink(struct __sk_buff *skb)
 	if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
 		/* A sandbox identity or the guests' link as the source: forged
 		 * (the node would answer it into the sandbox as its own). */
-		struct dp_in6 src;
-		if (!bpf_skb_load_bytes(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, saddr), &src,
-					sizeof(src)) &&
-		    sandbox_source6(&src)) {
-			count(DP_C_FORGED_SOURCE);
+		if (forged6(skb))
 			return TC_ACT_SHOT;
-		}
 		if (c->flags & DP_CFG_IPV6_EGRESS)
 			bpf_tail_call(skb, &tails, TAIL_UPLINK6_IN);
 		return TC_ACT_OK;
@@ -4447,13 +4456,8 @@ int from_host(struct __sk_buff *skb)
 	 * resolver and proxy, the node's services and the kernel's answers
 	 * never take a local user for a sandbox. */
 	if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
-		struct dp_in6 src;
-		if (!bpf_skb_load_bytes(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, saddr), &src,
-					sizeof(src)) &&
-		    sandbox_source6(&src)) {
-			count(DP_C_FORGED_SOURCE);
+		if (forged6(skb))
 			return TC_ACT_SHOT;
-		}
 		return TC_ACT_OK;
 	}
 	if (eth.h_proto != bpf_htons(ETH_P_IP))

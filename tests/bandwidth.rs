@@ -700,20 +700,8 @@ async fn fragments_to_a_limited_sandbox_are_shaped() {
     let ns = world.ns.clone();
     let sender = std::thread::spawn(move || {
         in_netns(&ns, || {
-            use std::os::fd::AsRawFd;
             let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
-            let v: libc::c_int = libc::IP_PMTUDISC_DONT;
-            // SAFETY: setsockopt reads a live c_int.
-            let rc = unsafe {
-                libc::setsockopt(
-                    s.as_raw_fd(),
-                    libc::IPPROTO_IP,
-                    libc::IP_MTU_DISCOVER,
-                    (&raw const v).cast(),
-                    size_of::<libc::c_int>() as libc::socklen_t,
-                )
-            };
-            assert_eq!(rc, 0);
+            common::set_pmtu_discover(&s, libc::IP_PMTUDISC_DONT);
             s.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
             for _ in 0..400 {
                 let _ = s.send_to(&[0x55u8; 4000], world::World::node_addr(27200));
@@ -782,7 +770,10 @@ async fn tmp_converge_trace() {
         std::thread::sleep(Duration::from_secs(2));
         let called = Instant::now();
         converge_veth(&c, "tr", &limited, &[(k, 10 * MBIT), (other, 0)]).await;
-        eprintln!("window 1.2-3.7: {:.2}", measure(&meter, Instant::now(), 1.2, 2.5) / 1e6);
+        eprintln!(
+            "window 1.2-3.7: {:.2}",
+            measure(&meter, Instant::now(), 1.2, 2.5) / 1e6
+        );
         let changed = Instant::now();
         eprintln!("{k} call {:?}", changed - called);
         trace(&format!("{k} 40->10"), &meter, changed, 5.0);

@@ -1786,16 +1786,7 @@ async fn a_paused_sandbox_reports_ipv6_senders_by_their_address() {
     require_root!();
     let (env, world) = node6(&[], Some(&[]));
     let c = env.client().await;
-    let rule = zbus::MatchRule::builder()
-        .msg_type(zbus::message::Type::Signal)
-        .sender("org.cube.NetworkAgent")
-        .unwrap()
-        .member("TrafficWhilePaused")
-        .unwrap()
-        .build();
-    let mut signals = zbus::MessageStream::for_match_rule(rule, &c.conn, Some(64))
-        .await
-        .unwrap();
+    let mut signals = c.signals("TrafficWhilePaused").await;
     let net = c
         .ensure(
             "p6",

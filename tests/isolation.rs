@@ -873,19 +873,8 @@ async fn host_packets_fit_the_sandbox_mtu() {
     });
     assert!(mss <= 1260, "MSS {mss}");
     let sent = in_netns(&env.ns, move || {
-        use std::os::fd::AsRawFd;
         let s = UdpSocket::bind("0.0.0.0:0").unwrap();
-        let v: libc::c_int = libc::IP_PMTUDISC_DO;
-        // SAFETY: setsockopt reads a live c_int.
-        unsafe {
-            libc::setsockopt(
-                s.as_raw_fd(),
-                libc::IPPROTO_IP,
-                libc::IP_MTU_DISCOVER,
-                (&raw const v).cast(),
-                size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
+        common::set_pmtu_discover(&s, libc::IP_PMTUDISC_DO);
         s.send_to(&[0u8; 1400], SocketAddrV4::new(ip, 5353))
     });
     let e = sent.expect_err("1400 bytes with DF to a 1300-byte link");

@@ -883,16 +883,7 @@ async fn a_paused_sandbox_reports_the_first_packet_of_each_pause_once() {
     require_root!();
     let (mut env, world) = common::world::node(&[]);
     let c = env.client().await;
-    let rule = zbus::MatchRule::builder()
-        .msg_type(zbus::message::Type::Signal)
-        .sender("org.cube.NetworkAgent")
-        .unwrap()
-        .member("TrafficWhilePaused")
-        .unwrap()
-        .build();
-    let mut signals = zbus::MessageStream::for_match_rule(rule, &c.conn, Some(64))
-        .await
-        .unwrap();
+    let mut signals = c.signals("TrafficWhilePaused").await;
     let net = c
         .ensure(
             "p",

@@ -447,6 +447,20 @@ impl Client {
     }
 
     /// GetNetwork's `traffic` (key -> counter).
+    /// The agent's `member` signals from now on.
+    pub async fn signals(&self, member: &'static str) -> zbus::MessageStream {
+        let rule = zbus::MatchRule::builder()
+            .msg_type(zbus::message::Type::Signal)
+            .sender("org.cube.NetworkAgent")
+            .unwrap()
+            .member(member)
+            .unwrap()
+            .build();
+        zbus::MessageStream::for_match_rule(rule, &self.conn, Some(64))
+            .await
+            .unwrap()
+    }
+
     pub async fn traffic(&self, id: &str) -> std::collections::BTreeMap<String, u64> {
         let net = self.get(id).await.unwrap();
         let t: HashMap<String, OwnedValue> =
@@ -579,4 +593,27 @@ pub async fn health_until(
     pred: impl Fn(bool, &[(String, bool, String)]) -> bool,
 ) -> Vec<(String, bool, String)> {
     health_within(c, what, Duration::from_secs(5), pred).await
+}
+
+/// `IP_MTU_DISCOVER` of a socket (`libc::IP_PMTUDISC_*`): DO sets DF on
+/// every datagram, DONT lets the kernel fragment.
+#[allow(dead_code)]
+pub fn set_pmtu_discover(s: &impl std::os::fd::AsRawFd, mode: libc::c_int) {
+    // SAFETY: setsockopt reads a live c_int of the given size from a
+    // socket the caller holds open.
+    let rc = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_IP,
+            libc::IP_MTU_DISCOVER,
+            (&raw const mode).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(
+        rc,
+        0,
+        "IP_MTU_DISCOVER: {}",
+        std::io::Error::last_os_error()
+    );
 }
