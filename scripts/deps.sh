@@ -26,7 +26,9 @@
 #            plugins (/usr/lib/cni: tuning chained after cube-cni, the
 #            bridge+host-local+portmap baseline, the loopback containerd's
 #            CRI needs); containerd + runc (tests/cni/ctr-run.sh, and the
-#            CRI plugin in tests/cri/containerd-cri.sh); bpftool (program
+#            CRI plugin in tests/cri/containerd-cri.sh); podman (rootful,
+#            its CNI backend, driven by its CLI in tests/podman.rs; brings
+#            conmon); bpftool (program
 #            tags in the upgrade test); man-db + groff-base (man -l in
 #            tests/install) and zsh (the zsh completion's syntax check);
 #            coreutils (md5sum, timeout),
@@ -54,7 +56,7 @@ runtime=(dbus-daemon iproute2 systemd socat polkitd)
 build=(make clang-19 libbpf-dev)
 test=(qemu-system-x86 busybox-static tcpdump curl python3 polkitd iperf3 nftables golang-go
     golang-github-appc-cni-dev golang-github-containerd-go-cni-dev containernetworking-plugins
-    containerd runc bpftool man-db groff-base zsh coreutils mount util-linux python3-dbus
+    containerd runc podman bpftool man-db groff-base zsh coreutils mount util-linux python3-dbus
     python3-gi dbus-broker python3-prometheus-client python3-venv dnsmasq-base bind9-dnsutils
     openssl varlink-go)
 want=()

@@ -129,6 +129,9 @@ pub static NETWORKS_CLONED: AtomicU64 = AtomicU64::new(0);
 /// Clones' networks handed to their first VMM (OpenTap) since the agent
 /// started: snapshots restored onto them.
 pub static CLONES_RESTORED: AtomicU64 = AtomicU64::new(0);
+/// CNI networks the agent released because their container's network
+/// namespace was gone and no DEL came, since the agent started.
+pub static NETNS_GONE_RELEASED: AtomicU64 = AtomicU64::new(0);
 /// TrafficWhilePaused events since the agent started.
 pub static PAUSED_TRAFFIC_EVENTS: AtomicU64 = AtomicU64::new(0);
 

@@ -1148,6 +1148,71 @@ async fn attachments_are_injective_and_verbs_act_only_on_their_own() {
 /// An error about the environment (here a missing `CNI_PATH`) is answered
 /// in the configuration's own `cniVersion`, as every other error is: the
 /// plugin reads stdin before it judges the environment. No agent needed.
+/// A container gone without a DEL (its runtime removed it while the
+/// agent was down and never retries: podman): the agent releases the
+/// network once the container's namespace is gone, logged with the reason
+/// (its periodic check here; tests/podman.rs has the start-up one), and
+/// never one whose namespace lives on, though its interface was deleted
+/// (not across a restart either). A late DEL and GC still succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn networks_of_gone_namespaces_are_released_live_ones_never() {
+    require_root!();
+    let mut env = Env::new(&[]);
+    let c = env.client().await;
+    let conf1 = conf(&env, "1.0.0", json!({}));
+    let gone = Ctr::new("gone");
+    let alive = Ctr::new("alive");
+    add_ok(&env, "gone", &gone, &conf1);
+    add_ok(&env, "alive", &alive, &conf1);
+    // The namespace lives on; its interface (the veth) does not.
+    assert!(
+        Command::new("ip")
+            .args(["-n", &alive.name, "link", "del", "eth0"])
+            .status()
+            .unwrap()
+            .success()
+    );
+    drop(gone);
+    let ids = |nets: Vec<common::Dict>| nets.iter().map(|n| s(n, "sandbox_id")).collect::<Vec<_>>();
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while ids(c.list().await).len() > 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the gone namespace's network was not released"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert_eq!(ids(c.list().await), ["cni:alive:eth0"]);
+    let log = env.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("its container's network namespace is gone"))
+        .unwrap_or_else(|| panic!("no release logged:\n{log}"));
+    assert!(
+        line.contains("cni:gone:eth0") && line.contains("namespace id"),
+        "{line}"
+    );
+    // A restart checks at once: the living namespace keeps its network.
+    env.kill_agent();
+    env.start_agent();
+    let c = env.client().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(ids(c.list().await), ["cni:alive:eth0"]);
+    // Late verbs still succeed.
+    let out = verb(&env, "DEL", "gone", None, &conf1);
+    assert!(out.ok, "late DEL: {out:?}");
+    let gc = conf(
+        &env,
+        "1.1.0",
+        json!({"cni.dev/valid-attachments": [{"containerID": "alive", "ifname": "eth0"}]}),
+    );
+    let out = verb(&env, "GC", "", None, &gc);
+    assert!(out.ok, "GC: {out:?}");
+    let out = verb(&env, "DEL", "alive", Some(&alive), &conf1);
+    assert!(out.ok, "DEL: {out:?}");
+    assert!(c.list().await.is_empty());
+}
+
 #[test]
 fn environment_errors_answer_in_the_configs_version() {
     for version in ["1.0.0", "0.4.0", "1.1.0"] {

@@ -248,16 +248,20 @@ impl Agent {
         };
         let sockets = self.host_sockets(&spec, &[]).await?;
         let bandwidth = self.bandwidth_for(&spec.bandwidth);
+        let requested = self.requested_address(&spec)?;
         let (ip, mappings) = {
             let mut a = self.allocs();
-            let ip = a.ips.allocate().ok_or_else(|| AgentError::NodeFull {
-                resource: "addresses",
-                detail: format!(
-                    "no free sandbox address left in pool {} ({} in use)",
-                    self.d.pool,
-                    a.ips.capacity()
-                ),
-            })?;
+            let ip = match requested {
+                Some(ip) => self.take_address(&mut a, ip).map(|()| ip)?,
+                None => a.ips.allocate().ok_or_else(|| AgentError::NodeFull {
+                    resource: "addresses",
+                    detail: format!(
+                        "no free sandbox address left in pool {} ({} in use)",
+                        self.d.pool,
+                        a.ips.capacity()
+                    ),
+                })?,
+            };
             if let Err(e) = self.commit_bandwidth(&mut a, &Bandwidth::default(), &bandwidth) {
                 a.ips.release(ip);
                 return Err(e);
@@ -301,11 +305,12 @@ impl Agent {
             metadata: spec.metadata,
             idempotency_key: spec.idempotency_key,
             created_unix: now_unix(),
-            attach: spec.attach.record(),
+            attach: self.attach_record(&spec.attach).await,
             egress_mode: spec.egress_mode,
             bandwidth,
             cloned_from: spec.clone_of,
             paused: spec.paused,
+            mapping_wins: spec.mapping_wins,
             tap_owner,
         };
         let netns = match &spec.attach {
@@ -563,7 +568,7 @@ impl Agent {
 
     /// Whether `ifindex` is still the link named `name` (the container's
     /// namespace may be gone already, and with it the pair).
-    async fn still_named(&self, name: &str, ifindex: u32) -> bool {
+    pub(super) async fn still_named(&self, name: &str, ifindex: u32) -> bool {
         match self.nl.link_by_index(ifindex).await {
             Ok(Some(l)) if l.name == name => true,
             Ok(_) => {
@@ -791,7 +796,7 @@ impl Agent {
     ) -> Result<Ensured, AgentError> {
         if !same_attachment(&net.rec.attach, &spec.attach.record()) {
             let (key, what, conflict) = match (&net.rec.attach, &spec.attach) {
-                (AttachRecord::Veth { ifname, netns }, Attach::Veth { ifname: want, .. })
+                (AttachRecord::Veth { ifname, netns, .. }, Attach::Veth { ifname: want, .. })
                     if ifname == want =>
                 {
                     (
@@ -836,6 +841,7 @@ impl Agent {
                 how(tap_owner),
             )));
         }
+        self.check_same_address(&spec, &net.rec)?;
         if let (Some(have), Some(want)) = (net.rec.tap_owner, tap_owner)
             && have.gid.is_some()
             && want.gid.is_none()
@@ -880,6 +886,7 @@ impl Agent {
         rec.egress_mode = spec.egress_mode;
         rec.bandwidth = new_bw;
         rec.paused = spec.paused;
+        rec.mapping_wins = spec.mapping_wins;
         rec.tap_owner = tap_owner;
         let undo_claims = |this: &Self| {
             let mut a = this.allocs();
@@ -1160,10 +1167,11 @@ impl Agent {
 fn same_attachment(have: &AttachRecord, want: &AttachRecord) -> bool {
     match (have, want) {
         (
-            AttachRecord::Veth { ifname, netns },
+            AttachRecord::Veth { ifname, netns, .. },
             AttachRecord::Veth {
                 ifname: want_ifname,
                 netns: want_netns,
+                ..
             },
         ) => ifname == want_ifname && (netns.is_none() || netns == want_netns),
         _ => have == want,

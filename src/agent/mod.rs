@@ -8,6 +8,7 @@
 //! kernel or disk I/O.
 
 pub mod capacity;
+pub mod cni;
 pub mod domains;
 pub mod egress;
 pub mod events;
@@ -127,7 +128,7 @@ fn sandbox_path(rec: &NetworkRecord, ifindex: u32) -> SandboxPath<'_> {
         strict_egress: !rec.egress_mode.is_dns(),
         bandwidth: rec.bandwidth,
         paused: rec.paused,
-        mapping_wins: false,
+        mapping_wins: rec.mapping_wins,
     }
 }
 

@@ -185,6 +185,7 @@ mod tests {
             bandwidth: Default::default(),
             cloned_from: None,
             paused: false,
+            mapping_wins: false,
             tap_owner: None,
         }
     }

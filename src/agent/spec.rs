@@ -78,6 +78,18 @@ pub struct NetworkSpec {
     /// [`TapOwner`]). As given: [`NetworkSpec::validated`] checks them.
     pub tap_owner_uid: Option<u32>,
     pub tap_owner_gid: Option<u32>,
+    /// `mapping_wins`: the network's port mappings win over host sockets
+    /// that bind their ports after the mapping was made (portmap's order:
+    /// a container runtime that holds the published port itself, rootful
+    /// podman's conmon). Only for veth attachments (CNI); docs/datapath.md
+    /// "Port mappings and host sockets".
+    pub mapping_wins: bool,
+    /// `sandbox_ip`/`sandbox_ipv6`: the caller asks for this sandbox
+    /// address (CNI's `ips` capability, podman's `--ip`); an IPv6 one must
+    /// be the node-side identity that follows from the IPv4 address. A new
+    /// network gets it or fails; an existing one must have it.
+    pub sandbox_ip: Option<Ipv4Addr>,
+    pub sandbox_ipv6: Option<std::net::Ipv6Addr>,
 }
 
 /// Who may attach to a TAP handed over by name: the kernel lets a process
@@ -164,6 +176,12 @@ pub enum AttachRecord {
         /// have none).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         netns: Option<NetnsId>,
+        /// The namespace's id in the node's namespace (RTM_GETNSID): it
+        /// lives exactly as long as the namespace, so its absence proves
+        /// the container's namespace is gone (records from before it was
+        /// kept have none, and are never released for that).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nsid: Option<i32>,
     },
 }
 
@@ -199,6 +217,7 @@ impl Attach {
             Attach::Veth { ifname, netns } => AttachRecord::Veth {
                 ifname: ifname.clone(),
                 netns: Some(netns.id),
+                nsid: None,
             },
         }
     }
@@ -248,7 +267,7 @@ impl Expect {
             );
         }
         let (have_ifname, have_netns) = match &rec.attach {
-            AttachRecord::Veth { ifname, netns } => (Some(ifname.as_str()), *netns),
+            AttachRecord::Veth { ifname, netns, .. } => (Some(ifname.as_str()), *netns),
             AttachRecord::Tap => (None, None),
         };
         if let Some(want) = &self.ifname
@@ -484,6 +503,13 @@ impl NetworkSpec {
         }
         self.bandwidth.check().map_err(invalid)?;
         self.check_tap_owner()?;
+        if self.mapping_wins && matches!(self.attach, Attach::Tap) {
+            return Err(invalid(
+                "mapping_wins: only a veth attachment (CNI) may have its port mappings win over \
+                 host sockets; a TAP network's yield to them (docs/datapath.md)"
+                    .into(),
+            ));
+        }
         if let Some(src) = &self.clone_of {
             validate_sandbox_id(src).map_err(|e| match e {
                 AgentError::InvalidArgument(m) => invalid(format!("clone_of: {m}")),
@@ -573,6 +599,10 @@ impl NetworkSpec {
             // by name gets its own owner.
             tap_owner_uid: caller.tap_owner_uid,
             tap_owner_gid: caller.tap_owner_gid,
+            // A TAP's spec (clones are TAP networks): mappings yield.
+            mapping_wins: false,
+            sandbox_ip: caller.sandbox_ip,
+            sandbox_ipv6: caller.sandbox_ipv6,
         }
     }
 
@@ -636,6 +666,10 @@ pub struct NetworkRecord {
     /// dropped and the first of each pause reported.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub paused: bool,
+    /// Its port mappings win over host sockets that bind their ports
+    /// later (EnsureNetwork `mapping_wins`, a CNI attachment's).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mapping_wins: bool,
     /// Set when the TAP is handed over by name (`tap_owner_uid`): the
     /// agent holds no fd of it and never opens it while the network lives.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1014,6 +1048,7 @@ mod tests {
             },
             cloned_from: Some("golden".into()),
             paused: true,
+            mapping_wins: true,
             tap_owner: Some(TapOwner {
                 uid: 1000,
                 gid: Some(0),

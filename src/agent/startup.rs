@@ -271,6 +271,8 @@ impl Agent {
             }
         });
         agent.spawn_wake_reader();
+        // CNI networks whose container's namespace went without a DEL.
+        agent.spawn_gone_netns_reaper();
         let weak = Arc::downgrade(&agent);
         tokio::spawn(async move {
             if let Some(agent) = weak.upgrade() {

@@ -470,6 +470,14 @@ impl Agent {
                 crate::metrics::NETWORKS_CLONED.load(std::sync::atomic::Ordering::Relaxed),
             )
         });
+        f.push(Family {
+            kind: Kind::Counter,
+            ..gauge(
+                "cni_networks_released_netns_gone",
+                "CNI networks released by the agent because their container's network namespace was gone and no DEL came, since the agent started",
+                crate::metrics::NETNS_GONE_RELEASED.load(std::sync::atomic::Ordering::Relaxed),
+            )
+        });
         f.push(gauge(
             "idle_taps",
             "Idle TAPs in the warm pool",

@@ -406,8 +406,18 @@ async fn add(env: &Env, conf: &NetConf) -> Result<Value, CniError> {
             )
         })
         .collect();
+    let (ip4, ip6) = cni::requested_ips(&conf.ips, &env.args)?;
     let mut opts: HashMap<&str, ZValue<'_>> = HashMap::new();
     opts.insert("attach", ZValue::from("veth"));
+    // Runtimes expect portmap's order: the mapping before any socket
+    // (rootful podman holds each published port itself after ADD).
+    opts.insert("mapping_wins", ZValue::from(true));
+    if let Some(a) = ip4 {
+        opts.insert("sandbox_ip", ZValue::from(a.to_string()));
+    }
+    if let Some(a) = ip6 {
+        opts.insert("sandbox_ipv6", ZValue::from(a.to_string()));
+    }
     opts.insert(
         "netns_fd",
         ZValue::from(zbus::zvariant::Fd::from(inside.ns.as_fd())),

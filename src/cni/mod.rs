@@ -161,6 +161,9 @@ pub struct NetConf {
     pub prev_result: Option<Value>,
     /// GC: the attachments to keep, (container id, ifname).
     pub valid_attachments: Option<BTreeSet<(String, String)>>,
+    /// `runtimeConfig.ips` (the `ips` capability): addresses the runtime
+    /// asks the pod to have, as given ("192.168.0.50" or with a prefix).
+    pub ips: Vec<String>,
 }
 
 pub const DEFAULT_TIMEOUT_MS: u64 = 10_000;
@@ -336,6 +339,10 @@ impl NetConf {
             None | Some(Value::Null) => Default::default(),
             Some(v) => parse_bandwidth(v)?,
         };
+        let ips = match obj.get("runtimeConfig").and_then(|r| r.get("ips")) {
+            None | Some(Value::Null) => vec![],
+            Some(v) => string_list("runtimeConfig.ips", v)?,
+        };
         let prev_result = obj.get("prevResult").filter(|v| !v.is_null()).cloned();
         let valid_attachments = match obj.get("cni.dev/valid-attachments") {
             None => None,
@@ -356,6 +363,7 @@ impl NetConf {
             bandwidth,
             prev_result,
             valid_attachments,
+            ips,
         })
     }
 }
@@ -397,6 +405,7 @@ impl NetConf {
             bandwidth: Default::default(),
             prev_result: None,
             valid_attachments: None,
+            ips: vec![],
         }
     }
 }
@@ -779,6 +788,57 @@ pub fn args_metadata(cni_args: &str) -> BTreeMap<String, String> {
     out
 }
 
+/// The pod addresses a runtime asks for: `runtimeConfig.ips` (the `ips`
+/// capability; podman with more than one address) and the `IP` of
+/// `CNI_ARGS` (the convention of the static IPAM plugin, comma separated;
+/// podman's single `--ip`), each an address or an address with a prefix
+/// (the prefix is the runtime's view of a subnet: the pod address is a
+/// /32 here). At most one per family: the IPv4 one is the sandbox
+/// address, the IPv6 one must be the identity that follows from it (the
+/// agent checks both). A value that is no address is error 7 naming it:
+/// never ignored.
+pub fn requested_ips(
+    ips: &[String],
+    cni_args: &str,
+) -> Result<(Option<std::net::Ipv4Addr>, Option<std::net::Ipv6Addr>), CniError> {
+    let from_args = cni_args
+        .split(';')
+        .filter_map(|kv| kv.split_once('='))
+        .filter(|(k, _)| *k == "IP")
+        .flat_map(|(_, v)| v.split(','))
+        .filter(|v| !v.is_empty())
+        .map(|v| ("CNI_ARGS IP", v.to_owned()));
+    let all = ips
+        .iter()
+        .map(|v| ("runtimeConfig.ips", v.clone()))
+        .chain(from_args);
+    let (mut v4, mut v6) = (None, None);
+    for (from, raw) in all {
+        let addr = raw.split_once('/').map_or(raw.as_str(), |(a, _)| a);
+        let bad = |why: &str| config_err(format!("{from}: '{raw}' {why}"));
+        match addr.parse::<std::net::IpAddr>() {
+            Ok(std::net::IpAddr::V4(a)) => match v4 {
+                Some(b) if b != a => {
+                    return Err(bad(&format!(
+                        "is a second IPv4 address ({b} was asked for): a pod has one"
+                    )));
+                }
+                _ => v4 = Some(a),
+            },
+            Ok(std::net::IpAddr::V6(a)) => match v6 {
+                Some(b) if b != a => {
+                    return Err(bad(&format!(
+                        "is a second IPv6 address ({b} was asked for): a pod has one"
+                    )));
+                }
+                _ => v6 = Some(a),
+            },
+            Err(_) => return Err(bad("is not an IP address")),
+        }
+    }
+    Ok((v4, v6))
+}
+
 /// The agent's D-Bus error (its name's last component and message) as a
 /// CNI error.
 pub fn agent_error(name: &str, msg: &str) -> CniError {
@@ -960,6 +1020,31 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.msg.contains("sctp"), "{e:?}");
+    }
+
+    /// podman sends one `--ip` as `IP=` in CNI_ARGS and several in
+    /// `runtimeConfig.ips`; neither is ever ignored.
+    #[test]
+    fn requested_ips_from_both_channels() {
+        let c = conf(r#","runtimeConfig":{"ips":["192.168.0.50/18","fd63:7562:6501::c0a8:32"]}"#)
+            .unwrap();
+        let (v4, v6) = requested_ips(&c.ips, "IgnoreUnknown=1;K8S_POD_NAME=x").unwrap();
+        assert_eq!(v4, Some("192.168.0.50".parse().unwrap()));
+        assert_eq!(v6, Some("fd63:7562:6501::c0a8:32".parse().unwrap()));
+        let (v4, v6) = requested_ips(&[], "IgnoreUnknown=1;K8S_POD_NAME=x;IP=192.168.0.9").unwrap();
+        assert_eq!((v4, v6), (Some("192.168.0.9".parse().unwrap()), None));
+        assert_eq!(requested_ips(&[], "IgnoreUnknown=1").unwrap(), (None, None));
+        let e = requested_ips(&["10.0.0.1".into()], "IP=10.0.0.2").unwrap_err();
+        assert_eq!(e.code, code::INVALID_CONFIG);
+        assert!(
+            e.msg.contains("'10.0.0.2'") && e.msg.contains("10.0.0.1"),
+            "{}",
+            e.msg
+        );
+        let e = requested_ips(&["nope".into()], "").unwrap_err();
+        assert!(e.msg.contains("runtimeConfig.ips: 'nope'"), "{}", e.msg);
+        let e = conf(r#","runtimeConfig":{"ips":"10.0.0.1"}"#).unwrap_err();
+        assert!(e.msg.contains("runtimeConfig.ips"), "{}", e.msg);
     }
 
     #[test]

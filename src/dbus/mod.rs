@@ -178,6 +178,9 @@ pub const OPTION_KEYS: &[&str] = &[
     "paused",
     "tap_owner_uid",
     "tap_owner_gid",
+    "mapping_wins",
+    "sandbox_ip",
+    "sandbox_ipv6",
 ];
 
 fn bad(msg: String) -> AgentError {
@@ -253,6 +256,17 @@ pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpe
             "paused" => spec.paused = typed(key, v, "b")?,
             "tap_owner_uid" => spec.tap_owner_uid = Some(typed(key, v, "u")?),
             "tap_owner_gid" => spec.tap_owner_gid = Some(typed(key, v, "u")?),
+            "mapping_wins" => spec.mapping_wins = typed(key, v, "b")?,
+            "sandbox_ip" => {
+                spec.sandbox_ip = Some(crate::agent::cni::parse_sandbox_ip(&typed::<String>(
+                    key, v, "s",
+                )?)?)
+            }
+            "sandbox_ipv6" => {
+                spec.sandbox_ipv6 = Some(crate::agent::cni::parse_sandbox_ipv6(&typed::<String>(
+                    key, v, "s",
+                )?)?)
+            }
             other => {
                 return Err(bad(format!(
                     "unknown option '{other}' (known: {})",
@@ -466,7 +480,7 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
             Value::from(Bandwidth::burst_or_default(bw.ingress_burst)),
         );
     }
-    if let AttachRecord::Veth { ifname, netns } = r.attach {
+    if let AttachRecord::Veth { ifname, netns, .. } = r.attach {
         put("ifname", Value::from(ifname));
         if let Some(ns) = netns {
             put("netns", Value::from(ns.to_string()));

@@ -127,6 +127,18 @@ pub fn options(v: Option<&Value>) -> Result<NetworkSpec, Failure> {
             "paused" => spec.paused = as_bool(v, key)?,
             "tap_owner_uid" => spec.tap_owner_uid = Some(as_uint(v, key)?),
             "tap_owner_gid" => spec.tap_owner_gid = Some(as_uint(v, key)?),
+            "sandbox_ip" => {
+                spec.sandbox_ip = Some(
+                    crate::agent::cni::parse_sandbox_ip(&as_string(v, key)?)
+                        .map_err(Failure::Agent)?,
+                )
+            }
+            "sandbox_ipv6" => {
+                spec.sandbox_ipv6 = Some(
+                    crate::agent::cni::parse_sandbox_ipv6(&as_string(v, key)?)
+                        .map_err(Failure::Agent)?,
+                )
+            }
             other => return Err(invalid(other)),
         }
     }
@@ -261,7 +273,7 @@ pub fn network(info: NetworkInfo) -> Value {
     if bw.ingress_bps != 0 {
         o["ingress_burst"] = Value::from(Bandwidth::burst_or_default(bw.ingress_burst));
     }
-    if let crate::agent::spec::AttachRecord::Veth { ifname, netns } = r.attach {
+    if let crate::agent::spec::AttachRecord::Veth { ifname, netns, .. } = r.attach {
         o["ifname"] = Value::String(ifname);
         if let Some(ns) = netns {
             o["netns"] = Value::String(ns.to_string());
