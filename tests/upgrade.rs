@@ -173,14 +173,25 @@ async fn upgrade_and_downgrade_in_place_keep_every_flow() {
         .await
         .unwrap();
     let (udp_port, tcp_port) = (host_port(&live, "udp"), host_port(&live, "tcp"));
-    for id in ["b", "c"] {
-        c.ensure(
-            id,
-            opts(vec![("port_mappings", ports(&[("udp", 53, 0, "")]))]),
+    // "b" hands its TAP over by name (tap_owner_uid): its guest opens the
+    // device itself, and no build may ever open it.
+    let byname = c
+        .ensure(
+            "b",
+            opts(vec![
+                ("port_mappings", ports(&[("udp", 7000, 0, "")])),
+                ("tap_owner_uid", zbus::zvariant::Value::from(0u32)),
+            ]),
         )
         .await
         .unwrap();
-    }
+    let (b_tap, b_port) = (common::s(&byname, "tap_name"), host_port(&byname, "udp"));
+    c.ensure(
+        "c",
+        opts(vec![("port_mappings", ports(&[("udp", 53, 0, "")]))]),
+    )
+    .await
+    .unwrap();
     let ids = ["live", "b", "c"];
     let before = networks(&c, &ids).await;
     let taps: Vec<String> = before.iter().map(|n| common::s(n, "tap_name")).collect();
@@ -206,7 +217,20 @@ async fn upgrade_and_downgrade_in_place_keep_every_flow() {
     assert_runs(&env, &this_tags, &taps, "this build at start");
     drop(c);
 
+    let b_fd = {
+        let name = b_tap.clone();
+        world::in_netns(&env.ns, move || {
+            cube_network_agent::tap::Tap::open_existing(&name)
+                .and_then(|t| t.dup())
+                .expect("opening the by-name TAP as its owner")
+        })
+    };
+    let gb = Arc::new(Guest::start_default(b_fd));
+    gb.udp_echo(7000).unwrap();
     let flow = Flow::start(g.clone(), echo, &world.ns, udp_port, Some(LONG_FLOW_PORT));
+    // Its own echo: the SNAT port check below counts 5454's peers.
+    let echo_b = world.udp_echo(5455);
+    let flow_b = Flow::start(gb.clone(), echo_b, &world.ns, b_port, None);
     let mut next_tags = None;
     for (step, (clean, to, name)) in [
         (true, &next, "SIGTERM this build, start the next"),
@@ -260,6 +284,20 @@ async fn upgrade_and_downgrade_in_place_keep_every_flow() {
     assert!(e_sent > 20 && i_sent > 100, "{e_sent} {i_sent}");
     assert_eq!(e_back, e_sent, "guest -> world datagrams lost");
     assert_eq!(i_back, i_sent, "world -> host port -> guest datagrams lost");
+    let ((e_sent, e_back), (i_sent, i_back)) = flow_b.finish();
+    eprintln!("by name: egress {e_back}/{e_sent}, ingress {i_back}/{i_sent}");
+    assert!(e_sent > 20 && i_sent > 100, "{e_sent} {i_sent}");
+    assert_eq!(
+        (e_back, i_back),
+        (e_sent, i_sent),
+        "the by-name guest lost datagrams"
+    );
+    let me = std::process::id();
+    assert_eq!(
+        common::tap_holders(&b_tap),
+        [me],
+        "only the by-name guest (this test) holds {b_tap}"
+    );
     // The long flow kept its SNAT port through every switch.
     let snat: BTreeSet<u16> = world.peers(5454).iter().map(|p| p.port()).collect();
     assert_eq!(
