@@ -4,7 +4,8 @@
 //! user installs it (plus the test bus's address). Covers what a podman
 //! user does with `--network cube` (docs/podman.md): run, exec, stop, rm
 //! and the release; several at once; `-p` for TCP and UDP from the world
-//! and from the node's 127.0.0.1 while conmon holds the published port,
+//! (IPv4 and IPv6) and from the node's 127.0.0.1 while conmon holds the
+//! published port,
 //! and nothing after rm; a host service that listened first keeps its
 //! port; `--ip` (CNI_ARGS `IP`) and `--ip --ip6` (the `ips` capability);
 //! a container removed while the agent is down, freed once it is back; a
@@ -24,21 +25,24 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::world::{self, World, in_netns, tcp_exchange, udp_exchange};
+use common::world::{
+    self, World, in_netns, tcp_exchange, tcp_exchange_in, udp_exchange, udp_exchange_in,
+};
 use common::{Env, s};
 use serde_json::json;
 
 const IMAGE: &str = "localhost/cube-test:latest";
 const GUEST: &str = "169.254.68.6/30";
 
-/// The container's services: TCP 8080 answers "tpong:" + request, UDP 8081
-/// "upong:" + datagram.
+/// The container's services, both families: TCP 8080 answers "tpong:" +
+/// request, UDP 8081 "upong:" + datagram.
 const ECHO: &str = r#"
 import socket, threading
 def tcp():
-    s = socket.socket()
+    s = socket.socket(socket.AF_INET6)
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("0.0.0.0", 8080))
+    s.bind(("::", 8080))
     s.listen(16)
     while True:
         c, _ = s.accept()
@@ -50,8 +54,9 @@ def tcp():
         c.sendall(b"tpong:" + d)
         c.close()
 threading.Thread(target=tcp, daemon=True).start()
-u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-u.bind(("0.0.0.0", 8081))
+u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+u.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+u.bind(("::", 8081))
 while True:
     d, a = u.recvfrom(4096)
     u.sendto(b"upong:" + d, a)
@@ -260,7 +265,8 @@ fn wait_for<T>(what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T {
 const T: Duration = Duration::from_secs(3);
 
 /// TCP and UDP through the published ports 20090 (TCP) and 20091 (UDP),
-/// from the world and from the node's 127.0.0.1.
+/// from the world, from the node's 127.0.0.1 and from the node to its own
+/// uplink address.
 fn published_ports_answer(world: &World, node_ns: &str) {
     let got = wait_for("TCP through -p from the world", 10, || {
         world
@@ -280,12 +286,22 @@ fn published_ports_answer(world: &World, node_ns: &str) {
     let got = in_netns(node_ns, move || udp_exchange(lo(20091), b"n", T))
         .expect("UDP through -p from 127.0.0.1");
     assert_eq!(got, b"upong:n");
+    let got = in_netns(node_ns, move || {
+        tcp_exchange(World::node_addr(20090), b"u", T)
+    })
+    .expect("TCP through -p from the node to its own address");
+    assert_eq!(got, b"tpong:u");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn podman_run_ports_ip_and_release() {
     require_root!();
-    let (env, world) = world::node(&[]);
+    // The node has IPv6 too: published ports answer on its IPv6 address.
+    let mut env = Env::new(&[]);
+    let world = World::attach(&env);
+    world.add_ipv6(&[]);
+    env.kill_agent();
+    env.start_agent();
     let c = env.client().await;
     let p = Podman::new(&env);
 
@@ -310,6 +326,11 @@ async fn podman_run_ports_ip_and_release() {
     assert!(node_listeners(&env.ns, "tcp", 20090).contains("conmon"));
     assert!(node_listeners(&env.ns, "udp", 20091).contains("conmon"));
     published_ports_answer(&world, &env.ns);
+    let six = |port| std::net::SocketAddr::new(world::NODE_IP6.into(), port);
+    let got = tcp_exchange_in(&world.ns, six(20090), b"w6", T).expect("TCP over IPv6");
+    assert_eq!(got, b"tpong:w6");
+    let got = udp_exchange_in(&world.ns, six(20091), b"w6", T).expect("UDP over IPv6");
+    assert_eq!(got, b"upong:w6");
 
     // stop ends the network (DEL), rm removes the container; nothing
     // answers on the ports afterwards.
