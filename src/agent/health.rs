@@ -157,7 +157,8 @@ impl Agent {
     /// live networks the agent holds no fd for (adopted after a restart
     /// without the fd store while a VMM held them: OpenTap waits until it
     /// lets go), and CNI networks whose veth went with their container's
-    /// namespace (the runtime's DEL, or GC, releases them). Computed from
+    /// namespace (the runtime's DEL, or GC, releases them, or the agent
+    /// once it finds the namespace gone). Computed from
     /// the live views, so a released network leaves no trace.
     pub(super) fn link_check(&self) -> Check {
         // A copy, so no two of these locks are ever held at once (the
@@ -666,7 +667,8 @@ pub mod verdict {
         } else {
             detail.push_str(&format!(
                 "; {} of {} veth (CNI) networks lost their veth with their container's \
-                 namespace and wait for ReleaseNetwork (CNI DEL or GC; no fault): {}",
+                 namespace and wait for their release (CNI DEL or GC, or the agent's own once the \
+                 namespace is gone; no fault): {}",
                 d.veths_gone.len(),
                 d.veths,
                 d.veths_gone.join(", ")

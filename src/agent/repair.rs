@@ -400,11 +400,12 @@ impl Agent {
                 // A veth cannot be made again: its peer lived in the
                 // container's namespace, which the agent cannot reach any
                 // more (deleted with the container, most likely). The
-                // address stays reserved until ReleaseNetwork (CNI DEL/GC).
+                // address stays reserved until ReleaseNetwork (CNI DEL/GC),
+                // or until the agent finds the namespace gone (agent/cni.rs).
                 net.ifindex = 0;
                 out.gone = Some(format!(
                     "{id}: veth {} is gone (its container's network namespace was deleted?); \
-                     ReleaseNetwork (CNI DEL or GC) frees the network",
+                     CNI DEL or GC frees the network, or the agent once the namespace is gone",
                     net.rec.tap_name
                 ));
             }
