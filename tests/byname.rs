@@ -500,3 +500,72 @@ async fn a_clone_is_restored_by_name() {
         b"in"
     );
 }
+
+/// One varlink call on the agent's socket (no fds): the reply object.
+fn varlink(env: &Env, method: &str, params: serde_json::Value) -> serde_json::Value {
+    use std::io::{Read, Write};
+    let path = env.dir.join("run").join("org.cube.NetworkAgent");
+    let mut sock = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    sock.set_read_timeout(Some(T)).unwrap();
+    let msg = serde_json::json!({"method": format!("org.cube.NetworkAgent.{method}"), "parameters": params});
+    let mut bytes = serde_json::to_vec(&msg).unwrap();
+    bytes.push(0);
+    sock.write_all(&bytes).unwrap();
+    let mut reply = vec![];
+    let mut b = [0u8; 1];
+    while sock.read(&mut b).unwrap() == 1 && b[0] != 0 {
+        reply.push(b[0]);
+    }
+    serde_json::from_slice(&reply).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn varlink_too_and_a_deleted_by_name_tap_is_made_again_for_its_owner() {
+    require_root!();
+    let (env, world) = node(&[]);
+    let tun = tun_node(&env);
+    // The same options over varlink.
+    let r = varlink(
+        &env,
+        "EnsureNetwork",
+        serde_json::json!({"sandbox_id": "vl", "options": {"tap_owner_uid": OWNER, "tap_owner_gid": OWNER}}),
+    );
+    let net = &r["parameters"]["network"];
+    assert_eq!(
+        (&net["tap_owner_uid"], &net["tap_owner_gid"]),
+        (&serde_json::json!(OWNER), &serde_json::json!(OWNER)),
+        "{r}"
+    );
+    let name = net["tap_name"].as_str().unwrap().to_owned();
+    let r = varlink(
+        &env,
+        "EnsureNetwork",
+        serde_json::json!({"sandbox_id": "vl2", "options": {"tap_owner_gid": OWNER}}),
+    );
+    assert!(
+        r["error"].as_str().unwrap().ends_with("InvalidArgument")
+            && r.to_string().contains("tap_owner_gid: needs tap_owner_uid"),
+        "{r}"
+    );
+
+    // Deleted by hand: Reconcile makes it again, by name, for its owner,
+    // and does not keep it.
+    env.ns_cmd(&["ip", "link", "del", &name]);
+    let c = env.client().await;
+    let rep = c.reconcile("vl").await.unwrap();
+    let repaired = Vec::<String>::try_from(rep["repaired"].try_clone().unwrap()).unwrap();
+    assert!(
+        repaired.iter().any(|r| r.contains(&format!(
+            "TAP {name} was missing, recreated for uid {OWNER} gid {OWNER}"
+        ))),
+        "{repaired:?}"
+    );
+    assert!(holders_but_us(&name).is_empty(), "the agent holds it");
+    assert_eq!(
+        fc_open(&env.ns, &tun, &name, OTHER, OTHER).unwrap_err(),
+        libc::EPERM
+    );
+    let g = Guest::start_default(fc_open(&env.ns, &tun, &name, OWNER, OWNER).unwrap());
+    let echo = world.udp_echo(5454);
+    assert_eq!(g.udp_send_recv(echo, b"again", T).unwrap(), b"world:again");
+}
