@@ -96,9 +96,26 @@ impl HostSockets {
 
     /// The host socket that owns `host_ip:port`, if any.
     pub fn owner(&self, protocol: Protocol, host_ip: Ipv4Addr, port: u16) -> Option<&HostSocket> {
+        self.owners(protocol, host_ip, port).next()
+    }
+
+    /// Every host socket that receives what arrives for `host_ip:port`.
+    pub fn owners(
+        &self,
+        protocol: Protocol,
+        host_ip: Ipv4Addr,
+        port: u16,
+    ) -> impl Iterator<Item = &HostSocket> {
         self.sockets
             .iter()
-            .find(|s| s.covers(protocol, host_ip, port))
+            .filter(move |s| s.covers(protocol, host_ip, port))
+    }
+
+    /// Every socket on `port` (any address).
+    pub fn on_port(&self, protocol: Protocol, port: u16) -> impl Iterator<Item = &HostSocket> {
+        self.sockets
+            .iter()
+            .filter(move |s| s.protocol == protocol && s.port == port)
     }
 }
 

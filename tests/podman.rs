@@ -6,8 +6,8 @@
 //! and the release; several at once; `-p` for TCP and UDP from the world
 //! (IPv4 and IPv6) and from the node's 127.0.0.1 while conmon holds the
 //! published port,
-//! and nothing after rm; a host service that listened first keeps its
-//! port; `--ip` (CNI_ARGS `IP`) and `--ip --ip6` (the `ips` capability);
+//! and nothing after rm, and across `network reload`; a host service that
+//! listened first keeps its port; `--ip` (CNI_ARGS `IP`) and `--ip --ip6` (the `ips` capability);
 //! a container removed while the agent is down, freed once it is back; a
 //! container that outlives an agent restart.
 //!
@@ -331,6 +331,13 @@ async fn podman_run_ports_ip_and_release() {
     assert_eq!(got, b"tpong:w6");
     let got = udp_exchange_in(&world.ns, six(20091), b"w6", T).expect("UDP over IPv6");
     assert_eq!(got, b"upong:w6");
+    // `network reload` tears the network down and makes it again while
+    // conmon keeps holding the ports, asking for the addresses podman
+    // read back (the container's own 169.254.68.6 and its IPv6 address):
+    // the same attachment maps over its runtime's reservations again.
+    p.ok(&["network", "reload", "web"]);
+    assert_eq!(c.list().await.len(), 1);
+    published_ports_answer(&world, &env.ns);
 
     // stop ends the network (DEL), rm removes the container; nothing
     // answers on the ports afterwards.

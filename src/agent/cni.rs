@@ -24,6 +24,28 @@ fn invalid(msg: String) -> AgentError {
     AgentError::InvalidArgument(msg)
 }
 
+/// An address in the guests' IPv6 /64 (the container's SLAAC address and
+/// the fixed guest address): inside the container, not a sandbox's.
+fn is_guest_ipv6(a: Ipv6Addr) -> bool {
+    a.segments()[..4] == crate::types::GUEST_IPV6.segments()[..4]
+}
+
+/// How long the sockets that held a released CNI network's ports count as
+/// its runtime's reservations (podman's `network reload` releases and
+/// makes the network again at once, while conmon keeps the ports).
+pub const RESERVATION_TTL: Duration = Duration::from_secs(60);
+
+/// The sockets (protocol, port, socket inode) found on a released CNI
+/// network's mapped ports, and when.
+pub struct Reservations {
+    at: std::time::Instant,
+    sockets: Reserved,
+}
+
+/// (protocol, host port, socket inode) of host sockets that do not count
+/// against a new mapping.
+pub type Reserved = Vec<(crate::alloc::Protocol, u16, u64)>;
+
 /// The option `sandbox_ip` (an IPv4 address) as the wire edges pass it.
 pub fn parse_sandbox_ip(value: &str) -> Result<Ipv4Addr, AgentError> {
     value.parse().map_err(|_| {
@@ -50,11 +72,17 @@ impl Agent {
         &self,
         spec: &NetworkSpec,
     ) -> Result<Option<Ipv4Addr>, AgentError> {
-        let from6 = match spec.sandbox_ipv6 {
+        // The container's own interface addresses, the same in every
+        // container (what a runtime read back from the result and asks
+        // for again, as podman's `network reload` does): every attachment
+        // has them, so they ask for no sandbox address.
+        let v4 = spec.sandbox_ip.filter(|a| *a != self.d.guest_ip);
+        let v6 = spec.sandbox_ipv6.filter(|a| !is_guest_ipv6(*a));
+        let from6 = match v6 {
             None => None,
             Some(a6) => Some(self.ipv4_of(a6)?),
         };
-        match (spec.sandbox_ip, from6, spec.sandbox_ipv6) {
+        match (v4, from6, v6) {
             (Some(a), Some(b), Some(a6)) if a != b => Err(invalid(format!(
                 "sandbox_ipv6: {a6} is not the IPv6 address of {a} ({}): a sandbox's IPv6 \
                  address follows from its IPv4 one",
@@ -142,6 +170,52 @@ impl Agent {
             }
         }
         rec
+    }
+
+    /// A CNI network with `mapping_wins` was released: the host sockets
+    /// on its mapped ports now are ones that bound them while the mapping
+    /// lived (EnsureNetwork refused any that held them before), i.e. the
+    /// runtime's reservations (conmon's). The same attachment may map
+    /// those ports over these very sockets (by inode) again for
+    /// [`RESERVATION_TTL`]: a runtime that tears down and sets up a
+    /// running container's network (podman's `network reload`). Any other
+    /// socket still counts.
+    pub(super) async fn note_reservations(&self, rec: &super::spec::NetworkRecord) {
+        if !rec.mapping_wins || rec.port_mappings.is_empty() {
+            return;
+        }
+        let table = super::off_worker(crate::hostsock::HostSockets::scan).await;
+        let sockets: Reserved = rec
+            .port_mappings
+            .iter()
+            .flat_map(|m| {
+                table
+                    .on_port(m.protocol, m.host_port)
+                    .map(|s| (m.protocol, m.host_port, s.inode))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let mut r = self.reservations.lock().unwrap_or_else(|p| p.into_inner());
+        r.retain(|_, v| v.at.elapsed() < RESERVATION_TTL);
+        if !sockets.is_empty() {
+            r.insert(
+                rec.sandbox_id.clone(),
+                Reservations {
+                    at: std::time::Instant::now(),
+                    sockets,
+                },
+            );
+        }
+    }
+
+    /// The reservations the attachment `id` may map over (see
+    /// [`Self::note_reservations`]).
+    pub(super) fn reservations_of(&self, id: &str) -> Reserved {
+        let r = self.reservations.lock().unwrap_or_else(|p| p.into_inner());
+        r.get(id)
+            .filter(|v| v.at.elapsed() < RESERVATION_TTL)
+            .map(|v| v.sockets.clone())
+            .unwrap_or_default()
     }
 
     /// Releases every CNI network whose container's namespace is gone

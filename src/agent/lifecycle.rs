@@ -246,7 +246,9 @@ impl Agent {
             Some(_) => Some(self.fresh_by_name().await?),
             None => None,
         };
-        let sockets = self.host_sockets(&spec, &[]).await?;
+        let sockets = self
+            .host_sockets(&spec, &[], self.reservations_of(id))
+            .await?;
         let bandwidth = self.bandwidth_for(&spec.bandwidth);
         let requested = self.requested_address(&spec)?;
         let (ip, mappings) = {
@@ -853,7 +855,13 @@ impl Agent {
             )));
         }
         self.check_limits(&spec.bandwidth, &net.rec.bandwidth)?;
-        let sockets = self.host_sockets(&spec, &net.rec.port_mappings).await?;
+        let sockets = self
+            .host_sockets(
+                &spec,
+                &net.rec.port_mappings,
+                self.reservations_of(&net.rec.sandbox_id),
+            )
+            .await?;
         let (old_bw, new_bw) = (net.rec.bandwidth, self.bandwidth_for(&spec.bandwidth));
         let Resolved {
             mappings,
@@ -1033,6 +1041,7 @@ impl Agent {
                         {
                             self.let_go_netns(*ns, id);
                         }
+                        self.note_reservations(&net.rec).await;
                         self.finish_tear_down(net, errors).await;
                         self.events.publish(Change::Node);
                         info!(

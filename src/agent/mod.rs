@@ -326,6 +326,10 @@ pub struct Agent {
     /// namespace (every attachment's interface has the same address and
     /// default route inside it). See [`Agent::claim_netns`].
     netns_owners: Mutex<HashMap<spec::NetnsId, String>>,
+    /// The sockets that held a released CNI network's mapped ports: the
+    /// runtime's own reservations, which the same attachment may map
+    /// over again for a while (see [`cni`]).
+    reservations: Mutex<HashMap<String, cni::Reservations>>,
     /// Set once start-up is done. Before that nothing is served, so
     /// recovery runs datapath calls inline instead of paying a hop to the
     /// blocking pool per network (~25 µs each, 10,000 at a restart).

@@ -55,6 +55,7 @@ impl Agent {
         &self,
         spec: &NetworkSpec,
         existing: &[PortMapping],
+        reserved: super::cni::Reserved,
     ) -> Result<Box<SocketCheck>, AgentError> {
         let checked = crate::alloc::mapping::to_check(&spec.port_mappings, existing);
         if checked.is_empty() {
@@ -110,8 +111,13 @@ impl Agent {
         let table = tokio::task::spawn_blocking(HostSockets::scan)
             .await
             .map_err(|e| failed("reading the host's sockets", &e))?;
+        // The runtime's own reservations of this attachment's ports (see
+        // `agent::cni`) do not count against it.
         Ok(Box::new(move |proto, ip, port| {
-            table.owner(proto, ip, port).map(ToString::to_string)
+            table
+                .owners(proto, ip, port)
+                .find(|s| !reserved.contains(&(proto, port, s.inode)))
+                .map(ToString::to_string)
         }))
     }
 }

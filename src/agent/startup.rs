@@ -176,6 +176,7 @@ impl Agent {
             events,
             drift: Mutex::new(BTreeMap::new()),
             netns_owners: Mutex::new(HashMap::new()),
+            reservations: Mutex::new(HashMap::new()),
             serving: std::sync::atomic::AtomicBool::new(false),
             egress: Default::default(),
         };
