@@ -227,13 +227,6 @@ impl Agent {
     /// no id (made before ids were kept), is never touched. Returns how
     /// many were released.
     pub async fn release_gone_namespaces(&self) -> usize {
-        let live = match super::off_worker(crate::netns::nsid::live).await {
-            Ok(l) => l,
-            Err(e) => {
-                warn!(error = %e, "listing namespace ids failed; CNI networks are not checked");
-                return 0;
-            }
-        };
         let veths: Vec<Veth> = self
             .list()
             .into_iter()
@@ -254,6 +247,16 @@ impl Agent {
                 _ => None,
             })
             .collect();
+        if veths.is_empty() {
+            return 0;
+        }
+        let live = match super::off_worker(crate::netns::nsid::live).await {
+            Ok(l) => l,
+            Err(e) => {
+                warn!(error = %e, "listing namespace ids failed; CNI networks are not checked");
+                return 0;
+            }
+        };
         let mut released = 0;
         for (i, reason) in gone_namespaces(&live, &veths) {
             let v = &veths[i];
