@@ -317,6 +317,8 @@ async fn podman_run_ports_ip_and_release() {
     let nets = c.list().await;
     assert_eq!(nets.len(), 1, "{nets:?}");
     assert_eq!(s(&nets[0], "attach"), "veth");
+    // Recorded: the mappings win over conmon's later sockets.
+    assert!(bool::try_from(nets[0]["mapping_wins"].try_clone().unwrap()).unwrap());
     let meta: std::collections::HashMap<String, String> =
         nets[0]["metadata"].try_clone().unwrap().try_into().unwrap();
     assert_eq!(meta.get("cni.container_id"), Some(&id));

@@ -485,6 +485,7 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
         if let Some(ns) = netns {
             put("netns", Value::from(ns.to_string()));
         }
+        put("mapping_wins", Value::from(r.mapping_wins));
     }
     d
 }

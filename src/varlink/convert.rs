@@ -278,6 +278,7 @@ pub fn network(info: NetworkInfo) -> Value {
         if let Some(ns) = netns {
             o["netns"] = Value::String(ns.to_string());
         }
+        o["mapping_wins"] = Value::Bool(r.mapping_wins);
     }
     o
 }

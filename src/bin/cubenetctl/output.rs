@@ -479,6 +479,7 @@ pub const NETWORK_FIELDS: &[(&str, &str)] = &[
     ("attach", "Attach"),
     ("ifname", "Interface"),
     ("netns", "Namespace"),
+    ("mapping_wins", "Mappings win"),
     ("created_unix", "Created"),
     ("traffic", "Traffic"),
 ];
