@@ -391,13 +391,16 @@ async fn podman_run_ports_ip_and_release() {
         .unwrap_err();
     assert!(e.contains("fd63:7562:6501::c0a8:33"), "{e}");
     both.expect("--ip with the --ip6 that follows from it");
+    // --ip6 alone: the IPv4 address it carries.
+    let only6 = format!("--ip6=fd63:7562:6501::c0a8:{:x}", 53);
+    p.start("only6", &[&only6]).expect("--ip6 alone");
     let mut ips: Vec<String> = c.list().await.iter().map(|n| s(n, "sandbox_ip")).collect();
     ips.sort();
-    assert_eq!(ips, ["192.168.0.50", "192.168.0.51"]);
+    assert_eq!(ips, ["192.168.0.50", "192.168.0.51", "192.168.0.53"]);
     for n in ["same", "outside", "mismatch"] {
         let _ = p.run(&["rm", "-f", n]);
     }
-    p.ok(&["rm", "-f", "-t", "0", "fixed", "both"]);
+    p.ok(&["rm", "-f", "-t", "0", "fixed", "both", "only6"]);
     assert!(c.list().await.is_empty());
 
     // Four at once: four networks, four pod addresses, all released.
