@@ -339,6 +339,30 @@ async fn limits_shape_real_tcp_each_way_converge_live_and_spare_the_neighbours()
         rtt <= idle_rtt + 5.0,
         "ping next to the transfer: {rtt:.2} ms (idle {idle_rtt:.2} ms)"
     );
+    // A live converge of the running transfer's own limit, 40 -> 10 and
+    // back (every other option kept): the new rate holds over a window
+    // that starts 3 s after the reply. How soon it takes hold is
+    // cube-dpbench's converge latency row (docs/benchmarks.md), not a
+    // timed assertion here: at the receiver's socket a rate cut's drops
+    // hold data back in TCP's out-of-order queue for a while.
+    converge_veth(
+        &c,
+        "lim",
+        &limited,
+        &[("egress_bps", 10 * MBIT), ("ingress_bps", 40 * MBIT)],
+    )
+    .await;
+    let rate = measure(&meter, Instant::now(), 3.0, 3.0);
+    within_5_percent("egress after a converge to 10 Mbit/s", rate, 10 * MBIT);
+    converge_veth(
+        &c,
+        "lim",
+        &limited,
+        &[("egress_bps", 40 * MBIT), ("ingress_bps", 40 * MBIT)],
+    )
+    .await;
+    let rate = measure(&meter, Instant::now(), 3.0, 3.0);
+    within_5_percent("egress after a converge back to 40 Mbit/s", rate, 40 * MBIT);
     assert!(t.finish(), "the limited transfer's connection broke");
     drop(meter);
     // An unlimited neighbour alone, then next to the saturating one, on
@@ -409,7 +433,7 @@ async fn limits_shape_real_tcp_each_way_converge_live_and_spare_the_neighbours()
     within_5_percent("ingress at the receiver", rate, 40 * MBIT);
 
     // Converge 40 -> 10 during the transfer, then back; the connection
-    // stays up and the new rate holds within a second.
+    // stays up and the new rate holds from 3 s after the reply.
     converge_veth(
         &c,
         "lim",
@@ -418,7 +442,7 @@ async fn limits_shape_real_tcp_each_way_converge_live_and_spare_the_neighbours()
     )
     .await;
     let changed = Instant::now();
-    let rate = measure(&meter, changed, 1.0, 3.0);
+    let rate = measure(&meter, changed, 3.0, 3.0);
     within_5_percent("ingress after a converge to 10 Mbit/s", rate, 10 * MBIT);
     converge_veth(
         &c,
@@ -428,7 +452,7 @@ async fn limits_shape_real_tcp_each_way_converge_live_and_spare_the_neighbours()
     )
     .await;
     let changed = Instant::now();
-    let rate = measure(&meter, changed, 1.0, 3.0);
+    let rate = measure(&meter, changed, 3.0, 3.0);
     within_5_percent(
         "ingress after a converge back to 40 Mbit/s",
         rate,
@@ -722,68 +746,6 @@ async fn fragments_to_a_limited_sandbox_are_shaped() {
     sender.join().unwrap();
     let t = c.traffic("frag").await;
     assert!(t["ingress_delayed"] > 0, "{t:?}");
-}
-
-/// TEMPORARY: the rate each 250 ms around a live converge.
-fn trace(what: &str, meter: &Meter, from: Instant, secs: f64) {
-    std::thread::sleep(
-        (from + Duration::from_secs_f64(secs)).saturating_duration_since(Instant::now())
-            + Duration::from_millis(150),
-    );
-    let mut line = String::new();
-    let mut t = 0.0;
-    while t < secs {
-        let r = meter.rate(
-            from + Duration::from_secs_f64(t),
-            from + Duration::from_secs_f64(t + 0.25),
-        );
-        line.push_str(&format!(" {:.1}", r / 1e6));
-        t += 0.25;
-    }
-    eprintln!("{what}:{line}");
-}
-
-#[tokio::test]
-async fn tmp_converge_trace() {
-    if !root_or_skip() {
-        return;
-    }
-    let (env, world) = world::node(&[]);
-    let c = env.client().await;
-    let limited = Ctr::new("bw-tr");
-    add(
-        &env,
-        "tr",
-        &limited,
-        json!({"runtimeConfig": {"bandwidth": {
-            "egressRate": 40 * MBIT, "egressBurst": std::env::var("BWB").map_or(512 * 1024, |v| v.parse::<u64>().unwrap()),
-        }}}),
-    );
-    for (port, world_sends) in [(7101, false)] {
-        let (k, other) = if world_sends {
-            ("ingress_bps", "egress_bps")
-        } else {
-            ("egress_bps", "ingress_bps")
-        };
-        let t = Transfer::start(&world, &limited.name, port, world_sends);
-        let meter = Meter::wire(&t);
-        std::thread::sleep(Duration::from_secs(2));
-        let called = Instant::now();
-        converge_veth(&c, "tr", &limited, &[(k, 10 * MBIT), (other, 0)]).await;
-        eprintln!(
-            "window 1.2-3.7: {:.2}",
-            measure(&meter, Instant::now(), 1.2, 2.5) / 1e6
-        );
-        let changed = Instant::now();
-        eprintln!("{k} call {:?}", changed - called);
-        trace(&format!("{k} 40->10"), &meter, changed, 5.0);
-        let called = Instant::now();
-        converge_veth(&c, "tr", &limited, &[(k, 40 * MBIT), (other, 40 * MBIT)]).await;
-        let changed = Instant::now();
-        eprintln!("{k} call {:?}", changed - called);
-        trace(&format!("{k} 10->40"), &meter, changed, 5.0);
-        assert!(t.finish());
-    }
 }
 
 /// A limited sandbox in strict mode keeps its egress limit for what it

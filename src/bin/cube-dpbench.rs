@@ -1384,8 +1384,151 @@ fn bandwidth(loaded: &Loaded, bpf: &Topo, args: &Args) -> Result<bool> {
             if ok { "met" } else { "MISSED" }
         );
     }
+    println!(
+        "\nConverge latency: a running egress transfer (iperf3) at 40 Mbit/s, converged to 10 and back; from the call's return until the world's received wire rate over a whole second is within ±5 % of the new limit:"
+    );
+    println!(
+        "| {:<22} | {:>8} | {:>9} | {:>8} | {:<16} |",
+        "change", "call ms", "latency", "÷ 1 s", "target"
+    );
+    println!(
+        "|{:-<24}|{:->10}|{:->11}|{:->10}|{:-<18}|",
+        "", "", "", "", ""
+    );
+    for busy in [false, true] {
+        for (change, call, latency) in converge_latency(loaded, bpf, busy)? {
+            let ok = latency.is_some_and(|l| l <= Duration::from_secs(1));
+            met &= ok;
+            let l = latency.map_or("> 2.5 s".to_owned(), |l| format!("{} ms", l.as_millis()));
+            let r = latency.map_or("-".to_owned(), |l| format!("{:.2}×", l.as_secs_f64()));
+            println!(
+                "| {:<22} | {:>8.1} | {l:>9} | {r:>8} | ≤ 1 s {:<10} |",
+                format!("{change}{}", if busy { ", CPUs busy" } else { "" }),
+                call.as_secs_f64() * 1e3,
+                if ok { "(met)" } else { "(MISSED)" }
+            );
+        }
+    }
     loaded.attach(false)?;
     Ok(met)
+}
+
+/// The world's received bytes on w0, every 10 ms, until `stop`: a thread
+/// in the world's namespace reading its own /proc/thread-self/net/dev.
+fn sample_w0(world: &str, stop: Arc<AtomicBool>) -> JoinHandle<Vec<(Instant, u64)>> {
+    let path = format!("/run/netns/{world}");
+    std::thread::spawn(move || {
+        let mut out = vec![];
+        if enter_netns(&path).is_err() {
+            return out;
+        }
+        while !stop.load(Ordering::Relaxed) {
+            let dev = std::fs::read_to_string("/proc/thread-self/net/dev").unwrap_or_default();
+            if let Some(rx) = dev
+                .lines()
+                .find_map(|l| l.trim_start().strip_prefix("w0:"))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|n| n.parse::<u64>().ok())
+            {
+                out.push((Instant::now(), rx));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        out
+    })
+}
+
+/// How long after `reply` the wire rate in `samples` first holds `bps`
+/// (±5 %) over a whole second: the start of the first 1-s window, from
+/// `reply` up to 2.5 s after it, within the target (a window that begins
+/// while the old rate still runs misses it by the old rate's share);
+/// None if none is. Wire bytes: w0's bytes × WIRE_PER_GOODPUT (w0 counts
+/// a GSO packet's headers once, a limit each segment's).
+fn hold_after(samples: &[(Instant, u64)], reply: Instant, bps: u64) -> Option<Duration> {
+    let window = Duration::from_secs(1);
+    let end = reply + Duration::from_millis(2500);
+    let at = |t: Instant| samples.iter().find(|(s, _)| *s >= t).copied();
+    samples
+        .iter()
+        .map(|(t, _)| *t)
+        .filter(|t| *t >= reply && *t <= end)
+        .find(|t| {
+            let (Some((t0, b0)), Some((t1, b1))) = (at(*t), at(*t + window)) else {
+                return false;
+            };
+            let rate = (b1 - b0) as f64 * 8.0 * WIRE_PER_GOODPUT / (t1 - t0).as_secs_f64();
+            (0.95..=1.05).contains(&(rate / bps as f64))
+        })
+        .map(|t| t - reply)
+}
+
+/// A guest's egress transfer limited at 40 Mbit/s, converged to 10 and
+/// back to 40 while it runs (with every CPU kept busy by a spinning
+/// thread if `busy`): for each change, how long the call took and how
+/// long after its return the new rate held ([`hold_after`]).
+fn converge_latency(
+    loaded: &Loaded,
+    bpf: &Topo,
+    busy: bool,
+) -> Result<Vec<(&'static str, Duration, Option<Duration>)>> {
+    let limit = |egress_bps| {
+        loaded.limit(Bandwidth {
+            egress_bps,
+            ingress_bps: 40_000_000,
+            ..Default::default()
+        })
+    };
+    limit(40_000_000)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let spinners: Vec<JoinHandle<()>> = (0..if busy { num_cpus() } else { 0 })
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    let sampler = sample_w0(&bpf.world, stop.clone());
+    let guest = bpf.guest.clone();
+    let transfer = std::thread::spawn(move || iperf(&guest, WORLD_IP, IPERF_PORT, 9));
+    let mut out = vec![];
+    std::thread::sleep(Duration::from_millis(2500));
+    for (change, bps) in [
+        ("40 -> 10 Mbit/s egress", 10_000_000),
+        ("10 -> 40 Mbit/s egress", 40_000_000),
+    ] {
+        let called = Instant::now();
+        let r = limit(bps);
+        let reply = Instant::now();
+        if let Err(e) = r {
+            stop.store(true, Ordering::Relaxed);
+            return Err(e);
+        }
+        out.push((change, reply - called, reply, bps));
+        std::thread::sleep(Duration::from_millis(3000));
+    }
+    let sent = transfer.join();
+    stop.store(true, Ordering::Relaxed);
+    let samples = sampler.join().unwrap_or_default();
+    for s in spinners {
+        let _ = s.join();
+    }
+    match sent {
+        Ok(r) => {
+            r?;
+        }
+        Err(_) => return Err("the converge transfer's thread panicked".into()),
+    }
+    Ok(out
+        .into_iter()
+        .map(|(change, call, reply, bps)| (change, call, hold_after(&samples, reply, bps)))
+        .collect())
+}
+
+fn num_cpus() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get())
 }
 
 fn main() -> ExitCode {
