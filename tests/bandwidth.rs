@@ -340,8 +340,10 @@ async fn limits_shape_real_tcp_each_way_converge_live_and_spare_the_neighbours()
         "ping next to the transfer: {rtt:.2} ms (idle {idle_rtt:.2} ms)"
     );
     // A live converge of the running transfer's own limit, 40 -> 10 and
-    // back (every other option kept): the new rate holds over a window
-    // that starts 3 s after the reply. How soon it takes hold is
+    // back (every other option kept): the new rate holds over 5 s from
+    // 3 s after the reply (as long as the steady windows: one 200-ms
+    // retransmission timeout at the receiver costs 4 % of it, 6.7 % of a
+    // 3-s window, which is what made 37.3 of 40). How soon it takes hold is
     // cube-dpbench's converge latency row (docs/benchmarks.md), not a
     // timed assertion here: at the receiver's socket a rate cut's drops
     // hold data back in TCP's out-of-order queue for a while.
@@ -352,7 +354,7 @@ async fn limits_shape_real_tcp_each_way_converge_live_and_spare_the_neighbours()
         &[("egress_bps", 10 * MBIT), ("ingress_bps", 40 * MBIT)],
     )
     .await;
-    let rate = measure(&meter, Instant::now(), 3.0, 3.0);
+    let rate = measure(&meter, Instant::now(), 3.0, 5.0);
     within_5_percent("egress after a converge to 10 Mbit/s", rate, 10 * MBIT);
     converge_veth(
         &c,
@@ -361,7 +363,7 @@ async fn limits_shape_real_tcp_each_way_converge_live_and_spare_the_neighbours()
         &[("egress_bps", 40 * MBIT), ("ingress_bps", 40 * MBIT)],
     )
     .await;
-    let rate = measure(&meter, Instant::now(), 3.0, 3.0);
+    let rate = measure(&meter, Instant::now(), 3.0, 5.0);
     within_5_percent("egress after a converge back to 40 Mbit/s", rate, 40 * MBIT);
     assert!(t.finish(), "the limited transfer's connection broke");
     drop(meter);
@@ -442,7 +444,7 @@ async fn limits_shape_real_tcp_each_way_converge_live_and_spare_the_neighbours()
     )
     .await;
     let changed = Instant::now();
-    let rate = measure(&meter, changed, 3.0, 3.0);
+    let rate = measure(&meter, changed, 3.0, 5.0);
     within_5_percent("ingress after a converge to 10 Mbit/s", rate, 10 * MBIT);
     converge_veth(
         &c,
@@ -452,7 +454,7 @@ async fn limits_shape_real_tcp_each_way_converge_live_and_spare_the_neighbours()
     )
     .await;
     let changed = Instant::now();
-    let rate = measure(&meter, changed, 3.0, 3.0);
+    let rate = measure(&meter, changed, 3.0, 5.0);
     within_5_percent(
         "ingress after a converge back to 40 Mbit/s",
         rate,
