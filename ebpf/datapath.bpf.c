@@ -512,7 +512,7 @@ static __always_inline int sandbox_source(const struct dp_config *c, __u32 a)
  * the gateway device's). */
 static __always_inline int node_dst(const struct dp_config *c, __u32 a)
 {
-	if ((a & 0xff) == 127)
+	if ((a & 0xff) == 127 || a == c->uplink_ip)
 		return 1;
 	if (c->pool_mask && (a & c->pool_mask) == (c->host_ip & c->pool_mask))
 		return 1;
@@ -631,9 +631,15 @@ __noinline int share_take(__u32 ifindex, __u32 in)
 	if (held >= budget_guaranteed(c, in)) {
 		__u32 zero = 0;
 		struct dp_share_pool *p = bpf_map_lookup_elem(&share_pool, &zero);
-		if (!p || p->hflow_borrowed >= c->hflow_borrow)
+		if (!p)
+			return -1;
+		__u32 all = p->hflow_borrowed, others = p->hflow_borrowed_in;
+		__u32 mine = in ? others : all - others;
+		if (all >= c->hflow_borrow || mine >= c->hflow_borrow / 2)
 			return -1;
 		__sync_fetch_and_add(&p->hflow_borrowed, 1);
+		if (in)
+			__sync_fetch_and_add(&p->hflow_borrowed_in, 1);
 	}
 	__sync_fetch_and_add(&s->hflow, in ? 0x10000 : 1);
 	return 0;
@@ -652,6 +658,8 @@ static __always_inline void give(const struct dp_config *c, struct dp_share *s, 
 		struct dp_share_pool *p = bpf_map_lookup_elem(&share_pool, &zero);
 		if (p && p->hflow_borrowed > 0)
 			__sync_fetch_and_add(&p->hflow_borrowed, -1);
+		if (p && in && p->hflow_borrowed_in > 0)
+			__sync_fetch_and_add(&p->hflow_borrowed_in, -1);
 	}
 }
 
@@ -986,6 +994,7 @@ static __always_inline int proxy_arp(struct __sk_buff *skb, const struct dp_conf
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
 	count(DP_C_ARP_REPLY);
+	skb->priority = DP_TAP_CLASS_SMALL; /* ahead of bulk under a limit */
 	return bpf_redirect(skb->ifindex, 0);
 }
 
@@ -1365,10 +1374,13 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 		count(DP_C_HOST_DENIED);
 		return -1;
 	}
-	/* Only a SYN opens a TCP flow: the kernel's SYN-ACK or RST to a
-	 * sandbox for a connection it never opened (one a forged source
-	 * started) is root's, and must not become a flow. */
-	if (l4->proto == IPPROTO_TCP && (l4->tcp_flags & (TCP_SYN | TCP_ACK)) != TCP_SYN) {
+	/* A SYN-ACK or a reset never opens a TCP flow: the kernel's answer to
+	 * a connection someone forged "from" the sandbox is root's, and must
+	 * not become a flow. (A plain segment does: a running connection whose
+	 * idle entry the reaper removed goes on with the same tuple.) */
+	if (l4->proto == IPPROTO_TCP &&
+	    ((l4->tcp_flags & TCP_RST) ||
+	     (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == (TCP_SYN | TCP_ACK))) {
 		count(DP_C_HOST_NOT_OPENING);
 		return -1;
 	}
@@ -2066,6 +2078,7 @@ __noinline int stale_reset(struct __sk_buff *skb)
 	    bpf_skb_store_bytes(skb, ETH_HLEN, &r, sizeof(r), 0) ||
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
+	skb->priority = DP_TAP_CLASS_SMALL;
 	return bpf_redirect(skb->ifindex, 0);
 }
 
@@ -2163,6 +2176,9 @@ static __always_inline int v6_answer(struct __sk_buff *skb, const struct dp_conf
 	    bpf_skb_store_bytes(skb, ETH_HLEN, p, len, 0) ||
 	    set_macs(skb, c->guest_mac, c->gateway_mac))
 		return TC_ACT_SHOT;
+	/* The link's own answers (NA, RA, refusals) go ahead of bulk data on
+	 * a limited sandbox's device (its default class is the bulk leaf). */
+	skb->priority = DP_TAP_CLASS_SMALL;
 	return bpf_redirect(skb->ifindex, 0);
 }
 

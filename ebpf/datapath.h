@@ -90,7 +90,11 @@ struct dp_share {
  * guaranteed ones. */
 struct dp_share_pool {
 	__u32 hflow_borrowed;
-	__u32 pad;
+	/* Of those, the ones flows others opened hold: each budget borrows
+	 * at most half the pool, so flooding many sandboxes' mappings on lo
+	 * never leaves the guests' own flows only their guaranteed entries.
+	 * "pad" (0) in builds before (the reaper's recount sets it). */
+	__u32 hflow_borrowed_in;
 }; /* 8 bytes */
 
 /* Generations: every owner of a sandbox address gets a generation of its

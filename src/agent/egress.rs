@@ -232,12 +232,37 @@ impl CidrRules {
     }
 }
 
-/// Whether a sandbox reaches the world at large: internet access on and
-/// no catch-all deny (`0.0.0.0/0` or `::/0`, which closes both: see
-/// [`CidrRules::from_lists`]), whatever allow CIDRs open again.
+/// Whether a sandbox reaches the world at large: internet access on, and
+/// its deny CIDRs (`::/0` counts as `0.0.0.0/0`: see
+/// [`CidrRules::from_lists`]) close less than half of the IPv4 space, or
+/// its allow CIDRs open at least half again. A catch-all written as
+/// pieces (`0.0.0.0/1` + `128.0.0.0/1`) closes the world as the catch-all
+/// does; a few private ranges denied do not.
 pub fn world_open(allow_internet_access: bool, cidrs: &CidrRules) -> bool {
-    let all = <Ipv4Cidr as crate::alloc::ip::Cidr>::all();
-    allow_internet_access && !cidrs.deny.contains(&all)
+    const HALF: u64 = 1 << 31;
+    allow_internet_access && (covered(&cidrs.deny) < HALF || covered(&cidrs.allow) >= HALF)
+}
+
+/// How many IPv4 addresses the union of `list` holds (CIDRs either nest
+/// or are disjoint: sorted by network, a CIDR inside the last kept one
+/// adds nothing).
+fn covered(list: &[Ipv4Cidr]) -> u64 {
+    let mut spans: Vec<(u64, u64)> = list
+        .iter()
+        .map(|c| {
+            let start = u64::from(u32::from(c.network()));
+            (start, start + (1u64 << (32 - u32::from(c.prefix_len()))))
+        })
+        .collect();
+    spans.sort();
+    let (mut total, mut end) = (0, 0);
+    for (s, e) in spans {
+        if e > end {
+            total += e - s.max(end);
+            end = e;
+        }
+    }
+    total
 }
 
 /// What the proxy does with one connection of strict mode.
@@ -347,22 +372,25 @@ impl LocalAddrs {
     }
 }
 
-/// The node's own addresses (every device's, both families).
+/// The node's own addresses (every device's, both families); empty when
+/// they cannot be read.
 pub fn local_addresses() -> Vec<IpAddr> {
-    nix::ifaddrs::getifaddrs()
-        .map(|addrs| {
-            addrs
-                .filter_map(|a| {
-                    let a = a.address?;
-                    match (a.as_sockaddr_in(), a.as_sockaddr_in6()) {
-                        (Some(s), _) => Some(IpAddr::V4(s.ip())),
-                        (_, Some(s)) => Some(IpAddr::V6(s.ip())),
-                        _ => None,
-                    }
-                })
-                .collect()
+    read_local_addresses().unwrap_or_default()
+}
+
+/// The same, or the reason they cannot be read (EMFILE, ENOMEM): what
+/// must not be taken for "the node has no addresses".
+pub fn read_local_addresses() -> nix::Result<Vec<IpAddr>> {
+    Ok(nix::ifaddrs::getifaddrs()?
+        .filter_map(|a| {
+            let a = a.address?;
+            match (a.as_sockaddr_in(), a.as_sockaddr_in6()) {
+                (Some(s), _) => Some(IpAddr::V4(s.ip())),
+                (_, Some(s)) => Some(IpAddr::V6(s.ip())),
+                _ => None,
+            }
         })
-        .unwrap_or_default()
+        .collect())
 }
 
 #[derive(Default)]
@@ -1098,7 +1126,9 @@ impl Agent {
             }
             DnsDecision::Offline { sandbox_id } => {
                 self.egress.count_refusal(src, &self.egress.refused);
-                info!(
+                // Every lookup of an offline guest (NTP, telemetry,
+                // retries) would be a line: counted, logged at debug.
+                debug!(
                     sandbox_id = sandbox_id.as_str(),
                     name,
                     "dns: query refused: the sandbox does not reach the world (internet access \
@@ -1303,6 +1333,23 @@ impl Agent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_world_is_closed_by_half_the_space_denied() {
+        let w = |allow: &[&str], deny: &[&str]| {
+            let v = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+            world_open(true, &CidrRules::from_lists(&v(allow), &v(deny)))
+        };
+        assert!(w(&[], &[]));
+        assert!(w(&[], &["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"]));
+        assert!(!w(&[], &["0.0.0.0/0"]));
+        assert!(!w(&[], &["::/0"]));
+        assert!(!w(&[], &["0.0.0.0/1", "128.0.0.0/1"]));
+        assert!(!w(&["198.51.100.0/24"], &["0.0.0.0/0"]));
+        assert!(w(&["0.0.0.0/0"], &["0.0.0.0/0"]));
+        assert!(!world_open(false, &CidrRules::default()));
+        assert_eq!(covered(&[]), 0);
+    }
 
     #[test]
     fn the_catch_all_deny_of_either_family_closes_ipv4_for_the_proxy() {

@@ -261,7 +261,11 @@ impl Agent {
                 }
                 let dp = dp.clone();
                 let r = tokio::task::spawn_blocking(move || {
-                    dp.set_node_addrs(&super::egress::local_addresses())
+                    // A failed read keeps what the maps hold (an empty one
+                    // would open the node's addresses to the sandboxes).
+                    super::egress::read_local_addresses()
+                        .map_err(|e| format!("reading them: {e}"))
+                        .and_then(|a| dp.set_node_addrs(&a).map_err(|e| e.to_string()))
                 })
                 .await;
                 match r {

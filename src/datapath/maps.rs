@@ -83,7 +83,9 @@ pub fn hflow_budget(v: &DpHflowVal) -> bool {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DpSharePool {
     pub hflow_borrowed: u32,
-    pub pad: u32,
+    /// Of those, the ones flows others opened hold (each budget borrows
+    /// at most half the pool); "pad" (0) in builds before.
+    pub hflow_borrowed_in: u32,
 }
 
 /// How `hflow` (and `hrev`) are shared: every sandbox may hold

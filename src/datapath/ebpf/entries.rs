@@ -281,15 +281,15 @@ impl EbpfDatapath {
                             sb.tap_name,
                             TAP_TREE.bulk & 0xffff,
                         )
-                            .and_then(|()| {
-                                shaper::set_tree(
-                                    &mut conn,
-                                    sb.tap_ifindex,
-                                    TAP_TREE,
-                                    bw.ingress_bps,
-                                    burst(bw.ingress_burst),
-                                )
-                            });
+                        .and_then(|()| {
+                            shaper::set_tree(
+                                &mut conn,
+                                sb.tap_ifindex,
+                                TAP_TREE,
+                                bw.ingress_bps,
+                                burst(bw.ingress_burst),
+                            )
+                        });
                         match r {
                             Ok(()) => shape.ingress = true,
                             Err(e) => faults.push(format!("ingress: {e}")),

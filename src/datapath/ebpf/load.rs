@@ -137,7 +137,11 @@ impl EbpfDatapath {
             node_addrs6: take(&mut bpf, "node_addrs6")?,
         };
         // The node's addresses, before any program sees a packet.
-        super::node_addrs::sync(&mut maps.node_addrs, &mut maps.node_addrs6, &node.node_addrs)?;
+        super::node_addrs::sync(
+            &mut maps.node_addrs,
+            &mut maps.node_addrs6,
+            &node.node_addrs,
+        )?;
         let wakes: aya::maps::RingBuf<MapData> = take(&mut bpf, "wakes")?;
         let learned = learned::Learned::<DpLearnedKey>::new(
             take(&mut bpf, "dns_learned")?,

@@ -46,7 +46,8 @@ pub(super) fn sync(
         }
     }
     for k in want4.difference(&have4) {
-        v4.insert(k, 1, 0).map_err(|e| map_err("writing node_addrs", &e))?;
+        v4.insert(k, 1, 0)
+            .map_err(|e| map_err("writing node_addrs", &e))?;
         changed += 1;
     }
     let have6: BTreeSet<[u8; 16]> = v6.keys().flatten().collect();
@@ -56,7 +57,8 @@ pub(super) fn sync(
         }
     }
     for k in want6.difference(&have6) {
-        v6.insert(k, 1, 0).map_err(|e| map_err("writing node_addrs6", &e))?;
+        v6.insert(k, 1, 0)
+            .map_err(|e| map_err("writing node_addrs6", &e))?;
         changed += 1;
     }
     Ok(changed)

@@ -352,13 +352,13 @@ impl EbpfDatapath {
         const BPF_EXIST: u64 = 2;
         let g = r.hflow_shares.budgets_guaranteed().map(i64::from);
         let now = Self::shares(r);
-        let mut borrowed = 0i64;
+        let mut borrowed = [0i64; 2];
         for (ifindex, (current, entry)) in &now {
             let mut n = [0i64; 2];
             for b in 0..2 {
                 let meanwhile = current[b] - before.get(ifindex).map_or(current[b], |x| x.0[b]);
                 n[b] = (held.get(ifindex).map_or(0, |h| h[b]) + meanwhile).clamp(0, 0xffff);
-                borrowed += (n[b] - g[b]).max(0);
+                borrowed[b] += (n[b] - g[b]).max(0);
             }
             if n != *current {
                 // The guest's address as read: should the guest change it
@@ -377,8 +377,8 @@ impl EbpfDatapath {
         let _ = r.share_pool.set(
             0,
             DpSharePool {
-                hflow_borrowed: borrowed.min(i64::from(u32::MAX)) as u32,
-                pad: 0,
+                hflow_borrowed: (borrowed[0] + borrowed[1]).min(i64::from(u32::MAX)) as u32,
+                hflow_borrowed_in: borrowed[1].min(i64::from(u32::MAX)) as u32,
             },
             0,
         );
