@@ -79,19 +79,6 @@ fn inside(ctr: &Ctr) -> (Vec<String>, Option<String>, bool) {
     (addrs, gw, up)
 }
 
-/// Host ends of live CNI networks (named like sandbox TAPs).
-fn sandbox_links(env: &Env) -> Vec<String> {
-    env.links()
-        .into_iter()
-        .filter(|(n, l)| {
-            l.kind == "veth"
-                && n.strip_prefix("ctap")
-                    .is_some_and(|h| h.len() == 8 && h.bytes().all(|b| b.is_ascii_hexdigit()))
-        })
-        .map(|(n, _)| n)
-        .collect()
-}
-
 /// Host ends of released CNI networks waiting for the pool's batched
 /// deletion (`ctapx…`).
 fn retired_links(env: &Env) -> Vec<String> {
@@ -468,7 +455,7 @@ async fn raw_protocol_every_verb_and_error() {
     drop(o);
     let del = verb(&env, "DEL", "o", None, &other);
     assert!(del.ok, "{del:?}");
-    assert!(sandbox_links(&env).is_empty(), "{:?}", sandbox_links(&env));
+    assert!(env.cni_veths().is_empty(), "{:?}", env.cni_veths());
     c.release("vm-1").await.unwrap();
     assert!(c.list().await.is_empty());
     wait_retired_gone(&env);
@@ -632,7 +619,7 @@ async fn port_mapping_and_traffic_across_kill_9() {
     drop(ctr);
     // The kernel destroys a deleted namespace's devices from a work queue.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !sandbox_links(&env).is_empty() {
+    while !env.cni_veths().is_empty() {
         assert!(Instant::now() < deadline, "the veth outlived its namespace");
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -659,7 +646,7 @@ async fn port_mapping_and_traffic_across_kill_9() {
     let del = verb(&env, "DEL", "pm", None, &cf);
     assert!(del.ok, "{del:?}");
     assert!(c.list().await.is_empty());
-    assert!(sandbox_links(&env).is_empty());
+    assert!(env.cni_veths().is_empty());
     wait_retired_gone(&env);
 }
 
@@ -1001,7 +988,7 @@ async fn containerd_ctr_run_with_cube_cni() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(c.list().await.is_empty(), "the task's end ran DEL");
-    assert!(sandbox_links(&env).is_empty());
+    assert!(env.cni_veths().is_empty());
 }
 
 /// One verb with an explicit interface name and namespace path.

@@ -203,20 +203,6 @@ fn num(net: &Dict, k: &str) -> u64 {
     u64::try_from(net[k].try_clone().unwrap()).unwrap()
 }
 
-/// Host ends of live CNI veths (`ctap` + 8 hex; released ones are renamed
-/// `ctapx…`).
-fn pod_veths(env: &Env) -> Vec<String> {
-    env.links()
-        .into_iter()
-        .filter(|(n, l)| {
-            l.kind == "veth"
-                && n.strip_prefix("ctap")
-                    .is_some_and(|h| h.len() == 8 && h.bytes().all(|b| b.is_ascii_hexdigit()))
-        })
-        .map(|(n, _)| n)
-        .collect()
-}
-
 /// The container's `nc -ll` server answers `pong` on the host port, from the
 /// world (once its listener is up).
 fn pong_from_world(world: &World, port: u16) {
@@ -349,7 +335,7 @@ async fn a_pod_with_a_host_port_stop_remove_and_again() {
     cri.ok(&["stop-pod", &pod]);
     assert!(c.list().await.is_empty(), "StopPodSandbox released it");
     assert_eq!(cri.pod_status(&pod)["state"], "SANDBOX_NOTREADY");
-    assert!(pod_veths(&env).is_empty(), "{:?}", pod_veths(&env));
+    assert!(env.cni_veths().is_empty(), "{:?}", env.cni_veths());
     assert!(
         world
             .tcp_connect(World::node_addr(20080), b"", Duration::from_secs(1))
@@ -427,7 +413,7 @@ async fn three_pods_at_once_get_three_addresses() {
         t.join().unwrap();
     }
     assert!(c.list().await.is_empty());
-    assert!(pod_veths(&env).is_empty(), "{:?}", pod_veths(&env));
+    assert!(env.cni_veths().is_empty(), "{:?}", env.cni_veths());
 }
 
 /// Accepts one connection in the world on `port` and reads it to EOF:

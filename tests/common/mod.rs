@@ -259,6 +259,21 @@ impl Env {
     }
 
     /// `ip -j -d link` inside the namespace: name → (kind, up, mtu, ifindex).
+    /// Host ends of live CNI veths (`ctap` + 8 hex, named like sandbox
+    /// TAPs; released ones are renamed).
+    #[allow(dead_code)]
+    pub fn cni_veths(&self) -> Vec<String> {
+        self.links()
+            .into_iter()
+            .filter(|(n, l)| {
+                l.kind == "veth"
+                    && n.strip_prefix("ctap")
+                        .is_some_and(|h| h.len() == 8 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+            })
+            .map(|(n, _)| n)
+            .collect()
+    }
+
     pub fn links(&self) -> HashMap<String, Link> {
         let out = run(Command::new("ip").args(["-n", &self.ns, "-j", "-d", "link", "show"]));
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
