@@ -27,8 +27,28 @@ fn main() {
     let dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("ebpf");
     let committed = dir.join("datapath.bpf.o");
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("datapath.bpf.o");
-    for f in ["datapath.bpf.c", "datapath.h", "datapath.bpf.o"] {
+    // datapath.bpf.c is the one translation unit; it includes datapath.h,
+    // lib/*.h and prog/*.h (ebpf/Makefile's SRCS). The folders are watched
+    // (a file added or removed) and so is each file in them.
+    for f in [
+        "datapath.bpf.c",
+        "datapath.h",
+        "datapath.bpf.o",
+        "lib",
+        "prog",
+    ] {
         println!("cargo:rerun-if-changed={}", dir.join(f).display());
+    }
+    for sub in ["lib", "prog"] {
+        // Missing (a copy without the C): nothing to watch; clang, if
+        // run, reports the missing includes.
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir.join(sub))
+            .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
+            .unwrap_or_default();
+        files.sort();
+        for f in files {
+            println!("cargo:rerun-if-changed={}", f.display());
+        }
     }
     println!("cargo:rerun-if-env-changed=EBPF_USE_PREBUILT");
     let use_prebuilt = std::env::var("EBPF_USE_PREBUILT").is_ok_and(|v| v == "1");
@@ -48,7 +68,7 @@ fn main() {
     match clang {
         Err(e) if e.kind() == ErrorKind::NotFound => {
             println!(
-                "cargo:warning=clang-19 not found: using the committed ebpf/datapath.bpf.o (edits of ebpf/*.c are not compiled)"
+                "cargo:warning=clang-19 not found: using the committed ebpf/datapath.bpf.o (edits of ebpf/ are not compiled)"
             );
             std::fs::copy(&committed, &out)
                 .expect("no clang-19 and no committed ebpf/datapath.bpf.o");
