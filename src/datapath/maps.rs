@@ -655,7 +655,7 @@ const _: () = {
     assert!(size_of::<DpWake>() == 32);
 };
 
-/// Entries of the per-sandbox maps (`max_entries` in ebpf/datapath.bpf.c).
+/// Entries of the per-sandbox maps (`max_entries` in ebpf/lib/maps.h).
 pub const SANDBOX_MAP_ENTRIES: u32 = 65536;
 /// Entries of the flow maps `ct` and `ct_rev`.
 pub const FLOW_MAP_ENTRIES: u32 = 262144;
@@ -716,7 +716,7 @@ const fn pinned(
     }
 }
 
-/// Every map of ebpf/datapath.bpf.c with this build's layout.
+/// Every map of the datapath (ebpf/lib/maps.h) with this build's layout.
 pub const PINNED: &[PinnedMap] = {
     use Keep::*;
     use aya::maps::MapType::*;
