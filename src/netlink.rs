@@ -31,6 +31,8 @@ use rtnetlink::{
 };
 use tracing::debug;
 
+mod request;
+
 /// Errors from netlink operations. Each variant names the action that failed.
 #[derive(Debug, thiserror::Error)]
 pub enum NetlinkError {
@@ -263,6 +265,8 @@ impl LinkChange {
 pub struct Netlink {
     handle: Handle,
     dumps: std::sync::Arc<tokio::sync::Mutex<()>>,
+    /// Blocking requests made by the calling thread (see [`request`]).
+    requests: std::sync::Arc<request::Requests>,
 }
 
 /// A clsact hook of a device.
@@ -468,10 +472,12 @@ impl Netlink {
             .recv()
             .map_err(|_| NetlinkError::Connect(std::io::Error::other("netlink thread died")))?
             .map_err(NetlinkError::Connect)?;
+        let requests = request::Requests::new().map_err(NetlinkError::Connect)?;
         debug!("netlink connection opened");
         Ok(Self {
             handle,
             dumps: Default::default(),
+            requests: std::sync::Arc::new(requests),
         })
     }
 
@@ -557,29 +563,11 @@ impl Netlink {
         if change.is_empty() {
             return Ok(());
         }
-        let mut b = LinkUnspec::new_with_index(index);
-        if let Some(name) = change.name {
-            b = b.name(name);
-        }
-        if let Some(mtu) = change.mtu {
-            b = b.mtu(mtu);
-        }
-        if let Some(group) = change.group {
-            b = b.link_group(group);
-        }
-        if let Some(alias) = change.alias {
-            b = b.alias(alias);
-        }
-        b = match change.up {
-            Some(true) => b.up(),
-            Some(false) => b.down(),
-            None => b,
-        };
         // `change` = RTM_NEWLINK with NLM_F_REQUEST|NLM_F_ACK (no CREATE/EXCL):
         // the kernel runs do_setlink() on the existing device.
         self.handle
             .link()
-            .change(b.build())
+            .change(request::link_change_msg(index, change))
             .execute()
             .await
             .map_err(|source| NetlinkError::LinkSet { index, source })
@@ -1651,7 +1639,7 @@ mod tests {
     /// (unshare(CLONE_NEWNET) affects only that thread), with `lo` up and a
     /// current-thread tokio runtime. The namespace dies with the thread, so cleanup
     /// happens even if the body panics; the panic is propagated via `join`.
-    fn in_netns<F, Fut>(test: &str, body: F)
+    pub(super) fn in_netns<F, Fut>(test: &str, body: F)
     where
         F: FnOnce(Netlink) -> Fut + Send + 'static,
         Fut: Future<Output = ()>,
@@ -1705,7 +1693,7 @@ mod tests {
         }
     }
 
-    async fn add_bridge(nl: &Netlink, name: &str, group: u32) -> u32 {
+    pub(super) async fn add_bridge(nl: &Netlink, name: &str, group: u32) -> u32 {
         nl.handle
             .link()
             .add(

@@ -16,7 +16,9 @@ use super::spec::{
     self, Attach, AttachRecord, Expect, NetnsFd, NetworkRecord, NetworkSpec, RECORD_VERSION,
     validate_sandbox_id,
 };
-use super::{Agent, AgentError, Allocs, Ensured, Network, Outcome, failed, new_handle, now_unix};
+use super::{
+    Agent, AgentError, Allocs, Ensured, Network, Outcome, Wiring, failed, new_handle, now_unix,
+};
 use crate::alloc::mapping::{Resolved, resolve_ports};
 use crate::netlink::LinkChange;
 use crate::tap::Tap;
@@ -460,7 +462,7 @@ impl Agent {
         netns: Option<&NetnsFd>,
         tap: Option<TapChoice>,
     ) -> Result<Network, (NetworkRecord, AgentError)> {
-        let mut net = match (&rec.attach, netns) {
+        let net = match (&rec.attach, netns) {
             (AttachRecord::Veth { ifname, .. }, Some(netns)) => {
                 let ifname = ifname.clone();
                 match self.create_veth(&rec, &ifname, netns).await {
@@ -492,37 +494,70 @@ impl Agent {
                     Err(e) => return Err((rec, e)),
                 }
             }
-            (AttachRecord::Tap, _) => match self.tap_for(tap, rec.mtu).await {
-                Ok(pt) => {
-                    debug_assert_eq!(rec.tap_name, pt.tap.name());
-                    Network {
-                        rec: Arc::new(rec),
-                        ifindex: pt.ifindex,
-                        tap: Some(pt.tap),
-                        handed_out: false,
-                    }
-                }
-                Err(e) => return Err((rec, e)),
-            },
+            (AttachRecord::Tap, _) => {
+                // A warm TAP's MTU + up goes with the rest of the wiring.
+                let (pt, change) = match tap.unwrap_or_else(|| self.choose_tap()) {
+                    TapChoice::Warm(pt) => (pt, Some(in_use(rec.mtu))),
+                    TapChoice::Cold(name) => match self.cold_tap(&name, rec.mtu).await {
+                        Ok(pt) => (pt, None),
+                        Err(e) => return Err((rec, e)),
+                    },
+                };
+                debug_assert_eq!(rec.tap_name, pt.tap.name());
+                let net = Network {
+                    rec: Arc::new(rec),
+                    ifindex: pt.ifindex,
+                    tap: Some(pt.tap),
+                    handed_out: false,
+                };
+                return self.wire_new(net, change).await;
+            }
         };
-        if let Err(e) = self
-            .nl
-            .neigh_replace_permanent(self.gateway.ifindex, net.rec.sandbox_ip, self.d.guest_mac)
-            .await
-        {
-            let err = failed("adding the neighbour entry", &e);
-            let rec = (*net.rec).clone();
-            self.recycle(&mut net).await;
-            return Err((rec, err));
-        }
-        if let Err(e) = self.dp_attach(&net).await {
-            let err = failed("programming the datapath", &e);
-            let rec = (*net.rec).clone();
-            self.unwire(&net).await;
-            self.recycle(&mut net).await;
-            return Err((rec, err));
-        }
-        Ok(net)
+        self.wire_new(net, None).await
+    }
+
+    /// [`Agent::wire`] for a network coming up; undoes on failure: a warm
+    /// TAP whose `change` failed goes back to the pool, anything else is
+    /// unwired and recycled.
+    async fn wire_new(
+        &self,
+        mut net: Network,
+        change: Option<LinkChange>,
+    ) -> Result<Network, (NetworkRecord, AgentError)> {
+        let warm = change.is_some();
+        let how = super::Wire {
+            link: change,
+            neighbour: true,
+        };
+        let err = match self.wire(&net, how).await {
+            Ok(()) => {
+                if warm {
+                    debug!(tap = net.rec.tap_name, "warm TAP taken from pool");
+                }
+                return Ok(net);
+            }
+            Err(Wiring::Link(e)) => {
+                let err = failed(&format!("configuring pool TAP {}", net.rec.tap_name), &e);
+                let rec = (*net.rec).clone();
+                if let Some(tap) = net.tap.take() {
+                    let pt = PoolTap {
+                        tap,
+                        ifindex: net.ifindex,
+                    };
+                    self.pool.give_back(pt).await;
+                }
+                return Err((rec, err));
+            }
+            Err(Wiring::Neighbour(e)) => failed("adding the neighbour entry", &e),
+            Err(Wiring::Datapath(e)) => {
+                let err = failed("programming the datapath", &e);
+                self.unwire(&net).await;
+                err
+            }
+        };
+        let rec = (*net.rec).clone();
+        self.recycle(&mut net).await;
+        Err((rec, err))
     }
 
     /// The veth of a CNI attachment: host end named like a sandbox TAP,
@@ -633,45 +668,13 @@ impl Agent {
         }
     }
 
-    /// A TAP for a new network: warm from the pool, else a cold one under
-    /// a fresh pool name. A TAP keeps its pool name for life (the record
-    /// says whose it is): taking one is MTU + up in one RTM_NEWLINK, no
-    /// rename (a rename re-registers the device's sysctls and waits for
-    /// RCU under RTNL, ~250 µs measured, twice per ensure+release pair).
-    async fn tap_for(&self, choice: Option<TapChoice>, mtu: u32) -> Result<PoolTap, AgentError> {
-        Ok(match choice.unwrap_or_else(|| self.choose_tap()) {
-            TapChoice::Warm(pt) => {
-                let change = LinkChange {
-                    mtu: Some(mtu),
-                    up: Some(true),
-                    alias: Some(pool::IN_USE_ALIAS),
-                    ..Default::default()
-                };
-                if let Err(e) = self.nl.set_link(pt.ifindex, change).await {
-                    let err = failed(&format!("configuring pool TAP {}", pt.tap.name()), &e);
-                    self.pool.give_back(pt).await;
-                    return Err(err);
-                }
-                debug!(tap = pt.tap.name(), "warm TAP taken from pool");
-                pt
-            }
-            TapChoice::Cold(name) => self.cold_tap(&name, mtu).await?,
-        })
-    }
-
     /// Creates a TAP with its final name (pool empty, or recovery repair).
     pub(super) async fn cold_tap(&self, name: &str, mtu: u32) -> Result<PoolTap, AgentError> {
         let owned = name.to_owned();
         let pt = super::off_worker(move || create_tap(&owned))
             .await
             .map_err(|e| failed(&format!("creating TAP {name}"), &e))?;
-        let change = LinkChange {
-            mtu: Some(mtu),
-            up: Some(true),
-            alias: Some(pool::IN_USE_ALIAS),
-            ..Default::default()
-        };
-        if let Err(e) = self.nl.set_link(pt.ifindex, change).await {
+        if let Err(e) = self.nl.set_link(pt.ifindex, in_use(mtu)).await {
             let err = failed(&format!("configuring TAP {name}"), &e);
             self.pool.retire(pt);
             return Err(err);
@@ -700,13 +703,7 @@ impl Agent {
         let ifindex = super::off_worker(move || pool::create_by_name(&owned, owner))
             .await
             .map_err(|e| failed(&format!("creating TAP {name}"), &e))?;
-        let change = LinkChange {
-            mtu: Some(mtu),
-            up: Some(true),
-            alias: Some(pool::IN_USE_ALIAS),
-            ..Default::default()
-        };
-        if let Err(e) = self.nl.set_link(ifindex, change).await {
+        if let Err(e) = self.nl.set_link(ifindex, in_use(mtu)).await {
             let err = failed(&format!("configuring TAP {name}"), &e);
             self.pool.retire_link(ifindex);
             return Err(err);
@@ -715,21 +712,10 @@ impl Agent {
         Ok(ifindex)
     }
 
-    /// Removes the neighbour entry and datapath state; best effort, errors
-    /// are returned for the caller to report.
+    /// Removes the datapath state and the neighbour entry; best effort,
+    /// errors are returned for the caller to report.
     pub(super) async fn unwire(&self, net: &Network) -> Vec<String> {
-        let mut errors = vec![];
-        if let Err(e) = self.dp_detach(net).await {
-            errors.push(crate::error_chain(&e));
-        }
-        if let Err(e) = self
-            .nl
-            .neigh_del(self.gateway.ifindex, net.rec.sandbox_ip)
-            .await
-        {
-            errors.push(crate::error_chain(&e));
-        }
-        errors
+        self.unwire_counting(net, false).await.0
     }
 
     /// Returns the TAP to the pool if nobody but the agent ever held it;
@@ -761,13 +747,14 @@ impl Agent {
 
     /// Puts back what [`Self::unwire`] removed.
     async fn rewire(&self, net: &Network) -> Result<(), AgentError> {
-        self.nl
-            .neigh_replace_permanent(self.gateway.ifindex, net.rec.sandbox_ip, self.d.guest_mac)
-            .await
-            .map_err(|e| failed("adding the neighbour entry", &e))?;
-        self.dp_attach(net)
-            .await
-            .map_err(|e| failed("programming the datapath", &e))
+        let how = super::Wire {
+            link: None,
+            neighbour: true,
+        };
+        self.wire(net, how).await.map_err(|e| match e {
+            Wiring::Neighbour(e) | Wiring::Link(e) => failed("adding the neighbour entry", &e),
+            Wiring::Datapath(e) => failed("programming the datapath", &e),
+        })
     }
 
     /// Undoes a whole network: datapath, neighbour, TAP, address, ports.
@@ -1007,7 +994,10 @@ impl Agent {
                 // leaves the record, and recovery wires the network again
                 // (the caller had no reply); if the removal fails, the
                 // wiring is put back here and the network stays.
-                Some(net) => match tokio::join!(self.store.delete(id), self.unwire(&net)) {
+                Some(net) => match tokio::join!(
+                    self.store.delete(id),
+                    self.unwire_counting(&net, true)
+                ) {
                     (Err(e), _) => {
                         let err = failed("removing the record", &e);
                         if let Err(e) = self.rewire(&net).await {
@@ -1020,7 +1010,7 @@ impl Agent {
                         *guard = Some(net);
                         Err(err)
                     }
-                    (Ok(()), errors) => {
+                    (Ok(()), (errors, traffic)) => {
                         self.remove_view(id);
                         let seq = self.events.publish(Change::Released {
                             sandbox_id: id.to_owned(),
@@ -1028,7 +1018,7 @@ impl Agent {
                         let (tap, ip) = (net.rec.tap_name.clone(), net.rec.sandbox_ip);
                         // The totals, for billing after the network is gone:
                         // the datapath no longer forwards for it.
-                        let t = match self.traffic(&net.view()).await {
+                        let t = match traffic.expect("counted") {
                             Ok(t) => t,
                             Err(e) => {
                                 warn!(sandbox_id = id, error = %e, "reading the released network's counters failed");
@@ -1226,5 +1216,18 @@ impl Agent {
         if o.get(&ns).is_some_and(|h| h == id) {
             o.remove(&ns);
         }
+    }
+}
+
+/// The change that puts a TAP in service: MTU, up, the in-use alias. One
+/// RTM_NEWLINK, no rename (a rename re-registers the device's sysctls and
+/// waits for RCU under RTNL, ~250 µs measured, twice per ensure+release
+/// pair): a TAP keeps its pool name for life, the record says whose it is.
+fn in_use(mtu: u32) -> LinkChange {
+    LinkChange {
+        mtu: Some(mtu),
+        up: Some(true),
+        alias: Some(pool::IN_USE_ALIAS),
+        ..Default::default()
     }
 }

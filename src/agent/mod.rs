@@ -42,6 +42,7 @@ use crate::tap::Tap;
 use events::Events;
 use pool::TapPool;
 use spec::{NetworkRecord, validate_sandbox_id};
+use traffic::Traffic;
 
 /// Errors as callers see them; the edges map each variant to their wire
 /// error in one place.
@@ -396,6 +397,22 @@ fn kernel_reserved_ports() -> PortSet {
         .unwrap_or_default()
 }
 
+/// What [`Agent::wire`] does before the datapath's entries.
+#[derive(Default)]
+struct Wire {
+    /// A change of the device (a warm TAP taken from the pool).
+    link: Option<crate::netlink::LinkChange>,
+    /// The gateway's neighbour entry for the sandbox address.
+    neighbour: bool,
+}
+
+/// The step of [`Agent::wire`] that failed.
+enum Wiring {
+    Link(crate::netlink::NetlinkError),
+    Neighbour(crate::netlink::NetlinkError),
+    Datapath(crate::datapath::DatapathError),
+}
+
 impl Agent {
     pub fn config(&self) -> &Config {
         &self.cfg
@@ -403,17 +420,74 @@ impl Agent {
 
     /// Programs the network into the datapath, off the async workers.
     async fn dp_attach(&self, net: &Network) -> Result<(), crate::datapath::DatapathError> {
-        if !self.serving.load(std::sync::atomic::Ordering::Acquire) {
-            return self.datapath.attach(&sandbox_path(&net.rec, net.ifindex));
+        match self.wire(net, Wire::default()).await {
+            Ok(()) => Ok(()),
+            Err(Wiring::Datapath(e)) => Err(e),
+            Err(Wiring::Link(_) | Wiring::Neighbour(_)) => unreachable!("datapath only"),
         }
-        let (dp, rec, ifindex) = (self.datapath.clone(), net.rec.clone(), net.ifindex);
-        off_worker(move || dp.attach(&sandbox_path(&rec, ifindex))).await
     }
 
-    /// Removes the network from the datapath, off the async workers.
-    async fn dp_detach(&self, net: &Network) -> Result<(), crate::datapath::DatapathError> {
-        let (dp, rec, ifindex) = (self.datapath.clone(), net.rec.clone(), net.ifindex);
-        off_worker(move || dp.detach(&sandbox_path(&rec, ifindex))).await
+    /// Connects a network whose device exists, in one call on the blocking
+    /// pool (one hop per call; inline during recovery): `link` first (a
+    /// warm TAP's MTU, up and in-use alias), then with `neighbour` the
+    /// gateway's permanent entry for the sandbox address, then the
+    /// datapath's entries. Netlink requests go out from that thread
+    /// ([`Netlink::set_link_now`]). Stops at the first failure, which it
+    /// names; undoing is the caller's.
+    async fn wire(&self, net: &Network, how: Wire) -> Result<(), Wiring> {
+        let (nl, dp, rec, ifindex) = (
+            self.nl.clone(),
+            self.datapath.clone(),
+            net.rec.clone(),
+            net.ifindex,
+        );
+        let (gateway, mac) = (self.gateway.ifindex, self.d.guest_mac);
+        let work = move || {
+            if let Some(change) = how.link {
+                nl.set_link_now(ifindex, change).map_err(Wiring::Link)?;
+            }
+            if how.neighbour {
+                nl.neigh_replace_permanent_now(gateway, rec.sandbox_ip, mac)
+                    .map_err(Wiring::Neighbour)?;
+            }
+            dp.attach(&sandbox_path(&rec, ifindex))
+                .map_err(Wiring::Datapath)
+        };
+        if !self.serving.load(std::sync::atomic::Ordering::Acquire) {
+            return work();
+        }
+        off_worker(work).await
+    }
+
+    /// Disconnects a network (datapath entries, then the neighbour entry),
+    /// best effort, in one call on the blocking pool; with `count`, then
+    /// reads its final traffic ([`Agent::traffic`]). The errors, for the
+    /// caller to report.
+    async fn unwire_counting(
+        &self,
+        net: &Network,
+        count: bool,
+    ) -> (Vec<String>, Option<Result<Traffic, AgentError>>) {
+        let (nl, dp, rec, ifindex) = (
+            self.nl.clone(),
+            self.datapath.clone(),
+            net.rec.clone(),
+            net.ifindex,
+        );
+        let gateway = self.gateway.ifindex;
+        let dns_refused = self.egress.refused_by(rec.sandbox_ip);
+        off_worker(move || {
+            let mut errors = vec![];
+            if let Err(e) = dp.detach(&sandbox_path(&rec, ifindex)) {
+                errors.push(crate::error_chain(&e));
+            }
+            if let Err(e) = nl.neigh_del_now(gateway, rec.sandbox_ip) {
+                errors.push(crate::error_chain(&e));
+            }
+            let t = count.then(|| traffic::read(&nl, &*dp, &rec, ifindex, dns_refused));
+            (errors, t)
+        })
+        .await
     }
 
     fn allocs(&self) -> std::sync::MutexGuard<'_, Allocs> {

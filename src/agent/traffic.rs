@@ -150,6 +150,41 @@ fn dp_array<const N: usize>(v: &[u64]) -> [u64; N] {
     a
 }
 
+/// A network's traffic now: its device's counters (one netlink request,
+/// sent by the calling thread) and the datapath's. A device that is gone
+/// or no longer the network's reads zero. Blocking.
+pub(super) fn read(
+    nl: &crate::netlink::Netlink,
+    dp: &dyn crate::datapath::Datapath,
+    rec: &super::spec::NetworkRecord,
+    ifindex: u32,
+    dns_refused: u64,
+) -> Result<Traffic, AgentError> {
+    let flows = v4(rec.sandbox_ip).map_or(0, |ip| dp.live_flows(ip));
+    if ifindex == 0 {
+        return Ok(Traffic {
+            flows,
+            dns_refused,
+            ..Default::default()
+        });
+    }
+    let link = nl
+        .link_by_index_now(ifindex)
+        .map_err(|e| super::failed("reading the device's counters", &e))?;
+    let counters = dp.sandbox_counters(ifindex);
+    Ok(match link {
+        Some(l) if l.name == rec.tap_name => Traffic {
+            dns_refused,
+            ..Traffic::of_device(&l.counters, flows, counters.as_deref())
+        },
+        _ => Traffic {
+            flows,
+            dns_refused,
+            ..Default::default()
+        },
+    })
+}
+
 fn v4(ip: IpAddr) -> Option<Ipv4Addr> {
     match ip {
         IpAddr::V4(ip) => Some(ip),
@@ -161,32 +196,14 @@ impl Agent {
     /// A network's traffic now (one netlink request). A veth gone with its
     /// container's namespace reads zero.
     pub async fn traffic(&self, view: &NetworkView) -> Result<Traffic, AgentError> {
-        let flows = v4(view.record.sandbox_ip).map_or(0, |ip| self.datapath.live_flows(ip));
-        let dns_refused = self.egress.refused_by(view.record.sandbox_ip);
-        if view.tap_ifindex == 0 {
-            return Ok(Traffic {
-                flows,
-                dns_refused,
-                ..Default::default()
-            });
-        }
-        let link = self
-            .nl
-            .link_by_index(view.tap_ifindex)
-            .await
-            .map_err(|e| failed("reading the device's counters", &e))?;
-        let dp = self.datapath.sandbox_counters(view.tap_ifindex);
-        Ok(match link {
-            Some(l) if l.name == view.record.tap_name => Traffic {
-                dns_refused,
-                ..Traffic::of_device(&l.counters, flows, dp.as_deref())
-            },
-            _ => Traffic {
-                flows,
-                dns_refused,
-                ..Default::default()
-            },
-        })
+        let (nl, dp, rec, ifindex) = (
+            self.nl.clone(),
+            self.datapath.clone(),
+            view.record.clone(),
+            view.tap_ifindex,
+        );
+        let dns_refused = self.egress.refused_by(rec.sandbox_ip);
+        super::off_worker(move || read(&nl, &*dp, &rec, ifindex, dns_refused)).await
     }
 
     /// Every network (its sandbox id) with its traffic: one

@@ -1174,8 +1174,12 @@ async fn baseline_rows(
     );
     let this = env.agent_bin.clone();
     let (mut mine, mut theirs) = (vec![], vec![]);
+    let (mut mine_cpu, mut theirs_cpu) = (vec![], vec![]);
     for round in 0..3 {
-        for (bin, out) in [(&this, &mut mine), (&base.to_path_buf(), &mut theirs)] {
+        for (bin, out, cpu) in [
+            (&this, &mut mine, &mut mine_cpu),
+            (&base.to_path_buf(), &mut theirs, &mut theirs_cpu),
+        ] {
             env.agent_bin = bin.clone();
             let (ns, dir) = env.new_instance()?;
             env.start_agent(&ns, &dir, 64, n).await?;
@@ -1184,7 +1188,14 @@ async fn baseline_rows(
                 ensure(conn, &id).await?;
                 release(conn, &id).await?;
             }
-            out.push(pair_rate(conn, CONCURRENT_CALLERS, secs).await?);
+            let cost = costed(
+                env.agent_pid()?,
+                secs,
+                pair_rate(conn, CONCURRENT_CALLERS, secs),
+            )
+            .await?;
+            out.push(cost.rate);
+            cpu.push(cost.cpu_per_pair_us);
             env.stop_agent(nix::sys::signal::Signal::SIGTERM).await?;
         }
     }
@@ -1210,6 +1221,16 @@ async fn baseline_rows(
         )
         .met(m >= 0.9 * t),
     );
+    let (mc, tc) = (median(&mut mine_cpu), median(&mut theirs_cpu));
+    rows.push(row(
+        format!(
+            "agent CPU per pair, {CONCURRENT_CALLERS} callers: this build vs --baseline-agent (median of 3)"
+        ),
+        format!("{mc:.0} µs ({})", show(&mine_cpu)),
+        format!("baseline {tc:.0} µs ({})", show(&theirs_cpu)),
+        format!("{:.2}x", mc / tc.max(1.0)),
+        "-",
+    ));
     Ok(())
 }
 
