@@ -303,35 +303,24 @@ impl TapPool {
         self.wake.notify_one();
     }
 
-    /// Takes a TAP that was handed to another process (OpenTap: a VMM's fd
-    /// refers to the agent's own open file, which nothing can revoke) out
-    /// of service for good: into the retire group in one RTM_NEWLINK,
-    /// deleted with the next batch, off the caller's path.
-    /// Only deleting the device detaches every holder, so such a TAP never
-    /// goes back to the pool: a slow, hung or hostile VMM that kept its fd
-    /// would otherwise read the next sandbox's traffic and send as it.
-    /// The pool refills with fresh TAPs in the background.
+    /// Takes a TAP that carried a network out of service for good: it is
+    /// deleted with the next batch, which first moves it into the retire
+    /// group (one RTM_NEWLINK each, all on one blocking thread, off the
+    /// caller's path). A handed-out TAP (OpenTap: a VMM's fd refers to the
+    /// agent's own open file, which nothing can revoke) is detached from
+    /// its holders only by deleting the device, so it never goes back to
+    /// the pool: a slow, hung or hostile VMM that kept its fd would
+    /// otherwise read the next sandbox's traffic and send as it. The pool
+    /// refills with fresh TAPs in the background.
     ///
-    /// Only the group changes here: no down (a down deactivates the
-    /// device's qdiscs and waits an RCU grace period under RTNL, ~1 ms per
-    /// release, and buys nothing: with no `sandboxes` entry `from_guest`
-    /// drops whatever the VMM still writes, and nothing redirects to the
-    /// TAP without a `by_ip` entry; the batch deletion closes it anyway).
-    pub async fn discard(&self, pt: PoolTap) {
-        let change = LinkChange {
-            group: Some(self.retire_group),
-            ..Default::default()
-        };
-        // Failed: the batch deletion moves it, then deletes.
-        let grouped = match self.nl.set_link(pt.ifindex, change).await {
-            Ok(()) => true,
-            Err(error) => {
-                debug!(tap = pt.tap.name(), %error, "moving a handed-out TAP to the retire group");
-                false
-            }
-        };
-        debug!(tap = pt.tap.name(), "handed-out TAP retired");
-        self.retire_as(pt, grouped);
+    /// Until then nothing reaches it or leaves it: with no `sandboxes`
+    /// entry `from_guest` drops whatever the VMM still writes, and nothing
+    /// redirects to the TAP without a `by_ip` entry. No down either (a
+    /// down deactivates the device's qdiscs and waits an RCU grace period
+    /// under RTNL, ~1 ms each; the batch deletion closes it anyway).
+    pub fn discard(&self, pt: PoolTap) {
+        debug!(tap = pt.tap.name(), "TAP retired");
+        self.retire_as(pt, false);
     }
 
     /// Resets a released TAP (pool name, down, default MTU) and returns it
@@ -588,39 +577,41 @@ impl TapPool {
         if taps.is_empty() && links.is_empty() {
             return;
         }
-        let mut grouped: HashSet<u32> = taps
+        let grouped: HashSet<u32> = taps
             .iter()
             .filter(|(_, g)| *g)
             .map(|(t, _)| t.ifindex)
             .collect();
         let mut indexes: Vec<u32> = taps.iter().map(|(t, _)| t.ifindex).collect();
         indexes.extend(links);
-        // Close our fds first, and the fd store's copies. The last close of
-        // a TAP fd waits for an RCU grace period: off the async workers.
-        let closing = indexes.clone();
-        super::off_worker(move || {
+        // Close our fds first, and the fd store's copies (the last close of
+        // a TAP fd waits for an RCU grace period), then into the retire
+        // group, those not moved yet: a group change only (no down: the
+        // group deletion closes every device in one batch, one RCU grace
+        // period for all, where a down each waits one per device under
+        // RTNL). Blocking work, all of it on one thread of the blocking pool.
+        let (closing, nl, group) = (indexes.clone(), self.nl_bg.clone(), self.retire_group);
+        let moved = super::off_worker(move || {
             drop(taps);
+            let mut moved = vec![];
             for index in closing {
                 crate::systemd::remove_tap_fd(index);
+                if grouped.contains(&index) {
+                    continue;
+                }
+                let change = LinkChange {
+                    group: Some(group),
+                    ..Default::default()
+                };
+                if nl.set_link_now(index, change).is_ok() {
+                    moved.push(index);
+                }
             }
+            (grouped, moved)
         })
         .await;
-        // Into the retire group, those not moved yet: a group change only
-        // (no down: the group deletion closes every device in one batch,
-        // one RCU grace period for all, where a down each waits one per
-        // device under RTNL).
-        for &index in &indexes {
-            if grouped.contains(&index) {
-                continue;
-            }
-            let change = LinkChange {
-                group: Some(self.retire_group),
-                ..Default::default()
-            };
-            if self.nl_bg.set_link(index, change).await.is_ok() {
-                grouped.insert(index);
-            }
-        }
+        let mut grouped = moved.0;
+        grouped.extend(moved.1);
         let started = Instant::now();
         let group_ok = self.nl_bg.delete_group(self.retire_group).await.is_ok();
         let mut errors = vec![];
