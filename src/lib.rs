@@ -18,6 +18,8 @@ pub mod hostsock;
 pub mod metrics;
 pub mod netlink;
 pub mod netns;
+pub mod policy;
+pub(crate) mod random;
 pub mod refusals;
 pub mod store;
 pub mod sysctl;
