@@ -1,9 +1,10 @@
 //! cube-network-agent: node-local network agent for micro-VM sandboxes.
 //!
 //! Layout: `agent/` decides (ensure, release, reconcile, recover, warm
-//! pool); `alloc/` is pure allocation; `tap.rs`, `netlink.rs` and
+//! pool); `alloc/` is pure allocation; `tap.rs`, `netlink/` and
 //! `datapath/` own kernel objects; `types.rs` holds the value types they
-//! share with the core; `store.rs` is durable state; `dbus/` is a
+//! share with the core; `dns/` (the resolver and the proxy) sees the core
+//! only through `policy.rs`; `store.rs` is durable state; `dbus/` is a
 //! thin wire edge; `config.rs` and `systemd.rs` connect to the host.
 
 pub mod agent;
@@ -18,6 +19,8 @@ pub mod hostsock;
 pub mod metrics;
 pub mod netlink;
 pub mod netns;
+pub mod policy;
+pub(crate) mod random;
 pub mod refusals;
 pub mod store;
 pub mod sysctl;

@@ -16,6 +16,7 @@ use super::domains::{Patterns, Verdict, is_domain_entry};
 use super::spec::NetworkRecord;
 use super::{Agent, off_worker};
 use crate::alloc::{Ipv4Cidr, Ipv6Cidr};
+use crate::policy::{AddrRules, Caps, DnsDecision, EgressPolicy, ProxyDecision};
 
 /// How long the node's own addresses (never learned, never dialled) are
 /// cached.
@@ -145,26 +146,6 @@ fn unreachable_why4(ip: Ipv4Addr, cidrs: &CidrRules, pool: &Ipv4Cidr) -> Option<
     None
 }
 
-/// What the resolver does with one query.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DnsDecision {
-    /// Not a sandbox's address: REFUSED.
-    Stranger,
-    /// A sandbox without domain rules that reaches the world at large:
-    /// forwarded, nothing learned (a documented choice: it could reach any
-    /// address anyway, so its lookups teach nothing it could not do).
-    Forward,
-    /// Allowed by the sandbox's patterns: forwarded, answers learned.
-    Learn { sandbox_id: String },
-    /// Not allowed: REFUSED (logged and counted).
-    Refuse { sandbox_id: String },
-    /// The sandbox does not reach the world at large (internet access off,
-    /// or a catch-all deny) and no name rule allows the name: REFUSED, so
-    /// the resolver is no data channel out of an offline sandbox (every
-    /// question would reach the upstream and its answer come back).
-    Offline { sandbox_id: String },
-}
-
 struct Sandbox {
     id: String,
     /// `None`: no domain rules.
@@ -232,6 +213,12 @@ impl CidrRules {
     }
 }
 
+impl AddrRules for CidrRules {
+    fn allows(&self, ip: Ipv4Addr) -> bool {
+        CidrRules::allows(self, ip)
+    }
+}
+
 /// Whether a sandbox reaches the world at large: internet access on, and
 /// its deny CIDRs (`::/0` counts as `0.0.0.0/0`: see
 /// [`CidrRules::from_lists`]) close less than half of the IPv4 space, or
@@ -263,23 +250,6 @@ fn covered(list: &[Ipv4Cidr]) -> u64 {
         }
     }
     total
-}
-
-/// What the proxy does with one connection of strict mode.
-#[derive(Debug)]
-pub enum ProxyDecision {
-    /// Not a strict-mode sandbox's address: reset.
-    Stranger,
-    /// The name is allowed: dial it (an address `cidrs` allows, when no
-    /// name rule allowed it), until `changed` says the sandbox's rules
-    /// changed.
-    Dial {
-        sandbox_id: String,
-        cidrs: Option<Arc<CidrRules>>,
-        changed: tokio::sync::watch::Receiver<()>,
-    },
-    /// Not allowed (or no name): reset (logged and counted).
-    Refuse { sandbox_id: String },
 }
 
 /// One learned destination: until when, and for which name.
@@ -1327,6 +1297,86 @@ impl Agent {
         if let (false, Some(ip)) = (gone.is_empty(), v4(rec.sandbox_ip)) {
             self.datapath.forget(ip, &gone);
         }
+    }
+}
+
+/// The resolver and the proxy (`dns/`) see the agent through this
+/// interface only (see `policy.rs`); each method is the inherent one above.
+impl EgressPolicy for Agent {
+    fn resolver_address(&self) -> Ipv4Addr {
+        Agent::resolver_address(self)
+    }
+    fn resolver_address6(&self) -> Option<Ipv6Addr> {
+        Agent::resolver_address6(self)
+    }
+    fn resolver_ifindex(&self) -> u32 {
+        Agent::resolver_ifindex(self)
+    }
+    fn socket_caps(&self) -> Caps {
+        Agent::socket_caps(self)
+    }
+    fn resolver_status(&self, status: Result<String, String>) {
+        Agent::resolver_status(self, status)
+    }
+    fn upstream_probe_due(&self) -> bool {
+        Agent::upstream_probe_due(self)
+    }
+    fn upstream_outcome(&self, r: Result<(), &std::io::Error>) {
+        Agent::upstream_outcome(self, r)
+    }
+    fn resolver_busy(&self) {
+        Agent::resolver_busy(self)
+    }
+    fn sandbox_source(&self, from: IpAddr) -> Ipv4Addr {
+        Agent::sandbox_source(self, from)
+    }
+    fn is_sandbox(&self, ip: Ipv4Addr) -> bool {
+        Agent::is_sandbox(self, ip)
+    }
+    fn dns_udp_mtu(&self, src: Ipv4Addr) -> u32 {
+        Agent::dns_udp_mtu(self, src)
+    }
+    fn dns_decide(&self, src: Ipv4Addr, name: &str) -> DnsDecision {
+        Agent::dns_decide(self, src, name)
+    }
+    fn dns_aaaa(&self, src: Ipv4Addr) -> bool {
+        Agent::dns_aaaa(self, src)
+    }
+    fn dns_learn(
+        &self,
+        src: Ipv4Addr,
+        sandbox_id: &str,
+        name: &str,
+        addrs: &[(IpAddr, u32)],
+    ) -> impl Future<Output = Result<(), String>> + Send {
+        Agent::dns_learn(self, src, sandbox_id, name, addrs)
+    }
+    fn proxy_status(&self, status: Result<String, String>) {
+        Agent::proxy_status(self, status)
+    }
+    fn proxy_serves(&self, src: Ipv4Addr) -> bool {
+        Agent::proxy_serves(self, src)
+    }
+    fn proxy_decide(&self, src: Ipv4Addr, name: Option<&str>) -> ProxyDecision {
+        Agent::proxy_decide(self, src, name)
+    }
+    fn name_target_refused(&self, src: Ipv4Addr, ip: Ipv4Addr) -> Option<&'static str> {
+        Agent::name_target_refused(self, src, ip)
+    }
+    fn proxy_dialled(&self, filtered: bool) {
+        Agent::proxy_dialled(self, filtered)
+    }
+    fn proxy_priority(&self, src: Ipv4Addr) -> Option<u32> {
+        Agent::proxy_priority(self, src)
+    }
+    fn proxy_still(
+        &self,
+        src: Ipv4Addr,
+        sandbox_id: &str,
+        name: &str,
+        dst: Ipv4Addr,
+    ) -> Option<tokio::sync::watch::Receiver<()>> {
+        Agent::proxy_still(self, src, sandbox_id, name, dst)
     }
 }
 

@@ -71,9 +71,9 @@ impl Agent {
 
     /// How many slots the resolver and the proxy get: what RLIMIT_NOFILE
     /// leaves after a full pool of TAPs and the agent's own descriptors.
-    pub fn socket_caps(&self) -> crate::dns::Caps {
+    pub fn socket_caps(&self) -> crate::policy::Caps {
         let need = self.tap_fds_needed(self.allocs().ips.capacity()) + FD_OVERHEAD;
-        crate::dns::Caps::for_spare(nofile().saturating_sub(need))
+        crate::policy::Caps::for_spare(nofile().saturating_sub(need))
     }
 
     /// Whether the state directory takes writes: every EnsureNetwork and
@@ -590,7 +590,7 @@ pub mod verdict {
                  resolver's and proxy's sockets): raise FileDescriptorStoreMax="
             ));
         }
-        let caps = crate::dns::Caps::for_spare(nofile.saturating_sub(need));
+        let caps = crate::policy::Caps::for_spare(nofile.saturating_sub(need));
         (
             "fd_limits".into(),
             problems.is_empty(),

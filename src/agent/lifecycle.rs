@@ -994,72 +994,71 @@ impl Agent {
                 // leaves the record, and recovery wires the network again
                 // (the caller had no reply); if the removal fails, the
                 // wiring is put back here and the network stays.
-                Some(net) => match tokio::join!(
-                    self.store.delete(id),
-                    self.unwire_counting(&net, true)
-                ) {
-                    (Err(e), _) => {
-                        let err = failed("removing the record", &e);
-                        if let Err(e) = self.rewire(&net).await {
-                            warn!(
-                                sandbox_id = id,
-                                error = %e,
-                                "re-wiring a network whose release failed; Reconcile repairs it"
-                            );
-                        }
-                        *guard = Some(net);
-                        Err(err)
-                    }
-                    (Ok(()), (errors, traffic)) => {
-                        self.remove_view(id);
-                        let seq = self.events.publish(Change::Released {
-                            sandbox_id: id.to_owned(),
-                        });
-                        let (tap, ip) = (net.rec.tap_name.clone(), net.rec.sandbox_ip);
-                        // The totals, for billing after the network is gone:
-                        // the datapath no longer forwards for it.
-                        let t = match traffic.expect("counted") {
-                            Ok(t) => t,
-                            Err(e) => {
-                                warn!(sandbox_id = id, error = %e, "reading the released network's counters failed");
-                                Default::default()
+                Some(net) => {
+                    match tokio::join!(self.store.delete(id), self.unwire_counting(&net, true)) {
+                        (Err(e), _) => {
+                            let err = failed("removing the record", &e);
+                            if let Err(e) = self.rewire(&net).await {
+                                warn!(
+                                    sandbox_id = id,
+                                    error = %e,
+                                    "re-wiring a network whose release failed; Reconcile repairs it"
+                                );
                             }
-                        };
-                        if let AttachRecord::Veth {
-                            netns: Some(ns), ..
-                        } = &net.rec.attach
-                        {
-                            self.let_go_netns(*ns, id);
+                            *guard = Some(net);
+                            Err(err)
                         }
-                        self.note_reservations(&net.rec).await;
-                        self.finish_tear_down(net, errors).await;
-                        self.events.publish(Change::Node);
-                        info!(
-                            sandbox_id = id,
-                            tap,
-                            sandbox_ip = %ip,
-                            tx_bytes = t.tx_bytes,
-                            tx_packets = t.tx_packets,
-                            tx_dropped = t.tx_dropped,
-                            rx_bytes = t.rx_bytes,
-                            rx_packets = t.rx_packets,
-                            rx_dropped = t.rx_dropped,
-                            datapath_drops = t
-                                .drops()
-                                .map(|(r, n)| format!("{r}={n}"))
-                                .collect::<Vec<_>>()
-                                .join(" "),
-                            new_flows = t
-                                .new_flows()
-                                .map(|(k, n)| format!("{k}={n}"))
-                                .collect::<Vec<_>>()
-                                .join(" "),
-                            elapsed_us = started.elapsed().as_micros() as u64,
-                            "network released"
-                        );
-                        Ok(Some(seq))
+                        (Ok(()), (errors, traffic)) => {
+                            self.remove_view(id);
+                            let seq = self.events.publish(Change::Released {
+                                sandbox_id: id.to_owned(),
+                            });
+                            let (tap, ip) = (net.rec.tap_name.clone(), net.rec.sandbox_ip);
+                            // The totals, for billing after the network is gone:
+                            // the datapath no longer forwards for it.
+                            let t = match traffic.expect("counted") {
+                                Ok(t) => t,
+                                Err(e) => {
+                                    warn!(sandbox_id = id, error = %e, "reading the released network's counters failed");
+                                    Default::default()
+                                }
+                            };
+                            if let AttachRecord::Veth {
+                                netns: Some(ns), ..
+                            } = &net.rec.attach
+                            {
+                                self.let_go_netns(*ns, id);
+                            }
+                            self.note_reservations(&net.rec).await;
+                            self.finish_tear_down(net, errors).await;
+                            self.events.publish(Change::Node);
+                            info!(
+                                sandbox_id = id,
+                                tap,
+                                sandbox_ip = %ip,
+                                tx_bytes = t.tx_bytes,
+                                tx_packets = t.tx_packets,
+                                tx_dropped = t.tx_dropped,
+                                rx_bytes = t.rx_bytes,
+                                rx_packets = t.rx_packets,
+                                rx_dropped = t.rx_dropped,
+                                datapath_drops = t
+                                    .drops()
+                                    .map(|(r, n)| format!("{r}={n}"))
+                                    .collect::<Vec<_>>()
+                                    .join(" "),
+                                new_flows = t
+                                    .new_flows()
+                                    .map(|(k, n)| format!("{k}={n}"))
+                                    .collect::<Vec<_>>()
+                                    .join(" "),
+                                elapsed_us = started.elapsed().as_micros() as u64,
+                                "network released"
+                            );
+                            Ok(Some(seq))
+                        }
                     }
-                },
+                }
             }
         };
         crate::metrics::RELEASE_LATENCY.observe(started.elapsed());

@@ -349,7 +349,7 @@ fn now_unix() -> u64 {
 /// 128 random bits from the kernel, hex encoded.
 fn new_handle() -> String {
     let mut buf = [0u8; 16];
-    if getrandom(&mut buf).is_err() {
+    if crate::random::getrandom(&mut buf).is_err() {
         // Fall back to time + counter: unique enough for a handle.
         static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let t = SystemTime::now()
@@ -360,18 +360,6 @@ fn new_handle() -> String {
         buf = (t ^ (u128::from(n) << 64)).to_le_bytes();
     }
     buf.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Fills `buf` from the kernel's random source (getrandom(2)).
-pub(crate) fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
-    // SAFETY: the kernel writes at most buf.len() bytes into buf, which is a
-    // valid, exclusively borrowed buffer.
-    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
-    if n == buf.len() as isize {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
 }
 
 impl From<MappingError> for AgentError {

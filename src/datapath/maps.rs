@@ -655,6 +655,17 @@ const _: () = {
     assert!(size_of::<DpWake>() == 32);
 };
 
+/// `tails` slots (TAIL_* in ebpf/lib/maps.h) and their programs.
+pub const TAILS: [(u32, &str); 7] = [
+    (0, "guest6_out"),
+    (1, "uplink6_in"),
+    (2, "guest6_rst"),
+    (3, "icmp6_error"),
+    (4, "guest6_steer"),
+    (5, "uplink6_frag"),
+    (6, "host_to_sandbox6"),
+];
+
 /// Entries of the per-sandbox maps (`max_entries` in ebpf/lib/maps.h).
 pub const SANDBOX_MAP_ENTRIES: u32 = 65536;
 /// Entries of the flow maps `ct` and `ct_rev`.
@@ -823,14 +834,7 @@ pub const PINNED: &[PinnedMap] = {
             Durable,
         ),
         // Program fds: every start writes its own programs.
-        pinned(
-            "tails",
-            ProgramArray,
-            4,
-            4,
-            super::ebpf::TAILS.len() as u32,
-            Rebuilt,
-        ),
+        pinned("tails", ProgramArray, 4, 4, TAILS.len() as u32, Rebuilt),
         // The only record of which TAPs an older build attached.
         pinned("tap_attached", Hash, 4, 4, SANDBOX_MAP_ENTRIES, Durable),
         pinned(

@@ -9,6 +9,7 @@
 //! other means.
 
 pub mod ebpf;
+mod error;
 pub mod maps;
 pub mod pins;
 pub mod ra;
@@ -16,6 +17,8 @@ pub mod shaper;
 pub mod tc;
 
 use std::net::IpAddr;
+
+pub use error::DatapathError;
 
 use crate::netlink::TcHook;
 use crate::types::PortMapping;
@@ -58,17 +61,6 @@ impl SandboxPath<'_> {
             .chain(self.deny_out)
             .any(|e| crate::types::is_domain_entry(e))
     }
-}
-
-#[derive(Debug, thiserror::Error)]
-#[error("{what}: {detail}")]
-pub struct DatapathError {
-    pub what: &'static str,
-    pub detail: String,
-    /// The agent must not start (a pinned map it cannot migrate): the
-    /// datapath in the kernel is left as it is. Otherwise a failed load
-    /// leaves the agent running without a datapath, Health saying why.
-    pub fatal: bool,
 }
 
 /// One line of Health: (name, ok, detail).

@@ -1,10 +1,10 @@
 //! The resolver for sandboxes (docs/egress.md), a wire edge: DNS over UDP
 //! and TCP on the gateway device's address, port 53 (what a guest reaches
 //! at its gateway). It parses the question, asks the core
-//! ([`Agent::dns_decide`]), answers REFUSED or NODATA itself (NODATA for
+//! ([`EgressPolicy::dns_decide`]), answers REFUSED or NODATA itself (NODATA for
 //! every AAAA question of a sandbox whose IPv6 does not reach the world), or forwards
 //! the query to the upstream resolver and, for a sandbox with domain
-//! rules, has the answer's addresses learned ([`Agent::dns_learn`])
+//! rules, has the answer's addresses learned ([`EgressPolicy::dns_learn`])
 //! before the answer is sent on.
 
 pub mod proxy;
@@ -18,21 +18,20 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tracing::{debug, info, warn};
 
-use crate::agent::Agent;
-use crate::agent::egress::DnsDecision;
+use crate::policy::{DnsDecision, EgressPolicy};
 
 /// How long the upstream has to answer.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
-/// UDP queries forwarded at once (each on a socket of its own, waiting for
-/// the upstream up to [`UPSTREAM_TIMEOUT`]), and from one source address
-/// at most (see [`Shares`]: fewer when many sources hold slots). A query
-/// that finds no slot gets SERVFAIL at once: the receive loop never waits.
-pub const MAX_IN_FLIGHT: usize = 1024;
+/// UDP queries forwarded at once from one source address at most (in
+/// all: `policy::MAX_IN_FLIGHT`, each on a socket of its own, waiting for
+/// the upstream up to [`UPSTREAM_TIMEOUT`]; see [`Shares`]: fewer when
+/// many sources hold slots). A query that finds no slot gets SERVFAIL at
+/// once: the receive loop never waits.
 const MAX_UDP_PER_SOURCE: usize = 32;
-/// DNS over TCP: connections at once (each with one to the upstream while
-/// a query is forwarded), per source address, and how long one may sit
-/// idle. A connection beyond its share is closed at once.
-pub const MAX_TCP: usize = 256;
+/// DNS over TCP: connections at once per source address (in all:
+/// `policy::MAX_TCP`, each with one to the upstream while a query is
+/// forwarded), and how long one may sit idle. A connection beyond its
+/// share is closed at once.
 const MAX_TCP_PER_SOURCE: usize = 8;
 const TCP_IDLE: Duration = Duration::from_secs(5);
 /// The largest DNS message (and the buffer an upstream's UDP answer is
@@ -209,10 +208,10 @@ pub fn answer_addrs(m: &[u8], name: &str) -> Option<Vec<(IpAddr, u32)>> {
     )
 }
 
-/// A random query id (the agent's getrandom(2) helper).
+/// A random query id (getrandom(2)).
 pub(crate) fn rand_id() -> u16 {
     let mut b = [0u8; 2];
-    if crate::agent::getrandom(&mut b).is_err() {
+    if crate::random::getrandom(&mut b).is_err() {
         return 0x5a5a;
     }
     u16::from_ne_bytes(b)
@@ -277,7 +276,7 @@ fn adopt_or_bind(
 /// IPv4 address, and its IPv6 one where the node reaches sandboxes over
 /// IPv6 (`ipv6_pool` routed; docs/dual-stack.md), with the suffix the fd
 /// store names that family's sockets with.
-pub(crate) fn service_addresses(agent: &Agent) -> Vec<(IpAddr, &'static str)> {
+pub(crate) fn service_addresses(agent: &impl EgressPolicy) -> Vec<(IpAddr, &'static str)> {
     let mut at = vec![(IpAddr::V4(agent.resolver_address()), "")];
     if let Some(v6) = agent.resolver_address6() {
         at.push((IpAddr::V6(v6), "6"));
@@ -289,7 +288,7 @@ pub(crate) fn service_addresses(agent: &Agent) -> Vec<(IpAddr, &'static str)> {
 /// [`service_addresses`]. A failed bind is reported to the caller (the
 /// agent runs on; sandboxes with domain rules then resolve nothing).
 pub fn serve(
-    agent: Arc<Agent>,
+    agent: Arc<impl EgressPolicy>,
     upstream: Option<SocketAddrV4>,
     passed: &mut Passed,
 ) -> std::io::Result<()> {
@@ -301,7 +300,7 @@ pub fn serve(
     );
     let mut bound = Ok(());
     let mut listening = vec![];
-    for (ip, suffix) in service_addresses(&agent) {
+    for (ip, suffix) in service_addresses(&*agent) {
         let at = SocketAddr::new(ip, 53);
         match bind(agent.clone(), upstream, at, suffix, passed, shares.clone()) {
             Ok(()) => listening.push(at.to_string()),
@@ -349,7 +348,7 @@ pub fn serve(
 /// The resolver's UDP socket and TCP listener on `at` (fd store names
 /// `dns-udp`/`dns-tcp` with `suffix`), served on the runtime.
 fn bind(
-    agent: Arc<Agent>,
+    agent: Arc<impl EgressPolicy>,
     upstream: Option<SocketAddrV4>,
     at: SocketAddr,
     suffix: &str,
@@ -412,7 +411,7 @@ fn bind(
             let query = &buf[..n];
             // Answered at once when nothing is to wait for (a burst queued
             // while the agent restarted is not cut by the caps below).
-            let (q, upstream, learn_for) = match plan(&agent, upstream, src, query) {
+            let (q, upstream, learn_for) = match plan(&*agent, upstream, src, query) {
                 Plan::Drop => continue,
                 Plan::Reply(r) => {
                     send_now(&sock, &r, from).await;
@@ -438,7 +437,7 @@ fn bind(
             let (agent, sock) = (agent.clone(), sock.clone());
             tokio::spawn(async move {
                 let answer =
-                    forward_and_learn(&agent, src, &query, (q, upstream, learn_for), Some(limit))
+                    forward_and_learn(&*agent, src, &query, (q, upstream, learn_for), Some(limit))
                         .await;
                 let _ = sock.send_to(&answer, from).await;
                 drop(held);
@@ -559,7 +558,7 @@ async fn recv_query(sock: &UdpSocket, buf: &mut [u8]) -> std::io::Result<(usize,
 /// DNS over TCP (RFC 7766): length-prefixed queries on a connection,
 /// answered in order, forwarded over TCP (an answer too large for UDP).
 async fn serve_tcp(
-    agent: Arc<Agent>,
+    agent: Arc<impl EgressPolicy>,
     upstream: Option<SocketAddrV4>,
     listener: TcpListener,
     shares: Shares,
@@ -598,7 +597,7 @@ async fn serve_tcp(
                 ) {
                     break;
                 }
-                let Some(a) = answer(&agent, upstream, src, &query).await else {
+                let Some(a) = answer(&*agent, upstream, src, &query).await else {
                     break;
                 };
                 let mut out = (a.len() as u16).to_be_bytes().to_vec();
@@ -688,33 +687,6 @@ impl Shares {
     }
 }
 
-/// How many slots the resolver and the proxy have in all: their maxima
-/// ([`MAX_IN_FLIGHT`], [`MAX_TCP`], `proxy::MAX_CONNS`) when the
-/// descriptors left after a full pool of TAPs hold them (a socket per UDP
-/// query in flight, a connection and its upstream one per TCP query, a
-/// connection and its server side per proxied connection), else scaled
-/// down to fit, never below a floor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Caps {
-    pub udp: usize,
-    pub tcp: usize,
-    pub proxy: usize,
-}
-
-impl Caps {
-    pub fn for_spare(spare_fds: u64) -> Caps {
-        let full = (MAX_IN_FLIGHT + 2 * MAX_TCP + 2 * proxy::MAX_CONNS) as u64;
-        let scale = |max: usize, min: usize| {
-            ((max as u64 * spare_fds.min(full) / full) as usize).clamp(min, max)
-        };
-        Caps {
-            udp: scale(MAX_IN_FLIGHT, 64),
-            tcp: scale(MAX_TCP, 16),
-            proxy: scale(proxy::MAX_CONNS, 64),
-        }
-    }
-}
-
 impl Drop for Held {
     fn drop(&mut self) {
         let mut g = (self.0).inner.lock().unwrap_or_else(|p| p.into_inner());
@@ -741,7 +713,12 @@ enum Plan {
     },
 }
 
-fn plan(agent: &Agent, upstream: Option<SocketAddrV4>, src: Ipv4Addr, query: &[u8]) -> Plan {
+fn plan(
+    agent: &impl EgressPolicy,
+    upstream: Option<SocketAddrV4>,
+    src: Ipv4Addr,
+    query: &[u8],
+) -> Plan {
     let Some(q) = parse_query(query) else {
         return Plan::Drop;
     };
@@ -780,7 +757,7 @@ fn plan(agent: &Agent, upstream: Option<SocketAddrV4>, src: Ipv4Addr, query: &[u
 /// its question with TC set (nothing learned: the client asks again over
 /// TCP); over TCP (`None`) the answer goes as it is.
 async fn forward_and_learn(
-    agent: &Agent,
+    agent: &impl EgressPolicy,
     src: Ipv4Addr,
     query: &[u8],
     (q, upstream, learn_for): (Question, SocketAddrV4, Option<String>),
@@ -813,7 +790,7 @@ async fn forward_and_learn(
 /// The answer to one query over TCP from `src`, or `None` to drop it (not
 /// a query).
 async fn answer(
-    agent: &Agent,
+    agent: &impl EgressPolicy,
     upstream: Option<SocketAddrV4>,
     src: Ipv4Addr,
     query: &[u8],
@@ -901,6 +878,7 @@ async fn forward(upstream: SocketAddrV4, query: &[u8], id: u16) -> std::io::Resu
 mod tests {
     use super::encode_query as query;
     use super::*;
+    use crate::policy::MAX_IN_FLIGHT;
 
     fn rr(m: &mut Vec<u8>, owner_ptr: u16, rtype: u16, ttl: u32, data: &[u8]) {
         m.extend_from_slice(&(0xc000 | owner_ptr).to_be_bytes());

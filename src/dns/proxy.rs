@@ -17,9 +17,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info, warn};
 
 use super::{Passed, Shares, TYPE_A, adopt_or_bind, answer_addrs, encode_query, forward, rand_id};
-use crate::agent::Agent;
-use crate::agent::egress::ProxyDecision;
 use crate::datapath::maps::{DP_PROXY_HTTP_PORT, DP_PROXY_TLS_PORT};
+use crate::policy::{EgressPolicy, ProxyDecision};
 
 /// The most a client may send before it names the host (a ClientHello
 /// across records, or an HTTP request head).
@@ -30,9 +29,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// A spliced connection on which nothing moved either way for this long
 /// is reset (it would hold one of its sandbox's connection slots).
 const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
-/// Connections at once, in all and per sandbox (fewer when many sandboxes
-/// hold connections: see `Shares`).
-pub const MAX_CONNS: usize = 4096;
+/// Connections at once per sandbox (in all: `policy::MAX_CONNS`; fewer
+/// when many sandboxes hold connections: see `Shares`).
 const MAX_CONNS_PER_SOURCE: usize = 64;
 
 /// What the first bytes of a connection named.
@@ -220,11 +218,11 @@ fn strip_port(host: &[u8]) -> &[u8] {
 /// Binds both ports on the gateway-device address and serves them; the
 /// outcome goes to Health (`egress_proxy`).
 pub fn serve(
-    agent: Arc<Agent>,
+    agent: Arc<impl EgressPolicy>,
     upstream: Option<SocketAddrV4>,
     passed: &mut Passed,
 ) -> std::io::Result<()> {
-    let addresses = super::service_addresses(&agent);
+    let addresses = super::service_addresses(&*agent);
     let bound = (|| {
         let mut listeners = vec![];
         for (ip, suffix) in &addresses {
@@ -306,7 +304,7 @@ pub fn serve(
                 };
                 let agent = agent.clone();
                 tokio::spawn(async move {
-                    relay(&agent, upstream, conn, from, dial_port).await;
+                    relay(&*agent, upstream, conn, from, dial_port).await;
                     drop(held);
                 });
             }
@@ -364,7 +362,7 @@ async fn read_hello(conn: &mut TcpStream, buf: &mut Vec<u8>, tls: bool) -> Optio
 }
 
 async fn relay(
-    agent: &Agent,
+    agent: &impl EgressPolicy,
     upstream: Option<SocketAddrV4>,
     mut conn: TcpStream,
     src: Ipv4Addr,

@@ -296,10 +296,12 @@ impl Netlink {
         tracing::debug!(index, "get link by index");
         let mut msg = LinkMessage::default();
         msg.header.index = index;
-        let got = self.requests.get(RouteNetlinkMessage::GetLink(msg), |m| match m {
-            RouteNetlinkMessage::NewLink(l) => Some(LinkInfo::from_msg(&l)),
-            _ => None,
-        });
+        let got = self
+            .requests
+            .get(RouteNetlinkMessage::GetLink(msg), |m| match m {
+                RouteNetlinkMessage::NewLink(l) => Some(LinkInfo::from_msg(&l)),
+                _ => None,
+            });
         match got {
             Ok(l) => Ok(l),
             Err(e) if is_errno(&e, libc::ENODEV) => Ok(None),
@@ -322,43 +324,59 @@ mod tests {
     /// calling thread is in another one, and carry the kernel's errno.
     #[test]
     fn blocking_requests_act_in_the_pools_namespace() {
-        in_netns("blocking_requests_act_in_the_pools_namespace", |nl| async move {
-            let index = add_bridge(&nl, "rq0", 0).await;
-            let other = nl.clone();
-            std::thread::spawn(move || {
-                // SAFETY: unshare() only takes an integer flag set and
-                // affects just this thread.
-                let rc = unsafe { libc::unshare(libc::CLONE_NEWNET) };
-                assert_eq!(rc, 0, "unshare: {}", std::io::Error::last_os_error());
-                let change = LinkChange {
-                    mtu: Some(1400),
-                    up: Some(true),
-                    alias: Some("cube-test"),
-                    ..Default::default()
-                };
-                other.set_link_now(index, change).expect("set link");
-                let l = other.link_by_index_now(index).expect("get").expect("exists");
-                assert_eq!((l.name.as_str(), l.mtu, l.up), ("rq0", 1400, true));
-                assert_eq!(l.alias.as_deref(), Some("cube-test"));
-                let ip = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 9));
-                let mac = [0x20, 0x90, 0x6f, 1, 2, 3];
-                other.neigh_replace_permanent_now(index, ip, mac).expect("neighbour");
-                other.neigh_replace_permanent_now(index, ip, mac).expect("replaced");
-                assert!(other.neigh_del_now(index, ip).expect("deleted"));
-                assert!(!other.neigh_del_now(index, ip).expect("none left"));
-                assert!(other.link_by_index_now(999_999).expect("get").is_none());
-                let e = other
-                    .set_link_now(999_999, LinkChange { up: Some(true), ..Default::default() })
-                    .expect_err("no such link");
-                assert_eq!(e.errno(), Some(libc::ENODEV), "{e}");
-            })
-            .join()
-            .expect("request thread");
-            // Seen from the pool's namespace, where the bridge lives.
-            let l = nl.link_by_name("rq0").await.expect("get").expect("exists");
-            assert_eq!((l.mtu, l.up), (1400, true));
-            let neigh = nl.neigh_list(index).await.expect("neighbours");
-            assert!(neigh.is_empty(), "{neigh:?}");
-        });
+        in_netns(
+            "blocking_requests_act_in_the_pools_namespace",
+            |nl| async move {
+                let index = add_bridge(&nl, "rq0", 0).await;
+                let other = nl.clone();
+                std::thread::spawn(move || {
+                    // SAFETY: unshare() only takes an integer flag set and
+                    // affects just this thread.
+                    let rc = unsafe { libc::unshare(libc::CLONE_NEWNET) };
+                    assert_eq!(rc, 0, "unshare: {}", std::io::Error::last_os_error());
+                    let change = LinkChange {
+                        mtu: Some(1400),
+                        up: Some(true),
+                        alias: Some("cube-test"),
+                        ..Default::default()
+                    };
+                    other.set_link_now(index, change).expect("set link");
+                    let l = other
+                        .link_by_index_now(index)
+                        .expect("get")
+                        .expect("exists");
+                    assert_eq!((l.name.as_str(), l.mtu, l.up), ("rq0", 1400, true));
+                    assert_eq!(l.alias.as_deref(), Some("cube-test"));
+                    let ip = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 9));
+                    let mac = [0x20, 0x90, 0x6f, 1, 2, 3];
+                    other
+                        .neigh_replace_permanent_now(index, ip, mac)
+                        .expect("neighbour");
+                    other
+                        .neigh_replace_permanent_now(index, ip, mac)
+                        .expect("replaced");
+                    assert!(other.neigh_del_now(index, ip).expect("deleted"));
+                    assert!(!other.neigh_del_now(index, ip).expect("none left"));
+                    assert!(other.link_by_index_now(999_999).expect("get").is_none());
+                    let e = other
+                        .set_link_now(
+                            999_999,
+                            LinkChange {
+                                up: Some(true),
+                                ..Default::default()
+                            },
+                        )
+                        .expect_err("no such link");
+                    assert_eq!(e.errno(), Some(libc::ENODEV), "{e}");
+                })
+                .join()
+                .expect("request thread");
+                // Seen from the pool's namespace, where the bridge lives.
+                let l = nl.link_by_name("rq0").await.expect("get").expect("exists");
+                assert_eq!((l.mtu, l.up), (1400, true));
+                let neigh = nl.neigh_list(index).await.expect("neighbours");
+                assert!(neigh.is_empty(), "{neigh:?}");
+            },
+        );
     }
 }

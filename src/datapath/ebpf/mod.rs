@@ -46,6 +46,7 @@ use aya::{Ebpf, EbpfLoader};
 use tracing::{debug, info, warn};
 
 use super::maps::*;
+use super::pins::dump_flows;
 use super::shaper;
 use super::tc::{self, Target};
 use super::{
@@ -66,7 +67,6 @@ mod reap;
 use attach::*;
 use entries::*;
 use policy::{Added, Policies, Wanted};
-use reap::*;
 
 pub use health::check_cases;
 
@@ -89,17 +89,6 @@ pub const PROGRAMS: [&str; 13] = [
     "guest6_steer",
     "uplink6_frag",
     "host_to_sandbox6",
-];
-
-/// `tails` slots (TAIL_* in the C source) and their programs.
-pub const TAILS: [(u32, &str); 7] = [
-    (0, "guest6_out"),
-    (1, "uplink6_in"),
-    (2, "guest6_rst"),
-    (3, "icmp6_error"),
-    (4, "guest6_steer"),
-    (5, "uplink6_frag"),
-    (6, "host_to_sandbox6"),
 ];
 
 /// The shaper device's peer is named after it with this suffix.
@@ -248,7 +237,7 @@ struct Reaper {
     by_ip_dump: MapData,
     attached_dump: MapData,
     /// Passes so far: attachments of gone devices are looked for on
-    /// every [`GONE_CHECK_EVERY`]th (a lookup per device).
+    /// every `reap::GONE_CHECK_EVERY`th (a lookup per device).
     passes: u64,
     /// `ct` once more, for batched dumps (BPF_MAP_LOOKUP_BATCH).
     ct_dump: MapData,

@@ -9,33 +9,6 @@ use super::*;
 /// when idle (the resolver answers within 3 s or not at all).
 const DNS_UDP_IDLE: Duration = Duration::from_secs(10);
 
-/// Every (key, value) of the flow map `map`, a few thousand per
-/// BPF_MAP_LOOKUP_BATCH call: the reaper's pass over 100k flows costs a
-/// few dozen syscalls instead of two per flow (aya's iterator), so it takes
-/// little CPU from the request path on a busy node. None if the kernel
-/// refuses batched lookups; the caller then walks entry by entry.
-pub(super) fn dump_flows<K: aya::Pod + Default, V: aya::Pod + Default>(
-    map: &MapData,
-) -> Option<Vec<(K, V)>> {
-    let (ks, vs) = (size_of::<K>(), size_of::<V>());
-    let (keys, vals, n) = crate::datapath::pins::batch_raw(map.fd().as_fd(), ks, vs).ok()??;
-    Some(
-        (0..n)
-            .map(|i| {
-                // SAFETY: `keys` and `vals` hold `n` entries of exactly
-                // these sizes; K and V are Pod (every bit pattern valid),
-                // read unaligned from the byte buffers.
-                unsafe {
-                    (
-                        std::ptr::read_unaligned(keys[i * ks..].as_ptr().cast::<K>()),
-                        std::ptr::read_unaligned(vals[i * vs..].as_ptr().cast::<V>()),
-                    )
-                }
-            })
-            .collect(),
-    )
-}
-
 /// The reaper looks for attachments of devices that no longer exist on
 /// every this many passes (the first included): one lookup per TAP.
 const GONE_CHECK_EVERY: u64 = 15;
