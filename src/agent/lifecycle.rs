@@ -738,7 +738,7 @@ impl Agent {
                     tap,
                     ifindex: net.ifindex,
                 };
-                self.pool.discard(pt)
+                self.pool.discard(pt).await
             }
             None if net.ifindex != 0 => self.pool.retire_link(net.ifindex),
             None => {}

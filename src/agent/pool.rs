@@ -303,24 +303,35 @@ impl TapPool {
         self.wake.notify_one();
     }
 
-    /// Takes a TAP that carried a network out of service for good: it is
-    /// deleted with the next batch, which first moves it into the retire
-    /// group (one RTM_NEWLINK each, all on one blocking thread, off the
-    /// caller's path). A handed-out TAP (OpenTap: a VMM's fd refers to the
-    /// agent's own open file, which nothing can revoke) is detached from
-    /// its holders only by deleting the device, so it never goes back to
-    /// the pool: a slow, hung or hostile VMM that kept its fd would
-    /// otherwise read the next sandbox's traffic and send as it. The pool
-    /// refills with fresh TAPs in the background.
+    /// Takes a TAP that was handed to another process (OpenTap: a VMM's fd
+    /// refers to the agent's own open file, which nothing can revoke) out
+    /// of service for good: into the retire group in one RTM_NEWLINK,
+    /// deleted with the next batch, off the caller's path.
+    /// Only deleting the device detaches every holder, so such a TAP never
+    /// goes back to the pool: a slow, hung or hostile VMM that kept its fd
+    /// would otherwise read the next sandbox's traffic and send as it.
+    /// The pool refills with fresh TAPs in the background.
     ///
-    /// Until then nothing reaches it or leaves it: with no `sandboxes`
-    /// entry `from_guest` drops whatever the VMM still writes, and nothing
-    /// redirects to the TAP without a `by_ip` entry. No down either (a
-    /// down deactivates the device's qdiscs and waits an RCU grace period
-    /// under RTNL, ~1 ms each; the batch deletion closes it anyway).
-    pub fn discard(&self, pt: PoolTap) {
-        debug!(tap = pt.tap.name(), "TAP retired");
-        self.retire_as(pt, false);
+    /// Only the group changes here: no down (a down deactivates the
+    /// device's qdiscs and waits an RCU grace period under RTNL, ~1 ms per
+    /// release, and buys nothing: with no `sandboxes` entry `from_guest`
+    /// drops whatever the VMM still writes, and nothing redirects to the
+    /// TAP without a `by_ip` entry; the batch deletion closes it anyway).
+    pub async fn discard(&self, pt: PoolTap) {
+        let change = LinkChange {
+            group: Some(self.retire_group),
+            ..Default::default()
+        };
+        // Failed: the batch deletion moves it, then deletes.
+        let grouped = match self.nl.set_link(pt.ifindex, change).await {
+            Ok(()) => true,
+            Err(error) => {
+                debug!(tap = pt.tap.name(), %error, "moving a handed-out TAP to the retire group");
+                false
+            }
+        };
+        debug!(tap = pt.tap.name(), "handed-out TAP retired");
+        self.retire_as(pt, grouped);
     }
 
     /// Resets a released TAP (pool name, down, default MTU) and returns it

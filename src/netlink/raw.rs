@@ -28,21 +28,14 @@ pub(super) fn raw_dump(
     sock.bind_auto()?;
     sock.connect(&SocketAddr::new(0, 0))?;
     sock.send(&req, 0)?;
-    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
     loop {
         let (data, _) = sock.recv_from_full()?;
-        let mut at = 0;
-        while at + 16 <= data.len() {
-            let len = u32_at(&data, at) as usize;
-            let kind = u16_at(&data, at + 4);
-            if len < 16 || at + len > data.len() {
-                return Err(bad("truncated netlink message"));
-            }
-            let msg = &data[at..at + len];
+        for msg in messages(&data) {
+            let (kind, msg) = msg?;
             match kind {
                 NLMSG_DONE => return Ok(()),
                 NLMSG_ERROR => {
-                    let code = if len >= 20 { u32_at(msg, 16) as i32 } else { 0 };
+                    let code = if msg.len() >= 20 { u32_at(msg, 16) as i32 } else { 0 };
                     if code != 0 {
                         return Err(std::io::Error::from_raw_os_error(-code));
                     }
@@ -50,12 +43,34 @@ pub(super) fn raw_dump(
                 _ if u32_at(msg, 8) == SEQ => each(kind, msg),
                 _ => {}
             }
-            at += (len + 3) & !3;
         }
     }
 }
 
-pub(super) fn u16_at(b: &[u8], at: usize) -> u16 {
+/// The netlink messages of one datagram: (type, bytes with the header).
+/// A truncated message ends the walk with an error.
+pub(super) fn messages(data: &[u8]) -> impl Iterator<Item = std::io::Result<(u16, &[u8])>> {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        if at + 16 > data.len() {
+            return None;
+        }
+        let len = u32_at(data, at) as usize;
+        let kind = u16_at(data, at + 4);
+        if len < 16 || at + len > data.len() {
+            at = data.len();
+            return Some(Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "truncated netlink message",
+            )));
+        }
+        let msg = &data[at..at + len];
+        at += (len + 3) & !3;
+        Some(Ok((kind, msg)))
+    })
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
     u16::from_ne_bytes([b[at], b[at + 1]])
 }
 
@@ -101,16 +116,7 @@ pub(super) fn nl_str(payload: &[u8]) -> String {
 /// full parse through netlink-packet-route took ~170 ms of a restart.
 /// Blocking: call it off the async workers.
 pub fn link_dump() -> std::io::Result<Vec<LinkInfo>> {
-    const RTM_NEWLINK: u16 = 16;
     const RTM_GETLINK: u16 = 18;
-    // linux/if_link.h, linux/rtnetlink.h
-    const IFLA_ADDRESS: u16 = 1;
-    const IFLA_IFNAME: u16 = 3;
-    const IFLA_MTU: u16 = 4;
-    const IFLA_LINKINFO: u16 = 18;
-    const IFLA_INFO_KIND: u16 = 1;
-    const IFLA_IFALIAS: u16 = 20;
-    const IFLA_GROUP: u16 = 27;
     const IFLA_EXT_MASK: u16 = 29;
     const RTEXT_FILTER_SKIP_STATS: u32 = 1 << 3;
     // ifinfomsg (16, all zero: every family, every device) +
@@ -121,38 +127,54 @@ pub fn link_dump() -> std::io::Result<Vec<LinkInfo>> {
     body.extend_from_slice(&RTEXT_FILTER_SKIP_STATS.to_ne_bytes());
     let mut out = Vec::new();
     raw_dump(RTM_GETLINK, &body, |kind, msg| {
-        if kind != RTM_NEWLINK || msg.len() < 32 {
-            return;
-        }
-        let mut info = LinkInfo {
-            index: u32_at(msg, 20),
-            name: String::new(),
-            kind: None,
-            group: 0,
-            up: u32_at(msg, 24) & libc::IFF_UP as u32 != 0,
-            mtu: 0,
-            mac: None,
-            alias: None,
-            counters: LinkCounters::default(),
-        };
-        for (akind, p) in attrs(msg, 32) {
-            match akind {
-                IFLA_IFNAME => info.name = nl_str(p),
-                IFLA_MTU if p.len() >= 4 => info.mtu = u32_at(p, 0),
-                IFLA_GROUP if p.len() >= 4 => info.group = u32_at(p, 0),
-                IFLA_IFALIAS => info.alias = Some(nl_str(p)),
-                IFLA_ADDRESS => info.mac = <[u8; 6]>::try_from(p).ok(),
-                IFLA_LINKINFO => {
-                    info.kind = attrs(p, 0)
-                        .find(|(k, _)| *k == IFLA_INFO_KIND)
-                        .map(|(_, k)| nl_str(k));
-                }
-                _ => {}
-            }
-        }
-        out.push(info);
+        out.extend(link_of(kind, msg));
     })?;
     Ok(out)
+}
+
+/// An `RTM_NEWLINK` message (a dump's, or an announcement's) parsed for
+/// the fields [`LinkInfo`] has, without its counters (they stay zero).
+/// `None` for any other message.
+pub(super) fn link_of(kind: u16, msg: &[u8]) -> Option<LinkInfo> {
+    const RTM_NEWLINK: u16 = 16;
+    // linux/if_link.h
+    const IFLA_ADDRESS: u16 = 1;
+    const IFLA_IFNAME: u16 = 3;
+    const IFLA_MTU: u16 = 4;
+    const IFLA_LINKINFO: u16 = 18;
+    const IFLA_INFO_KIND: u16 = 1;
+    const IFLA_IFALIAS: u16 = 20;
+    const IFLA_GROUP: u16 = 27;
+    if kind != RTM_NEWLINK || msg.len() < 32 {
+        return None;
+    }
+    let mut info = LinkInfo {
+        index: u32_at(msg, 20),
+        name: String::new(),
+        kind: None,
+        group: 0,
+        up: u32_at(msg, 24) & libc::IFF_UP as u32 != 0,
+        mtu: 0,
+        mac: None,
+        alias: None,
+        counters: LinkCounters::default(),
+    };
+    for (akind, p) in attrs(msg, 32) {
+        match akind {
+            IFLA_IFNAME => info.name = nl_str(p),
+            IFLA_MTU if p.len() >= 4 => info.mtu = u32_at(p, 0),
+            IFLA_GROUP if p.len() >= 4 => info.group = u32_at(p, 0),
+            IFLA_IFALIAS => info.alias = Some(nl_str(p)),
+            IFLA_ADDRESS => info.mac = <[u8; 6]>::try_from(p).ok(),
+            IFLA_LINKINFO => {
+                info.kind = attrs(p, 0)
+                    .find(|(k, _)| *k == IFLA_INFO_KIND)
+                    .map(|(_, k)| nl_str(k));
+            }
+            _ => {}
+        }
+    }
+    Some(info)
 }
 
 /// Every device's counters in this namespace, by ifindex, from one

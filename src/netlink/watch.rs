@@ -5,6 +5,7 @@ use tracing::debug;
 
 use super::NetlinkError;
 use super::link::LinkInfo;
+use super::raw::{attrs, link_of, messages, nl_str, u32_at};
 
 /// A clsact hook of a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -38,49 +39,32 @@ pub struct TcRemoval {
 pub fn watch_tc_removals(
     tx: tokio::sync::mpsc::UnboundedSender<TcRemoval>,
 ) -> Result<(), NetlinkError> {
-    use futures::StreamExt;
-    use rtnetlink::packet_core::NetlinkPayload;
-    use rtnetlink::packet_route::{RouteNetlinkMessage, tc::TcAttribute};
-    let rt = tokio::runtime::Handle::try_current().map_err(|_| NetlinkError::NoRuntime)?;
-    let (conn, _handle, mut messages) =
-        rtnetlink::new_multicast_connection(&[rtnetlink::MulticastGroup::Tc])
-            .map_err(NetlinkError::Connect)?;
-    rt.spawn(conn);
-    rt.spawn(async move {
-        while let Some((msg, _)) = messages.next().await {
-            let (kind, m) = match msg.payload {
-                NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelQueueDiscipline(m)) => {
-                    ("qdisc", m)
-                }
-                NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelTrafficFilter(m)) => {
-                    ("filter", m)
-                }
-                _ => continue,
-            };
-            let name = m
-                .attributes
-                .iter()
-                .find_map(|a| match a {
-                    TcAttribute::Kind(k) => Some(k.as_str()),
-                    _ => None,
-                })
-                .unwrap_or("?");
-            let removal = TcRemoval {
-                ifindex: m.header.index as u32,
-                what: format!("{kind} {name}"),
-            };
-            debug!(?removal, "tc removal announced");
-            if tx.send(removal).is_err() {
-                break;
-            }
+    // linux/rtnetlink.h, pkt_sched.h: tcmsg is 20 bytes, tcm_ifindex at 4.
+    const RTNLGRP_TC: u32 = 4;
+    const RTM_DELQDISC: u16 = 37;
+    const RTM_DELTFILTER: u16 = 45;
+    const TCA_KIND: u16 = 1;
+    subscribe(RTNLGRP_TC, move |kind, msg| {
+        let what = match kind {
+            RTM_DELQDISC => "qdisc",
+            RTM_DELTFILTER => "filter",
+            _ => return true,
+        };
+        if msg.len() < 36 {
+            return true;
         }
-    });
-    Ok(())
+        let name = attrs(msg, 36)
+            .find(|(k, _)| *k == TCA_KIND)
+            .map_or_else(|| "?".to_owned(), |(_, p)| nl_str(p));
+        let removal = TcRemoval {
+            ifindex: u32_at(msg, 20),
+            what: format!("{what} {name}"),
+        };
+        debug!(?removal, "tc removal announced");
+        tx.send(removal).is_ok()
+    })
 }
 
-/// A link change the kernel announced on RTNLGRP_LINK: the device's state
-/// now, or `None` when it left this namespace (deleted, or moved to
-/// another one).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LinkEvent {
     pub ifindex: u32,
@@ -92,29 +76,64 @@ pub struct LinkEvent {
 /// change of flags, name or namespace, so a sandbox device someone else
 /// deletes, renames, moves or sets down is known within milliseconds.
 pub fn watch_links(tx: tokio::sync::mpsc::UnboundedSender<LinkEvent>) -> Result<(), NetlinkError> {
-    use futures::StreamExt;
-    use rtnetlink::packet_core::NetlinkPayload;
-    use rtnetlink::packet_route::RouteNetlinkMessage;
+    const RTNLGRP_LINK: u32 = 1;
+    const RTM_DELLINK: u16 = 17;
+    subscribe(RTNLGRP_LINK, move |kind, msg| {
+        let event = match (kind, link_of(kind, msg)) {
+            (_, Some(now)) => LinkEvent {
+                ifindex: now.index,
+                now: Some(now),
+            },
+            (RTM_DELLINK, None) if msg.len() >= 24 => LinkEvent {
+                ifindex: u32_at(msg, 20),
+                now: None,
+            },
+            _ => return true,
+        };
+        tx.send(event).is_ok()
+    })
+}
+
+/// Reads the announcements of multicast group `group` on a socket of its
+/// own, on the runtime the caller runs in, and hands each message (type,
+/// bytes with the header) to `each` until it returns false. Parsed by hand
+/// for the few fields wanted: every TAP the pool creates, takes, moves and
+/// deletes is announced, and a full parse of each (counters, IPv6 and
+/// per-protocol attributes) was a visible part of a pair's CPU. Lost
+/// announcements (a full receive queue) are logged and skipped: what they
+/// said is checked again by the next kernel check.
+fn subscribe(
+    group: u32,
+    mut each: impl FnMut(u16, &[u8]) -> bool + Send + 'static,
+) -> Result<(), NetlinkError> {
+    use rtnetlink::sys::{AsyncSocket, AsyncSocketExt, TokioSocket, protocols::NETLINK_ROUTE};
     let rt = tokio::runtime::Handle::try_current().map_err(|_| NetlinkError::NoRuntime)?;
-    let (conn, _handle, mut messages) =
-        rtnetlink::new_multicast_connection(&[rtnetlink::MulticastGroup::Link])
-            .map_err(NetlinkError::Connect)?;
-    rt.spawn(conn);
+    let _in_rt = rt.enter();
+    let mut sock = TokioSocket::new(NETLINK_ROUTE).map_err(NetlinkError::Connect)?;
+    sock.socket_mut()
+        .bind_auto()
+        .map_err(NetlinkError::Connect)?;
+    sock.socket_ref()
+        .add_membership(group)
+        .map_err(NetlinkError::Connect)?;
     rt.spawn(async move {
-        while let Some((msg, _)) = messages.next().await {
-            let event = match msg.payload {
-                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(m)) => LinkEvent {
-                    ifindex: m.header.index,
-                    now: Some(LinkInfo::from_msg(&m)),
-                },
-                NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(m)) => LinkEvent {
-                    ifindex: m.header.index,
-                    now: None,
-                },
-                _ => continue,
+        loop {
+            let data = match sock.recv_from_full().await {
+                Ok((data, _)) => data,
+                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
+                    tracing::warn!(group, "netlink announcements lost (receive queue full)");
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(group, error = %e, "netlink announcements: socket failed; no longer followed");
+                    return;
+                }
             };
-            if tx.send(event).is_err() {
-                break;
+            for msg in messages(&data) {
+                let Ok((kind, msg)) = msg else { break };
+                if !each(kind, msg) {
+                    return;
+                }
             }
         }
     });
@@ -168,4 +187,77 @@ pub fn watch_addrs(tx: tokio::sync::mpsc::UnboundedSender<()>) -> Result<(), Net
         ],
         tx,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::super::LinkChange;
+    use super::super::tests::{add_bridge, in_netns, up};
+    use super::*;
+
+    async fn next<T>(rx: &mut tokio::sync::mpsc::UnboundedReceiver<T>, what: &str) -> T {
+        tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no announcement: {what}"))
+            .expect("watcher running")
+    }
+
+    fn tc(args: &[&str]) {
+        let st = std::process::Command::new("tc")
+            .args(args)
+            .status()
+            .expect("tc runs");
+        assert!(st.success(), "tc {args:?}");
+    }
+
+    /// The hand-parsed announcements carry what the agent reads: a link's
+    /// name, state and MTU, its deletion, a qdisc's removal with its kind.
+    #[test]
+    fn link_and_tc_announcements_are_parsed() {
+        in_netns("link_and_tc_announcements_are_parsed", |nl| async move {
+            let (ltx, mut links) = tokio::sync::mpsc::unbounded_channel();
+            let (ttx, mut tcs) = tokio::sync::mpsc::unbounded_channel();
+            watch_links(ltx).expect("link watcher");
+            watch_tc_removals(ttx).expect("tc watcher");
+            let index = add_bridge(&nl, "wt0", 0).await;
+            let ev = next(&mut links, "created").await;
+            let now = ev.now.expect("a new link");
+            assert_eq!((ev.ifindex, now.name.as_str(), now.up), (index, "wt0", false));
+            assert_eq!(now.kind.as_deref(), Some("bridge"));
+            let change = LinkChange {
+                mtu: Some(1280),
+                ..up(true)
+            };
+            nl.set_link(index, change).await.expect("up");
+            // The first announcement showing it up carries the new MTU.
+            loop {
+                let ev = next(&mut links, "set up").await;
+                let now = ev.now.expect("still there");
+                if now.up {
+                    assert_eq!((ev.ifindex, now.mtu), (index, 1280));
+                    break;
+                }
+            }
+            tc(&["qdisc", "add", "dev", "wt0", "clsact"]);
+            tc(&["qdisc", "del", "dev", "wt0", "clsact"]);
+            let removal = next(&mut tcs, "qdisc removed").await;
+            assert_eq!(
+                removal,
+                TcRemoval {
+                    ifindex: index,
+                    what: "qdisc clsact".into()
+                }
+            );
+            nl.delete_link(index).await.expect("delete");
+            loop {
+                let ev = next(&mut links, "deleted").await;
+                if ev.now.is_none() {
+                    assert_eq!(ev.ifindex, index);
+                    break;
+                }
+            }
+        });
+    }
 }
