@@ -241,7 +241,17 @@ impl Agent {
 /// Which counters of a [`Traffic`] a per-sandbox family shows, by
 /// direction (`None`: no direction field), appended to a scratch list
 /// (no allocation per sandbox).
-type Pick = dyn Fn(&Traffic, &mut Vec<(Option<&'static str>, u64)>);
+type Pick = dyn Fn(&Traffic, &mut Vec<(Option<&'static str>, u64)>) + Sync;
+
+/// A per-sandbox family being filled: its label's key (`direction`,
+/// `reason`, `kind`), whether it keeps only values above 0, and what it
+/// shows of a [`Traffic`].
+struct PerSandbox {
+    field: &'static str,
+    family: Family,
+    sparse: bool,
+    pick: &'static Pick,
+}
 
 impl Agent {
     /// Every metric family (see docs/observability.md): per sandbox from
@@ -251,42 +261,30 @@ impl Agent {
         let all = self.traffic_all().await?;
         // Per sandbox; `sparse` families (drops, new flows by kind) carry
         // only the values that are not 0: most sandboxes drop nothing, and
-        // a scrape at 10,000 sandboxes stays ~60,000 lines.
+        // a scrape at 10,000 sandboxes stays ~60,000 lines. Every family
+        // is filled in one pass over the sandboxes (not one pass each).
         let per_by = |field: &'static str,
                       name: &'static str,
                       kind: Kind,
                       unit: Option<&'static str>,
                       help: &'static str,
                       sparse: bool,
-                      value: &Pick| {
-            let mut samples = Vec::with_capacity(if sparse { 16 } else { all.len() * 2 });
-            let mut picked = Vec::with_capacity(8);
-            for (id, t) in &all {
-                picked.clear();
-                value(t, &mut picked);
-                for &(which, n) in &picked {
-                    if sparse && n == 0 {
-                        continue;
-                    }
-                    samples.push(Sample {
-                        object: Some(id.clone()),
-                        field: which.map(|d| (field, d)),
-                        value: Val::U(n),
-                    });
-                }
-            }
-            Family {
+                      pick: &'static Pick| PerSandbox {
+            field,
+            family: Family {
                 name,
                 kind,
                 help,
                 unit,
-                samples,
-            }
+                samples: Vec::with_capacity(if sparse { 16 } else { all.len() * 2 }),
+            },
+            sparse,
+            pick,
         };
-        let per = |name, kind, unit, help, sparse, value: &Pick| {
-            per_by("direction", name, kind, unit, help, sparse, value)
+        let per = |name, kind, unit, help, sparse, pick: &'static Pick| {
+            per_by("direction", name, kind, unit, help, sparse, pick)
         };
-        let mut f = vec![
+        let mut per_sandbox = [
             per(
                 "sandbox_bytes",
                 Kind::Counter,
@@ -432,6 +430,24 @@ impl Agent {
                 },
             ),
         ];
+        let mut picked = Vec::with_capacity(8);
+        for (id, t) in &all {
+            for p in &mut per_sandbox {
+                picked.clear();
+                (p.pick)(t, &mut picked);
+                for &(which, n) in &picked {
+                    if p.sparse && n == 0 {
+                        continue;
+                    }
+                    p.family.samples.push(Sample {
+                        object: Some(id.clone()),
+                        field: which.map(|d| (p.field, d)),
+                        value: Val::U(n),
+                    });
+                }
+            }
+        }
+        let mut f: Vec<Family> = per_sandbox.into_iter().map(|p| p.family).collect();
         let gauge = |name, help, n: u64| Family {
             name,
             kind: Kind::Gauge,

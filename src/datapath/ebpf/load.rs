@@ -382,6 +382,7 @@ impl EbpfDatapath {
                 "sb_traffic6",
             )?))
             .map_err(|e| err("opening sb_traffic6", e))?,
+            traffic6_dump: reopen("sb_traffic6")?,
             sb_rate: HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_rate")?))
                 .map_err(|e| err("opening sb_rate", e))?,
             rate_dump: reopen("sb_rate")?,
@@ -397,6 +398,7 @@ impl EbpfDatapath {
             PerCpuHashMap::try_from(aya::maps::Map::PerCpuHashMap(reopen("sb_traffic6")?))
                 .map_err(|e| err("opening sb_traffic6", e))?,
         );
+        let traffic6_read_dump = reopen("sb_traffic6")?;
         let rate_read = Mutex::new(
             HashMap::try_from(aya::maps::Map::HashMap(reopen("sb_rate")?))
                 .map_err(|e| err("opening sb_rate", e))?,
@@ -453,6 +455,7 @@ impl EbpfDatapath {
             sb_read,
             sb_read_dump,
             traffic6_read,
+            traffic6_read_dump,
             rate_read,
             rate_read_dump,
             shaper_root: Mutex::new(()),

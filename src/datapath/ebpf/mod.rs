@@ -46,7 +46,7 @@ use aya::{Ebpf, EbpfLoader};
 use tracing::{debug, info, warn};
 
 use super::maps::*;
-use super::pins::dump_flows;
+use super::pins::{dump_flows, dump_per_cpu};
 use super::shaper;
 use super::tc::{self, Target};
 use super::{
@@ -259,6 +259,7 @@ struct Reaper {
     sb_stats: HashMap<MapData, u32, DpSbStats>,
     sb_dump: MapData,
     sb_traffic6: PerCpuHashMap<MapData, u32, DpTraffic6>,
+    traffic6_dump: MapData,
     /// Bandwidth limits: entries of gone devices are removed.
     sb_rate: HashMap<MapData, u32, DpRate>,
     rate_dump: MapData,
@@ -317,6 +318,7 @@ pub struct EbpfDatapath {
     sb_read_dump: MapData,
     /// `sb_traffic6` likewise.
     traffic6_read: Mutex<PerCpuHashMap<MapData, u32, DpTraffic6>>,
+    traffic6_read_dump: MapData,
     /// `sb_rate` likewise (the pacing counters).
     rate_read: Mutex<HashMap<MapData, u32, DpRate>>,
     rate_read_dump: MapData,
@@ -404,6 +406,23 @@ impl EbpfDatapath {
             .unwrap_or_else(|p| p.into_inner())
             .get(&ifindex, 0)
             .map_or([0; 4], |parts| DpTraffic6::sum(parts.iter()))
+    }
+
+    /// Every sandbox's IPv6 frames ([`TRAFFIC6_NAMES`]): one batched dump
+    /// of `sb_traffic6`, else entry by entry.
+    fn all_traffic6(&self) -> Vec<(u32, [u64; 4])> {
+        dump_per_cpu(&self.traffic6_read_dump, |parts: &[DpTraffic6]| {
+            DpTraffic6::sum(parts)
+        })
+        .unwrap_or_else(|| {
+            self.traffic6_read
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .flatten()
+                .map(|(i, parts)| (i, DpTraffic6::sum(parts.iter())))
+                .collect()
+        })
     }
 
     /// Every `sb_rate` entry (the sandboxes with a limit).
@@ -686,14 +705,7 @@ impl Datapath for EbpfDatapath {
                 shaped.insert(*i, rate_counters(egress, ingress));
             }
         }
-        let traffic6: StdHashMap<u32, [u64; 4]> = self
-            .traffic6_read
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .flatten()
-            .map(|(i, parts)| (i, DpTraffic6::sum(parts.iter())))
-            .collect();
+        let traffic6: StdHashMap<u32, [u64; 4]> = self.all_traffic6().into_iter().collect();
         read_all(&self.sb_read_dump, &self.sb_read)
             .into_iter()
             .map(|(i, s)| {

@@ -73,6 +73,8 @@ impl EbpfDatapath {
         let (mut taps, mut own) = (0usize, 0usize);
         r.passes += 1;
         let look = r.passes % GONE_CHECK_EVERY == 1;
+        // One lookup per device, however many maps hold it.
+        let mut exists = Exists::default();
         let gone: Vec<u32> = dump_flows::<u32, u32>(&r.attached_dump)
             .unwrap_or_else(|| r.attached.iter().flatten().collect())
             .into_iter()
@@ -81,7 +83,7 @@ impl EbpfDatapath {
                 own += usize::from(*how == OWN_FILTER);
             })
             .map(|(i, _)| i)
-            .filter(|i| look && !link_exists(*i))
+            .filter(|i| look && !exists.check(*i))
             .collect();
         for i in &gone {
             let _ = r.attached.remove(i);
@@ -94,11 +96,13 @@ impl EbpfDatapath {
                 .into_iter()
                 .map(|(i, _)| i)
                 .collect();
-            for i in keys.into_iter().filter(|i| !link_exists(*i)) {
+            for i in keys.into_iter().filter(|i| !exists.check(*i)) {
                 let _ = r.sb_stats.remove(&i);
             }
-            let keys: Vec<u32> = r.sb_traffic6.keys().flatten().collect();
-            for i in keys.into_iter().filter(|i| !link_exists(*i)) {
+            let keys: Vec<u32> = dump_per_cpu(&r.traffic6_dump, |_: &[DpTraffic6]| ())
+                .map(|all| all.into_iter().map(|(i, ())| i).collect())
+                .unwrap_or_else(|| r.sb_traffic6.keys().flatten().collect());
+            for i in keys.into_iter().filter(|i| !exists.check(*i)) {
                 let _ = r.sb_traffic6.remove(&i);
             }
             let rates: Vec<u32> = dump_flows::<u32, DpRate>(&r.rate_dump)
@@ -106,15 +110,15 @@ impl EbpfDatapath {
                 .into_iter()
                 .map(|(i, _)| i)
                 .collect();
-            for i in rates.into_iter().filter(|i| !link_exists(*i)) {
+            for i in rates.into_iter().filter(|i| !exists.check(*i)) {
                 let _ = r.sb_rate.remove(&i);
             }
             let shares: Vec<u32> = Self::shares(r).into_keys().collect();
-            for i in shares.into_iter().filter(|i| !link_exists(*i)) {
+            for i in shares.into_iter().filter(|i| !exists.check(*i)) {
                 let _ = r.sb_share.remove(&i);
             }
             let woken: Vec<u32> = r.wake_sent.keys().flatten().collect();
-            for i in woken.into_iter().filter(|i| !link_exists(*i)) {
+            for i in woken.into_iter().filter(|i| !exists.check(*i)) {
                 let _ = r.wake_sent.remove(&i);
             }
             let orphans = Self::reap_orphan_hrev(r);
@@ -378,6 +382,59 @@ impl EbpfDatapath {
     }
 }
 
+/// Whether devices exist, each looked up once per pass (a look pass
+/// checks the same 10,000 ifindexes in five maps), on one socket
+/// (`if_indextoname` opens and closes one per lookup).
+#[derive(Default)]
+struct Exists {
+    seen: StdHashMap<u32, bool>,
+    sock: Option<Option<std::os::fd::OwnedFd>>,
+}
+
+impl Exists {
+    fn check(&mut self, ifindex: u32) -> bool {
+        if let Some(e) = self.seen.get(&ifindex) {
+            return *e;
+        }
+        let sock = self.sock.get_or_insert_with(|| {
+            nix::sys::socket::socket(
+                nix::sys::socket::AddressFamily::Unix,
+                nix::sys::socket::SockType::Datagram,
+                nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+                None,
+            )
+            .ok()
+        });
+        let e = match sock {
+            Some(fd) => {
+                ifindex_exists(fd.as_fd(), ifindex).unwrap_or_else(|_| link_exists(ifindex))
+            }
+            None => link_exists(ifindex),
+        };
+        self.seen.insert(ifindex, e);
+        e
+    }
+}
+
+/// SIOCGIFNAME on `sock`: whether a device has `ifindex` (ENODEV: none).
+fn ifindex_exists(sock: BorrowedFd<'_>, ifindex: u32) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: an all-zero ifreq is valid (a name of NULs, a zero union).
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    req.ifr_ifru.ifru_ifindex = ifindex as libc::c_int;
+    // SAFETY: SIOCGIFNAME reads ifr_ifindex and writes at most IFNAMSIZ
+    // bytes of name into `req`, which lives for the call.
+    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFNAME, &raw mut req) };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::ENODEV) => Ok(false),
+        _ => Err(e),
+    }
+}
+
 /// One pass over the sandbox flow tables (`ct`, `ct6`): what is live per
 /// sandbox, and which flows go (expired, or of a released sandbox).
 struct FlowPass<'a> {
@@ -431,5 +488,26 @@ impl FlowPass<'_> {
         }
         self.removed += 1;
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The look pass's device check agrees with if_indextoname(3), and
+    /// asks once per device.
+    #[test]
+    fn exists_checks_each_device_once() {
+        let mut e = Exists::default();
+        let lo = 1; // every namespace's loopback
+        let none = 0x7fff_fff0;
+        assert!(link_exists(lo));
+        assert!(!link_exists(none));
+        assert!(e.check(lo));
+        assert!(!e.check(none));
+        assert!(e.check(lo) && !e.check(none));
+        assert_eq!(e.seen.len(), 2);
+        assert!(matches!(e.sock, Some(Some(_))));
     }
 }
