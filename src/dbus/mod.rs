@@ -490,20 +490,29 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
     d
 }
 
-fn capacity_dict(c: &crate::agent::capacity::Capacity) -> Dict {
-    let mut d = Dict::new();
-    for (k, v) in c.fields() {
-        if k != "labels" {
-            d.insert(k.to_owned(), OwnedValue::from(v));
+/// Capacity's answer as it goes on the bus: `a{sv}`, each number a `t`
+/// variant and `labels` an `a{ss}` one, written straight from the
+/// [`Capacity`](crate::agent::capacity::Capacity) (a scheduler polls it:
+/// no map of owned strings and values is built per call to be serialized
+/// and dropped).
+struct CapacityReply(crate::agent::capacity::Capacity);
+
+impl serde::Serialize for CapacityReply {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        use zbus::zvariant::as_value;
+        let fields = self.0.fields();
+        let mut m = s.serialize_map(Some(fields.len()))?;
+        for (k, v) in fields.iter().filter(|(k, _)| *k != "labels") {
+            m.serialize_entry(k, &as_value::Serialize(v))?;
         }
+        m.serialize_entry("labels", &as_value::Serialize(&self.0.labels))?;
+        m.end()
     }
-    d.insert(
-        "labels".to_owned(),
-        Value::from(c.labels.clone().into_iter().collect::<HashMap<_, _>>())
-            .try_to_owned()
-            .expect("no fds in labels"),
-    );
-    d
+}
+
+impl zbus::zvariant::Type for CapacityReply {
+    const SIGNATURE: &'static zbus::zvariant::Signature = <Dict as zbus::zvariant::Type>::SIGNATURE;
 }
 
 fn report_dict(r: ReconcileReport) -> Dict {
@@ -749,10 +758,10 @@ impl Manager {
     /// bandwidth committed against the node's totals (t values), and the
     /// node's labels (a{ss}).
     #[zbus(out_args("capacity"))]
-    async fn capacity(&self, #[zbus(header)] header: Header<'_>) -> Result<Dict, Error> {
+    async fn capacity(&self, #[zbus(header)] header: Header<'_>) -> Result<CapacityReply, Error> {
         let result = async {
             self.authorize(&header, Action::Read).await?;
-            Ok(capacity_dict(&self.agent.capacity()))
+            Ok(CapacityReply(self.agent.capacity()))
         }
         .await;
         self.logged(&header, "Capacity", "", result)
@@ -971,6 +980,46 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Capacity's reply is the `a{sv}` the dictionary of owned values
+    /// made (every number a `t`, labels an `a{ss}`), on the wire and
+    /// read back.
+    #[test]
+    fn capacity_reply_is_the_dict_it_replaces() {
+        use zbus::zvariant::{LE, Type, serialized::Context, to_bytes};
+        let c = crate::agent::capacity::Capacity {
+            networks: 3,
+            addresses_free: 16378,
+            egress_bps_committed: 1 << 40,
+            host_flows: u64::MAX,
+            labels: [("zone", "a"), ("rack", "r\"1")]
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .into(),
+            ..Default::default()
+        };
+        let mut old = Dict::new();
+        for (k, v) in c.fields() {
+            if k != "labels" {
+                old.insert(k.to_owned(), OwnedValue::from(v));
+            }
+        }
+        old.insert(
+            "labels".to_owned(),
+            Value::from(c.labels.clone().into_iter().collect::<HashMap<_, _>>())
+                .try_to_owned()
+                .unwrap(),
+        );
+        assert_eq!(CapacityReply::SIGNATURE, Dict::SIGNATURE);
+        let ctxt = Context::new_dbus(LE, 0);
+        let bytes = to_bytes(ctxt, &CapacityReply(c.clone())).unwrap();
+        let (got, _): (Dict, _) = bytes.deserialize().unwrap();
+        assert_eq!(got, old);
+        assert_eq!(got.len(), c.fields().len());
+        assert_eq!(u64::try_from(&got["host_flows"]).unwrap(), u64::MAX);
+        let labels: HashMap<String, String> =
+            got["labels"].try_clone().unwrap().try_into().unwrap();
+        assert_eq!(labels["rack"], "r\"1");
+    }
 
     fn opts(pairs: Vec<(&str, Value<'_>)>) -> HashMap<String, OwnedValue> {
         pairs

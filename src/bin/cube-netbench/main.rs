@@ -31,7 +31,7 @@ mod restart;
 use std::process::ExitCode;
 
 use crate::args::{Args, parse_args};
-use crate::calls::{CONCURRENT_CALLERS, Result, capacity, ensure, release, timed};
+use crate::calls::{CONCURRENT_CALLERS, Result, capacity, ensure, ping, release, timed};
 use crate::clones::clone_phase;
 use crate::env::{Env, bound_taps, in_netns, nofile_limit, raise_nofile};
 use crate::floors::{
@@ -481,20 +481,30 @@ async fn phases(env: &mut Env, args: &Args, rows: &mut Vec<Row>) -> Result<()> {
         zbus.p50() + tap.p50(),
     )
     .await?;
-    let mut v = Vec::with_capacity(200);
+    // Capacity against a Ping of the same agent in the same moment (the
+    // calls alternate): SPEC §10's "a zbus Ping in the same run at 10,000
+    // networks". The Ping of the start (no networks, before the fill's
+    // background work) is shown too.
+    let (mut v, mut pings) = (Vec::with_capacity(200), Vec::with_capacity(200));
     for _ in 0..200 {
+        pings.push(timed(ping(&conn)).await?);
         v.push(timed(capacity(&conn)).await?);
     }
-    let cap = Lat::new(v);
+    let (cap, ping_n) = (Lat::new(v), Lat::new(pings));
     rows.push(
         row(
             format!("Capacity over D-Bus, {n} nets, p50 / p99"),
             cap.show(),
-            format!("zbus Ping {:.0} µs", zbus.p50()),
-            ratio(cap.p50(), zbus.p50()),
-            "p50 <= 100 µs",
+            format!(
+                "zbus Ping {:.0} µs alternating ({:.0} µs at start: {})",
+                ping_n.p50(),
+                zbus.p50(),
+                ratio(cap.p50(), zbus.p50())
+            ),
+            format!("{:.2}x", cap.p50() / ping_n.p50()),
+            "p50 <= 1.2x that Ping",
         )
-        .met(cap.p50() <= 100.0),
+        .met(cap.p50() <= 1.2 * ping_n.p50()),
     );
     let rss = env.agent_rss_kb()?;
     rows.push(
