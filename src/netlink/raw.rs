@@ -35,7 +35,11 @@ pub(super) fn raw_dump(
             match kind {
                 NLMSG_DONE => return Ok(()),
                 NLMSG_ERROR => {
-                    let code = if msg.len() >= 20 { u32_at(msg, 16) as i32 } else { 0 };
+                    let code = if msg.len() >= 20 {
+                        u32_at(msg, 16) as i32
+                    } else {
+                        0
+                    };
                     if code != 0 {
                         return Err(std::io::Error::from_raw_os_error(-code));
                     }

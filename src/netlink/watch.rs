@@ -224,7 +224,10 @@ mod tests {
             let index = add_bridge(&nl, "wt0", 0).await;
             let ev = next(&mut links, "created").await;
             let now = ev.now.expect("a new link");
-            assert_eq!((ev.ifindex, now.name.as_str(), now.up), (index, "wt0", false));
+            assert_eq!(
+                (ev.ifindex, now.name.as_str(), now.up),
+                (index, "wt0", false)
+            );
             assert_eq!(now.kind.as_deref(), Some("bridge"));
             let change = LinkChange {
                 mtu: Some(1280),
