@@ -9,7 +9,7 @@ use rtnetlink::packet_route::{
 };
 use tracing::debug;
 
-use super::{Netlink, NetlinkError, is_errno};
+use super::{Netlink, NetlinkError};
 
 impl Netlink {
     /// Every neighbour entry of the node (of `family` only, when given),
@@ -77,23 +77,12 @@ impl Netlink {
     /// Deletes a neighbour entry; `Ok(false)` if there was none.
     pub async fn neigh_del(&self, ifindex: u32, ip: IpAddr) -> Result<bool, NetlinkError> {
         debug!(ifindex, %ip, "delete neighbour");
-        let mut msg = NeighbourMessage::default();
-        msg.header.ifindex = ifindex;
-        let (family, addr) = match ip {
-            IpAddr::V4(v4) => (AddressFamily::Inet, NeighbourAddress::Inet(v4)),
-            IpAddr::V6(v6) => (AddressFamily::Inet6, NeighbourAddress::Inet6(v6)),
-        };
-        msg.header.family = family;
-        msg.attributes.push(NeighbourAttribute::Destination(addr));
-        match self.handle.neighbours().del(msg).execute().await {
-            Ok(()) => Ok(true),
-            Err(e) if is_errno(&e, libc::ENOENT) || is_errno(&e, libc::ENODEV) => Ok(false),
-            Err(source) => Err(NetlinkError::NeighDel {
-                ifindex,
-                ip,
-                source,
-            }),
-        }
+        let msg = super::request::neigh_msg(ifindex, ip);
+        super::request::neigh_deleted(
+            self.handle.neighbours().del(msg).execute().await,
+            ifindex,
+            ip,
+        )
     }
 
     /// IPv4/IPv6 neighbour entries on `ifindex`: (ip, lladdr, NUD_* state).

@@ -224,7 +224,7 @@ pub(super) fn link_change_msg(index: u32, change: LinkChange) -> LinkMessage {
 }
 
 /// The neighbour message naming `ip` on `ifindex`.
-fn neigh_msg(ifindex: u32, ip: IpAddr) -> NeighbourMessage {
+pub(super) fn neigh_msg(ifindex: u32, ip: IpAddr) -> NeighbourMessage {
     let mut msg = NeighbourMessage::default();
     msg.header.ifindex = ifindex;
     let (family, addr) = match ip {
@@ -234,6 +234,24 @@ fn neigh_msg(ifindex: u32, ip: IpAddr) -> NeighbourMessage {
     msg.header.family = family;
     msg.attributes.push(NeighbourAttribute::Destination(addr));
     msg
+}
+
+/// The answer to a neighbour deletion: `Ok(false)` if there was none
+/// (ENOENT) or the link is gone (ENODEV).
+pub(super) fn neigh_deleted(
+    answer: Result<(), rtnetlink::Error>,
+    ifindex: u32,
+    ip: IpAddr,
+) -> Result<bool, NetlinkError> {
+    match answer {
+        Ok(()) => Ok(true),
+        Err(e) if is_errno(&e, libc::ENOENT) || is_errno(&e, libc::ENODEV) => Ok(false),
+        Err(source) => Err(NetlinkError::NeighDel {
+            ifindex,
+            ip,
+            source,
+        }),
+    }
 }
 
 /// Blocking versions of the requests on the hot path, sent by the calling
@@ -280,15 +298,7 @@ impl Netlink {
     pub fn neigh_del_now(&self, ifindex: u32, ip: IpAddr) -> Result<bool, NetlinkError> {
         tracing::debug!(ifindex, %ip, "delete neighbour");
         let msg = RouteNetlinkMessage::DelNeighbour(neigh_msg(ifindex, ip));
-        match self.requests.ack(msg, 0) {
-            Ok(()) => Ok(true),
-            Err(e) if is_errno(&e, libc::ENOENT) || is_errno(&e, libc::ENODEV) => Ok(false),
-            Err(source) => Err(NetlinkError::NeighDel {
-                ifindex,
-                ip,
-                source,
-            }),
-        }
+        neigh_deleted(self.requests.ack(msg, 0), ifindex, ip)
     }
 
     /// [`Netlink::link_by_index`], blocking.
