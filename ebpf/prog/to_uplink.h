@@ -25,9 +25,7 @@ __noinline int to_uplink6(struct __sk_buff *skb)
 	__u16 port = bpf_ntohs(l4.sport);
 	if (port < c->snat_port_min || port > c->snat_port_max)
 		return TC_ACT_OK;
-	__u32 iif = skb->ingress_ifindex;
-	if (iif && (iif == c->shaper_peer_ifindex || bpf_map_lookup_elem(&sandboxes, &iif)))
-		return TC_ACT_OK; /* a sandbox's, translated */
+	/* A sandbox's packets passed in uplink_out already. */
 	struct dp_rev6_key rk = {
 		.remote_port = l4.proto == IPPROTO_ICMP ? 0 : l4.dport,
 		.nat_port = l4.sport,
@@ -64,6 +62,15 @@ static __always_inline int uplink_out(struct __sk_buff *skb)
 	struct dp_config *c = get_config();
 	if (!c)
 		return TC_ACT_OK;
+	/* A sandbox's packet (from_guest redirected it here, translated; or
+	 * the shaper's peer sent it on) passes first, before any parsing:
+	 * it passed at every later exit too (to_uplink6's as well). One map
+	 * lookup per packet instead of three loads and the lookup (~2 % of
+	 * a 64-byte UDP sender's CPU in cube-dpbench); the host's forwarded
+	 * packets pay the lookup even outside the SNAT range. */
+	__u32 iif = skb->ingress_ifindex;
+	if (iif && (iif == c->shaper_peer_ifindex || bpf_map_lookup_elem(&sandboxes, &iif)))
+		return TC_ACT_OK;
 	struct ethhdr eth;
 	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)))
 		return TC_ACT_OK;
@@ -80,9 +87,6 @@ static __always_inline int uplink_out(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	__u16 port = bpf_ntohs(l4.sport);
 	if (port < c->snat_port_min || port > c->snat_port_max)
-		return TC_ACT_OK;
-	__u32 iif = skb->ingress_ifindex;
-	if (iif && (iif == c->shaper_peer_ifindex || bpf_map_lookup_elem(&sandboxes, &iif)))
 		return TC_ACT_OK;
 	struct dp_rev_key hk = {
 		.remote_ip = ip.daddr,
