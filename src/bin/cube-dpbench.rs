@@ -63,7 +63,7 @@
 //!
 //! | code | meaning |
 //! |------|---------|
-//! | 0    | ran; every target met (SPEC §10's eBPF ≥ 0.9× nft, issue 49's ≥ 1.1× on small packets, IPv6's, the bandwidth limits') |
+//! | 0    | ran; every target met (SPEC §10's eBPF ≥ 1.0× nft on bulk and ≥ 1.1× on connects and small packets, IPv6's, the bandwidth limits') |
 //! | 1    | broken: a direction carried (almost) no data, TCP guest -> world does not connect, or an iperf3 run gave no result (the failing direction is named) |
 //! | 2    | setup failed: bad arguments, not root, a tool missing, the topology, servers or eBPF datapath could not be set up |
 //! | 3    | ran, datapath works, but a performance target was missed (informational) |
