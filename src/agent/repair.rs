@@ -37,6 +37,25 @@ impl Agent {
     /// renamed, or down is a fault `sandbox_links` reports until Reconcile
     /// repairs it; back to normal clears it.
     pub(super) async fn note_link(&self, ev: crate::netlink::LinkEvent) {
+        if ev.ifindex == crate::netlink::LinkEvent::LOST {
+            // Announcements were lost: every sandbox device is looked at
+            // in the kernel again, as if each had been announced gone.
+            let owned: Vec<u32> = self
+                .by_ifindex
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .keys()
+                .copied()
+                .collect();
+            warn!(
+                devices = owned.len(),
+                "link announcements lost; checking every sandbox device"
+            );
+            for ifindex in owned {
+                Box::pin(self.note_link(crate::netlink::LinkEvent { ifindex, now: None })).await;
+            }
+            return;
+        }
         let owner = self
             .by_ifindex
             .read()

@@ -65,10 +65,23 @@ pub fn watch_tc_removals(
     })
 }
 
+/// `nlmsghdr` type of the lost-announcements notice [`subscribe`] makes
+/// (linux/netlink.h).
+const NLMSG_OVERRUN: u16 = 4;
+
+/// A link announcement: the device `ifindex` as it is now, or `None` when
+/// it was deleted (or moved away).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LinkEvent {
     pub ifindex: u32,
     pub now: Option<LinkInfo>,
+}
+
+impl LinkEvent {
+    /// The `ifindex` (no device has 0) of the event that says
+    /// announcements were lost: whoever follows links looks at all of its
+    /// devices again.
+    pub const LOST: u32 = 0;
 }
 
 /// Subscribes to the kernel's link notifications (RTNLGRP_LINK) and sends
@@ -80,6 +93,10 @@ pub fn watch_links(tx: tokio::sync::mpsc::UnboundedSender<LinkEvent>) -> Result<
     const RTM_DELLINK: u16 = 17;
     subscribe(RTNLGRP_LINK, move |kind, msg| {
         let event = match (kind, link_of(kind, msg)) {
+            (NLMSG_OVERRUN, _) => LinkEvent {
+                ifindex: LinkEvent::LOST,
+                now: None,
+            },
             (_, Some(now)) => LinkEvent {
                 ifindex: now.index,
                 now: Some(now),
@@ -100,8 +117,9 @@ pub fn watch_links(tx: tokio::sync::mpsc::UnboundedSender<LinkEvent>) -> Result<
 /// for the few fields wanted: every TAP the pool creates, takes, moves and
 /// deletes is announced, and a full parse of each (counters, IPv6 and
 /// per-protocol attributes) was a visible part of a pair's CPU. Lost
-/// announcements (a full receive queue) are logged and skipped: what they
-/// said is checked again by the next kernel check.
+/// announcements (a full receive queue) are logged and reported to `each`
+/// as one message of type [`NLMSG_OVERRUN`] with no bytes, so the reader can
+/// look again at what it follows.
 fn subscribe(
     group: u32,
     mut each: impl FnMut(u16, &[u8]) -> bool + Send + 'static,
@@ -122,6 +140,9 @@ fn subscribe(
                 Ok((data, _)) => data,
                 Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
                     tracing::warn!(group, "netlink announcements lost (receive queue full)");
+                    if !each(NLMSG_OVERRUN, &[]) {
+                        return;
+                    }
                     continue;
                 }
                 Err(e) => {
@@ -258,6 +279,34 @@ mod tests {
                 let ev = next(&mut links, "deleted").await;
                 if ev.now.is_none() {
                     assert_eq!(ev.ifindex, index);
+                    break;
+                }
+            }
+        });
+    }
+
+    /// Announcements the kernel could not queue (the reader fell behind)
+    /// are reported, so the agent looks at its devices again instead of
+    /// missing a deletion for good.
+    #[test]
+    fn lost_link_announcements_are_reported() {
+        in_netns("lost_link_announcements_are_reported", |nl| async move {
+            let (ltx, mut links) = tokio::sync::mpsc::unbounded_channel();
+            watch_links(ltx).expect("link watcher");
+            let index = add_bridge(&nl, "wt1", 0).await;
+            // This thread runs the watcher too: while it sends, nothing
+            // reads, and the socket's queue (~200 KiB) overflows.
+            for i in 0..4000u32 {
+                let change = LinkChange {
+                    mtu: Some(1280 + i % 200),
+                    ..Default::default()
+                };
+                nl.set_link_now(index, change).expect("mtu");
+            }
+            loop {
+                let ev = next(&mut links, "lost announcements").await;
+                if ev.ifindex == LinkEvent::LOST {
+                    assert!(ev.now.is_none());
                     break;
                 }
             }
