@@ -137,14 +137,9 @@ impl Netlink {
             .execute()
             .try_next()
             .await;
-        match res {
-            Ok(m) => Ok(m.map(|m| LinkInfo::from_msg(&m))),
-            Err(e) if is_errno(&e, libc::ENODEV) => Ok(None),
-            Err(source) => Err(NetlinkError::LinkGet {
-                what: name.to_string(),
-                source,
-            }),
-        }
+        link_got(res.map(|m| m.map(|m| LinkInfo::from_msg(&m))), || {
+            name.to_string()
+        })
     }
 
     /// The link with ifindex `index`, or `None` if there is none (ENODEV).
@@ -158,14 +153,9 @@ impl Netlink {
             .execute()
             .try_next()
             .await;
-        match res {
-            Ok(m) => Ok(m.map(|m| LinkInfo::from_msg(&m))),
-            Err(e) if is_errno(&e, libc::ENODEV) => Ok(None),
-            Err(source) => Err(NetlinkError::LinkGet {
-                what: index.to_string(),
-                source,
-            }),
-        }
+        link_got(res.map(|m| m.map(|m| LinkInfo::from_msg(&m))), || {
+            index.to_string()
+        })
     }
 
     /// No IPv6 address generation on the (still down) link `index`
@@ -424,6 +414,21 @@ impl Netlink {
                 source,
             }),
         }
+    }
+}
+
+/// The answer to a GET of one link: `None` if there is none (ENODEV).
+pub(super) fn link_got(
+    res: Result<Option<LinkInfo>, rtnetlink::Error>,
+    what: impl FnOnce() -> String,
+) -> Result<Option<LinkInfo>, NetlinkError> {
+    match res {
+        Ok(l) => Ok(l),
+        Err(e) if is_errno(&e, libc::ENODEV) => Ok(None),
+        Err(source) => Err(NetlinkError::LinkGet {
+            what: what(),
+            source,
+        }),
     }
 }
 

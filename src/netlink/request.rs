@@ -312,14 +312,7 @@ impl Netlink {
                 RouteNetlinkMessage::NewLink(l) => Some(LinkInfo::from_msg(&l)),
                 _ => None,
             });
-        match got {
-            Ok(l) => Ok(l),
-            Err(e) if is_errno(&e, libc::ENODEV) => Ok(None),
-            Err(source) => Err(NetlinkError::LinkGet {
-                what: index.to_string(),
-                source,
-            }),
-        }
+        super::link::link_got(got, || index.to_string())
     }
 }
 
