@@ -142,10 +142,13 @@ mod tests {
             nl.neigh_replace_permanent(other, Ipv4Addr::new(10, 244, 0, 8).into(), mac1)
                 .await
                 .expect("add on other link");
-            // Only the IPv4 entries: an up link also gets IPv6 neighbours
-            // of its own (ND, MLD) whenever the kernel sends on it.
+            // Only the unicast IPv4 entries: an up link also gets
+            // neighbours of its own whenever the kernel sends on it (IPv6
+            // ND and MLD, IPv4 multicast such as IGMP's 224.0.0.22).
             let v4 = |l: Vec<(IpAddr, Option<[u8; 6]>, u16)>| -> Vec<_> {
-                l.into_iter().filter(|(i, _, _)| i.is_ipv4()).collect()
+                l.into_iter()
+                    .filter(|(i, _, _)| i.is_ipv4() && !i.is_multicast())
+                    .collect()
             };
             let list = v4(nl.neigh_list(idx).await.expect("list"));
             assert_eq!(list, vec![(ip, Some(mac2), libc::NUD_PERMANENT)]);
