@@ -89,12 +89,12 @@ char LICENSE[] SEC("license") = "GPL";
 #include "lib/arp.h"          /* proxy ARP */
 #include "lib/frag.h"         /* IPv4 fragments follow their first */
 #include "lib/forward.h"      /* out of the uplink: FIB, next hop, hairpin */
+#include "lib/policy.h"       /* egress policy, learned addresses, the v6 world */
 #include "lib/steer.h"        /* DNS to the resolver, strict mode to the proxy */
 #include "lib/guest_to_host.h" /* guest -> gateway (IPv4 and IPv6) */
 #include "lib/pause.h"        /* paused sandboxes: drop and wake the agent */
 #include "lib/stale_reset.h"  /* RST for connections a sandbox never opened */
 #include "lib/ipv6_link.h"    /* the guests' IPv6 link: RA, NS/NA, echo, refusals */
-#include "lib/policy.h"       /* egress policy, learned addresses, the v6 world */
 #include "lib/nat66.h"        /* NAT66: the IPv6 twins of SNAT (ct6/ct_rev6) */
 #include "lib/portmap.h"      /* port mappings (IPv4 and IPv6) */
 #include "lib/icmp_error.h"   /* ICMP/ICMPv6 error translation */

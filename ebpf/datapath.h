@@ -123,6 +123,11 @@ struct dp_sandbox {
  * ClientHello or the HTTP Host and dials the name itself; UDP to 443
  * (QUIC) is dropped so clients fall back to TCP. */
 #define DP_F_SNI 4u
+/* Egress rules (egress_rules, docs/egress.md "Egress rules"): every new
+ * TCP flow to ports 80 and 443 that the policy lets out goes to the
+ * agent's proxy, which intercepts a rule's host and splices any other to
+ * the address the guest dialled. UDP is untouched. */
+#define DP_F_RULES 64u
 /* The sandbox's traffic to the world is shaped (sb_rate, DP_SHAPE_*). */
 #define DP_F_SHAPE_OUT 8u
 /* The sandbox's IPv6 reaches the world (NAT66) when the node has IPv6

@@ -212,6 +212,10 @@ pub struct Config {
     /// OpenMetrics text (node_exporter's textfile collector); empty = none.
     pub metrics_textfile: PathBuf,
     pub metrics_interval: u32,
+    /// Roots (a PEM file) the proxy verifies the upstreams of egress rules
+    /// against; empty = the system store
+    /// (/etc/ssl/certs/ca-certificates.crt). docs/egress.md.
+    pub egress_trust_bundle: PathBuf,
     /// Where the resolver for sandboxes (on the gateway device's address,
     /// port 53) forwards allowed queries: "ADDR" or "ADDR:PORT"; empty =
     /// the first IPv4 nameserver of /etc/resolv.conf.
@@ -277,6 +281,7 @@ impl Default for Config {
             metrics_textfile: PathBuf::new(),
             metrics_interval: 15,
             dns_upstream: String::new(),
+            egress_trust_bundle: PathBuf::new(),
             dns_ttl_min: 5,
             dns_ttl_max: 300,
             host_access_uids: Vec::new(),
@@ -845,6 +850,7 @@ impl Config {
         for (key, p) in [
             ("report_socket", &self.report_socket),
             ("metrics_textfile", &self.metrics_textfile),
+            ("egress_trust_bundle", &self.egress_trust_bundle),
         ] {
             if !p.as_os_str().is_empty() && !p.is_absolute() {
                 return Err(invalid(
@@ -976,6 +982,7 @@ Options (each overrides the same key of the config file):
   --metrics-textfile PATH    OpenMetrics file for node_exporter [default: none]
   --metrics-interval SECS    how often it is rewritten [default: 15]
   --dns-upstream ADDR[:PORT] where the sandboxes' resolver forwards [default: resolv.conf's first]
+  --egress-trust-bundle PEM roots for egress rules' upstreams [default: the system store]
   --dns-ttl-min SECS         learned addresses last at least [default: 5]
   --dns-ttl-max SECS         ... and at most this long [default: 300]
   --host-access-uids LIST    uids besides root that may connect to sandbox addresses, e.g. 1000,1001 [default: none]
@@ -1087,6 +1094,7 @@ const VALUE_FLAGS: &[&str] = &[
     "--metrics-textfile",
     "--metrics-interval",
     "--dns-upstream",
+    "--egress-trust-bundle",
     "--dns-ttl-min",
     "--dns-ttl-max",
     "--host-access-uids",
@@ -1144,6 +1152,7 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
         "--metrics-textfile" => cfg.metrics_textfile = value.into(),
         "--metrics-interval" => cfg.metrics_interval = number("metrics_interval", &value)?,
         "--dns-upstream" => cfg.dns_upstream = value,
+        "--egress-trust-bundle" => cfg.egress_trust_bundle = value.into(),
         "--dns-ttl-min" => cfg.dns_ttl_min = number("dns_ttl_min", &value)?,
         "--dns-ttl-max" => cfg.dns_ttl_max = number("dns_ttl_max", &value)?,
         "--host-access-uids" => {

@@ -22,6 +22,7 @@ pub mod netns;
 pub mod policy;
 pub(crate) mod random;
 pub mod refusals;
+pub mod rules;
 pub mod store;
 pub mod sysctl;
 pub mod systemd;

@@ -216,8 +216,20 @@ async fn run(cfg: config::Config, passed: Vec<systemd::ListenFd>) -> Result<(), 
              sandboxes with domain rules resolve nothing"
         );
     }
-    // Strict egress's proxy (egress_mode "sni").
-    if let Err(e) = cube_network_agent::dns::proxy::serve(agent.clone(), upstream, &mut sockets) {
+    // The egress gateway (egress rules): the node CA, made at the first
+    // start, and the roots upstreams are verified against.
+    let gateway = egress_gateway(agent.config());
+    agent.set_egress_gateway(match &gateway {
+        Ok(g) => Ok(g.ca().cert_pem().to_owned()),
+        Err(e) => {
+            warn!(error = %e, "egress gateway: not running; sandboxes' egress rules intercept nothing");
+            Err(e.clone())
+        }
+    });
+    // Strict egress's proxy (egress_mode "sni") and egress rules.
+    if let Err(e) =
+        cube_network_agent::dns::proxy::serve(agent.clone(), upstream, gateway.ok(), &mut sockets)
+    {
         warn!(
             error = %e,
             "proxy: strict egress cannot listen on the gateway address; \
@@ -273,4 +285,16 @@ async fn keep_systemd_informed(agent: Arc<Agent>) {
             systemd::notify(msg.trim_end());
         }
     }
+}
+
+/// The egress gateway: the node CA in the state directory and the
+/// upstreams' roots (`egress_trust_bundle`, else the system store).
+fn egress_gateway(
+    cfg: &cube_network_agent::config::Config,
+) -> Result<std::sync::Arc<cube_network_agent::dns::intercept::Interceptor>, String> {
+    use cube_network_agent::dns::intercept::{Interceptor, NodeCa};
+    let ca = NodeCa::load_or_create(&cfg.state_dir)?;
+    let bundle = (!cfg.egress_trust_bundle.as_os_str().is_empty())
+        .then_some(cfg.egress_trust_bundle.as_path());
+    Interceptor::new(ca, bundle).map(std::sync::Arc::new)
 }

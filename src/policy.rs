@@ -45,6 +45,28 @@ pub enum ProxyDecision {
     },
     /// Not allowed (or no name): reset (logged and counted).
     Refuse { sandbox_id: String },
+    /// Egress rules: the name has a rule (TLS, or plain HTTP the rule
+    /// lets through): intercepted, each request judged by the rule of the
+    /// moment ([`EgressPolicy::egress_rule`]), until `changed` says the
+    /// sandbox's entry changed.
+    Intercept {
+        sandbox_id: String,
+        rule_host: String,
+        changed: tokio::sync::watch::Receiver<()>,
+    },
+    /// Egress rules: plain HTTP to a rule's host that has no `plain_http`:
+    /// answered 403, never spliced (its headers would go out unchecked).
+    PlainRefused {
+        sandbox_id: String,
+        rule_host: String,
+    },
+    /// Egress rules: a host without a rule (or no name): spliced to the
+    /// address the guest dialled, which the datapath's policy let out, as
+    /// it would have gone without rules.
+    Splice {
+        sandbox_id: String,
+        changed: tokio::sync::watch::Receiver<()>,
+    },
 }
 
 /// A sandbox's CIDR rules as the proxy reads them: whether an address the
@@ -106,9 +128,35 @@ pub trait EgressPolicy: Send + Sync + 'static {
     fn proxy_status(&self, status: Result<String, String>);
     /// Whether the proxy serves `src` (a strict-mode sandbox).
     fn proxy_serves(&self, src: Ipv4Addr) -> bool;
-    /// What to do with a strict-mode connection from `src` that named
-    /// `name`.
-    fn proxy_decide(&self, src: Ipv4Addr, name: Option<&str>) -> ProxyDecision;
+    /// What to do with a connection from `src` that named `name` (in the
+    /// TLS ClientHello when `tls`, else in an HTTP Host).
+    fn proxy_decide(&self, src: Ipv4Addr, name: Option<&str>, tls: bool) -> ProxyDecision;
+    /// The address and port the guest dialled, for the proxy's connection
+    /// `local` ← `guest` (what the datapath recorded when it steered it).
+    fn proxy_peer(
+        &self,
+        local: std::net::SocketAddrV4,
+        guest: std::net::SocketAddrV4,
+    ) -> Option<std::net::SocketAddrV4>;
+    /// The rule of the moment for `host` of the sandbox `sandbox_id` at
+    /// `src`; `None` when it has none (any more), or `src` is another's.
+    fn egress_rule(
+        &self,
+        src: Ipv4Addr,
+        sandbox_id: &str,
+        host: &str,
+    ) -> Option<crate::rules::EgressRule>;
+    /// One request through a rule went (`forwarded`) or was refused.
+    fn egress_request(&self, src: Ipv4Addr, forwarded: bool);
+    /// After the sandbox's entry changed: whether a spliced connection to
+    /// `dst` may go on (the same sandbox, still served by the proxy, its
+    /// policy still letting `dst` out), and the entry to watch from now on.
+    fn splice_still(
+        &self,
+        src: Ipv4Addr,
+        sandbox_id: &str,
+        dst: Ipv4Addr,
+    ) -> Option<tokio::sync::watch::Receiver<()>>;
     /// Why `src` may not reach `ip` through a name, if it may not.
     fn name_target_refused(&self, src: Ipv4Addr, ip: Ipv4Addr) -> Option<&'static str>;
     /// How the proxy's last connection out went (`filtered`: refused by

@@ -47,6 +47,7 @@
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -257,6 +258,7 @@ impl Store {
             .read(true)
             .append(true)
             .create(true)
+            .mode(0o600)
             .open(&jpath)
             .map_err(|source| StoreError::Open {
                 path: jpath.clone(),
@@ -275,6 +277,17 @@ impl Store {
                     path: jpath,
                     source,
                 });
+            }
+        }
+
+        // Records may hold secrets (egress rules' header values): files an
+        // earlier build made under a looser umask become the owner's only.
+        for path in [jpath.clone(), dir.join(SNAPSHOT)] {
+            if let Ok(m) = fs::metadata(&path)
+                && m.permissions().mode() & 0o077 != 0
+                && let Err(e) = fs::set_permissions(&path, fs::Permissions::from_mode(0o600))
+            {
+                tracing::warn!(path = %path.display(), error = %e, "cannot make the store's file owner-only");
             }
         }
 
@@ -1008,7 +1021,7 @@ fn write_snapshot(dir: &Path, records: &BTreeMap<String, Vec<u8>>, seq: u64) -> 
         encode(&mut buf, OP_PUT, seq, k.as_bytes(), v);
     }
     let tmp = dir.join(SNAPSHOT_TMP);
-    let written = File::create(&tmp).and_then(|mut f| {
+    let written = private_create(&tmp).and_then(|mut f| {
         f.write_all(&buf)?;
         f.sync_all()
     });
@@ -1020,6 +1033,17 @@ fn write_snapshot(dir: &Path, records: &BTreeMap<String, Vec<u8>>, seq: u64) -> 
     fs::rename(&tmp, dir.join(SNAPSHOT))?;
     sync_dir(dir)?;
     Ok(buf.len() as u64)
+}
+
+/// Creates (or truncates) a file only its owner reads: records may hold
+/// secrets (egress rules' header values), whatever the umask.
+fn private_create(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
 }
 
 fn sync_dir(dir: &Path) -> io::Result<()> {
@@ -1042,7 +1066,12 @@ fn create_unique(dir: &Path, stem: &str, ext: &str) -> io::Result<(File, PathBuf
             format!("{stem}.{n}{ext}")
         };
         let path = dir.join(name);
-        match OpenOptions::new().write(true).create_new(true).open(&path) {
+        match OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+        {
             Ok(f) => return Ok((f, path)),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
             Err(e) => return Err(e),
@@ -1096,7 +1125,7 @@ fn write_quarantine_record(
     write_durable(&mut rec, value).map_err(qerr(rec_path.clone()))?;
     let why_path = rec_path.with_extension("why");
     let why = format!("key: {key}\nreason: {reason}\n");
-    File::create(&why_path)
+    private_create(&why_path)
         .and_then(|mut f| write_durable(&mut f, why.as_bytes()))
         .map_err(qerr(why_path))?;
     sync_dir(&qdir).map_err(qerr(qdir.clone()))?;

@@ -8,7 +8,7 @@
  * or 0 when the flow does not go to the proxy. */
 static __always_inline __u16 proxy_port(const struct dp_sandbox *sb, const struct l4info *l4)
 {
-	if (!(sb->flags & DP_F_SNI) || l4->proto != IPPROTO_TCP)
+	if (!(sb->flags & (DP_F_SNI | DP_F_RULES)) || l4->proto != IPPROTO_TCP)
 		return 0;
 	if (l4->dport == bpf_htons(443))
 		return bpf_htons(DP_PROXY_TLS_PORT);
@@ -117,12 +117,25 @@ __noinline int steer_to_agent(struct __sk_buff *skb)
 	    (l4.proto == IPPROTO_UDP || l4.proto == IPPROTO_TCP))
 		return guest_to_proxy(skb, c, sb, &ip, &l4, bpf_htons(53));
 	/* No internet access: nothing for the proxy to dial (the policy drops). */
-	if ((sb->flags & (DP_F_SNI | DP_F_INTERNET)) != (DP_F_SNI | DP_F_INTERNET))
+	__u32 f = sb->flags;
+	if (!(f & DP_F_INTERNET) || !(f & (DP_F_SNI | DP_F_RULES)))
+		return STEER_PASS;
+	__u16 pport = proxy_port(sb, &l4);
+	/* Egress rules: every flow to 80/443 whose SYN the policy lets out
+	 * (so the proxy may splice it to the address the guest dialled); a
+	 * SYN the policy refuses goes on to the policy's drop. A later
+	 * segment of no proxy flow gets the proxy path's stale reset. */
+	if (pport && (f & DP_F_RULES)) {
+		if ((l4.tcp_flags & (TCP_SYN | TCP_ACK)) != TCP_SYN || (f & DP_F_SNI) ||
+		    policy_allows(sb, ip.daddr, 1))
+			return guest_to_proxy(skb, c, sb, &ip, &l4, pport);
+		return STEER_PASS;
+	}
+	if (!(f & DP_F_SNI))
 		return STEER_PASS;
 	struct dp_policy_key pk = {.prefixlen = 64, .sandbox_ip = sb->sandbox_ip, .dst = ip.daddr};
 	if (bpf_map_lookup_elem(&policy_allow, &pk))
 		return STEER_PASS;
-	__u16 pport = proxy_port(sb, &l4);
 	if (pport)
 		return guest_to_proxy(skb, c, sb, &ip, &l4, pport);
 	if (l4.proto == IPPROTO_UDP && l4.dport == bpf_htons(443)) {

@@ -42,7 +42,7 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	/* Only DNS, HTTP and HTTPS may be steered: other flows pay two compares. */
 	__u16 dp = l4->dport;
 	if ((dp == bpf_htons(53) || dp == bpf_htons(80) || dp == bpf_htons(443)) &&
-	    (sb->flags & (DP_F_SNI | DP_F_DOMAINS)) && !(v && v->kind == DP_CT_PORTMAP)) {
+	    (sb->flags & (DP_F_SNI | DP_F_DOMAINS | DP_F_RULES)) && !(v && v->kind == DP_CT_PORTMAP)) {
 		int r = steer_to_agent(skb);
 		if (r == PROXY_STALE) {
 			count(DP_C_STALE_TCP);

@@ -156,12 +156,17 @@ struct Sandbox {
     world: bool,
     /// Strict mode (`egress_mode` "sni"): TCP to 80/443 via the proxy.
     strict: bool,
+    /// Egress rules (with internet access: without, nothing goes out):
+    /// TCP to 80/443 via the proxy, which intercepts these hosts.
+    rules: Option<Arc<[crate::rules::EgressRule]>>,
+    /// Internet access on (the datapath's `DP_F_INTERNET`).
+    internet: bool,
     /// The CIDR rules, for strict mode without name rules (the proxy then
     /// dials what the CIDRs allow, as the datapath would).
     cidrs: Arc<CidrRules>,
-    /// Strict mode only (the proxy's connections): dropped when this entry
-    /// is replaced or removed, so they check again whether they may go on.
-    /// None for every other sandbox (a watch channel is ~400 bytes: 4 MB
+    /// Strict mode or egress rules only (the proxy's connections): dropped
+    /// when this entry is replaced or removed, so they check again whether
+    /// they may go on. None for every other sandbox (a watch channel is ~400 bytes: 4 MB
     /// at 10,000 sandboxes).
     changed: Option<tokio::sync::watch::Sender<()>>,
     /// Its link's MTU: no UDP answer to it may be larger.
@@ -181,7 +186,7 @@ pub struct CidrRules {
 }
 
 impl CidrRules {
-    fn from_lists(allow_out: &[String], deny_out: &[String]) -> Self {
+    pub(super) fn from_lists(allow_out: &[String], deny_out: &[String]) -> Self {
         let pick = |l: &[String]| -> Vec<Ipv4Cidr> {
             l.iter()
                 .filter(|e| !is_domain_entry(e))
@@ -391,6 +396,13 @@ pub struct Egress {
     proxy_status: Mutex<Option<Result<String, String>>>,
     /// Connections the proxy reset (no name, or a name not allowed).
     pub proxy_refused: AtomicU64,
+    /// The egress gateway: the node CA's certificate (PEM) once it runs,
+    /// or why it does not.
+    gateway: Mutex<Option<Result<String, String>>>,
+    /// Requests through egress rules: sent on, and refused (403, 421,
+    /// 502).
+    pub rule_forwarded: AtomicU64,
+    pub rule_refused: AtomicU64,
     /// The proxy's last connection out was refused by the service's IP
     /// filter (systemd's IPAddressDeny=): EPERM from connect.
     proxy_filtered: std::sync::atomic::AtomicBool,
@@ -442,18 +454,23 @@ impl Egress {
         let Some(ip) = v4(rec.sandbox_ip) else {
             return vec![];
         };
-        let patterns = Patterns::from_lists(&rec.allow_out, &rec.deny_out);
+        let patterns = Patterns::from_lists(&rec.allow_names(), &rec.deny_out);
         let patterns = (!patterns.is_empty()).then(|| Arc::new(patterns));
         // Without internet access there is nothing to dial for it.
         let strict = !rec.egress_mode.is_dns() && rec.allow_internet_access;
         let cidrs = Arc::new(CidrRules::from_lists(&rec.allow_out, &rec.deny_out));
         let world = world_open(rec.allow_internet_access, &cidrs);
         let v6_out = rec.ipv6_open();
+        let rules: Option<Arc<[crate::rules::EgressRule]>> = (!rec.egress_rules.is_empty()
+            && rec.allow_internet_access)
+            .then(|| rec.egress_rules.clone().into());
         let same = |s: &Sandbox| {
             s.id == rec.sandbox_id
                 && s.patterns == patterns
                 && s.world == world
                 && s.strict == strict
+                && s.rules == rules
+                && s.internet == rec.allow_internet_access
                 && s.cidrs == cidrs
                 && s.mtu == rec.mtu
                 && s.v6_out == v6_out
@@ -476,8 +493,10 @@ impl Egress {
                 patterns: patterns.clone(),
                 world,
                 strict,
+                changed: (strict || rules.is_some()).then(|| tokio::sync::watch::channel(()).0),
+                rules,
+                internet: rec.allow_internet_access,
                 cidrs: cidrs.clone(),
-                changed: strict.then(|| tokio::sync::watch::channel(()).0),
                 mtu: rec.mtu,
                 v6_out,
             },
@@ -651,7 +670,7 @@ impl Egress {
         sandboxes.get(&src).is_some_and(|s| s.v6_out)
     }
 
-    fn proxy_decide(&self, src: Ipv4Addr, name: Option<&str>) -> ProxyDecision {
+    fn proxy_decide(&self, src: Ipv4Addr, name: Option<&str>, tls: bool) -> ProxyDecision {
         let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
         let Some((sb, tx)) = sandboxes
             .get(&src)
@@ -660,6 +679,31 @@ impl Egress {
             return ProxyDecision::Stranger;
         };
         let sandbox_id = sb.id.clone();
+        if let Some(rules) = &sb.rules {
+            match name.and_then(|n| crate::rules::rule_for(rules, n)) {
+                Some(rule) if tls || rule.plain_http => {
+                    return ProxyDecision::Intercept {
+                        sandbox_id,
+                        rule_host: rule.host.clone(),
+                        changed: tx.subscribe(),
+                    };
+                }
+                Some(rule) => {
+                    return ProxyDecision::PlainRefused {
+                        sandbox_id,
+                        rule_host: rule.host.clone(),
+                    };
+                }
+                // Strict mode judges the other names as without rules.
+                None if sb.strict => {}
+                None => {
+                    return ProxyDecision::Splice {
+                        sandbox_id,
+                        changed: tx.subscribe(),
+                    };
+                }
+            }
+        }
         match (name, &sb.patterns) {
             (None, _) => ProxyDecision::Refuse { sandbox_id },
             (Some(n), Some(p)) if p.verdict(n) == Verdict::Refuse => {
@@ -685,6 +729,59 @@ impl Egress {
                 changed: tx.subscribe(),
             },
         }
+    }
+
+    /// The rule for `host` of the sandbox `sandbox_id` at `src`.
+    fn rule(
+        &self,
+        src: Ipv4Addr,
+        sandbox_id: &str,
+        host: &str,
+    ) -> Option<crate::rules::EgressRule> {
+        let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
+        let sb = sandboxes.get(&src).filter(|s| s.id == sandbox_id)?;
+        crate::rules::rule_for(sb.rules.as_deref()?, host).cloned()
+    }
+
+    /// Whether the datapath's policy lets the sandbox `sandbox_id` at
+    /// `src` reach `dst` (as `policy_allows`: internet access, then an
+    /// allow CIDR, then a deny CIDR other than the catch-all refuses, then
+    /// a learned address, then the catch-all), with the entry to watch,
+    /// for a spliced connection of a sandbox the proxy still serves.
+    fn splice_still(
+        &self,
+        src: Ipv4Addr,
+        sandbox_id: &str,
+        dst: Ipv4Addr,
+    ) -> Option<tokio::sync::watch::Receiver<()>> {
+        let changed = {
+            let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
+            let sb = sandboxes.get(&src).filter(|s| s.id == sandbox_id)?;
+            let tx = sb.changed.as_ref()?;
+            if !sb.internet {
+                return None;
+            }
+            let c = &sb.cidrs;
+            let all = <Ipv4Cidr as crate::alloc::ip::Cidr>::all();
+            if c.allow.iter().any(|n| n.contains(dst)) {
+                return Some(tx.subscribe());
+            }
+            if c.deny.iter().any(|n| *n != all && n.contains(dst)) {
+                return None;
+            }
+            if !c.deny.contains(&all) {
+                return Some(tx.subscribe());
+            }
+            tx.subscribe()
+        };
+        // Under the catch-all deny: only a learned address.
+        let mine = self.mine(src)?;
+        let learned = mine
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .by_dst
+            .contains_key(&IpAddr::V4(dst));
+        learned.then_some(changed)
     }
 
     /// Records what was learned (at most `cap` addresses, deduplicated by
@@ -807,7 +904,7 @@ pub fn proxy_verdict(
         "egress_proxy".into(),
         ok,
         format!(
-            "{what}; {} in strict (sni) mode; {counts}",
+            "{what}; {} in strict (sni) mode or with egress rules; {counts}",
             super::health::count(strict, "sandbox", "sandboxes")
         ),
     )
@@ -945,7 +1042,9 @@ impl Agent {
     /// Health's `egress_proxy`: false when a strict-mode sandbox has no
     /// proxy to go through (its TCP to 80/443 would go nowhere).
     pub(super) fn proxy_check(&self) -> (String, bool, String) {
-        let strict = self.egress.count_sandboxes(|s| s.strict);
+        let served = self.egress.count_sandboxes(|s| s.changed.is_some());
+        let ruled = self.egress.count_sandboxes(|s| s.rules.is_some());
+        let gateway = self.egress_gateway_error();
         let filtered = self
             .egress
             .proxy_filtered
@@ -954,18 +1053,35 @@ impl Agent {
                 "the service's IP filter refuses the proxy's connections \
              (IPAddressDeny=): add IPAddressAllow=any in a drop-in",
             );
+        let gateway_trouble = gateway
+            .as_ref()
+            .filter(|_| ruled > 0)
+            .map(|e| format!("the egress gateway does not run ({e})"));
+        let trouble = filtered.map(str::to_owned).or(gateway_trouble);
         let counts = format!(
-            "{} connections reset",
-            self.egress.proxy_refused.load(Ordering::Relaxed)
+            "{} with egress rules; {} connections reset; {} requests through rules sent on, {} \
+             refused{}",
+            super::health::count(ruled, "sandbox", "sandboxes"),
+            self.egress.proxy_refused.load(Ordering::Relaxed),
+            self.egress.rule_forwarded.load(Ordering::Relaxed),
+            self.egress.rule_refused.load(Ordering::Relaxed),
+            gateway.map_or(String::new(), |e| format!(
+                "; egress gateway not running: {e}"
+            )),
         );
-        proxy_verdict(&self.egress.proxy_status, strict, filtered, &counts)
+        proxy_verdict(
+            &self.egress.proxy_status,
+            served,
+            trouble.as_deref(),
+            &counts,
+        )
     }
 
     /// What to do with a strict-mode connection from `src` that named
     /// `name` (TLS SNI or HTTP Host; `None`: it named nothing usable).
     /// A refusal is logged and counted (with the sandbox's refused names).
-    pub fn proxy_decide(&self, src: Ipv4Addr, name: Option<&str>) -> ProxyDecision {
-        let d = self.egress.proxy_decide(src, name);
+    pub fn proxy_decide(&self, src: Ipv4Addr, name: Option<&str>, tls: bool) -> ProxyDecision {
+        let d = self.egress.proxy_decide(src, name, tls);
         if let ProxyDecision::Refuse { sandbox_id } = &d {
             self.egress.count_refusal(src, &self.egress.proxy_refused);
             info!(
@@ -988,7 +1104,7 @@ impl Agent {
         name: &str,
         dst: Ipv4Addr,
     ) -> Option<tokio::sync::watch::Receiver<()>> {
-        match self.egress.proxy_decide(src, Some(name)) {
+        match self.egress.proxy_decide(src, Some(name), true) {
             ProxyDecision::Dial {
                 sandbox_id: id,
                 cidrs,
@@ -999,6 +1115,44 @@ impl Agent {
             {
                 Some(changed)
             }
+            _ => None,
+        }
+    }
+
+    /// The egress gateway runs with this node CA certificate (PEM), or
+    /// cannot run (why): for the CA's D-Bus property, varlink method and
+    /// Health.
+    pub fn set_egress_gateway(&self, status: Result<String, String>) {
+        *self
+            .egress
+            .gateway
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(status);
+    }
+
+    /// The node CA's certificate (PEM) guests trust for egress rules'
+    /// hosts; `None` until the gateway runs.
+    pub fn egress_ca_pem(&self) -> Option<String> {
+        match &*self
+            .egress
+            .gateway
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+        {
+            Some(Ok(pem)) => Some(pem.clone()),
+            _ => None,
+        }
+    }
+
+    /// Why the egress gateway does not run, if it does not.
+    pub fn egress_gateway_error(&self) -> Option<String> {
+        match &*self
+            .egress
+            .gateway
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+        {
+            Some(Err(e)) => Some(e.clone()),
             _ => None,
         }
     }
@@ -1039,7 +1193,7 @@ impl Agent {
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(&src)
-            .is_some_and(|s| s.strict)
+            .is_some_and(|s| s.changed.is_some())
     }
 
     /// The device a sandbox's query arrives on (the gateway device).
@@ -1357,8 +1511,40 @@ impl EgressPolicy for Agent {
     fn proxy_serves(&self, src: Ipv4Addr) -> bool {
         Agent::proxy_serves(self, src)
     }
-    fn proxy_decide(&self, src: Ipv4Addr, name: Option<&str>) -> ProxyDecision {
-        Agent::proxy_decide(self, src, name)
+    fn proxy_decide(&self, src: Ipv4Addr, name: Option<&str>, tls: bool) -> ProxyDecision {
+        Agent::proxy_decide(self, src, name, tls)
+    }
+    fn proxy_peer(
+        &self,
+        local: std::net::SocketAddrV4,
+        guest: std::net::SocketAddrV4,
+    ) -> Option<std::net::SocketAddrV4> {
+        self.datapath.proxy_peer(local, guest)
+    }
+    fn egress_rule(
+        &self,
+        src: Ipv4Addr,
+        sandbox_id: &str,
+        host: &str,
+    ) -> Option<crate::rules::EgressRule> {
+        self.egress.rule(src, sandbox_id, host)
+    }
+    fn egress_request(&self, src: Ipv4Addr, forwarded: bool) {
+        let _ = src;
+        let counter = if forwarded {
+            &self.egress.rule_forwarded
+        } else {
+            &self.egress.rule_refused
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+    fn splice_still(
+        &self,
+        src: Ipv4Addr,
+        sandbox_id: &str,
+        dst: Ipv4Addr,
+    ) -> Option<tokio::sync::watch::Receiver<()>> {
+        self.egress.splice_still(src, sandbox_id, dst)
     }
     fn name_target_refused(&self, src: Ipv4Addr, ip: Ipv4Addr) -> Option<&'static str> {
         Agent::name_target_refused(self, src, ip)

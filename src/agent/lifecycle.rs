@@ -103,6 +103,66 @@ impl Agent {
         result
     }
 
+    /// SetEgressRules: replaces an existing network's egress rules and
+    /// nothing else (a CNI attachment's, whose conflist is no place for
+    /// secrets; docs/egress.md "Egress rules"). As a converge: the datapath
+    /// and the record first, then the view and the event, in the slot.
+    pub async fn set_egress_rules(
+        &self,
+        id: &str,
+        rules: Vec<crate::rules::EgressRule>,
+    ) -> Result<Outcome, AgentError> {
+        validate_sandbox_id(id)?;
+        let rules = spec::validate_rules(rules)?;
+        let slot = self.slot(id);
+        let result = {
+            let mut guard = slot.lock().await;
+            match guard.as_mut() {
+                None => Err(AgentError::NotFound(id.to_owned())),
+                Some(net) if net.rec.egress_rules == rules => Ok(Outcome {
+                    view: net.view(),
+                    change: Ensured::Unchanged,
+                    seq: self.events.last(),
+                }),
+                Some(net) => {
+                    let mut rec = (*net.rec).clone();
+                    rec.egress_rules = rules;
+                    let old = std::mem::replace(&mut net.rec, Arc::new(rec));
+                    match self.apply_change(net, &old).await {
+                        Err(e) => {
+                            net.rec = old;
+                            let _ = self.apply_change_kernel(net, None).await;
+                            Err(e)
+                        }
+                        Ok(()) => {
+                            let view = net.view();
+                            self.put_view(view.clone());
+                            let seq = self.events.publish(Change::Ensured {
+                                view: view.clone(),
+                                created: false,
+                            });
+                            Ok(Outcome {
+                                view,
+                                change: Ensured::Updated,
+                                seq,
+                            })
+                        }
+                    }
+                }
+            }
+        };
+        if let Ok(o) = &result {
+            info!(
+                sandbox_id = id,
+                rules = o.view.record.egress_rules.len(),
+                outcome = ?o.change,
+                "egress rules set"
+            );
+        }
+        self.forget_slot(id, slot);
+        result
+    }
+
     /// With `clone_of`, an existing network converges to its own spec
     /// (a retried clone changes nothing but metadata), if it is a clone
     /// of that source.
@@ -316,6 +376,7 @@ impl Agent {
             paused: spec.paused,
             mapping_wins: spec.mapping_wins,
             tap_owner,
+            egress_rules: spec.egress_rules,
         };
         let netns = match &spec.attach {
             Attach::Veth { netns, .. } => Some(netns),
@@ -883,6 +944,7 @@ impl Agent {
         rec.paused = spec.paused;
         rec.mapping_wins = spec.mapping_wins;
         rec.tap_owner = tap_owner;
+        rec.egress_rules = spec.egress_rules;
         let undo_claims = |this: &Self| {
             let mut a = this.allocs();
             for m in &claimed {

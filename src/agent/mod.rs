@@ -127,6 +127,8 @@ fn sandbox_path(rec: &NetworkRecord, ifindex: u32) -> SandboxPath<'_> {
         allow_out: &rec.allow_out,
         deny_out: &rec.deny_out,
         strict_egress: !rec.egress_mode.is_dns(),
+        egress_rules: !rec.egress_rules.is_empty(),
+        rule_names: rec.rule_names(),
         bandwidth: rec.bandwidth,
         paused: rec.paused,
         mapping_wins: rec.mapping_wins,

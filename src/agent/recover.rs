@@ -187,6 +187,7 @@ mod tests {
             paused: false,
             mapping_wins: false,
             tap_owner: None,
+            egress_rules: vec![],
         }
     }
 

@@ -90,6 +90,10 @@ pub struct NetworkSpec {
     /// network gets it or fails; an existing one must have it.
     pub sandbox_ip: Option<Ipv4Addr>,
     pub sandbox_ipv6: Option<std::net::Ipv6Addr>,
+    /// `egress_rules`: per host, headers the agent sets on the sandbox's
+    /// requests and the methods and paths allowed (docs/egress.md "Egress
+    /// rules"). Their hosts are reachable as allow_out names are.
+    pub egress_rules: Vec<crate::rules::EgressRule>,
 }
 
 /// Who may attach to a TAP handed over by name: the kernel lets a process
@@ -366,6 +370,38 @@ fn canonical<C: Cidr>(item: &str, family: &str) -> Result<String, String> {
 
 /// Normalises a policy list: names checked and lower-cased, addresses and
 /// CIDRs in canonical form ([`normalise_cidr`]), duplicates removed.
+/// `egress_rules`: each rule checked and normalised
+/// ([`crate::rules::EgressRule::validated`], hosts as allow_out's
+/// patterns), at most [`crate::rules::MAX_RULES`], one rule per host.
+pub(super) fn validate_rules(
+    rules: Vec<crate::rules::EgressRule>,
+) -> Result<Vec<crate::rules::EgressRule>, AgentError> {
+    if rules.len() > crate::rules::MAX_RULES {
+        return Err(invalid(format!(
+            "egress_rules: {} rules, the limit is {}",
+            rules.len(),
+            crate::rules::MAX_RULES
+        )));
+    }
+    let mut out: Vec<crate::rules::EgressRule> = Vec::with_capacity(rules.len());
+    for (i, r) in rules.into_iter().enumerate() {
+        let r = r
+            .validated(i, |h| {
+                super::domains::DomainPattern::parse(h).map(|p| p.to_string())
+            })
+            .map_err(invalid)?;
+        if let Some(j) = out.iter().position(|o| o.host == r.host) {
+            return Err(invalid(format!(
+                "egress_rules[{i}].host: '{}' already has a rule (egress_rules[{j}]); one rule \
+                 per host",
+                r.host
+            )));
+        }
+        out.push(r);
+    }
+    Ok(out)
+}
+
 fn normalise_cidrs(key: &str, list: &[String]) -> Result<Vec<String>, AgentError> {
     if list.len() > MAX_CIDRS {
         return Err(invalid(format!(
@@ -465,6 +501,7 @@ impl NetworkSpec {
         }
         self.allow_out = normalise_cidrs("allow_out", &self.allow_out)?;
         self.deny_out = normalise_cidrs("deny_out", &self.deny_out)?;
+        self.egress_rules = validate_rules(std::mem::take(&mut self.egress_rules))?;
         if self.metadata.len() > MAX_METADATA {
             return Err(invalid(format!(
                 "metadata: {} entries, the limit is {MAX_METADATA}",
@@ -527,6 +564,7 @@ impl NetworkSpec {
                 ("attach", self.attach != Attach::Tap),
                 ("egress_mode", !self.egress_mode.is_dns()),
                 ("bandwidth", self.bandwidth != Bandwidth::default()),
+                ("egress_rules", !self.egress_rules.is_empty()),
             ];
             if let Some((key, _)) = given.iter().find(|(_, set)| *set) {
                 return Err(invalid(format!(
@@ -603,6 +641,7 @@ impl NetworkSpec {
             mapping_wins: false,
             sandbox_ip: caller.sandbox_ip,
             sandbox_ipv6: caller.sandbox_ipv6,
+            egress_rules: rec.egress_rules.clone(),
         }
     }
 
@@ -674,6 +713,11 @@ pub struct NetworkRecord {
     /// agent holds no fd of it and never opens it while the network lives.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tap_owner: Option<TapOwner>,
+    /// Egress rules (EnsureNetwork `egress_rules`); their header values are
+    /// secrets: the store's files are the owner's only, and no view shows
+    /// them ([`crate::rules::EgressRule::shown`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub egress_rules: Vec<crate::rules::EgressRule>,
 }
 
 impl NetworkRecord {
@@ -686,6 +730,37 @@ impl NetworkRecord {
     /// ([`crate::types::ipv6_open`]).
     pub fn ipv6_open(&self) -> bool {
         crate::types::ipv6_open(self.allow_internet_access, &self.allow_out, &self.deny_out)
+    }
+
+    /// Whether the egress rules' hosts join the allow names (learned by
+    /// the resolver, as an allow_out name): when the sandbox has allow
+    /// names already, or does not reach the world at large (where its
+    /// rules' hosts would be closed). A sandbox open to the world with no
+    /// allow names reaches them anyway; adding names would close the rest.
+    pub fn rule_names(&self) -> bool {
+        if self.egress_rules.is_empty() || !self.allow_internet_access {
+            return false;
+        }
+        let cidrs = super::egress::CidrRules::from_lists(&self.allow_out, &self.deny_out);
+        self.allow_out
+            .iter()
+            .any(|e| crate::types::is_domain_entry(e))
+            || !super::egress::world_open(self.allow_internet_access, &cidrs)
+    }
+
+    /// `allow_out` with the rules' hosts when they join the allow names
+    /// ([`NetworkRecord::rule_names`]).
+    pub fn allow_names(&self) -> std::borrow::Cow<'_, [String]> {
+        if !self.rule_names() {
+            return std::borrow::Cow::Borrowed(&self.allow_out);
+        }
+        let mut all = self.allow_out.clone();
+        for r in &self.egress_rules {
+            if !all.contains(&r.host) {
+                all.push(r.host.clone());
+            }
+        }
+        std::borrow::Cow::Owned(all)
     }
 
     pub fn to_bytes(&self) -> Vec<u8> {
@@ -1053,9 +1128,24 @@ mod tests {
                 uid: 1000,
                 gid: Some(0),
             }),
+            egress_rules: vec![crate::rules::EgressRule {
+                host: "api.example.com".into(),
+                set_headers: [(
+                    "authorization".to_string(),
+                    crate::rules::Secret::new("Bearer t0ken".into()),
+                )]
+                .into(),
+                methods: vec!["GET".into()],
+                paths: vec!["/v1".into()],
+                plain_http: false,
+            }],
         };
         let bytes = rec.to_bytes();
         assert_eq!(NetworkRecord::from_bytes("sbx-1", &bytes).unwrap(), rec);
+        // The store keeps the secret (its files are the owner's only); a
+        // record formatted for a log never shows it.
+        assert!(String::from_utf8_lossy(&bytes).contains("Bearer t0ken"));
+        assert!(!format!("{rec:?}").contains("t0ken"));
         // A record from before clones and pauses loads with neither.
         let mut old: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         old.as_object_mut().unwrap().remove("cloned_from");
@@ -1082,6 +1172,7 @@ mod tests {
             (&c.allow_out, c.egress_mode),
             (&rec.allow_out, EgressMode::Sni)
         );
+        assert_eq!(c.egress_rules, rec.egress_rules);
         assert_eq!(
             (c.bandwidth, &c.metadata),
             (rec.bandwidth, &caller.metadata)

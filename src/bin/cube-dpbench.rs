@@ -599,6 +599,8 @@ impl Loaded {
                 allow_out: &[],
                 deny_out: &[],
                 strict_egress: false,
+                egress_rules: false,
+                rule_names: false,
                 bandwidth: Bandwidth {
                     egress_bps: 40_000_000,
                     ingress_bps: 40_000_000,
@@ -640,6 +642,8 @@ impl Loaded {
                 allow_out: &allow,
                 deny_out: &deny,
                 strict_egress: false,
+                egress_rules: false,
+                rule_names: false,
                 bandwidth,
                 paused: false,
                 mapping_wins: false,

@@ -69,6 +69,11 @@ impl DpShare {
 pub const DP_HFF_HOST_OPENED: u16 = 1;
 /// `DpHflowVal::kind`: a flow through lo to a mapped port (`DP_HF_LO`).
 pub const DP_HF_LO: u8 = 1;
+/// `DpHflowVal::kind`: a guest's flow steered to the agent's resolver or
+/// proxy (`peer_ip`/`peer6` the address it dialled).
+pub const DP_HF_PROXY: u8 = 2;
+/// `DpHflowKey::family` of an IPv4 host flow.
+pub const DP_HFAM_IPV4: u8 = 0;
 
 /// Which budget of its sandbox's share a host flow counts against (as the
 /// datapath's `hflow_budget`): true for one the node, or a local process
@@ -137,6 +142,8 @@ pub const DP_F_INTERNET: u32 = 1;
 pub const DP_F_DOMAINS: u32 = 2;
 /// Strict egress (`egress_mode` "sni"): TCP to 80/443 goes to the proxy.
 pub const DP_F_SNI: u32 = 4;
+/// Egress rules: TCP to 80/443 the policy lets out goes to the proxy.
+pub const DP_F_RULES: u32 = 64;
 /// Traffic to the world is paced by the sandbox's `sb_rate` entry.
 pub const DP_F_SHAPE_OUT: u32 = 8;
 /// The sandbox's IPv6 reaches the world (NAT66) on a node with IPv6

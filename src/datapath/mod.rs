@@ -36,6 +36,12 @@ pub struct SandboxPath<'a> {
     pub deny_out: &'a [String],
     /// Strict egress (`egress_mode` "sni"): TCP to 80/443 via the proxy.
     pub strict_egress: bool,
+    /// Egress rules (`egress_rules`): every TCP flow to 80/443 the policy
+    /// lets out goes to the proxy (`DP_F_RULES`).
+    pub egress_rules: bool,
+    /// The rules' hosts count as allow names (learned by the resolver):
+    /// the sandbox has domain rules even when allow_out names none.
+    pub rule_names: bool,
     /// Bandwidth limits (0 = unlimited).
     pub bandwidth: crate::types::Bandwidth,
     /// Paused: packets for the sandbox are dropped; the first one of each
@@ -60,6 +66,7 @@ impl SandboxPath<'_> {
             .iter()
             .chain(self.deny_out)
             .any(|e| crate::types::is_domain_entry(e))
+            || self.rule_names
     }
 }
 
@@ -203,6 +210,17 @@ pub trait Datapath: Send + Sync {
     /// owners are removed on the way.
     fn learned_entries(&self) -> Vec<(std::net::Ipv4Addr, IpAddr, std::time::Duration)> {
         vec![]
+    }
+    /// The address and port the guest dialled for a flow the datapath
+    /// steered to the agent's proxy: `local` is the proxy's side of the
+    /// accepted connection, `guest` the sandbox's (the host flow's key).
+    /// `None` when no such flow is recorded.
+    fn proxy_peer(
+        &self,
+        _local: std::net::SocketAddrV4,
+        _guest: std::net::SocketAddrV4,
+    ) -> Option<std::net::SocketAddrV4> {
+        None
     }
     /// Takes learned addresses back: flows to them stop too.
     fn forget(&self, _sandbox_ip: std::net::Ipv4Addr, _addrs: &[IpAddr]) {}

@@ -181,6 +181,7 @@ pub const OPTION_KEYS: &[&str] = &[
     "mapping_wins",
     "sandbox_ip",
     "sandbox_ipv6",
+    "egress_rules",
 ];
 
 fn bad(msg: String) -> AgentError {
@@ -203,6 +204,67 @@ where
         .map_err(|e| bad(format!("option {key}: {e}")))?;
     T::try_from(Value::from(owned))
         .map_err(|_| bad(format!("option {key}: malformed '{sig}' value")))
+}
+
+/// `egress_rules aa{sv}`: each rule's fields by name (host s, set_headers
+/// a{ss}, methods as, paths as, plain_http b); the core validates them.
+/// No error quotes a header value (a secret).
+fn rules_option(key: &str, v: &OwnedValue) -> Result<Vec<crate::rules::EgressRule>, AgentError> {
+    let raw: Vec<HashMap<String, OwnedValue>> = typed(key, v, "aa{sv}")?;
+    rules_from(key, &raw)
+}
+
+/// Rules from their dictionaries (`key` names them in errors).
+fn rules_from(
+    key: &str,
+    raw: &[HashMap<String, OwnedValue>],
+) -> Result<Vec<crate::rules::EgressRule>, AgentError> {
+    use crate::rules::{EgressRule, MAX_RULES, Secret};
+    if raw.len() > MAX_RULES {
+        return Err(bad(format!(
+            "{key}: {} rules, the limit is {MAX_RULES}",
+            raw.len()
+        )));
+    }
+    let mut rules = Vec::with_capacity(raw.len());
+    for (i, fields) in raw.iter().enumerate() {
+        let mut r = EgressRule::default();
+        let mut names: Vec<&String> = fields.keys().collect();
+        names.sort();
+        for name in names {
+            let v = &fields[name];
+            let field = format!("{key}[{i}].{name}");
+            match name.as_str() {
+                "host" => r.host = typed(&field, v, "s")?,
+                "set_headers" => {
+                    let m: HashMap<String, String> = typed(&field, v, "a{ss}")?;
+                    r.set_headers = m.into_iter().map(|(k, v)| (k, Secret::new(v))).collect();
+                    if r.set_headers.len() != fields_len(v) {
+                        return Err(bad(format!("{field}: a header is given twice")));
+                    }
+                }
+                "methods" => r.methods = typed(&field, v, "as")?,
+                "paths" => r.paths = typed(&field, v, "as")?,
+                "plain_http" => r.plain_http = typed(&field, v, "b")?,
+                other => {
+                    return Err(bad(format!(
+                        "{key}[{i}]: unknown field '{other}' (known: host, set_headers, \
+                         methods, paths, plain_http)"
+                    )));
+                }
+            }
+        }
+        rules.push(r);
+    }
+    Ok(rules)
+}
+
+/// How many entries a dictionary value holds.
+fn fields_len(v: &OwnedValue) -> usize {
+    match &**v {
+        Value::Dict(d) => d.iter().count(),
+        _ => 0,
+    }
 }
 
 /// `a{sv}` options → a spec. Unknown keys and wrong types name the key.
@@ -267,6 +329,7 @@ pub fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<NetworkSpe
                     key, v, "s",
                 )?)?)
             }
+            "egress_rules" => spec.egress_rules = rules_option(key, v)?,
             other => {
                 return Err(bad(format!(
                     "unknown option '{other}' (known: {})",
@@ -465,6 +528,9 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
         }
     }
     put("egress_mode", Value::from(r.egress_mode.as_str()));
+    if !r.egress_rules.is_empty() {
+        put("egress_rules", Value::from(rules_value(&r.egress_rules)));
+    }
     let bw = r.bandwidth;
     put("egress_bps", Value::from(bw.egress_bps));
     put("ingress_bps", Value::from(bw.ingress_bps));
@@ -629,6 +695,27 @@ impl Manager {
         self.logged(&header, "EnsureNetwork", &sandbox_id, result)
     }
 
+    /// Replaces the network's egress rules, nothing else (a CNI
+    /// attachment's: its conflist is no place for secrets). Each rule:
+    /// host s, set_headers a{ss}, methods as, paths as, plain_http b.
+    #[zbus(out_args("network"))]
+    async fn set_egress_rules(
+        &self,
+        sandbox_id: String,
+        rules: Vec<HashMap<String, OwnedValue>>,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<Dict, Error> {
+        let result = async {
+            self.authorize(&header, Action::Manage).await?;
+            let rules = rules_from("rules", &rules)?;
+            let out = self.agent.set_egress_rules(&sandbox_id, rules).await?;
+            self.mirrored(out.seq).await;
+            Ok(self.info(out.view))
+        }
+        .await;
+        self.logged(&header, "SetEgressRules", &sandbox_id, result)
+    }
+
     /// Returns everything; false if there was no such network.
     #[zbus(out_args("released"))]
     async fn release_network(
@@ -785,6 +872,13 @@ impl Manager {
     #[zbus(property)]
     async fn free_addresses(&self) -> u32 {
         self.agent.free_addresses()
+    }
+
+    /// The node CA's certificate (PEM) guests trust for egress rules'
+    /// hosts; empty while the egress gateway does not run.
+    #[zbus(property)]
+    async fn egress_ca_certificate(&self) -> String {
+        self.agent.egress_ca_pem().unwrap_or_default()
     }
 
     #[zbus(property)]
@@ -975,6 +1069,32 @@ pub async fn serve(agent: Arc<Agent>, bus: &BusChoice) -> Result<Connection, Ser
     info!(name = BUS_NAME, "serving on the bus");
     tokio::spawn(mirror.run(events));
     Ok(conn)
+}
+
+/// Egress rules as GetNetwork shows them: header names with a digest of
+/// their value (`sha256:…`), never the value.
+pub fn rules_value(rules: &[crate::rules::EgressRule]) -> Vec<HashMap<String, OwnedValue>> {
+    rules
+        .iter()
+        .map(|r| {
+            let shown = r.shown();
+            let mut d = HashMap::new();
+            let mut put = |k: &str, v: Value<'_>| {
+                if let Ok(v) = v.try_to_owned() {
+                    d.insert(k.to_owned(), v);
+                }
+            };
+            put("host", Value::from(shown.host));
+            put(
+                "set_headers",
+                Value::from(shown.set_headers.into_iter().collect::<HashMap<_, _>>()),
+            );
+            put("methods", Value::from(shown.methods));
+            put("paths", Value::from(shown.paths));
+            put("plain_http", Value::from(shown.plain_http));
+            d
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@
 //! rules, has the answer's addresses learned ([`EgressPolicy::dns_learn`])
 //! before the answer is sent on.
 
+pub mod intercept;
 pub mod proxy;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};

@@ -16,6 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info, warn};
 
+use super::intercept::{AuditRecord, Interceptor, Judge, Judgement};
 use super::{Passed, Shares, TYPE_A, adopt_or_bind, answer_addrs, encode_query, forward, rand_id};
 use crate::datapath::maps::{DP_PROXY_HTTP_PORT, DP_PROXY_TLS_PORT};
 use crate::policy::{EgressPolicy, ProxyDecision};
@@ -220,6 +221,7 @@ fn strip_port(host: &[u8]) -> &[u8] {
 pub fn serve(
     agent: Arc<impl EgressPolicy>,
     upstream: Option<SocketAddrV4>,
+    gateway: Option<Arc<Interceptor>>,
     passed: &mut Passed,
 ) -> std::io::Result<()> {
     let addresses = super::service_addresses(&*agent);
@@ -278,7 +280,7 @@ pub fn serve(
     info!(address = %ip, "proxy: strict egress on ports {DP_PROXY_TLS_PORT} and {DP_PROXY_HTTP_PORT}");
     let shares = Shares::new(agent.socket_caps().proxy, MAX_CONNS_PER_SOURCE);
     for (listener, dial_port) in listeners {
-        let (agent, shares) = (agent.clone(), shares.clone());
+        let (agent, shares, gateway) = (agent.clone(), shares.clone(), gateway.clone());
         tokio::spawn(async move {
             loop {
                 let (conn, from) = match listener.accept().await {
@@ -302,9 +304,9 @@ pub fn serve(
                     reset(conn);
                     continue;
                 };
-                let agent = agent.clone();
+                let (agent, gateway) = (agent.clone(), gateway.clone());
                 tokio::spawn(async move {
-                    relay(&*agent, upstream, conn, from, dial_port).await;
+                    relay(&agent, upstream, gateway, conn, from, dial_port).await;
                     drop(held);
                 });
             }
@@ -361,81 +363,357 @@ async fn read_hello(conn: &mut TcpStream, buf: &mut Vec<u8>, tls: bool) -> Optio
     .unwrap_or(None)
 }
 
-async fn relay(
-    agent: &impl EgressPolicy,
+async fn relay<A: EgressPolicy>(
+    agent: &Arc<A>,
     upstream: Option<SocketAddrV4>,
+    gateway: Option<Arc<Interceptor>>,
     mut conn: TcpStream,
     src: Ipv4Addr,
     dial_port: u16,
 ) {
-    // A stranger (not a strict-mode sandbox) is reset before it sends.
+    // A stranger (not a sandbox the proxy serves) is reset before it sends.
     if !agent.proxy_serves(src) {
         reset(conn);
         return;
     }
+    let tls = dial_port == 443;
     let mut buf = Vec::with_capacity(1024);
-    let named = read_hello(&mut conn, &mut buf, dial_port == 443).await;
-    let (sandbox_id, cidrs, mut changed) = match agent.proxy_decide(src, named.as_deref()) {
+    let named = read_hello(&mut conn, &mut buf, tls).await;
+    match agent.proxy_decide(src, named.as_deref(), tls) {
         ProxyDecision::Dial {
             sandbox_id,
             cidrs,
             changed,
-        } => (sandbox_id, cidrs, changed),
-        ProxyDecision::Stranger | ProxyDecision::Refuse { .. } => return reset(conn),
-    };
-    let name = named.unwrap_or_default();
-    let Some(upstream) = upstream else {
-        return reset(conn);
-    };
-    let addrs = match lookup(upstream, &name).await {
-        Ok(a) => a,
-        Err(e) => {
-            info!(sandbox_id, name, error = %e, "proxy: cannot resolve the name; reset");
-            return reset(conn);
+        } => {
+            let name = named.unwrap_or_default();
+            dial_name(
+                &**agent, upstream, conn, buf, src, dial_port, sandbox_id, name, cidrs, changed,
+            )
+            .await
         }
-    };
-    // The same addresses a DNS answer would teach the datapath: never
-    // the node's, the pool, link-local and the like; private ones only
-    // under an allow CIDR; not under a deny CIDR.
-    let Some(dst) = addrs.into_iter().find(|a| {
-        agent.name_target_refused(src, *a).is_none() && cidrs.as_ref().is_none_or(|c| c.allows(*a))
-    }) else {
-        info!(
+        ProxyDecision::Stranger | ProxyDecision::Refuse { .. } => reset(conn),
+        ProxyDecision::Splice {
             sandbox_id,
-            name, "proxy: the name has no public address the sandbox may reach; reset"
-        );
-        return reset(conn);
-    };
-    let dialled = tokio::time::timeout(
-        CONNECT_TIMEOUT,
-        TcpStream::connect(SocketAddrV4::new(dst, dial_port)),
-    )
+            changed,
+        } => splice_dialled(&**agent, conn, buf, src, sandbox_id, changed).await,
+        ProxyDecision::PlainRefused {
+            sandbox_id,
+            rule_host,
+        } => {
+            agent.egress_request(src, false);
+            info!(
+                sandbox_id,
+                host = named.as_deref().unwrap_or_default(),
+                rule = rule_host,
+                "egress: plain HTTP to a rule's host refused (403): the rule has no plain_http"
+            );
+            let body = format!(
+                "plain HTTP to {rule_host} is refused by the sandbox's egress rule; use https\n"
+            );
+            refuse_http(conn, 403, "Forbidden", &body).await;
+        }
+        ProxyDecision::Intercept {
+            sandbox_id,
+            rule_host,
+            changed,
+        } => {
+            let name = named.unwrap_or_default();
+            match gateway {
+                Some(g) => {
+                    intercept(
+                        agent, &g, upstream, conn, buf, src, tls, sandbox_id, name, rule_host,
+                        changed,
+                    )
+                    .await
+                }
+                None => {
+                    warn!(
+                        sandbox_id,
+                        host = name,
+                        "egress: a rule's host, but the egress gateway is not running (see \
+                         Health's egress_proxy); reset"
+                    );
+                    reset(conn)
+                }
+            }
+        }
+    }
+}
+
+/// Answers an HTTP status with a short text body and closes.
+async fn refuse_http(mut conn: TcpStream, code: u16, reason: &str, body: &str) {
+    let head = format!(
+        "HTTP/1.1 {code} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = tokio::time::timeout(CONNECT_TIMEOUT, async {
+        conn.write_all(head.as_bytes()).await?;
+        conn.write_all(body.as_bytes()).await?;
+        conn.shutdown().await
+    })
     .await;
-    let mut out = match dialled {
+}
+
+/// Connects to `dst` for the sandbox at `src` (its traffic class as the
+/// socket's priority), telling the core how it went.
+async fn connect_for(
+    agent: &impl EgressPolicy,
+    src: Ipv4Addr,
+    dst: SocketAddrV4,
+    sandbox_id: &str,
+) -> Option<TcpStream> {
+    match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(dst)).await {
         Ok(Ok(out)) => {
             agent.proxy_dialled(false);
-            out
+            let _ = out.set_nodelay(true);
+            if let Some(class) = agent.proxy_priority(src) {
+                set_priority(&out, class);
+            }
+            Some(out)
         }
         Ok(Err(e)) => {
             // A cgroup IP filter (systemd's IPAddressDeny=) says EPERM.
             agent.proxy_dialled(e.raw_os_error() == Some(libc::EPERM));
-            debug!(sandbox_id, name, %dst, error = %e, "proxy: cannot connect; reset");
-            return reset(conn);
+            debug!(sandbox_id, %dst, error = %e, "proxy: cannot connect; reset");
+            None
         }
         Err(_) => {
-            debug!(sandbox_id, name, %dst, "proxy: connecting timed out; reset");
-            return reset(conn);
+            debug!(sandbox_id, %dst, "proxy: connecting timed out; reset");
+            None
+        }
+    }
+}
+
+/// The address the guest dialled for this connection, if the datapath
+/// recorded it and the sandbox's policy lets it out (with the entry to
+/// watch).
+fn dialled(
+    agent: &impl EgressPolicy,
+    conn: &TcpStream,
+    src: Ipv4Addr,
+    sandbox_id: &str,
+) -> Option<(SocketAddrV4, tokio::sync::watch::Receiver<()>)> {
+    let (SocketAddr::V4(local), SocketAddr::V4(guest)) =
+        (conn.local_addr().ok()?, conn.peer_addr().ok()?)
+    else {
+        return None;
+    };
+    let dst = agent.proxy_peer(local, guest)?;
+    let changed = agent.splice_still(src, sandbox_id, *dst.ip())?;
+    Some((dst, changed))
+}
+
+/// Egress rules, a host without a rule: to the address the guest dialled,
+/// as it would have gone without rules.
+async fn splice_dialled(
+    agent: &impl EgressPolicy,
+    mut conn: TcpStream,
+    buf: Vec<u8>,
+    src: Ipv4Addr,
+    sandbox_id: String,
+    _changed: tokio::sync::watch::Receiver<()>,
+) {
+    let Some((dst, mut changed)) = dialled(agent, &conn, src, &sandbox_id) else {
+        debug!(
+            sandbox_id,
+            "proxy: no dialled address the sandbox may reach; reset"
+        );
+        return reset(conn);
+    };
+    let Some(mut out) = connect_for(agent, src, dst, &sandbox_id).await else {
+        return reset(conn);
+    };
+    let _ = conn.set_nodelay(true);
+    if out.write_all(&buf).await.is_err() {
+        return reset(conn);
+    }
+    let cut = async {
+        loop {
+            if changed.changed().await.is_err() {
+                match agent.splice_still(src, &sandbox_id, *dst.ip()) {
+                    Some(next) => changed = next,
+                    None => return,
+                }
+            }
         }
     };
-    let _ = out.set_nodelay(true);
-    let _ = conn.set_nodelay(true);
-    if let Some(class) = agent.proxy_priority(src) {
-        set_priority(&out, class);
+    let was_cut = tokio::select! {
+        idle = splice(&mut conn, &mut out, IDLE_TIMEOUT) => idle,
+        () = cut => true,
+    };
+    if was_cut {
+        info!(
+            sandbox_id,
+            %dst, "proxy: connection reset: idle, or the sandbox's rules changed or it is gone"
+        );
+        drop(out);
+        reset(conn);
     }
-    if tokio::io::AsyncWriteExt::write_all(&mut out, &buf)
-        .await
-        .is_err()
-    {
+}
+
+/// Egress rules, a rule's host: intercepted (`dns::intercept`). The
+/// upstream is, over TLS, the address the guest dialled (which the
+/// datapath's policy let out; the certificate must name the host); over
+/// plain HTTP (a rule with `plain_http`), the rule's host resolved by the
+/// agent, never the address the guest dialled. The connection ends when
+/// the sandbox's rules no longer name the host, or it is released; each
+/// request is judged by the rule of its moment.
+#[allow(clippy::too_many_arguments)]
+async fn intercept<A: EgressPolicy>(
+    agent: &Arc<A>,
+    gateway: &Interceptor,
+    upstream: Option<SocketAddrV4>,
+    conn: TcpStream,
+    buf: Vec<u8>,
+    src: Ipv4Addr,
+    tls: bool,
+    sandbox_id: String,
+    name: String,
+    rule_host: String,
+    mut changed: tokio::sync::watch::Receiver<()>,
+) {
+    let dst = if tls {
+        dialled(&**agent, &conn, src, &sandbox_id).map(|(d, _)| d)
+    } else {
+        resolve_for(&**agent, upstream, src, &sandbox_id, &name, None)
+            .await
+            .map(|ip| SocketAddrV4::new(ip, 80))
+    };
+    let Some(dst) = dst else {
+        info!(
+            sandbox_id,
+            host = name,
+            "egress: no address of the rule's host the sandbox may reach; reset"
+        );
+        return reset(conn);
+    };
+    let Some(out) = connect_for(&**agent, src, dst, &sandbox_id).await else {
+        return reset(conn);
+    };
+    debug!(sandbox_id, host = name, rule = rule_host, %dst, "egress: intercepting");
+    let judge: Arc<dyn Judge> = Arc::new(RuleJudge {
+        agent: agent.clone(),
+        src,
+        sandbox_id: sandbox_id.clone(),
+    });
+    let served = async {
+        if tls {
+            gateway.serve_tls(conn, buf, &name, out, judge).await
+        } else {
+            gateway.serve_http(conn, buf, &name, out, judge).await
+        }
+    };
+    let cut = async {
+        loop {
+            if changed.changed().await.is_err() {
+                match agent.proxy_decide(src, Some(&name), tls) {
+                    ProxyDecision::Intercept {
+                        sandbox_id: id,
+                        changed: next,
+                        ..
+                    } if id == sandbox_id => changed = next,
+                    _ => return,
+                }
+            }
+        }
+    };
+    tokio::select! {
+        r = served => if let Err(e) = r {
+            debug!(sandbox_id, host = name, error = e, "egress: intercepted connection ended");
+        },
+        () = cut => info!(
+            sandbox_id,
+            host = name,
+            "egress: intercepted connection closed: the sandbox's rules no longer name the \
+             host, or it is gone"
+        ),
+    }
+}
+
+/// The core's rules, asked per request, and the audit record of each.
+struct RuleJudge<A> {
+    agent: Arc<A>,
+    src: Ipv4Addr,
+    sandbox_id: String,
+}
+
+impl<A: EgressPolicy> Judge for RuleJudge<A> {
+    fn judge(&self, host: &str, method: &str, path: &str) -> Judgement {
+        let Some(rule) = self.agent.egress_rule(self.src, &self.sandbox_id, host) else {
+            return Judgement::Gone;
+        };
+        if let Err(why) = rule.allows(method, path) {
+            return Judgement::Forbid {
+                rule_host: rule.host,
+                why,
+            };
+        }
+        let set_headers = rule
+            .set_headers
+            .iter()
+            .filter_map(|(k, v)| {
+                let name = http::HeaderName::from_bytes(k.as_bytes()).ok()?;
+                let mut value = http::HeaderValue::from_str(v.expose()).ok()?;
+                value.set_sensitive(true);
+                Some((name, value))
+            })
+            .collect();
+        Judgement::Pass {
+            set_headers,
+            rule_host: rule.host,
+        }
+    }
+
+    fn audit(&self, r: AuditRecord) {
+        self.agent
+            .egress_request(self.src, r.verdict == "forwarded");
+        info!(
+            sandbox_id = self.sandbox_id.as_str(),
+            method = r.method,
+            host = r.host,
+            path = r.path,
+            status = r.status,
+            bytes_up = r.bytes_up,
+            bytes_down = r.bytes_down,
+            rule = r.rule_host,
+            verdict = r.verdict,
+            duration_ms = r.duration.as_millis() as u64,
+            "egress: {} {} {}{} {}",
+            self.sandbox_id,
+            r.method,
+            r.host,
+            r.path,
+            r.status
+        );
+    }
+}
+
+/// Strict mode: resolves the name itself and dials it.
+#[allow(clippy::too_many_arguments)]
+async fn dial_name(
+    agent: &impl EgressPolicy,
+    upstream: Option<SocketAddrV4>,
+    mut conn: TcpStream,
+    buf: Vec<u8>,
+    src: Ipv4Addr,
+    dial_port: u16,
+    sandbox_id: String,
+    name: String,
+    cidrs: Option<Arc<dyn crate::policy::AddrRules>>,
+    mut changed: tokio::sync::watch::Receiver<()>,
+) {
+    let Some(dst) = resolve_for(agent, upstream, src, &sandbox_id, &name, cidrs.as_deref()).await
+    else {
+        return reset(conn);
+    };
+    let Some(mut out) =
+        connect_for(agent, src, SocketAddrV4::new(dst, dial_port), &sandbox_id).await
+    else {
+        return reset(conn);
+    };
+    let _ = conn.set_nodelay(true);
+    if out.write_all(&buf).await.is_err() {
         return reset(conn);
     }
     // Until either side closes, or the sandbox's rules change so that this
@@ -463,6 +741,37 @@ async fn relay(
         drop(out);
         reset(conn);
     }
+}
+
+/// The first address of `name` the sandbox may be dialled to: the same
+/// addresses a DNS answer would teach the datapath (never the node's, the
+/// pool, link-local and the like; private ones only under an allow CIDR;
+/// not under a deny CIDR), and within `cidrs` when given.
+async fn resolve_for(
+    agent: &impl EgressPolicy,
+    upstream: Option<SocketAddrV4>,
+    src: Ipv4Addr,
+    sandbox_id: &str,
+    name: &str,
+    cidrs: Option<&dyn crate::policy::AddrRules>,
+) -> Option<Ipv4Addr> {
+    let addrs = match lookup(upstream?, name).await {
+        Ok(a) => a,
+        Err(e) => {
+            info!(sandbox_id, name, error = %e, "proxy: cannot resolve the name; reset");
+            return None;
+        }
+    };
+    let dst = addrs.into_iter().find(|a| {
+        agent.name_target_refused(src, *a).is_none() && cidrs.is_none_or(|c| c.allows(*a))
+    });
+    if dst.is_none() {
+        info!(
+            sandbox_id,
+            name, "proxy: the name has no public address the sandbox may reach; reset"
+        );
+    }
+    dst
 }
 
 /// Copies both ways until both sides have closed (a close is passed on as

@@ -86,6 +86,58 @@ fn as_mappings(v: &Value, key: &str) -> Result<Vec<PortMapping>, Failure> {
     Ok(out)
 }
 
+/// `egress_rules: []EgressRule` (host, set_headers, methods, paths,
+/// plain_http); the core validates them. A field of the wrong type is
+/// named as `egress_rules[i].field`; no error quotes a header value.
+fn as_rules(v: &Value, key: &str) -> Result<Vec<crate::rules::EgressRule>, Failure> {
+    use crate::rules::{EgressRule, MAX_RULES, Secret};
+    let list = v.as_array().ok_or_else(|| invalid(key))?;
+    if list.len() > MAX_RULES {
+        return Err(Failure::Agent(AgentError::InvalidArgument(format!(
+            "{key}: {} rules, the limit is {MAX_RULES}",
+            list.len()
+        ))));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, r) in list.iter().enumerate() {
+        let r = r
+            .as_object()
+            .ok_or_else(|| invalid(&format!("{key}[{i}]")))?;
+        let mut rule = EgressRule::default();
+        for (name, v) in r {
+            let field = format!("{key}[{i}].{name}");
+            if v.is_null() {
+                continue;
+            }
+            match name.as_str() {
+                "host" => rule.host = as_string(v, &field)?,
+                "set_headers" => {
+                    let m = v.as_object().ok_or_else(|| invalid(&field))?;
+                    for (h, val) in m {
+                        let val = val.as_str().ok_or_else(|| invalid(&field))?;
+                        rule.set_headers
+                            .insert(h.clone(), Secret::new(val.to_owned()));
+                    }
+                }
+                "methods" => rule.methods = as_strings(v, &field)?,
+                "paths" => rule.paths = as_strings(v, &field)?,
+                "plain_http" => rule.plain_http = as_bool(v, &field)?,
+                _ => return Err(invalid(&field)),
+            }
+        }
+        out.push(rule);
+    }
+    Ok(out)
+}
+
+/// SetEgressRules' `rules` (absent or null: none).
+pub fn rules(v: Option<&Value>) -> Result<Vec<crate::rules::EgressRule>, Failure> {
+    match v {
+        None | Some(Value::Null) => Ok(vec![]),
+        Some(v) => as_rules(v, "rules"),
+    }
+}
+
 /// The `options` parameter (an `Options` object, absent or null = all
 /// defaults) → a spec. A null field is the same as an absent one.
 pub fn options(v: Option<&Value>) -> Result<NetworkSpec, Failure> {
@@ -119,6 +171,7 @@ pub fn options(v: Option<&Value>) -> Result<NetworkSpec, Failure> {
                 spec.egress_mode =
                     EgressMode::parse(key, &as_string(v, key)?).map_err(|_| invalid(key))?
             }
+            "egress_rules" => spec.egress_rules = as_rules(v, key)?,
             "egress_bps" => spec.bandwidth.egress_bps = as_uint(v, key)?,
             "ingress_bps" => spec.bandwidth.ingress_bps = as_uint(v, key)?,
             "egress_burst" => spec.bandwidth.egress_burst = as_uint(v, key)?,
@@ -228,6 +281,7 @@ pub fn network(info: NetworkInfo) -> Value {
         "allow_out": r.allow_out,
         "deny_out": r.deny_out,
         "egress_mode": r.egress_mode.as_str(),
+        "egress_rules": r.egress_rules.iter().map(|x| x.shown()).collect::<Vec<_>>(),
         "metadata": r.metadata,
         "routes": info.routes.into_iter().map(|(destination, gateway, device)| {
             json!({"destination": destination, "gateway": gateway, "device": device})

@@ -336,6 +336,8 @@ pub const METHODS: &[&str] = &[
     "org.cube.NetworkAgent.OpenTap",
     "org.cube.NetworkAgent.Health",
     "org.cube.NetworkAgent.Capacity",
+    "org.cube.NetworkAgent.GetEgressCA",
+    "org.cube.NetworkAgent.SetEgressRules",
     WATCH,
 ];
 
@@ -347,9 +349,11 @@ async fn call(agent: &Agent, peer: &Peer, method: &str, p: Object) -> Result<Rep
     let op = match method.strip_prefix("org.cube.NetworkAgent.") {
         Some(
             "EnsureNetwork" | "ReleaseNetwork" | "ReleaseNetworkIf" | "ReconcileNetwork"
-            | "OpenTap",
+            | "OpenTap" | "SetEgressRules",
         ) => Some(Operation::Manage),
-        Some("GetNetwork" | "ListNetworks" | "Health" | "Capacity") => Some(Operation::Read),
+        Some("GetNetwork" | "ListNetworks" | "Health" | "Capacity" | "GetEgressCA") => {
+            Some(Operation::Read)
+        }
         _ => None,
     };
     if let Some(op) = op {
@@ -427,6 +431,27 @@ async fn call(agent: &Agent, peer: &Peer, method: &str, p: Object) -> Result<Rep
         "org.cube.NetworkAgent.Capacity" => {
             convert::only(&p, &[])?;
             Reply::new(json!({ "capacity": convert::capacity(&agent.capacity()) }))
+        }
+        "org.cube.NetworkAgent.SetEgressRules" => {
+            convert::only(&p, &["sandbox_id", "rules"])?;
+            let id = convert::string(&p, "sandbox_id")?;
+            let rules = convert::rules(p.get("rules"))?;
+            let out = agent.set_egress_rules(&id, rules).await?;
+            Reply::new(json!({ "network": convert::network(agent.describe(out.view)) }))
+        }
+        "org.cube.NetworkAgent.GetEgressCA" => {
+            convert::only(&p, &[])?;
+            match agent.egress_ca_pem() {
+                Some(pem) => Reply::new(json!({ "certificate": pem })),
+                None => {
+                    return Err(Failure::Agent(crate::agent::AgentError::Failed(format!(
+                        "the egress gateway does not run: {}",
+                        agent
+                            .egress_gateway_error()
+                            .unwrap_or_else(|| "not started yet".into())
+                    ))));
+                }
+            }
         }
         "org.cube.NetworkAgent.Health" => {
             convert::only(&p, &[])?;

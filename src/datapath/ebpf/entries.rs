@@ -466,6 +466,9 @@ impl EbpfDatapath {
         if sb.strict_egress {
             flags |= DP_F_SNI;
         }
+        if sb.egress_rules {
+            flags |= DP_F_RULES;
+        }
         if shape.egress.is_some() {
             flags |= DP_F_SHAPE_OUT;
         }

@@ -439,6 +439,11 @@ impl EbpfDatapath {
             }),
             progs,
             reaper: Mutex::new(reaper),
+            proxy_flows: HashMap::try_from(aya::maps::Map::HashMap(reopen_pin(
+                &node.pin_dir,
+                "hflow",
+            )?))
+            .map_err(|e| err("opening hflow", e))?,
             stats: Stats {
                 taps: AtomicUsize::new(kept),
                 own: AtomicUsize::new(own_filter.len()),

@@ -294,6 +294,9 @@ pub struct EbpfDatapath {
     inner: Mutex<Inner>,
     progs: Programs,
     reaper: Mutex<Reaper>,
+    /// `hflow` once more, for the proxy's lookups of the address a steered
+    /// flow dialled (no lock: a lookup is one syscall).
+    proxy_flows: HashMap<MapData, DpHflowKey, DpHflowVal>,
     stats: Stats,
     node: NodeInfo,
     node_hooks: Vec<Hook>,
@@ -606,6 +609,29 @@ impl Datapath for EbpfDatapath {
 
     fn forget(&self, sandbox_ip: Ipv4Addr, addrs: &[IpAddr]) {
         self.forget_addrs(sandbox_ip, addrs)
+    }
+
+    fn proxy_peer(
+        &self,
+        local: std::net::SocketAddrV4,
+        guest: std::net::SocketAddrV4,
+    ) -> Option<std::net::SocketAddrV4> {
+        let key = DpHflowKey {
+            saddr: u32::from(*local.ip()).to_be(),
+            daddr: u32::from(*guest.ip()).to_be(),
+            sport: local.port().to_be(),
+            dport: guest.port().to_be(),
+            proto: libc::IPPROTO_TCP as u8,
+            family: DP_HFAM_IPV4,
+            pad: [0; 2],
+        };
+        let v = self.proxy_flows.get(&key, 0).ok()?;
+        (v.kind == DP_HF_PROXY && v.peer_ip != 0).then(|| {
+            std::net::SocketAddrV4::new(
+                Ipv4Addr::from(u32::from_be(v.peer_ip)),
+                u16::from_be(v.gw_port),
+            )
+        })
     }
 
     fn detach(&self, sb: &SandboxPath<'_>) -> Result<(), DatapathError> {

@@ -1,0 +1,562 @@
+//! The egress gateway (issue 46, docs/egress.md "Egress rules"), end to
+//! end: a CNI container with curl, egress rules set over D-Bus after ADD,
+//! HTTPS upstreams in the world namespace with a test CA of their own
+//! (given to the agent as `egress_trust_bundle`), the real eBPF datapath
+//! steering the container's TCP to 80/443 to the agent's proxy. Every
+//! "never" of the issue is asserted against what the upstream logged,
+//! what crossed the container's link, and every output. Root only.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::ctr::{self, Ctr};
+use common::world::{World, node};
+use zbus::zvariant::{OwnedValue, Value};
+
+const SECRET: &str = "Bearer sk-live-7f3a9c-never-in-the-sandbox";
+const PLAIN_SECRET: &str = "plain-key-51c0de";
+
+/// A process killed on drop.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn openssl(args: &[&str], dir: &Path) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("openssl (Debian package openssl; .ci/run installs it)");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A test CA (`ca.pem`) and leaves it signed: `NAME.pem`/`NAME.key` for
+/// each (file name, DNS name in the certificate).
+fn certificates(dir: &Path, leaves: &[(&str, &str)]) {
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+    ];
+    let mut a = vec!["req", "-x509"];
+    a.extend(ec);
+    a.extend([
+        "-days",
+        "2",
+        "-subj",
+        "/CN=gateway test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    ]);
+    openssl(&a, dir);
+    for (file, name) in leaves {
+        let (key, csr, pem, ext) = (
+            format!("{file}.key"),
+            format!("{file}.csr"),
+            format!("{file}.pem"),
+            format!("{file}.ext"),
+        );
+        std::fs::write(
+            dir.join(&ext),
+            format!(
+                "subjectAltName=DNS:{name}\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n"
+            ),
+        )
+        .unwrap();
+        let mut a = vec!["req"];
+        a.extend(ec);
+        let subj = format!("/CN={name}");
+        a.extend(["-subj", &subj, "-keyout", &key, "-out", &csr]);
+        openssl(&a, dir);
+        openssl(
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-days",
+                "1",
+                "-extfile",
+                &ext,
+                "-out",
+                &pem,
+            ],
+            dir,
+        );
+    }
+}
+
+/// tests/gateway/upstream.py in the world on `addr:port` (TLS with
+/// `leaf`'s certificate when given), logging to `log`.
+fn upstream(
+    world: &World,
+    dir: &Path,
+    addr: &str,
+    port: u16,
+    leaf: Option<&str>,
+) -> (Proc, PathBuf) {
+    let log = dir.join(format!("upstream-{addr}-{port}.log"));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gateway/upstream.py");
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &world.ns, "python3"])
+        .arg(&script)
+        .args([addr, &port.to_string()])
+        .arg(&log);
+    if let Some(leaf) = leaf {
+        cmd.arg(dir.join(format!("{leaf}.pem")))
+            .arg(dir.join(format!("{leaf}.key")));
+    }
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready", "upstream on {addr}:{port}");
+    (Proc(child), log)
+}
+
+/// The requests an upstream logged: (method, path, headers).
+fn logged(log: &Path) -> Vec<(String, String, HashMap<String, String>)> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let headers = v["headers"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+                .collect();
+            (
+                v["method"].as_str().unwrap().to_owned(),
+                v["path"].as_str().unwrap().to_owned(),
+                headers,
+            )
+        })
+        .collect()
+}
+
+type Rule = HashMap<&'static str, Value<'static>>;
+
+fn rule(host: &'static str, headers: &[(&str, &str)], methods: &[&str], paths: &[&str]) -> Rule {
+    let mut r = Rule::new();
+    r.insert("host", Value::from(host));
+    let h: HashMap<String, String> = headers
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    r.insert("set_headers", Value::from(h));
+    let l = |v: &[&str]| Value::from(v.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    r.insert("methods", l(methods));
+    r.insert("paths", l(paths));
+    r
+}
+
+/// tcpdump on the container's host-side device, raw packets to a file.
+struct LinkCapture {
+    proc: Proc,
+    file: PathBuf,
+}
+
+impl LinkCapture {
+    fn start(env: &common::Env, dev: &str, dir: &Path) -> LinkCapture {
+        let file = dir.join("link.pcap");
+        let mut child = Command::new("ip")
+            .args([
+                "netns", "exec", &env.ns, "tcpdump", "-U", "-n", "-s", "0", "-i", dev, "-w",
+            ])
+            .arg(&file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("tcpdump");
+        // tcpdump says "listening on" once it captures.
+        let mut line = String::new();
+        BufReader::new(child.stderr.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.contains("listening"), "tcpdump: {line}");
+        LinkCapture {
+            proc: Proc(child),
+            file,
+        }
+    }
+
+    fn bytes(self) -> Vec<u8> {
+        std::thread::sleep(Duration::from_millis(300));
+        drop(self.proc);
+        std::fs::read(&self.file).unwrap()
+    }
+}
+
+/// One varlink call on the agent's socket: the reply's text.
+fn varlink(env: &common::Env, call: serde_json::Value) -> String {
+    use std::io::{Read, Write};
+    let mut sock =
+        std::os::unix::net::UnixStream::connect(env.dir.join("run/org.cube.NetworkAgent")).unwrap();
+    let mut msg = call.to_string().into_bytes();
+    msg.push(0);
+    sock.write_all(&msg).unwrap();
+    let mut reply = Vec::new();
+    let mut byte = [0u8; 1];
+    while sock.read(&mut byte).unwrap() == 1 && byte[0] != 0 {
+        reply.push(byte[0]);
+    }
+    String::from_utf8(reply).unwrap()
+}
+
+fn contains(hay: &[u8], needle: &str) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle.as_bytes())
+}
+
+/// A container reaches an HTTPS API through an egress rule with a
+/// credential it never sees; the rule's methods and paths hold; forged
+/// names, another address, plain HTTP and a bad upstream certificate get
+/// nothing; the secret appears nowhere but at the rule's verified host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
+    require_root!();
+    let dir = std::env::temp_dir().join(format!("cube-gateway-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // api.test at .2 (its certificate); at .3 a server whose certificate
+    // names other.test, where bad.test also points.
+    certificates(&dir, &[("api", "api.test"), ("other", "other.test")]);
+    let bundle = dir.join("ca.pem");
+    let (env, world) = node(&[
+        "--dns-upstream",
+        "198.51.100.2",
+        "--egress-trust-bundle",
+        bundle.to_str().unwrap(),
+    ]);
+    world.run(|| {
+        assert!(
+            Command::new("ip")
+                .args(["addr", "add", "198.51.100.3/24", "dev", "w0"])
+                .status()
+                .unwrap()
+                .success()
+        );
+    });
+    let _dns = common::dnsmasq::start(
+        &world,
+        &[
+            "--address=/api.test/198.51.100.2".into(),
+            "--address=/plain.test/198.51.100.2".into(),
+            "--address=/bad.test/198.51.100.3".into(),
+            "--local-ttl=1".into(),
+        ],
+        "api.test",
+    );
+    let (_api, api_log) = upstream(&world, &dir, "198.51.100.2", 443, Some("api"));
+    let (_other, other_log) = upstream(&world, &dir, "198.51.100.3", 443, Some("other"));
+    let (_plain, plain_log) = upstream(&world, &dir, "198.51.100.2", 80, None);
+
+    let ctr = Ctr::new("gw");
+    let id = "cni:c-gw:eth0";
+    ctr::add(&env, "c-gw", &ctr, serde_json::json!({}));
+    let _conf = ctr.resolv_conf("198.51.100.2");
+    let c = env.client().await;
+
+    // The node CA: the file, the D-Bus property and the varlink method
+    // agree; the key is the owner's only.
+    let state = env.dir.join("state");
+    let ca_pem = std::fs::read_to_string(state.join("egress-ca.crt")).unwrap();
+    assert!(
+        ca_pem.starts_with("-----BEGIN CERTIFICATE-----"),
+        "{ca_pem}"
+    );
+    let prop: String = c
+        .conn
+        .call_method(
+            Some("org.cube.NetworkAgent"),
+            "/org/cube/NetworkAgent",
+            Some("org.freedesktop.DBus.Properties"),
+            "Get",
+            &("org.cube.NetworkAgent", "EgressCaCertificate"),
+        )
+        .await
+        .unwrap()
+        .body()
+        .deserialize::<OwnedValue>()
+        .unwrap()
+        .try_into()
+        .unwrap();
+    assert_eq!(prop, ca_pem);
+    use std::os::unix::fs::PermissionsExt;
+    let key_mode = std::fs::metadata(state.join("egress-ca.key"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(key_mode & 0o777, 0o600);
+    let cacert = state.join("egress-ca.crt");
+
+    // Rules after ADD, by sandbox id (a conflist is no place for secrets).
+    let rules = vec![
+        rule("api.test", &[("Authorization", SECRET)], &["GET"], &["/v1"]),
+        rule("bad.test", &[("Authorization", SECRET)], &[], &[]),
+        {
+            let mut r = rule("plain.test", &[("X-Api-Key", PLAIN_SECRET)], &[], &[]);
+            r.insert("plain_http", Value::from(true));
+            r
+        },
+    ];
+    let net: HashMap<String, OwnedValue> = c.call("SetEgressRules", &(id, &rules)).await.unwrap();
+    let shown = format!("{:?}", net["egress_rules"]);
+    assert!(
+        shown.contains("sha256:") && shown.contains("authorization"),
+        "{shown}"
+    );
+    let dev = common::s(&net, "tap_name");
+    let capture = LinkCapture::start(&env, &dev, &dir);
+
+    let curl = |args: &str| {
+        ctr.sh(&format!(
+            "curl -sS --cacert {} --connect-timeout 3 --max-time 8 {args} 2>&1; echo \" rc=$?\"",
+            cacert.display()
+        ))
+    };
+
+    // 1. The upstream sees the rule's header, in place of the guest's own;
+    // two requests on one kept-alive connection, each with it.
+    let out = curl(
+        "-H 'Authorization: guest-own' -H 'x-probe: p1' https://api.test/v1/models \
+         https://api.test/v1/other",
+    );
+    assert!(
+        out.contains("upstream GET /v1/models") && out.contains("upstream GET /v1/other"),
+        "{out}"
+    );
+    assert!(
+        out.contains("probe=p1") && out.ends_with(" rc=0\n"),
+        "{out}"
+    );
+    let reqs = logged(&api_log);
+    assert_eq!(reqs.len(), 2, "{reqs:?}");
+    for (_, _, h) in &reqs {
+        assert_eq!(h.get("authorization").map(String::as_str), Some(SECRET));
+    }
+
+    // 2. Methods and paths: POST, a path beside the prefix, dot segments.
+    let out = curl("-X POST -d x=1 https://api.test/v1/models");
+    assert!(
+        out.contains("api.test") && !out.contains("upstream"),
+        "{out}"
+    );
+    let out = curl("-o /dev/null -w '%{http_code}' https://api.test/v1x");
+    assert!(out.starts_with("403"), "{out}");
+    // (The engine refuses dot segments before any rule: 400.)
+    let out = curl("--path-as-is -o /dev/null -w '%{http_code}' https://api.test/v1/../admin");
+    assert!(out.starts_with("400") || out.starts_with("403"), "{out}");
+    let out = curl("-o /dev/null -w '%{http_code}' -X POST https://api.test/v1");
+    assert!(out.starts_with("403"), "{out}");
+    assert_eq!(
+        logged(&api_log).len(),
+        2,
+        "a refused request reached the upstream"
+    );
+
+    // 3. A Host that is not the SNI: 421, nothing sent.
+    let out = curl("-o /dev/null -w '%{http_code}' -H 'Host: other.test' https://api.test/v1/x");
+    assert!(out.starts_with("421"), "{out}");
+    assert_eq!(logged(&api_log).len(), 2);
+
+    // 4. The rule's name sent to another address (whose certificate is
+    // for other.test): the agent verifies the name there, 502, nothing
+    // sent. bad.test's upstream has the wrong certificate too.
+    let out = curl(
+        "-o /dev/null -w '%{http_code}' --resolve api.test:443:198.51.100.3 \
+         https://api.test/v1/models",
+    );
+    assert!(out.starts_with("502"), "{out}");
+    let out = curl("https://bad.test/");
+    assert!(out.contains("502") || out.contains("certificate"), "{out}");
+    assert!(logged(&other_log).is_empty(), "{:?}", logged(&other_log));
+
+    // 5. An address as the URL (no SNI) and a host without a rule: spliced
+    // to the address dialled, as without rules: no header added.
+    let out = ctr.sh(
+        "curl -sSk --connect-timeout 3 --max-time 8 https://198.51.100.2/v1/raw 2>&1; echo \" rc=$?\"",
+    );
+    assert!(
+        out.contains("upstream GET /v1/raw") && out.ends_with(" rc=0\n"),
+        "{out}"
+    );
+    let out = ctr.sh(
+        "curl -sSk --connect-timeout 3 --max-time 8 --resolve norule.test:443:198.51.100.3 \
+         https://norule.test/n 2>&1; echo \" rc=$?\"",
+    );
+    assert!(
+        out.contains("upstream GET /n") && out.ends_with(" rc=0\n"),
+        "{out}"
+    );
+    let reqs = logged(&api_log);
+    let raw = reqs
+        .iter()
+        .find(|r| r.1 == "/v1/raw")
+        .expect("the spliced request");
+    assert!(!raw.2.contains_key("authorization"), "{raw:?}");
+    let spliced = logged(&other_log);
+    assert!(
+        spliced.iter().all(|r| !r.2.contains_key("authorization")),
+        "{spliced:?}"
+    );
+
+    // 6. Plain HTTP to a rule's host without plain_http: 403, never
+    // spliced; with plain_http: intercepted, the agent dials the name.
+    let out =
+        ctr.sh("curl -sS -o /dev/null -w '%{http_code}' --max-time 8 http://api.test/v1/models");
+    assert!(out.starts_with("403"), "{out}");
+    let out = ctr.sh("curl -sS --max-time 8 -H 'x-probe: pl' http://plain.test/p 2>&1");
+    assert!(
+        out.contains("upstream GET /p") && out.contains("probe=pl"),
+        "{out}"
+    );
+    let reqs = logged(&plain_log);
+    assert_eq!(reqs.len(), 1, "{reqs:?}");
+    assert_eq!(
+        reqs[0].2.get("x-api-key").map(String::as_str),
+        Some(PLAIN_SECRET)
+    );
+
+    // Nothing that crossed the container's link carries a secret (the
+    // plain HTTP request above went out without it and came back without
+    // it), nor does any view, log or error.
+    let pcap = capture.bytes();
+    assert!(pcap.len() > 1000, "the capture saw the traffic");
+    assert!(
+        contains(&pcap, "upstream GET /p"),
+        "the capture sees plain HTTP"
+    );
+    for s in [SECRET, PLAIN_SECRET] {
+        assert!(!contains(&pcap, s), "{s} crossed the container's link");
+    }
+    let net = c.get(id).await.unwrap();
+    let list: Vec<HashMap<String, OwnedValue>> = c.call("ListNetworks", &()).await.unwrap();
+    let views = format!("{net:?} {list:?}");
+    let over_varlink = varlink(
+        &env,
+        serde_json::json!({"method": "org.cube.NetworkAgent.GetNetwork",
+                           "parameters": {"sandbox_id": id}}),
+    );
+    assert!(over_varlink.contains("sha256:"), "{over_varlink}");
+    let ca_varlink = varlink(
+        &env,
+        serde_json::json!({"method": "org.cube.NetworkAgent.GetEgressCA"}),
+    );
+    let ca_varlink: serde_json::Value = serde_json::from_str(&ca_varlink).unwrap();
+    assert_eq!(ca_varlink["parameters"]["certificate"], ca_pem.as_str());
+    let views = format!("{views} {over_varlink}");
+    let log = env.log();
+    assert!(
+        log.contains("egress: cni:c-gw:eth0 GET api.test/v1/models 200"),
+        "no audit line:\n{log}"
+    );
+    assert!(log.contains("403"), "the refusals are logged too");
+    for s in [SECRET, PLAIN_SECRET, "sk-live", "51c0de"] {
+        assert!(!views.contains(s), "{s} in a view: {views}");
+        assert!(!log.contains(s), "{s} in the agent's log");
+    }
+
+    // Bad input changes nothing and names the field, never the value.
+    let bad = vec![rule("api.test", &[("X-Key", "v\r\nX-Evil: 1")], &[], &[])];
+    let e = c
+        .call::<_, HashMap<String, OwnedValue>>("SetEgressRules", &(id, &bad))
+        .await
+        .unwrap_err();
+    assert!(
+        e.message.contains("rules[0].set_headers[X-Key]") || e.message.contains("set_headers"),
+        "{e:?}"
+    );
+    assert!(!e.message.contains("X-Evil"), "{e:?}");
+    let many: Vec<Rule> = (0..65).map(|_| rule("api.test", &[], &[], &[])).collect();
+    let e = c
+        .call::<_, HashMap<String, OwnedValue>>("SetEgressRules", &(id, &many))
+        .await
+        .unwrap_err();
+    assert!(e.message.contains("limit is 64"), "{e:?}");
+    let after = c.get(id).await.unwrap();
+    assert_eq!(
+        format!("{:?}", after["egress_rules"]),
+        format!("{:?}", net["egress_rules"])
+    );
+
+    // The store keeps the secret, readable by its owner only.
+    for f in std::fs::read_dir(&state).unwrap() {
+        let p = f.unwrap().path();
+        if p.is_file() && std::fs::read(&p).is_ok_and(|b| contains(&b, SECRET)) {
+            let mode = std::fs::metadata(&p).unwrap().permissions().mode();
+            assert_eq!(
+                mode & 0o077,
+                0,
+                "{} holds a secret with mode {mode:o}",
+                p.display()
+            );
+        }
+    }
+
+    // Rules and CA survive a restart; the next request still gets the header.
+    let mut env = env;
+    env.kill_agent();
+    env.start_agent();
+    assert_eq!(
+        std::fs::read_to_string(state.join("egress-ca.crt")).unwrap(),
+        ca_pem
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = curl("https://api.test/v1/again");
+        if out.contains("upstream GET /v1/again") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "after a restart: {out}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let reqs = logged(&api_log);
+    let again = reqs.iter().find(|r| r.1 == "/v1/again").unwrap();
+    assert_eq!(
+        again.2.get("authorization").map(String::as_str),
+        Some(SECRET)
+    );
+
+    // Rules removed: the host is spliced again, no header.
+    let none: Vec<Rule> = vec![];
+    let c = env.client().await;
+    let _: HashMap<String, OwnedValue> = c.call("SetEgressRules", &(id, &none)).await.unwrap();
+    let out = ctr.sh(
+        "curl -sSk --connect-timeout 3 --max-time 8 https://api.test/v1/after 2>&1; echo \" rc=$?\"",
+    );
+    assert!(out.contains("upstream GET /v1/after"), "{out}");
+    let reqs = logged(&api_log);
+    let after = reqs.iter().find(|r| r.1 == "/v1/after").unwrap();
+    assert!(!after.2.contains_key("authorization"), "{after:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
