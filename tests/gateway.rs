@@ -42,36 +42,52 @@ fn rule(host: &'static str, headers: &[(&str, &str)], methods: &[&str], paths: &
 struct LinkCapture {
     proc: Proc,
     file: PathBuf,
+    err: PathBuf,
 }
 
 impl LinkCapture {
     fn start(env: &common::Env, dev: &str, dir: &Path) -> LinkCapture {
         let file = dir.join("link.pcap");
-        let mut child = Command::new("ip")
+        let err = dir.join("tcpdump.err");
+        let child = Command::new("ip")
             .args([
-                "netns", "exec", &env.ns, "tcpdump", "-U", "-n", "-s", "0", "-i", dev, "-w",
+                "netns", "exec", &env.ns, "tcpdump", "-Z", "root", "-U", "-n", "-s", "0",
             ])
+            .args(["--immediate-mode", "-i", dev, "-w"])
             .arg(&file)
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+            .stderr(std::fs::File::create(&err).unwrap())
             .spawn()
             .expect("tcpdump");
+        let proc = Proc(child);
         // tcpdump says "listening on" once it captures.
-        let mut line = String::new();
-        BufReader::new(child.stderr.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert!(line.contains("listening"), "tcpdump: {line}");
-        LinkCapture {
-            proc: Proc(child),
-            file,
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !std::fs::read_to_string(&err)
+            .unwrap_or_default()
+            .contains("listening")
+        {
+            assert!(Instant::now() < deadline, "tcpdump did not start");
+            std::thread::sleep(Duration::from_millis(20));
         }
+        LinkCapture { proc, file, err }
     }
 
-    fn bytes(self) -> Vec<u8> {
+    /// Stops tcpdump with SIGINT (it drains what the kernel holds for it
+    /// and writes it out) and returns the capture.
+    fn bytes(mut self) -> Vec<u8> {
         std::thread::sleep(Duration::from_millis(300));
-        drop(self.proc);
-        std::fs::read(&self.file).unwrap()
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.proc.0.id() as i32, libc::SIGINT) };
+        let _ = self.proc.0.wait();
+        let pcap = std::fs::read(&self.file).unwrap();
+        println!(
+            "capture: {} bytes; tcpdump: {}",
+            pcap.len(),
+            std::fs::read_to_string(&self.err)
+                .unwrap_or_default()
+                .trim()
+        );
+        pcap
     }
 }
 
@@ -289,7 +305,11 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
     // plain HTTP request above went out without it and came back without
     // it), nor does any view, log or error.
     let pcap = capture.bytes();
-    assert!(pcap.len() > 1000, "the capture saw the traffic");
+    assert!(
+        pcap.len() > 1000,
+        "the capture saw the traffic: {} bytes",
+        pcap.len()
+    );
     assert!(
         contains(&pcap, "upstream GET /p"),
         "the capture sees plain HTTP"
@@ -396,5 +416,120 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
     let reqs = logged(&api_log);
     let after = reqs.iter().find(|r| r.1 == "/v1/after").unwrap();
     assert!(!after.2.contains_key("authorization"), "{after:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A real client's kept-alive connection (Python's http.client) while the
+/// rules change: each request is judged by the rule of its moment (a new
+/// header value applies to the next request on the same connection), and
+/// removing the host's rule closes the connection, so the old secret never
+/// goes out again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_change_under_a_kept_alive_connection() {
+    require_root!();
+    let dir = std::env::temp_dir().join(format!("cube-gateway-ka-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    certificates(&dir, &[("api", "api.test")]);
+    let bundle = dir.join("ca.pem");
+    let (env, world) = node(&[
+        "--dns-upstream",
+        "198.51.100.2",
+        "--egress-trust-bundle",
+        bundle.to_str().unwrap(),
+    ]);
+    let _dns = common::dnsmasq::start(
+        &world,
+        &["--address=/api.test/198.51.100.2".into()],
+        "api.test",
+    );
+    let (_api, api_log) = upstream(&world, &dir, "198.51.100.2", 443, Some("api"));
+    let ctr = Ctr::new("gwka");
+    let id = "cni:c-gwka:eth0";
+    ctr::add(&env, "c-gwka", &ctr, serde_json::json!({}));
+    let _conf = ctr.resolv_conf("198.51.100.2");
+    let c = env.client().await;
+    let set = |value: Option<&'static str>| {
+        let c = &c;
+        async move {
+            let rules: Vec<Rule> = value
+                .map(|v| rule("api.test", &[("Authorization", v)], &[], &[]))
+                .into_iter()
+                .collect();
+            let _: HashMap<String, OwnedValue> =
+                c.call("SetEgressRules", &(id, &rules)).await.unwrap();
+        }
+    };
+    set(Some("Bearer first-7c1")).await;
+
+    let cacert = env.dir.join("state/egress-ca.crt");
+    let script = format!(
+        r#"
+import http.client, ssl, sys
+ctx = ssl.create_default_context(cafile="{}")
+c = http.client.HTTPSConnection("api.test", 443, context=ctx, timeout=5)
+for path in ["/v1/one", "/v1/two", "/v1/three"]:
+    try:
+        c.request("GET", path)
+        r = c.getresponse()
+        print(r.status, r.read().decode().strip(), flush=True)
+    except Exception as e:
+        print("closed", type(e).__name__, flush=True)
+        break
+    sys.stdin.readline()
+"#,
+        cacert.display()
+    );
+    let mut py = Command::new("ip")
+        .args(["netns", "exec", &ctr.name, "python3", "-c", &script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = py.stdin.take().unwrap();
+    let mut lines = BufReader::new(py.stdout.take().unwrap()).lines();
+    let mut next = || lines.next().unwrap().unwrap();
+    use std::io::Write;
+
+    let one = next();
+    assert!(one.starts_with("200 upstream GET /v1/one"), "{one}");
+    // A new value: the next request on the same connection carries it.
+    set(Some("Bearer second-9d2")).await;
+    stdin.write_all(b"\n").unwrap();
+    let two = next();
+    assert!(two.starts_with("200 upstream GET /v1/two"), "{two}");
+    let reqs = logged(&api_log);
+    let (first, second) = (&reqs[0].2, &reqs[1].2);
+    assert_eq!(
+        first.get("authorization").map(String::as_str),
+        Some("Bearer first-7c1")
+    );
+    assert_eq!(
+        second.get("authorization").map(String::as_str),
+        Some("Bearer second-9d2")
+    );
+    assert_eq!(
+        first[":peer"], second[":peer"],
+        "not the same kept-alive connection"
+    );
+
+    // The host's rule removed: the connection is closed; the old secret
+    // never goes out again.
+    set(None).await;
+    std::thread::sleep(Duration::from_millis(300));
+    stdin.write_all(b"\n").unwrap();
+    let three = next();
+    let reqs = logged(&api_log);
+    let third = reqs.iter().find(|r| r.1 == "/v1/three");
+    println!("after the rule was removed: {three} (upstream saw: {third:?})");
+    assert!(
+        third.is_none_or(|r| !r.2.contains_key("authorization")),
+        "{third:?}"
+    );
+    assert!(three.starts_with("closed"), "{three}");
+    drop(stdin);
+    let _ = py.wait();
+    let log = env.log();
+    assert!(log.contains("intercepted connection closed"), "{log}");
     let _ = std::fs::remove_dir_all(&dir);
 }

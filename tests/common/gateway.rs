@@ -132,19 +132,25 @@ pub fn upstream(
     (Proc(child), log)
 }
 
-/// The requests an upstream logged: (method, path, headers).
+/// The requests an upstream logged: (method, path, headers, and the
+/// pseudo-header `:peer`: the client's address and port).
 pub fn logged(log: &Path) -> Vec<(String, String, HashMap<String, String>)> {
     std::fs::read_to_string(log)
         .unwrap_or_default()
         .lines()
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            let headers = v["headers"]
+            let mut headers: HashMap<String, String> = v["headers"]
                 .as_object()
                 .unwrap()
                 .iter()
                 .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
                 .collect();
+            // The connection it came on (the proxy's side of it).
+            headers.insert(
+                ":peer".into(),
+                v["peer"].as_str().unwrap_or_default().into(),
+            );
             (
                 v["method"].as_str().unwrap().to_owned(),
                 v["path"].as_str().unwrap().to_owned(),

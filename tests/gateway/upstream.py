@@ -6,7 +6,7 @@ usage: upstream.py ADDR PORT LOG [CERT KEY]
 Answers every request 200 with its method, path, the names (never the
 values) of the headers it got and the value of x-probe; appends each
 request as one JSON line (method, path, headers with values, body length)
-to LOG, which the test reads to see what reached the upstream. With CERT
+(and the peer's address) to LOG, which the test reads to see what reached the upstream. With CERT
 and KEY it speaks TLS. Prints "ready" once it listens.
 """
 
@@ -39,6 +39,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                         "path": self.path,
                         "headers": {k.lower(): v for k, v in self.headers.items()},
                         "body": len(body),
+                        "peer": "{}:{}".format(*self.client_address[:2]),
                     }
                 )
                 + "\n"
