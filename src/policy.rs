@@ -146,8 +146,9 @@ pub trait EgressPolicy: Send + Sync + 'static {
         sandbox_id: &str,
         host: &str,
     ) -> Option<crate::rules::EgressRule>;
-    /// One request through a rule went (`forwarded`) or was refused.
-    fn egress_request(&self, src: Ipv4Addr, forwarded: bool);
+    /// One request of `sandbox_id` through a rule went (`forwarded`) or
+    /// was refused.
+    fn egress_request(&self, src: Ipv4Addr, sandbox_id: &str, forwarded: bool);
     /// After the sandbox's entry changed: whether a spliced connection to
     /// `dst` may go on (the same sandbox, still served by the proxy, its
     /// policy still letting `dst` out), and the entry to watch from now on.

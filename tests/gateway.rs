@@ -344,6 +344,12 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
         assert!(!log.contains(s), "{s} in the agent's log");
     }
 
+    // Counted per sandbox: 3 requests sent on (two kept-alive, one plain
+    // HTTP); refused: POST, /v1x, the dot segments, POST /v1, the other
+    // Host, the two 502s, plain HTTP without plain_http.
+    let t = c.traffic(id).await;
+    assert_eq!((t["egress_requests"], t["egress_refused"]), (3, 8), "{t:?}");
+
     // Bad input changes nothing and names the field, never the value.
     let bad = vec![rule("api.test", &[("X-Key", "v\r\nX-Evil: 1")], &[], &[])];
     let e = c

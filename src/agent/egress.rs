@@ -377,6 +377,8 @@ pub struct Egress {
     local: LocalAddrs,
     /// Queries refused per sandbox address (reset with the network).
     refused_by: Mutex<HashMap<Ipv4Addr, u64>>,
+    /// Requests through egress rules per sandbox address: sent on, refused.
+    requests_by: Mutex<HashMap<Ipv4Addr, [u64; 2]>>,
     pub refused: AtomicU64,
     pub evicted: AtomicU64,
     /// Answers' addresses not learned (see [`unreachable_why`]).
@@ -558,11 +560,16 @@ impl Egress {
             return vec![];
         }
         sandboxes.remove(&ip);
-        drop(sandboxes);
+        // Under the sandboxes' lock: the address's next owner starts at 0.
         self.refused_by
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&ip);
+        self.requests_by
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&ip);
+        drop(sandboxes);
         let mine = self
             .learned
             .write()
@@ -631,6 +638,39 @@ impl Egress {
             .values()
             .filter(|s| which(s))
             .count()
+    }
+
+    /// Counts a request through `sandbox_id`'s rules, if that sandbox is
+    /// still at `src`: decided under the sandboxes' lock, which `remove`
+    /// takes first, so a released sandbox's connection in flight never
+    /// counts against the address's next owner.
+    fn count_request(&self, src: Ipv4Addr, sandbox_id: &str, forwarded: bool) {
+        let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
+        if sandboxes.get(&src).is_some_and(|s| s.id == sandbox_id) {
+            self.requests_by
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(src)
+                .or_default()[usize::from(!forwarded)] += 1;
+        }
+    }
+
+    /// What the resolver and the gateway counted for the sandbox at `ip`.
+    pub fn counts(&self, ip: IpAddr) -> super::traffic::AgentCounts {
+        let [egress_requests, egress_refused] = v4(ip)
+            .and_then(|ip| {
+                self.requests_by
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(&ip)
+                    .copied()
+            })
+            .unwrap_or_default();
+        super::traffic::AgentCounts {
+            dns_refused: self.refused_by(ip),
+            egress_requests,
+            egress_refused,
+        }
     }
 
     /// Queries refused for the sandbox at `ip` since the agent started.
@@ -1529,14 +1569,14 @@ impl EgressPolicy for Agent {
     ) -> Option<crate::rules::EgressRule> {
         self.egress.rule(src, sandbox_id, host)
     }
-    fn egress_request(&self, src: Ipv4Addr, forwarded: bool) {
-        let _ = src;
+    fn egress_request(&self, src: Ipv4Addr, sandbox_id: &str, forwarded: bool) {
         let counter = if forwarded {
             &self.egress.rule_forwarded
         } else {
             &self.egress.rule_refused
         };
         counter.fetch_add(1, Ordering::Relaxed);
+        self.egress.count_request(src, sandbox_id, forwarded);
     }
     fn splice_still(
         &self,

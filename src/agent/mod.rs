@@ -465,7 +465,7 @@ impl Agent {
             net.ifindex,
         );
         let gateway = self.gateway.ifindex;
-        let dns_refused = self.egress.refused_by(rec.sandbox_ip);
+        let counts = self.egress.counts(rec.sandbox_ip);
         off_worker(move || {
             let mut errors = vec![];
             if let Err(e) = dp.detach(&sandbox_path(&rec, ifindex)) {
@@ -474,7 +474,7 @@ impl Agent {
             if let Err(e) = nl.neigh_del_now(gateway, rec.sandbox_ip) {
                 errors.push(crate::error_chain(&e));
             }
-            let t = count.then(|| traffic::read(&nl, &*dp, &rec, ifindex, dns_refused));
+            let t = count.then(|| traffic::read(&nl, &*dp, &rec, ifindex, counts));
             (errors, t)
         })
         .await

@@ -54,6 +54,30 @@ pub struct Traffic {
     /// Queries the resolver refused for the sandbox's domain rules (since
     /// this agent started: kept in memory, not across restarts).
     pub dns_refused: u64,
+    /// Requests through its egress rules sent on, and refused (403, 421,
+    /// 502, ...), since this agent started.
+    pub egress_requests: u64,
+    pub egress_refused: u64,
+}
+
+/// What the agent itself counted for a sandbox (not the device nor the
+/// datapath): in memory, since this agent started.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AgentCounts {
+    pub dns_refused: u64,
+    pub egress_requests: u64,
+    pub egress_refused: u64,
+}
+
+impl Traffic {
+    fn with(self, c: AgentCounts) -> Self {
+        Traffic {
+            dns_refused: c.dns_refused,
+            egress_requests: c.egress_requests,
+            egress_refused: c.egress_refused,
+            ..self
+        }
+    }
 }
 
 impl Traffic {
@@ -85,6 +109,8 @@ impl Traffic {
                     .unwrap_or_default(),
             ),
             dns_refused: 0,
+            egress_requests: 0,
+            egress_refused: 0,
         }
     }
 
@@ -104,6 +130,8 @@ impl Traffic {
         f.extend(TRAFFIC6_NAMES.iter().copied().zip(self.traffic6));
         f.extend(RATE_COUNTER_NAMES.iter().copied().zip(self.throttled));
         f.push(("dns_refused", self.dns_refused));
+        f.push(("egress_requests", self.egress_requests));
+        f.push(("egress_refused", self.egress_refused));
         f
     }
 
@@ -158,30 +186,25 @@ pub(super) fn read(
     dp: &dyn crate::datapath::Datapath,
     rec: &super::spec::NetworkRecord,
     ifindex: u32,
-    dns_refused: u64,
+    counts: AgentCounts,
 ) -> Result<Traffic, AgentError> {
     let flows = v4(rec.sandbox_ip).map_or(0, |ip| dp.live_flows(ip));
+    let none = Traffic {
+        flows,
+        ..Default::default()
+    };
     if ifindex == 0 {
-        return Ok(Traffic {
-            flows,
-            dns_refused,
-            ..Default::default()
-        });
+        return Ok(none.with(counts));
     }
     let link = nl
         .link_by_index_now(ifindex)
         .map_err(|e| super::failed("reading the device's counters", &e))?;
     let counters = dp.sandbox_counters(ifindex);
     Ok(match link {
-        Some(l) if l.name == rec.tap_name => Traffic {
-            dns_refused,
-            ..Traffic::of_device(&l.counters, flows, counters.as_deref())
-        },
-        _ => Traffic {
-            flows,
-            dns_refused,
-            ..Default::default()
-        },
+        Some(l) if l.name == rec.tap_name => {
+            Traffic::of_device(&l.counters, flows, counters.as_deref()).with(counts)
+        }
+        _ => none.with(counts),
     })
 }
 
@@ -202,8 +225,8 @@ impl Agent {
             view.record.clone(),
             view.tap_ifindex,
         );
-        let dns_refused = self.egress.refused_by(rec.sandbox_ip);
-        super::off_worker(move || read(&nl, &*dp, &rec, ifindex, dns_refused)).await
+        let counts = self.egress.counts(rec.sandbox_ip);
+        super::off_worker(move || read(&nl, &*dp, &rec, ifindex, counts)).await
     }
 
     /// Every network (its sandbox id) with its traffic: one
@@ -219,8 +242,8 @@ impl Agent {
             .values()
             .map(|v| {
                 let flows = v4(v.record.sandbox_ip).map_or(0, |ip| self.datapath.live_flows(ip));
-                let dns_refused = self.egress.refused_by(v.record.sandbox_ip);
-                let mut t = match counters.get(&v.tap_ifindex) {
+                let counts = self.egress.counts(v.record.sandbox_ip);
+                let t = match counters.get(&v.tap_ifindex) {
                     // An ifindex names one device for life (the kernel
                     // does not reuse them soon): no name check needed.
                     Some(c) if v.tap_ifindex != 0 => {
@@ -231,7 +254,7 @@ impl Agent {
                         ..Default::default()
                     },
                 };
-                t.dns_refused = dns_refused;
+                let t = t.with(counts);
                 (Arc::from(v.record.sandbox_id.as_str()), t)
             })
             .collect())
@@ -358,6 +381,20 @@ impl Agent {
                 "DNS queries of a sandbox the agent's resolver refused for its domain rules (since the agent started); only values above 0",
                 true,
                 &|t, o| o.extend([(None, t.dns_refused)]),
+            ),
+            per_by(
+                "verdict",
+                "sandbox_egress_requests",
+                Kind::Counter,
+                None,
+                "Requests of a sandbox through its egress rules, by verdict (forwarded: sent on with the rule's headers; refused: 403, 421, 502); only values above 0",
+                true,
+                &|t, o| {
+                    o.extend([
+                        (Some("forwarded"), t.egress_requests),
+                        (Some("refused"), t.egress_refused),
+                    ])
+                },
             ),
             per_by(
                 "kind",

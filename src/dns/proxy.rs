@@ -400,7 +400,7 @@ async fn relay<A: EgressPolicy>(
             sandbox_id,
             rule_host,
         } => {
-            agent.egress_request(src, false);
+            agent.egress_request(src, &sandbox_id, false);
             info!(
                 sandbox_id,
                 host = named.as_deref().unwrap_or_default(),
@@ -667,7 +667,7 @@ impl<A: EgressPolicy> Judge for RuleJudge<A> {
 
     fn audit(&self, r: AuditRecord) {
         self.agent
-            .egress_request(self.src, r.verdict == "forwarded");
+            .egress_request(self.src, &self.sandbox_id, r.verdict == "forwarded");
         info!(
             sandbox_id = self.sandbox_id.as_str(),
             method = r.method,
