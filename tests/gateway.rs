@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::ctr::{self, Ctr};
-use common::gateway::{Proc, certificates, contains, logged, upstream, varlink};
+use common::gateway::{Proc, certificates, contains, logged, upstream, upstream_in, varlink};
 use common::world::node;
 use zbus::zvariant::{OwnedValue, Value};
 
@@ -283,6 +283,23 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
         spliced.iter().all(|r| !r.2.contains_key("authorization")),
         "{spliced:?}"
     );
+
+    // 5b. The node's own services are never the proxy's destination: a
+    // server on the node (port 80 on every address, the uplink's
+    // 198.51.100.1 among them) is what a splice to "the address dialled"
+    // must not reach (the datapath drops such packets of a sandbox without
+    // rules, node_addr). Without the check, this request reached it.
+    let (_node, node_log) = upstream_in(&env.ns, &dir, "0.0.0.0", 80, None);
+    for target in ["198.51.100.1"] {
+        let out = ctr.sh(&format!(
+            "curl -sS --connect-timeout 3 --max-time 5 http://{target}/node 2>&1; echo \" rc=$?\""
+        ));
+        assert!(
+            !out.contains("upstream") && !out.ends_with(" rc=0\n"),
+            "{target}: {out}"
+        );
+    }
+    assert!(logged(&node_log).is_empty(), "{:?}", logged(&node_log));
 
     // 6. Plain HTTP to a rule's host without plain_http: 403, never
     // spliced; with plain_http: intercepted, the agent dials the name.

@@ -102,9 +102,11 @@ fn unreachable_why6(ip: Ipv6Addr, cidrs: &CidrRules) -> Option<&'static str> {
     None
 }
 
-fn unreachable_why4(ip: Ipv4Addr, cidrs: &CidrRules, pool: &Ipv4Cidr) -> Option<&'static str> {
+/// Addresses the agent never connects to for a sandbox, whatever its
+/// rules: no public service has them, or they are the sandboxes' own.
+fn never_dialled4(ip: Ipv4Addr, pool: &Ipv4Cidr) -> Option<&'static str> {
     let o = ip.octets();
-    let never = if ip.is_unspecified() || o[0] == 0 {
+    if ip.is_unspecified() || o[0] == 0 {
         Some("'this network' (0.0.0.0/8)")
     } else if ip.is_loopback() {
         Some("loopback")
@@ -122,7 +124,12 @@ fn unreachable_why4(ip: Ipv4Addr, cidrs: &CidrRules, pool: &Ipv4Cidr) -> Option<
         Some("the sandbox pool")
     } else {
         None
-    };
+    }
+}
+
+fn unreachable_why4(ip: Ipv4Addr, cidrs: &CidrRules, pool: &Ipv4Cidr) -> Option<&'static str> {
+    let never = never_dialled4(ip, pool);
+    let o = ip.octets();
     if never.is_some() {
         return never;
     }
@@ -866,6 +873,18 @@ impl Egress {
     /// Why the sandbox at `src` may not reach `ip` through a name (see
     /// [`unreachable_why`]); `None` when it may. A stranger may reach
     /// nothing.
+    /// Why the proxy never splices a sandbox's connection to `ip` (the
+    /// datapath would have dropped it as `node_addr`, or no public service
+    /// has it), if it never does.
+    fn never_spliced(&self, ip: Ipv4Addr, pool: &Ipv4Cidr) -> Option<&'static str> {
+        never_dialled4(ip, pool).or_else(|| {
+            self.local
+                .get()
+                .contains(&IpAddr::V4(ip))
+                .then_some("an address of this node")
+        })
+    }
+
     fn unreachable(&self, src: Ipv4Addr, ip: IpAddr, pool: &Ipv4Cidr) -> Option<&'static str> {
         let cidrs = self
             .sandboxes
@@ -1584,6 +1603,10 @@ impl EgressPolicy for Agent {
         sandbox_id: &str,
         dst: Ipv4Addr,
     ) -> Option<tokio::sync::watch::Receiver<()>> {
+        if let Some(why) = self.egress.never_spliced(dst, &self.d.pool) {
+            info!(sandbox_id, %dst, why, "proxy: never spliced to this address; reset");
+            return None;
+        }
         self.egress.splice_still(src, sandbox_id, dst)
     }
     fn name_target_refused(&self, src: Ipv4Addr, ip: Ipv4Addr) -> Option<&'static str> {

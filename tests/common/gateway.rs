@@ -108,10 +108,21 @@ pub fn upstream(
     port: u16,
     leaf: Option<&str>,
 ) -> (Proc, PathBuf) {
-    let log = dir.join(format!("upstream-{addr}-{port}.log"));
+    upstream_in(&world.ns, dir, addr, port, leaf)
+}
+
+/// [`upstream`] in the network namespace `ns` (the node's, say).
+pub fn upstream_in(
+    ns: &str,
+    dir: &Path,
+    addr: &str,
+    port: u16,
+    leaf: Option<&str>,
+) -> (Proc, PathBuf) {
+    let log = dir.join(format!("upstream-{ns}-{addr}-{port}.log"));
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gateway/upstream.py");
     let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &world.ns, "python3"])
+    cmd.args(["netns", "exec", ns, "python3"])
         .arg(&script)
         .args([addr, &port.to_string()])
         .arg(&log);
