@@ -47,7 +47,11 @@
 #            protoc compiles tests/cri/cri_subset.proto, protobuf 7.36.2).
 #            dnsmasq-base (the world's DNS server in tests/egress.rs) and
 #            bind9-dnsutils (dig, a real client in its container test);
-#            openssl (the world's TLS server and s_client in strict mode).
+#            openssl (the world's TLS server and s_client in strict mode;
+#            the egress gateway test's CA and upstream certificates),
+#            ca-certificates (the system trust store the gateway verifies
+#            upstreams against by default), python3-requests and nodejs
+#            (the real clients of tests/gateway.rs: requests, fetch).
 #            varlink-go (varlink-go-interface-generator, the reference Go
 #            parser: tests/varlink.rs parses every varlink/*.varlink with it).
 # Idempotent; needs root.
@@ -58,7 +62,7 @@ test=(qemu-system-x86 busybox-static tcpdump curl python3 polkitd iperf3 nftable
     golang-github-appc-cni-dev golang-github-containerd-go-cni-dev containernetworking-plugins
     containerd runc podman bpftool man-db groff-base zsh coreutils mount util-linux python3-dbus
     python3-gi dbus-broker python3-prometheus-client python3-venv dnsmasq-base bind9-dnsutils
-    openssl varlink-go)
+    openssl varlink-go ca-certificates nodejs)
 want=()
 for a in "$@"; do
     case $a in
@@ -76,6 +80,10 @@ missing=()
 for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Python requests: Debian's package unless an importable one is there.
+case " ${want[*]} " in *" nodejs "*)
+    python3 -c 'import requests' 2>/dev/null || missing+=(python3-requests) ;;
+esac
 if [ ${#missing[@]} -gt 0 ]; then
     echo "installing: ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive

@@ -219,6 +219,33 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
         assert_eq!(h.get("authorization").map(String::as_str), Some(SECRET));
     }
 
+    // 1b. The clients platforms run: Python requests (with the node CA as
+    // its bundle) and Node's fetch (NODE_EXTRA_CA_CERTS).
+    let out = ctr.sh(&format!(
+        "python3 -c 'import requests; r = requests.get(\"https://api.test/v1/py\", \
+         headers={{\"x-probe\": \"py\"}}, verify=\"{}\", timeout=8); print(r.status_code, r.text)' 2>&1",
+        cacert.display()
+    ));
+    assert!(
+        out.starts_with("200 upstream GET /v1/py") && out.contains("probe=py"),
+        "{out}"
+    );
+    let out = ctr.sh(&format!(
+        "NODE_EXTRA_CA_CERTS={} timeout 10 node -e 'fetch(\"https://api.test/v1/node\", \
+         {{headers: {{\"x-probe\": \"node\"}}}}).then(r => r.text()).then(t => \
+         console.log(t.trim()), e => console.log(\"failed\", e.cause || e))' 2>&1",
+        cacert.display()
+    ));
+    assert!(
+        out.starts_with("upstream GET /v1/node") && out.contains("probe=node"),
+        "{out}"
+    );
+    let reqs = logged(&api_log);
+    assert_eq!(reqs.len(), 4, "{reqs:?}");
+    for (_, _, h) in &reqs {
+        assert_eq!(h.get("authorization").map(String::as_str), Some(SECRET));
+    }
+
     // 2. Methods and paths: POST, a path beside the prefix, dot segments.
     let out = curl("-X POST -d x=1 https://api.test/v1/models");
     assert!(
@@ -234,14 +261,14 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
     assert!(out.starts_with("403"), "{out}");
     assert_eq!(
         logged(&api_log).len(),
-        2,
+        4,
         "a refused request reached the upstream"
     );
 
     // 3. A Host that is not the SNI: 421, nothing sent.
     let out = curl("-o /dev/null -w '%{http_code}' -H 'Host: other.test' https://api.test/v1/x");
     assert!(out.starts_with("421"), "{out}");
-    assert_eq!(logged(&api_log).len(), 2);
+    assert_eq!(logged(&api_log).len(), 4);
 
     // 4. The rule's name sent to another address (whose certificate is
     // for other.test): the agent verifies the name there, 502, nothing
@@ -359,11 +386,11 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
         assert!(!log.contains(s), "{s} in the agent's log");
     }
 
-    // Counted per sandbox: 3 requests sent on (two kept-alive, one plain
-    // HTTP); refused: POST, /v1x, the dot segments, POST /v1, the other
+    // Counted per sandbox: 5 requests sent on (two kept-alive, Python's,
+    // Node's, one plain HTTP); refused: POST, /v1x, the dot segments, POST /v1, the other
     // Host, the two 502s, plain HTTP without plain_http.
     let t = c.traffic(id).await;
-    assert_eq!((t["egress_requests"], t["egress_refused"]), (3, 8), "{t:?}");
+    assert_eq!((t["egress_requests"], t["egress_refused"]), (5, 8), "{t:?}");
 
     // Bad input changes nothing and names the field, never the value.
     let bad = vec![rule("api.test", &[("X-Key", "v\r\nX-Evil: 1")], &[], &[])];
