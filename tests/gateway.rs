@@ -577,6 +577,35 @@ for path in ["/v1/one", "/v1/two", "/v1/three"]:
     assert!(three.starts_with("closed"), "{three}");
     drop(stdin);
     let _ = py.wait();
+
+    // A release ends an intercepted connection too: nothing of it reaches
+    // the upstream (nor the address's next owner) afterwards.
+    set(Some("Bearer third-4e8")).await;
+    let mut py = Command::new("ip")
+        .args(["netns", "exec", &ctr.name, "python3", "-c", &script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = py.stdin.take().unwrap();
+    let mut lines = BufReader::new(py.stdout.take().unwrap()).lines();
+    let one = lines.next().unwrap().unwrap();
+    assert!(one.starts_with("200 upstream GET /v1/one"), "{one}");
+    assert!(c.release(id).await.unwrap());
+    std::thread::sleep(Duration::from_millis(300));
+    stdin.write_all(b"\n").unwrap();
+    let two = lines.next().unwrap().unwrap();
+    assert!(two.starts_with("closed"), "after the release: {two}");
+    let reqs = logged(&api_log);
+    assert_eq!(
+        reqs.iter()
+            .filter(|r| r.2.get("authorization").map(String::as_str) == Some("Bearer third-4e8"))
+            .count(),
+        1,
+        "{reqs:?}"
+    );
+    drop(stdin);
+    let _ = py.wait();
     let log = env.log();
     assert!(log.contains("intercepted connection closed"), "{log}");
     let _ = std::fs::remove_dir_all(&dir);

@@ -870,9 +870,6 @@ impl Egress {
         }
     }
 
-    /// Why the sandbox at `src` may not reach `ip` through a name (see
-    /// [`unreachable_why`]); `None` when it may. A stranger may reach
-    /// nothing.
     /// Why the proxy never splices a sandbox's connection to `ip` (the
     /// datapath would have dropped it as `node_addr`, or no public service
     /// has it), if it never does.
@@ -885,6 +882,9 @@ impl Egress {
         })
     }
 
+    /// Why the sandbox at `src` may not reach `ip` through a name (see
+    /// [`unreachable_why`]); `None` when it may. A stranger may reach
+    /// nothing.
     fn unreachable(&self, src: Ipv4Addr, ip: IpAddr, pool: &Ipv4Cidr) -> Option<&'static str> {
         let cidrs = self
             .sandboxes
@@ -1632,6 +1632,117 @@ impl EgressPolicy for Agent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ruled(
+        allow: &[&str],
+        deny: &[&str],
+        internet: bool,
+        rules: &[(&str, bool)],
+    ) -> NetworkRecord {
+        let rules: Vec<serde_json::Value> = rules
+            .iter()
+            .map(|(h, plain)| {
+                serde_json::json!({"host": h, "set_headers": {"authorization": "s3cret"},
+                                   "plain_http": plain})
+            })
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "version": super::super::spec::RECORD_VERSION, "sandbox_id": "sb", "network_handle": "h",
+            "sandbox_ip": "10.96.0.2", "tap_name": "t", "mtu": 1500, "port_mappings": [],
+            "allow_internet_access": internet, "allow_out": allow, "deny_out": deny,
+            "metadata": {}, "created_unix": 0, "egress_rules": rules,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn egress_rules_decide_intercept_refuse_or_splice() {
+        let pool: Ipv4Cidr = "10.96.0.0/16".parse().unwrap();
+        let src = Ipv4Addr::new(10, 96, 0, 2);
+        let e = Egress::default();
+        e.put(
+            &ruled(
+                &[],
+                &[],
+                true,
+                &[("api.test", false), ("*.plain.test", true)],
+            ),
+            &pool,
+        );
+        let kind = |name: Option<&str>, tls: bool| match e.proxy_decide(src, name, tls) {
+            ProxyDecision::Intercept { rule_host, .. } => format!("intercept {rule_host}"),
+            ProxyDecision::PlainRefused { rule_host, .. } => format!("403 {rule_host}"),
+            ProxyDecision::Splice { .. } => "splice".into(),
+            ProxyDecision::Dial { .. } => "dial".into(),
+            ProxyDecision::Refuse { .. } => "refuse".into(),
+            ProxyDecision::Stranger => "stranger".into(),
+        };
+        assert_eq!(kind(Some("api.test"), true), "intercept api.test");
+        assert_eq!(kind(Some("api.test"), false), "403 api.test");
+        assert_eq!(kind(Some("x.plain.test"), false), "intercept *.plain.test");
+        assert_eq!(kind(Some("other.test"), true), "splice");
+        assert_eq!(kind(None, true), "splice");
+        assert!(matches!(
+            e.proxy_decide(Ipv4Addr::new(10, 96, 0, 3), Some("api.test"), true),
+            ProxyDecision::Stranger
+        ));
+        // The rule of the moment, for that sandbox only.
+        assert!(e.rule(src, "sb", "api.test").is_some());
+        assert!(e.rule(src, "another", "api.test").is_none());
+        assert!(e.rule(src, "sb", "other.test").is_none());
+        // Without internet access nothing is served.
+        let e = Egress::default();
+        e.put(&ruled(&[], &[], false, &[("api.test", false)]), &pool);
+        assert!(matches!(
+            e.proxy_decide(src, Some("api.test"), true),
+            ProxyDecision::Stranger
+        ));
+    }
+
+    #[test]
+    fn a_splice_follows_the_datapaths_policy() {
+        let pool: Ipv4Cidr = "10.96.0.0/16".parse().unwrap();
+        let src = Ipv4Addr::new(10, 96, 0, 2);
+        let ip = |s: &str| s.parse::<Ipv4Addr>().unwrap();
+        // Open to the world but for a deny CIDR.
+        let e = Egress::default();
+        e.put(
+            &ruled(&[], &["203.0.113.0/24"], true, &[("api.test", false)]),
+            &pool,
+        );
+        assert!(e.splice_still(src, "sb", ip("198.51.100.7")).is_some());
+        assert!(e.splice_still(src, "sb", ip("203.0.113.9")).is_none());
+        assert!(e.splice_still(src, "other", ip("198.51.100.7")).is_none());
+        // Only names: the catch-all refuses what was not learned; an allow
+        // CIDR opens its addresses. The rules' hosts join the allow names.
+        let e = Egress::default();
+        let rec = ruled(
+            &["198.51.100.0/28"],
+            &["0.0.0.0/0"],
+            true,
+            &[("api.test", false)],
+        );
+        assert!(rec.rule_names() && rec.allow_names().contains(&"api.test".to_string()));
+        e.put(&rec, &pool);
+        assert!(e.splice_still(src, "sb", ip("198.51.100.7")).is_some());
+        assert!(e.splice_still(src, "sb", ip("192.0.2.80")).is_none());
+        e.note(
+            src,
+            "api.test",
+            &[(IpAddr::V4(ip("192.0.2.80")), Duration::from_secs(60))],
+            10,
+        );
+        assert!(e.splice_still(src, "sb", ip("192.0.2.80")).is_some());
+        // Open to the world with no allow names: the hosts stay out of the
+        // names (adding one would close every other name).
+        let rec = ruled(&[], &[], true, &[("api.test", false)]);
+        assert!(!rec.rule_names());
+        // Never the node's or no public service's.
+        assert!(e.never_spliced(ip("127.0.0.1"), &pool).is_some());
+        assert!(e.never_spliced(ip("10.96.0.9"), &pool).is_some());
+        assert!(e.never_spliced(ip("169.254.169.254"), &pool).is_some());
+        assert!(e.never_spliced(ip("198.51.100.7"), &pool).is_none());
+    }
 
     #[test]
     fn the_world_is_closed_by_half_the_space_denied() {
