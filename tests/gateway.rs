@@ -403,12 +403,34 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
         "{e:?}"
     );
     assert!(!e.message.contains("X-Evil"), "{e:?}");
-    let many: Vec<Rule> = (0..65).map(|_| rule("api.test", &[], &[], &[])).collect();
-    let e = c
-        .call::<_, HashMap<String, OwnedValue>>("SetEgressRules", &(id, &many))
-        .await
-        .unwrap_err();
-    assert!(e.message.contains("limit is 64"), "{e:?}");
+    for n in [65, 10_000] {
+        let many: Vec<Rule> = (0..n).map(|_| rule("api.test", &[], &[], &[])).collect();
+        let e = c
+            .call::<_, HashMap<String, OwnedValue>>("SetEgressRules", &(id, &many))
+            .await
+            .unwrap_err();
+        assert!(e.message.contains("limit is 64"), "{e:?}");
+    }
+    let long = "k".repeat(5000);
+    let long: &'static str = Box::leak(long.into_boxed_str());
+    for (bad, field) in [
+        (rule("", &[], &[], &[]), "rules[0].host: empty"),
+        (rule("api.test", &[("X:Key", "v")], &[], &[]), "set_headers"),
+        (rule("api.test", &[("X-Key", long)], &[], &[]), "4096"),
+        (rule("api.test", &[], &["GE T"], &[]), "methods"),
+        (rule("api.test", &[], &[], &["v1"]), "paths"),
+        (rule("10.0.0.1", &[], &[], &[]), "host"),
+    ] {
+        let e = c
+            .call::<_, HashMap<String, OwnedValue>>("SetEgressRules", &(id, &vec![bad]))
+            .await
+            .unwrap_err();
+        assert!(
+            e.name.ends_with("InvalidArgument") && e.message.contains(field),
+            "{field}: {e:?}"
+        );
+        assert!(!e.message.contains("kkkk"), "{e:?}");
+    }
     let after = c.get(id).await.unwrap();
     assert_eq!(
         format!("{:?}", after["egress_rules"]),
