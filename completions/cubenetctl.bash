@@ -7,12 +7,12 @@
 # `cubenetctl list --no-legend -q` (first column) on the bus given on the
 # command line or in $CUBENETCTL_BUS; if that fails, no ids are offered.
 
-_cubenetctl_commands='list status ensure release reconcile health capacity open-tap watch metrics top'
+_cubenetctl_commands='list status ensure egress-rules egress-ca release reconcile health capacity open-tap watch metrics top'
 _cubenetctl_global_opts='-h --help -V --version --bus= --varlink= --json= -j -q --quiet --no-legend --no-pager'
-_cubenetctl_ensure_opts='--port= --allow-out= --deny-out= --egress-mode= --egress-rate= --ingress-rate= --egress-burst= --ingress-burst= --no-internet --mtu= --metadata= --idempotency-key= --clone-of= --paused --tap-owner='
+_cubenetctl_ensure_opts='--port= --allow-out= --deny-out= --egress-mode= --egress-rate= --ingress-rate= --egress-burst= --ingress-burst= --no-internet --mtu= --metadata= --idempotency-key= --clone-of= --paused --tap-owner= --egress-rules='
 _cubenetctl_top_opts='--interval= --count='
 # Options whose value may follow as the next word.
-_cubenetctl_value_opts='--bus --varlink --port --allow-out --deny-out --egress-mode --egress-rate --ingress-rate --egress-burst --ingress-burst --mtu --metadata --idempotency-key --clone-of --interval --count'
+_cubenetctl_value_opts='--bus --varlink --port --allow-out --deny-out --egress-mode --egress-rate --ingress-rate --egress-burst --ingress-burst --mtu --metadata --idempotency-key --clone-of --egress-rules --interval --count'
 
 # Sets _cubenetctl_words/_cubenetctl_cword: COMP_WORDS with the pieces that
 # COMP_WORDBREAKS split off ("--json" "=" "pretty", "cni" ":" "x") joined
@@ -126,7 +126,7 @@ _cubenetctl() {
         _cubenetctl_finish "$cur"
         return 0
         ;;
-    --varlink)
+    --varlink | --egress-rules)
         mapfile -t COMPREPLY < <(compgen -f -- "$cur")
         return 0
         ;;
@@ -146,9 +146,9 @@ _cubenetctl() {
     --bus=*) cands=(--bus=system --bus=session --bus=unix:path=) ;;
     --port=*) cands=(--port=tcp: --port=udp:) ;;
     --egress-mode=*) cands=(--egress-mode=dns --egress-mode=sni) ;;
-    --varlink=*)
-        local f
-        while IFS= read -r f; do cands+=("--varlink=$f"); done < <(compgen -f -- "${cur#--varlink=}")
+    --varlink=* | --egress-rules=*)
+        local f opt=${cur%%=*}
+        while IFS= read -r f; do cands+=("$opt=$f"); done < <(compgen -f -- "${cur#*=}")
         ;;
     --*=*) cands=() ;;
     -*) read -r -a cands <<<"$opts" ;;
@@ -157,12 +157,16 @@ _cubenetctl() {
             read -r -a cands <<<"$_cubenetctl_commands"
         elif ((npos == 0)); then
             case $verb in
-            status | release | reconcile | open-tap | ensure)
+            status | release | reconcile | open-tap | ensure | egress-rules)
                 mapfile -t cands < <(_cubenetctl_ids "${words[0]}" "${bus[@]}")
                 ;;
             esac
         elif [[ $verb == open-tap && $npos -eq 1 ]]; then
             cands=(--)
+        elif [[ $verb == egress-rules && $npos -eq 1 ]]; then
+            # FILE: a JSON file of rules (- for stdin).
+            mapfile -t COMPREPLY < <(compgen -f -- "$cur")
+            return 0
         fi
         ;;
     esac

@@ -1008,6 +1008,8 @@ const COMMANDS: &[&str] = &[
     "list",
     "status",
     "ensure",
+    "egress-rules",
+    "egress-ca",
     "release",
     "reconcile",
     "health",
@@ -1712,4 +1714,242 @@ fn no_ipv6_egress_says_why_and_how_to_open_it() {
         row.contains("; no IPv6 egress: up0 has no usable global"),
         "{row}"
     );
+}
+
+/// `cubenetctl` with `input` on its stdin.
+fn ctl_stdin(address: Option<&str>, args: &[&str], input: &str) -> Out {
+    let mut cmd = command(&[]);
+    if let Some(a) = address {
+        cmd.args(["--bus", a]);
+    }
+    let mut child = cmd
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running cubenetctl");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    Out {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// Egress rules from a file (`ensure --egress-rules`, `egress-rules ID
+/// FILE`): the header names and the agent's digests show in `status`,
+/// `list` and `--json` (equal to varlink's), the secrets nowhere, in no
+/// command's output or error; a malformed file names the field and
+/// changes nothing; `egress-ca` prints the node CA's certificate.
+#[test]
+fn egress_rules_from_a_file_never_show_the_secret() {
+    use cube_network_agent::rules::Secret;
+    use std::os::unix::fs::PermissionsExt;
+    require_root!();
+    let env = Env::new(&[]);
+    let bus = Some(env.address.as_str());
+    const SECRET: &str = "Bearer sk-s3cr3t-0123456789";
+    const SECRET2: &str = "Bearer sk-r0tated-9876543210";
+    let digest = |v: &str| Secret::new(v.into()).digest();
+    let mut seen: Vec<Out> = vec![];
+    let file = |name: &str, text: &str| -> String {
+        let p = env.dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        p.to_str().unwrap().to_owned()
+    };
+    let rules = file(
+        "rules.json",
+        &format!(
+            r#"[{{"host": "api.test", "set_headers": {{"Authorization": "{SECRET}", "X-Team": "{SECRET2}"}},
+                 "methods": ["get"], "paths": ["/v1"]}},
+               {{"host": "*.mirror.test", "plain_http": true}}]"#
+        ),
+    );
+    let rules_of = |net: &Value| net["egress_rules"].clone();
+    let want = json!([
+        {"host": "api.test",
+         "set_headers": {"authorization": digest(SECRET), "x-team": digest(SECRET2)},
+         "methods": ["GET"], "paths": ["/v1"], "plain_http": false},
+        {"host": "*.mirror.test", "set_headers": {}, "methods": [], "paths": [],
+         "plain_http": true},
+    ]);
+
+    let o = ctl(bus, &["ensure", "sbx-r", "--egress-rules", &rules]);
+    assert_eq!(o.code, 0, "{o:?}");
+    assert!(
+        o.stdout.contains("Egress rules: api.test: headers "),
+        "{o:?}"
+    );
+    seen.push(o);
+    let o = ctl(
+        bus,
+        &[
+            "ensure",
+            "sbx-r",
+            &format!("--egress-rules={rules}"),
+            "--json",
+        ],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    assert_eq!(rules_of(&json(&o)), want, "{o:?}");
+    seen.push(o);
+    let o = ctl(bus, &["status", "sbx-r"]);
+    assert_eq!(o.code, 0, "{o:?}");
+    for line in [
+        format!(
+            "Egress rules: api.test: headers authorization={}, x-team={}; methods GET; paths /v1; \
+             plain HTTP no",
+            digest(SECRET),
+            digest(SECRET2)
+        ),
+        "*.mirror.test: headers none; methods any; paths any; plain HTTP yes".to_owned(),
+    ] {
+        assert!(o.stdout.contains(&line), "{line}: {o:?}");
+    }
+    seen.push(o);
+    // --json: the digests, as varlink's GetNetwork and ListNetworks say.
+    let o = ctl(bus, &["status", "sbx-r", "--json"]);
+    let vl =
+        varlink(&env, "GetNetwork", json!({"sandbox_id": "sbx-r"})).unwrap()["network"].clone();
+    assert_eq!(rules_of(&json(&o)), want, "{o:?}");
+    assert_eq!(rules_of(&json(&o)), rules_of(&vl));
+    seen.push(o);
+    let o = ctl(bus, &["list", "--json"]);
+    assert_eq!(rules_of(&json(&o)[0]), want, "{o:?}");
+    seen.push(o);
+    let o = ctl(bus, &["list"]);
+    assert_eq!(o.code, 0, "{o:?}");
+    seen.push(o);
+    // A network without rules says [] on both edges.
+    let o = ctl(bus, &["ensure", "sbx-plain", "--json"]);
+    assert_eq!(json(&o)["egress_rules"], json!([]), "{o:?}");
+    seen.push(o);
+
+    // Malformed files: the field is named, nothing is sent, nothing changes.
+    let bad = [
+        (
+            "newline.json",
+            format!(r#"[{{"host": "api.test", "set_headers": {{"X-A\nB": "{SECRET}"}}}}]"#),
+            "[0].set_headers: header name",
+        ),
+        (
+            "unknown.json",
+            format!(r#"[{{"host": "api.test", "set_header": {{"Authorization": "{SECRET}"}}}}]"#),
+            "[0].\"set_header\": unknown key",
+        ),
+        (
+            "type.json",
+            format!(
+                r#"[{{"host": "api.test", "set_headers": {{"Authorization": "{SECRET}"}}}},
+                    {{"host": "b.test", "methods": "GET"}}]"#
+            ),
+            "[1].methods: expected an array of strings, got a string",
+        ),
+        (
+            "value.json",
+            r#"[{"host": "api.test", "set_headers": {"Authorization": 7}}]"#.to_owned(),
+            "[0].set_headers[\"Authorization\"]: expected a string, got a number",
+        ),
+    ];
+    for (name, text, what) in &bad {
+        let path = file(name, text);
+        for args in [
+            vec!["ensure", "sbx-r", "--egress-rules", path.as_str()],
+            vec!["egress-rules", "sbx-r", path.as_str()],
+        ] {
+            let o = ctl(bus, &args);
+            assert_eq!(o.code, 2, "{args:?}: {o:?}");
+            assert!(
+                o.stderr.starts_with(&format!("cubenetctl: {path}: {what}")),
+                "{args:?}: {o:?}"
+            );
+            assert_prefixed(&o);
+            seen.push(o);
+        }
+        let o = ctl(bus, &["status", "sbx-r", "--json"]);
+        assert_eq!(rules_of(&json(&o)), want, "{name} changed the rules: {o:?}");
+        seen.push(o);
+    }
+    // The agent's own refusal (one rule per host) names the file too.
+    let dup = file(
+        "dup.json",
+        &format!(
+            r#"[{{"host": "api.test", "set_headers": {{"Authorization": "{SECRET}"}}}},
+                {{"host": "API.test"}}]"#
+        ),
+    );
+    let o = ctl(bus, &["ensure", "sbx-r", "--egress-rules", &dup]);
+    assert_eq!(o.code, 1, "{o:?}");
+    assert!(
+        o.stderr
+            .contains(&format!("--egress-rules {dup} (egress_rules[1].host)")),
+        "{o:?}"
+    );
+    seen.push(o);
+    let o = ctl(bus, &["egress-rules", "sbx-r", &dup]);
+    assert_eq!(o.code, 1, "{o:?}");
+    assert!(
+        o.stderr.contains(&format!("{dup} (egress_rules[1].host)")),
+        "{o:?}"
+    );
+    seen.push(o);
+    let o = ctl(bus, &["status", "sbx-r", "--json"]);
+    assert_eq!(rules_of(&json(&o)), want, "{o:?}");
+    seen.push(o);
+
+    // egress-rules ID FILE replaces them (here from stdin), nothing else.
+    let before = without_traffic(json(&ctl(bus, &["status", "sbx-r", "--json"])));
+    let o = ctl_stdin(
+        bus,
+        &["egress-rules", "sbx-r", "-", "--json"],
+        &format!(r#"[{{"host": "api.test", "set_headers": {{"Authorization": "{SECRET2}"}}}}]"#),
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    let replaced = json!([{"host": "api.test", "set_headers": {"authorization": digest(SECRET2)},
+        "methods": [], "paths": [], "plain_http": false}]);
+    assert_eq!(rules_of(&json(&o)), replaced, "{o:?}");
+    seen.push(o);
+    let mut after = without_traffic(json(&ctl(bus, &["status", "sbx-r", "--json"])));
+    assert_eq!(rules_of(&after), replaced);
+    after["egress_rules"] = before["egress_rules"].clone();
+    assert_eq!(after, before, "only the rules changed");
+    let o = ctl(bus, &["egress-rules", "sbx-r", &file("two.json", "[]")]);
+    assert_eq!(o.code, 0, "{o:?}");
+    assert!(o.stdout.contains("Egress rules: -\n"), "{o:?}");
+    seen.push(o);
+    let o = ctl(bus, &["egress-rules", "sbx-none", &rules]);
+    assert_eq!(o.code, 3, "{o:?}");
+    seen.push(o);
+
+    // The node CA: the property, as the state directory has it.
+    let o = ctl(bus, &["egress-ca"]);
+    assert_eq!(o.code, 0, "{o:?}");
+    let pem = std::fs::read_to_string(env.dir.join("state/egress-ca.crt")).unwrap();
+    assert!(pem.starts_with("-----BEGIN CERTIFICATE-----"), "{pem}");
+    assert_eq!(o.stdout.trim_end(), pem.trim_end(), "{o:?}");
+    seen.push(o);
+    let o = ctl(bus, &["egress-ca", "--json"]);
+    assert_eq!(
+        json(&o)["certificate"].as_str(),
+        Some(pem.as_str()),
+        "{o:?}"
+    );
+    seen.push(o);
+
+    for o in &seen {
+        for s in [SECRET, SECRET2, "s3cr3t", "r0tated"] {
+            assert!(
+                !o.stdout.contains(s) && !o.stderr.contains(s),
+                "a secret in the output: {o:?}"
+            );
+        }
+    }
 }

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use crate::failure::{Failure, Res};
 use crate::help::{COMMANDS, CommandDef, find_command};
 use crate::output::{JsonMode, Output};
+use crate::rules_file::RulesFile;
 
 /// Where the agent's varlink socket is unless `--varlink` or
 /// `$CUBENETCTL_VARLINK` says otherwise (its `runtime_dir` default).
@@ -97,6 +98,9 @@ pub struct EnsureOpts {
     pub paused: bool,
     /// `--tap-owner UID[:GID]`: as typed, uid, gid.
     pub tap_owner: Option<(String, u32, Option<u32>)>,
+    /// `--egress-rules FILE`: read and checked (its values are secrets:
+    /// never formatted, Debug says `<secret>`).
+    pub egress_rules: Option<RulesFile>,
 }
 
 #[derive(Debug)]
@@ -104,6 +108,10 @@ pub enum Cmd {
     List,
     Status(String),
     Ensure(String, Box<EnsureOpts>),
+    /// `egress-rules ID FILE`: SetEgressRules.
+    EgressRules(String, Box<RulesFile>),
+    /// `egress-ca`: the node CA's certificate.
+    EgressCa,
     Release(String),
     Reconcile(String),
     Health,
@@ -152,6 +160,7 @@ struct RawEnsure {
     clone_of: Option<String>,
     paused: bool,
     tap_owner: Option<String>,
+    egress_rules: Option<String>,
 }
 
 /// The options of `ensure` (accepted only after the command name).
@@ -171,6 +180,7 @@ pub const ENSURE_FLAGS: &[&str] = &[
     "--clone-of",
     "--paused",
     "--tap-owner",
+    "--egress-rules",
 ];
 
 fn parse_bus(s: &str, origin: &str) -> Res<Bus> {
@@ -311,6 +321,11 @@ fn build_ensure(raw: RawEnsure) -> Res<EnsureOpts> {
             }
         }
     }
+    // Last: the other flags' mistakes come first, and stdin (`-`) is read
+    // only for a command line that is otherwise fine.
+    if let Some(path) = raw.egress_rules {
+        o.egress_rules = Some(crate::rules_file::read(&path)?);
+    }
     Ok(o)
 }
 
@@ -444,6 +459,15 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
                     raw.paused = true;
                 }
                 "--tap-owner" if is_ensure => raw.tap_owner = Some(value(inline)?),
+                "--egress-rules" if is_ensure => {
+                    let v = value(inline)?;
+                    if v.is_empty() {
+                        return Err(Failure::usage(
+                            "--egress-rules needs a file (a JSON array of rules; - for stdin)",
+                        ));
+                    }
+                    raw.egress_rules = Some(v);
+                }
                 "--interval" if is_top => interval = Some(value(inline)?),
                 "--count" if is_top => count = Some(value(inline)?),
                 f if TOP_FLAGS.contains(&f) => {
@@ -612,6 +636,21 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
         "ensure" => {
             want(1)?;
             Cmd::Ensure(positional.remove(0), Box::new(build_ensure(raw)?))
+        }
+        "egress-rules" => {
+            if positional.len() == 1 {
+                return Err(Failure::usage(
+                    "'egress-rules' needs FILE, a JSON array of rules; - for stdin \
+                     (usage: cubenetctl egress-rules ID FILE)",
+                ));
+            }
+            want(2)?;
+            let file = crate::rules_file::read(&positional[1])?;
+            Cmd::EgressRules(positional.remove(0), Box::new(file))
+        }
+        "egress-ca" => {
+            want(0)?;
+            Cmd::EgressCa
         }
         "open-tap" => {
             if positional.is_empty() {

@@ -72,15 +72,47 @@ impl Agent {
         B: serde::Serialize + zbus::zvariant::DynamicType,
         R: for<'d> zbus::zvariant::DynamicDeserialize<'d>,
     {
+        self.call_on(IFACE, method, body, explain).await
+    }
+
+    async fn call_on<B, R>(
+        &self,
+        iface: &str,
+        method: &str,
+        body: &B,
+        explain: &dyn Fn(&str) -> String,
+    ) -> Res<R>
+    where
+        B: serde::Serialize + zbus::zvariant::DynamicType,
+        R: for<'d> zbus::zvariant::DynamicDeserialize<'d>,
+    {
         let reply = self
             .conn
-            .call_method(Some(NAME), PATH, Some(IFACE), method, body)
+            .call_method(Some(NAME), PATH, Some(iface), method, body)
             .await
             .map_err(|e| self.failure(e, explain))?;
         reply.body().deserialize().map_err(|e| {
             Failure::new(
                 EXIT_AGENT,
                 format!("{method}: unexpected reply from the agent: {e}"),
+            )
+        })
+    }
+
+    /// A string property of the agent's interface (`EgressCaCertificate`).
+    pub async fn string_property(&self, name: &str) -> Res<String> {
+        let v: zbus::zvariant::OwnedValue = self
+            .call_on(
+                "org.freedesktop.DBus.Properties",
+                "Get",
+                &(IFACE, name),
+                &|m| m.to_owned(),
+            )
+            .await?;
+        String::try_from(v).map_err(|e| {
+            Failure::new(
+                EXIT_AGENT,
+                format!("{name}: unexpected value from the agent: {e}"),
             )
         })
     }

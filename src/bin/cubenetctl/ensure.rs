@@ -59,6 +59,12 @@ fn options(o: &EnsureOpts) -> HashMap<&'static str, Value<'static>> {
     if o.paused {
         m.insert("paused", Value::from(true));
     }
+    if let Some(f) = &o.egress_rules {
+        m.insert(
+            "egress_rules",
+            Value::from(crate::rules_file::dbus_value(&f.rules)),
+        );
+    }
     if let Some((_, uid, gid)) = &o.tap_owner {
         m.insert("tap_owner_uid", Value::from(*uid));
         if let Some(g) = gid {
@@ -97,6 +103,11 @@ pub fn explain(o: &EnsureOpts, msg: &str) -> String {
             "clone_of" => o.clone_of.as_ref().map(|s| format!("--clone-of {s}")),
             "mtu" => o.mtu.map(|m| format!("--mtu {m}")),
             "egress_mode" => o.egress_mode.as_ref().map(|m| format!("--egress-mode {m}")),
+            // The file's name, never what it holds (secrets).
+            k if k == "egress_rules" || k.starts_with("egress_rules[") => o
+                .egress_rules
+                .as_ref()
+                .map(|f| format!("--egress-rules {}", f.name)),
             "tap_owner_uid" | "tap_owner_gid" => o
                 .tap_owner
                 .as_ref()
@@ -173,6 +184,8 @@ fn clone_flags(o: &EnsureOpts, tail: &str) -> String {
         "deny_out" => "--deny-out",
         "mtu" => "--mtu",
         "egress_mode" => "--egress-mode",
+        // The flag alone: the rules are set from a file.
+        "egress_rules" => "--egress-rules",
         "bandwidth" => o
             .rates
             .first()
@@ -252,6 +265,22 @@ mod tests {
             "sandbox_id: must not be empty"
         );
         assert_eq!(explain(&o, "xdeny_out[0]"), "xdeny_out[0]");
+        // Rules name the file they came from, never a value.
+        let r = EnsureOpts {
+            egress_rules: Some(crate::rules_file::RulesFile {
+                name: "/etc/r.json".into(),
+                rules: vec![],
+            }),
+            ..EnsureOpts::default()
+        };
+        assert_eq!(
+            explain(&r, "egress_rules[0].host: 'a.test' already has a rule"),
+            "--egress-rules /etc/r.json (egress_rules[0].host): 'a.test' already has a rule"
+        );
+        assert_eq!(
+            explain(&o, "egress_rules[0].host: x"),
+            "egress_rules[0].host: x"
+        );
     }
 
     #[test]
@@ -268,6 +297,7 @@ mod tests {
             ("mtu", "--mtu"),
             ("allow_internet_access", "--no-internet"),
             ("bandwidth", "--ingress-rate"),
+            ("egress_rules", "--egress-rules"),
         ] {
             let e = explain(&o, &msg.replace("KEY", key));
             assert!(

@@ -84,7 +84,40 @@ converges it (same address and TAP). Errors name the option, e.g.
   --tap-owner=UID[:GID]   Hand the TAP over by name to a VMM running as
                           UID (in group GID): for Firecracker
                           (host_dev_name) and QEMU (ifname=); the agent
-                          keeps no fd of it, open-tap is refused",
+                          keeps no fd of it, open-tap is refused
+  --egress-rules=FILE     Egress rules from FILE (- for stdin), a JSON
+                          array: [{\"host\": \"api.example.com\",
+                          \"set_headers\": {\"Authorization\": \"...\"},
+                          \"methods\": [\"GET\"], \"paths\": [\"/v1\"],
+                          \"plain_http\": false}]; header values are
+                          secrets: keep them in a file (0600), never on a
+                          command line; they are shown as sha256:DIGEST",
+    },
+    CommandDef {
+        name: "egress-rules",
+        args: "ID FILE",
+        summary: "Replace a network's egress rules with FILE's",
+        help: "Calls SetEgressRules: network ID's egress rules become those of FILE
+(- for stdin), nothing else changes (for a CNI attachment, whose
+configuration is no place for secrets: ID is cni:CONTAINER:IFNAME). FILE
+is a JSON array of rules as for 'ensure --egress-rules'; [] removes
+them. The file is checked before anything is sent: an unknown key or a
+wrong type is named as 'FILE: [i].field'. No message and no output
+carries a header's value: the agent shows each as sha256: and 12 hex
+digits. Prints the network like 'status' (with --quiet nothing; with
+--json the network object). Exit status 3 if there is no such network.",
+        options: "",
+    },
+    CommandDef {
+        name: "egress-ca",
+        args: "",
+        summary: "Print the node CA certificate of egress rules (PEM)",
+        help: "Prints the certificate (PEM) of the node CA the agent signs egress
+rules' hosts with, which guests must trust (the Manager property
+EgressCaCertificate; also the file egress-ca.crt in the agent's state
+directory). With --json, {\"certificate\": PEM}. Exit status 1 if the
+egress gateway does not run.",
+        options: "",
     },
     CommandDef {
         name: "release",

@@ -80,20 +80,25 @@ fn name_fields(list: Json, names: &[&str]) -> Json {
     }
 }
 
-/// A network `a{sv}` as the varlink `Network` object.
+/// A network `a{sv}` as the varlink `Network` object. D-Bus leaves
+/// `egress_rules` out when there are none; varlink says `[]`, and so does
+/// this (one shape on every edge).
 pub fn network_json(d: &Dict) -> Json {
-    Json::Object(
-        d.iter()
-            .map(|(k, v)| {
-                let j = to_json(v);
-                let j = match STRUCT_FIELDS.iter().find(|(key, _)| key == k) {
-                    Some((_, names)) => name_fields(j, names),
-                    None => j,
-                };
-                (k.clone(), j)
-            })
-            .collect(),
-    )
+    let mut o: serde_json::Map<String, Json> = d
+        .iter()
+        .map(|(k, v)| {
+            let j = to_json(v);
+            let j = match STRUCT_FIELDS.iter().find(|(key, _)| key == k) {
+                Some((_, names)) => name_fields(j, names),
+                None => j,
+            };
+            (k.clone(), j)
+        })
+        .collect();
+    if o.contains_key("sandbox_id") && !o.contains_key("egress_rules") {
+        o.insert("egress_rules".into(), json!([]));
+    }
+    Json::Object(o)
 }
 
 #[cfg(test)]
@@ -146,6 +151,7 @@ mod tests {
                 "routes": [{"destination": "0.0.0.0/0", "gateway": "169.254.68.5", "device": "eth0"}],
                 "arp_neighbors": [{"ip": "169.254.68.5", "mac": "20:90:6f:cf:cf:cf", "device": "eth0"}],
                 "metadata": {"k": "v"},
+                "egress_rules": [],
             })
         );
     }

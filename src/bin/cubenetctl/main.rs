@@ -12,6 +12,7 @@
 mod args;
 mod capacity;
 mod dbus;
+mod egress;
 mod ensure;
 mod failure;
 mod health;
@@ -22,6 +23,7 @@ mod open_tap;
 mod output;
 mod reconcile;
 mod release;
+mod rules_file;
 mod status;
 mod top;
 mod varlink;
@@ -47,6 +49,8 @@ async fn run(g: &Global, cmd: Cmd) -> Res<Outcome> {
         Cmd::List => list::run(&agent, out).await?,
         Cmd::Status(id) => status::run(&agent, out, &id).await?,
         Cmd::Ensure(id, o) => ensure::run(&agent, out, &id, &o).await?,
+        Cmd::EgressRules(id, f) => egress::set_rules(&agent, out, &id, &f).await?,
+        Cmd::EgressCa => egress::ca(&agent, out).await?,
         Cmd::Release(id) => release::run(&agent, out, &id).await?,
         Cmd::Reconcile(id) => reconcile::run(&agent, out, &id).await?,
         Cmd::Health => health::run(&agent, out).await?,

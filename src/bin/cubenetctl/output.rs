@@ -188,6 +188,43 @@ fn port_line(m: &Json, out: &Output) -> String {
     )
 }
 
+/// One egress rule for people: `api.example.com: headers
+/// authorization=sha256:0123456789ab; methods GET, POST; paths /v1; plain
+/// HTTP no`. A header's value is the agent's digest of it: the agent never
+/// sends the value.
+fn rule_line(r: &Json) -> String {
+    let list = |k: &str| -> String {
+        let items: Vec<String> = r
+            .get(k)
+            .and_then(Json::as_array)
+            .map(|a| a.iter().map(jstr).collect())
+            .unwrap_or_default();
+        if items.is_empty() {
+            "any".into()
+        } else {
+            items.join(", ")
+        }
+    };
+    let headers: Vec<String> = r
+        .get("set_headers")
+        .and_then(Json::as_object)
+        .map(|h| h.iter().map(|(k, v)| format!("{k}={}", jstr(v))).collect())
+        .unwrap_or_default();
+    let headers = if headers.is_empty() {
+        "none".to_owned()
+    } else {
+        headers.join(", ")
+    };
+    let plain = r.get("plain_http").and_then(Json::as_bool).unwrap_or(false);
+    format!(
+        "{}: headers {headers}; methods {}; paths {}; plain HTTP {}",
+        field(r, "host"),
+        list("methods"),
+        list("paths"),
+        if plain { "yes" } else { "no" }
+    )
+}
+
 /// Where a CNI attachment came from, from the metadata cube-cni records:
 /// `CONTAINER/IFNAME@NETNS` (container id shortened to 12 characters, as
 /// runtimes show it); "-" for networks made by VMM launchers.
@@ -293,6 +330,7 @@ fn value_lines(key: &str, v: &Json, out: &Output) -> Vec<String> {
             ]
         }
         ("port_mappings", Json::Array(a)) => a.iter().map(|m| port_line(m, out)).collect(),
+        ("egress_rules", Json::Array(a)) => a.iter().map(rule_line).collect(),
         ("routes", Json::Array(a)) => a
             .iter()
             .map(|r| {
@@ -466,6 +504,7 @@ pub const NETWORK_FIELDS: &[(&str, &str)] = &[
     ("allow_out", "Allow out"),
     ("deny_out", "Deny out"),
     ("egress_mode", "Egress mode"),
+    ("egress_rules", "Egress rules"),
     ("egress_bps", "Egress limit"),
     ("egress_burst", "Egress burst"),
     ("ingress_bps", "Ingress limit"),
@@ -639,6 +678,33 @@ mod tests {
         let n = json!({"sandbox_id": "s", "egress_bps": 0, "traffic": {"tx_bytes": 1}});
         let s = key_values(n.as_object().unwrap(), NETWORK_FIELDS, &ASCII);
         assert!(!s.contains("shaper"), "{s}");
+    }
+
+    #[test]
+    fn egress_rules_show_names_and_digests() {
+        let n = json!({"sandbox_id": "s", "egress_rules": [
+            {"host": "api.test", "set_headers": {"authorization": "sha256:0123456789ab",
+             "x-key": "sha256:ba9876543210"}, "methods": ["GET", "POST"], "paths": ["/v1"],
+             "plain_http": true},
+            {"host": "*.mirror.test", "set_headers": {}, "methods": [], "paths": [],
+             "plain_http": false}]});
+        let s = key_values(n.as_object().unwrap(), NETWORK_FIELDS, &TEXT);
+        assert!(
+            s.contains(
+                "Egress rules: api.test: headers authorization=sha256:0123456789ab, \
+                 x-key=sha256:ba9876543210; methods GET, POST; paths /v1; plain HTTP yes\n"
+            ),
+            "{s}"
+        );
+        assert!(
+            s.contains(
+                "              *.mirror.test: headers none; methods any; paths any; plain HTTP no\n"
+            ),
+            "{s}"
+        );
+        let none = json!({"sandbox_id": "s", "egress_rules": []});
+        let s = key_values(none.as_object().unwrap(), NETWORK_FIELDS, &TEXT);
+        assert!(s.contains("Egress rules: -\n"), "{s}");
     }
 
     #[test]
