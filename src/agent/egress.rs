@@ -1192,28 +1192,20 @@ impl Agent {
     /// The node CA's certificate (PEM) guests trust for egress rules'
     /// hosts; `None` until the gateway runs.
     pub fn egress_ca_pem(&self) -> Option<String> {
-        match &*self
-            .egress
-            .gateway
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-        {
-            Some(Ok(pem)) => Some(pem.clone()),
-            _ => None,
-        }
+        self.egress_gateway().and_then(Result::ok)
     }
 
     /// Why the egress gateway does not run, if it does not.
     pub fn egress_gateway_error(&self) -> Option<String> {
-        match &*self
-            .egress
+        self.egress_gateway().and_then(Result::err)
+    }
+
+    fn egress_gateway(&self) -> Option<Result<String, String>> {
+        self.egress
             .gateway
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-        {
-            Some(Err(e)) => Some(e.clone()),
-            _ => None,
-        }
+            .clone()
     }
 
     /// How the proxy's last connection out went: refused by the service's

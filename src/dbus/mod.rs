@@ -528,9 +528,7 @@ pub fn network_dict(info: NetworkInfo) -> Dict {
         }
     }
     put("egress_mode", Value::from(r.egress_mode.as_str()));
-    if !r.egress_rules.is_empty() {
-        put("egress_rules", Value::from(rules_value(&r.egress_rules)));
-    }
+    put("egress_rules", Value::from(rules_value(&r.egress_rules)));
     let bw = r.bandwidth;
     put("egress_bps", Value::from(bw.egress_bps));
     put("ingress_bps", Value::from(bw.ingress_bps));

@@ -392,10 +392,10 @@ async fn relay<A: EgressPolicy>(
             .await
         }
         ProxyDecision::Stranger | ProxyDecision::Refuse { .. } => reset(conn),
-        ProxyDecision::Splice {
-            sandbox_id,
-            changed,
-        } => splice_dialled(&**agent, conn, buf, src, sandbox_id, changed).await,
+        // The entry to watch comes with the policy's verdict on the address.
+        ProxyDecision::Splice { sandbox_id, .. } => {
+            splice_dialled(&**agent, conn, buf, src, sandbox_id).await
+        }
         ProxyDecision::PlainRefused {
             sandbox_id,
             rule_host,
@@ -508,30 +508,51 @@ fn dialled(
 /// as it would have gone without rules.
 async fn splice_dialled(
     agent: &impl EgressPolicy,
-    mut conn: TcpStream,
+    conn: TcpStream,
     buf: Vec<u8>,
     src: Ipv4Addr,
     sandbox_id: String,
-    _changed: tokio::sync::watch::Receiver<()>,
 ) {
-    let Some((dst, mut changed)) = dialled(agent, &conn, src, &sandbox_id) else {
+    let Some((dst, changed)) = dialled(agent, &conn, src, &sandbox_id) else {
         debug!(
             sandbox_id,
             "proxy: no dialled address the sandbox may reach; reset"
         );
         return reset(conn);
     };
-    let Some(mut out) = connect_for(agent, src, dst, &sandbox_id).await else {
+    let Some(out) = connect_for(agent, src, dst, &sandbox_id).await else {
         return reset(conn);
     };
+    let still = || agent.splice_still(src, &sandbox_id, *dst.ip());
+    if send_and_splice(conn, out, &buf, changed, still).await {
+        info!(
+            sandbox_id,
+            %dst, "proxy: connection reset: idle, or the sandbox's rules changed or it is gone"
+        );
+    }
+}
+
+/// Sends what the client sent so far, then splices until either side
+/// closes, nothing moves for `IDLE_TIMEOUT`, or `still` (asked whenever
+/// the sandbox's entry changed) says the connection may not go on: then
+/// the client's side is reset and true returned. A connection never
+/// outlives its sandbox's rules.
+async fn send_and_splice(
+    mut conn: TcpStream,
+    mut out: TcpStream,
+    buf: &[u8],
+    mut changed: tokio::sync::watch::Receiver<()>,
+    still: impl Fn() -> Option<tokio::sync::watch::Receiver<()>>,
+) -> bool {
     let _ = conn.set_nodelay(true);
-    if out.write_all(&buf).await.is_err() {
-        return reset(conn);
+    if out.write_all(buf).await.is_err() {
+        reset(conn);
+        return false;
     }
     let cut = async {
         loop {
             if changed.changed().await.is_err() {
-                match agent.splice_still(src, &sandbox_id, *dst.ip()) {
+                match still() {
                     Some(next) => changed = next,
                     None => return,
                 }
@@ -543,13 +564,10 @@ async fn splice_dialled(
         () = cut => true,
     };
     if was_cut {
-        info!(
-            sandbox_id,
-            %dst, "proxy: connection reset: idle, or the sandbox's rules changed or it is gone"
-        );
         drop(out);
         reset(conn);
     }
+    was_cut
 }
 
 /// Egress rules, a rule's host: intercepted (`dns::intercept`). The
@@ -694,52 +712,31 @@ impl<A: EgressPolicy> Judge for RuleJudge<A> {
 async fn dial_name(
     agent: &impl EgressPolicy,
     upstream: Option<SocketAddrV4>,
-    mut conn: TcpStream,
+    conn: TcpStream,
     buf: Vec<u8>,
     src: Ipv4Addr,
     dial_port: u16,
     sandbox_id: String,
     name: String,
     cidrs: Option<Arc<dyn crate::policy::AddrRules>>,
-    mut changed: tokio::sync::watch::Receiver<()>,
+    changed: tokio::sync::watch::Receiver<()>,
 ) {
     let Some(dst) = resolve_for(agent, upstream, src, &sandbox_id, &name, cidrs.as_deref()).await
     else {
         return reset(conn);
     };
-    let Some(mut out) =
-        connect_for(agent, src, SocketAddrV4::new(dst, dial_port), &sandbox_id).await
+    let Some(out) = connect_for(agent, src, SocketAddrV4::new(dst, dial_port), &sandbox_id).await
     else {
         return reset(conn);
     };
-    let _ = conn.set_nodelay(true);
-    if out.write_all(&buf).await.is_err() {
-        return reset(conn);
-    }
     // Until either side closes, or the sandbox's rules change so that this
-    // name (or address) is no longer allowed, or the sandbox is released:
-    // a connection never outlives its sandbox.
-    let cut = async {
-        loop {
-            if changed.changed().await.is_err() {
-                match agent.proxy_still(src, &sandbox_id, &name, dst) {
-                    Some(next) => changed = next,
-                    None => return,
-                }
-            }
-        }
-    };
-    let was_cut = tokio::select! {
-        idle = splice(&mut conn, &mut out, IDLE_TIMEOUT) => idle,
-        () = cut => true,
-    };
-    if was_cut {
+    // name (or address) is no longer allowed, or the sandbox is released.
+    let still = || agent.proxy_still(src, &sandbox_id, &name, dst);
+    if send_and_splice(conn, out, &buf, changed, still).await {
         info!(
             sandbox_id,
             name, "proxy: connection reset: idle, or the sandbox's rules changed or it is gone"
         );
-        drop(out);
-        reset(conn);
     }
 }
 
