@@ -2,24 +2,31 @@
 //! one of a sandbox's egress rules names, the proxy hands the guest's
 //! connection here instead of splicing it. The engine answers the guest's
 //! TLS with a leaf certificate for the server name, signed by the node CA
-//! ([`NodeCa`]), reads each HTTP/1.1 request, asks the core about it
-//! ([`Judge`]), sets the rule's headers (secrets the guest never sees) and
-//! sends it on over the engine's own TLS connection to the upstream,
-//! verified against the trust roots for the same name. Bodies stream both
-//! ways; each request leaves one [`AuditRecord`].
+//! ([`NodeCa`]), reads each request, asks the core about it ([`Judge`]),
+//! sets the rule's headers (secrets the guest never sees) and sends it on
+//! over the engine's own TLS connection to the upstream, verified against
+//! the trust roots for the same name. Bodies stream both ways; each
+//! request leaves one [`AuditRecord`].
 //!
-//! Only HTTP/1.1 is offered to the guest (ALPN `http/1.1`); HTTP/2 is a
-//! later step. Protocol upgrades (WebSocket, `CONNECT`) are refused with
-//! 501.
+//! HTTP/2 and HTTP/1.1 are offered to the guest (ALPN `h2`, `http/1.1`),
+//! each HTTP/2 stream judged on its own. When the guest offers `h2`, the
+//! upstream is offered `h2` and `http/1.1` and the engine speaks what it
+//! chose (an HTTP/1.1 upstream takes an HTTP/2 guest's requests one at a
+//! time on its one connection); a guest that offers HTTP/1.1 only gets an
+//! upstream offered HTTP/1.1 only. WebSocket upgrades (HTTP/1.1) are judged
+//! like any request and, once the upstream answers 101, spliced both ways;
+//! WebSocket over HTTP/2 (RFC 8441), `CONNECT` and other upgrades are
+//! refused with 501.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::fs::{self, File, OpenOptions};
+use std::future::Future;
 use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime};
@@ -28,7 +35,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri};
 use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, DnValue,
     ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SerialNumber,
@@ -36,7 +43,7 @@ use rcgen::{
 use rustls::client::danger::ServerCertVerifier;
 use rustls::crypto::CryptoProvider;
 use rustls::server::{
-    ClientHello, ResolvesServerCert, ServerSessionMemoryCache, StoresServerSessions,
+    Acceptor, ClientHello, ResolvesServerCert, ServerSessionMemoryCache, StoresServerSessions,
 };
 use rustls::sign::CertifiedKey;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
@@ -44,7 +51,7 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio_rustls::{TlsAcceptor, TlsConnector};
+use tokio_rustls::{LazyConfigAcceptor, TlsConnector};
 
 /// The node CA's key and certificate, in the directory given to
 /// [`NodeCa::load_or_create`].
@@ -73,6 +80,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// of the previous response on a kept-alive connection too.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(60);
 const ALPN_HTTP11: &[u8] = b"http/1.1";
+const ALPN_H2: &[u8] = b"h2";
+/// Streams an HTTP/2 guest may have open at once.
+const GUEST_MAX_STREAMS: u32 = 100;
 
 /// The node CA: `<dir>/egress-ca.key` (PKCS#8 PEM, mode 0600, never
 /// leaves the node) and `<dir>/egress-ca.crt` (PEM, 0644), which guests
@@ -520,7 +530,9 @@ pub struct Interceptor {
     ca: NodeCa,
     leaves: Mutex<LeafCache>,
     sessions: Arc<dyn StoresServerSessions>,
-    upstream: Arc<ClientConfig>,
+    /// Upstream TLS offering `http/1.1` only, and offering `h2` first.
+    upstream_h1: Arc<ClientConfig>,
+    upstream_h2: Arc<ClientConfig>,
 }
 
 impl Interceptor {
@@ -547,11 +559,14 @@ impl Interceptor {
             .with_root_certificates(roots)
             .with_no_client_auth();
         upstream.alpn_protocols = vec![ALPN_HTTP11.to_vec()];
+        let mut upstream_h2 = upstream.clone();
+        upstream_h2.alpn_protocols = vec![ALPN_H2.to_vec(), ALPN_HTTP11.to_vec()];
         Ok(Interceptor {
             ca,
             leaves: Mutex::new(LeafCache::default()),
             sessions: ServerSessionMemoryCache::new(SESSION_CACHE),
-            upstream: Arc::new(upstream),
+            upstream_h1: Arc::new(upstream),
+            upstream_h2: Arc::new(upstream_h2),
         })
     }
 
@@ -577,20 +592,47 @@ impl Interceptor {
         let server_name =
             ServerName::try_from(name.clone()).map_err(|_| format!("{name}: not a server name"))?;
         let leaf = self.leaf(&name)?;
+        let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
+        let start = tokio::time::timeout_at(
+            deadline,
+            LazyConfigAcceptor::new(Acceptor::default(), Prefixed::new(hello, guest)),
+        )
+        .await;
+        let start = match start {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Err(format!("TLS handshake with the guest for {name}: {e}")),
+            Err(_) => {
+                return Err(format!(
+                    "TLS handshake with the guest for {name}: timed out"
+                ));
+            }
+        };
+        // HTTP/2 to the guest when it offers it (the engine prefers it), and
+        // then h2 is offered to the upstream too. A guest that offers
+        // HTTP/1.1 only (WebSocket clients do) gets an upstream offered
+        // HTTP/1.1 only, where its upgrades can go.
+        let h2 = start
+            .client_hello()
+            .alpn()
+            .is_some_and(|mut offered| offered.any(|p| p == ALPN_H2));
         let mut config = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| e.to_string())?
             .with_no_client_auth()
             .with_cert_resolver(Arc::new(OneLeaf(leaf)));
-        config.alpn_protocols = vec![ALPN_HTTP11.to_vec()];
+        config.alpn_protocols = if h2 {
+            vec![ALPN_H2.to_vec(), ALPN_HTTP11.to_vec()]
+        } else {
+            vec![ALPN_HTTP11.to_vec()]
+        };
         config.session_storage = self.sessions.clone();
-        let acceptor = TlsAcceptor::from(Arc::new(config));
-        let connector = TlsConnector::from(self.upstream.clone());
+        let connector = TlsConnector::from(if h2 {
+            self.upstream_h2.clone()
+        } else {
+            self.upstream_h1.clone()
+        });
         let (guest, upstream) = tokio::join!(
-            tokio::time::timeout(
-                HANDSHAKE_TIMEOUT,
-                acceptor.accept(Prefixed::new(hello, guest))
-            ),
+            tokio::time::timeout_at(deadline, start.into_stream(Arc::new(config))),
             tokio::time::timeout(HANDSHAKE_TIMEOUT, connector.connect(server_name, upstream)),
         );
         let guest = match guest {
@@ -602,12 +644,16 @@ impl Interceptor {
                 ));
             }
         };
+        let guest_h2 = guest.get_ref().1.alpn_protocol() == Some(ALPN_H2);
         let upstream = match upstream {
-            Ok(Ok(s)) => Ok(s),
+            Ok(Ok(s)) => {
+                let h2 = s.get_ref().1.alpn_protocol() == Some(ALPN_H2);
+                Ok((s, h2))
+            }
             Ok(Err(e)) => Err(upstream_tls_failure(&name, &e)),
             Err(_) => Err(format!("TLS handshake with upstream {name} timed out")),
         };
-        serve(guest, upstream, name, judge).await
+        serve(guest, guest_h2, upstream, name, judge).await
     }
 
     /// Plain HTTP (a rule with `plain_http`): the same request handling
@@ -622,7 +668,14 @@ impl Interceptor {
         judge: Arc<dyn Judge>,
     ) -> Result<(), String> {
         let name = plain_name(strip_port(host));
-        serve(Prefixed::new(head, guest), Ok(upstream), name, judge).await
+        serve(
+            Prefixed::new(head, guest),
+            false,
+            Ok((upstream, false)),
+            name,
+            judge,
+        )
+        .await
     }
 
     /// The leaf for `name`, from the cache or made now.
@@ -783,13 +836,33 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Prefixed<S> {
     }
 }
 
+/// The upstream connection's request sender.
+enum Upstream {
+    /// HTTP/1.1: one request at a time (the guest's HTTP/2 streams wait
+    /// their turn here).
+    H1(tokio::sync::Mutex<hyper::client::conn::http1::SendRequest<Counted>>),
+    /// HTTP/2 (the upstream chose `h2`): each request its own stream, sent
+    /// concurrently through clones of the sender.
+    H2(hyper::client::conn::http2::SendRequest<Counted>),
+}
+
 /// One guest connection's state, shared by its requests.
 struct Conn {
     /// The server name (lowercase, no port).
     name: String,
     judge: Arc<dyn Judge>,
-    /// The upstream HTTP/1.1 connection, or why there is none.
-    upstream: Result<tokio::sync::Mutex<hyper::client::conn::http1::SendRequest<Counted>>, String>,
+    /// The guest speaks HTTP/2 (ALPN `h2`).
+    guest_h2: bool,
+    /// The upstream connection, or why there is none.
+    upstream: Result<Upstream, String>,
+    /// Asks for the guest's connection to be closed gracefully (HTTP/2:
+    /// GOAWAY, the streams in flight finish).
+    close: tokio::sync::Notify,
+    /// A WebSocket upgrade is under way upstream: the upstream connection's
+    /// task ending then is the upgrade, not the upstream closing.
+    upgrading: AtomicBool,
+    /// The spliced WebSocket, once both sides switched protocols.
+    tunnel: Mutex<Option<AbortOnDrop>>,
 }
 
 /// Aborts the upstream connection's task when the guest connection ends.
@@ -801,11 +874,14 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Serves the guest's HTTP/1.1 requests on `guest`, forwarding the ones
-/// that pass over `upstream` (or answering each 502 when it is an error).
+/// Serves the guest's requests on `guest` (HTTP/2 when `guest_h2`, else
+/// HTTP/1.1), forwarding the ones that pass over `upstream` (HTTP/2 when
+/// its flag says the upstream chose it, else HTTP/1.1), or answering each
+/// 502 when it is an error.
 async fn serve<G, U>(
     guest: G,
-    upstream: Result<U, String>,
+    guest_h2: bool,
+    upstream: Result<(U, bool), String>,
     name: String,
     judge: Arc<dyn Judge>,
 ) -> Result<(), String>
@@ -815,7 +891,7 @@ where
 {
     let mut driver = None;
     let upstream = match upstream {
-        Ok(io) => match hyper::client::conn::http1::Builder::new()
+        Ok((io, true)) => match hyper::client::conn::http2::Builder::new(TokioExecutor::new())
             .handshake::<_, Counted>(TokioIo::new(io))
             .await
         {
@@ -823,7 +899,19 @@ where
                 driver = Some(AbortOnDrop(tokio::spawn(async move {
                     let _ = conn.await;
                 })));
-                Ok(tokio::sync::Mutex::new(sender))
+                Ok(Upstream::H2(sender))
+            }
+            Err(_) => Err(format!("HTTP/2 connection to upstream {name} failed")),
+        },
+        Ok((io, false)) => match hyper::client::conn::http1::Builder::new()
+            .handshake::<_, Counted>(TokioIo::new(io))
+            .await
+        {
+            Ok((sender, conn)) => {
+                driver = Some(AbortOnDrop(tokio::spawn(async move {
+                    let _ = conn.with_upgrades().await;
+                })));
+                Ok(Upstream::H1(tokio::sync::Mutex::new(sender)))
             }
             Err(_) => Err(format!("HTTP/1.1 connection to upstream {name} failed")),
         },
@@ -832,45 +920,46 @@ where
     let conn = Arc::new(Conn {
         name,
         judge,
+        guest_h2,
         upstream,
+        close: tokio::sync::Notify::new(),
+        upgrading: AtomicBool::new(false),
+        tunnel: Mutex::new(None),
     });
+    let shared = conn.clone();
     let service = service_fn(move |req| {
-        let conn = conn.clone();
+        let conn = shared.clone();
         async move { Ok::<_, Infallible>(handle(&conn, req).await) }
     });
-    let mut served = std::pin::pin!(
-        hyper::server::conn::http1::Builder::new()
+    let served = if guest_h2 {
+        let served = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(GUEST_MAX_STREAMS)
+            .serve_connection(TokioIo::new(guest), service);
+        drive(served, |c| c.graceful_shutdown(), &conn, &mut driver).await
+    } else {
+        let served = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(HEADER_READ_TIMEOUT)
             .keep_alive(true)
             .serve_connection(TokioIo::new(guest), service)
-    );
-    // When the upstream closes its side (idle, or after a response that
-    // said so), the guest's connection is closed too once the request in
-    // flight is answered: it could not be served any more.
-    let mut upstream_closed = std::pin::pin!(async {
-        match driver.as_mut() {
-            Some(d) => {
-                let _ = (&mut d.0).await;
-            }
-            None => std::future::pending().await,
-        }
-    });
-    let mut closing = false;
-    let served = loop {
-        tokio::select! {
-            r = &mut served => break r,
-            () = &mut upstream_closed, if !closing => {
-                closing = true;
-                served.as_mut().graceful_shutdown();
-            }
-        }
+            .with_upgrades();
+        drive(served, |c| c.graceful_shutdown(), &conn, &mut driver).await
     };
+    // A WebSocket goes on after the HTTP connection handed its stream over.
+    let tunnel = lock(&conn.tunnel).take();
+    if let Some(mut t) = tunnel {
+        let _ = (&mut t.0).await;
+    }
     drop(driver);
     match served {
         Ok(()) => Ok(()),
         Err(e)
-            if e.is_incomplete_message() || e.is_closed() || e.is_canceled() || e.is_timeout() =>
+            if e.is_incomplete_message()
+                || e.is_closed()
+                || e.is_canceled()
+                || e.is_timeout()
+                || went_away(&e) =>
         {
             Ok(())
         }
@@ -879,8 +968,70 @@ where
     }
 }
 
+/// Whether the guest just closed or dropped the connection (an HTTP/2
+/// client often closes without TLS close_notify once it has its answers).
+fn went_away(e: &hyper::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<io::Error>() {
+            return matches!(
+                io.kind(),
+                io::ErrorKind::UnexpectedEof
+                    | io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::BrokenPipe
+            );
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// Runs the guest's connection `served` to its end, shutting it down
+/// gracefully (`shutdown`) when the upstream closes its side (idle, or
+/// after a response that said so: the guest's connection could not be
+/// served any more once the requests in flight are answered) or a request
+/// asks for it.
+async fn drive<C>(
+    served: C,
+    shutdown: impl Fn(Pin<&mut C>),
+    conn: &Conn,
+    driver: &mut Option<AbortOnDrop>,
+) -> Result<(), hyper::Error>
+where
+    C: Future<Output = Result<(), hyper::Error>>,
+{
+    let mut served = std::pin::pin!(served);
+    let mut upstream_closed = std::pin::pin!(async {
+        match driver.as_mut() {
+            Some(d) => {
+                let _ = (&mut d.0).await;
+            }
+            None => std::future::pending().await,
+        }
+    });
+    let mut asked = std::pin::pin!(conn.close.notified());
+    let (mut upstream_done, mut closing) = (false, false);
+    loop {
+        tokio::select! {
+            r = &mut served => return r,
+            () = &mut upstream_closed, if !upstream_done => {
+                upstream_done = true;
+                if !closing && !conn.upgrading.load(Ordering::Relaxed) {
+                    closing = true;
+                    shutdown(served.as_mut());
+                }
+            }
+            () = &mut asked, if !closing => {
+                closing = true;
+                shutdown(served.as_mut());
+            }
+        }
+    }
+}
+
 /// Answers one request: checks, judges, forwards.
-async fn handle(conn: &Conn, req: Request<Incoming>) -> Response<Out> {
+async fn handle(conn: &Conn, mut req: Request<Incoming>) -> Response<Out> {
     let mut audit = Audit {
         judge: conn.judge.clone(),
         start: Instant::now(),
@@ -903,16 +1054,18 @@ async fn handle(conn: &Conn, req: Request<Incoming>) -> Response<Out> {
             "421 Misdirected Request: this connection is for {}\n",
             conn.name
         );
-        return text(StatusCode::MISDIRECTED_REQUEST, body, audit, false);
+        return text(conn, StatusCode::MISDIRECTED_REQUEST, body, audit, false);
     };
-    if req.method() == Method::CONNECT || req.headers().contains_key(header::UPGRADE) {
-        let body =
-            "501 Not Implemented: protocol upgrades are not supported by the egress gateway\n";
-        return text(StatusCode::NOT_IMPLEMENTED, body.into(), audit, true);
+    let websocket = is_websocket(&req);
+    if req.method() == Method::CONNECT
+        || (req.headers().contains_key(header::UPGRADE) && !websocket)
+    {
+        let body = "501 Not Implemented: the egress gateway passes WebSocket upgrades only (no CONNECT, no other protocol upgrade)\n";
+        return text(conn, StatusCode::NOT_IMPLEMENTED, body.into(), audit, true);
     }
     if has_dot_segment(req.uri().path()) {
         let body = "400 Bad Request: dot segments in the path are refused\n";
-        return text(StatusCode::BAD_REQUEST, body.into(), audit, true);
+        return text(conn, StatusCode::BAD_REQUEST, body.into(), audit, true);
     }
     let set_headers = match conn
         .judge
@@ -928,21 +1081,25 @@ async fn handle(conn: &Conn, req: Request<Incoming>) -> Response<Out> {
         Judgement::Forbid { rule_host, why } => {
             let body = format!("403 Forbidden: {why} (egress rule {rule_host})\n");
             audit.rec.rule_host = rule_host;
-            return text(StatusCode::FORBIDDEN, body, audit, false);
+            return text(conn, StatusCode::FORBIDDEN, body, audit, false);
         }
         Judgement::Gone => {
             let body = format!(
                 "403 Forbidden: no egress rule names {} any more\n",
                 conn.name
             );
-            return text(StatusCode::FORBIDDEN, body, audit, true);
+            if conn.guest_h2 {
+                conn.close.notify_one();
+            }
+            return text(conn, StatusCode::FORBIDDEN, body, audit, true);
         }
     };
-    let sender = match &conn.upstream {
-        Ok(s) => s,
+    let upstream = match &conn.upstream {
+        Ok(u) => u,
         Err(why) => {
             audit.rec.verdict = "upstream_failed";
             return text(
+                conn,
                 StatusCode::BAD_GATEWAY,
                 format!("502 Bad Gateway: {why}\n"),
                 audit,
@@ -950,10 +1107,18 @@ async fn handle(conn: &Conn, req: Request<Incoming>) -> Response<Out> {
             );
         }
     };
+    if websocket && matches!(upstream, Upstream::H2(_)) {
+        // Not reached through serve_tls: a guest that offers HTTP/1.1 only
+        // gets an upstream offered HTTP/1.1 only.
+        let body = "501 Not Implemented: the upstream speaks HTTP/2; WebSocket over HTTP/2 (RFC 8441) is not supported\n";
+        return text(conn, StatusCode::NOT_IMPLEMENTED, body.into(), audit, true);
+    }
 
+    let guest_upgrade = websocket.then(|| hyper::upgrade::on(&mut req));
+    let upgrade = req.headers().get(header::UPGRADE).cloned();
+    let te_trailers = has_token(req.headers(), header::TE, "trailers");
     let (mut parts, body) = req.into_parts();
     strip_hop_by_hop(&mut parts.headers);
-    parts.headers.insert(header::HOST, host);
     // The guest's values of these names go first, so that a rule may set
     // one name more than once.
     for (name, _) in &set_headers {
@@ -963,12 +1128,51 @@ async fn handle(conn: &Conn, req: Request<Incoming>) -> Response<Out> {
         value.set_sensitive(true);
         parts.headers.append(name, value);
     }
-    if parts.uri.authority().is_some() {
-        // Absolute form to origin form: the upstream is an origin server.
-        let pq = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-        parts.uri = pq.parse::<Uri>().unwrap_or_else(|_| Uri::from_static("/"));
+    let pq = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |pq| pq.as_str())
+        .to_owned();
+    match upstream {
+        Upstream::H1(_) => {
+            parts.headers.insert(header::HOST, host);
+            if parts.uri.authority().is_some() {
+                // Absolute form (or HTTP/2's) to origin form: the upstream
+                // is an origin server.
+                parts.uri = pq.parse::<Uri>().unwrap_or_else(|_| Uri::from_static("/"));
+            }
+            parts.version = http::Version::HTTP_11;
+            join_cookies(&mut parts.headers);
+            if let Some(upgrade) = upgrade.filter(|_| websocket) {
+                parts.headers.insert(header::UPGRADE, upgrade);
+                parts
+                    .headers
+                    .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            }
+        }
+        Upstream::H2(_) => {
+            // The name goes in :authority; HTTP/2 has no Host.
+            parts.headers.remove(header::HOST);
+            let authority = host.to_str().unwrap_or(&conn.name).to_owned();
+            let Ok(uri) = Uri::builder()
+                .scheme("https")
+                .authority(authority)
+                .path_and_query(pq)
+                .build()
+            else {
+                let body = "400 Bad Request: the request target cannot be sent on\n";
+                return text(conn, StatusCode::BAD_REQUEST, body.into(), audit, true);
+            };
+            parts.uri = uri;
+            parts.version = http::Version::HTTP_2;
+            // The one TE value HTTP/2 allows (gRPC needs it).
+            if te_trailers {
+                parts
+                    .headers
+                    .insert(header::TE, HeaderValue::from_static("trailers"));
+            }
+        }
     }
-    parts.version = http::Version::HTTP_11;
     let up = Arc::new(AtomicU64::new(0));
     audit.up = Some(up.clone());
     let req = Request::from_parts(
@@ -979,25 +1183,71 @@ async fn handle(conn: &Conn, req: Request<Incoming>) -> Response<Out> {
         },
     );
 
-    let answer = {
-        let mut sender = sender.lock().await;
-        match sender.ready().await {
-            Ok(()) => sender.send_request(req).await.map_err(|_| ()),
-            Err(_) => Err(()),
+    if websocket {
+        conn.upgrading.store(true, Ordering::Relaxed);
+    }
+    let answer = match upstream {
+        Upstream::H1(sender) => {
+            let mut sender = sender.lock().await;
+            match sender.ready().await {
+                Ok(()) => sender.send_request(req).await.map_err(|_| ()),
+                Err(_) => Err(()),
+            }
+        }
+        Upstream::H2(sender) => {
+            let mut sender = sender.clone();
+            match sender.ready().await {
+                Ok(()) => sender.send_request(req).await.map_err(|_| ()),
+                Err(_) => Err(()),
+            }
         }
     };
-    let Ok(resp) = answer else {
+    let switched = answer
+        .as_ref()
+        .is_ok_and(|r| r.status() == StatusCode::SWITCHING_PROTOCOLS);
+    if !switched {
+        conn.upgrading.store(false, Ordering::Relaxed);
+    }
+    let Ok(mut resp) = answer else {
         audit.rec.verdict = "upstream_failed";
         let body = format!("502 Bad Gateway: upstream {} failed to answer\n", conn.name);
-        return text(StatusCode::BAD_GATEWAY, body, audit, true);
+        return text(conn, StatusCode::BAD_GATEWAY, body, audit, true);
     };
+    if switched {
+        let Some(guest_upgrade) = guest_upgrade else {
+            audit.rec.verdict = "upstream_failed";
+            let body = format!(
+                "502 Bad Gateway: upstream {} switched protocols unasked\n",
+                conn.name
+            );
+            return text(conn, StatusCode::BAD_GATEWAY, body, audit, true);
+        };
+        let upstream_upgrade = hyper::upgrade::on(&mut resp);
+        let (mut parts, _) = resp.into_parts();
+        let upgrade = parts.headers.get(header::UPGRADE).cloned();
+        strip_hop_by_hop(&mut parts.headers);
+        if let Some(upgrade) = upgrade {
+            parts.headers.insert(header::UPGRADE, upgrade);
+        }
+        parts
+            .headers
+            .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        audit.rec.verdict = "forwarded";
+        audit.rec.status = parts.status.as_u16();
+        let task = tokio::spawn(splice(guest_upgrade, upstream_upgrade, audit));
+        *lock(&conn.tunnel) = Some(AbortOnDrop(task));
+        return Response::from_parts(
+            parts,
+            Out {
+                body: OutBody::Text(None),
+                audit: None,
+            },
+        );
+    }
     let (mut parts, body) = resp.into_parts();
-    let close = parts.headers.get_all(header::CONNECTION).iter().any(|v| {
-        v.to_str()
-            .is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case("close")))
-    });
+    let close = has_token(&parts.headers, header::CONNECTION, "close");
     strip_hop_by_hop(&mut parts.headers);
-    if close {
+    if close && !conn.guest_h2 {
         parts
             .headers
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
@@ -1008,9 +1258,116 @@ async fn handle(conn: &Conn, req: Request<Incoming>) -> Response<Out> {
         parts,
         Out {
             body: OutBody::Upstream(body),
-            audit,
+            audit: Some(audit),
         },
     )
+}
+
+/// Whether the comma-separated values of header `name` have `token`
+/// (case aside).
+fn has_token(h: &HeaderMap, name: HeaderName, token: &str) -> bool {
+    h.get_all(name).iter().any(|v| {
+        v.to_str()
+            .is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+    })
+}
+
+/// An HTTP/1.1 `GET` asking to switch to WebSocket (`Upgrade: websocket`,
+/// `Connection: upgrade`), the one upgrade passed on.
+fn is_websocket(req: &Request<Incoming>) -> bool {
+    let mut upgrades = req
+        .headers()
+        .get_all(header::UPGRADE)
+        .iter()
+        .flat_map(|v| v.to_str().unwrap_or("?").split(','))
+        .map(str::trim);
+    req.method() == Method::GET
+        && req.version() == http::Version::HTTP_11
+        && upgrades
+            .next()
+            .is_some_and(|u| u.eq_ignore_ascii_case("websocket"))
+        && upgrades.next().is_none()
+        && has_token(req.headers(), header::CONNECTION, "upgrade")
+}
+
+/// Several Cookie fields (as HTTP/2 clients send them) as one, for an
+/// HTTP/1.1 upstream (RFC 9113 section 8.2.3).
+fn join_cookies(h: &mut HeaderMap) {
+    if h.get_all(header::COOKIE).iter().nth(1).is_none() {
+        return;
+    }
+    let mut joined = Vec::new();
+    for v in h.get_all(header::COOKIE) {
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(v.as_bytes());
+    }
+    if let Ok(v) = HeaderValue::from_bytes(&joined) {
+        h.insert(header::COOKIE, v);
+    }
+}
+
+/// Splices the guest's and the upstream's upgraded streams both ways until
+/// they close, then leaves the request's audit record with the bytes each
+/// way.
+async fn splice(
+    guest: hyper::upgrade::OnUpgrade,
+    upstream: hyper::upgrade::OnUpgrade,
+    mut audit: Audit,
+) {
+    let up = Arc::new(AtomicU64::new(0));
+    let down = Arc::new(AtomicU64::new(0));
+    audit.up = Some(up.clone());
+    if let (Ok(g), Ok(u)) = tokio::join!(guest, upstream) {
+        let mut g = Tally {
+            inner: TokioIo::new(g),
+            count: up,
+        };
+        let mut u = Tally {
+            inner: TokioIo::new(u),
+            count: down.clone(),
+        };
+        let _ = tokio::io::copy_bidirectional(&mut g, &mut u).await;
+    }
+    audit.rec.bytes_down = down.load(Ordering::Relaxed);
+}
+
+/// A stream whose reads are counted.
+struct Tally<S> {
+    inner: S,
+    count: Arc<AtomicU64>,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Tally<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let r = Pin::new(&mut this.inner).poll_read(cx, buf);
+        let n = buf.filled().len() - before;
+        this.count.fetch_add(n as u64, Ordering::Relaxed);
+        r
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Tally<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
 }
 
 /// The request's Host (and absolute-form authority), when each there is
@@ -1097,12 +1454,19 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
 }
 
 /// A response the engine makes itself: `body` as text, with
-/// `Connection: close` when `close`.
-fn text(status: StatusCode, body: String, mut audit: Audit, close: bool) -> Response<Out> {
+/// `Connection: close` when `close` (HTTP/1.1; an HTTP/2 stream ends on
+/// its own).
+fn text(
+    conn: &Conn,
+    status: StatusCode,
+    body: String,
+    mut audit: Audit,
+    close: bool,
+) -> Response<Out> {
     audit.rec.status = status.as_u16();
     let mut resp = Response::new(Out {
         body: OutBody::Text(Some(Bytes::from(body))),
-        audit,
+        audit: Some(audit),
     });
     *resp.status_mut() = status;
     let h = resp.headers_mut();
@@ -1110,7 +1474,7 @@ fn text(status: StatusCode, body: String, mut audit: Audit, close: bool) -> Resp
         header::CONTENT_TYPE,
         HeaderValue::from_static("text/plain; charset=utf-8"),
     );
-    if close {
+    if close && !conn.guest_h2 {
         h.insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     resp
@@ -1183,10 +1547,11 @@ impl Body for Counted {
 }
 
 /// The response body sent to the guest: the engine's text or the
-/// upstream's body, counted, with the request's audit record.
+/// upstream's body, counted, with the request's audit record (none for a
+/// 101, whose record goes with the splice).
 struct Out {
     body: OutBody,
-    audit: Audit,
+    audit: Option<Audit>,
 }
 
 enum OutBody {
@@ -1209,8 +1574,9 @@ impl Body for Out {
         };
         if let Poll::Ready(Some(Ok(f))) = &r
             && let Some(d) = f.data_ref()
+            && let Some(audit) = &mut this.audit
         {
-            this.audit.rec.bytes_down += d.len() as u64;
+            audit.rec.bytes_down += d.len() as u64;
         }
         r
     }
@@ -1238,8 +1604,9 @@ mod tests {
     use http_body_util::combinators::BoxBody;
     use http_body_util::{BodyExt, Empty, Full, StreamBody};
     use hyper::client::conn::http1::SendRequest;
-    use tokio::io::AsyncReadExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
+    use tokio_rustls::TlsAcceptor;
 
     use crate::dns::proxy::{Hello, tls_server_name};
 
@@ -1293,6 +1660,7 @@ mod tests {
     #[derive(Debug, Clone)]
     struct Seen {
         path: String,
+        version: http::Version,
         headers: Vec<(String, Vec<u8>)>,
     }
 
@@ -1301,6 +1669,15 @@ mod tests {
     /// else with the request's headers (all but Authorization) and the
     /// size of its body.
     async fn upstream(ca: &TestCa, leaf_name: &str) -> (SocketAddr, Arc<Mutex<Vec<Seen>>>) {
+        upstream_alpn(ca, leaf_name, &[ALPN_HTTP11]).await
+    }
+
+    /// The same, offering `alpn` (HTTP/2 served when `h2` is chosen).
+    async fn upstream_alpn(
+        ca: &TestCa,
+        leaf_name: &str,
+        alpn: &[&[u8]],
+    ) -> (SocketAddr, Arc<Mutex<Vec<Seen>>>) {
         let (cert, key) = ca.leaf(leaf_name);
         let mut config = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
@@ -1308,7 +1685,7 @@ mod tests {
             .with_no_client_auth()
             .with_single_cert(vec![cert], key)
             .unwrap();
-        config.alpn_protocols = vec![ALPN_HTTP11.to_vec()];
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
         start_upstream(Some(TlsAcceptor::from(Arc::new(config)))).await
     }
 
@@ -1329,10 +1706,11 @@ mod tests {
                     match tls {
                         Some(acceptor) => {
                             if let Ok(io) = acceptor.accept(tcp).await {
-                                serve_echo(io, seen).await;
+                                let h2 = io.get_ref().1.alpn_protocol() == Some(ALPN_H2);
+                                serve_echo(io, seen, h2).await;
                             }
                         }
-                        None => serve_echo(tcp, seen).await,
+                        None => serve_echo(tcp, seen, false).await,
                     }
                 });
             }
@@ -1340,7 +1718,7 @@ mod tests {
         (addr, seen)
     }
 
-    async fn serve_echo<I>(io: I, seen: Arc<Mutex<Vec<Seen>>>)
+    async fn serve_echo<I>(io: I, seen: Arc<Mutex<Vec<Seen>>>, h2: bool)
     where
         I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
@@ -1348,22 +1726,75 @@ mod tests {
             let seen = seen.clone();
             async move { Ok::<_, Infallible>(echo(&seen, req).await) }
         });
-        let _ = hyper::server::conn::http1::Builder::new()
-            .serve_connection(TokioIo::new(io), service)
-            .await;
+        if h2 {
+            let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(io), service)
+                .await;
+        } else {
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(io), service)
+                .with_upgrades()
+                .await;
+        }
     }
 
-    async fn echo(seen: &Mutex<Vec<Seen>>, req: Request<Incoming>) -> Response<TestBody> {
+    /// The test upstream's answers: `/big`, `/close`, `/pair` (waits for
+    /// a second `/pair` request to be in, proving both are in flight at
+    /// once), an upgrade (101, then echoes the bytes on the upgraded
+    /// stream) and the echo of the request head otherwise.
+    async fn echo(seen: &Mutex<Vec<Seen>>, mut req: Request<Incoming>) -> Response<TestBody> {
         let headers: Vec<(String, Vec<u8>)> = req
             .headers()
             .iter()
             .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
             .collect();
-        let path = req.uri().to_string();
+        let path = req
+            .uri()
+            .path_and_query()
+            .map_or("/".to_owned(), |pq| pq.to_string());
         lock(seen).push(Seen {
             path: path.clone(),
+            version: req.version(),
             headers: headers.clone(),
         });
+        if req.headers().contains_key(header::UPGRADE) {
+            let on = hyper::upgrade::on(&mut req);
+            tokio::spawn(async move {
+                let Ok(upgraded) = on.await else { return };
+                let mut io = TokioIo::new(upgraded);
+                let mut buf = [0u8; 4096];
+                loop {
+                    match io.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            if io.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                    }
+                }
+            });
+            return Response::builder()
+                .status(StatusCode::SWITCHING_PROTOCOLS)
+                .header(header::UPGRADE, "websocket")
+                .header(header::CONNECTION, "Upgrade")
+                .header("sec-websocket-accept", "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=")
+                .body(empty())
+                .unwrap();
+        }
+        if path.starts_with("/pair") {
+            for _ in 0..500 {
+                if lock(seen)
+                    .iter()
+                    .filter(|s| s.path.starts_with("/pair"))
+                    .count()
+                    >= 2
+                {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
         let mut body = req.into_body();
         let mut n = 0;
         while let Some(f) = body.frame().await {
@@ -1512,6 +1943,21 @@ mod tests {
         tokio_rustls::client::TlsStream<TcpStream>,
         tokio::task::JoinHandle<Result<(), String>>,
     ) {
+        let (tls, served) = guest_tls_alpn(w, up, judge, &[ALPN_HTTP11]).await;
+        assert_eq!(tls.get_ref().1.alpn_protocol(), Some(ALPN_HTTP11));
+        (tls, served)
+    }
+
+    /// The same, the guest offering `alpn`.
+    async fn guest_tls_alpn(
+        w: &World,
+        up: SocketAddr,
+        judge: Arc<TestJudge>,
+        alpn: &[&[u8]],
+    ) -> (
+        tokio_rustls::client::TlsStream<TcpStream>,
+        tokio::task::JoinHandle<Result<(), String>>,
+    ) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let interceptor = w.interceptor.clone();
@@ -1542,13 +1988,12 @@ mod tests {
             .unwrap()
             .with_root_certificates(roots)
             .with_no_client_auth();
-        config.alpn_protocols = vec![ALPN_HTTP11.to_vec()];
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
         let tcp = TcpStream::connect(addr).await.unwrap();
         let tls = TlsConnector::from(Arc::new(config))
             .connect(ServerName::try_from("api.test").unwrap(), tcp)
             .await
             .unwrap();
-        assert_eq!(tls.get_ref().1.alpn_protocol(), Some(ALPN_HTTP11));
         (tls, served)
     }
 
@@ -1605,7 +2050,7 @@ mod tests {
                 .await
                 .unwrap();
             tokio::spawn(async move {
-                let _ = conn.await;
+                let _ = conn.with_upgrades().await;
             });
             Guest {
                 sender,
@@ -1646,6 +2091,240 @@ mod tests {
 
     fn contains(hay: &[u8], needle: &[u8]) -> bool {
         hay.windows(needle.len()).any(|w| w == needle)
+    }
+
+    /// An HTTP/2 guest connection to "api.test" through the engine: its
+    /// sender (cloned for each stream) and the engine's task.
+    async fn h2_guest(
+        w: &World,
+        up: SocketAddr,
+        judge: Arc<TestJudge>,
+    ) -> (
+        hyper::client::conn::http2::SendRequest<TestBody>,
+        tokio::task::JoinHandle<Result<(), String>>,
+    ) {
+        let (tls, served) = guest_tls_alpn(w, up, judge, &[ALPN_H2, ALPN_HTTP11]).await;
+        assert_eq!(tls.get_ref().1.alpn_protocol(), Some(ALPN_H2));
+        let (sender, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+                .await
+                .unwrap();
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        (sender, served)
+    }
+
+    /// One HTTP/2 stream: `uri` absolute (its authority is `:authority`).
+    async fn h2_send(
+        sender: &hyper::client::conn::http2::SendRequest<TestBody>,
+        method: &str,
+        uri: &str,
+        extra: &[(&str, &str)],
+        body: TestBody,
+    ) -> (u16, Bytes) {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(uri)
+            .version(http::Version::HTTP_2)
+            .header(header::AUTHORIZATION, GUEST_TOKEN);
+        for (n, v) in extra {
+            req = req.header(*n, *v);
+        }
+        let mut sender = sender.clone();
+        sender.ready().await.unwrap();
+        let resp = sender.send_request(req.body(body).unwrap()).await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.into_body().collect().await.unwrap().to_bytes())
+    }
+
+    async fn finish(served: tokio::task::JoinHandle<Result<(), String>>) {
+        tokio::time::timeout(Duration::from_secs(5), served)
+            .await
+            .expect("engine did not finish")
+            .unwrap()
+            .unwrap();
+    }
+
+    fn authorization(s: &Seen) -> Vec<&[u8]> {
+        s.headers
+            .iter()
+            .filter(|(n, _)| n == "authorization")
+            .map(|(_, v)| v.as_slice())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn intercept_h2_guest_streams_judged_each_over_h2_upstream() {
+        let w = World::new();
+        let (up, seen) = upstream_alpn(&w.upstream_ca, "api.test", &[ALPN_H2, ALPN_HTTP11]).await;
+        let judge = Arc::new(TestJudge::default());
+        let (sender, served) = h2_guest(&w, up, judge.clone()).await;
+        // Two streams at once: the upstream answers /pair only when both
+        // are in, so they share the one upstream connection concurrently.
+        let started = Instant::now();
+        let te = [("te", "trailers")];
+        let (a, b) = tokio::join!(
+            h2_send(&sender, "GET", "https://api.test/pair?a", &te, empty()),
+            h2_send(&sender, "GET", "https://api.test/pair?b", &[], empty()),
+        );
+        assert!(started.elapsed() < Duration::from_secs(4), "not concurrent");
+        assert_eq!((a.0, b.0), (200, 200));
+        assert!(contains(&a.1, b"te: trailers\n"), "{:?}", a.1);
+        let (status, body) = h2_send(&sender, "GET", "https://other.test/x", &[], empty()).await;
+        assert_eq!(status, 421);
+        assert!(contains(&body, b"api.test"));
+        let (status, _) =
+            h2_send(&sender, "GET", "https://api.test/forbidden/x", &[], empty()).await;
+        assert_eq!(status, 403);
+        // The connection goes on after both.
+        let (status, _) = h2_send(&sender, "GET", "https://api.test/last", &[], empty()).await;
+        assert_eq!(status, 200);
+        drop(sender);
+        finish(served).await;
+
+        let seen = lock(&seen).clone();
+        let mut paths: Vec<&str> = seen.iter().map(|s| s.path.as_str()).collect();
+        paths.sort();
+        assert_eq!(paths, ["/last", "/pair?a", "/pair?b"]);
+        for s in &seen {
+            assert_eq!(s.version, http::Version::HTTP_2);
+            assert_eq!(authorization(s), [SECRET.as_bytes()]);
+        }
+        let audits = lock(&judge.audits).clone();
+        let mut got: Vec<(u16, &str)> = audits.iter().map(|a| (a.status, a.verdict)).collect();
+        got.sort();
+        assert_eq!(
+            got,
+            [
+                (200, "forwarded"),
+                (200, "forwarded"),
+                (200, "forwarded"),
+                (403, "forbidden"),
+                (421, "misdirected")
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn intercept_h2_guest_over_http11_upstream() {
+        let w = World::new();
+        let (up, seen) = upstream(&w.upstream_ca, "api.test").await;
+        let judge = Arc::new(TestJudge::default());
+        let (sender, served) = h2_guest(&w, up, judge.clone()).await;
+        let cookies = [("cookie", "a=1"), ("cookie", "b=2"), ("te", "trailers")];
+        let (a, b) = tokio::join!(
+            h2_send(&sender, "GET", "https://api.test/one", &cookies, empty()),
+            h2_send(
+                &sender,
+                "POST",
+                "https://api.test/two",
+                &[],
+                Full::new(Bytes::from_static(b"hello")).boxed()
+            ),
+        );
+        assert_eq!((a.0, b.0), (200, 200));
+        // Host from :authority, the cookies joined, no TE on HTTP/1.1.
+        assert!(contains(&a.1, b"host: api.test\n"), "{:?}", a.1);
+        assert!(contains(&a.1, b"cookie: a=1; b=2\n"), "{:?}", a.1);
+        assert!(!contains(&a.1, b"te:"), "{:?}", a.1);
+        assert!(contains(&b.1, b"body-bytes: 5\n"), "{:?}", b.1);
+        let (status, _) = h2_send(&sender, "GET", "https://other.test/x", &[], empty()).await;
+        assert_eq!(status, 421);
+        // Gone: 403, and the engine ends the connection (GOAWAY) though
+        // the guest keeps its side open.
+        let (status, _) = h2_send(&sender, "GET", "https://api.test/gone", &[], empty()).await;
+        assert_eq!(status, 403);
+        finish(served).await;
+        drop(sender);
+        let seen = lock(&seen).clone();
+        assert_eq!(seen.len(), 2);
+        for s in &seen {
+            assert_eq!(s.version, http::Version::HTTP_11);
+            assert_eq!(authorization(s), [SECRET.as_bytes()]);
+        }
+        assert_eq!(lock(&judge.audits).len(), 4);
+    }
+
+    fn websocket_request(path: &str) -> Request<TestBody> {
+        Request::builder()
+            .method("GET")
+            .uri(path)
+            .header(header::HOST, "api.test")
+            .header(header::AUTHORIZATION, GUEST_TOKEN)
+            .header(header::UPGRADE, "websocket")
+            .header(header::CONNECTION, "Upgrade")
+            .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")
+            .header("sec-websocket-version", "13")
+            .body(empty())
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn intercept_websocket_upgrade_after_the_verdict() {
+        let w = World::new();
+        let (up, seen) = upstream(&w.upstream_ca, "api.test").await;
+        let judge = Arc::new(TestJudge::default());
+        let mut g = Guest::connect(&w, up, judge.clone()).await;
+        // Forbidden: 403, no switch.
+        g.sender.ready().await.unwrap();
+        let resp = g
+            .sender
+            .send_request(websocket_request("/forbidden/ws"))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::FORBIDDEN);
+        resp.into_body().collect().await.unwrap();
+        // Other upgrades: 501.
+        let mut h2c = websocket_request("/ws");
+        h2c.headers_mut()
+            .insert(header::UPGRADE, HeaderValue::from_static("h2c"));
+        g.sender.ready().await.unwrap();
+        let resp = g.sender.send_request(h2c).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::NOT_IMPLEMENTED);
+        drop(resp);
+        let mut g = Guest::connect(&w, up, judge.clone()).await;
+        g.sender.ready().await.unwrap();
+        let resp = g
+            .sender
+            .send_request(websocket_request("/ws"))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
+        assert_eq!(
+            resp.headers().get("sec-websocket-accept").unwrap(),
+            "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+        );
+        let mut io = TokioIo::new(hyper::upgrade::on(resp).await.unwrap());
+        for msg in [&b"ping over the tunnel"[..], b"and again"] {
+            io.write_all(msg).await.unwrap();
+            let mut back = vec![0u8; msg.len()];
+            io.read_exact(&mut back).await.unwrap();
+            assert_eq!(back, msg);
+        }
+        drop(io);
+        g.close().await;
+
+        let seen = lock(&seen).clone();
+        assert_eq!(seen.len(), 1, "neither the 403 nor the 501 went upstream");
+        assert_eq!(seen[0].path, "/ws");
+        assert_eq!(authorization(&seen[0]), [SECRET.as_bytes()]);
+        assert!(
+            seen[0]
+                .headers
+                .contains(&("upgrade".into(), b"websocket".to_vec()))
+        );
+        let audits = lock(&judge.audits).clone();
+        let got: Vec<(u16, &str, u64, u64)> = audits
+            .iter()
+            .filter(|a| a.status != 501)
+            .map(|a| (a.status, a.verdict, a.bytes_up, a.bytes_down))
+            .collect();
+        let n = (b"ping over the tunnel".len() + b"and again".len()) as u64;
+        assert_eq!(
+            got,
+            [(403, "forbidden", 0, got[0].3), (101, "forwarded", n, n)]
+        );
     }
 
     #[tokio::test]
@@ -1706,7 +2385,6 @@ mod tests {
 
     #[tokio::test]
     async fn intercept_expect_100_continue() {
-        use tokio::io::AsyncWriteExt;
         let w = World::new();
         let (up, seen) = upstream(&w.upstream_ca, "api.test").await;
         let judge = Arc::new(TestJudge::default());
