@@ -246,6 +246,29 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
         assert_eq!(h.get("authorization").map(String::as_str), Some(SECRET));
     }
 
+    // 1c. HTTP/2 (ALPN), each stream judged: curl speaks h2 to the
+    // gateway, which sends the requests on to this HTTP/1.1 upstream.
+    let out = curl(
+        "--http2 -w ' %{http_version}' https://api.test/v1/h2a https://api.test/v1/h2b \
+         -H 'x-probe: h2'",
+    );
+    assert!(
+        out.contains("upstream GET /v1/h2a") && out.contains("upstream GET /v1/h2b"),
+        "{out}"
+    );
+    assert!(
+        out.contains(" 2") && out.ends_with(" rc=0\n"),
+        "not HTTP/2: {out}"
+    );
+    let out =
+        curl("--http2 -o /dev/null -w '%{http_code}' -H 'Host: other.test' https://api.test/v1/x");
+    assert!(out.starts_with("421"), "{out}");
+    let reqs = logged(&api_log);
+    assert_eq!(reqs.len(), 6, "{reqs:?}");
+    for (_, _, h) in &reqs {
+        assert_eq!(h.get("authorization").map(String::as_str), Some(SECRET));
+    }
+
     // 2. Methods and paths: POST, a path beside the prefix, dot segments.
     let out = curl("-X POST -d x=1 https://api.test/v1/models");
     assert!(
@@ -261,14 +284,14 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
     assert!(out.starts_with("403"), "{out}");
     assert_eq!(
         logged(&api_log).len(),
-        4,
+        6,
         "a refused request reached the upstream"
     );
 
     // 3. A Host that is not the SNI: 421, nothing sent.
     let out = curl("-o /dev/null -w '%{http_code}' -H 'Host: other.test' https://api.test/v1/x");
     assert!(out.starts_with("421"), "{out}");
-    assert_eq!(logged(&api_log).len(), 4);
+    assert_eq!(logged(&api_log).len(), 6);
 
     // 4. The rule's name sent to another address (whose certificate is
     // for other.test): the agent verifies the name there, 502, nothing
@@ -386,11 +409,12 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
         assert!(!log.contains(s), "{s} in the agent's log");
     }
 
-    // Counted per sandbox: 5 requests sent on (two kept-alive, Python's,
-    // Node's, one plain HTTP); refused: POST, /v1x, the dot segments, POST /v1, the other
-    // Host, the two 502s, plain HTTP without plain_http.
+    // Counted per sandbox: 7 requests sent on (two kept-alive, two over
+    // HTTP/2, Python's, Node's, one plain HTTP); refused: the other Host
+    // over HTTP/2, POST, /v1x, the dot segments, POST /v1, the other Host,
+    // the two 502s, plain HTTP without plain_http.
     let t = c.traffic(id).await;
-    assert_eq!((t["egress_requests"], t["egress_refused"]), (5, 8), "{t:?}");
+    assert_eq!((t["egress_requests"], t["egress_refused"]), (7, 9), "{t:?}");
 
     // Bad input changes nothing and names the field, never the value.
     let bad = vec![rule("api.test", &[("X-Key", "v\r\nX-Evil: 1")], &[], &[])];
