@@ -610,6 +610,9 @@ async fn intercept<A: EgressPolicy>(
         return reset(conn);
     };
     debug!(sandbox_id, host = name, rule = rule_host, %dst, "egress: intercepting");
+    // The response must not wait for the guest's ACK of the session
+    // tickets (Nagle + delayed ACK: 40 ms on every new TLS connection).
+    let _ = conn.set_nodelay(true);
     let judge: Arc<dyn Judge> = Arc::new(RuleJudge {
         agent: agent.clone(),
         src,
