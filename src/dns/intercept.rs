@@ -72,6 +72,10 @@ const LEAF_RENEW: Duration = DAY;
 const BACKDATE: Duration = Duration::from_secs(3600);
 /// Leaf certificates kept at most (the least recently used goes first).
 const LEAF_CACHE: usize = 1024;
+/// Leaves one owner (a sandbox) may have made and still in the cache:
+/// beyond, its own least recently used goes, so a sandbox naming host
+/// after host of a wildcard rule churns its own share, never another's.
+const LEAF_SHARE: usize = 64;
 /// TLS sessions the guest side keeps for resumption.
 const SESSION_CACHE: usize = 1024;
 /// How long each TLS handshake may take.
@@ -502,6 +506,11 @@ pub trait Judge: Send + Sync + 'static {
     /// One record per request, once its response has been sent (or the
     /// guest went away).
     fn audit(&self, rec: AuditRecord);
+    /// Whose connection this is (a sandbox id): the leaves it makes count
+    /// against its share of the cache ([`LEAF_SHARE`]).
+    fn owner(&self) -> &str {
+        ""
+    }
 }
 
 /// What happened to one request.
@@ -591,7 +600,7 @@ impl Interceptor {
         let name = plain_name(sni);
         let server_name =
             ServerName::try_from(name.clone()).map_err(|_| format!("{name}: not a server name"))?;
-        let leaf = self.leaf(&name)?;
+        let leaf = self.leaf(&name, judge.owner())?;
         let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
         let start = tokio::time::timeout_at(
             deadline,
@@ -679,13 +688,13 @@ impl Interceptor {
     }
 
     /// The leaf for `name`, from the cache or made now.
-    fn leaf(&self, name: &str) -> Result<Arc<CertifiedKey>, String> {
+    fn leaf(&self, name: &str, owner: &str) -> Result<Arc<CertifiedKey>, String> {
         let now = SystemTime::now();
         if let Some(k) = lock(&self.leaves).get(name, now) {
             return Ok(k);
         }
         let (key, not_after) = self.ca.issue(name, now)?;
-        lock(&self.leaves).put(name, key.clone(), not_after);
+        lock(&self.leaves).put(name, key.clone(), not_after, owner);
         Ok(key)
     }
 }
@@ -710,18 +719,23 @@ fn upstream_tls_failure(name: &str, e: &io::Error) -> String {
     }
 }
 
-/// The leaves made so far, by name; the least recently used goes when
-/// [`LEAF_CACHE`] are kept.
+/// The leaves made so far, by name; an owner (the sandbox whose
+/// connection made a leaf) keeps at most [`LEAF_SHARE`] of them (its own
+/// least recently used goes), and the least recently used of all goes
+/// when [`LEAF_CACHE`] are kept.
 #[derive(Default)]
 struct LeafCache {
     map: HashMap<String, Leaf>,
     tick: u64,
+    /// Leaves in `map` per owner.
+    owned: HashMap<String, usize>,
 }
 
 struct Leaf {
     key: Arc<CertifiedKey>,
     not_after: SystemTime,
     used: u64,
+    owner: String,
 }
 
 impl LeafCache {
@@ -736,27 +750,43 @@ impl LeafCache {
         Some(leaf.key.clone())
     }
 
-    fn put(&mut self, name: &str, key: Arc<CertifiedKey>, not_after: SystemTime) {
+    fn put(&mut self, name: &str, key: Arc<CertifiedKey>, not_after: SystemTime, owner: &str) {
         self.tick += 1;
-        if self.map.len() >= LEAF_CACHE
-            && !self.map.contains_key(name)
-            && let Some(old) = self
-                .map
-                .iter()
-                .min_by_key(|(_, l)| l.used)
-                .map(|(n, _)| n.clone())
+        self.remove(name);
+        let full_share = self.owned.get(owner).copied().unwrap_or(0) >= LEAF_SHARE;
+        let victim = self
+            .map
+            .iter()
+            .filter(|(_, l)| !full_share || l.owner == owner)
+            .min_by_key(|(_, l)| l.used)
+            .map(|(n, _)| n.clone());
+        if let Some(v) = victim
+            && (full_share || self.map.len() >= LEAF_CACHE)
         {
-            self.map.remove(&old);
+            self.remove(&v);
         }
         let used = self.tick;
+        *self.owned.entry(owner.to_owned()).or_default() += 1;
         self.map.insert(
             name.to_owned(),
             Leaf {
                 key,
                 not_after,
                 used,
+                owner: owner.to_owned(),
             },
         );
+    }
+
+    fn remove(&mut self, name: &str) {
+        if let Some(old) = self.map.remove(name)
+            && let Some(n) = self.owned.get_mut(&old.owner)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.owned.remove(&old.owner);
+            }
+        }
     }
 }
 
@@ -2649,7 +2679,7 @@ mod tests {
         let now = SystemTime::now();
         let (a, not_after) = ca.issue("a.test", now).unwrap();
         let mut cache = LeafCache::default();
-        cache.put("a.test", a.clone(), not_after);
+        cache.put("a.test", a.clone(), not_after, "");
         assert!(Arc::ptr_eq(&cache.get("a.test", now).unwrap(), &a));
         // Less than a day left: made again.
         assert!(
@@ -2657,14 +2687,32 @@ mod tests {
                 .get("a.test", now + LEAF_VALIDITY - LEAF_RENEW / 2)
                 .is_none()
         );
+        // Many owners, a leaf each: the cache holds LEAF_CACHE, the least
+        // recently used of all went.
         for i in 0..LEAF_CACHE + 10 {
-            cache.put(&format!("n{i}.test"), a.clone(), not_after);
+            cache.put(
+                &format!("n{i}.test"),
+                a.clone(),
+                not_after,
+                &format!("sb{i}"),
+            );
         }
         assert_eq!(cache.map.len(), LEAF_CACHE);
         assert!(
             cache.get("n0.test", now).is_none(),
             "the least recently used went"
         );
+        // One sandbox naming 10,000 hosts while another works: the flooder
+        // churns its own share; the other's leaf stays.
+        let mut cache = LeafCache::default();
+        cache.put("quiet.test", a.clone(), not_after, "quiet");
+        for i in 0..10_000 {
+            cache.put(&format!("h{i}.flood.test"), a.clone(), not_after, "flood");
+        }
+        assert!(cache.get("quiet.test", now).is_some());
+        assert_eq!(cache.owned["flood"], LEAF_SHARE);
+        assert_eq!(cache.map.len(), LEAF_SHARE + 1);
+        assert!(cache.get("h9999.flood.test", now).is_some());
         let _ = fs::remove_dir_all(&dir);
     }
 

@@ -686,6 +686,10 @@ impl<A: EgressPolicy> Judge for RuleJudge<A> {
         }
     }
 
+    fn owner(&self) -> &str {
+        &self.sandbox_id
+    }
+
     fn audit(&self, r: AuditRecord) {
         self.agent
             .egress_request(self.src, &self.sandbox_id, r.verdict == "forwarded");
