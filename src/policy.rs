@@ -135,9 +135,9 @@ pub trait EgressPolicy: Send + Sync + 'static {
     /// `local` ← `guest` (what the datapath recorded when it steered it).
     fn proxy_peer(
         &self,
-        local: std::net::SocketAddrV4,
-        guest: std::net::SocketAddrV4,
-    ) -> Option<std::net::SocketAddrV4>;
+        local: std::net::SocketAddr,
+        guest: std::net::SocketAddr,
+    ) -> Option<std::net::SocketAddr>;
     /// The rule of the moment for `host` of the sandbox `sandbox_id` at
     /// `src`; `None` when it has none (any more), or `src` is another's.
     fn egress_rule(
@@ -156,7 +156,7 @@ pub trait EgressPolicy: Send + Sync + 'static {
         &self,
         src: Ipv4Addr,
         sandbox_id: &str,
-        dst: Ipv4Addr,
+        dst: IpAddr,
     ) -> Option<tokio::sync::watch::Receiver<()>>;
     /// Why `src` may not reach `ip` through a name, if it may not.
     fn name_target_refused(&self, src: Ipv4Addr, ip: Ipv4Addr) -> Option<&'static str>;

@@ -656,3 +656,97 @@ for path in ["/v1/one", "/v1/two", "/v1/three"]:
     assert!(log.contains("intercepted connection closed"), "{log}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Over IPv6 as over IPv4: a ruled sandbox's HTTPS to a rule's host at an
+/// IPv6 address is steered to the proxy (guest6_steer) and intercepted,
+/// the agent connecting to the address the guest dialled over IPv6 and
+/// verifying the name there; a host without a rule is spliced there with
+/// no header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_rules_over_ipv6() {
+    require_root!();
+    use common::world::{WORLD_IP6, World};
+    let dir = std::env::temp_dir().join(format!("cube-gateway-v6-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    certificates(&dir, &[("api6", "api6.test"), ("plain6", "norule6.test")]);
+    let bundle = dir.join("ca.pem");
+    let mut env = common::Env::new(&[
+        "--dns-upstream",
+        "198.51.100.2",
+        "--egress-trust-bundle",
+        bundle.to_str().unwrap(),
+    ]);
+    let world = World::attach(&env);
+    world.add_ipv6(&[]);
+    env.kill_agent();
+    env.start_agent();
+    let _dns = common::dnsmasq::start(
+        &world,
+        &[
+            "--address=/probe.test/198.51.100.2".into(),
+            format!("--host-record=api6.test,{WORLD_IP6}"),
+            format!("--host-record=norule6.test,{WORLD_IP6}"),
+        ],
+        "probe.test",
+    );
+    let (_api, api_log) = upstream(&world, &dir, &WORLD_IP6.to_string(), 443, Some("api6"));
+    let ctr = Ctr::new("gw6");
+    let id = "cni:c-gw6:eth0";
+    ctr::add(&env, "c-gw6", &ctr, serde_json::json!({}));
+    let _conf = ctr.resolv_conf("198.51.100.2");
+    let c = env.client().await;
+    let rules = vec![rule("api6.test", &[("Authorization", SECRET)], &[], &[])];
+    let net: HashMap<String, OwnedValue> = c.call("SetEgressRules", &(id, &rules)).await.unwrap();
+    assert!(
+        bool::try_from(net["ipv6_egress"].try_clone().unwrap()).unwrap(),
+        "the sandbox has IPv6 egress"
+    );
+    // The container's IPv6 address and default route (router advertisement).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ctr
+        .ip_json(&["-6", "route", "show", "default"])
+        .as_array()
+        .is_none_or(|r| r.is_empty())
+    {
+        assert!(Instant::now() < deadline, "no IPv6 default route");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let cacert = env.dir.join("state/egress-ca.crt");
+    let out = ctr.sh(&format!(
+        "curl -6 -sS --cacert {} --connect-timeout 3 --max-time 8 -H 'x-probe: v6' \
+         https://api6.test/v1/six 2>&1; echo \" rc=$?\"",
+        cacert.display()
+    ));
+    assert!(
+        out.contains("upstream GET /v1/six") && out.ends_with(" rc=0\n"),
+        "{out}"
+    );
+    // A host without a rule at the same address: spliced, no header (its
+    // certificate names api6.test: -k).
+    let out = ctr.sh(
+        "curl -6 -sSk --connect-timeout 3 --max-time 8 https://norule6.test/n6 2>&1; \
+         echo \" rc=$?\"",
+    );
+    assert!(
+        out.contains("upstream GET /n6") && out.ends_with(" rc=0\n"),
+        "{out}"
+    );
+    let reqs = logged(&api_log);
+    let six = reqs
+        .iter()
+        .find(|r| r.1 == "/v1/six")
+        .expect("the intercepted request");
+    assert_eq!(six.2.get("authorization").map(String::as_str), Some(SECRET));
+    let n6 = reqs
+        .iter()
+        .find(|r| r.1 == "/n6")
+        .expect("the spliced request");
+    assert!(!n6.2.contains_key("authorization"), "{n6:?}");
+    // Both came from the node over IPv6 (the proxy's connections).
+    for r in [six, n6] {
+        assert!(r.2[":peer"].contains(':'), "not over IPv6: {r:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

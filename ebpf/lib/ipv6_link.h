@@ -269,7 +269,8 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 		return V6_TO_HOST;
 
 	/* The world (not the link, nor link-local): DNS of a sandbox with
-	 * domain rules, HTTP and HTTPS of one in strict mode to guest6_steer
+	 * domain rules, HTTP and HTTPS of one in strict mode or with egress
+	 * rules to guest6_steer
 	 * (the agent's resolver and proxy); else, for a sandbox that may
 	 * reach it, NAT66 in guest6_out. */
 	__u32 d0 = bpf_ntohl(h.ip.daddr[0]);
@@ -280,7 +281,7 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 		if ((h.ip.nexthdr == IPPROTO_TCP || h.ip.nexthdr == IPPROTO_UDP) &&
 		    (dport == 53 || dport == 80 || dport == 443)) {
 			struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
-			if (sb && (sb->flags & (dport == 53 ? DP_F_DOMAINS : DP_F_SNI)))
+			if (sb && (sb->flags & (dport == 53 ? DP_F_DOMAINS : (DP_F_SNI | DP_F_RULES))))
 				return V6_STEER;
 		}
 		if (v6_router(c, ifindex))

@@ -8,7 +8,7 @@
  * tail call): steer_to_agent's IPv6 twin. DNS (UDP/TCP 53) to anyone goes
  * to the agent's resolver, with or without IPv6 egress; with DP_F_SNI,
  * TCP to 80/443 that no allowed CIDR covers goes to the proxy and UDP to
- * 443 is dropped. The agent's sockets are reached through the node's side
+ * 443 is dropped; with DP_F_RULES, TCP to 80/443 the policy lets out. The agent's sockets are reached through the node's side
  * of host <-> sandbox over IPv6 (pool6): without it a flow they should
  * take is refused (an RST, so the client falls back to IPv4), never sent
  * on. Anything else goes on to guest6_out. */
@@ -46,6 +46,16 @@ int guest6_steer(struct __sk_buff *skb)
 	} else if ((sb->flags & DP_F_DOMAINS) && l4.dport == bpf_htons(53) &&
 		   (l4.proto == IPPROTO_UDP || l4.proto == IPPROTO_TCP)) {
 		pport = bpf_htons(53);
+	} else if (router && (sb->flags & DP_F_INTERNET) && (sb->flags & DP_F_RULES) &&
+		   proxy_port(sb, &l4)) {
+		/* Egress rules, as IPv4's steer_to_agent: every flow to 80/443
+		 * whose SYN the policy lets out (guest6_out's test); a refused
+		 * SYN goes on to guest6_out, which drops it. */
+		if ((l4.tcp_flags & (TCP_SYN | TCP_ACK)) != TCP_SYN || (sb->flags & DP_F_SNI) ||
+		    ((sb->flags & DP_F_V6_RULES)
+			     ? policy6_allows(sb, (const struct dp_in6 *)ip.daddr, 1)
+			     : v6_world(ip.daddr)))
+			pport = proxy_port(sb, &l4);
 	} else if (router &&
 		   (sb->flags & (DP_F_SNI | DP_F_INTERNET)) == (DP_F_SNI | DP_F_INTERNET)) {
 		struct dp_policy6_key pk = {.prefixlen = 160, .sandbox_ip = sb->sandbox_ip};

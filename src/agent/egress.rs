@@ -127,6 +127,31 @@ fn never_dialled4(ip: Ipv4Addr, pool: &Ipv4Cidr) -> Option<&'static str> {
     }
 }
 
+/// [`never_dialled4`]'s IPv6 twin: unspecified, loopback, multicast,
+/// link-local, IPv4-mapped, the guests' link (fd63:7562:6500::/64), the
+/// sandboxes' node-side identities (`ipv6_pool`) and the cloud metadata
+/// address fd00:ec2::254.
+fn never_dialled6(ip: std::net::Ipv6Addr, pool6: &[u8; 12]) -> Option<&'static str> {
+    let seg = ip.segments();
+    if ip.is_unspecified() || ip.is_loopback() {
+        Some("unspecified or loopback")
+    } else if ip.is_multicast() {
+        Some("multicast")
+    } else if ip.is_unicast_link_local() {
+        Some("link-local")
+    } else if ip.to_ipv4_mapped().is_some() {
+        Some("an IPv4-mapped address")
+    } else if seg[..4] == crate::types::GUEST_IPV6.segments()[..4] {
+        Some("the guests' link")
+    } else if ip.octets()[..12] == pool6[..] {
+        Some("the sandboxes' IPv6 identities (ipv6_pool)")
+    } else if ip == std::net::Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254) {
+        Some("the cloud metadata address")
+    } else {
+        None
+    }
+}
+
 fn unreachable_why4(ip: Ipv4Addr, cidrs: &CidrRules, pool: &Ipv4Cidr) -> Option<&'static str> {
     let never = never_dialled4(ip, pool);
     let o = ip.octets();
@@ -799,36 +824,55 @@ impl Egress {
         &self,
         src: Ipv4Addr,
         sandbox_id: &str,
-        dst: Ipv4Addr,
+        dst: IpAddr,
     ) -> Option<tokio::sync::watch::Receiver<()>> {
-        let changed = {
-            let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
-            let sb = sandboxes.get(&src).filter(|s| s.id == sandbox_id)?;
-            let tx = sb.changed.as_ref()?;
-            if !sb.internet {
-                return None;
-            }
-            let c = &sb.cidrs;
-            let all = <Ipv4Cidr as crate::alloc::ip::Cidr>::all();
-            if c.allow.iter().any(|n| n.contains(dst)) {
-                return Some(tx.subscribe());
-            }
-            if c.deny.iter().any(|n| *n != all && n.contains(dst)) {
-                return None;
-            }
-            if !c.deny.contains(&all) {
-                return Some(tx.subscribe());
-            }
-            tx.subscribe()
+        let learned = || {
+            self.mine(src).is_some_and(|m| {
+                m.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .by_dst
+                    .contains_key(&dst)
+            })
         };
-        // Under the catch-all deny: only a learned address.
-        let mine = self.mine(src)?;
-        let learned = mine
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .by_dst
-            .contains_key(&IpAddr::V4(dst));
-        learned.then_some(changed)
+        let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
+        let sb = sandboxes.get(&src).filter(|s| s.id == sandbox_id)?;
+        let tx = sb.changed.as_ref()?;
+        if !sb.internet {
+            return None;
+        }
+        let c = &sb.cidrs;
+        let all = <Ipv4Cidr as crate::alloc::ip::Cidr>::all();
+        let catch_all = c.deny.contains(&all);
+        let allowed = match dst {
+            IpAddr::V4(d) => {
+                if c.allow.iter().any(|n| n.contains(d)) {
+                    true
+                } else if c.deny.iter().any(|n| *n != all && n.contains(d)) {
+                    false
+                } else {
+                    !catch_all || learned()
+                }
+            }
+            // policy6_allows (guest6_out's test), for a sandbox whose IPv6
+            // reaches the world.
+            IpAddr::V6(d) => {
+                let seg = d.segments();
+                let ula = (seg[0] & 0xfe00) == 0xfc00;
+                let world = (seg[0] >> 13) == 1
+                    && seg[0] != 0x2002
+                    && !(seg[0] == 0x2001 && seg[1] < 0x200);
+                if !sb.v6_out || !(world || ula) {
+                    false
+                } else if c.allow6.iter().any(|n| n.contains(d)) {
+                    true
+                } else if ula || c.deny6.iter().any(|n| n.prefix_len() > 0 && n.contains(d)) {
+                    false
+                } else {
+                    learned() || !(catch_all || c.deny6.iter().any(|n| n.prefix_len() == 0))
+                }
+            }
+        };
+        allowed.then(|| tx.subscribe())
     }
 
     /// Records what was learned (at most `cap` addresses, deduplicated by
@@ -873,11 +917,15 @@ impl Egress {
     /// Why the proxy never splices a sandbox's connection to `ip` (the
     /// datapath would have dropped it as `node_addr`, or no public service
     /// has it), if it never does.
-    fn never_spliced(&self, ip: Ipv4Addr, pool: &Ipv4Cidr) -> Option<&'static str> {
-        never_dialled4(ip, pool).or_else(|| {
+    fn never_spliced(&self, ip: IpAddr, pool: &Ipv4Cidr, pool6: &[u8; 12]) -> Option<&'static str> {
+        let never = match ip {
+            IpAddr::V4(ip) => never_dialled4(ip, pool),
+            IpAddr::V6(ip) => never_dialled6(ip, pool6),
+        };
+        never.or_else(|| {
             self.local
                 .get()
-                .contains(&IpAddr::V4(ip))
+                .contains(&ip)
                 .then_some("an address of this node")
         })
     }
@@ -1567,9 +1615,9 @@ impl EgressPolicy for Agent {
     }
     fn proxy_peer(
         &self,
-        local: std::net::SocketAddrV4,
-        guest: std::net::SocketAddrV4,
-    ) -> Option<std::net::SocketAddrV4> {
+        local: std::net::SocketAddr,
+        guest: std::net::SocketAddr,
+    ) -> Option<std::net::SocketAddr> {
         self.datapath.proxy_peer(local, guest)
     }
     fn egress_rule(
@@ -1593,9 +1641,12 @@ impl EgressPolicy for Agent {
         &self,
         src: Ipv4Addr,
         sandbox_id: &str,
-        dst: Ipv4Addr,
+        dst: IpAddr,
     ) -> Option<tokio::sync::watch::Receiver<()>> {
-        if let Some(why) = self.egress.never_spliced(dst, &self.d.pool) {
+        if let Some(why) = self
+            .egress
+            .never_spliced(dst, &self.d.pool, &self.d.ipv6_pool)
+        {
             info!(sandbox_id, %dst, why, "proxy: never spliced to this address; reset");
             return None;
         }
@@ -1693,9 +1744,10 @@ mod tests {
 
     #[test]
     fn a_splice_follows_the_datapaths_policy() {
+        const P6: [u8; 12] = [0xfd, 0x63, 0x75, 0x62, 0x65, 0x01, 0, 0, 0, 0, 0, 0];
         let pool: Ipv4Cidr = "10.96.0.0/16".parse().unwrap();
         let src = Ipv4Addr::new(10, 96, 0, 2);
-        let ip = |s: &str| s.parse::<Ipv4Addr>().unwrap();
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
         // Open to the world but for a deny CIDR.
         let e = Egress::default();
         e.put(
@@ -1721,7 +1773,7 @@ mod tests {
         e.note(
             src,
             "api.test",
-            &[(IpAddr::V4(ip("192.0.2.80")), Duration::from_secs(60))],
+            &[(ip("192.0.2.80"), Duration::from_secs(60))],
             10,
         );
         assert!(e.splice_still(src, "sb", ip("192.0.2.80")).is_some());
@@ -1729,11 +1781,39 @@ mod tests {
         // names (adding one would close every other name).
         let rec = ruled(&[], &[], true, &[("api.test", false)]);
         assert!(!rec.rule_names());
+        // IPv6 (guest6_out's test): the world, not a ULA nor 6to4, for a
+        // sandbox whose IPv6 reaches the world.
+        let e = Egress::default();
+        e.put(&rec, &pool);
+        assert!(e.splice_still(src, "sb", ip("2606:4700::1")).is_some());
+        for no in ["fd12::1", "2002:c000:204::1", "2001:0:1::1"] {
+            assert!(e.splice_still(src, "sb", ip(no)).is_none(), "{no}");
+        }
+        let closed = ruled(
+            &["198.51.100.0/28"],
+            &["0.0.0.0/0"],
+            true,
+            &[("api.test", false)],
+        );
+        let e6 = Egress::default();
+        e6.put(&closed, &pool);
+        assert!(e6.splice_still(src, "sb", ip("2606:4700::1")).is_none());
         // Never the node's or no public service's.
-        assert!(e.never_spliced(ip("127.0.0.1"), &pool).is_some());
-        assert!(e.never_spliced(ip("10.96.0.9"), &pool).is_some());
-        assert!(e.never_spliced(ip("169.254.169.254"), &pool).is_some());
-        assert!(e.never_spliced(ip("198.51.100.7"), &pool).is_none());
+        assert!(e.never_spliced(ip("127.0.0.1"), &pool, &P6).is_some());
+        assert!(e.never_spliced(ip("10.96.0.9"), &pool, &P6).is_some());
+        assert!(e.never_spliced(ip("169.254.169.254"), &pool, &P6).is_some());
+        assert!(e.never_spliced(ip("198.51.100.7"), &pool, &P6).is_none());
+        for no in [
+            "::1",
+            "fe80::1",
+            "fd63:7562:6500::6",
+            "fd63:7562:6501::a60:2",
+            "fd00:ec2::254",
+            "::ffff:10.0.0.1",
+        ] {
+            assert!(e.never_spliced(ip(no), &pool, &P6).is_some(), "{no}");
+        }
+        assert!(e.never_spliced(ip("2606:4700::1"), &pool, &P6).is_none());
     }
 
     #[test]

@@ -72,8 +72,9 @@ pub const DP_HF_LO: u8 = 1;
 /// `DpHflowVal::kind`: a guest's flow steered to the agent's resolver or
 /// proxy (`peer_ip`/`peer6` the address it dialled).
 pub const DP_HF_PROXY: u8 = 2;
-/// `DpHflowKey::family` of an IPv4 host flow.
+/// `DpHflowKey::family` of an IPv4 host flow, and of an IPv6 one.
 pub const DP_HFAM_IPV4: u8 = 0;
+pub const DP_HFAM_IPV6: u8 = 6;
 
 /// Which budget of its sandbox's share a host flow counts against (as the
 /// datapath's `hflow_budget`): true for one the node, or a local process

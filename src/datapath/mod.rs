@@ -213,13 +213,14 @@ pub trait Datapath: Send + Sync {
     }
     /// The address and port the guest dialled for a flow the datapath
     /// steered to the agent's proxy: `local` is the proxy's side of the
-    /// accepted connection, `guest` the sandbox's (the host flow's key).
-    /// `None` when no such flow is recorded.
+    /// accepted connection, `guest` the sandbox's (the host flow's key; an
+    /// IPv6 one is keyed by the IPv4 words its addresses end with). `None`
+    /// when no such flow is recorded.
     fn proxy_peer(
         &self,
-        _local: std::net::SocketAddrV4,
-        _guest: std::net::SocketAddrV4,
-    ) -> Option<std::net::SocketAddrV4> {
+        _local: std::net::SocketAddr,
+        _guest: std::net::SocketAddr,
+    ) -> Option<std::net::SocketAddr> {
         None
     }
     /// Takes learned addresses back: flows to them stop too.

@@ -460,7 +460,7 @@ async fn refuse_http(mut conn: TcpStream, code: u16, reason: &str, body: &str) {
 async fn connect_for(
     agent: &impl EgressPolicy,
     src: Ipv4Addr,
-    dst: SocketAddrV4,
+    dst: SocketAddr,
     sandbox_id: &str,
 ) -> Option<TcpStream> {
     match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(dst)).await {
@@ -493,14 +493,9 @@ fn dialled(
     conn: &TcpStream,
     src: Ipv4Addr,
     sandbox_id: &str,
-) -> Option<(SocketAddrV4, tokio::sync::watch::Receiver<()>)> {
-    let (SocketAddr::V4(local), SocketAddr::V4(guest)) =
-        (conn.local_addr().ok()?, conn.peer_addr().ok()?)
-    else {
-        return None;
-    };
-    let dst = agent.proxy_peer(local, guest)?;
-    let changed = agent.splice_still(src, sandbox_id, *dst.ip())?;
+) -> Option<(SocketAddr, tokio::sync::watch::Receiver<()>)> {
+    let dst = agent.proxy_peer(conn.local_addr().ok()?, conn.peer_addr().ok()?)?;
+    let changed = agent.splice_still(src, sandbox_id, dst.ip())?;
     Some((dst, changed))
 }
 
@@ -523,7 +518,7 @@ async fn splice_dialled(
     let Some(out) = connect_for(agent, src, dst, &sandbox_id).await else {
         return reset(conn);
     };
-    let still = || agent.splice_still(src, &sandbox_id, *dst.ip());
+    let still = || agent.splice_still(src, &sandbox_id, dst.ip());
     if send_and_splice(conn, out, &buf, changed, still).await {
         info!(
             sandbox_id,
@@ -596,7 +591,7 @@ async fn intercept<A: EgressPolicy>(
     } else {
         resolve_for(&**agent, upstream, src, &sandbox_id, &name, None)
             .await
-            .map(|ip| SocketAddrV4::new(ip, 80))
+            .map(|ip| SocketAddr::from((ip, 80)))
     };
     let Some(dst) = dst else {
         info!(
@@ -732,7 +727,7 @@ async fn dial_name(
     else {
         return reset(conn);
     };
-    let Some(out) = connect_for(agent, src, SocketAddrV4::new(dst, dial_port), &sandbox_id).await
+    let Some(out) = connect_for(agent, src, SocketAddr::from((dst, dial_port)), &sandbox_id).await
     else {
         return reset(conn);
     };

@@ -12,6 +12,7 @@ and KEY it speaks TLS. Prints "ready" once it listens.
 
 import http.server
 import json
+import socket
 import ssl
 import sys
 
@@ -60,7 +61,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-server = http.server.ThreadingHTTPServer((addr, port), Handler)
+class Server(http.server.ThreadingHTTPServer):
+    address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+
+server = Server((addr, port), Handler)
 if cert:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(cert, key)

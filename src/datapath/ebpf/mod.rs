@@ -613,25 +613,49 @@ impl Datapath for EbpfDatapath {
 
     fn proxy_peer(
         &self,
-        local: std::net::SocketAddrV4,
-        guest: std::net::SocketAddrV4,
-    ) -> Option<std::net::SocketAddrV4> {
+        local: std::net::SocketAddr,
+        guest: std::net::SocketAddr,
+    ) -> Option<std::net::SocketAddr> {
+        use std::net::{IpAddr as Ip, SocketAddr};
+        // An IPv6 host flow is keyed by the IPv4 words its addresses end
+        // with (the gateway's pool6 ‖ host_ip, the sandbox's pool6 ‖
+        // sandbox_ip).
+        let (family, saddr, daddr) = match (local.ip(), guest.ip()) {
+            (Ip::V4(l), Ip::V4(g)) => (DP_HFAM_IPV4, u32::from(l), u32::from(g)),
+            (Ip::V6(l), Ip::V6(g)) => {
+                let word = |a: std::net::Ipv6Addr| {
+                    let o = a.octets();
+                    u32::from_be_bytes([o[12], o[13], o[14], o[15]])
+                };
+                (DP_HFAM_IPV6, word(l), word(g))
+            }
+            _ => return None,
+        };
         let key = DpHflowKey {
-            saddr: u32::from(*local.ip()).to_be(),
-            daddr: u32::from(*guest.ip()).to_be(),
+            saddr: saddr.to_be(),
+            daddr: daddr.to_be(),
             sport: local.port().to_be(),
             dport: guest.port().to_be(),
             proto: libc::IPPROTO_TCP as u8,
-            family: DP_HFAM_IPV4,
+            family,
             pad: [0; 2],
         };
         let v = self.proxy_flows.get(&key, 0).ok()?;
-        (v.kind == DP_HF_PROXY && v.peer_ip != 0).then(|| {
-            std::net::SocketAddrV4::new(
-                Ipv4Addr::from(u32::from_be(v.peer_ip)),
-                u16::from_be(v.gw_port),
-            )
-        })
+        if v.kind != DP_HF_PROXY {
+            return None;
+        }
+        let port = u16::from_be(v.gw_port);
+        match family {
+            DP_HFAM_IPV4 if v.peer_ip != 0 => Some(SocketAddr::new(
+                Ip::V4(Ipv4Addr::from(u32::from_be(v.peer_ip))),
+                port,
+            )),
+            DP_HFAM_IPV6 if v.peer6 != [0; 16] => Some(SocketAddr::new(
+                Ip::V6(std::net::Ipv6Addr::from(v.peer6)),
+                port,
+            )),
+            _ => None,
+        }
     }
 
     fn detach(&self, sb: &SandboxPath<'_>) -> Result<(), DatapathError> {
