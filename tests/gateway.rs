@@ -288,10 +288,23 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
         "a refused request reached the upstream"
     );
 
-    // 3. A Host that is not the SNI: 421, nothing sent.
+    // 3. A Host that is not the SNI: 421, nothing sent; also the Host of
+    // another rule's domain (bad.test) on a kept-alive connection whose
+    // first request went through (curl --next reuses the connection).
     let out = curl("-o /dev/null -w '%{http_code}' -H 'Host: other.test' https://api.test/v1/x");
     assert!(out.starts_with("421"), "{out}");
-    assert_eq!(logged(&api_log).len(), 6);
+    let out = curl(&format!(
+        "-w ' %{{http_code}} %{{num_connects}}\\n' https://api.test/v1/ka --next \
+         --cacert {} -o /dev/null -w '%{{http_code}} %{{num_connects}}\\n' \
+         -H 'Host: bad.test' https://api.test/v1/kb",
+        cacert.display()
+    ));
+    assert!(
+        out.contains("upstream GET /v1/ka") && out.contains(" 200 1\n") && out.contains("421 0\n"),
+        "the second request, on the same connection, is not 421: {out}"
+    );
+    assert_eq!(logged(&api_log).len(), 7);
+    assert!(!logged(&api_log).iter().any(|r| r.1 == "/v1/kb"));
 
     // 4. The rule's name sent to another address (whose certificate is
     // for other.test): the agent verifies the name there, 502, nothing
@@ -333,6 +346,24 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
         spliced.iter().all(|r| !r.2.contains_key("authorization")),
         "{spliced:?}"
     );
+
+    // 5a. A redirect from the rule's host to another host: the client
+    // follows it on a new connection, which gets that host's verdict (a
+    // splice), never the rule's header.
+    let before = logged(&other_log).len();
+    let out = ctr.sh(&format!(
+        "curl -sSkL --cacert {} --connect-timeout 3 --max-time 8 \
+         --resolve norule.test:443:198.51.100.3 \
+         'https://api.test/v1/redirect?to=https://norule.test/r' 2>&1; echo \" rc=$?\"",
+        cacert.display()
+    ));
+    assert!(
+        out.contains("upstream GET /r") && out.ends_with(" rc=0\n"),
+        "{out}"
+    );
+    let after = logged(&other_log);
+    assert_eq!(after.len(), before + 1, "{after:?}");
+    assert!(!after[before].2.contains_key("authorization"), "{after:?}");
 
     // 5b. The node's own services are never the proxy's destination: a
     // server on the node (port 80 on every address, the uplink's
@@ -409,12 +440,18 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
         assert!(!log.contains(s), "{s} in the agent's log");
     }
 
-    // Counted per sandbox: 7 requests sent on (two kept-alive, two over
-    // HTTP/2, Python's, Node's, one plain HTTP); refused: the other Host
-    // over HTTP/2, POST, /v1x, the dot segments, POST /v1, the other Host,
-    // the two 502s, plain HTTP without plain_http.
+    // Counted per sandbox: 9 requests sent on (two kept-alive, two over
+    // HTTP/2, Python's, Node's, the kept-alive one before another rule's
+    // Host, the redirect, one plain HTTP); 10 refused (the other Host over
+    // HTTP/2, POST, /v1x, the dot segments, POST /v1, the other Host,
+    // another rule's Host on a kept-alive connection, the two 502s, plain
+    // HTTP without plain_http).
     let t = c.traffic(id).await;
-    assert_eq!((t["egress_requests"], t["egress_refused"]), (7, 9), "{t:?}");
+    assert_eq!(
+        (t["egress_requests"], t["egress_refused"]),
+        (9, 10),
+        "{t:?}"
+    );
 
     // Bad input changes nothing and names the field, never the value.
     let bad = vec![rule("api.test", &[("X-Key", "v\r\nX-Evil: 1")], &[], &[])];

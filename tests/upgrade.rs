@@ -186,14 +186,36 @@ async fn upgrade_and_downgrade_in_place_keep_every_flow() {
         .await
         .unwrap();
     let (b_tap, b_port) = (common::s(&byname, "tap_name"), host_port(&byname, "udp"));
+    // "c" has egress rules (issue 46): the record with its secret and the
+    // datapath's DP_F_RULES survive every switch (GetNetwork compared
+    // below shows them, digests only).
+    let rule: std::collections::HashMap<&str, zbus::zvariant::Value<'_>> = [
+        ("host", zbus::zvariant::Value::from("api.example.com")),
+        (
+            "set_headers",
+            zbus::zvariant::Value::from(std::collections::HashMap::from([(
+                "Authorization".to_string(),
+                "Bearer upgrade-secret".to_string(),
+            )])),
+        ),
+    ]
+    .into();
     c.ensure(
         "c",
-        opts(vec![("port_mappings", ports(&[("udp", 53, 0, "")]))]),
+        opts(vec![
+            ("port_mappings", ports(&[("udp", 53, 0, "")])),
+            ("egress_rules", zbus::zvariant::Value::from(vec![rule])),
+        ]),
     )
     .await
     .unwrap();
     let ids = ["live", "b", "c"];
     let before = networks(&c, &ids).await;
+    let shown = format!("{:?}", before[2]["egress_rules"]);
+    assert!(
+        shown.contains("sha256:") && !shown.contains("upgrade-secret"),
+        "{shown}"
+    );
     let taps: Vec<String> = before.iter().map(|n| common::s(n, "tap_name")).collect();
     let g = Arc::new(Guest::start_default(c.open_tap("live").await.unwrap()));
     g.udp_echo(7000).unwrap();

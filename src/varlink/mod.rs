@@ -336,8 +336,8 @@ pub const METHODS: &[&str] = &[
     "org.cube.NetworkAgent.OpenTap",
     "org.cube.NetworkAgent.Health",
     "org.cube.NetworkAgent.Capacity",
-    "org.cube.NetworkAgent.GetEgressCA",
     "org.cube.NetworkAgent.SetEgressRules",
+    "org.cube.NetworkAgent.GetEgressCA",
     WATCH,
 ];
 

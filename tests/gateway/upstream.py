@@ -45,6 +45,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 )
                 + "\n"
             )
+        if "/redirect?to=" in self.path:
+            self.send_response(302)
+            self.send_header("location", self.path.split("/redirect?to=", 1)[1])
+            self.send_header("content-length", "0")
+            self.end_headers()
+            return
         names = sorted({k.lower() for k in self.headers.keys()})
         out = "upstream {} {} headers={} probe={}\n".format(
             self.command, self.path, ",".join(names), self.headers.get("x-probe", "")
