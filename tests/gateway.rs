@@ -275,6 +275,18 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
         out.contains("api.test") && !out.contains("upstream"),
         "{out}"
     );
+    // A refused upload over HTTP/2: the answer arrives, not a stream reset
+    // (the engine reads what is left of a refused request's body first).
+    let out = ctr.sh(&format!(
+        "head -c 200000 /dev/zero | curl -sS --http2 --cacert {} --max-time 8 -X POST \
+         --data-binary @- -o /dev/null -w '%{{http_code}} %{{http_version}}' \
+         https://api.test/v1/upload 2>&1; echo \" rc=$?\"",
+        cacert.display()
+    ));
+    assert!(
+        out.starts_with("403 2") && out.ends_with(" rc=0\n"),
+        "{out}"
+    );
     let out = curl("-o /dev/null -w '%{http_code}' https://api.test/v1x");
     assert!(out.starts_with("403"), "{out}");
     // (The engine refuses dot segments before any rule: 400.)
@@ -442,14 +454,14 @@ async fn a_sandbox_calls_an_api_with_a_credential_it_never_sees() {
 
     // Counted per sandbox: 9 requests sent on (two kept-alive, two over
     // HTTP/2, Python's, Node's, the kept-alive one before another rule's
-    // Host, the redirect, one plain HTTP); 10 refused (the other Host over
-    // HTTP/2, POST, /v1x, the dot segments, POST /v1, the other Host,
+    // Host, the redirect, one plain HTTP); 11 refused (the other Host over
+    // HTTP/2, POST, the upload over HTTP/2, /v1x, the dot segments, POST /v1, the other Host,
     // another rule's Host on a kept-alive connection, the two 502s, plain
     // HTTP without plain_http).
     let t = c.traffic(id).await;
     assert_eq!(
         (t["egress_requests"], t["egress_refused"]),
-        (9, 10),
+        (9, 11),
         "{t:?}"
     );
 

@@ -1084,6 +1084,7 @@ async fn handle(conn: &Conn, mut req: Request<Incoming>) -> Response<Out> {
             "421 Misdirected Request: this connection is for {}\n",
             conn.name
         );
+        drain(&mut req).await;
         return text(conn, StatusCode::MISDIRECTED_REQUEST, body, audit, false);
     };
     let websocket = is_websocket(&req);
@@ -1095,6 +1096,7 @@ async fn handle(conn: &Conn, mut req: Request<Incoming>) -> Response<Out> {
     }
     if has_dot_segment(req.uri().path()) {
         let body = "400 Bad Request: dot segments in the path are refused\n";
+        drain(&mut req).await;
         return text(conn, StatusCode::BAD_REQUEST, body.into(), audit, true);
     }
     let set_headers = match conn
@@ -1111,6 +1113,7 @@ async fn handle(conn: &Conn, mut req: Request<Incoming>) -> Response<Out> {
         Judgement::Forbid { rule_host, why } => {
             let body = format!("403 Forbidden: {why} (egress rule {rule_host})\n");
             audit.rec.rule_host = rule_host;
+            drain(&mut req).await;
             return text(conn, StatusCode::FORBIDDEN, body, audit, false);
         }
         Judgement::Gone => {
@@ -1121,6 +1124,7 @@ async fn handle(conn: &Conn, mut req: Request<Incoming>) -> Response<Out> {
             if conn.guest_h2 {
                 conn.close.notify_one();
             }
+            drain(&mut req).await;
             return text(conn, StatusCode::FORBIDDEN, body, audit, true);
         }
     };
@@ -1486,6 +1490,33 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
 /// A response the engine makes itself: `body` as text, with
 /// `Connection: close` when `close` (HTTP/1.1; an HTTP/2 stream ends on
 /// its own).
+/// What of a refused request's body is read (and dropped) before the
+/// answer, at most: an HTTP/2 client still sending when the answer comes
+/// gets its stream reset, and reports a framing error instead of the
+/// answer (curl: "Stream error in the HTTP/2 framing layer").
+const DRAIN_MAX: usize = 256 * 1024;
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
+/// Reads what is left of a refused request's body, up to [`DRAIN_MAX`]
+/// bytes or [`DRAIN_TIME`]. Not when the client waits for a `100
+/// Continue` (reading would ask it to send the body it need not send).
+async fn drain(req: &mut Request<Incoming>) {
+    if req.headers().contains_key(header::EXPECT) {
+        return;
+    }
+    let body = req.body_mut();
+    let mut seen = 0;
+    let _ = tokio::time::timeout(DRAIN_TIME, async {
+        while seen < DRAIN_MAX && !body.is_end_stream() {
+            match std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await {
+                Some(Ok(frame)) => seen += frame.data_ref().map_or(0, |d| d.len()),
+                _ => break,
+            }
+        }
+    })
+    .await;
+}
+
 fn text(
     conn: &Conn,
     status: StatusCode,
