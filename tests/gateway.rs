@@ -799,3 +799,41 @@ async fn egress_rules_over_ipv6() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Health's `egress_proxy` follows the gateway: with a trust bundle that
+/// cannot be read the gateway does not run, which is no fault while no
+/// sandbox has rules and false (naming why) once one has; GetEgressCA
+/// then fails instead of answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_says_when_the_gateway_cannot_run() {
+    require_root!();
+    let (env, _world) = node(&[
+        "--dns-upstream",
+        "198.51.100.2",
+        "--egress-trust-bundle",
+        "/nonexistent/bundle.pem",
+    ]);
+    let c = env.client().await;
+    let proxy = |checks: &[(String, bool, String)]| common::check(checks, "egress_proxy").clone();
+    let (_, checks) = c.health().await;
+    let before = proxy(&checks);
+    assert!(before.1, "no sandbox with rules yet: {before:?}");
+    let rules = vec![rule("api.test", &[("Authorization", SECRET)], &[], &[])];
+    let o = common::opts(vec![("egress_rules", Value::from(rules))]);
+    c.ensure("ruled", o).await.unwrap();
+    let (_, checks) = c.health().await;
+    let after = proxy(&checks);
+    assert!(
+        !after.1 && after.2.contains("egress gateway") && after.2.contains("bundle.pem"),
+        "{after:?}"
+    );
+    assert!(!after.2.contains(SECRET));
+    let ca = varlink(
+        &env,
+        serde_json::json!({"method": "org.cube.NetworkAgent.GetEgressCA"}),
+    );
+    assert!(ca.contains("error") && ca.contains("does not run"), "{ca}");
+    assert!(c.release("ruled").await.unwrap());
+    let (_, checks) = c.health().await;
+    assert!(proxy(&checks).1, "{:?}", proxy(&checks));
+}

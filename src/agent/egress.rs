@@ -826,14 +826,14 @@ impl Egress {
         sandbox_id: &str,
         dst: IpAddr,
     ) -> Option<tokio::sync::watch::Receiver<()>> {
-        let learned = || {
-            self.mine(src).is_some_and(|m| {
-                m.lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .by_dst
-                    .contains_key(&dst)
-            })
-        };
+        // Read before the sandboxes' lock is taken: no learned lock is ever
+        // held under it here (one lock order less to keep).
+        let learned = self.mine(src).is_some_and(|m| {
+            m.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .by_dst
+                .contains_key(&dst)
+        });
         let sandboxes = self.sandboxes.read().unwrap_or_else(|p| p.into_inner());
         let sb = sandboxes.get(&src).filter(|s| s.id == sandbox_id)?;
         let tx = sb.changed.as_ref()?;
@@ -850,7 +850,7 @@ impl Egress {
                 } else if c.deny.iter().any(|n| *n != all && n.contains(d)) {
                     false
                 } else {
-                    !catch_all || learned()
+                    !catch_all || learned
                 }
             }
             // policy6_allows (guest6_out's test), for a sandbox whose IPv6
@@ -868,7 +868,7 @@ impl Egress {
                 } else if ula || c.deny6.iter().any(|n| n.prefix_len() > 0 && n.contains(d)) {
                     false
                 } else {
-                    learned() || !(catch_all || c.deny6.iter().any(|n| n.prefix_len() == 0))
+                    learned || !(catch_all || c.deny6.iter().any(|n| n.prefix_len() == 0))
                 }
             }
         };
