@@ -90,6 +90,87 @@ impl TryFrom<String> for Ipv6Mode {
     }
 }
 
+/// `flow_log`: which flow records go to the journal (docs/flows.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(into = "String", try_from = "String")]
+pub enum FlowLog {
+    /// None.
+    Off,
+    /// Refusals only.
+    #[default]
+    Denied,
+    /// Every record: starts, ends and refusals.
+    All,
+}
+
+impl From<FlowLog> for String {
+    fn from(m: FlowLog) -> String {
+        match m {
+            FlowLog::Off => "off".into(),
+            FlowLog::Denied => "denied".into(),
+            FlowLog::All => "all".into(),
+        }
+    }
+}
+
+impl TryFrom<&str> for FlowLog {
+    type Error = String;
+    fn try_from(s: &str) -> Result<Self, String> {
+        match s {
+            "off" => Ok(FlowLog::Off),
+            "denied" => Ok(FlowLog::Denied),
+            "all" => Ok(FlowLog::All),
+            _ => Err(format!("'{s}' is not 'off', 'denied' or 'all'")),
+        }
+    }
+}
+
+impl TryFrom<String> for FlowLog {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        FlowLog::try_from(s.as_str())
+    }
+}
+
+/// `deny_action`: what a sandbox gets for a packet the datapath refuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(into = "String", try_from = "String")]
+pub enum DenyAction {
+    /// Nothing (the packet is dropped).
+    #[default]
+    Drop,
+    /// A refused TCP SYN gets an RST, anything else an ICMP/ICMPv6
+    /// administratively prohibited, from the gateway (rate-limited).
+    Reject,
+}
+
+impl From<DenyAction> for String {
+    fn from(m: DenyAction) -> String {
+        match m {
+            DenyAction::Drop => "drop".into(),
+            DenyAction::Reject => "reject".into(),
+        }
+    }
+}
+
+impl TryFrom<&str> for DenyAction {
+    type Error = String;
+    fn try_from(s: &str) -> Result<Self, String> {
+        match s {
+            "drop" => Ok(DenyAction::Drop),
+            "reject" => Ok(DenyAction::Reject),
+            _ => Err(format!("'{s}' is not 'drop' or 'reject'")),
+        }
+    }
+}
+
+impl TryFrom<String> for DenyAction {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        DenyAction::try_from(s.as_str())
+    }
+}
+
 /// Which packet datapath programs the sandboxes' traffic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(into = "String", try_from = "String")]
@@ -154,6 +235,16 @@ pub struct Config {
     /// Router Advertisement, gateway addresses, fast refusal off the
     /// link); "off": a guest's IPv6 is dropped.
     pub ipv6: Ipv6Mode,
+    /// The datapath's flow events (docs/flows.md): on (default), every
+    /// flow's start and every refusal is recorded (history, `WatchFlows`,
+    /// the journal per `flow_log`); off, none is.
+    pub flow_events: bool,
+    /// Which flow records go to the journal: "off", "denied" (default),
+    /// "all".
+    pub flow_log: FlowLog,
+    /// What a sandbox gets for a refused packet: "drop" (default) or
+    /// "reject" (an RST or ICMP administratively prohibited).
+    pub deny_action: DenyAction,
     /// The /96 of the sandboxes' node-side IPv6 identities (host <->
     /// sandbox over IPv6): a sandbox's is this prefix with its IPv4
     /// sandbox address as the last 32 bits, the gateway device's the same
@@ -257,6 +348,9 @@ impl Default for Config {
             guest_mac: "20:90:6f:fc:fc:fc".into(),
             gateway_mac: "20:90:6f:cf:cf:cf".into(),
             ipv6: Ipv6Mode::Auto,
+            flow_events: true,
+            flow_log: FlowLog::Denied,
+            deny_action: DenyAction::Drop,
             ipv6_pool: "fd63:7562:6501::/96".into(),
             host_port_range: "20000-29999".into(),
             reserved_host_ports: String::new(),
@@ -968,6 +1062,9 @@ Options (each overrides the same key of the config file):
   --state-dir PATH           durable records [default: $STATE_DIRECTORY or /var/lib/cube-network-agent]
   --runtime-dir PATH         runtime files [default: $RUNTIME_DIRECTORY or /run/cube-network-agent]
   --datapath ebpf|none       packet datapath [default: ebpf]
+  --flow-events on|off       the datapath's flow records (starts, refusals) [default: on]
+  --flow-log off|denied|all  flow records written to the journal [default: denied]
+  --deny-action drop|reject  a refused packet: dropped, or answered (RST, ICMP) [default: drop]
   --ipv6 auto|off            the guests' IPv6 link (RA, fast refusal off it) [default: auto]
   --ipv6-pool CIDR           /96 of the sandboxes' node-side IPv6 addresses [default: fd63:7562:6501::/96]
   --bpf-pin-dir PATH         bpffs directory for pinned maps [default: /sys/fs/bpf/cube-network-agent]
@@ -1078,6 +1175,9 @@ const VALUE_FLAGS: &[&str] = &[
     "--runtime-dir",
     "--log-level",
     "--datapath",
+    "--flow-events",
+    "--flow-log",
+    "--deny-action",
     "--ipv6",
     "--ipv6-pool",
     "--bpf-pin-dir",
@@ -1127,6 +1227,20 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
         "--datapath" => {
             cfg.datapath =
                 DatapathKind::try_from(value.as_str()).map_err(|why| invalid("datapath", why))?
+        }
+        "--flow-events" => {
+            cfg.flow_events = match value.as_str() {
+                "on" => true,
+                "off" => false,
+                other => return Err(invalid("flow_events", format!("'{other}' is not 'on' or 'off'"))),
+            }
+        }
+        "--flow-log" => {
+            cfg.flow_log = FlowLog::try_from(value.as_str()).map_err(|why| invalid("flow_log", why))?
+        }
+        "--deny-action" => {
+            cfg.deny_action =
+                DenyAction::try_from(value.as_str()).map_err(|why| invalid("deny_action", why))?
         }
         "--ipv6" => {
             cfg.ipv6 = Ipv6Mode::try_from(value.as_str()).map_err(|why| invalid("ipv6", why))?

@@ -15,6 +15,7 @@ pub mod config;
 pub mod datapath;
 pub mod dbus;
 pub mod dns;
+pub mod flows;
 pub mod hostsock;
 pub mod metrics;
 pub mod netlink;

@@ -339,6 +339,8 @@ pub struct Agent {
     serving: std::sync::atomic::AtomicBool,
     /// Domain rules and learned addresses, for the resolver.
     egress: egress::Egress,
+    /// The flow log's records (history, subscribers, journal).
+    flows: Arc<crate::flows::FlowHub>,
 }
 
 fn now_unix() -> u64 {
@@ -406,6 +408,11 @@ enum Wiring {
 impl Agent {
     pub fn config(&self) -> &Config {
         &self.cfg
+    }
+
+    /// The flow log's records (docs/flows.md).
+    pub fn flows(&self) -> &Arc<crate::flows::FlowHub> {
+        &self.flows
     }
 
     /// Programs the network into the datapath, off the async workers.

@@ -152,6 +152,11 @@ impl Agent {
             datapath.clone(),
             events.clone(),
         ));
+        let flow_log = if cfg.flow_events {
+            cfg.flow_log
+        } else {
+            crate::config::FlowLog::Off
+        };
         let mut agent = Agent {
             cfg,
             d,
@@ -179,6 +184,7 @@ impl Agent {
             reservations: Mutex::new(HashMap::new()),
             serving: std::sync::atomic::AtomicBool::new(false),
             egress: Default::default(),
+            flows: crate::flows::FlowHub::new(Default::default(), flow_log),
         };
         // Subscribe before recovery checks the kernel, so a filter removed
         // after that check is still noticed.
