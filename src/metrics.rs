@@ -543,6 +543,85 @@ pub fn list(families: &[Family]) -> Vec<Value> {
         .collect()
 }
 
+/// The flow log's families (docs/flows.md), from one read of the hub's
+/// counters: per sandbox (label `sandbox_id`) the records made, the
+/// datapath's events lost and the records the journal's rate limit
+/// suppressed (the last two only above 0); node-wide the same totals and
+/// the records watchers lost.
+pub fn flow_families(hub: &crate::flows::FlowHub) -> Vec<Family> {
+    flow_families_of(hub.stats(), hub.totals())
+}
+
+/// [`flow_families`] from `stats` (each sandbox's counters) and `totals`
+/// (records, datapath events lost, records watchers lost).
+pub fn flow_families_of(
+    stats: Vec<(String, crate::flows::SandboxFlowStats)>,
+    totals: (u64, u64, u64),
+) -> Vec<Family> {
+    let family = |name, help| Family {
+        name,
+        kind: Kind::Counter,
+        help,
+        unit: None,
+        samples: vec![],
+    };
+    let mut per = [
+        family(
+            "sandbox_flow_records",
+            "Flow log records made for a sandbox (flow starts, ends and refusals) since the agent started",
+        ),
+        family(
+            "sandbox_flow_events_lost",
+            "Flow events of a sandbox the datapath did not emit (its rate limit, or the ring full); only values above 0",
+        ),
+        family(
+            "sandbox_flow_journal_suppressed",
+            "Flow log records of a sandbox the journal's rate limit suppressed; only values above 0",
+        ),
+    ];
+    for (id, s) in stats {
+        let id: std::sync::Arc<str> = id.into();
+        for (f, n, sparse) in [
+            (0, s.records, false),
+            (1, s.lost, true),
+            (2, s.journal_suppressed, true),
+        ] {
+            if sparse && n == 0 {
+                continue;
+            }
+            per[f].samples.push(Sample {
+                object: Some(id.clone()),
+                field: None,
+                value: Val::U(n),
+            });
+        }
+    }
+    let (records, lost, watch_lost) = totals;
+    let node = |name, help, n| Family {
+        samples: vec![Sample::node(Val::U(n))],
+        ..family(name, help)
+    };
+    let mut f: Vec<Family> = per.into();
+    f.extend([
+        node(
+            "flow_records",
+            "Flow log records made, every sandbox, since the agent started",
+            records,
+        ),
+        node(
+            "flow_events_lost",
+            "Flow events the datapath did not emit (a sandbox's rate limit, or the ring full), every sandbox",
+            lost,
+        ),
+        node(
+            "flow_watch_lost",
+            "Flow log records WatchFlows watchers lost (they read too slowly and their queue filled)",
+            watch_lost,
+        ),
+    ]);
+    f
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -650,5 +729,61 @@ mod tests {
         assert_eq!(l[0]["object"], "a\"b");
         assert_eq!(l[0]["fields"]["direction"], "tx");
         assert_eq!(l[0]["value"], 5);
+    }
+    #[test]
+    fn flow_families_per_sandbox_and_node_wide() {
+        use crate::flows::SandboxFlowStats;
+        let f = flow_families_of(
+            vec![
+                (
+                    "a".into(),
+                    SandboxFlowStats {
+                        records: 7,
+                        lost: 2,
+                        journal_suppressed: 0,
+                    },
+                ),
+                ("b".into(), SandboxFlowStats::default()),
+            ],
+            (7, 2, 5),
+        );
+        let t = openmetrics(&f);
+        for line in [
+            "# TYPE cube_network_agent_sandbox_flow_records counter\n",
+            "cube_network_agent_sandbox_flow_records_total{sandbox_id=\"a\"} 7\n",
+            "cube_network_agent_sandbox_flow_records_total{sandbox_id=\"b\"} 0\n",
+            "cube_network_agent_sandbox_flow_events_lost_total{sandbox_id=\"a\"} 2\n",
+            "# TYPE cube_network_agent_sandbox_flow_journal_suppressed counter\n",
+            "cube_network_agent_flow_records_total 7\n",
+            "cube_network_agent_flow_events_lost_total 2\n",
+            "cube_network_agent_flow_watch_lost_total 5\n",
+        ] {
+            assert!(t.contains(line), "{line}: {t}");
+        }
+        assert!(
+            !t.contains("flow_events_lost_total{sandbox_id=\"b\"}"),
+            "{t}"
+        );
+        assert!(!t.contains("journal_suppressed_total{"), "{t}");
+        let names: Vec<String> = describe(&f)
+            .iter()
+            .map(|d| d["name"].as_str().unwrap().to_owned())
+            .collect();
+        for n in [
+            "sandbox_flow_records",
+            "sandbox_flow_events_lost",
+            "sandbox_flow_journal_suppressed",
+            "flow_records",
+            "flow_events_lost",
+            "flow_watch_lost",
+        ] {
+            assert!(
+                names.contains(&format!("{SYSTEMD_PREFIX}{n}")),
+                "{n}: {names:?}"
+            );
+        }
+        let l = list(&f);
+        assert_eq!(l[0]["object"], "a");
+        assert_eq!(l[0]["value"], 7);
     }
 }

@@ -354,6 +354,109 @@ pub fn checks(c: Vec<Check>) -> Value {
         .collect()
 }
 
+/// WatchFlows' parameters, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlowWatch {
+    pub filter: crate::flows::Filter,
+    /// Replay the kept records of the last this many seconds first.
+    pub since_seconds: u64,
+    /// Then every new record (else the stream ends after the history).
+    pub follow: bool,
+}
+
+/// The most WatchFlows replays: the agent keeps at most an hour.
+pub const MAX_FLOW_HISTORY_SECONDS: u64 = 3600;
+
+/// WatchFlows' parameters (`sandbox_id`, `denied`, `since_seconds`,
+/// `follow`; null is absent, `sandbox_id` "" is every sandbox): an unknown
+/// one, a wrong type or `since_seconds` outside 0..=3600 is
+/// InvalidParameter naming it.
+pub fn flow_watch(p: &Object) -> Result<FlowWatch, Failure> {
+    only(p, &["sandbox_id", "denied", "since_seconds", "follow"])?;
+    let get = |k: &str| p.get(k).filter(|v| !v.is_null());
+    let sandbox_id = get("sandbox_id")
+        .map(|v| as_string(v, "sandbox_id"))
+        .transpose()?
+        .filter(|s| !s.is_empty());
+    let denied = get("denied")
+        .map(|v| as_bool(v, "denied"))
+        .transpose()?
+        .unwrap_or(false);
+    let since_seconds = get("since_seconds")
+        .map(|v| as_uint::<u64>(v, "since_seconds"))
+        .transpose()?
+        .unwrap_or(0);
+    if since_seconds > MAX_FLOW_HISTORY_SECONDS {
+        return Err(invalid("since_seconds"));
+    }
+    let follow = get("follow")
+        .map(|v| as_bool(v, "follow"))
+        .transpose()?
+        .unwrap_or(true);
+    Ok(FlowWatch {
+        filter: crate::flows::Filter { sandbox_id, denied },
+        since_seconds,
+        follow,
+    })
+}
+
+/// `time_unix_ns` as RFC 3339 in UTC with microseconds
+/// (`2025-03-01T12:00:00.123456Z`).
+pub fn rfc3339_micros(unix_ns: u64) -> String {
+    let t = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(unix_ns))
+        .expect("a u64 of nanoseconds is within time's range");
+    format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:06}Z",
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second(),
+        t.microsecond()
+    )
+}
+
+fn endpoint(e: &crate::flows::Endpoint) -> Value {
+    json!({"ip": e.ip.to_string(), "port": e.port})
+}
+
+/// A `Flow`: optional fields (node, reason, dns_name, totals) only when
+/// the record has them.
+pub fn flow(rec: &crate::flows::FlowRecord) -> Value {
+    let mut o = json!({
+        "time": rfc3339_micros(rec.time_unix_ns),
+        "time_unix_ns": rec.time_unix_ns,
+        "sandbox_id": rec.sandbox_id,
+        "event": rec.event.as_str(),
+        "family": rec.family,
+        "protocol": rec.protocol,
+        "direction": rec.direction.as_str(),
+        "guest": endpoint(&rec.guest),
+        "remote": endpoint(&rec.remote),
+        "verdict": rec.verdict(),
+    });
+    if let Some(n) = &rec.node {
+        o["node"] = endpoint(n);
+    }
+    if let Some(r) = rec.refused {
+        o["reason"] = Value::from(r.as_str());
+    }
+    if let Some(d) = &rec.dns_name {
+        o["dns_name"] = Value::from(d.as_str());
+    }
+    if let Some(t) = &rec.end {
+        o["totals"] = json!({
+            "bytes_out": t.bytes_out,
+            "packets_out": t.packets_out,
+            "bytes_in": t.bytes_in,
+            "packets_in": t.packets_in,
+            "duration_ms": t.duration_ms,
+        });
+    }
+    o
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -428,5 +531,136 @@ mod tests {
             matches!(&e, Err(Failure::Agent(AgentError::InvalidArgument(m))) if m.contains("protocol 'sctp'")),
             "{e:?}"
         );
+    }
+    #[test]
+    fn an_ipv4_refusal_as_a_flow() {
+        use crate::flows::{Direction, Endpoint, FlowEvent, FlowRecord, Reason};
+        let rec = FlowRecord {
+            time_unix_ns: 1_740_830_400_123_456_789,
+            sandbox_id: "sbx-1".into(),
+            event: FlowEvent::Refused,
+            family: 4,
+            protocol: "tcp".into(),
+            direction: Direction::Egress,
+            guest: Endpoint {
+                ip: "169.254.68.6".parse().unwrap(),
+                port: 41000,
+            },
+            remote: Endpoint {
+                ip: "203.0.113.9".parse().unwrap(),
+                port: 443,
+            },
+            node: None,
+            refused: Some(Reason::Policy),
+            dns_name: Some("blocked.example.com".into()),
+            end: None,
+        };
+        assert_eq!(
+            flow(&rec),
+            json!({
+                "time": "2025-03-01T12:00:00.123456Z",
+                "time_unix_ns": 1_740_830_400_123_456_789_u64,
+                "sandbox_id": "sbx-1",
+                "event": "refused",
+                "family": 4,
+                "protocol": "tcp",
+                "direction": "egress",
+                "guest": {"ip": "169.254.68.6", "port": 41000},
+                "remote": {"ip": "203.0.113.9", "port": 443},
+                "verdict": "dropped",
+                "reason": "policy",
+                "dns_name": "blocked.example.com",
+            })
+        );
+    }
+
+    #[test]
+    fn an_ipv6_end_with_totals_as_a_flow() {
+        use crate::flows::{Direction, Endpoint, FlowEvent, FlowRecord, Totals};
+        let rec = FlowRecord {
+            time_unix_ns: 0,
+            sandbox_id: "b".into(),
+            event: FlowEvent::End,
+            family: 6,
+            protocol: "udp".into(),
+            direction: Direction::Ingress,
+            guest: Endpoint {
+                ip: "fd00::2".parse().unwrap(),
+                port: 53,
+            },
+            remote: Endpoint {
+                ip: "2001:db8::1".parse().unwrap(),
+                port: 5353,
+            },
+            node: Some(Endpoint {
+                ip: "2001:db8:1::10".parse().unwrap(),
+                port: 20053,
+            }),
+            refused: None,
+            dns_name: None,
+            end: Some(Totals {
+                bytes_out: 1200,
+                packets_out: 3,
+                bytes_in: 400,
+                packets_in: 2,
+                duration_ms: 1500,
+            }),
+        };
+        assert_eq!(
+            flow(&rec),
+            json!({
+                "time": "1970-01-01T00:00:00.000000Z",
+                "time_unix_ns": 0,
+                "sandbox_id": "b",
+                "event": "end",
+                "family": 6,
+                "protocol": "udp",
+                "direction": "ingress",
+                "guest": {"ip": "fd00::2", "port": 53},
+                "remote": {"ip": "2001:db8::1", "port": 5353},
+                "node": {"ip": "2001:db8:1::10", "port": 20053},
+                "verdict": "forwarded",
+                "totals": {"bytes_out": 1200, "packets_out": 3, "bytes_in": 400,
+                           "packets_in": 2, "duration_ms": 1500},
+            })
+        );
+        assert_eq!(rfc3339_micros(u64::MAX), "2554-07-21T23:34:33.709551Z");
+    }
+
+    #[test]
+    fn watch_flows_parameters() {
+        let w = |v: Value| flow_watch(v.as_object().unwrap());
+        let name = |v: Value| match w(v) {
+            Err(Failure::InvalidParameter(p)) => p,
+            other => panic!("expected InvalidParameter, got {other:?}"),
+        };
+        assert_eq!(
+            w(json!({})).unwrap(),
+            FlowWatch {
+                filter: crate::flows::Filter::default(),
+                since_seconds: 0,
+                follow: true,
+            }
+        );
+        let all =
+            w(json!({"sandbox_id": "a", "denied": true, "since_seconds": 3600, "follow": false}))
+                .unwrap();
+        assert_eq!(all.filter.sandbox_id.as_deref(), Some("a"));
+        assert!(all.filter.denied && !all.follow);
+        assert_eq!(all.since_seconds, 3600);
+        let nulls =
+            json!({"sandbox_id": null, "denied": null, "since_seconds": null, "follow": null});
+        assert_eq!(w(nulls).unwrap(), w(json!({})).unwrap());
+        assert_eq!(
+            w(json!({"sandbox_id": ""})).unwrap().filter.sandbox_id,
+            None
+        );
+        assert_eq!(name(json!({"bogus": 1})), "bogus");
+        assert_eq!(name(json!({"sandbox_id": 1})), "sandbox_id");
+        assert_eq!(name(json!({"denied": "yes"})), "denied");
+        assert_eq!(name(json!({"follow": 1})), "follow");
+        for bad in [json!(-1), json!(3601), json!(1.5), json!("60")] {
+            assert_eq!(name(json!({ "since_seconds": bad })), "since_seconds");
+        }
     }
 }

@@ -339,10 +339,12 @@ pub const METHODS: &[&str] = &[
     "org.cube.NetworkAgent.SetEgressRules",
     "org.cube.NetworkAgent.GetEgressCA",
     WATCH,
+    WATCH_FLOWS,
 ];
 
-/// The subscription method (needs `"more": true`).
+/// The subscription methods (need `"more": true`).
 const WATCH: &str = "org.cube.NetworkAgent.WatchNetworks";
+const WATCH_FLOWS: &str = "org.cube.NetworkAgent.WatchFlows";
 
 /// Runs one call. Access is checked before parameters are looked at.
 async fn call(agent: &Agent, peer: &Peer, method: &str, p: Object) -> Result<Reply, Failure> {
@@ -485,7 +487,7 @@ async fn message(agent: &Agent, peer: &Peer, stream: &mut UnixStream, msg: &[u8]
         return Next::Close("message has no method");
     };
     let oneway = m.get("oneway").and_then(Value::as_bool).unwrap_or(false);
-    if method == WATCH {
+    if method == WATCH || method == WATCH_FLOWS {
         let more = m.get("more").and_then(Value::as_bool).unwrap_or(false);
         let params = match m.remove("parameters") {
             None | Some(Value::Null) => Map::new(),
@@ -498,9 +500,12 @@ async fn message(agent: &Agent, peer: &Peer, stream: &mut UnixStream, msg: &[u8]
                 .await;
             }
         };
+        if method == WATCH_FLOWS {
+            return watch_flows(agent, peer, stream, more, params).await;
+        }
         return watch(agent, peer, stream, more, params).await;
     }
-    // "more" needs no handling elsewhere: only WatchNetworks streams, so
+    // "more" needs no handling elsewhere: only the watches stream, so
     // any other single reply (without "continues") is the whole answer.
     let params = match m.remove("parameters") {
         None | Some(Value::Null) => Ok(Map::new()),
@@ -695,6 +700,141 @@ async fn watch(agent: &Agent, peer: &Peer, stream: &mut UnixStream, more: bool, 
         }
         let reply = json!({"parameters": {"event": event}, "continues": true});
         if let Next::Close(why) = send(stream, &reply).await {
+            return Next::Close(why);
+        }
+    }
+}
+
+/// One reply of a WatchFlows stream, appended to `out` (NUL-terminated).
+fn push_reply(out: &mut Vec<u8>, parameters: Value, continues: bool) {
+    let reply = if continues {
+        json!({"parameters": parameters, "continues": true})
+    } else {
+        json!({ "parameters": parameters })
+    };
+    serde_json::to_writer(&mut *out, &reply).expect("a reply always serialises");
+    out.push(0);
+}
+
+/// Writes `bytes` (whole replies).
+async fn send_bytes(stream: &mut UnixStream, bytes: &[u8]) -> Next {
+    match stream.write_all(bytes).await {
+        Ok(()) => Next::Continue,
+        Err(_) => Next::Close("writing the reply failed"),
+    }
+}
+
+/// WatchFlows: the kept flow records of the last `since_seconds` the filter
+/// takes, then (with `follow`) every new one, as the hub delivers them to
+/// this watcher's own bounded queue: a watcher that stops reading blocks
+/// only its own connection (it is never waited for: its queue fills and
+/// it is told how many records it lost). Nothing is locked while a reply is
+/// written.
+async fn watch_flows(
+    agent: &Agent,
+    peer: &Peer,
+    stream: &mut UnixStream,
+    more: bool,
+    p: Object,
+) -> Next {
+    if !more {
+        return send(
+            stream,
+            &json!({"error": format!("{SERVICE_INTERFACE}.ExpectedMore"), "parameters": {}}),
+        )
+        .await;
+    }
+    if let Err(d) = authorize(peer, Operation::Read).await {
+        let id = p.get("sandbox_id").and_then(Value::as_str).unwrap_or("");
+        note_refusal("varlink", peer, WATCH_FLOWS, id, "AccessDenied", &d.0);
+        return send(stream, &Failure::from(d).reply()).await;
+    }
+    match convert::flow_watch(&p) {
+        Ok(w) => stream_flows(agent.flows(), stream, &w).await,
+        Err(f) => send(stream, &f.reply()).await,
+    }
+}
+
+/// WatchFlows' replies once the call is allowed and its parameters fine.
+async fn stream_flows(
+    hub: &crate::flows::FlowHub,
+    stream: &mut UnixStream,
+    w: &convert::FlowWatch,
+) -> Next {
+    // Subscribed before the history is read: a record published in
+    // between is in both, and skipped the second time (below).
+    let mut sub = w.follow.then(|| hub.subscribe(w.filter.clone()));
+    let history = if w.since_seconds == 0 {
+        vec![]
+    } else {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        hub.history(
+            &w.filter,
+            now.saturating_sub(w.since_seconds * 1_000_000_000),
+        )
+    };
+    // The history goes out in writes of about 64 KiB, not one per record.
+    let mut out = Vec::with_capacity(64 * 1024);
+    for rec in &history {
+        push_reply(&mut out, json!({"flow": convert::flow(rec)}), true);
+        if out.len() >= 64 * 1024 {
+            if let Next::Close(why) = send_bytes(stream, &out).await {
+                return Next::Close(why);
+            }
+            out.clear();
+        }
+    }
+    let Some(sub) = sub.as_mut() else {
+        push_reply(&mut out, json!({}), false);
+        return send_bytes(stream, &out).await;
+    };
+    if !out.is_empty()
+        && let Next::Close(why) = send_bytes(stream, &out).await
+    {
+        return Next::Close(why);
+    }
+    // The records both in the history and in the subscription are the
+    // first ones the subscription delivers; once one is not in the
+    // history, none after it is.
+    let mut overlap = !history.is_empty();
+    let mut probe = [0u8; 1];
+    // A client that shut down only its writing side (`printf ... | socat`)
+    // still reads: keep streaming; a write to a peer that closed ends it.
+    let mut half_closed = false;
+    loop {
+        let d = tokio::select! {
+            d = sub.next() => d,
+            read = stream.read(&mut probe), if !half_closed => match read {
+                Ok(0) => {
+                    half_closed = true;
+                    continue;
+                }
+                // Data mid-stream breaks the protocol; an error: gone.
+                _ => return Next::Close("watcher left"),
+            },
+        };
+        let parameters = match d {
+            crate::flows::Delivery::Record(rec) => {
+                if overlap {
+                    let seen = history
+                        .iter()
+                        .rev()
+                        .any(|h| Arc::ptr_eq(h, &rec) || **h == *rec);
+                    if seen {
+                        continue;
+                    }
+                    overlap = false;
+                }
+                json!({"flow": convert::flow(&rec)})
+            }
+            crate::flows::Delivery::Lost(n) => json!({ "lost": n }),
+            crate::flows::Delivery::Closed => return Next::Close("agent stopping"),
+        };
+        out.clear();
+        push_reply(&mut out, parameters, true);
+        if let Next::Close(why) = send_bytes(stream, &out).await {
             return Next::Close(why);
         }
     }
@@ -1083,5 +1223,146 @@ mod tests {
         assert_eq!(r["parameters"]["parameter"], "mtu");
         let r = Failure::from(Denied("no".into())).reply();
         assert_eq!(r["error"], "org.cube.NetworkAgent.AccessDenied");
+    }
+    fn rec(id: &str, port: u16, refused: bool) -> crate::flows::FlowRecord {
+        use crate::flows::{Direction, Endpoint, FlowEvent, FlowRecord, Reason};
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        FlowRecord {
+            time_unix_ns: now,
+            sandbox_id: id.into(),
+            event: if refused {
+                FlowEvent::Refused
+            } else {
+                FlowEvent::Start
+            },
+            family: 4,
+            protocol: "tcp".into(),
+            direction: Direction::Egress,
+            guest: Endpoint {
+                ip: "169.254.68.6".parse().unwrap(),
+                port,
+            },
+            remote: Endpoint {
+                ip: "203.0.113.9".parse().unwrap(),
+                port: 443,
+            },
+            node: None,
+            refused: refused.then_some(Reason::Policy),
+            dns_name: None,
+            end: None,
+        }
+    }
+
+    fn hub(queue: usize) -> Arc<crate::flows::FlowHub> {
+        let limits = crate::flows::HubLimits {
+            subscriber_queue: queue,
+            ..Default::default()
+        };
+        crate::flows::FlowHub::new(limits, crate::flows::FlowLog::Off)
+    }
+
+    /// Reads replies until `n` (or the end of the stream).
+    async fn replies(c: &mut UnixStream, buf: &mut Vec<u8>, n: usize) -> Vec<Value> {
+        let mut out = vec![];
+        while out.len() < n {
+            if let Some(pos) = buf.iter().position(|&b| b == 0) {
+                let m: Vec<u8> = buf.drain(..=pos).collect();
+                out.push(serde_json::from_slice(&m[..pos]).unwrap());
+                continue;
+            }
+            let mut chunk = [0u8; 65536];
+            match c.read(&mut chunk).await.unwrap() {
+                0 => break,
+                k => buf.extend_from_slice(&chunk[..k]),
+            }
+        }
+        out
+    }
+
+    fn watch(since_seconds: u64, follow: bool, denied: bool) -> convert::FlowWatch {
+        convert::FlowWatch {
+            filter: crate::flows::Filter {
+                sandbox_id: None,
+                denied,
+            },
+            since_seconds,
+            follow,
+        }
+    }
+
+    /// Without follow: the history the filter takes, then a last reply
+    /// without parameters and without "continues"; the connection serves
+    /// on.
+    #[tokio::test]
+    async fn watch_flows_history_only_ends_the_stream() {
+        let h = hub(16);
+        h.publish(rec("a", 1, false));
+        h.publish(rec("a", 2, true));
+        h.publish(rec("b", 3, true));
+        let (mut s, mut c) = UnixStream::pair().unwrap();
+        let next = stream_flows(&h, &mut s, &watch(3600, false, true)).await;
+        assert!(matches!(next, Next::Continue));
+        drop(s);
+        let r = replies(&mut c, &mut vec![], usize::MAX).await;
+        assert_eq!(r.len(), 3, "{r:?}");
+        assert_eq!(r[0]["continues"], true);
+        assert_eq!(r[0]["parameters"]["flow"]["guest"]["port"], 2);
+        assert_eq!(r[0]["parameters"]["flow"]["reason"], "policy");
+        assert_eq!(r[1]["parameters"]["flow"]["sandbox_id"], "b");
+        assert_eq!(r[2], json!({"parameters": {}}));
+        // No history asked for: only the last reply.
+        let (mut s, mut c) = UnixStream::pair().unwrap();
+        stream_flows(&h, &mut s, &watch(0, false, false)).await;
+        drop(s);
+        let r = replies(&mut c, &mut vec![], usize::MAX).await;
+        assert_eq!(r, [json!({"parameters": {}})]);
+    }
+
+    /// Following: the history first, each record once, then new ones; a
+    /// watcher that stops reading never holds up the publisher: it loses
+    /// records, counted and told, and every record is either delivered or
+    /// counted lost.
+    #[tokio::test]
+    async fn watch_flows_follows_and_a_stalled_watcher_loses_records() {
+        let h = hub(8);
+        h.publish(rec("a", 1, false));
+        let (mut s, mut c) = UnixStream::pair().unwrap();
+        let task = {
+            let h = h.clone();
+            tokio::spawn(async move { stream_flows(&h, &mut s, &watch(60, true, false)).await })
+        };
+        let mut buf = vec![];
+        let r = replies(&mut c, &mut buf, 1).await;
+        assert_eq!(r[0]["parameters"]["flow"]["guest"]["port"], 1);
+        assert_eq!(r[0]["continues"], true);
+        // 20,000 records while the watcher reads nothing: far more than
+        // its queue and the socket's buffer hold. Publishing never waits.
+        let started = std::time::Instant::now();
+        for i in 0..20_000u32 {
+            h.publish(rec("a", (i % 60_000) as u16 + 2, false));
+        }
+        assert!(started.elapsed() < Duration::from_secs(10));
+        let (mut flows, mut lost) = (0u64, 0u64);
+        while flows + lost < 20_000 {
+            let r = replies(&mut c, &mut buf, 1).await;
+            let p = &r[0]["parameters"];
+            assert_eq!(r[0]["continues"], true, "{r:?}");
+            match (p.get("flow"), p.get("lost")) {
+                (Some(f), None) => {
+                    assert_ne!(f["guest"]["port"], 1, "the history's record came twice");
+                    flows += 1;
+                }
+                (None, Some(n)) => lost += n.as_u64().unwrap(),
+                _ => panic!("{r:?}"),
+            }
+        }
+        assert_eq!(flows + lost, 20_000);
+        assert!(lost > 0 && flows > 0, "flows {flows}, lost {lost}");
+        assert_eq!(h.totals().2, lost);
+        h.close();
+        assert!(matches!(task.await.unwrap(), Next::Close("agent stopping")));
     }
 }

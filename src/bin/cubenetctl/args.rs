@@ -120,6 +120,8 @@ pub enum Cmd {
     /// the command.
     OpenTap(Vec<String>, Vec<String>),
     Watch,
+    /// `flows`: the flow log (WatchFlows).
+    Flows(crate::flows::FlowsOpts),
     /// The metrics socket to read.
     Metrics(PathBuf),
     Top(TopOpts),
@@ -329,8 +331,8 @@ fn build_ensure(raw: RawEnsure) -> Res<EnsureOpts> {
     Ok(o)
 }
 
-/// Short options, which may be bundled (`-qj`).
-const SHORT: &str = "hjqV";
+/// Short options, which may be bundled (`-qj`); `-f` is `flows`' own.
+const SHORT: &str = "hjqVf";
 
 pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
     // `open-tap A B -- COMMAND`: with `--`, every id comes before it.
@@ -348,6 +350,8 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
     let mut varlink: Option<String> = None;
     let mut raw = RawEnsure::default();
     let (mut interval, mut count): (Option<String>, Option<String>) = (None, None);
+    // `flows`: --denied, --follow, --since as typed.
+    let (mut denied, mut follow, mut since) = (false, false, None::<String>);
     let auto_json = if env.stdout_is_tty {
         JsonMode::Pretty
     } else {
@@ -371,6 +375,12 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
                     'h' => help = true,
                     'j' => json = auto_json,
                     'q' => quiet = true,
+                    'f' if command.is_some_and(|c| c.name == "flows") => follow = true,
+                    'f' => {
+                        return Err(Failure::usage(
+                            "-f is an option of 'flows' (after the command: cubenetctl flows -f)",
+                        ));
+                    }
                     _ => version = true,
                 }
             }
@@ -398,6 +408,7 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
             };
             let is_ensure = command.is_some_and(|c| c.name == "ensure");
             let is_top = command.is_some_and(|c| c.name == "top");
+            let is_flows = command.is_some_and(|c| c.name == "flows");
             match flag.as_str() {
                 "--help" => {
                     no_value(&inline)?;
@@ -467,6 +478,20 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
                         ));
                     }
                     raw.egress_rules = Some(v);
+                }
+                "--denied" if is_flows => {
+                    no_value(&inline)?;
+                    denied = true;
+                }
+                "--follow" if is_flows => {
+                    no_value(&inline)?;
+                    follow = true;
+                }
+                "--since" if is_flows => since = Some(value(inline)?),
+                f if crate::flows::FLAGS.contains(&f) => {
+                    return Err(Failure::usage(format!(
+                        "{flag} is an option of 'flows' (after the command: cubenetctl flows {flag})"
+                    )));
                 }
                 "--interval" if is_top => interval = Some(value(inline)?),
                 "--count" if is_top => count = Some(value(inline)?),
@@ -572,6 +597,22 @@ pub fn parse_args(args: Vec<String>, env: &Environment) -> Res<Parsed> {
         "watch" => {
             want(0)?;
             Cmd::Watch
+        }
+        "flows" => {
+            if positional.len() > 1 {
+                want(1)?;
+            }
+            let since = since
+                .as_deref()
+                .map(crate::flows::parse_since)
+                .transpose()
+                .map_err(Failure::usage)?;
+            Cmd::Flows(crate::flows::FlowsOpts {
+                sandbox_id: positional.pop(),
+                denied,
+                follow,
+                since,
+            })
         }
         "metrics" => {
             want(0)?;
@@ -704,6 +745,52 @@ mod tests {
             );
             assert!(zsh.contains(f), "{f} missing from completions/_cubenetctl");
         }
+    }
+
+    #[test]
+    fn flows_options() {
+        let flows = |args: &[&str]| match parse(args) {
+            Ok(Parsed::Run(_, Cmd::Flows(o))) => o,
+            other => panic!("{args:?}: {other:?}"),
+        };
+        assert_eq!(flows(&["flows"]), crate::flows::FlowsOpts::default());
+        let o = flows(&["flows", "sbx-1", "--denied", "-f", "--since=10m", "--json"]);
+        assert_eq!(
+            o,
+            crate::flows::FlowsOpts {
+                sandbox_id: Some("sbx-1".into()),
+                denied: true,
+                follow: true,
+                since: Some(600),
+            }
+        );
+        assert!(flows(&["flows", "-qf"]).follow);
+        assert_eq!(
+            flows(&["flows", "--follow", "--since", "30"]).since,
+            Some(30)
+        );
+        let e = parse(&["flows", "--since", "2h"]).unwrap_err();
+        assert_eq!(e.code, EXIT_USAGE);
+        assert!(e.msg.starts_with("--since 2h: more than 1h"), "{}", e.msg);
+        assert_eq!(parse(&["flows", "a", "b"]).unwrap_err().code, EXIT_USAGE);
+        assert!(
+            parse(&["-f", "flows"])
+                .unwrap_err()
+                .msg
+                .contains("option of 'flows'")
+        );
+        assert!(
+            parse(&["list", "--denied"])
+                .unwrap_err()
+                .msg
+                .contains("option of 'flows'")
+        );
+        assert!(
+            parse(&["flows", "--follow=1"])
+                .unwrap_err()
+                .msg
+                .contains("takes no value")
+        );
     }
 
     #[test]

@@ -228,6 +228,36 @@ that paused or resumed it. With --json, one JSON object per line: the event as v
 this watcher fell behind: EventsLost), 4 if the socket cannot be reached.",
         options: "",
     },
+    CommandDef {
+        name: "flows",
+        args: "[ID] [OPTIONS...]",
+        summary: "Show the flow log: connections made and refused",
+        help: "Reads the agent's flow log over varlink WatchFlows (socket: --varlink):
+the records the agent kept of the last hour (of sandbox ID only, with
+ID), or with --follow every new record until interrupted. Prints a
+header line (not with --no-legend), then one line per record: TIME
+(HH:MM:SS.mmm, UTC) SANDBOX EVENT (start, end, refused) PROTO GUEST
+REMOTE (IP:PORT as the guest sees them, [IPv6]:PORT) NODE (the node's
+side of a translated flow, '-' if none) VERDICT (forwarded, dropped)
+DETAIL (the rest of the line: why it was refused, the DNS name of the
+remote address, and for an end its totals: bytes/packets sent and
+received by the sandbox and its duration, e.g. 'out=1200/3 in=400/2
+1.5s'; arrows for out= and in= in a UTF-8 locale). A watcher that reads
+too slowly, or a sandbox whose events the datapath dropped, loses
+records: '# N records lost' on stderr. With --json, one JSON object per
+line: the record as varlink sends it ({\"time\", \"time_unix_ns\",
+\"sandbox_id\", \"event\", \"family\", \"protocol\", \"direction\",
+\"guest\", \"remote\", \"node\", \"verdict\", \"reason\",
+\"dns_name\", \"totals\"}), and {\"lost\": N} for lost records. Exit
+status 0 once the history is printed, 1 if the agent ends a --follow
+stream, 4 if the socket cannot be reached.",
+        options: "  --denied                Refused records only
+  -f --follow             Follow new records (history: none unless
+                          --since)
+  --since=DURATION        Begin with the records of the last DURATION:
+                          30s, 10m, 1h or seconds, at most 1h (default
+                          1h; with --follow 0)",
+    },
 ];
 
 pub fn find_command(name: &str) -> Option<&'static CommandDef> {
@@ -240,7 +270,7 @@ const OPTIONS_HELP: &str = "Options:
      --bus=BUS            system (default), session, or a D-Bus address such as
                           unix:path=/run/dbus/system_bus_socket; default from
                           $CUBENETCTL_BUS
-     --varlink=PATH       The agent's varlink socket (watch); default from
+     --varlink=PATH       The agent's varlink socket (watch, flows); default from
                           $CUBENETCTL_VARLINK, else
                           /run/cube-network-agent/org.cube.NetworkAgent
      --json=pretty|short|off

@@ -1,6 +1,6 @@
 //! `cubenetctl`: the operator CLI for cube-network-agent, in the style of
 //! `networkctl` / `busctl` / `systemctl`. It talks to `org.cube.NetworkAgent`
-//! over D-Bus (and, for `watch`, over its varlink socket) and nothing else;
+//! over D-Bus (and, for `watch` and `flows`, over its varlink socket) and nothing else;
 //! every result it prints is what the agent said.
 //!
 //! Rooms: `args` (the command line), `help` (the command table and help
@@ -15,6 +15,7 @@ mod dbus;
 mod egress;
 mod ensure;
 mod failure;
+mod flows;
 mod health;
 mod help;
 mod json;
@@ -56,8 +57,8 @@ async fn run(g: &Global, cmd: Cmd) -> Res<Outcome> {
         Cmd::Health => health::run(&agent, out).await?,
         Cmd::Capacity => capacity::run(&agent, out).await?,
         Cmd::OpenTap(ids, argv) => return open_tap::run(&agent, &ids, argv).await,
-        Cmd::Watch | Cmd::Metrics(_) | Cmd::Top(_) => {
-            unreachable!("watch, metrics and top run without D-Bus")
+        Cmd::Watch | Cmd::Flows(_) | Cmd::Metrics(_) | Cmd::Top(_) => {
+            unreachable!("watch, flows, metrics and top run without D-Bus")
         }
     };
     Ok(Outcome::Exit(code))
@@ -109,6 +110,12 @@ fn main() -> ExitCode {
     }
     if let Cmd::Watch = cmd {
         return match watch::run(&global) {
+            Ok(code) => ExitCode::from(code),
+            Err(f) => fail(f, ascii),
+        };
+    }
+    if let Cmd::Flows(o) = &cmd {
+        return match flows::run(&global, o) {
             Ok(code) => ExitCode::from(code),
             Err(f) => fail(f, ascii),
         };

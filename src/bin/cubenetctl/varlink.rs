@@ -1,6 +1,7 @@
 //! A minimal blocking varlink client: NUL-terminated JSON messages over the
-//! agent's Unix socket. `watch` is its only user (the agent's D-Bus signals
-//! reach root only; its varlink stream reaches every reader polkit allows).
+//! agent's Unix socket, for the streams: `watch` and `flows` (the agent's
+//! D-Bus signals reach root only; its varlink streams reach every reader
+//! polkit allows), and the metrics socket (`metrics`, `top`).
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -126,7 +127,12 @@ impl Varlink {
 
     /// Calls `method` (a full name), asking for a stream if `more`.
     pub fn call(&mut self, method: &str, more: bool) -> Res<()> {
-        let mut msg = json!({"method": method, "parameters": {}});
+        self.call_with(method, json!({}), more)
+    }
+
+    /// Calls `method` with `parameters` (an object).
+    pub fn call_with(&mut self, method: &str, parameters: Json, more: bool) -> Res<()> {
+        let mut msg = json!({"method": method, "parameters": parameters});
         if more {
             msg["more"] = Json::Bool(true);
         }
