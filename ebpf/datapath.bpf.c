@@ -84,6 +84,7 @@ char LICENSE[] SEC("license") = "GPL";
 #include "lib/share.h"        /* a sandbox's share of host-flow entries */
 #include "lib/tcp.h"          /* TCP state, timestamps, TIME_WAIT reuse */
 #include "lib/host_socket.h"  /* "the host wins": would a node socket take it */
+#include "lib/flow_log.h"    /* the flow log: events, a flow's totals */
 #include "lib/nat.h"          /* IPv4 SNAT, flow tables ct/ct_rev, SNAT ports */
 #include "lib/host_flow.h"    /* host <-> sandbox flows (hflow/hrev), admission */
 #include "lib/arp.h"          /* proxy ARP */

@@ -42,7 +42,11 @@ struct dp_config {
 	/* The pool's netmask (network order): host_ip & pool_mask is the
 	 * sandboxes' IPv4 network; 0 = none (builds before wrote no field). */
 	__u32 pool_mask;
-}; /* 104 bytes */
+	/* The flow log (DP_CFG_FLOW_EVENTS): a sandbox emits one event every
+	 * flow_interval_ns on average, flow_burst at once. */
+	__u32 flow_interval_ns;
+	__u32 flow_burst;
+}; /* 112 bytes */
 
 /* skb->mark of a sandbox's packet to a port mapping at the node's own
  * address, turned around into the uplink's ingress (forward_out): from_uplink
@@ -56,6 +60,55 @@ struct dp_config {
 /* The uplink has a global IPv6 address (uplink_ip6) and an IPv6 default
  * route: sandboxes with DP_F_V6_OUT reach the world over IPv6 (NAT66). */
 #define DP_CFG_IPV6_EGRESS 2
+/* The flow log: flows' first packets and refusals go to flow_events. */
+#define DP_CFG_FLOW_EVENTS 4
+/* deny_action "reject": a refused TCP SYN gets an RST, anything else an
+ * ICMP/ICMPv6 administratively prohibited, from the gateway. */
+#define DP_CFG_REJECT 8
+
+/* A flow event (the flow_events ring; docs/flows.md): a flow's first
+ * packet forwarded, or a packet refused. Addresses in network order, v4
+ * in the first word; ports in network order. */
+struct dp_flow_event {
+	__u64 ts_ns;           /* bpf_ktime_get_ns */
+	__u64 gen;             /* the sandbox owner's generation */
+	__u32 ifindex;         /* the sandbox's TAP or veth */
+	__u32 sandbox_ip;
+	__u8 kind;             /* DP_FE_* */
+	__u8 reason;           /* DP_FE_REFUSED: DP_FR_* */
+	__u8 dir;              /* DP_FD_* */
+	__u8 family;           /* 4 or 6 */
+	__u8 proto;
+	__u8 via;              /* DP_FV_* */
+	__u16 node_port;
+	__u16 guest_port;
+	__u16 remote_port;
+	__u32 guest_ip[4];
+	__u32 remote_ip[4];
+	__u32 node_ip[4];      /* all 0: none */
+	__u32 pad;
+}; /* 88 bytes */
+#define DP_FE_START 1
+#define DP_FE_REFUSED 2
+#define DP_FD_EGRESS 0   /* the sandbox to the world */
+#define DP_FD_INGRESS 1  /* the world to a port mapping */
+#define DP_FD_HOST 2     /* the node and the sandbox */
+#define DP_FV_NONE 0
+#define DP_FV_SNAT 1     /* egress through SNAT or NAT66 */
+#define DP_FV_PORTMAP 2  /* a port mapping */
+#define DP_FV_FROM_NODE 3 /* the node opened it (to the sandbox address or a mapped port) */
+#define DP_FV_TO_GATEWAY 4 /* the guest opened it to its gateway (resolver, proxy) */
+#define DP_FR_POLICY 1
+#define DP_FR_UNLEARNED 2
+#define DP_FR_NODE_ADDR 3
+#define DP_FR_SPOOFED 4
+#define DP_FR_PAUSED 5
+#define DP_FR_STALE_TCP 6
+#define DP_FR_NO_PORT 7
+#define DP_FR_NO_ROUTE 8
+#define DP_FR_UNSUPPORTED 9
+#define DP_FR_MALFORMED 10
+#define DP_FLOW_EVENTS_BYTES (2 * 1024 * 1024)
 
 /* The guests' IPv6 link (docs/dual-stack.md): the same on every TAP and
  * node, so a snapshot restores anywhere. The guest's addresses are
@@ -294,7 +347,16 @@ struct dp_ct_val {
 	__u64 gen;             /* generation of the sandbox that owns the flow */
 	__u32 seq_last;
 	__u32 pad;
-}; /* 32 bytes */
+	/* The flow log's totals (docs/flows.md): when the flow's first packet
+	 * was seen (0 in entries older builds made: set by the next packet),
+	 * and its IP bytes and packets each way, as the sandbox sees it (out:
+	 * sent by the sandbox). Read by the reaper for the flow's end record. */
+	__u64 start_ns;
+	__u64 bytes_out;
+	__u64 bytes_in;
+	__u32 pkts_out;
+	__u32 pkts_in;
+}; /* 64 bytes (32 before the flow log: migrated by appending 0) */
 #define DP_CT_SNAT 0
 #define DP_CT_PORTMAP 1
 #define DP_CT_LOCAL 2     /* (earlier builds; host flows are in hflow now) */
@@ -464,7 +526,15 @@ enum dp_sb_counter {
 struct dp_sb_stats {
 	__u64 c[DP_S_MAX];
 	__u64 v6[DP_S_MAX];
-}; /* 160 bytes */
+	/* The flow log's token bucket (GCRA): the theoretical arrival time of
+	 * the sandbox's next event (CLOCK_MONOTONIC ns), events emitted, and
+	 * events lost (bucket empty or ring full). After the counters: older
+	 * entries convert by appending 0. */
+	__u64 flow_tat;
+	__u64 flow_sent;
+	__u64 flow_lost;
+	__u64 flow_pad;
+}; /* 192 bytes */
 
 /* A sandbox's IPv6 frames (sb_traffic6, per CPU), from the sandbox's
  * point of view as its device's counters: tx = sent by the sandbox. */

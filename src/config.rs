@@ -1232,11 +1232,17 @@ fn apply_flag(cfg: &mut Config, flag: &str, value: String) -> Result<(), ConfigE
             cfg.flow_events = match value.as_str() {
                 "on" => true,
                 "off" => false,
-                other => return Err(invalid("flow_events", format!("'{other}' is not 'on' or 'off'"))),
+                other => {
+                    return Err(invalid(
+                        "flow_events",
+                        format!("'{other}' is not 'on' or 'off'"),
+                    ));
+                }
             }
         }
         "--flow-log" => {
-            cfg.flow_log = FlowLog::try_from(value.as_str()).map_err(|why| invalid("flow_log", why))?
+            cfg.flow_log =
+                FlowLog::try_from(value.as_str()).map_err(|why| invalid("flow_log", why))?
         }
         "--deny-action" => {
             cfg.deny_action =

@@ -318,3 +318,10 @@ struct {
 	__uint(max_entries, DP_WAKES_BYTES);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } wakes SEC(".maps");
+
+/* The flow log's events (lib/flow_log.h), read by the agent. */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, DP_FLOW_EVENTS_BYTES);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} flow_events SEC(".maps");

@@ -5,10 +5,12 @@
  * connections that clash with one) and rescued after an LRU eviction.
  * Part of datapath.bpf.c's one translation unit (see there). */
 
-static __always_inline void touch(struct dp_ct_val *v, const struct l4info *l4, int dir)
+static __always_inline void touch(struct __sk_buff *skb, struct dp_ct_val *v,
+				  const struct l4info *l4, int dir)
 {
 	v->last_seen_ns = bpf_ktime_get_ns();
 	v->state = tcp_state(v->state, l4, dir);
+	flow_count(skb, v, l4, dir);
 }
 
 /* Removes a flow that belongs to an earlier owner of its sandbox address

@@ -91,13 +91,15 @@ static __always_inline struct dp_tap *portmap6_in(struct __sk_buff *skb, const s
 		return NULL;
 	}
 	if (v) {
-		touch(v, l4, DIR_IN);
+		touch(skb, v, l4, DIR_IN);
 	} else {
 		struct dp_ct_val nv = {.nat_port = l4->dport, .kind = DP_CT_PORTMAP,
 				       .gen = tap->gen};
-		touch(&nv, l4, DIR_IN);
+		touch(skb, &nv, l4, DIR_IN);
 		bpf_map_update_elem(&ct6, key, &nv, BPF_ANY);
 		sb_count6(ifindex, DP_S_NEW_PORTMAP);
+		flow_note(skb, ifindex, fe_what(DP_FE_START, 0, DP_FD_INGRESS, DP_FV_PORTMAP),
+			  key->guest_port);
 	}
 	count(DP_C_PORTMAP);
 	return tap;

@@ -95,6 +95,8 @@ static __always_inline int guest_to_proxy(struct __sk_buff *skb, const struct dp
 }
 
 #define STEER_PASS 0x7fff
+/* Refused by the policy (the caller notes it: this frame is deep). */
+#define STEER_REFUSED 0x7ffd
 
 /* The part of guest -> world for a sandbox with domain rules or strict
  * mode: DNS (UDP/TCP 53) to anyone goes to the agent's resolver; with
@@ -141,7 +143,7 @@ __noinline int steer_to_agent(struct __sk_buff *skb)
 	if (l4.proto == IPPROTO_UDP && l4.dport == bpf_htons(443)) {
 		count(DP_C_POLICY_DROP);
 		sb_count(ifindex, DP_S_POLICY);
-		return TC_ACT_SHOT; /* QUIC: clients fall back to TCP */
+		return STEER_REFUSED; /* QUIC: clients fall back to TCP */
 	}
 	return STEER_PASS;
 }

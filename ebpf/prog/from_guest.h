@@ -15,12 +15,12 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	if (!c->uplink_ip || l4->frag || l4->first_frag) {
 		count(DP_C_NO_ROUTE);
 		sb_count(skb->ifindex, DP_S_NO_ROUTE);
-		return TC_ACT_SHOT;
+		return refused(skb, skb->ifindex, DP_FR_NO_ROUTE);
 	}
 	if (l4->proto != IPPROTO_TCP && l4->proto != IPPROTO_UDP &&
 	    !(l4->proto == IPPROTO_ICMP && l4->icmp_type == ICMP_ECHO)) {
 		sb_count(skb->ifindex, DP_S_UNSUPPORTED);
-		return TC_ACT_SHOT;
+		return refused(skb, skb->ifindex, DP_FR_UNSUPPORTED);
 	}
 
 	struct dp_ct_key key = {
@@ -47,8 +47,11 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 		if (r == PROXY_STALE) {
 			count(DP_C_STALE_TCP);
 			sb_count(skb->ifindex, DP_S_STALE_TCP);
+			flow_note(skb, skb->ifindex, FE_REFUSED(DP_FR_STALE_TCP), 0);
 			return stale_reset(skb);
 		}
+		if (r == STEER_REFUSED)
+			return refused(skb, skb->ifindex, DP_FR_POLICY);
 		if (r != STEER_PASS)
 			return r;
 	}
@@ -56,7 +59,7 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	    (resolver_bypass(sb, l4) || !policy_allows(sb, ip->daddr, !v))) {
 		count(DP_C_POLICY_DROP);
 		sb_count(skb->ifindex, DP_S_POLICY);
-		return TC_ACT_SHOT;
+		return refused(skb, skb->ifindex, DP_FR_POLICY);
 	}
 	/* The node's own addresses never by the uplink: its services are at
 	 * the gateway (169.254.68.5); a mapping at the uplink's address is
@@ -67,10 +70,10 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 	      find_portmap(ip->daddr, l4->dport, l4->proto, 1))) {
 		count(DP_C_NODE_ADDR);
 		sb_count(skb->ifindex, DP_S_POLICY);
-		return TC_ACT_SHOT;
+		return refused(skb, skb->ifindex, DP_FR_NODE_ADDR);
 	}
 	if (v) {
-		touch(v, l4, DIR_OUT);
+		touch(skb, v, l4, DIR_OUT);
 		note_close(skb, v, l4);
 		nat_port = v->nat_port;
 	} else if (l4->proto == IPPROTO_TCP &&
@@ -79,10 +82,11 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 		if (snat_rescue(&key, sb->gen, &nat_port)) {
 			count(DP_C_STALE_TCP);
 			sb_count(skb->ifindex, DP_S_STALE_TCP);
+			flow_note(skb, skb->ifindex, FE_REFUSED(DP_FR_STALE_TCP), 0);
 			return stale_reset(skb);
 		}
 		struct dp_ct_val nv = {.nat_port = nat_port, .kind = DP_CT_SNAT, .gen = sb->gen};
-		touch(&nv, l4, DIR_OUT);
+		touch(skb, &nv, l4, DIR_OUT);
 		bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
 		count(DP_C_STALE_TCP_RESCUED);
 	} else {
@@ -96,12 +100,14 @@ static __always_inline int guest_to_world(struct __sk_buff *skb, const struct dp
 		if (snat_alloc(skb, &key, sb->gen, &si, &nat_port)) {
 			count(DP_C_NO_PORT);
 			sb_count(skb->ifindex, DP_S_NO_PORT);
-			return TC_ACT_SHOT;
+			return refused(skb, skb->ifindex, DP_FR_NO_PORT);
 		}
 		struct dp_ct_val nv = {.nat_port = nat_port, .kind = DP_CT_SNAT, .gen = sb->gen};
-		touch(&nv, l4, DIR_OUT);
+		touch(skb, &nv, l4, DIR_OUT);
 		bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
 		sb_count(skb->ifindex, DP_S_NEW_SNAT);
+		flow_note(skb, skb->ifindex, fe_what(DP_FE_START, 0, DP_FD_EGRESS, DP_FV_SNAT),
+			  nat_port);
 	}
 	if (set_addr(skb, IP_SRC_OFF, ip->saddr, c->uplink_ip, l4) ||
 	    set_port(skb, src_port_off(l4), l4->sport, nat_port, l4))
@@ -195,7 +201,7 @@ int from_guest(struct __sk_buff *skb)
 	if (!mac_eq(eth.h_source, c->guest_mac)) {
 		count(DP_C_SPOOF_DROP);
 		sb_count(ifindex, DP_S_SPOOFED);
-		return TC_ACT_SHOT;
+		return refused(skb, ifindex, DP_FR_SPOOFED);
 	}
 	if (eth.h_proto == bpf_htons(ETH_P_ARP))
 		return proxy_arp(skb, c);
@@ -227,7 +233,7 @@ int from_guest(struct __sk_buff *skb)
 	if (!mac_eq(eth.h_dest, c->gateway_mac)) {
 		count(DP_C_SPOOF_DROP);
 		sb_count(ifindex, DP_S_SPOOFED);
-		return TC_ACT_SHOT;
+		return refused(skb, ifindex, DP_FR_SPOOFED);
 	}
 	struct iphdr ip;
 	struct l4info l4;
@@ -239,14 +245,14 @@ int from_guest(struct __sk_buff *skb)
 	if (ip.saddr != c->guest_ip) {
 		count(DP_C_SPOOF_DROP);
 		sb_count(ifindex, DP_S_SPOOFED);
-		return TC_ACT_SHOT;
+		return refused(skb, ifindex, DP_FR_SPOOFED);
 	}
 	if (ip.daddr == c->gateway_ip) {
 		/* The proxy's ports take only what guest_to_proxy sends them. */
 		if (to_proxy_port(&l4)) {
 			count(DP_C_POLICY_DROP);
 			sb_count(ifindex, DP_S_POLICY);
-			return TC_ACT_SHOT;
+			return refused(skb, ifindex, DP_FR_POLICY);
 		}
 		return guest_to_gateway(skb);
 	}

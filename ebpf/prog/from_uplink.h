@@ -20,7 +20,7 @@ static __always_inline int host_nat_reply(struct __sk_buff *skb, const struct dp
 		bpf_map_delete_elem(&ct_rev, rk);
 		return TC_ACT_OK;
 	}
-	touch(hv, l4, DIR_IN);
+	touch(skb, hv, l4, DIR_IN);
 	if (set_port(skb, dst_port_off(l4), rk->nat_port, hk.nat_port, l4))
 		return TC_ACT_SHOT;
 	return TC_ACT_OK;
@@ -84,7 +84,7 @@ static __always_inline int uplink_in(struct __sk_buff *skb, const struct dp_conf
 		/* A live sandbox flow owns its tuple: no host socket can take
 		 * its replies (to_uplink moves a host connection that would
 		 * use the same tuple to another port). */
-		touch(v, l4, DIR_IN);
+		touch(skb, v, l4, DIR_IN);
 		count(DP_C_SNAT_REPLY);
 	} else {
 		if (l4->proto == IPPROTO_ICMP)
@@ -118,13 +118,15 @@ static __always_inline int uplink_in(struct __sk_buff *skb, const struct dp_conf
 			return TC_ACT_OK;
 		}
 		if (v) {
-			touch(v, l4, DIR_IN);
+			touch(skb, v, l4, DIR_IN);
 		} else {
 			struct dp_ct_val nv = {.nat_port = l4->dport, .kind = DP_CT_PORTMAP,
 					       .gen = tap->gen};
-			touch(&nv, l4, DIR_IN);
+			touch(skb, &nv, l4, DIR_IN);
 			bpf_map_update_elem(&ct, &key, &nv, BPF_ANY);
 			sb_count(tap->ifindex, DP_S_NEW_PORTMAP);
+			flow_note(skb, tap->ifindex,
+				  fe_what(DP_FE_START, 0, DP_FD_INGRESS, DP_FV_PORTMAP), guest_port);
 		}
 		count(DP_C_PORTMAP);
 	}

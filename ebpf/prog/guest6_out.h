@@ -62,17 +62,17 @@ int guest6_out(struct __sk_buff *skb)
 		      : v6_world(ip.daddr)))) {
 		count(DP_C_POLICY_DROP);
 		sb_count6(ifindex, DP_S_POLICY);
-		return TC_ACT_SHOT;
+		return refused(skb, ifindex, DP_FR_POLICY);
 	}
 	/* The node's own addresses never by the uplink (IPv6 has no hairpin:
 	 * mappings are reached over IPv4's). */
 	if (!v && node_dst6((const struct dp_in6 *)ip.daddr)) {
 		count(DP_C_NODE_ADDR);
 		sb_count6(ifindex, DP_S_POLICY);
-		return TC_ACT_SHOT;
+		return refused(skb, ifindex, DP_FR_NODE_ADDR);
 	}
 	if (v) {
-		touch(v, &l4, DIR_OUT);
+		touch(skb, v, &l4, DIR_OUT);
 		note_close(skb, v, &l4);
 		nat_port = v->nat_port;
 	} else if (l4.proto == IPPROTO_TCP &&
@@ -80,13 +80,14 @@ int guest6_out(struct __sk_buff *skb)
 		if (snat6_rescue(&key, gen, &nat_port)) {
 			count(DP_C_STALE_TCP);
 			sb_count6(ifindex, DP_S_STALE_TCP);
+			flow_note(skb, ifindex, FE_REFUSED(DP_FR_STALE_TCP), 0);
 			/* Its RST, from guest_ipv6 (whose stack and this one's
 			 * do not fit one call chain). */
 			bpf_tail_call(skb, &tails, TAIL_GUEST6_RST);
 			return TC_ACT_SHOT;
 		}
 		struct dp_ct_val nv = {.nat_port = nat_port, .kind = DP_CT_SNAT, .gen = gen};
-		touch(&nv, &l4, DIR_OUT);
+		touch(skb, &nv, &l4, DIR_OUT);
 		bpf_map_update_elem(&ct6, &key, &nv, BPF_ANY);
 		count(DP_C_STALE_TCP_RESCUED);
 	} else {
@@ -100,12 +101,13 @@ int guest6_out(struct __sk_buff *skb)
 		if (snat6_alloc(skb, &key, gen, &si, &nat_port)) {
 			count(DP_C_NO_PORT);
 			sb_count6(ifindex, DP_S_NO_PORT);
-			return TC_ACT_SHOT;
+			return refused(skb, ifindex, DP_FR_NO_PORT);
 		}
 		struct dp_ct_val nv = {.nat_port = nat_port, .kind = DP_CT_SNAT, .gen = gen};
-		touch(&nv, &l4, DIR_OUT);
+		touch(skb, &nv, &l4, DIR_OUT);
 		bpf_map_update_elem(&ct6, &key, &nv, BPF_ANY);
 		sb_count6(ifindex, DP_S_NEW_SNAT);
+		flow_note(skb, ifindex, fe_what(DP_FE_START, 0, DP_FD_EGRESS, DP_FV_SNAT), nat_port);
 	}
 	if (set_addr6(skb, ETH_HLEN + __builtin_offsetof(struct ip6h, saddr), ip.saddr,
 		      c->uplink_ip6, &l4) ||

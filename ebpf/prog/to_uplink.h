@@ -97,7 +97,7 @@ static __always_inline int uplink_out(struct __sk_buff *skb)
 	__u16 out;
 	struct dp_ct_val *hv = bpf_map_lookup_elem(&host_nat, &hk);
 	if (hv) {
-		touch(hv, &l4, DIR_OUT);
+		touch(skb, hv, &l4, DIR_OUT);
 		out = hv->nat_port;
 	} else {
 		struct dp_rev_val rv = {.sandbox_ip = 0, .guest_port = l4.sport, .gen = 0};
@@ -120,7 +120,7 @@ static __always_inline int uplink_out(struct __sk_buff *skb)
 			count(DP_C_HOST_REMAP);
 		}
 		struct dp_ct_val nv = {.nat_port = out, .kind = DP_CT_HOST};
-		touch(&nv, &l4, DIR_OUT);
+		touch(skb, &nv, &l4, DIR_OUT);
 		bpf_map_update_elem(&host_nat, &hk, &nv, BPF_ANY);
 	}
 	if (out != l4.sport && set_port(skb, src_port_off(&l4), l4.sport, out, &l4))

@@ -31,7 +31,7 @@ static __always_inline int uplink6_deliver(struct __sk_buff *skb, const struct d
 	struct dp_tap *tap = nat66_flow(&rk, &key, &v);
 	__u8 wake = DP_WAKE_REPLY;
 	if (tap) {
-		touch(v, l4, DIR_IN);
+		touch(skb, v, l4, DIR_IN);
 		count(DP_C_NAT66_REPLY);
 	} else {
 		tap = portmap6_in(skb, ip, l4, &key);

@@ -491,6 +491,8 @@ impl Agent {
             shaper: shaper.map(|(s, _)| (SHAPER_DEVICE.to_owned(), s)),
             shaper_peer: shaper.map(|(_, p)| p),
             ipv6_link: cfg.ipv6 == crate::config::Ipv6Mode::Auto,
+            flow_events: cfg.flow_events,
+            deny_reject: cfg.deny_action == crate::config::DenyAction::Reject,
             uplink_ip6: uplink6,
             pool6,
             pool_mask: prefix_mask(d.pool.prefix_len()),

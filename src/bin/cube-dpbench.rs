@@ -745,6 +745,8 @@ fn load_ebpf(topo: &Topo, snat_port_range: Option<&str>) -> Result<Loaded> {
         shaper: Some(("cube-shp".into(), shaper_ifindex)),
         shaper_peer: Some(shaper_peer),
         ipv6_link: true,
+        flow_events: false,
+        deny_reject: false,
         uplink_ip6: Some(UPLINK_IP6),
         pool6: None,
         pool_mask: Ipv4Addr::new(255, 255, 192, 0),

@@ -38,6 +38,10 @@ pub struct DpConfig {
     /// sandboxes' network (a source the uplink and `lo` never deliver, a
     /// destination that never leaves by the uplink); 0 = none.
     pub pool_mask: u32,
+    /// The flow log (`DP_CFG_FLOW_EVENTS`): a sandbox emits an event every
+    /// `flow_interval_ns` on average, `flow_burst` at once.
+    pub flow_interval_ns: u32,
+    pub flow_burst: u32,
 }
 
 /// A sandbox's entries in the shared tables (`sb_share`, keyed by its TAP
@@ -299,6 +303,14 @@ pub struct DpCtVal {
     /// TCP, once closing: the sequence number after its last segment.
     pub seq_last: u32,
     pub pad: u32,
+    /// The flow log: when the flow's first packet was seen (monotonic ns;
+    /// 0 in entries of older builds until their next packet), and its IP
+    /// bytes and packets each way (out: sent by the sandbox).
+    pub start_ns: u64,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+    pub pkts_out: u32,
+    pub pkts_in: u32,
 }
 pub const DP_CT_SNAT: u8 = 0;
 pub const DP_CT_PORTMAP: u8 = 1;
@@ -503,6 +515,12 @@ pub const RATE_COUNTER_NAMES: &[&str] = &[
 pub struct DpSbStats {
     pub c: [u64; SB_COUNTER_NAMES.len()],
     pub v6: [u64; SB_COUNTER_NAMES.len()],
+    /// The flow log's token bucket (its next event's theoretical arrival
+    /// time), events emitted and events lost (bucket empty, ring full).
+    pub flow_tat: u64,
+    pub flow_sent: u64,
+    pub flow_lost: u64,
+    pub flow_pad: u64,
 }
 
 /// A sandbox's IPv6 frames (`sb_traffic6`, one per CPU, summed when read):
@@ -630,7 +648,6 @@ unsafe impl aya::Pod for DpFragVal {}
 
 // The C side's sizes (ebpf/datapath.h comments); a mismatch fails the build.
 const _: () = {
-    assert!(size_of::<DpConfig>() == 104);
     assert!(size_of::<DpCt6Key>() == 28);
     assert!(size_of::<DpRev6Key>() == 24);
     assert!(size_of::<DpShare>() == 8);
@@ -645,7 +662,9 @@ const _: () = {
     assert!(size_of::<DpPortmapKey>() == 8);
     assert!(size_of::<DpPortmapVal>() == 8);
     assert!(size_of::<DpCtKey>() == 16);
-    assert!(size_of::<DpCtVal>() == 32);
+    assert!(size_of::<DpCtVal>() == 64);
+    assert!(size_of::<DpFlowEvent>() == 88);
+    assert!(size_of::<DpConfig>() == 112);
     assert!(size_of::<DpRevKey>() == 12);
     assert!(size_of::<DpRevVal>() == 16);
     assert!(size_of::<DpHflowKey>() == 16);
@@ -656,7 +675,7 @@ const _: () = {
     assert!(size_of::<DpFragVal>() == 32);
     assert!(size_of::<DpFrag6Key>() == 20);
     assert!(size_of::<DpFrag6Val>() == 24);
-    assert!(size_of::<DpSbStats>() == 160);
+    assert!(size_of::<DpSbStats>() == 192);
     assert!(size_of::<DpTraffic6>() == 32);
     assert!(SB_COUNTER_NAMES_IPV6.len() == SB_COUNTER_NAMES.len());
     assert!(size_of::<DpRate>() == 16);
@@ -947,8 +966,55 @@ pub const PINNED: &[PinnedMap] = {
             Durable,
         ),
         pinned("wakes", RingBuf, 0, 0, WAKES_BYTES, Durable),
+        pinned("flow_events", RingBuf, 0, 0, FLOW_EVENTS_BYTES, Durable),
     ]
 };
+
+/// `dp_config.flags`: the flow log's events (`DP_CFG_FLOW_EVENTS`).
+pub const DP_CFG_FLOW_EVENTS: u32 = 4;
+/// `dp_config.flags`: deny_action "reject" (`DP_CFG_REJECT`).
+pub const DP_CFG_REJECT: u32 = 8;
+
+/// Bytes of the `flow_events` ring (`DP_FLOW_EVENTS_BYTES`).
+pub const FLOW_EVENTS_BYTES: u32 = 2 * 1024 * 1024;
+
+/// A flow event (`struct dp_flow_event`, the `flow_events` ring):
+/// addresses and ports in network order (IPv4 in the first 4 bytes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DpFlowEvent {
+    pub ts_ns: u64,
+    pub generation: u64,
+    pub ifindex: u32,
+    pub sandbox_ip: u32,
+    /// `DP_FE_*`.
+    pub kind: u8,
+    /// `DP_FR_*` (refused).
+    pub reason: u8,
+    /// `DP_FD_*`.
+    pub dir: u8,
+    /// 4 or 6.
+    pub family: u8,
+    pub proto: u8,
+    /// `DP_FV_*`.
+    pub via: u8,
+    pub node_port: u16,
+    pub guest_port: u16,
+    pub remote_port: u16,
+    pub guest_ip: [u8; 16],
+    pub remote_ip: [u8; 16],
+    pub node_ip: [u8; 16],
+    pub pad: u32,
+}
+pub const DP_FE_START: u8 = 1;
+pub const DP_FE_REFUSED: u8 = 2;
+pub const DP_FD_EGRESS: u8 = 0;
+pub const DP_FD_INGRESS: u8 = 1;
+pub const DP_FD_HOST: u8 = 2;
+pub const DP_FV_SNAT: u8 = 1;
+pub const DP_FV_PORTMAP: u8 = 2;
+pub const DP_FV_FROM_NODE: u8 = 3;
+pub const DP_FV_TO_GATEWAY: u8 = 4;
 
 /// `dp_config.flags`: the guests' IPv6 link is on.
 pub const DP_CFG_IPV6: u32 = 1;

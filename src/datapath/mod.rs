@@ -164,7 +164,48 @@ impl std::os::fd::AsRawFd for WakeRing {
     }
 }
 
+/// The flow log's share of the `flow_events` ring per sandbox: events per
+/// second on average, and at once (`dp_config.flow_interval_ns`,
+/// `flow_burst`). A flood of refused packets from one sandbox costs the
+/// ring this many events a second, however fast it sends.
+pub const FLOW_EVENTS_PER_SEC: u32 = 200;
+pub const FLOW_EVENTS_BURST: u32 = 400;
+
+/// The datapath's flow events (`flow_events` ring), as the agent reads
+/// them (`agent/flows.rs`).
+pub struct FlowRing(pub(crate) aya::maps::RingBuf<aya::maps::MapData>);
+
+impl FlowRing {
+    /// The events committed so far.
+    pub fn drain(&mut self, out: &mut Vec<maps::DpFlowEvent>) {
+        while let Some(item) = self.0.next() {
+            if item.len() >= std::mem::size_of::<maps::DpFlowEvent>() {
+                // SAFETY: the ring holds `struct dp_flow_event` records
+                // (88 bytes, checked above) written by `flow_note`;
+                // DpFlowEvent is its #[repr(C)] twin, valid for every bit
+                // pattern, and read unaligned.
+                out.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) });
+            }
+        }
+    }
+}
+
+impl std::os::fd::AsRawFd for FlowRing {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
 pub trait Datapath: Send + Sync {
+    /// The flow log's events, once (None: taken already, or a datapath
+    /// without them).
+    fn flow_ring(&self) -> Option<FlowRing> {
+        None
+    }
+    /// Turns the flow log's events and deny_action "reject" on or off.
+    fn set_flow_log(&self, _events: bool, _reject: bool) -> Result<(), DatapathError> {
+        Ok(())
+    }
     /// The reports of traffic for paused sandboxes, once (None: taken
     /// already, or a datapath without them).
     fn wake_ring(&self) -> Option<WakeRing> {

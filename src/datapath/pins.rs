@@ -107,7 +107,7 @@ fn host_nat_v1(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
     }
     let mut out = v.to_vec();
     out[12..16].fill(0);
-    out.resize(32, 0);
+    out.resize(std::mem::size_of::<crate::datapath::maps::DpCtVal>(), 0);
     Some((k.to_vec(), out))
 }
 
@@ -143,7 +143,24 @@ const CONVERSIONS: &[(&str, usize, Convert)] = &[
     ("host_nat", 24, host_nat_v1),
     ("sb_stats", 72, sb_stats_older),
     ("sb_stats", 80, sb_stats_older),
+    ("sb_stats", 160, sb_stats_older),
+    ("ct", 32, flow_v2),
+    ("ct6", 32, flow_v2),
+    ("host_nat", 32, flow_v2),
 ];
+
+/// `ct`, `ct6` and `host_nat` of the builds before the flow log (32-byte
+/// values): the totals they lack are appended (0: the flow log counts a
+/// flow's packets from the upgrade on, and its start from the first
+/// packet after it).
+fn flow_v2(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
+    if v.len() != 32 {
+        return None;
+    }
+    let mut out = v.to_vec();
+    out.resize(std::mem::size_of::<crate::datapath::maps::DpCtVal>(), 0);
+    Some((k.to_vec(), out))
+}
 
 /// What happens to one map.
 #[derive(Debug)]

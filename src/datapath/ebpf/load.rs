@@ -143,6 +143,7 @@ impl EbpfDatapath {
             &node.node_addrs,
         )?;
         let wakes: aya::maps::RingBuf<MapData> = take(&mut bpf, "wakes")?;
+        let flow_events: aya::maps::RingBuf<MapData> = take(&mut bpf, "flow_events")?;
         let learned = learned::Learned::<DpLearnedKey>::new(
             take(&mut bpf, "dns_learned")?,
             reopen_pin(&node.pin_dir, "dns_learned")?,
@@ -180,6 +181,14 @@ impl EbpfDatapath {
                 (true, Some(_)) => {
                     crate::datapath::maps::DP_CFG_IPV6 | crate::datapath::maps::DP_CFG_IPV6_EGRESS
                 }
+            } | if node.flow_events {
+                crate::datapath::maps::DP_CFG_FLOW_EVENTS
+            } else {
+                0
+            } | if node.deny_reject {
+                crate::datapath::maps::DP_CFG_REJECT
+            } else {
+                0
             },
             uplink_ip6: node
                 .uplink_ip6
@@ -187,6 +196,8 @@ impl EbpfDatapath {
                 .map_or([0; 16], |a| a.octets()),
             pool6: node.pool6.filter(|_| node.ipv6_link).unwrap_or([0; 12]),
             pool_mask: ip_be(node.pool_mask),
+            flow_interval_ns: 1_000_000_000 / super::super::FLOW_EVENTS_PER_SEC,
+            flow_burst: super::super::FLOW_EVENTS_BURST,
         };
         // The tail-called programs, before any hook runs the programs that
         // call them (an empty slot: IPv6 to the world is refused).
@@ -475,6 +486,7 @@ impl EbpfDatapath {
             config: Mutex::new(written),
             pin_ids,
             wakes: Mutex::new(Some(wakes)),
+            flow_events: Mutex::new(Some(flow_events)),
         };
         // Counts for Health come from the first reaper pass (2 s after start);
         // walking every flow and TAP here would delay READY.

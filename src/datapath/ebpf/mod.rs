@@ -158,6 +158,10 @@ pub struct NodeInfo {
     pub shaper_peer: Option<u32>,
     /// The guests' IPv6 link (RA, NA, fast refusal): config `ipv6`.
     pub ipv6_link: bool,
+    /// The flow log's events (config `flow_events`) and deny_action
+    /// "reject" (`DP_CFG_FLOW_EVENTS`, `DP_CFG_REJECT`).
+    pub flow_events: bool,
+    pub deny_reject: bool,
     /// NAT66 (with `ipv6_link`): the uplink's global IPv6 address, when it
     /// has one and the node an IPv6 default route out of it.
     pub uplink_ip6: Option<std::net::Ipv6Addr>,
@@ -352,6 +356,9 @@ pub struct EbpfDatapath {
     localnet: Result<(), String>,
     /// The `wakes` ring, until the agent takes it (`Datapath::wake_ring`).
     wakes: Mutex<Option<aya::maps::RingBuf<MapData>>>,
+    /// The `flow_events` ring, until the agent takes it
+    /// (`Datapath::flow_ring`).
+    flow_events: Mutex<Option<aya::maps::RingBuf<MapData>>>,
 }
 
 impl EbpfDatapath {
@@ -552,6 +559,36 @@ impl Datapath for EbpfDatapath {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let maps = &mut inner.maps;
         node_addrs::sync(&mut maps.node_addrs, &mut maps.node_addrs6, addrs)
+    }
+
+    fn set_flow_log(&self, events: bool, reject: bool) -> Result<(), DatapathError> {
+        let mut inner = self.lock();
+        let mut cfg = self.config.lock().unwrap_or_else(|p| p.into_inner());
+        let mut next = *cfg;
+        next.flags &= !(DP_CFG_FLOW_EVENTS | DP_CFG_REJECT);
+        if events {
+            next.flags |= DP_CFG_FLOW_EVENTS;
+        }
+        if reject {
+            next.flags |= DP_CFG_REJECT;
+        }
+        if next != *cfg {
+            inner
+                .maps
+                .config
+                .set(0, next, 0)
+                .map_err(|e| map_err("writing the config map (the flow log)", &e))?;
+            *cfg = next;
+        }
+        Ok(())
+    }
+
+    fn flow_ring(&self) -> Option<super::FlowRing> {
+        self.flow_events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .map(super::FlowRing)
     }
 
     fn set_uplink6(&self, addr: Option<std::net::Ipv6Addr>) -> Result<(), DatapathError> {
