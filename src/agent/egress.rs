@@ -946,6 +946,31 @@ impl Egress {
         unreachable_why(ip, &cidrs, &self.local.get(), pool)
     }
 
+    /// The flow log: the name whose answer taught the sandbox at `src`
+    /// the address `dst`, while it is learned (empty after a restart:
+    /// see docs/flows.md).
+    pub(super) fn learned_name(&self, src: Ipv4Addr, dst: IpAddr) -> Option<String> {
+        let mine = self.mine(src)?;
+        let m = mine.lock().unwrap_or_else(|p| p.into_inner());
+        m.by_dst
+            .get(&dst)
+            .map(|l| l.name.clone())
+            .filter(|n| !n.is_empty())
+    }
+
+    /// The flow log: whether a policy refusal of `dst` for the sandbox at
+    /// `src` is for want of a name: it has name rules, and the address is
+    /// one a name could have taught it (no CIDR rule refuses it).
+    pub(super) fn refused_unlearned(&self, src: Ipv4Addr, dst: IpAddr, pool: &Ipv4Cidr) -> bool {
+        let named = self
+            .sandboxes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&src)
+            .is_some_and(|s| s.patterns.is_some());
+        named && self.unreachable(src, dst, pool).is_none()
+    }
+
     /// Learned entries per sandbox address (for the reaper's comparison
     /// with the map).
     fn tracked(&self, ip: Ipv4Addr) -> HashSet<IpAddr> {

@@ -12,6 +12,7 @@ pub mod cni;
 pub mod domains;
 pub mod egress;
 pub mod events;
+mod flows;
 mod health;
 mod ipv6;
 mod lifecycle;

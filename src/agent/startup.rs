@@ -282,6 +282,7 @@ impl Agent {
             }
         });
         agent.spawn_wake_reader();
+        agent.spawn_flow_log();
         // CNI networks whose container's namespace went without a DEL.
         agent.spawn_gone_netns_reaper();
         let weak = Arc::downgrade(&agent);

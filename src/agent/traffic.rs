@@ -660,6 +660,7 @@ impl Agent {
             unit: None,
             samples: vec![Sample::node(Val::S(env!("CARGO_PKG_VERSION").into()))],
         });
+        f.extend(crate::metrics::flow_families(&self.flows));
         Ok(f)
     }
 }

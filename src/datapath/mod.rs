@@ -196,7 +196,53 @@ impl std::os::fd::AsRawFd for FlowRing {
     }
 }
 
+/// A world flow (`ct`, `ct6`) as the flow log names it: the sandbox, the
+/// family (4, 6), protocol, the guest's port, the remote and its port
+/// (ports in host order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FlowId {
+    pub sandbox_ip: std::net::Ipv4Addr,
+    pub proto: u8,
+    pub guest_port: u16,
+    pub remote: std::net::IpAddr,
+    pub remote_port: u16,
+}
+
+/// A world flow's end, as the reaper found it: closed (TCP: an RST, or a
+/// FIN each way), expired, or its sandbox released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlowEnd {
+    pub id: FlowId,
+    pub generation: u64,
+    /// `DP_CT_SNAT` (the sandbox opened it) or `DP_CT_PORTMAP`.
+    pub kind: u8,
+    /// The SNAT port, or the mapping's host port (host order).
+    pub node_port: u16,
+    /// IPv6: the guest's address was its fixed one (`DP_GADDR_FIXED`).
+    pub guest_fixed6: bool,
+    /// Monotonic ns of the first and last packet seen.
+    pub start_ns: u64,
+    pub last_ns: u64,
+    pub bytes_out: u64,
+    pub pkts_out: u64,
+    pub bytes_in: u64,
+    pub pkts_in: u64,
+}
+
+/// Flow ends kept for the agent between two of its reads (it reads every
+/// second; the reaper adds every 2 s): beyond, the oldest are dropped.
+pub const FLOW_ENDS_MAX: usize = 65_536;
+
 pub trait Datapath: Send + Sync {
+    /// Every sandbox device's flow-log events emitted and lost so far
+    /// (ifindex, sent, lost).
+    fn flow_event_counts(&self) -> Vec<(u32, u64, u64)> {
+        Vec::new()
+    }
+    /// The world flows' ends the reaper found since the last call.
+    fn take_flow_ends(&self) -> Vec<FlowEnd> {
+        Vec::new()
+    }
     /// The flow log's events, once (None: taken already, or a datapath
     /// without them).
     fn flow_ring(&self) -> Option<FlowRing> {

@@ -273,6 +273,11 @@ struct Reaper {
     ct6: HashMap<MapData, DpCt6Key, DpCtVal>,
     ct_rev6: HashMap<MapData, DpRev6Key, DpRevVal>,
     ct6_dump: MapData,
+    /// The flow log: flows whose end was reported while their entry lives
+    /// on (a closed TCP flow keeps its entry for the closing timeout), by
+    /// (key, start): reported once.
+    /// The value: the pass that last saw it.
+    ended: StdHashMap<(super::FlowId, u64), u64>,
 }
 
 /// Counts refreshed by `maintain`, read by `checks` without touching maps.
@@ -356,6 +361,9 @@ pub struct EbpfDatapath {
     localnet: Result<(), String>,
     /// The `wakes` ring, until the agent takes it (`Datapath::wake_ring`).
     wakes: Mutex<Option<aya::maps::RingBuf<MapData>>>,
+    /// Flow ends the reaper found, until the agent takes them
+    /// (`Datapath::take_flow_ends`); at most `FLOW_ENDS_MAX`.
+    flow_ends: Mutex<Vec<super::FlowEnd>>,
     /// The `flow_events` ring, until the agent takes it
     /// (`Datapath::flow_ring`).
     flow_events: Mutex<Option<aya::maps::RingBuf<MapData>>>,
@@ -459,7 +467,7 @@ fn rate_counters(
     ]
 }
 
-fn monotonic_ns() -> u64 {
+pub(crate) fn monotonic_ns() -> u64 {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
         .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
         .unwrap_or(0)
@@ -581,6 +589,17 @@ impl Datapath for EbpfDatapath {
             *cfg = next;
         }
         Ok(())
+    }
+
+    fn flow_event_counts(&self) -> Vec<(u32, u64, u64)> {
+        read_all(&self.sb_read_dump, &self.sb_read)
+            .into_iter()
+            .map(|(i, s)| (i, s.flow_sent, s.flow_lost))
+            .collect()
+    }
+
+    fn take_flow_ends(&self) -> Vec<super::FlowEnd> {
+        std::mem::take(&mut *self.flow_ends.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     fn flow_ring(&self) -> Option<super::FlowRing> {

@@ -37,6 +37,12 @@ impl EbpfDatapath {
             stale: 0,
         };
         let all = dump_flows(&r.ct_dump).unwrap_or_else(|| r.ct.iter().flatten().collect());
+        let mut ends = Ends {
+            ended: &mut r.ended,
+            pass: r.passes,
+            out: vec![],
+        };
+        ends.closed(&all, flow_id4);
         for (k, v) in pass.doomed(all, |k: &DpCtKey| (k.sandbox_ip, k.proto)) {
             // Re-read right before deleting: a flow touched or replaced since
             // the dump (still live, or the new owner's) waits for the next
@@ -44,16 +50,33 @@ impl EbpfDatapath {
             if r.ct.get(&k, 0).ok().as_ref() == Some(&v) && pass.confirm(&r.by_ip, k.sandbox_ip, &v)
             {
                 Self::remove_flow(&mut r.ct, &mut r.ct_rev, &k, &v);
+                ends.removed(flow_id4(&k), &v);
             }
         }
         let ipv4_live = pass.seen - pass.removed;
         let all = dump_flows(&r.ct6_dump).unwrap_or_else(|| r.ct6.iter().flatten().collect());
+        ends.closed(&all, flow_id6);
         for (k, v) in pass.doomed(all, |k: &DpCt6Key| (k.sandbox_ip, k.proto)) {
             if r.ct6.get(&k, 0).ok().as_ref() == Some(&v)
                 && pass.confirm(&r.by_ip, k.sandbox_ip, &v)
             {
                 Self::remove_flow6(&mut r.ct6, &mut r.ct_rev6, &k, &v);
+                ends.removed(flow_id6(&k), &v);
             }
+        }
+        let Ends {
+            out,
+            pass: now_pass,
+            ended,
+        } = ends;
+        // Ends reported of flows no longer in the tables (removed, or
+        // evicted) are forgotten.
+        ended.retain(|_, seen| *seen == now_pass);
+        if !out.is_empty() {
+            let mut q = self.flow_ends.lock().unwrap_or_else(|p| p.into_inner());
+            q.extend(out);
+            let over = q.len().saturating_sub(crate::datapath::FLOW_ENDS_MAX);
+            q.drain(..over);
         }
         let FlowPass {
             by_sandbox,
@@ -432,6 +455,81 @@ fn ifindex_exists(sock: BorrowedFd<'_>, ifindex: u32) -> std::io::Result<bool> {
     match e.raw_os_error() {
         Some(libc::ENODEV) => Ok(false),
         _ => Err(e),
+    }
+}
+
+fn flow_id4(k: &DpCtKey) -> crate::datapath::FlowId {
+    crate::datapath::FlowId {
+        sandbox_ip: Ipv4Addr::from(k.sandbox_ip.to_ne_bytes()),
+        proto: k.proto,
+        guest_port: u16::from_be(k.guest_port),
+        remote: IpAddr::V4(Ipv4Addr::from(k.remote_ip.to_ne_bytes())),
+        remote_port: u16::from_be(k.remote_port),
+    }
+}
+
+fn flow_id6(k: &DpCt6Key) -> crate::datapath::FlowId {
+    let mut a = [0u8; 16];
+    for (i, w) in k.remote_ip.iter().enumerate() {
+        a[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
+    }
+    crate::datapath::FlowId {
+        sandbox_ip: Ipv4Addr::from(k.sandbox_ip.to_ne_bytes()),
+        proto: k.proto,
+        guest_port: u16::from_be(k.guest_port),
+        remote: IpAddr::V6(std::net::Ipv6Addr::from(a)),
+        remote_port: u16::from_be(k.remote_port),
+    }
+}
+
+/// The flow log's ends found in one pass: a TCP flow closed (an RST, or a
+/// FIN each way) when the pass first sees it closed, any other flow when
+/// its entry is removed (expired, or its sandbox released); each once.
+struct Ends<'a> {
+    ended: &'a mut StdHashMap<(crate::datapath::FlowId, u64), u64>,
+    pass: u64,
+    out: Vec<crate::datapath::FlowEnd>,
+}
+
+impl Ends<'_> {
+    fn end(id: crate::datapath::FlowId, v: &DpCtVal, fixed6: bool) -> crate::datapath::FlowEnd {
+        crate::datapath::FlowEnd {
+            id,
+            generation: v.generation,
+            kind: v.kind,
+            node_port: u16::from_be(v.nat_port),
+            guest_fixed6: fixed6,
+            start_ns: if v.start_ns == 0 {
+                v.last_seen_ns
+            } else {
+                v.start_ns
+            },
+            last_ns: v.last_seen_ns,
+            bytes_out: v.bytes_out,
+            pkts_out: u64::from(v.pkts_out),
+            bytes_in: v.bytes_in,
+            pkts_in: u64::from(v.pkts_in),
+        }
+    }
+
+    fn closed<K>(&mut self, all: &[(K, DpCtVal)], id: impl Fn(&K) -> crate::datapath::FlowId) {
+        for (k, v) in all {
+            let closed = v.state & DP_TCP_RST != 0
+                || v.state & (DP_TCP_FIN_OUT | DP_TCP_FIN_IN) == DP_TCP_FIN_OUT | DP_TCP_FIN_IN;
+            if !closed || v.kind == DP_CT_HOST {
+                continue;
+            }
+            let fid = id(k);
+            if self.ended.insert((fid, v.start_ns), self.pass).is_none() {
+                self.out.push(Self::end(fid, v, false));
+            }
+        }
+    }
+
+    fn removed(&mut self, id: crate::datapath::FlowId, v: &DpCtVal) {
+        if v.kind != DP_CT_HOST && self.ended.remove(&(id, v.start_ns)).is_none() {
+            self.out.push(Self::end(id, v, false));
+        }
     }
 }
 
