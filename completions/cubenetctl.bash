@@ -2,17 +2,19 @@
 #
 # Install as /usr/share/bash-completion/completions/cubenetctl (or source it).
 # Self-contained: works with or without the bash-completion package.
-# Completes commands, global options, ensure's options, option values
+# Completes commands, global options, the options of ensure, top and
+# flows, option values
 # (--json=, --bus=, --varlink=) and sandbox ids, which it reads from
 # `cubenetctl list --no-legend -q` (first column) on the bus given on the
 # command line or in $CUBENETCTL_BUS; if that fails, no ids are offered.
 
-_cubenetctl_commands='list status ensure egress-rules egress-ca release reconcile health capacity open-tap watch metrics top'
+_cubenetctl_commands='list status ensure egress-rules egress-ca release reconcile health capacity open-tap watch flows metrics top'
 _cubenetctl_global_opts='-h --help -V --version --bus= --varlink= --json= -j -q --quiet --no-legend --no-pager'
 _cubenetctl_ensure_opts='--port= --allow-out= --deny-out= --egress-mode= --egress-rate= --ingress-rate= --egress-burst= --ingress-burst= --no-internet --mtu= --metadata= --idempotency-key= --clone-of= --paused --tap-owner= --egress-rules='
 _cubenetctl_top_opts='--interval= --count='
+_cubenetctl_flows_opts='--denied -f --follow --since='
 # Options whose value may follow as the next word.
-_cubenetctl_value_opts='--bus --varlink --port --allow-out --deny-out --egress-mode --egress-rate --ingress-rate --egress-burst --ingress-burst --mtu --metadata --idempotency-key --clone-of --egress-rules --interval --count'
+_cubenetctl_value_opts='--bus --varlink --port --allow-out --deny-out --egress-mode --egress-rate --ingress-rate --egress-burst --ingress-burst --mtu --metadata --idempotency-key --clone-of --egress-rules --interval --count --since'
 
 # Sets _cubenetctl_words/_cubenetctl_cword: COMP_WORDS with the pieces that
 # COMP_WORDBREAKS split off ("--json" "=" "pretty", "cni" ":" "x") joined
@@ -107,6 +109,7 @@ _cubenetctl() {
     local opts="$_cubenetctl_global_opts"
     [[ $verb == ensure ]] && opts+=" $_cubenetctl_ensure_opts"
     [[ $verb == top ]] && opts+=" $_cubenetctl_top_opts"
+    [[ $verb == flows ]] && opts+=" $_cubenetctl_flows_opts"
 
     if ((dashdash >= 0)); then
         # open-tap ID -- COMMAND ARGS...
@@ -134,6 +137,10 @@ _cubenetctl() {
         mapfile -t COMPREPLY < <(compgen -W 'dns sni' -- "$cur")
         return 0
         ;;
+    --since)
+        mapfile -t COMPREPLY < <(compgen -W '30s 10m 1h' -- "$cur")
+        return 0
+        ;;
     --port | --allow-out | --deny-out | --mtu | --metadata | --idempotency-key | --clone-of | --interval | --count)
         [[ $prev == --port ]] && mapfile -t COMPREPLY < <(compgen -W 'tcp: udp:' -- "$cur")
         _cubenetctl_finish "$cur"
@@ -146,6 +153,7 @@ _cubenetctl() {
     --bus=*) cands=(--bus=system --bus=session --bus=unix:path=) ;;
     --port=*) cands=(--port=tcp: --port=udp:) ;;
     --egress-mode=*) cands=(--egress-mode=dns --egress-mode=sni) ;;
+    --since=*) cands=(--since=30s --since=10m --since=1h) ;;
     --varlink=* | --egress-rules=*)
         local f opt=${cur%%=*}
         while IFS= read -r f; do cands+=("$opt=$f"); done < <(compgen -f -- "${cur#*=}")
@@ -157,7 +165,7 @@ _cubenetctl() {
             read -r -a cands <<<"$_cubenetctl_commands"
         elif ((npos == 0)); then
             case $verb in
-            status | release | reconcile | open-tap | ensure | egress-rules)
+            status | release | reconcile | open-tap | ensure | egress-rules | flows)
                 mapfile -t cands < <(_cubenetctl_ids "${words[0]}" "${bus[@]}")
                 ;;
             esac

@@ -1016,6 +1016,7 @@ const COMMANDS: &[&str] = &[
     "capacity",
     "open-tap",
     "watch",
+    "flows",
 ];
 
 /// Every `--long-option` a help text names.
@@ -1149,6 +1150,11 @@ fn man_page_renders_cleanly_and_covers_everything() {
     let src = std::fs::read_to_string(&page).unwrap();
     let mut opts = long_options(&ctl(None, &["--help"]).stdout);
     opts.extend(long_options(&ctl(None, &["ensure", "--help"]).stdout));
+    let flows = long_options(&ctl(None, &["flows", "--help"]).stdout);
+    for o in ["--denied", "--follow", "--since"] {
+        assert!(flows.contains(o), "{o} not in flows --help: {flows:?}");
+    }
+    opts.extend(flows);
     assert!(opts.len() >= 15, "{opts:?}");
     for o in &opts {
         let roff = o.replace('-', "\\-");
@@ -1276,6 +1282,24 @@ fn bash_completion_completes_commands_options_and_values() {
     );
     assert_eq!(complete("cubenetctl --bus s", &none), ["session", "system"]);
     assert_eq!(complete("cubenetctl open-tap x ", &none), ["--"]);
+    // flows: its own options, and --since's durations.
+    assert_eq!(
+        complete("cubenetctl flows --", &none)
+            .into_iter()
+            .filter(|o| ["--denied", "--follow", "--since="].contains(&o.as_str()))
+            .count(),
+        3
+    );
+    assert_eq!(complete("cubenetctl flows -f --si", &none), ["--since="]);
+    assert_eq!(
+        complete("cubenetctl flows --since=", &none),
+        ["10m", "1h", "30s"]
+    );
+    assert_eq!(
+        complete("cubenetctl flows --since ", &none),
+        ["10m", "1h", "30s"]
+    );
+    assert_eq!(complete("cubenetctl list --si", &none), Vec::<String>::new());
     // Every global option is offered.
     let opts = complete("cubenetctl -", &none);
     for o in [
@@ -1319,7 +1343,7 @@ fn bash_completion_offers_sandbox_ids() {
         ("PATH", path.as_str()),
         ("CUBENETCTL_BUS", env.address.as_str()),
     ];
-    for verb in ["status", "release", "reconcile", "open-tap", "ensure"] {
+    for verb in ["status", "release", "reconcile", "open-tap", "ensure", "flows"] {
         assert_eq!(
             complete(&format!("cubenetctl {verb} "), &envs),
             ["sbx-1", "sbx-2", "web"],
