@@ -95,6 +95,7 @@ char LICENSE[] SEC("license") = "GPL";
 #include "lib/guest_to_host.h" /* guest -> gateway (IPv4 and IPv6) */
 #include "lib/pause.h"        /* paused sandboxes: drop and wake the agent */
 #include "lib/stale_reset.h"  /* RST for connections a sandbox never opened */
+#include "lib/reject.h"       /* refusals: noted, dropped or answered (deny_action) */
 #include "lib/ipv6_link.h"    /* the guests' IPv6 link: RA, NS/NA, echo, refusals */
 #include "lib/nat66.h"        /* NAT66: the IPv6 twins of SNAT (ct6/ct_rev6) */
 #include "lib/portmap.h"      /* port mappings (IPv4 and IPv6) */

@@ -533,7 +533,8 @@ struct dp_sb_stats {
 	__u64 flow_tat;
 	__u64 flow_sent;
 	__u64 flow_lost;
-	__u64 flow_pad;
+	/* deny_action "reject": the answers' GCRA (as flow_tat). */
+	__u64 reject_tat;
 }; /* 192 bytes */
 
 /* A sandbox's IPv6 frames (sb_traffic6, per CPU), from the sandbox's

@@ -1299,7 +1299,10 @@ fn bash_completion_completes_commands_options_and_values() {
         complete("cubenetctl flows --since ", &none),
         ["10m", "1h", "30s"]
     );
-    assert_eq!(complete("cubenetctl list --si", &none), Vec::<String>::new());
+    assert_eq!(
+        complete("cubenetctl list --si", &none),
+        Vec::<String>::new()
+    );
     // Every global option is offered.
     let opts = complete("cubenetctl -", &none);
     for o in [
@@ -1343,7 +1346,14 @@ fn bash_completion_offers_sandbox_ids() {
         ("PATH", path.as_str()),
         ("CUBENETCTL_BUS", env.address.as_str()),
     ];
-    for verb in ["status", "release", "reconcile", "open-tap", "ensure", "flows"] {
+    for verb in [
+        "status",
+        "release",
+        "reconcile",
+        "open-tap",
+        "ensure",
+        "flows",
+    ] {
         assert_eq!(
             complete(&format!("cubenetctl {verb} "), &envs),
             ["sbx-1", "sbx-2", "web"],

@@ -247,3 +247,391 @@ async fn every_flow_and_refusal_of_a_tap_guest_is_one_record() {
         "{text}"
     );
 }
+
+/// A node facing a world with IPv6 too (`more`: the world's other
+/// addresses), the agent started with `args`.
+fn node6(args: &[&str], more: &[std::net::Ipv6Addr]) -> (Env, World) {
+    let mut env = Env::new(args);
+    let world = World::attach(&env);
+    world.add_ipv6(more);
+    env.kill_agent();
+    env.start_agent();
+    (env, world)
+}
+
+/// A world address outside WORLD_IP6's /64 (refused by the rules below).
+const DENIED6: std::net::Ipv6Addr = std::net::Ipv6Addr::new(0x2001, 0xdb8, 0x5eed, 0, 0, 0, 0, 7);
+
+/// deny_action "reject": a refused SYN gets the RST a closed port sends,
+/// anything else ICMP/ICMPv6 administratively prohibited from the
+/// gateway, both families, within the sandbox's rate; a forged source
+/// gets nothing; a smoltcp guest's connect fails at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deny_action_reject_answers_refusals_at_once_both_families() {
+    use common::guest::{
+        GATEWAY_IP, GATEWAY_LL, GATEWAY_MAC, GUEST_IP6, GUEST_MAC, RawGuest, ip6_frame, parse_ip6,
+        parse_ipv4, parse_tcp, tcp_frame, tcp6_segment, udp_frame, udp6_datagram,
+    };
+    require_root!();
+    let (env, _world) = node6(&["--deny-action", "reject"], &[DENIED6]);
+    let c = env.client().await;
+    let rules = || {
+        opts(vec![(
+            "deny_out",
+            Value::from(vec![
+                "203.0.113.0/24".to_string(),
+                "2001:db8:5eed::/48".to_string(),
+            ]),
+        )])
+    };
+    c.ensure("rj", rules()).await.unwrap();
+    let raw = RawGuest::new(c.open_tap("rj").await.unwrap());
+    let me = SocketAddrV4::new(GUEST_IP, 40001);
+    let denied = SocketAddrV4::new(Ipv4Addr::new(203, 0, 113, 7), 4444);
+
+    // IPv4 TCP SYN: RST|ACK acknowledging it, from the address dialled.
+    raw.send(&tcp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        me,
+        denied,
+        1000,
+        0,
+        0x02,
+        b"",
+    ))
+    .unwrap();
+    let rst = raw
+        .recv_match(T, |f| parse_tcp(f).is_some_and(|s| s.dst == me))
+        .expect("an RST for the refused SYN");
+    let rst = parse_tcp(&rst).unwrap();
+    assert_eq!(rst.src, denied);
+    assert_eq!(rst.flags & 0x14, 0x14, "RST|ACK: {:#x}", rst.flags);
+    assert_eq!(rst.ack, 1001);
+    assert!(rst.checksums_ok);
+
+    // IPv4 UDP: ICMP 3/13 from the gateway, quoting the datagram.
+    let dgram = SocketAddrV4::new(Ipv4Addr::new(203, 0, 113, 7), 5555);
+    raw.send(&udp_frame(GUEST_MAC, GATEWAY_MAC, me, dgram, b"hello"))
+        .unwrap();
+    let icmp = raw
+        .recv_match(T, |f| {
+            parse_ipv4(f).is_some_and(|(_, d, p, _)| d == GUEST_IP && p == 1)
+        })
+        .expect("an ICMP error for the refused datagram");
+    let (src, _, _, l4) = parse_ipv4(&icmp).unwrap();
+    assert_eq!(src, GATEWAY_IP);
+    assert_eq!((l4[0], l4[1]), (3, 13), "administratively prohibited");
+    // The quoted header: our UDP datagram to 203.0.113.7:5555.
+    assert_eq!(&l4[8 + 16..8 + 20], &[203, 0, 113, 7]);
+    assert_eq!(u16::from_be_bytes([l4[8 + 22], l4[8 + 23]]), 5555);
+
+    // IPv6 TCP SYN: an RST; UDP: ICMPv6 1/1 from the gateway.
+    let syn6 = tcp6_segment(40002, 4444, 7000, 0, 0x02, b"");
+    raw.send(&ip6_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        GUEST_IP6,
+        DENIED6,
+        6,
+        64,
+        &syn6,
+    ))
+    .unwrap();
+    let rst6 = raw
+        .recv_match(T, |f| {
+            parse_ip6(f).is_some_and(|p| p.next == 6 && p.dst == GUEST_IP6)
+        })
+        .expect("an RST for the refused IPv6 SYN");
+    let p = parse_ip6(&rst6).unwrap();
+    assert_eq!(p.src, DENIED6);
+    assert_eq!(p.l4[13] & 0x04, 0x04, "RST");
+    assert!(p.checksum_ok);
+    let u6 = udp6_datagram(40003, 5555, b"hi");
+    raw.send(&ip6_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        GUEST_IP6,
+        DENIED6,
+        17,
+        64,
+        &u6,
+    ))
+    .unwrap();
+    let e6 = raw
+        .recv_match(T, |f| {
+            parse_ip6(f).is_some_and(|p| p.next == 58 && p.l4[0] == 1)
+        })
+        .expect("an ICMPv6 error for the refused IPv6 datagram");
+    let p = parse_ip6(&e6).unwrap();
+    assert_eq!(p.src, GATEWAY_LL);
+    assert_eq!(p.l4[1], 1, "administratively prohibited");
+    assert!(p.checksum_ok);
+
+    // A forged source is refused (spoofed) and never answered.
+    let forged = SocketAddrV4::new(Ipv4Addr::new(10, 9, 9, 9), 40004);
+    raw.send(&tcp_frame(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        forged,
+        denied,
+        1,
+        0,
+        0x02,
+        b"",
+    ))
+    .unwrap();
+    assert!(
+        raw.recv_match(Duration::from_millis(700), |f| parse_ipv4(f)
+            .is_some_and(|(_, d, _, _)| d == *forged.ip()))
+            .is_none(),
+        "a forged source got an answer"
+    );
+
+    // The answers' rate: 2,000 refused datagrams at once get at most the
+    // burst and the rate's share of answers.
+    let started = Instant::now();
+    for i in 0..2000u16 {
+        let from = SocketAddrV4::new(GUEST_IP, 41000 + i);
+        raw.send(&udp_frame(GUEST_MAC, GATEWAY_MAC, from, dgram, b"x"))
+            .unwrap();
+    }
+    let mut answers = 0u64;
+    while raw
+        .recv_match(Duration::from_millis(500), |f| {
+            parse_ipv4(f).is_some_and(|(_, d, p, _)| d == GUEST_IP && p == 1)
+        })
+        .is_some()
+    {
+        answers += 1;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    eprintln!("2000 refused datagrams in a burst: {answers} answers in {secs:.2} s");
+    assert!(answers >= 1);
+    assert!(
+        (answers as f64) <= 400.0 + 200.0 * secs + 10.0,
+        "{answers} answers in {secs:.2} s: the rate is 200/s, burst 400"
+    );
+
+    // The flow log names each refusal; the forged one as spoofed.
+    let flows = flows_until(&env, "rj", |f| f.iter().any(|r| r["reason"] == "spoofed"));
+    assert!(
+        flows
+            .iter()
+            .any(|r| r["reason"] == "spoofed" && r["guest"]["ip"] == "10.9.9.9"),
+        "{flows:?}"
+    );
+    assert!(
+        flows
+            .iter()
+            .any(|r| r["reason"] == "policy" && r["family"] == 6)
+    );
+
+    // A guest's connect fails at once (printed, not asserted: timing).
+    c.ensure("rj2", rules()).await.unwrap();
+    let g = common::guest::Guest::start_default(c.open_tap("rj2").await.unwrap());
+    let t0 = Instant::now();
+    let r = g.tcp_connect_send_recv(denied, b"x", T);
+    eprintln!(
+        "smoltcp connect to a denied address with deny_action=reject: {:?} after {:?}",
+        r.as_ref().err(),
+        t0.elapsed()
+    );
+    assert!(r.is_err());
+}
+
+/// One sandbox floods refused packets as fast as one core sends them
+/// while another opens 100 connections: every one of the victim's records
+/// arrives; the flooder's are bounded by its share and its losses counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_sandbox_never_costs_another_its_records() {
+    use common::guest::{GATEWAY_MAC, GUEST_MAC, RawGuest, udp_frame};
+    require_root!();
+    let textfile = std::env::temp_dir().join(format!("cna-flows-{}.prom", std::process::id()));
+    let _ = std::fs::remove_file(&textfile);
+    let tf = textfile.to_str().unwrap().to_owned();
+    let (env, world) = node(&["--metrics-textfile", &tf, "--metrics-interval", "1"]);
+    let c = env.client().await;
+    let tcp = world.tcp_server(9393);
+    c.ensure(
+        "flood",
+        opts(vec![(
+            "deny_out",
+            Value::from(vec!["203.0.113.0/24".to_string()]),
+        )]),
+    )
+    .await
+    .unwrap();
+    let raw = RawGuest::new(c.open_tap("flood").await.unwrap());
+    let (_, victim) = guest_for(&c, "victim", opts(vec![])).await;
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flooder = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let dst = SocketAddrV4::new(Ipv4Addr::new(203, 0, 113, 9), 9);
+            let mut sent = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let from = SocketAddrV4::new(GUEST_IP, 1024 + (sent % 60000) as u16);
+                if raw
+                    .send(&udp_frame(GUEST_MAC, GATEWAY_MAC, from, dst, b"f"))
+                    .is_ok()
+                {
+                    sent += 1;
+                }
+            }
+            sent
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    for i in 0..100 {
+        let msg = format!("v{i}");
+        let got = victim
+            .tcp_connect_send_recv(tcp, msg.as_bytes(), T)
+            .unwrap();
+        assert_eq!(got, format!("world:{msg}").as_bytes());
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent = flooder.join().unwrap();
+    let secs = started.elapsed().as_secs_f64() + 0.3;
+    eprintln!("flooder sent {sent} refused datagrams in {secs:.1} s");
+
+    let flows = flows_until(&env, "victim", |f| {
+        find(f, "start", "tcp", tcp.port()).len() >= 100
+            && find(f, "end", "tcp", tcp.port()).len() >= 100
+    });
+    assert_eq!(
+        find(&flows, "start", "tcp", tcp.port()).len(),
+        100,
+        "every start"
+    );
+    assert_eq!(
+        find(&flows, "end", "tcp", tcp.port()).len(),
+        100,
+        "every end"
+    );
+
+    let flood: Vec<Json> = watch_flows(&env, json!({"sandbox_id": "flood"}))
+        .into_iter()
+        .filter_map(|r| r.get("flow").cloned())
+        .collect();
+    eprintln!("the flooder's records: {}", flood.len());
+    assert!(!flood.is_empty());
+    assert!(
+        (flood.len() as f64) <= 400.0 + 200.0 * (secs + 1.0) + 10.0,
+        "{} records in {secs:.1} s: the share is 200/s, burst 400",
+        flood.len()
+    );
+    // Its losses are counted (metrics).
+    let until = Instant::now() + Duration::from_secs(10);
+    let lost = loop {
+        let text = std::fs::read_to_string(&textfile).unwrap_or_default();
+        let lost: u64 = text
+            .lines()
+            .find(|l| {
+                l.starts_with("cube_network_agent_sandbox_flow_events_lost_total")
+                    && l.contains("sandbox_id=\"flood\"")
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0);
+        if lost > 0 || Instant::now() > until {
+            break lost;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    eprintln!("the flooder's lost events: {lost}");
+    assert!(
+        lost > 0 && lost + flood.len() as u64 <= sent,
+        "lost {lost}, sent {sent}"
+    );
+    let _ = std::fs::remove_file(&textfile);
+}
+
+/// A WatchFlows client that stops reading: the agent's other calls and
+/// the datapath go on; the stuck watcher is told what it lost once it
+/// reads again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_watcher_blocks_nothing() {
+    use std::io::{Read, Write};
+    require_root!();
+    let (env, world) = node(&[]);
+    let c = env.client().await;
+    let tcp = world.tcp_server(9494);
+    let (_, g) = guest_for(&c, "busy", opts(vec![])).await;
+    // A watcher with a tiny receive buffer that never reads.
+    let mut stuck =
+        std::os::unix::net::UnixStream::connect(env.dir.join("run/org.cube.NetworkAgent")).unwrap();
+    let call =
+        json!({"method": "org.cube.NetworkAgent.WatchFlows", "parameters": {}, "more": true});
+    let mut msg = call.to_string().into_bytes();
+    msg.push(0);
+    stuck.write_all(&msg).unwrap();
+    // A live watcher of the busy sandbox, reading as it should.
+    let follower = {
+        let path = env.dir.join("run/org.cube.NetworkAgent");
+        let port = tcp.port();
+        std::thread::spawn(move || {
+            let mut sock = std::os::unix::net::UnixStream::connect(path).unwrap();
+            sock.set_read_timeout(Some(Duration::from_secs(30)))
+                .unwrap();
+            let call = json!({"method": "org.cube.NetworkAgent.WatchFlows",
+                "parameters": {"sandbox_id": "busy"}, "more": true});
+            let mut msg = call.to_string().into_bytes();
+            msg.push(0);
+            sock.write_all(&msg).unwrap();
+            let (mut starts, mut lost, mut buf, mut byte) = (0, 0, vec![], [0u8; 1]);
+            while starts < 300 {
+                if sock.read(&mut byte).unwrap_or(0) != 1 {
+                    break;
+                }
+                if byte[0] != 0 {
+                    buf.push(byte[0]);
+                    continue;
+                }
+                let v: Json = serde_json::from_slice(&buf).unwrap();
+                buf.clear();
+                let p = &v["parameters"];
+                lost += p["lost"].as_u64().unwrap_or(0);
+                if p["flow"]["event"] == "start" && p["flow"]["remote"]["port"] == port {
+                    starts += 1;
+                }
+            }
+            (starts, lost)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    // Enough records to fill the stuck socket and its queue.
+    let t0 = Instant::now();
+    for i in 0..300 {
+        let msg = format!("s{i}");
+        assert_eq!(
+            g.tcp_connect_send_recv(tcp, msg.as_bytes(), T).unwrap(),
+            format!("world:{msg}").as_bytes()
+        );
+        if i % 50 == 0 {
+            // The agent answers other calls meanwhile.
+            c.ensure(&format!("other-{i}"), opts(vec![])).await.unwrap();
+            c.release(&format!("other-{i}")).await.unwrap();
+        }
+    }
+    eprintln!(
+        "300 connections and 12 calls with a stuck watcher: {:?}",
+        t0.elapsed()
+    );
+    // The live watcher saw them all, and lost nothing.
+    let (starts, lost) = follower.join().unwrap();
+    assert_eq!((starts, lost), (300, 0));
+    // The stuck one reads again: records, and in time a loss report or
+    // every record (no hang, valid JSON).
+    stuck.set_read_timeout(Some(T)).unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    let n = stuck.read(&mut buf).unwrap();
+    assert!(n > 0);
+    let first = buf[..n].split(|b| *b == 0).next().unwrap();
+    let v: Json = serde_json::from_slice(first).unwrap();
+    assert!(
+        v["parameters"].get("flow").is_some() || v["parameters"].get("lost").is_some(),
+        "{v}"
+    );
+}

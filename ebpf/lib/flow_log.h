@@ -34,6 +34,24 @@ static __always_inline void flow_count(struct __sk_buff *skb, struct dp_ct_val *
 }
 
 /* flow_note's `what`: the event's kind, reason, direction and way. */
+static __always_inline __u32 fe_what(__u8 kind, __u8 reason, __u8 dir, __u8 via);
+__noinline int flow_note(struct __sk_buff *skb, __u32 ifindex, __u32 what, __u32 port);
+
+/* Flow `v`'s tuple starts another connection (a SYN after it closed):
+ * its totals start again, and one the sandbox opens is recorded as a new
+ * flow (by the packet going out, before it is translated). */
+static __always_inline void flow_reopen(struct __sk_buff *skb, struct dp_ct_val *v, int dir)
+{
+	v->start_ns = v->last_seen_ns;
+	v->bytes_out = 0;
+	v->bytes_in = 0;
+	v->pkts_out = 0;
+	v->pkts_in = 0;
+	if (dir == DIR_OUT && v->kind == DP_CT_SNAT)
+		flow_note(skb, skb->ifindex, fe_what(DP_FE_START, 0, DP_FD_EGRESS, DP_FV_SNAT),
+			  v->nat_port);
+}
+
 static __always_inline __u32 fe_what(__u8 kind, __u8 reason, __u8 dir, __u8 via)
 {
 	return kind | ((__u32)reason << 8) | ((__u32)dir << 16) | ((__u32)via << 24);
@@ -152,10 +170,3 @@ out:
 	return 0;
 }
 
-/* A packet of the sandbox on `ifindex` refused for `reason` (DP_FR_*):
- * its event, and the drop. */
-static __always_inline int refused(struct __sk_buff *skb, __u32 ifindex, __u8 reason)
-{
-	flow_note(skb, ifindex, FE_REFUSED(reason), 0);
-	return TC_ACT_SHOT;
-}

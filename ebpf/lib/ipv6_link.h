@@ -95,6 +95,9 @@ _Static_assert(sizeof(struct v6_unreach) == 48, "unreachable layout");
 #define V6_JUDGE 0
 #define V6_REFUSE 1
 #define V6_REFUSE_QUIET 2
+/* deny_action "reject" (guest6_rst): a TCP SYN gets an RST, anything else
+ * ICMPv6 unreachable, administratively prohibited (code 1); quiet. */
+#define V6_REJECT 3
 
 /* Whether the guest on `ifindex` is sent IPv6 to the world (the node has
  * IPv6 egress and the sandbox may use it). */
@@ -288,7 +291,7 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 			return V6_TO_WORLD;
 	}
 	/* Everything else has nowhere to go: refused at once. */
-	if (mode != V6_REFUSE_QUIET) {
+	if (mode != V6_REFUSE_QUIET && mode != V6_REJECT) {
 		count(DP_C_IPV6_REFUSED);
 		sb_count6(ifindex, DP_S_NO_ROUTE);
 	}
@@ -339,6 +342,7 @@ __noinline int guest_ipv6(struct __sk_buff *skb, int mode)
 	v6_eui64(u.e.ip.saddr, 0xfe800000, 0, c->gateway_mac);
 	__builtin_memcpy(u.e.ip.daddr, h.ip.saddr, 16);
 	u.e.type = ICMP6_DST_UNREACH;
+	u.e.code = mode == V6_REJECT ? 1 : 0;
 	__u32 pseudo = v6_pseudo(&u.e.ip, len, IPPROTO_ICMPV6);
 	if (partial)
 		u.e.unused[1] = csum_fold32(pseudo);

@@ -8,8 +8,13 @@
 static __always_inline void touch(struct __sk_buff *skb, struct dp_ct_val *v,
 				  const struct l4info *l4, int dir)
 {
+	__u8 old = v->state;
 	v->last_seen_ns = bpf_ktime_get_ns();
-	v->state = tcp_state(v->state, l4, dir);
+	v->state = tcp_state(old, l4, dir);
+	/* A SYN on a closed flow's tuple (TIME_WAIT reuse): a new connection,
+	 * with totals and a start record of its own. */
+	if (old && l4->proto == IPPROTO_TCP && (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN)
+		flow_reopen(skb, v, dir);
 	flow_count(skb, v, l4, dir);
 }
 

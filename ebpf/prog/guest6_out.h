@@ -62,14 +62,14 @@ int guest6_out(struct __sk_buff *skb)
 		      : v6_world(ip.daddr)))) {
 		count(DP_C_POLICY_DROP);
 		sb_count6(ifindex, DP_S_POLICY);
-		return refused(skb, ifindex, DP_FR_POLICY);
+		return refused6(skb, ifindex, DP_FR_POLICY);
 	}
 	/* The node's own addresses never by the uplink (IPv6 has no hairpin:
 	 * mappings are reached over IPv4's). */
 	if (!v && node_dst6((const struct dp_in6 *)ip.daddr)) {
 		count(DP_C_NODE_ADDR);
 		sb_count6(ifindex, DP_S_POLICY);
-		return refused(skb, ifindex, DP_FR_NODE_ADDR);
+		return refused6(skb, ifindex, DP_FR_NODE_ADDR);
 	}
 	if (v) {
 		touch(skb, v, &l4, DIR_OUT);
@@ -83,6 +83,7 @@ int guest6_out(struct __sk_buff *skb)
 			flow_note(skb, ifindex, FE_REFUSED(DP_FR_STALE_TCP), 0);
 			/* Its RST, from guest_ipv6 (whose stack and this one's
 			 * do not fit one call chain). */
+			skb->cb[0] = 0;
 			bpf_tail_call(skb, &tails, TAIL_GUEST6_RST);
 			return TC_ACT_SHOT;
 		}
@@ -101,7 +102,7 @@ int guest6_out(struct __sk_buff *skb)
 		if (snat6_alloc(skb, &key, gen, &si, &nat_port)) {
 			count(DP_C_NO_PORT);
 			sb_count6(ifindex, DP_S_NO_PORT);
-			return refused(skb, ifindex, DP_FR_NO_PORT);
+			return refused6(skb, ifindex, DP_FR_NO_PORT);
 		}
 		struct dp_ct_val nv = {.nat_port = nat_port, .kind = DP_CT_SNAT, .gen = gen};
 		touch(skb, &nv, &l4, DIR_OUT);

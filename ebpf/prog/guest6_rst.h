@@ -8,5 +8,5 @@
 SEC("classifier")
 int guest6_rst(struct __sk_buff *skb)
 {
-	return answer6(skb, V6_REFUSE_QUIET);
+	return answer6(skb, skb->cb[0] == CB_REJECT6 ? V6_REJECT : V6_REFUSE_QUIET);
 }

@@ -65,7 +65,7 @@ int guest6_steer(struct __sk_buff *skb)
 			if (!pport && l4.proto == IPPROTO_UDP && l4.dport == bpf_htons(443)) {
 				count(DP_C_POLICY_DROP);
 				sb_count6(ifindex, DP_S_POLICY);
-				return refused(skb, ifindex, DP_FR_POLICY); /* QUIC: clients fall back to TCP */
+				return refused6(skb, ifindex, DP_FR_POLICY); /* QUIC: clients fall back to TCP */
 			}
 		}
 	}
@@ -76,6 +76,7 @@ int guest6_steer(struct __sk_buff *skb)
 		count(DP_C_STALE_TCP);
 		sb_count6(ifindex, DP_S_STALE_TCP);
 		flow_note(skb, ifindex, FE_REFUSED(DP_FR_STALE_TCP), 0);
+		skb->cb[0] = 0;
 		bpf_tail_call(skb, &tails, TAIL_GUEST6_RST);
 		return TC_ACT_SHOT;
 	}

@@ -47,7 +47,17 @@
 //! limited to names (docs/egress.md: `allow_out ["*.bench.test"]`,
 //! `deny_out ["0.0.0.0/0"]`, the world's address learned as after a
 //! lookup): the cost of domain rules on established and new flows, as a
-//! ratio of the same run (informational, no target). Last, bandwidth
+//! ratio of the same run (informational, no target). Then the flow log
+//! (issue 47): the eBPF datapath with its flow events off
+//! (`dp_config.flags` without DP_CFG_FLOW_EVENTS) against on, a thread
+//! draining the `flow_events` ring as the agent does, rounds alternating:
+//! connects/s to 16 ports (target ≥ 0.95× off) and bulk egress (≥ 0.99×),
+//! the records drained and the sandbox's sent/lost counters during the
+//! connect runs, and, with bpftool, the programs' ns per run off and on
+//! (separate runs with bpf stats). The agent's journal levels "denied" and
+//! "all" choose among the same events in userspace, so off/on are the
+//! datapath's only two states; per-flow byte counts are kept in both.
+//! Last, bandwidth
 //! limits (docs/datapath.md "Bandwidth"; the shaper device pair is made in
 //! the node namespace as the agent makes it): the unlimited sandbox with a
 //! limited one on the node against none, alternating (target ≥ 0.98×), and
@@ -63,9 +73,9 @@
 //!
 //! | code | meaning |
 //! |------|---------|
-//! | 0    | ran; every target met (SPEC §10's eBPF ≥ 1.0× nft on bulk and ≥ 1.1× on connects and small packets, IPv6's, the bandwidth limits') |
+//! | 0    | ran; every target met (SPEC §10's eBPF ≥ 1.0× nft on bulk and ≥ 1.1× on connects and small packets, IPv6's, the flow log's, the bandwidth limits') |
 //! | 1    | broken: a direction carried (almost) no data, TCP guest -> world does not connect, or an iperf3 run gave no result (the failing direction is named) |
-//! | 2    | setup failed: bad arguments, not root, a tool missing, the topology, servers or eBPF datapath could not be set up |
+//! | 2    | setup failed: bad arguments, not root, a tool missing, the topology, servers or eBPF datapath could not be set up, or the flow log did not run (its events on: no record drained during the connect runs; off: the datapath still counted events) |
 //! | 3    | ran, datapath works, but a performance target was missed (informational) |
 //! | 130  | interrupted (SIGINT/SIGTERM/SIGHUP); everything was cleaned up |
 
@@ -75,7 +85,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitCode, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -1085,13 +1095,7 @@ fn prog_stats(node: &str) -> Result<[(u64, u64); 2]> {
 /// One egress and one ingress iperf3 run with bpf stats on; prints ns per
 /// program run and bytes per run (GSO aggregation).
 fn program_cost(topo: &Topo, secs: u64) -> Result<()> {
-    let old = std::fs::read_to_string(BPF_STATS)
-        .map_err(|e| format!("{BPF_STATS}: {e}"))?
-        .trim()
-        .to_owned();
-    registry().bpf_stats = Some(old.clone());
-    std::fs::write(BPF_STATS, "1").map_err(|e| format!("enabling {BPF_STATS}: {e}"))?;
-    let result = (|| -> Result<()> {
+    with_bpf_stats(|| {
         println!(
             "\nProgram cost (separate runs with kernel.bpf_stats_enabled=1; one run = one skb, GSO skbs count once):"
         );
@@ -1160,10 +1164,350 @@ fn program_cost(topo: &Topo, secs: u64) -> Result<()> {
             );
         }
         Ok(())
-    })();
+    })
+}
+
+/// Runs `f` with `kernel.bpf_stats_enabled=1` (the programs' run_time_ns
+/// and run_cnt count), restoring the old value after (or in [`cleanup`]).
+fn with_bpf_stats<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let old = std::fs::read_to_string(BPF_STATS)
+        .map_err(|e| format!("{BPF_STATS}: {e}"))?
+        .trim()
+        .to_owned();
+    registry().bpf_stats = Some(old.clone());
+    if let Err(e) = std::fs::write(BPF_STATS, "1") {
+        registry().bpf_stats = None;
+        return Err(format!("enabling {BPF_STATS}: {e}"));
+    }
+    let result = f();
     let _ = std::fs::write(BPF_STATS, &old);
     registry().bpf_stats = None;
     result
+}
+
+// ---------------------------------------------------------------- flow log
+
+/// Issue 47: connects/s and bulk egress with the flow log's events on, at
+/// least these shares of the same run's with them off.
+const FLOW_LOG_CONNECT_TARGET: f64 = 0.95;
+const FLOW_LOG_BULK_TARGET: f64 = 0.99;
+
+/// The flow log's reader, as the agent's (`agent/flows.rs`): a thread
+/// that waits for the `flow_events` ring to be readable, drains it and
+/// counts the records (the agent then builds and publishes records; the
+/// bench only counts).
+struct FlowReader {
+    records: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl FlowReader {
+    fn start(dp: &EbpfDatapath) -> Result<Self> {
+        let mut ring = dp
+            .flow_ring()
+            .ok_or("the eBPF datapath has no flow_events ring (or it was taken)")?;
+        let records = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (r, s) = (records.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut batch = Vec::new();
+            while !s.load(Ordering::Relaxed) {
+                let mut pfd = libc::pollfd {
+                    fd: ring.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one pollfd on this stack for the ring's fd, which
+                // `ring` keeps open for the whole loop; a failed or timed-out
+                // poll only means draining nothing.
+                unsafe { libc::poll(&mut pfd, 1, 100) };
+                ring.drain(&mut batch);
+                r.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                batch.clear();
+            }
+        });
+        Ok(Self {
+            records,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    fn records(&self) -> u64 {
+        self.records.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for FlowReader {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One side (events off or on) of the flow-log rounds.
+#[derive(Default)]
+struct FlowLogArm {
+    conns: Vec<f64>,
+    egress: Vec<f64>,
+    conn_failures: u64,
+    /// Over the connect runs: records the reader drained, the runs'
+    /// seconds, and the sandbox's `flow_sent` / `flow_lost` (its bucket
+    /// or a full ring) as the datapath counted them.
+    records: u64,
+    secs: f64,
+    sent: u64,
+    lost: u64,
+    /// ns per run (bpf stats): from_guest and from_uplink during a
+    /// connect run, then during an egress run.
+    ns: [Vec<f64>; 4],
+}
+
+impl Loaded {
+    /// The sandbox's flow events (sent, lost) so far.
+    fn flow_counts(&self) -> (u64, u64) {
+        self.dp
+            .flow_event_counts()
+            .into_iter()
+            .filter(|(ifindex, ..)| *ifindex == self.n0_ifindex)
+            .fold((0, 0), |(s, l), (_, sent, lost)| (s + sent, l + lost))
+    }
+
+    fn flow_events(&self, on: bool) -> Result<()> {
+        self.dp
+            .set_flow_log(on, false)
+            .map_err(|e| format!("turning the flow events {}: {e}", on_off(on)))?;
+        // Past any program run that read the old flags.
+        std::thread::sleep(Duration::from_millis(10));
+        Ok(())
+    }
+}
+
+fn on_off(on: bool) -> &'static str {
+    if on { "on" } else { "off" }
+}
+
+/// One flow-log round's side: the connect loop (16 ports) with the
+/// records drained and the sandbox's counters around it, then the bulk
+/// egress run.
+fn flow_log_arm(
+    loaded: &Loaded,
+    bpf: &Topo,
+    reader: &FlowReader,
+    on: bool,
+    secs: u64,
+    a: &mut FlowLogArm,
+) -> std::result::Result<(), Failure> {
+    loaded.flow_events(on).map_err(Failure::Setup)?;
+    let k = format!("events {}", on_off(on));
+    let (r0, (s0, l0)) = (reader.records(), loaded.flow_counts());
+    let t0 = Instant::now();
+    let (c, failed) =
+        conn_rate(&bpf.guest, WORLD_IP.into(), CONN_PORTS, secs).map_err(Failure::Setup)?;
+    let t = t0.elapsed().as_secs_f64();
+    // The reader's last batch (it wakes on every commit).
+    std::thread::sleep(Duration::from_millis(200));
+    let (r1, (s1, l1)) = (reader.records(), loaded.flow_counts());
+    if c == 0.0 {
+        return Err(Failure::Broken(format!(
+            "flow log {k}: no TCP connection guest -> world {WORLD_IP}:{CONN_PORT}.. succeeded ({failed} attempts failed)"
+        )));
+    }
+    let e = iperf(&bpf.guest, WORLD_IP, IPERF_PORT, secs).map_err(|e| {
+        Failure::Broken(format!(
+            "flow log {k}: egress guest -> world {WORLD_IP}:{IPERF_PORT} failed: {e}"
+        ))
+    })?;
+    let (records, sent, lost) = (r1 - r0, s1 - s0, l1 - l0);
+    println!(
+        "  {k:<10}  connects {c:7.0}/s ({CONN_PORTS} ports), {records} records drained ({:.0}/s; sent {sent}, lost {lost})   egress {e:6.2} Gbit/s{}",
+        records as f64 / t,
+        if failed > 0 {
+            format!("  ({failed} connects failed/timed out)")
+        } else {
+            String::new()
+        }
+    );
+    a.conns.push(c);
+    a.egress.push(e);
+    a.conn_failures += failed;
+    a.records += records;
+    a.secs += t;
+    a.sent += sent;
+    a.lost += lost;
+    Ok(())
+}
+
+/// ns per run of (from_guest, from_uplink) between two [`prog_stats`].
+fn ns_per_run(before: [(u64, u64); 2], after: [(u64, u64); 2]) -> [f64; 2] {
+    [0, 1].map(|i| {
+        let (t, c) = (after[i].0 - before[i].0, after[i].1 - before[i].1);
+        if c > 0 { t as f64 / c as f64 } else { f64::NAN }
+    })
+}
+
+/// Issue 47: the eBPF datapath with the flow log's events off
+/// (`dp_config.flags` without DP_CFG_FLOW_EVENTS) against on (a reader
+/// drains the ring, as the agent does), rounds alternating: connects/s
+/// (16 ports) and bulk egress, then (with bpftool) the programs' ns per
+/// run in separate runs with bpf stats on. The journal's "denied" and
+/// "all" are the agent's choice among the same events, so these two are
+/// the datapath's only states. Returns the missed targets; a flow log
+/// that delivered nothing with its events on, or counted events with them
+/// off, is a setup failure.
+fn flow_log(
+    loaded: &Loaded,
+    bpf: &Topo,
+    args: &Args,
+    bpftool: bool,
+) -> std::result::Result<Vec<String>, Failure> {
+    let reader = FlowReader::start(&loaded.dp).map_err(Failure::Setup)?;
+    let (mut off, mut on) = (FlowLogArm::default(), FlowLogArm::default());
+    println!(
+        "\nFlow log (issue 47): eBPF, flow events off vs on (a thread drains the ring), {} round(s) alternating:",
+        args.rounds
+    );
+    for r in 0..args.rounds {
+        let order = if r % 2 == 0 {
+            [(false, &mut off), (true, &mut on)]
+        } else {
+            [(true, &mut on), (false, &mut off)]
+        };
+        for (events, a) in order {
+            flow_log_arm(loaded, bpf, &reader, events, args.secs, a)?;
+        }
+    }
+    let mut cost = None;
+    if bpftool {
+        // At most 2 rounds (off/on, on/off): the cost per run is steadier
+        // than the rates.
+        let rounds = args.rounds.min(2);
+        let measured = with_bpf_stats(|| {
+            for r in 0..rounds {
+                let order = if r % 2 == 0 {
+                    [(false, &mut off), (true, &mut on)]
+                } else {
+                    [(true, &mut on), (false, &mut off)]
+                };
+                for (events, a) in order {
+                    loaded.flow_events(events)?;
+                    let s0 = prog_stats(&bpf.node)?;
+                    conn_rate(&bpf.guest, WORLD_IP.into(), CONN_PORTS, args.secs)?;
+                    let s1 = prog_stats(&bpf.node)?;
+                    iperf(&bpf.guest, WORLD_IP, IPERF_PORT, args.secs)?;
+                    let s2 = prog_stats(&bpf.node)?;
+                    let [cg, cu] = ns_per_run(s0, s1);
+                    let [eg, eu] = ns_per_run(s1, s2);
+                    for (v, x) in a.ns.iter_mut().zip([cg, cu, eg, eu]) {
+                        v.push(x);
+                    }
+                }
+            }
+            Ok(rounds)
+        });
+        match measured {
+            Ok(n) => cost = Some(n),
+            Err(e) => println!("  program cost: not measured: {e}"),
+        }
+    }
+    loaded.flow_events(false).map_err(Failure::Setup)?;
+    drop(reader);
+
+    println!();
+    println!(
+        "| {:<40} | {:>12} | {:>12} | {:>8} | {:<16} |",
+        "flow log metric", "events off", "events on", "on/off", "target"
+    );
+    println!(
+        "|{:-<42}|{:->14}|{:->14}|{:->10}|{:-<18}|",
+        "", "", "", "", ""
+    );
+    let mut missed = vec![];
+    for (name, o, n, prec, target) in [
+        (
+            "TCP connects/s guest->world, 16 ports",
+            median(&off.conns),
+            median(&on.conns),
+            0,
+            FLOW_LOG_CONNECT_TARGET,
+        ),
+        (
+            "egress guest->world (Gbit/s)",
+            median(&off.egress),
+            median(&on.egress),
+            2,
+            FLOW_LOG_BULK_TARGET,
+        ),
+    ] {
+        let ratio = n / o;
+        let verdict = if ratio >= target {
+            format!("≥ {target:.2}× (met)")
+        } else {
+            missed.push(format!(
+                "flow log on: {name} {ratio:.2}× off (target ≥ {target:.2}×)"
+            ));
+            format!("≥ {target:.2}× (MISSED)")
+        };
+        println!("| {name:<40} | {o:>12.prec$} | {n:>12.prec$} | {ratio:>7.2}× | {verdict:<16} |");
+    }
+    for (label, a) in [("off", &off), ("on ", &on)] {
+        println!(
+            "events {label} during the connect runs: {} records drained ({:.0}/s); the sandbox's counters: sent {}, lost {} (bucket {}/s, burst {}){}",
+            a.records,
+            a.records as f64 / a.secs,
+            a.sent,
+            a.lost,
+            cube_network_agent::datapath::FLOW_EVENTS_PER_SEC,
+            cube_network_agent::datapath::FLOW_EVENTS_BURST,
+            if a.conn_failures > 0 {
+                format!("; {} connects failed/timed out", a.conn_failures)
+            } else {
+                String::new()
+            }
+        );
+    }
+    match cost {
+        Some(rounds) => {
+            println!(
+                "\n| {:<40} | {:>12} | {:>12} | {:>8} |",
+                format!("program ns/run (bpf stats, {rounds} round(s))"),
+                "events off",
+                "events on",
+                "delta"
+            );
+            println!("|{:-<42}|{:->14}|{:->14}|{:->10}|", "", "", "", "");
+            for (i, name) in [
+                "connects: from_guest",
+                "connects: from_uplink",
+                "egress: from_guest (per GSO skb)",
+                "egress: from_uplink (its ACKs)",
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let (o, n) = (median(&off.ns[i]), median(&on.ns[i]));
+                println!("| {name:<40} | {o:>12.0} | {n:>12.0} | {:>+8.0} |", n - o);
+            }
+        }
+        None if !bpftool => println!("program ns/run: not measured (bpftool not installed)"),
+        None => {}
+    }
+    if on.records == 0 {
+        return Err(Failure::Setup(format!(
+            "flow log: with the events on the ring delivered no record during the connect runs (the sandbox's counters: sent {}, lost {})",
+            on.sent, on.lost
+        )));
+    }
+    if off.sent + off.lost > 0 {
+        return Err(Failure::Setup(format!(
+            "flow log: with the events off the datapath still counted {} sent and {} lost during the connect runs",
+            off.sent, off.lost
+        )));
+    }
+    Ok(missed)
 }
 
 // ---------------------------------------------------------------- main
@@ -1490,17 +1834,19 @@ fn bench(args: &Args) -> std::result::Result<bool, Failure> {
         );
     }
 
-    let limits_met = bandwidth(&loaded, &bpf, args).map_err(Broken)?;
-    if !limits_met {
-        missed.push("bandwidth limits (see the table above)".into());
-    }
-
     let have_bpftool = cmd("bpftool")
         .arg("version")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
+    missed.extend(flow_log(&loaded, &bpf, args, have_bpftool)?);
+
+    let limits_met = bandwidth(&loaded, &bpf, args).map_err(Broken)?;
+    if !limits_met {
+        missed.push("bandwidth limits (see the table above)".into());
+    }
+
     if have_bpftool {
         if let Err(e) = program_cost(&bpf, args.secs) {
             println!("program cost: not measured: {e}");
@@ -1541,7 +1887,7 @@ fn bench(args: &Args) -> std::result::Result<bool, Failure> {
     }
     if !missed.is_empty() {
         println!(
-            "\nTarget missed (SPEC §10: eBPF ≥ 1.0× nft on bulk, ≥ 1.1× on connects and small packets): {} (exit {EXIT_TARGET_MISSED}: informational, the datapath works)",
+            "\nTarget missed (SPEC §10: eBPF ≥ 1.0× nft on bulk, ≥ 1.1× on connects and small packets; the rows above name their own): {} (exit {EXIT_TARGET_MISSED}: informational, the datapath works)",
             missed.join("; ")
         );
     }

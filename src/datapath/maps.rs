@@ -520,7 +520,8 @@ pub struct DpSbStats {
     pub flow_tat: u64,
     pub flow_sent: u64,
     pub flow_lost: u64,
-    pub flow_pad: u64,
+    /// deny_action "reject": the answers' rate (as `flow_tat`).
+    pub reject_tat: u64,
 }
 
 /// A sandbox's IPv6 frames (`sb_traffic6`, one per CPU, summed when read):
