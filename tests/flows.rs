@@ -124,9 +124,20 @@ async fn every_flow_and_refusal_of_a_tap_guest_is_one_record() {
     let ns = format!("{}-w", env.ns);
     let got = world::tcp_exchange_in(&ns, World::node_addr(host_port), b"in", T).unwrap();
     assert_eq!(got, b"guest:80");
+    // From the node to the sandbox's address.
+    let sandbox_ip: Ipv4Addr = common::s(&net, "sandbox_ip").parse().unwrap();
+    let got =
+        world::tcp_exchange_in(&env.ns, SocketAddrV4::new(sandbox_ip, 80), b"host", T).unwrap();
+    assert_eq!(got, b"guest:80");
 
+    let host_end = |f: &[Json]| {
+        f.iter()
+            .any(|r| r["direction"] == "host" && r["event"] == "end" && r["guest"]["port"] == 80)
+    };
     let flows = flows_until(&env, "fl", |f| {
-        !find(f, "end", "tcp", tcp.port()).is_empty() && !find(f, "refused", "tcp", 4444).is_empty()
+        !find(f, "end", "tcp", tcp.port()).is_empty()
+            && !find(f, "refused", "tcp", 4444).is_empty()
+            && host_end(f)
     });
     let show = || serde_json::to_string_pretty(&flows).unwrap();
 
@@ -200,6 +211,30 @@ async fn every_flow_and_refusal_of_a_tap_guest_is_one_record() {
     assert_eq!(n(&ins[0]["node"]["port"]), u64::from(host_port));
     assert_eq!(n(&ins[0]["guest"]["port"]), 80);
     assert_eq!(ins[0]["remote"]["ip"], "198.51.100.2");
+
+    // The node's connection to the sandbox address: a host flow, start and
+    // end, the node's end of it named.
+    let host: Vec<&Json> = flows
+        .iter()
+        .filter(|f| f["direction"] == "host" && f["guest"]["port"] == 80)
+        .collect();
+    assert_eq!(
+        host.iter().filter(|f| f["event"] == "start").count(),
+        1,
+        "{}",
+        show()
+    );
+    assert_eq!(
+        host.iter().filter(|f| f["event"] == "end").count(),
+        1,
+        "{}",
+        show()
+    );
+    assert_eq!(
+        host[0]["remote"]["ip"], "169.254.68.5",
+        "the guest sees its gateway"
+    );
+    assert!(host[0]["node"]["port"].as_u64().unwrap() > 0);
 
     // --denied: the refusal only.
     let denied_only: Vec<Json> = watch_flows(&env, json!({"sandbox_id": "fl", "denied": true}))

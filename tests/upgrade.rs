@@ -431,14 +431,16 @@ async fn sandbox_counters_of_the_older_layout_are_migrated() {
     assert_eq!(before["new_flows_snat"], 3, "{before:?}");
     let mut c = c;
     let mut flows = 3;
-    for old in [72u32, 80] {
+    // Before drop_stale_tcp (72), before the IPv6 parts (80), before the
+    // flow log's token bucket (160).
+    for old in [72u32, 80, 160] {
         drop(c);
         env.kill_agent();
-        let entries = repin_older(&env, "sb_stats", "hash", 4, 160, old, 65536);
+        let entries = repin_older(&env, "sb_stats", "hash", 4, 192, old, 65536);
         assert!(!entries.is_empty(), "no sb_stats entry");
 
         let was = format!("Hash, key 4 B, value {old} B");
-        (c, _) = start_migrating(&mut env, "sb_stats", &was, 160).await;
+        (c, _) = start_migrating(&mut env, "sb_stats", &was, 192).await;
         let after = c.traffic("s").await;
         assert_eq!(after["new_flows_snat"], flows, "{after:?}");
         assert_eq!(after["drop_stale_tcp"], 0, "{after:?}");
@@ -504,11 +506,11 @@ async fn a_flow_table_of_the_older_layout_is_migrated_with_its_flows() {
     // 24-byte values (no seq_last/pad, local_addr where ts_last is).
     let bpf = env.dir.join("bpf");
     let ct = bpf.join("ct").display().to_string();
-    let entries = repin_older(&env, "ct", "lru_hash", 16, 32, 24, 262144);
+    let entries = repin_older(&env, "ct", "lru_hash", 16, 64, 24, 262144);
     assert!(!entries.is_empty(), "no flow in ct");
     assert_eq!(common::pin_value_size(&ct), 24);
 
-    let (_, migrated) = start_migrating(&mut env, "ct", "LruHash, key 16 B, value 24 B", 32).await;
+    let (c, migrated) = start_migrating(&mut env, "ct", "LruHash, key 16 B, value 24 B", 64).await;
     // Every flow arrived, with its SNAT port, generation and timestamps.
     for (k, v) in &entries {
         let m = migrated
@@ -516,6 +518,20 @@ async fn a_flow_table_of_the_older_layout_is_migrated_with_its_flows() {
             .unwrap_or_else(|| panic!("flow {k:?} not migrated"));
         assert_eq!(m[..12], v[..12], "last_seen, SNAT port, kind, state");
         assert_eq!(m[16..24], v[16..24], "generation");
+        assert_eq!(m[32..], [0; 32], "no flow-log totals");
+    }
+    // The builds before the flow log: 32-byte values, carried over whole
+    // with zero totals appended.
+    drop(c);
+    env.kill_agent();
+    let entries = repin_older(&env, "ct", "lru_hash", 16, 64, 32, 262144);
+    let (_, migrated) = start_migrating(&mut env, "ct", "LruHash, key 16 B, value 32 B", 64).await;
+    for (k, v) in &entries {
+        let m = migrated
+            .get(k)
+            .unwrap_or_else(|| panic!("flow {k:?} not migrated"));
+        assert_eq!(m[..32], v[..32], "the whole older value");
+        assert_eq!(m[32..], [0; 32], "totals from the upgrade on");
     }
     // And the flow goes on with the same SNAT port.
     g.udp_exchange(Some(LONG_FLOW_PORT), echo, b"two", T)

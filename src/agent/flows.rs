@@ -20,7 +20,7 @@ use super::Agent;
 use crate::datapath::maps::{
     DP_CT_PORTMAP, DP_FD_EGRESS, DP_FD_INGRESS, DP_FE_REFUSED, DP_FE_START, DpFlowEvent,
 };
-use crate::datapath::{FlowEnd, FlowRing};
+use crate::datapath::{FlowEnd, FlowRing, HostFlow};
 use crate::flows::{Direction, Endpoint, FlowEvent, FlowRecord, Reason, Totals};
 
 /// How often the ends, the lost counts and the journal's summaries are
@@ -87,11 +87,26 @@ fn reason(r: u8) -> Reason {
 /// The guest's fixed IPv6 address (fd63:7562:6500::6).
 const GUEST6: Ipv6Addr = Ipv6Addr::new(0xfd63, 0x7562, 0x6500, 0, 0, 0, 0, 6);
 
+/// The gateway's IPv6 address on the guests' link (fd63:7562:6500::5).
+const GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfd63, 0x7562, 0x6500, 0, 0, 0, 0, 5);
+
+/// The guest's SLAAC address: the guests' prefix with the modified EUI-64
+/// of its MAC.
+fn slaac(mac: [u8; 6]) -> Ipv6Addr {
+    let mut a = [0u8; 16];
+    a[..6].copy_from_slice(&[0xfd, 0x63, 0x75, 0x62, 0x65, 0x00]);
+    a[8..11].copy_from_slice(&[mac[0] ^ 0x02, mac[1], mac[2]]);
+    a[11..13].copy_from_slice(&[0xff, 0xfe]);
+    a[13..].copy_from_slice(&mac[3..]);
+    Ipv6Addr::from(a)
+}
+
 impl Agent {
     /// Reads the flow events and runs the flow log's ticks for as long as
     /// the agent lives.
     pub(super) fn spawn_flow_log(self: &Arc<Self>) {
-        if let Some(ring) = self.datapath.flow_ring() {
+        let events = self.cfg.flow_events;
+        if let Some(ring) = self.datapath.flow_ring().filter(|_| events) {
             let weak = Arc::downgrade(self);
             tokio::spawn(async move {
                 // SAFETY: the ring's fd is its map's, owned by the RingBuf
@@ -139,19 +154,33 @@ impl Agent {
         }
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
-            // Per device: the lost count already reported.
-            let mut lost_seen: HashMap<u32, u64> = HashMap::new();
+            // Per device: the lost count already reported (the first read
+            // only learns them: what an earlier run lost, it reported).
+            let mut lost_seen: Option<HashMap<u32, u64>> = None;
             loop {
                 tokio::time::sleep(TICK).await;
                 let Some(agent) = weak.upgrade() else { return };
                 let dp = agent.datapath.clone();
-                let (ends, counts) = tokio::task::spawn_blocking(move || {
-                    (dp.take_flow_ends(), dp.flow_event_counts())
+                let (ends, hosts, counts) = tokio::task::spawn_blocking(move || {
+                    (
+                        dp.take_flow_ends(),
+                        dp.take_host_flows(),
+                        dp.flow_event_counts(),
+                    )
                 })
                 .await
                 .unwrap_or_default();
-                agent.publish_ends(ends);
-                agent.note_flow_losses(&counts, &mut lost_seen);
+                // flow_events off: the reaper's are dropped too.
+                if events {
+                    agent.publish_ends(ends);
+                    agent.publish_host_flows(hosts);
+                }
+                match &mut lost_seen {
+                    Some(seen) => agent.note_flow_losses(&counts, seen),
+                    None => {
+                        lost_seen = Some(counts.iter().map(|&(i, _, l)| (i, l)).collect());
+                    }
+                }
                 agent.flows.tick();
             }
         });
@@ -229,16 +258,7 @@ impl Agent {
             return;
         }
         let clock = Clock::now();
-        let by_ip: HashMap<Ipv4Addr, String> = self
-            .views
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .filter_map(|v| match v.record.sandbox_ip {
-                IpAddr::V4(ip) => Some((ip, v.record.sandbox_id.clone())),
-                IpAddr::V6(_) => None,
-            })
-            .collect();
+        let by_ip = self.ids_by_ip();
         let uplink4 = match &self.uplink {
             super::Uplink::Found { addr, .. } => *addr,
             super::Uplink::Missing(_) => None,
@@ -250,7 +270,11 @@ impl Agent {
             };
             let family = if end.id.remote.is_ipv6() { 6 } else { 4 };
             let guest_ip = if family == 6 {
-                IpAddr::V6(GUEST6)
+                IpAddr::V6(if end.guest_fixed6 {
+                    GUEST6
+                } else {
+                    slaac(self.d.guest_mac)
+                })
             } else {
                 IpAddr::V4(self.d.guest_ip)
             };
@@ -299,6 +323,75 @@ impl Agent {
             };
             self.flows.publish(rec);
         }
+    }
+
+    /// The reaper's host <-> sandbox flows as records (no totals: the
+    /// datapath does not count a host flow's packets).
+    fn publish_host_flows(&self, flows: Vec<HostFlow>) {
+        if flows.is_empty() {
+            return;
+        }
+        let clock = Clock::now();
+        let by_ip = self.ids_by_ip();
+        for f in flows {
+            let Some(sandbox_id) = by_ip.get(&f.sandbox_ip) else {
+                continue;
+            };
+            let (guest, gateway, node) = if f.ipv6 {
+                (
+                    IpAddr::V6(GUEST6),
+                    IpAddr::V6(GATEWAY6),
+                    IpAddr::V6(self.d.pool6_addr(f.node)),
+                )
+            } else {
+                (
+                    IpAddr::V4(self.d.guest_ip),
+                    IpAddr::V4(self.d.guest_gateway),
+                    IpAddr::V4(f.node),
+                )
+            };
+            let family = if f.ipv6 { 6 } else { 4 };
+            self.flows.publish(FlowRecord {
+                time_unix_ns: clock.wall_of(f.seen_ns),
+                sandbox_id: sandbox_id.clone(),
+                event: if f.start {
+                    FlowEvent::Start
+                } else {
+                    FlowEvent::End
+                },
+                family,
+                protocol: protocol(family, f.proto),
+                direction: Direction::Host,
+                guest: Endpoint {
+                    ip: guest,
+                    port: f.guest_port,
+                },
+                remote: Endpoint {
+                    ip: gateway,
+                    port: f.gw_port,
+                },
+                node: Some(Endpoint {
+                    ip: node,
+                    port: f.node_port,
+                }),
+                refused: None,
+                dns_name: None,
+                end: None,
+            });
+        }
+    }
+
+    /// Every live network's sandbox id by its address.
+    fn ids_by_ip(&self) -> HashMap<Ipv4Addr, String> {
+        self.views
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter_map(|v| match v.record.sandbox_ip {
+                IpAddr::V4(ip) => Some((ip, v.record.sandbox_id.clone())),
+                IpAddr::V6(_) => None,
+            })
+            .collect()
     }
 
     /// Events the datapath lost per sandbox since the last tick, told to

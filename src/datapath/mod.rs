@@ -229,6 +229,26 @@ pub struct FlowEnd {
     pub pkts_in: u64,
 }
 
+/// A host <-> sandbox flow (`hflow`) the reaper saw start or end: the
+/// node's end of it (address and port as the node sends them; IPv6: the
+/// words of the sandboxes' /96 in the addresses), the guest's port and the
+/// port the guest sees on its gateway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostFlow {
+    pub start: bool,
+    pub sandbox_ip: std::net::Ipv4Addr,
+    pub ipv6: bool,
+    pub proto: u8,
+    /// The node (or a local process) opened it; else the guest did.
+    pub node_opened: bool,
+    pub node: std::net::Ipv4Addr,
+    pub node_port: u16,
+    pub guest_port: u16,
+    pub gw_port: u16,
+    /// Monotonic ns of the pass that saw it.
+    pub seen_ns: u64,
+}
+
 /// Flow ends kept for the agent between two of its reads (it reads every
 /// second; the reaper adds every 2 s): beyond, the oldest are dropped.
 pub const FLOW_ENDS_MAX: usize = 65_536;
@@ -241,6 +261,11 @@ pub trait Datapath: Send + Sync {
     }
     /// The world flows' ends the reaper found since the last call.
     fn take_flow_ends(&self) -> Vec<FlowEnd> {
+        Vec::new()
+    }
+    /// The host <-> sandbox flows the reaper saw start or end since the
+    /// last call.
+    fn take_host_flows(&self) -> Vec<HostFlow> {
         Vec::new()
     }
     /// The flow log's events, once (None: taken already, or a datapath

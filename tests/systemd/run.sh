@@ -438,6 +438,39 @@ TAP=${NET1#* }
 echo "#   udp 7000 -> host port $HPORT"
 MIN_TAPS=1   # from now on Health must count sbx-1's TAP (at least) as carrying from_guest
 
+# ---- the flow log in the journal (flow_log = "denied", the default) ---------
+# sbx-j refuses 203.0.113.0/24; a frame to it written on its TAP (python
+# on a cubenetctl open-tap fd: vnet header, then the frame) is refused by
+# the datapath, and its record reaches the journal with SANDBOX_ID=sbx-j.
+FRAME_PY='import os,struct
+def cs(b):
+    s=sum(struct.unpack("!%dH" % (len(b)//2), b)); s=(s>>16)+(s&0xffff); s+=s>>16; return (~s)&0xffff
+p=b"flowlog"; u=struct.pack("!HHHH",40555,5555,8+len(p),0)+p
+ip=struct.pack("!BBHHHBBH4s4s",0x45,0,20+len(u),0,0x4000,64,17,0,bytes([169,254,68,6]),bytes([203,0,113,7]))
+ip=ip[:10]+struct.pack("!H",cs(ip))+ip[12:]
+eth=bytes([0x20,0x90,0x6f,0xcf,0xcf,0xcf,0x20,0x90,0x6f,0xfc,0xfc,0xfc,8,0])
+for _ in range(3): os.write(3, bytes(12)+eth+ip+u)'
+ensj=$($X busctl --timeout=30 call $A EnsureNetwork 'sa{sv}' sbx-j 1 deny_out as 1 203.0.113.0/24 2>&1); ensj_rc=$?
+$X cubenetctl open-tap sbx-j -- python3 -c "$FRAME_PY" > "$TMPD/frame.log" 2>&1
+nj=0
+for i in $(seq 30); do
+  nj=$(cx 'journalctl --sync 2>/dev/null; journalctl -u cube-network-agent SANDBOX_ID=sbx-j FLOW_EVENT=refused -o json --no-pager | wc -l')
+  [ "${nj:-0}" -gt 0 ] && break; sleep 0.2
+done
+if [ $ensj_rc = 0 ] && [ "${nj:-0}" -gt 0 ] &&
+   cx 'journalctl -u cube-network-agent SANDBOX_ID=sbx-j FLOW_EVENT=refused -o json --no-pager' |
+     python3 -c 'import json,sys
+d=[json.loads(l) for l in sys.stdin][0]
+assert d["VERDICT"]=="dropped" and d["REASON"]=="policy" and d["REMOTE"]=="203.0.113.7:5555", d'; then
+  ok "flow log: journalctl -u cube-network-agent SANDBOX_ID=sbx-j shows the refused datagram (VERDICT=dropped REASON=policy)"
+  echo "#   $(cx 'journalctl -u cube-network-agent SANDBOX_ID=sbx-j FLOW_EVENT=refused -o cat --no-pager | head -1')"
+else
+  not_ok "flow log: journalctl -u cube-network-agent SANDBOX_ID=sbx-j shows the refused datagram" \
+    "EnsureNetwork sbx-j rc=$ensj_rc: ${ensj:0:200}; frame writer: $(cat "$TMPD/frame.log")" \
+    "$nj refused records; the agent's last lines: $(cx 'journalctl -u cube-network-agent -o cat --no-pager -n 5' 2>&1)"
+fi
+$X busctl --timeout=30 call $A ReleaseNetwork s sbx-j > /dev/null 2>&1
+
 # ---- a live guest on sbx-1's TAP, traffic both ways --------------------------
 ip netns exec "$WORLD" python3 "$HERE/world.py" --status "$WSTAT" --echo 198.51.100.2:9000 \
    --target "198.51.100.1:$HPORT" --interval-ms 10 > "$TMPD/world.log" 2>&1 &

@@ -360,6 +360,7 @@ impl EbpfDatapath {
                 .map_err(|e| err("opening ct_rev6", e))?,
             ct6_dump: reopen("ct6")?,
             ended: StdHashMap::new(),
+            hseen: StdHashMap::new(),
             ct: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("ct")?))
                 .map_err(|e| err("opening ct", e))?,
             ct_rev: HashMap::try_from(aya::maps::Map::LruHashMap(reopen("ct_rev")?))
@@ -489,6 +490,7 @@ impl EbpfDatapath {
             wakes: Mutex::new(Some(wakes)),
             flow_events: Mutex::new(Some(flow_events)),
             flow_ends: Mutex::new(Vec::new()),
+            host_flows: Mutex::new(Vec::new()),
         };
         // Counts for Health come from the first reaper pass (2 s after start);
         // walking every flow and TAP here would delay READY.

@@ -278,6 +278,12 @@ struct Reaper {
     /// (key, start): reported once.
     /// The value: the pass that last saw it.
     ended: StdHashMap<(super::FlowId, u64), u64>,
+    /// The flow log: host flows seen by the last pass (and the generation
+    /// that owned them): one missing from a pass has ended, a new one
+    /// started.
+    /// (generation, the flow, its end recorded: a closed TCP flow's
+    /// entry lives on for the closing timeout).
+    hseen: StdHashMap<DpHflowKey, (u64, super::HostFlow, bool)>,
 }
 
 /// Counts refreshed by `maintain`, read by `checks` without touching maps.
@@ -364,6 +370,8 @@ pub struct EbpfDatapath {
     /// Flow ends the reaper found, until the agent takes them
     /// (`Datapath::take_flow_ends`); at most `FLOW_ENDS_MAX`.
     flow_ends: Mutex<Vec<super::FlowEnd>>,
+    /// The same for host flows (`Datapath::take_host_flows`).
+    host_flows: Mutex<Vec<super::HostFlow>>,
     /// The `flow_events` ring, until the agent takes it
     /// (`Datapath::flow_ring`).
     flow_events: Mutex<Option<aya::maps::RingBuf<MapData>>>,
@@ -596,6 +604,10 @@ impl Datapath for EbpfDatapath {
             .into_iter()
             .map(|(i, s)| (i, s.flow_sent, s.flow_lost))
             .collect()
+    }
+
+    fn take_host_flows(&self) -> Vec<super::HostFlow> {
+        std::mem::take(&mut *self.host_flows.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     fn take_flow_ends(&self) -> Vec<super::FlowEnd> {

@@ -55,13 +55,13 @@ impl EbpfDatapath {
         }
         let ipv4_live = pass.seen - pass.removed;
         let all = dump_flows(&r.ct6_dump).unwrap_or_else(|| r.ct6.iter().flatten().collect());
-        ends.closed(&all, flow_id6);
+        ends.closed6(&all);
         for (k, v) in pass.doomed(all, |k: &DpCt6Key| (k.sandbox_ip, k.proto)) {
             if r.ct6.get(&k, 0).ok().as_ref() == Some(&v)
                 && pass.confirm(&r.by_ip, k.sandbox_ip, &v)
             {
                 Self::remove_flow6(&mut r.ct6, &mut r.ct_rev6, &k, &v);
-                ends.removed(flow_id6(&k), &v);
+                ends.removed6(&k, &v);
             }
         }
         let Ends {
@@ -91,7 +91,13 @@ impl EbpfDatapath {
             .by_sandbox
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = by_sandbox;
-        let (host_flows, host_removed) = Self::reap_host_flows(r, &taps, now, t);
+        let (host_flows, host_removed, hf) = Self::reap_host_flows(r, &taps, now, t);
+        if !hf.is_empty() {
+            let mut q = self.host_flows.lock().unwrap_or_else(|p| p.into_inner());
+            q.extend(hf);
+            let over = q.len().saturating_sub(crate::datapath::FLOW_ENDS_MAX);
+            q.drain(..over);
+        }
         // Attachment records of TAPs that no longer exist.
         let (mut taps, mut own) = (0usize, 0usize);
         r.passes += 1;
@@ -249,7 +255,7 @@ impl EbpfDatapath {
         taps: &StdHashMap<u32, DpTap>,
         now: u64,
         t: FlowTimeouts,
-    ) -> (usize, usize) {
+    ) -> (usize, usize, Vec<crate::datapath::HostFlow>) {
         let expired = |proto: u8, state: u8, last: u64| {
             now.saturating_sub(last) > t.limit(proto, state).as_nanos() as u64
         };
@@ -292,6 +298,62 @@ impl EbpfDatapath {
         let before = Self::shares(r);
         seen += hflows.len();
         let mut held: StdHashMap<u32, [i64; 2]> = StdHashMap::new();
+        // The flow log: starts (not in the last pass) and ends (in the
+        // last pass, not in this one, or removed now).
+        let mut log = vec![];
+        let host_flow = |start: bool, k: &DpHflowKey, v: &DpHflowVal| crate::datapath::HostFlow {
+            start,
+            sandbox_ip: Ipv4Addr::from(v.sandbox_ip.to_ne_bytes()),
+            ipv6: k.family == DP_HFAM_IPV6,
+            proto: k.proto,
+            node_opened: v.flags & DP_HFF_HOST_OPENED != 0 || v.kind == DP_HF_LO,
+            node: Ipv4Addr::from(k.saddr.to_ne_bytes()),
+            node_port: u16::from_be(k.sport),
+            guest_port: u16::from_be(v.guest_port),
+            gw_port: u16::from_be(v.gw_port),
+            seen_ns: now,
+        };
+        let mut last = std::mem::take(&mut r.hseen);
+        let closed = |s: u8| {
+            s & DP_TCP_RST != 0
+                || s & (DP_TCP_FIN_OUT | DP_TCP_FIN_IN) == DP_TCP_FIN_OUT | DP_TCP_FIN_IN
+        };
+        let end_of = |f: crate::datapath::HostFlow| crate::datapath::HostFlow {
+            start: false,
+            seen_ns: now,
+            ..f
+        };
+        for (k, v) in &hflows {
+            let f = host_flow(true, k, v);
+            let mut ended = match last.remove(k) {
+                Some((g, _, ended)) if g == v.generation => ended,
+                Some((_, old, ended)) => {
+                    // Another owner's flow on the key: the old one ended.
+                    if !ended {
+                        log.push(end_of(old));
+                    }
+                    log.push(f);
+                    false
+                }
+                None => {
+                    log.push(f);
+                    false
+                }
+            };
+            // A closed TCP flow ends now (its entry lives on a while).
+            if !ended && k.proto == libc::IPPROTO_TCP as u8 && closed(v.state) {
+                log.push(end_of(f));
+                ended = true;
+            }
+            r.hseen.insert(*k, (v.generation, f, ended));
+        }
+        // In the last pass, not in this one: ended between the two (the
+        // datapath replaced or removed it).
+        for (_, (_, old, ended)) in last {
+            if !ended {
+                log.push(end_of(old));
+            }
+        }
         for (k, v) in hflows {
             let owner = taps
                 .get(&v.sandbox_ip)
@@ -310,6 +372,9 @@ impl EbpfDatapath {
                 continue;
             }
             let _ = r.hflow.remove(&k);
+            if let Some((_, _, false)) = r.hseen.remove(&k) {
+                log.push(host_flow(false, &k, &v));
+            }
             let rk = DpHrevKey {
                 sandbox_ip: v.sandbox_ip,
                 guest_port: v.guest_port,
@@ -324,7 +389,12 @@ impl EbpfDatapath {
             removed += 1;
         }
         Self::recount_shares(r, &before, &held);
-        (seen, removed)
+        // The first pass of a start only learns what is there: the
+        // previous run recorded those flows' starts.
+        if r.passes == 0 {
+            log.retain(|f| !f.start);
+        }
+        (seen, removed, log)
     }
 
     /// Every sandbox's `sb_share` entry (ifindex -> its host flows of each
@@ -513,6 +583,15 @@ impl Ends<'_> {
     }
 
     fn closed<K>(&mut self, all: &[(K, DpCtVal)], id: impl Fn(&K) -> crate::datapath::FlowId) {
+        self.closed_with(all, id, |_| false);
+    }
+
+    fn closed_with<K>(
+        &mut self,
+        all: &[(K, DpCtVal)],
+        id: impl Fn(&K) -> crate::datapath::FlowId,
+        fixed6: impl Fn(&K) -> bool,
+    ) {
         for (k, v) in all {
             let closed = v.state & DP_TCP_RST != 0
                 || v.state & (DP_TCP_FIN_OUT | DP_TCP_FIN_IN) == DP_TCP_FIN_OUT | DP_TCP_FIN_IN;
@@ -521,8 +600,21 @@ impl Ends<'_> {
             }
             let fid = id(k);
             if self.ended.insert((fid, v.start_ns), self.pass).is_none() {
-                self.out.push(Self::end(fid, v, false));
+                self.out.push(Self::end(fid, v, fixed6(k)));
             }
+        }
+    }
+
+    /// [`Ends::closed`] of `ct6` (`gaddr` 0 is DP_GADDR_FIXED: the guest's
+    /// fixed address sent it).
+    fn closed6(&mut self, all: &[(DpCt6Key, DpCtVal)]) {
+        self.closed_with(all, flow_id6, |k| k.gaddr == 0);
+    }
+
+    fn removed6(&mut self, k: &DpCt6Key, v: &DpCtVal) {
+        let id = flow_id6(k);
+        if v.kind != DP_CT_HOST && self.ended.remove(&(id, v.start_ns)).is_none() {
+            self.out.push(Self::end(id, v, k.gaddr == 0));
         }
     }
 
