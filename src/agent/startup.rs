@@ -325,7 +325,11 @@ impl Agent {
         tokio::spawn(async move {
             loop {
                 let pass = dp.clone();
-                let _ = tokio::task::spawn_blocking(move || pass.maintain()).await;
+                if let Err(e) = tokio::task::spawn_blocking(move || pass.maintain()).await
+                    && e.is_panic()
+                {
+                    tracing::error!(error = %e, "the datapath's housekeeping pass panicked");
+                }
                 tokio::time::sleep(std::time::Duration::from_secs(2)).await;
             }
         });

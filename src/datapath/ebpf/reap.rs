@@ -539,15 +539,11 @@ fn flow_id4(k: &DpCtKey) -> crate::datapath::FlowId {
 }
 
 fn flow_id6(k: &DpCt6Key) -> crate::datapath::FlowId {
-    let mut a = [0u8; 16];
-    for (i, w) in k.remote_ip.iter().enumerate() {
-        a[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
-    }
     crate::datapath::FlowId {
         sandbox_ip: Ipv4Addr::from(k.sandbox_ip.to_ne_bytes()),
         proto: k.proto,
         guest_port: u16::from_be(k.guest_port),
-        remote: IpAddr::V6(std::net::Ipv6Addr::from(a)),
+        remote: IpAddr::V6(std::net::Ipv6Addr::from(k.remote_ip)),
         remote_port: u16::from_be(k.remote_port),
     }
 }
@@ -684,6 +680,37 @@ impl FlowPass<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A flow entry's key as the flow log names it: addresses and ports
+    /// out of network order, both families.
+    #[test]
+    fn flow_ids_read_keys_in_network_order() {
+        let k4 = DpCtKey {
+            sandbox_ip: u32::from_ne_bytes([192, 168, 0, 9]),
+            remote_ip: u32::from_ne_bytes([198, 51, 100, 2]),
+            guest_port: 40000u16.to_be(),
+            remote_port: 443u16.to_be(),
+            proto: 6,
+            pad: [0; 3],
+        };
+        let id = flow_id4(&k4);
+        assert_eq!(id.sandbox_ip, Ipv4Addr::new(192, 168, 0, 9));
+        assert_eq!(id.remote, IpAddr::V4(Ipv4Addr::new(198, 51, 100, 2)));
+        assert_eq!((id.guest_port, id.remote_port, id.proto), (40000, 443, 6));
+        let remote: std::net::Ipv6Addr = "2001:db8::2".parse().unwrap();
+        let k6 = DpCt6Key {
+            sandbox_ip: u32::from_ne_bytes([192, 168, 0, 9]),
+            remote_ip: remote.octets(),
+            guest_port: 40001u16.to_be(),
+            remote_port: 80u16.to_be(),
+            proto: 6,
+            gaddr: 1,
+            pad: [0; 2],
+        };
+        let id = flow_id6(&k6);
+        assert_eq!(id.remote, IpAddr::V6(remote));
+        assert_eq!((id.guest_port, id.remote_port), (40001, 80));
+    }
 
     /// The look pass's device check agrees with if_indextoname(3), and
     /// asks once per device.
