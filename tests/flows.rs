@@ -670,3 +670,108 @@ async fn a_stuck_watcher_blocks_nothing() {
         "{v}"
     );
 }
+
+/// A paused sandbox's refused packets are records too (reason "paused"):
+/// the world's connection to its mapping, and the node's to its address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_sandboxs_refused_packets_are_recorded() {
+    require_root!();
+    let (env, _world) = node(&[]);
+    let c = env.client().await;
+    let net = c
+        .ensure(
+            "pz",
+            opts(vec![
+                ("port_mappings", ports(&[("tcp", 80, 0, "")])),
+                ("paused", Value::from(true)),
+            ]),
+        )
+        .await
+        .unwrap();
+    let host_port = mappings(&net)[0].2;
+    let ns = format!("{}-w", env.ns);
+    let short = Duration::from_millis(600);
+    assert!(world::tcp_exchange_in(&ns, World::node_addr(host_port), b"in", short).is_err());
+    let sandbox_ip: Ipv4Addr = common::s(&net, "sandbox_ip").parse().unwrap();
+    assert!(
+        world::tcp_exchange_in(&env.ns, SocketAddrV4::new(sandbox_ip, 80), b"host", short).is_err()
+    );
+    let flows = flows_until(&env, "pz", |f| {
+        let paused = |d: &str| {
+            f.iter()
+                .any(|r| r["reason"] == "paused" && r["direction"] == d)
+        };
+        paused("ingress") && paused("host")
+    });
+    let ingress = flows
+        .iter()
+        .find(|r| r["reason"] == "paused" && r["direction"] == "ingress")
+        .unwrap_or_else(|| panic!("{flows:?}"));
+    assert_eq!(ingress["verdict"], "dropped");
+    assert_eq!(ingress["guest"]["port"], 80);
+    assert_eq!(n(&ingress["node"]["port"]), u64::from(host_port));
+    assert!(
+        flows
+            .iter()
+            .any(|r| r["reason"] == "paused" && r["direction"] == "host"),
+        "{flows:?}"
+    );
+}
+
+/// The ring is pinned: what the datapath records while the agent is down
+/// (a flow's start, a refusal) is read by the next start, and a flow that
+/// began before the restart ends with its whole totals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_made_while_the_agent_is_down_are_read_by_the_next_start() {
+    require_root!();
+    let (mut env, world) = node(&[]);
+    let c = env.client().await;
+    let tcp = world.tcp_server(9595);
+    let (_, g) = guest_for(
+        &c,
+        "down",
+        opts(vec![(
+            "deny_out",
+            Value::from(vec!["203.0.113.0/24".to_string()]),
+        )]),
+    )
+    .await;
+    drop(c);
+    env.kill_agent();
+    // The agent is gone: the datapath forwards and refuses on its own.
+    let payload = vec![b'd'; 2000];
+    assert_eq!(
+        g.tcp_connect_send_recv(tcp, &payload, T).unwrap().len(),
+        payload.len() + 6
+    );
+    let denied = SocketAddrV4::new(Ipv4Addr::new(203, 0, 113, 8), 4545);
+    assert!(
+        g.tcp_connect_send_recv(denied, b"x", Duration::from_millis(600))
+            .is_err()
+    );
+    env.start_agent();
+    let flows = flows_until(&env, "down", |f| {
+        !find(f, "start", "tcp", tcp.port()).is_empty()
+            && !find(f, "end", "tcp", tcp.port()).is_empty()
+            && !find(f, "refused", "tcp", 4545).is_empty()
+    });
+    let show = || serde_json::to_string_pretty(&flows).unwrap();
+    assert_eq!(
+        find(&flows, "start", "tcp", tcp.port()).len(),
+        1,
+        "{}",
+        show()
+    );
+    assert!(
+        !find(&flows, "refused", "tcp", 4545).is_empty(),
+        "{}",
+        show()
+    );
+    let end = find(&flows, "end", "tcp", tcp.port());
+    assert_eq!(end.len(), 1, "{}", show());
+    assert!(
+        n(&end[0]["totals"]["bytes_out"]) >= payload.len() as u64,
+        "{}",
+        show()
+    );
+}

@@ -186,6 +186,8 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 	if (share_take(tap_ifindex, in)) {
 		count(DP_C_HOST_SHARE);
 		sb_count_fam(tap_ifindex, DP_S_NO_PORT, hk->family);
+		flow_note(skb, tap_ifindex,
+			  fe_what(DP_FE_REFUSED, DP_FR_NO_PORT, DP_FD_HOST, DP_FV_FROM_NODE), guest_port);
 		return -1;
 	}
 	int syn = l4->proto == IPPROTO_TCP && (l4->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
@@ -193,6 +195,8 @@ static __always_inline int hflow_in(struct __sk_buff *skb, const struct dp_confi
 		share_give(tap_ifindex, in);
 		count(DP_C_NO_GW_PORT);
 		sb_count_fam(tap_ifindex, DP_S_NO_PORT, hk->family);
+		flow_note(skb, tap_ifindex,
+			  fe_what(DP_FE_REFUSED, DP_FR_NO_PORT, DP_FD_HOST, DP_FV_FROM_NODE), guest_port);
 		return -1;
 	}
 	struct dp_hflow_val nv = {

@@ -75,9 +75,13 @@ int from_host(struct __sk_buff *skb)
 	if (hflow_in(skb, c, &hk, sandbox_ip, tap_ifindex, container_port, gen, DP_HF_LO, 0, &l4,
 		     &gw_port, &flow))
 		return TC_ACT_SHOT;
-	if (tap_flags & DP_T_PAUSED)
+	if (tap_flags & DP_T_PAUSED) {
+		flow_note(skb, tap_ifindex,
+			  fe_what(DP_FE_REFUSED, DP_FR_PAUSED, DP_FD_HOST, DP_FV_FROM_NODE),
+			  container_port);
 		return paused_drop(tap_ifindex, gen, sandbox_ip, ip.saddr,
 				   wake_what(container_port, l4.sport, l4.proto, DP_WAKE_HOST));
+	}
 	if (set_addr(skb, IP_DST_OFF, ip.daddr, c->guest_ip, &l4) ||
 	    set_addr(skb, IP_SRC_OFF, ip.saddr, c->gateway_ip, &l4) ||
 	    set_port(skb, dst_port_off(&l4), l4.dport, container_port, &l4) ||

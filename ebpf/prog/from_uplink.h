@@ -131,10 +131,13 @@ static __always_inline int uplink_in(struct __sk_buff *skb, const struct dp_conf
 		count(DP_C_PORTMAP);
 	}
 	__u32 tap_ifindex = tap->ifindex;
-	if (tap->flags & DP_T_PAUSED)
+	if (tap->flags & DP_T_PAUSED) {
+		flow_note(skb, tap_ifindex,
+			  fe_what(DP_FE_REFUSED, DP_FR_PAUSED, DP_FD_INGRESS, DP_FV_NONE), guest_port);
 		return paused_drop(tap_ifindex, tap->gen, sandbox_ip, ip->saddr,
 				   wake_what(guest_port, rk.remote_port, l4->proto,
 					     rv ? DP_WAKE_REPLY : DP_WAKE_PORTMAP));
+	}
 	if (tap->flags & DP_T_SHAPE_IN)
 		skb->priority = skb->len <= DP_SHAPE_SMALL ? DP_TAP_CLASS_SMALL : DP_TAP_CLASS_BULK;
 	if (l4->first_frag)

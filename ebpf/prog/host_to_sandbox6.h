@@ -75,6 +75,8 @@ int host_to_sandbox6(struct __sk_buff *skb)
 	if (tap_flags & DP_T_PAUSED) {
 		/* The sender: the gateway device's own IPv6 address. */
 		struct dp_in6 from = {.w = {c->pool6[0], c->pool6[1], c->pool6[2], c->host_ip}};
+		flow_note(skb, tap_ifindex,
+			  fe_what(DP_FE_REFUSED, DP_FR_PAUSED, DP_FD_HOST, DP_FV_FROM_NODE), 0);
 		return paused_drop6(tap_ifindex, gen, dst, &from,
 				    wake_what(l4.proto == IPPROTO_ICMP ? 0 : l4.dport,
 					      l4.proto == IPPROTO_ICMP ? 0 : l4.sport, l4.proto,

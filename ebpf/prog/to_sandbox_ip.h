@@ -75,11 +75,14 @@ int to_sandbox_ip(struct __sk_buff *skb)
 		if (set_port(skb, src_port_off(&l4), l4.sport, gw_port, &l4))
 			return TC_ACT_SHOT;
 	}
-	if (tap->flags & DP_T_PAUSED)
+	if (tap->flags & DP_T_PAUSED) {
+		flow_note(skb, tap_ifindex,
+			  fe_what(DP_FE_REFUSED, DP_FR_PAUSED, DP_FD_HOST, DP_FV_FROM_NODE), 0);
 		return paused_drop(tap_ifindex, gen, dst, ip.saddr,
 				   wake_what(l4.proto == IPPROTO_ICMP ? 0 : l4.dport,
 					     l4.proto == IPPROTO_ICMP ? 0 : l4.sport, l4.proto,
 					     DP_WAKE_HOST));
+	}
 	if (l4.first_frag)
 		frag_note(&ip, tap_ifindex, gen, peer ? peer : c->gateway_ip, c->guest_ip);
 	/* A proxied flow's replies come from the address the guest dialled. */

@@ -41,10 +41,13 @@ static __always_inline int uplink6_deliver(struct __sk_buff *skb, const struct d
 	}
 	__u32 tap_ifindex = tap->ifindex;
 	__u16 guest_port = key.guest_port;
-	if (tap->flags & DP_T_PAUSED)
+	if (tap->flags & DP_T_PAUSED) {
+		flow_note(skb, tap_ifindex,
+			  fe_what(DP_FE_REFUSED, DP_FR_PAUSED, DP_FD_INGRESS, DP_FV_NONE), guest_port);
 		return paused_drop6(tap_ifindex, tap->gen, key.sandbox_ip,
 				    (const struct dp_in6 *)rk.remote_ip,
 				    wake_what(guest_port, rk.remote_port, l4->proto, wake));
+	}
 	if (tap->flags & DP_T_SHAPE_IN)
 		skb->priority = skb->len <= DP_SHAPE_SMALL ? DP_TAP_CLASS_SMALL : DP_TAP_CLASS_BULK;
 	__u32 guest[4];

@@ -152,11 +152,17 @@ impl Agent {
                 }
             });
         }
+        // Per device: the lost count already reported, learned now, at
+        // start, before any new traffic: what an earlier run lost, it
+        // reported.
+        let mut lost_seen: HashMap<u32, u64> = self
+            .datapath
+            .flow_event_counts()
+            .into_iter()
+            .map(|(i, _, l)| (i, l))
+            .collect();
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
-            // Per device: the lost count already reported (the first read
-            // only learns them: what an earlier run lost, it reported).
-            let mut lost_seen: Option<HashMap<u32, u64>> = None;
             loop {
                 tokio::time::sleep(TICK).await;
                 let Some(agent) = weak.upgrade() else { return };
@@ -175,12 +181,7 @@ impl Agent {
                     agent.publish_ends(ends);
                     agent.publish_host_flows(hosts);
                 }
-                match &mut lost_seen {
-                    Some(seen) => agent.note_flow_losses(&counts, seen),
-                    None => {
-                        lost_seen = Some(counts.iter().map(|&(i, _, l)| (i, l)).collect());
-                    }
-                }
+                agent.note_flow_losses(&counts, &mut lost_seen);
                 agent.flows.tick();
             }
         });
