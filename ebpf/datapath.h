@@ -87,9 +87,27 @@ struct dp_flow_event {
 	__u32 remote_ip[4];
 	__u32 node_ip[4];      /* all 0: none */
 	__u32 pad;
-}; /* 88 bytes */
+	/* DP_FE_END: the flow's totals (struct dp_flow_totals). */
+	__u64 start_ns;
+	__u64 bytes_out;
+	__u64 bytes_in;
+	__u32 pkts_out;
+	__u32 pkts_in;
+}; /* 120 bytes */
+/* A flow's totals as a DP_FE_END event carries them (flow_scratch: the
+ * ended flow's, handed from flow_reopen to flow_note). */
+struct dp_flow_totals {
+	__u64 start_ns;
+	__u64 bytes_out;
+	__u64 bytes_in;
+	__u32 pkts_out;
+	__u32 pkts_in;
+}; /* 32 bytes */
 #define DP_FE_START 1
 #define DP_FE_REFUSED 2
+/* A flow's end the datapath saw: a SYN reopened its closed tuple before
+ * the reaper saw it closed (the reaper records every other end). */
+#define DP_FE_END 3
 #define DP_FD_EGRESS 0   /* the sandbox to the world */
 #define DP_FD_INGRESS 1  /* the world to a port mapping */
 #define DP_FD_HOST 2     /* the node and the sandbox */

@@ -367,11 +367,30 @@ async fn learned_addresses_survive_kill_9() {
     let (_, g) = guest_for(&c, "dn-k", domain_opts(&["*.allowed.test"], &["0.0.0.0/0"])).await;
     assert_eq!(resolve(&g, "www.allowed.test", TYPE_A).0, 0);
     assert!(connects(&g, web));
+    // The flow log names the flow by the name that taught its address.
+    let named = |env: &common::Env| {
+        common::flows::records(env, "dn-k")
+            .iter()
+            .filter(|f| {
+                f["event"] == "start"
+                    && f["remote"]["port"] == web.port()
+                    && f["dns_name"] == "www.allowed.test"
+            })
+            .count()
+    };
+    assert_eq!(named(&env), 1);
     env.kill_agent();
     assert!(connects(&g, web), "while the agent is down");
     env.start_agent();
     let c = env.client().await;
     assert!(connects(&g, web), "after the restart, without a new lookup");
+    // Both flows since the restart (the one made while the agent was down
+    // too, read from the pinned ring) still carry the name.
+    let until = std::time::Instant::now() + T;
+    while named(&env) < 2 && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(named(&env), 2, "{:?}", common::flows::records(&env, "dn-k"));
     assert_eq!(
         resolve(&g, "denied.test", TYPE_A).0,
         5,

@@ -47,6 +47,19 @@ __noinline int flow_note(struct __sk_buff *skb, __u32 ifindex, __u32 what, __u32
  * flow (by the packet going out, before it is translated). */
 static __always_inline void flow_reopen(struct __sk_buff *skb, struct dp_ct_val *v, int dir)
 {
+	/* The closed flow's end first, with its totals (the reaper may not
+	 * have seen it closed yet: a guest reusing its port at once). */
+	__u32 zero = 0;
+	struct dp_flow_totals *t = bpf_map_lookup_elem(&flow_scratch, &zero);
+	if (t && dir == DIR_OUT && v->kind == DP_CT_SNAT && v->pkts_out) {
+		t->start_ns = v->start_ns;
+		t->bytes_out = v->bytes_out;
+		t->bytes_in = v->bytes_in;
+		t->pkts_out = v->pkts_out;
+		t->pkts_in = v->pkts_in;
+		flow_note(skb, skb->ifindex, fe_what(DP_FE_END, 0, DP_FD_EGRESS, DP_FV_SNAT),
+			  v->nat_port);
+	}
 	v->start_ns = v->last_seen_ns;
 	v->bytes_out = 0;
 	v->bytes_in = 0;
@@ -105,6 +118,17 @@ __noinline int flow_note(struct __sk_buff *skb, __u32 ifindex, __u32 what, __u32
 	e->reason = (__u8)(what >> 8);
 	e->dir = (__u8)(what >> 16);
 	e->via = (__u8)(what >> 24);
+	if (e->kind == DP_FE_END) {
+		__u32 zero = 0;
+		struct dp_flow_totals *t = bpf_map_lookup_elem(&flow_scratch, &zero);
+		if (t) {
+			e->start_ns = t->start_ns;
+			e->bytes_out = t->bytes_out;
+			e->bytes_in = t->bytes_in;
+			e->pkts_out = t->pkts_out;
+			e->pkts_in = t->pkts_in;
+		}
+	}
 	int guest_is_src = e->dir == DP_FD_EGRESS || e->via == DP_FV_TO_GATEWAY;
 	/* Everything read from the packet goes straight into the record: the
 	 * callers' stacks are deep, this frame stays (almost) empty. */
@@ -149,7 +173,7 @@ __noinline int flow_note(struct __sk_buff *skb, __u32 ifindex, __u32 what, __u32
 			e->guest_port = e->remote_port = 0;
 	}
 	if (guest_is_src) {
-		if (e->kind == DP_FE_START && e->via == DP_FV_SNAT) {
+		if (e->kind != DP_FE_REFUSED && e->via == DP_FV_SNAT) {
 			if (e->family == 4)
 				e->node_ip[0] = c->uplink_ip;
 			else

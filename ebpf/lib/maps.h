@@ -319,6 +319,16 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } wakes SEC(".maps");
 
+/* The flow log: an ended flow's totals on their way into its DP_FE_END
+ * event (per CPU: within one program run). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, struct dp_flow_totals);
+	__uint(max_entries, 1);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} flow_scratch SEC(".maps");
+
 /* The flow log's events (lib/flow_log.h), read by the agent. */
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);

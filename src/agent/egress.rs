@@ -946,6 +946,40 @@ impl Egress {
         unreachable_why(ip, &cidrs, &self.local.get(), pool)
     }
 
+    /// Names of the last run for learned addresses adopted without one.
+    fn apply_names(&self, names: &HashMap<(Ipv4Addr, IpAddr), String>) {
+        if names.is_empty() {
+            return;
+        }
+        let learned = self.learned.read().unwrap_or_else(|p| p.into_inner());
+        for (src, mine) in learned.iter() {
+            let mut m = mine.lock().unwrap_or_else(|p| p.into_inner());
+            for (dst, l) in m.by_dst.iter_mut() {
+                if l.name.is_empty()
+                    && let Some(n) = names.get(&(*src, *dst))
+                {
+                    l.name = n.clone();
+                }
+            }
+        }
+    }
+
+    /// Every learned address with its name.
+    fn names(&self) -> Vec<(Ipv4Addr, IpAddr, String)> {
+        let learned = self.learned.read().unwrap_or_else(|p| p.into_inner());
+        let mut out = vec![];
+        for (src, mine) in learned.iter() {
+            let m = mine.lock().unwrap_or_else(|p| p.into_inner());
+            out.extend(
+                m.by_dst
+                    .iter()
+                    .filter(|(_, l)| !l.name.is_empty())
+                    .map(|(d, l)| (*src, *d, l.name.clone())),
+            );
+        }
+        out
+    }
+
     /// The flow log: the name whose answer taught the sandbox at `src`
     /// the address `dst`, while it is learned (empty after a restart:
     /// see docs/flows.md).
@@ -1465,6 +1499,9 @@ impl Agent {
             .is_some_and(|n| n.rec.sandbox_ip == IpAddr::V4(src));
         let result = if current {
             let (write, evicted) = self.egress.note(src, name, &clamped, cap);
+            for (d, _) in &write {
+                self.dns_names.append(src, *d, name);
+            }
             let now = Instant::now();
             let write: Vec<(IpAddr, Duration)> = write
                 .into_iter()
@@ -1508,6 +1545,21 @@ impl Agent {
                 entries = n,
                 "dns: learned addresses of the last run adopted"
             );
+        }
+        // Their names, for the flow log; the file then holds just these.
+        let names = self.dns_names.load();
+        self.egress.apply_names(&names);
+        self.dns_names.rewrite(&self.egress.names());
+    }
+
+    /// The learned names' file: flushed, and written anew once it holds
+    /// many more lines than live names (the learned-address reaper's
+    /// 30 s loop).
+    pub(super) fn dns_names_tidy(&self) {
+        self.dns_names.flush();
+        let live = LEARNED_TRACKED.load(Ordering::Relaxed) as u64;
+        if self.dns_names.lines() > 2 * live + 10_000 {
+            self.dns_names.rewrite(&self.egress.names());
         }
     }
 

@@ -18,10 +18,18 @@ use tracing::warn;
 
 use super::Agent;
 use crate::datapath::maps::{
-    DP_CT_PORTMAP, DP_FD_EGRESS, DP_FD_INGRESS, DP_FE_REFUSED, DP_FE_START, DpFlowEvent,
+    DP_CT_PORTMAP, DP_FD_EGRESS, DP_FD_INGRESS, DP_FE_END, DP_FE_REFUSED, DP_FE_START, DpFlowEvent,
 };
 use crate::datapath::{FlowEnd, FlowRing, HostFlow};
 use crate::flows::{Direction, Endpoint, FlowEvent, FlowRecord, Reason, Totals};
+
+/// A flow's end as recorded once: the sandbox, protocol, guest port, the
+/// remote and its port, and the flow's start (monotonic ns).
+pub(super) type EndKey = (Ipv4Addr, u8, u16, IpAddr, u16, u64);
+
+/// Ends remembered for that (then forgotten all at once: a flow whose two
+/// ends straddle the moment is recorded twice).
+const ENDS_SEEN_MAX: usize = 65_536;
 
 /// How often the ends, the lost counts and the journal's summaries are
 /// taken.
@@ -196,7 +204,20 @@ impl Agent {
             .cloned()
     }
 
-    /// A datapath event as a record (None: its device is no live network's).
+    /// Whether the end `key` is new (and notes it).
+    fn first_end(&self, key: EndKey) -> bool {
+        let mut seen = self
+            .flow_ends_seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if seen.len() >= ENDS_SEEN_MAX {
+            seen.clear();
+        }
+        seen.insert(key)
+    }
+
+    /// A datapath event as a record (None: its device is no live
+    /// network's, or an end already recorded).
     fn flow_record(&self, e: &DpFlowEvent, clock: Clock) -> Option<FlowRecord> {
         let sandbox_id = self.id_of_device(e.ifindex)?;
         let family = if e.family == 6 { 6 } else { 4 };
@@ -213,6 +234,18 @@ impl Agent {
             port: u16::from_be(e.node_port),
         });
         let src = Ipv4Addr::from(e.sandbox_ip.to_ne_bytes());
+        let end = (e.kind == DP_FE_END).then(|| Totals {
+            bytes_out: e.bytes_out,
+            packets_out: u64::from(e.pkts_out),
+            bytes_in: e.bytes_in,
+            packets_in: u64::from(e.pkts_in),
+            duration_ms: e.ts_ns.saturating_sub(e.start_ns) / 1_000_000,
+        });
+        if end.is_some()
+            && !self.first_end((src, e.proto, guest.port, remote.ip, remote.port, e.start_ns))
+        {
+            return None;
+        }
         let refused = (e.kind == DP_FE_REFUSED).then(|| {
             let r = reason(e.reason);
             if r == Reason::Policy
@@ -235,10 +268,10 @@ impl Agent {
         Some(FlowRecord {
             time_unix_ns: clock.wall_of(e.ts_ns),
             sandbox_id,
-            event: if e.kind == DP_FE_START {
-                FlowEvent::Start
-            } else {
-                FlowEvent::Refused
+            event: match e.kind {
+                DP_FE_START => FlowEvent::Start,
+                DP_FE_END => FlowEvent::End,
+                _ => FlowEvent::Refused,
             },
             family,
             protocol: protocol(family, e.proto),
@@ -248,7 +281,7 @@ impl Agent {
             node,
             refused,
             dns_name,
-            end: None,
+            end,
         })
     }
 
@@ -269,6 +302,17 @@ impl Agent {
             let Some(sandbox_id) = by_ip.get(&end.id.sandbox_ip) else {
                 continue;
             };
+            let key = (
+                end.id.sandbox_ip,
+                end.id.proto,
+                end.id.guest_port,
+                end.id.remote,
+                end.id.remote_port,
+                end.start_ns,
+            );
+            if !self.first_end(key) {
+                continue;
+            }
             let family = if end.id.remote.is_ipv6() { 6 } else { 4 };
             let guest_ip = if family == 6 {
                 IpAddr::V6(if end.guest_fixed6 {

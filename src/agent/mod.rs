@@ -9,6 +9,7 @@
 
 pub mod capacity;
 pub mod cni;
+mod dns_names;
 pub mod domains;
 pub mod egress;
 pub mod events;
@@ -342,6 +343,11 @@ pub struct Agent {
     egress: egress::Egress,
     /// The flow log's records (history, subscribers, journal).
     flows: Arc<crate::flows::FlowHub>,
+    /// Flow ends already recorded, by flow and start (the datapath's and
+    /// the reaper's may both see one: recorded once).
+    flow_ends_seen: Mutex<std::collections::HashSet<flows::EndKey>>,
+    /// The names behind learned addresses, across restarts.
+    dns_names: dns_names::NameLog,
 }
 
 fn now_unix() -> u64 {

@@ -157,6 +157,7 @@ impl Agent {
         } else {
             crate::config::FlowLog::Off
         };
+        let dns_names = super::dns_names::NameLog::new(&cfg.state_dir);
         let mut agent = Agent {
             cfg,
             d,
@@ -185,6 +186,8 @@ impl Agent {
             serving: std::sync::atomic::AtomicBool::new(false),
             egress: Default::default(),
             flows: crate::flows::FlowHub::new(Default::default(), flow_log),
+            dns_names,
+            flow_ends_seen: Mutex::new(Default::default()),
         };
         // Subscribe before recovery checks the kernel, so a filter removed
         // after that check is still noticed.
@@ -282,19 +285,22 @@ impl Agent {
             }
         });
         agent.spawn_wake_reader();
-        agent.spawn_flow_log();
         // CNI networks whose container's namespace went without a DEL.
         agent.spawn_gone_netns_reaper();
         let weak = Arc::downgrade(&agent);
         tokio::spawn(async move {
             if let Some(agent) = weak.upgrade() {
                 agent.egress_restore().await;
+                // The flow log after the learned names are back: the
+                // events the ring kept while the agent was down are named.
+                agent.spawn_flow_log();
             }
             // Then, every 30 s, what the learned map holds beyond what is
             // tracked (earlier owners', entries no answer accounts for).
             loop {
                 let Some(agent) = weak.upgrade() else { return };
                 agent.egress_reap().await;
+                agent.dns_names_tidy();
                 drop(agent);
                 tokio::time::sleep(std::time::Duration::from_secs(30)).await;
             }

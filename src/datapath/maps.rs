@@ -664,7 +664,7 @@ const _: () = {
     assert!(size_of::<DpPortmapVal>() == 8);
     assert!(size_of::<DpCtKey>() == 16);
     assert!(size_of::<DpCtVal>() == 64);
-    assert!(size_of::<DpFlowEvent>() == 88);
+    assert!(size_of::<DpFlowEvent>() == 120);
     assert!(size_of::<DpConfig>() == 112);
     assert!(size_of::<DpRevKey>() == 12);
     assert!(size_of::<DpRevVal>() == 16);
@@ -765,6 +765,8 @@ pub const PINNED: &[PinnedMap] = {
         pinned("config", Array, 4, size_of::<DpConfig>(), 1, Rebuilt),
         pinned("node_addrs", Hash, 4, 1, NODE_ADDRS_ENTRIES, Rebuilt),
         pinned("node_addrs6", Hash, 16, 1, NODE_ADDRS_ENTRIES, Rebuilt),
+        // The flow log's scratch (`struct dp_flow_totals`, per CPU).
+        pinned("flow_scratch", PerCpuArray, 4, 32, 1, Rebuilt),
         pinned(
             "counters",
             PerCpuArray,
@@ -1006,9 +1008,17 @@ pub struct DpFlowEvent {
     pub remote_ip: [u8; 16],
     pub node_ip: [u8; 16],
     pub pad: u32,
+    /// `DP_FE_END`: the flow's totals.
+    pub start_ns: u64,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+    pub pkts_out: u32,
+    pub pkts_in: u32,
 }
 pub const DP_FE_START: u8 = 1;
 pub const DP_FE_REFUSED: u8 = 2;
+/// A flow's end the datapath saw (a SYN reopened its closed tuple first).
+pub const DP_FE_END: u8 = 3;
 pub const DP_FD_EGRESS: u8 = 0;
 pub const DP_FD_INGRESS: u8 = 1;
 pub const DP_FD_HOST: u8 = 2;

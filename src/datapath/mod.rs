@@ -181,7 +181,7 @@ impl FlowRing {
         while let Some(item) = self.0.next() {
             if item.len() >= std::mem::size_of::<maps::DpFlowEvent>() {
                 // SAFETY: the ring holds `struct dp_flow_event` records
-                // (88 bytes, checked above) written by `flow_note`;
+                // (120 bytes, checked above) written by `flow_note`;
                 // DpFlowEvent is its #[repr(C)] twin, valid for every bit
                 // pattern, and read unaligned.
                 out.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) });

@@ -9,6 +9,7 @@ pub mod ctr;
 pub mod dnsd;
 pub mod dnsmasq;
 pub mod flow;
+pub mod flows;
 pub mod gateway;
 pub mod guest;
 pub mod world;
