@@ -38,6 +38,20 @@ static __always_inline void flow_count(struct __sk_buff *skb, struct dp_ct_val *
 	}
 }
 
+/* A sandbox's rate (GCRA on the theoretical arrival time `*tat`): at most
+ * flow_burst at once, one per flow_interval_ns after. 1: taken. A race of
+ * two CPUs may let one more through. */
+static __always_inline int gcra_take(__u64 *tat, const struct dp_config *c)
+{
+	__u64 now = bpf_ktime_get_ns();
+	__u64 interval = c->flow_interval_ns;
+	__u64 t = *tat > now ? *tat : now;
+	if (t - now > interval * c->flow_burst)
+		return 0;
+	*tat = t + interval;
+	return 1;
+}
+
 /* flow_note's `what`: the event's kind, reason, direction and way. */
 static __always_inline __u32 fe_what(__u8 kind, __u8 reason, __u8 dir, __u8 via);
 __noinline int flow_note(struct __sk_buff *skb, __u32 ifindex, __u32 what, __u32 port);
@@ -92,15 +106,10 @@ __noinline int flow_note(struct __sk_buff *skb, __u32 ifindex, __u32 what, __u32
 	struct dp_sb_stats *s = bpf_map_lookup_elem(&sb_stats, &ifindex);
 	if (!s)
 		return 0;
-	/* GCRA: at most flow_burst events at once, one per interval after. */
-	__u64 now = bpf_ktime_get_ns();
-	__u64 interval = c->flow_interval_ns;
-	__u64 tat = s->flow_tat > now ? s->flow_tat : now;
-	if (tat - now > interval * c->flow_burst) {
+	if (!gcra_take(&s->flow_tat, c)) {
 		__sync_fetch_and_add(&s->flow_lost, 1);
 		return 0;
 	}
-	s->flow_tat = tat + interval;
 	struct dp_sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
 	if (!sb)
 		return 0;
@@ -110,7 +119,7 @@ __noinline int flow_note(struct __sk_buff *skb, __u32 ifindex, __u32 what, __u32
 		return 0;
 	}
 	__builtin_memset(e, 0, sizeof(*e));
-	e->ts_ns = now;
+	e->ts_ns = bpf_ktime_get_ns();
 	e->gen = sb->gen;
 	e->ifindex = ifindex;
 	e->sandbox_ip = sb->sandbox_ip;

@@ -18,13 +18,7 @@ static __always_inline int reject_ok(__u32 ifindex)
 	struct dp_sb_stats *s = bpf_map_lookup_elem(&sb_stats, &ifindex);
 	if (!s)
 		return 0;
-	__u64 now = bpf_ktime_get_ns();
-	__u64 interval = c->flow_interval_ns;
-	__u64 tat = s->reject_tat > now ? s->reject_tat : now;
-	if (tat - now > interval * c->flow_burst)
-		return 0;
-	s->reject_tat = tat + interval;
-	return 1;
+	return gcra_take(&s->reject_tat, c);
 }
 
 /* The guest's IPv4 packet in `skb` (not a TCP SYN: stale_reset answers

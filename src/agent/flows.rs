@@ -13,9 +13,6 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tokio::io::unix::AsyncFd;
-use tracing::warn;
-
 use super::Agent;
 use crate::datapath::maps::{
     DP_CT_PORTMAP, DP_FD_EGRESS, DP_FD_INGRESS, DP_FE_END, DP_FE_REFUSED, DP_FE_START, DpFlowEvent,
@@ -116,48 +113,19 @@ impl Agent {
         let events = self.cfg.flow_events;
         if let Some(ring) = self.datapath.flow_ring().filter(|_| events) {
             let weak = Arc::downgrade(self);
-            tokio::spawn(async move {
-                // SAFETY: the ring's fd is its map's, owned by the RingBuf
-                // inside the AsyncFd: open, and the same fd, for as long
-                // as the AsyncFd lives (FlowRing never replaces it).
-                let mut ring = match unsafe { AsyncFd::register(ring) } {
-                    Ok(r) => r,
-                    Err(e) => {
-                        warn!(error = %e, "cannot poll the datapath's flow events: no flow records");
-                        return;
-                    }
+            let mut batch = Vec::new();
+            super::ring::follow(ring, "flow events", move |ring: &mut FlowRing| {
+                ring.drain(&mut batch);
+                let Some(agent) = weak.upgrade() else {
+                    return false;
                 };
-                let mut batch = Vec::new();
-                let mut drain = |ring: &mut FlowRing| {
-                    ring.drain(&mut batch);
-                    let Some(agent) = weak.upgrade() else {
-                        return false;
-                    };
-                    let clock = Clock::now();
-                    for e in batch.drain(..) {
-                        if let Some(rec) = agent.flow_record(&e, clock) {
-                            agent.flows.publish(rec);
-                        }
-                    }
-                    true
-                };
-                if !drain(ring.get_mut()) {
-                    return;
-                }
-                loop {
-                    let mut guard = match ring.readable_mut().await {
-                        Ok(g) => g,
-                        Err(e) => {
-                            warn!(error = %e, "polling the flow events failed");
-                            return;
-                        }
-                    };
-                    // Cleared before draining (see pause.rs).
-                    guard.clear_ready();
-                    if !drain(guard.get_inner_mut()) {
-                        return;
+                let clock = Clock::now();
+                for e in batch.drain(..) {
+                    if let Some(rec) = agent.flow_record(&e, clock) {
+                        agent.flows.publish(rec);
                     }
                 }
+                true
             });
         }
         // Per device: the lost count already reported, learned now, at

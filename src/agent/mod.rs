@@ -22,6 +22,7 @@ pub mod pool;
 mod ports;
 pub mod recover;
 mod repair;
+mod ring;
 pub mod spec;
 mod startup;
 pub mod traffic;

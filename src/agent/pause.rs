@@ -12,8 +12,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use tokio::io::unix::AsyncFd;
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 use super::Agent;
 use super::events::{Change, PausedTraffic};
@@ -27,48 +26,15 @@ impl Agent {
             return;
         };
         let weak = Arc::downgrade(self);
-        tokio::spawn(async move {
-            // SAFETY: the ring's fd is its map's, owned by the RingBuf
-            // inside the AsyncFd: open, and the same fd, for as long as
-            // the AsyncFd lives (WakeRing never replaces it).
-            let mut ring = match unsafe { AsyncFd::register(ring) } {
-                Ok(r) => r,
-                Err(e) => {
-                    warn!(error = %e, "cannot poll the datapath's paused-traffic ring: no TrafficWhilePaused events");
-                    return;
-                }
+        super::ring::follow(ring, "paused traffic", move |ring: &mut WakeRing| {
+            let wakes = ring.drain();
+            let Some(agent) = weak.upgrade() else {
+                return false;
             };
-            let drain = |ring: &mut WakeRing| {
-                let wakes = ring.drain();
-                let Some(agent) = weak.upgrade() else {
-                    return false;
-                };
-                for (w, remote6) in wakes {
-                    agent.note_wake(w, remote6);
-                }
-                true
-            };
-            // What the ring holds from before this start first.
-            if !drain(ring.get_mut()) {
-                return;
+            for (w, remote6) in wakes {
+                agent.note_wake(w, remote6);
             }
-            loop {
-                let mut guard = match ring.readable_mut().await {
-                    Ok(g) => g,
-                    Err(e) => {
-                        warn!(error = %e, "polling the paused-traffic ring failed");
-                        return;
-                    }
-                };
-                // Cleared before draining: a report committed while the
-                // ring is drained sets readiness again (cleared after, its
-                // wakeup could be lost until the next report).
-                guard.clear_ready();
-                let alive = drain(guard.get_inner_mut());
-                if !alive {
-                    return;
-                }
-            }
+            true
         });
     }
 
